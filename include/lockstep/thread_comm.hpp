@@ -1,0 +1,214 @@
+#pragma once
+//! ThreadComm — the reference communicator: N ranks as host threads of one process.
+//! Simple and exact: every rank sums the ranks' contributions in rank order 0..N−1, so
+//! results are deterministic and bit-identical on every rank. Every call checks that
+//! all ranks called the same collective with the same count and type, and every wait
+//! has a timeout (LOCKSTEP_TIMEOUT, default 60 s).
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "lockstep/concepts.hpp"
+#include "lockstep/detail/env.hpp"
+#include "lockstep/detail/rendezvous.hpp"
+#include "lockstep/error.hpp"
+#include "lockstep/host_memory.hpp"
+
+namespace lockstep {
+
+namespace detail {
+
+enum class coll : unsigned char { all_reduce, broadcast, all_gather, reduce_scatter, barrier };
+
+inline const char* name_of(coll c) {
+  switch (c) {
+    case coll::all_reduce: return "all_reduce";
+    case coll::broadcast: return "broadcast";
+    case coll::all_gather: return "all_gather";
+    case coll::reduce_scatter: return "reduce_scatter";
+    case coll::barrier: return "barrier";
+  }
+  return "?";
+}
+
+struct coll_call {
+  coll kind = coll::barrier;
+  std::size_t count = 0;
+  dtype type = dtype::u8;
+  reduce_op op = reduce_op::sum;
+  int root = 0;
+  const void* send = nullptr;
+  void* recv = nullptr;
+  std::size_t seq = 0;
+
+  std::string describe() const {
+    std::string s = std::string(name_of(kind)) + " #" + std::to_string(seq);
+    if (kind == coll::barrier) return s;
+    s += " of " + std::to_string(count) + " " + lockstep::name_of(type);
+    if (kind == coll::all_reduce || kind == coll::reduce_scatter) s += std::string(" (") + lockstep::name_of(op) + ")";
+    if (kind == coll::broadcast) s += " from root " + std::to_string(root);
+    return s;
+  }
+  bool same_as(const coll_call& o) const {
+    return kind == o.kind && count == o.count && type == o.type && op == o.op &&
+           root == o.root && seq == o.seq;
+  }
+};
+
+struct thread_group {
+  thread_group(int n, std::chrono::milliseconds timeout)
+      : sync(n, timeout), calls(static_cast<std::size_t>(n)) {}
+  local_rendezvous sync;
+  std::vector<coll_call> calls;
+};
+
+template <class T>
+T combine(T a, T b, reduce_op op) {
+  switch (op) {
+    case reduce_op::max: return b > a ? b : a;
+    case reduce_op::min: return b < a ? b : a;
+    default: return static_cast<T>(a + b);
+  }
+}
+
+}  // namespace detail
+
+class ThreadComm {
+ public:
+  using work_type = ready_work;
+
+  //! One communicator per rank of a new group of n ranks. Hand element r to thread r.
+  static std::vector<ThreadComm> create_group(
+      int n, std::chrono::milliseconds timeout = detail::default_timeout()) {
+    if (n < 1) throw config_error("ThreadComm: a group needs at least 1 rank, got " + std::to_string(n));
+    auto g = std::make_shared<detail::thread_group>(n, timeout);
+    std::vector<ThreadComm> out;
+    out.reserve(static_cast<std::size_t>(n));
+    for (int r = 0; r < n; ++r) out.push_back(ThreadComm(g, r));
+    return out;
+  }
+
+  int rank() const noexcept { return rank_; }
+  int size() const noexcept { return g_->sync.size(); }
+  HostMemory memory() const noexcept { return {}; }
+
+  //! Releases every rank blocked in this group (used when one rank fails).
+  void abort(const std::string& reason) { g_->sync.abort(reason); }
+
+  ready_work all_reduce(const void* send, void* recv, std::size_t count, dtype t, reduce_op op) {
+    run({detail::coll::all_reduce, count, t, op, 0, send, recv}, [&](const auto& calls, auto& tmp) {
+      visit_host_dtype(t, [&]<class T>(T) {
+        tmp.resize(count * sizeof(T));
+        T* out = reinterpret_cast<T*>(tmp.data());
+        const T* first = static_cast<const T*>(calls[0].send);
+        std::copy(first, first + count, out);
+        for (std::size_t r = 1; r < calls.size(); ++r) {
+          const T* in = static_cast<const T*>(calls[r].send);
+          for (std::size_t i = 0; i < count; ++i) out[i] = detail::combine(out[i], in[i], op);
+        }
+        if (op == reduce_op::avg) {
+          const auto n = static_cast<T>(calls.size());
+          for (std::size_t i = 0; i < count; ++i) out[i] = static_cast<T>(out[i] / n);
+        }
+      });
+      return recv;
+    });
+    return {};
+  }
+
+  ready_work broadcast(void* buf, std::size_t count, dtype t, int root) {
+    if (root < 0 || root >= size())
+      throw config_error("ThreadComm::broadcast: root " + std::to_string(root) +
+                         " is not a rank of this group of " + std::to_string(size()));
+    run({detail::coll::broadcast, count, t, reduce_op::sum, root, buf, buf}, [&](const auto& calls, auto& tmp) {
+      const std::size_t bytes = count * size_of(t);
+      tmp.resize(bytes);
+      if (bytes) std::memcpy(tmp.data(), calls[static_cast<std::size_t>(root)].send, bytes);
+      return buf;
+    });
+    return {};
+  }
+
+  ready_work all_gather(const void* send, void* recv, std::size_t count, dtype t) {
+    run({detail::coll::all_gather, count, t, reduce_op::sum, 0, send, recv}, [&](const auto& calls, auto& tmp) {
+      const std::size_t bytes = count * size_of(t);
+      tmp.resize(bytes * calls.size());
+      for (std::size_t r = 0; r < calls.size(); ++r)
+        if (bytes) std::memcpy(tmp.data() + r * bytes, calls[r].send, bytes);
+      return recv;
+    });
+    return {};
+  }
+
+  ready_work reduce_scatter(const void* send, void* recv, std::size_t count, dtype t, reduce_op op) {
+    run({detail::coll::reduce_scatter, count, t, op, 0, send, recv}, [&](const auto& calls, auto& tmp) {
+      visit_host_dtype(t, [&]<class T>(T) {
+        tmp.resize(count * sizeof(T));
+        T* out = reinterpret_cast<T*>(tmp.data());
+        const std::size_t off = static_cast<std::size_t>(rank_) * count;
+        const T* first = static_cast<const T*>(calls[0].send) + off;
+        std::copy(first, first + count, out);
+        for (std::size_t r = 1; r < calls.size(); ++r) {
+          const T* in = static_cast<const T*>(calls[r].send) + off;
+          for (std::size_t i = 0; i < count; ++i) out[i] = detail::combine(out[i], in[i], op);
+        }
+        if (op == reduce_op::avg) {
+          const auto n = static_cast<T>(calls.size());
+          for (std::size_t i = 0; i < count; ++i) out[i] = static_cast<T>(out[i] / n);
+        }
+      });
+      return recv;
+    });
+    return {};
+  }
+
+  void barrier() {
+    run({detail::coll::barrier, 0, dtype::u8, reduce_op::sum, 0, nullptr, nullptr},
+        [&](const auto&, auto&) -> void* { return nullptr; });
+  }
+
+  //! Number of collectives this rank has issued (the sequence number of the next).
+  std::size_t sequence() const noexcept { return seq_; }
+
+ private:
+  ThreadComm(std::shared_ptr<detail::thread_group> g, int r) : g_(std::move(g)), rank_(r) {}
+
+  // Protocol: post the call, wait for all; check every rank posted the same call;
+  // compute this rank's result into a private buffer while the inputs are read-only;
+  // wait again (so nobody still reads our send buffer); write the result.
+  template <class Compute>
+  void run(detail::coll_call call, Compute&& compute) {
+    call.seq = seq_++;
+    auto& calls = g_->calls;
+    calls[static_cast<std::size_t>(rank_)] = call;
+    g_->sync.arrive_and_wait(rank_, detail::name_of(call.kind));
+    for (std::size_t r = 0; r < calls.size(); ++r) {
+      if (!calls[r].same_as(calls[0])) {
+        std::string msg = "ranks called different collectives: rank 0 called " +
+                          calls[0].describe() + " but rank " + std::to_string(r) + " called " +
+                          calls[r].describe() +
+                          " (every rank must issue the same collectives in the same order)";
+        // Let every rank read the calls before any of them leaves, then fail everywhere.
+        g_->sync.arrive_and_wait(rank_, detail::name_of(call.kind));
+        throw mismatch_error(msg);
+      }
+    }
+    std::vector<unsigned char>& tmp = scratch_;
+    void* dst = compute(calls, tmp);
+    g_->sync.arrive_and_wait(rank_, detail::name_of(call.kind));
+    if (dst && !tmp.empty()) std::memcpy(dst, tmp.data(), tmp.size());
+  }
+
+  std::shared_ptr<detail::thread_group> g_;
+  int rank_ = 0;
+  std::size_t seq_ = 0;
+  std::vector<unsigned char> scratch_;
+};
+
+static_assert(communicator<ThreadComm>);
+
+}  // namespace lockstep
