@@ -1,0 +1,287 @@
+#pragma once
+//! lockstep::DataParallel<Model, Comm, Policies...> — one model replica per rank, gradients
+//! averaged bucket by bucket as backward produces them.
+//!
+//! \code
+//!   lockstep::run(lockstep::Threads{4}, [&](auto& ctx) {
+//!     Mlp model(seed);                                     // same shapes on every rank
+//!     lockstep::DataParallel<Mlp, lockstep::ThreadComm> dp(ctx, model);  // rank 0's values
+//!     for (auto& batch : my_batches) {
+//!       auto step = dp.step();
+//!       model.backward(batch, step.on_gradient_ready());   // optional: overlap
+//!       if (step.finish()) optimizer.update(model);        // averaged over all ranks
+//!     }
+//!   });
+//! \endcode
+//!
+//! Policies (any order, each at most once): an accumulation_policy (EveryStep default,
+//! Accumulate<K>, Accumulate<> with K at run time).
+
+#include <cstdint>
+#include <functional>
+#include <ranges>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "lockstep/accumulate.hpp"
+#include "lockstep/bucket_policy.hpp"
+#include "lockstep/concepts.hpp"
+#include "lockstep/context.hpp"
+#include "lockstep/detail/host_collectives.hpp"
+#include "lockstep/detail/pick.hpp"
+#include "lockstep/detail/reducer.hpp"
+#include "lockstep/error.hpp"
+#include "lockstep/every_step.hpp"
+#include "lockstep/sync_stats.hpp"
+
+namespace lockstep {
+
+struct DataParallelOptions {
+  BucketPolicy buckets{};
+  //! Let lockstep own the gradients (model.bind_gradient) when the model offers it.
+  bool zero_copy = true;
+  //! Copy rank 0's parameter values to every rank at construction.
+  bool broadcast_parameters = true;
+  //! true: gradients are the mean over all N·K micro-batches (each micro-batch's loss
+  //! being a mean); false: divide by N only, as PyTorch DDP does (then scale the loss by 1/K).
+  bool average_over_accumulation = true;
+};
+
+//! What finish() reports. Converts to true when the optimizer should step.
+struct step_result {
+  bool synced = false;   //!< this micro-step averaged gradients (last of its cycle)
+  bool applied = true;   //!< false: the step must be skipped (non-finite gradients)
+  explicit operator bool() const noexcept { return synced && applied; }
+};
+
+namespace detail {
+template <class P>
+struct is_accumulation_policy : std::bool_constant<accumulation_policy<P>> {};
+template <class P>
+struct is_known_policy : std::bool_constant<accumulation_policy<P>> {};
+
+template <class M>
+std::vector<parameter> collect_parameters(M& m) {
+  std::vector<parameter> out;
+  for (auto&& p : m.parameters()) out.push_back(static_cast<parameter>(p));
+  return out;
+}
+
+//! One line per parameter; ranks compare these to find the first difference.
+inline std::string describe(const std::vector<parameter>& ps) {
+  std::string s;
+  for (const auto& p : ps) s += p.name + " " + p.shape_string() + "\n";
+  return s;
+}
+
+inline std::vector<std::string> lines(const std::string& s) {
+  std::vector<std::string> out;
+  std::size_t at = 0;
+  while (at < s.size()) {
+    auto nl = s.find('\n', at);
+    out.push_back(s.substr(at, nl - at));
+    at = nl + 1;
+  }
+  return out;
+}
+
+//! Throws mismatch_error (on every rank alike) if any rank's parameters differ from rank 0's.
+template <class Comm>
+void check_same_parameters(Comm& comm, const std::vector<parameter>& ps) {
+  auto all = host_all_gather_strings(comm, describe(ps));
+  const auto ref = lines(all[0]);
+  for (std::size_t r = 1; r < all.size(); ++r) {
+    if (all[r] == all[0]) continue;
+    const auto mine = lines(all[r]);
+    for (std::size_t i = 0; i < std::max(ref.size(), mine.size()); ++i) {
+      if (i < ref.size() && i < mine.size() && ref[i] == mine[i]) continue;
+      std::string a = i < ref.size() ? "'" + ref[i] + "'" : "nothing (it has " + std::to_string(ref.size()) + " parameters)";
+      std::string b = i < mine.size() ? "'" + mine[i] + "'" : "nothing (it has " + std::to_string(mine.size()) + " parameters)";
+      throw mismatch_error("ranks built different models: parameter " + std::to_string(i) +
+                           " is " + a + " on rank 0 but " + b + " on rank " +
+                           std::to_string(r) +
+                           " (every rank must construct the same model: same parameters, "
+                           "order, shapes and element types)");
+    }
+  }
+}
+}  // namespace detail
+
+template <class Model, class Comm, class... Policies>
+class DataParallel {
+  static_assert(model_has_parameters<Model>,
+                "lockstep::DataParallel: Model does not satisfy lockstep::model: requirement 1 "
+                "— it needs parameters() returning a range of lockstep::parameter");
+  static_assert(communicator_has_rank<Comm>,
+                "lockstep::DataParallel: Comm does not satisfy lockstep::communicator: "
+                "requirement 1 — it needs rank() and size()");
+  static_assert(communicator_has_collectives<Comm>,
+                "lockstep::DataParallel: Comm does not satisfy lockstep::communicator: "
+                "requirements 2-6 — it needs all_reduce, broadcast, all_gather, "
+                "reduce_scatter and barrier returning lockstep::work");
+  static_assert(communicator_has_memory<Comm>,
+                "lockstep::DataParallel: Comm does not satisfy lockstep::communicator: "
+                "requirement 7 — it needs memory() returning lockstep::memory_ops");
+  static_assert((detail::is_known_policy<Policies>::value && ...),
+                "lockstep::DataParallel: every policy must be an accumulation_policy "
+                "(EveryStep, Accumulate<K>) — one of the Policies is none of these "
+                "(an accumulation policy needs steps())");
+  static_assert(detail::count_v<detail::is_accumulation_policy, Policies...> <= 1,
+                "lockstep::DataParallel: give at most one accumulation_policy");
+
+ public:
+  using model_type = Model;
+  using comm_type = Comm;
+  using accumulation_type = detail::pick_t<detail::is_accumulation_policy, EveryStep, Policies...>;
+
+  class step_handle;
+
+  //! A callable the model's backward invokes with a parameter index when that gradient
+  //! is final. Cheap to copy; valid until the step finishes.
+  class gradient_hook {
+   public:
+    void operator()(std::size_t param_index) const { dp_->reducer_.mark_ready(param_index); }
+
+   private:
+    friend class step_handle;
+    explicit gradient_hook(DataParallel* dp) : dp_(dp) {}
+    DataParallel* dp_;
+  };
+
+  //! One micro-step: created by step(), ended by finish().
+  class step_handle {
+   public:
+    step_handle(const step_handle&) = delete;
+    step_handle& operator=(const step_handle&) = delete;
+    step_handle(step_handle&& o) noexcept : dp_(std::exchange(o.dp_, nullptr)), sync_(o.sync_) {}
+    ~step_handle() {
+      if (dp_) dp_->open_ = false;  // abandoned (e.g. an exception): the next step() restarts the cycle
+    }
+
+    //! Whether this micro-step will average gradients (the last of its cycle).
+    bool synchronizes() const noexcept { return sync_; }
+    gradient_hook on_gradient_ready() const { return gradient_hook(dp_); }
+    void gradient_ready(std::size_t i) const { dp_->reducer_.mark_ready(i); }
+
+    //! Ends backward: reduces every bucket not yet reduced and waits for all of them.
+    step_result finish() { return finish(nullptr); }
+
+    //! As finish(), calling on_bucket(slices) for each bucket as soon as it is averaged
+    //! (e.g. an optimizer updating those parameters while later buckets are in flight).
+    step_result finish(const std::function<void(std::span<const param_slice>)>& on_bucket) {
+      if (!dp_) throw config_error("lockstep: finish() called twice on one step");
+      auto* dp = std::exchange(dp_, nullptr);
+      return dp->finish_step(sync_, on_bucket);
+    }
+
+   private:
+    friend class DataParallel;
+    step_handle(DataParallel* dp, bool sync) : dp_(dp), sync_(sync) {}
+    DataParallel* dp_;
+    bool sync_;
+  };
+
+  DataParallel(context<Comm>& ctx, Model& model, DataParallelOptions opts = {},
+               accumulation_type acc = {})
+      : DataParallel(ctx.comm(), model, opts, std::move(acc)) {}
+
+  DataParallel(Comm& comm, Model& model, DataParallelOptions opts = {},
+               accumulation_type acc = {})
+      : comm_(comm), model_(model), opts_(opts), acc_(std::move(acc)),
+        reducer_(comm, initial_parameters(comm, model, opts), opts.buckets, binder(model, opts),
+                 [&model] { return detail::collect_parameters(model); }) {}
+
+  DataParallel(const DataParallel&) = delete;
+  DataParallel& operator=(const DataParallel&) = delete;
+
+  //! Begins a micro-step. The accumulation policy decides whether it synchronises.
+  [[nodiscard]] step_handle step() {
+    if (open_)
+      throw config_error("lockstep: step() called while the previous step is still open; "
+                         "call finish() on each step before starting the next");
+    if (!in_cycle_) {
+      k_ = acc_.steps();
+      if (k_ < 1) throw config_error("lockstep: the accumulation policy returned steps() < 1");
+      micro_ = 0;
+      reducer_.begin_cycle();
+      in_cycle_ = true;
+    }
+    const bool sync = micro_ + 1 >= k_;
+    const double divisor =
+        static_cast<double>(comm_.size()) * (opts_.average_over_accumulation ? k_ : 1);
+    reducer_.begin_micro(sync, 1.0 / divisor);
+    open_ = true;
+    ++reducer_.stats().micro_steps;
+    return step_handle(this, sync);
+  }
+
+  //! The accumulation policy (e.g. to set K at run time with Accumulate<>: takes effect
+  //! at the next optimizer step).
+  accumulation_type& accumulation() noexcept { return acc_; }
+  const sync_stats& stats() const noexcept { return reducer_.stats(); }
+  Comm& comm() noexcept { return comm_; }
+  Model& model() noexcept { return model_; }
+  //! Parameters as lockstep sees them (gradients pointing into the arena when zero-copy).
+  const std::vector<parameter>& parameters() const noexcept { return reducer_.params(); }
+  int rank() const { return comm_.rank(); }
+  int size() const { return comm_.size(); }
+
+ private:
+  static std::vector<parameter> initial_parameters(Comm& comm, Model& model,
+                                                   const DataParallelOptions& opts) {
+    auto ps = detail::collect_parameters(model);
+    for (const auto& p : ps)
+      if (!is_floating(p.type))
+        throw config_error("parameter '" + p.name + "' has element type " + name_of(p.type) +
+                           "; gradients must be floating point (f16, bf16, f32, f64)");
+    if (comm.size() > 1) {
+      detail::check_same_parameters(comm, ps);
+      if (opts.broadcast_parameters)
+        for (auto& p : ps)
+          if (p.numel()) comm.broadcast(p.value, p.numel(), p.type, 0).wait();
+    }
+    return ps;
+  }
+
+  static typename detail::reducer<Comm>::bind_fn binder(Model& model, const DataParallelOptions& opts) {
+    if constexpr (gradient_binding_model<Model>) {
+      if (opts.zero_copy) return [&model](std::size_t i, void* p) { model.bind_gradient(i, p); };
+    }
+    (void)model;
+    (void)opts;
+    return {};
+  }
+
+  step_result finish_step(bool sync,
+                          const std::function<void(std::span<const param_slice>)>& on_bucket) {
+    open_ = false;
+    step_result r;
+    r.synced = sync;
+    ++micro_;
+    if (!sync) return r;
+    reducer_.finish(on_bucket);
+    in_cycle_ = false;
+    return r;
+  }
+
+  Comm& comm_;
+  Model& model_;
+  DataParallelOptions opts_;
+  accumulation_type acc_;
+  detail::reducer<Comm> reducer_;
+  int k_ = 1;
+  int micro_ = 0;
+  bool in_cycle_ = false;
+  bool open_ = false;
+};
+
+//! Deduces the communicator from the context: `auto dp = lockstep::make_data_parallel(ctx, model);`
+template <class... Policies, class Comm, class Model>
+auto make_data_parallel(context<Comm>& ctx, Model& model, DataParallelOptions opts = {}) {
+  return DataParallel<Model, Comm, Policies...>(ctx, model, opts);
+}
+
+}  // namespace lockstep

@@ -1,0 +1,278 @@
+#pragma once
+//! The gradient reducer shared by every strategy: per element type one contiguous arena
+//! in bucket order; buckets are averaged as soon as their last gradient is final,
+//! strictly in plan order (so every rank issues the same collectives in the same order);
+//! the plan is rebuilt once from rank 0's observed arrival order.
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "lockstep/bucket_policy.hpp"
+#include "lockstep/concepts.hpp"
+#include "lockstep/detail/bucket_plan.hpp"
+#include "lockstep/detail/host_collectives.hpp"
+#include "lockstep/error.hpp"
+#include "lockstep/sync_stats.hpp"
+
+namespace lockstep {
+
+//! One parameter's part of a reduced bucket, handed to per-bucket callbacks
+//! (e.g. an optimizer that updates each bucket as soon as it is averaged).
+struct param_slice {
+  std::size_t param = 0;   //!< index into parameters()
+  std::size_t offset = 0;  //!< first element within the parameter
+  std::size_t count = 0;
+  dtype type = dtype::f32;
+  void* value = nullptr;   //!< value + offset
+  void* grad = nullptr;    //!< grad + offset
+};
+
+namespace detail {
+
+template <class Comm>
+class reducer {
+ public:
+  using work_type = decltype(std::declval<Comm&>().all_reduce(nullptr, nullptr, 0, dtype::f32, reduce_op::sum));
+  //! bind(i, ptr): give parameter i arena storage for its gradient; refresh(): re-read the
+  //! model's parameters (pointers after binding).
+  using bind_fn = std::function<void(std::size_t, void*)>;
+  using refresh_fn = std::function<std::vector<parameter>()>;
+
+  reducer(Comm& comm, std::vector<parameter> params, BucketPolicy policy, bind_fn bind,
+          refresh_fn refresh)
+      : comm_(comm), params_(std::move(params)), policy_(policy), bind_(std::move(bind)),
+        refresh_(std::move(refresh)) {
+    // Initial order: reverse registration order (backward produces the last layer first).
+    std::vector<std::size_t> order;
+    for (std::size_t i = params_.size(); i-- > 0;) order.push_back(i);
+    build(order);
+  }
+
+  const std::vector<parameter>& params() const { return params_; }
+  const sync_stats& stats() const { return stats_; }
+  sync_stats& stats() { return stats_; }
+
+  //! Start of an accumulation cycle: apply a pending rebuild, zero every gradient.
+  void begin_cycle() {
+    if (pending_order_) {
+      auto o = std::move(*pending_order_);
+      pending_order_.reset();
+      build(o);
+      stats_.rebuilt = true;
+    }
+    auto mem = comm_.memory();
+    for (auto& g : groups_) {
+      if (zero_copy()) {
+        mem.zero(g.arena.get(), g.plan.total * size_of(g.plan.type));
+      } else {
+        for (auto i : g.plan.order) mem.zero(params_[i].grad, params_[i].bytes());
+      }
+    }
+  }
+
+  //! Start of a micro-step. sync: this micro-step averages; prescale: 1/divisor.
+  void begin_micro(bool sync, double prescale) {
+    sync_ = sync;
+    prescale_ = prescale;
+    ready_.assign(params_.size(), false);
+    if (!sync) return;
+    for (auto& g : groups_) {
+      g.pending.clear();
+      for (auto& b : g.plan.buckets) g.pending.push_back(b.slices.size());
+      g.next = 0;
+      g.works.clear();
+      g.works.resize(g.plan.buckets.size());
+    }
+  }
+
+  //! Parameter i's gradient is final for this micro-step.
+  void mark_ready(std::size_t i) {
+    if (i >= params_.size())
+      throw config_error("gradient-ready hook called with parameter index " + std::to_string(i) +
+                         ", but the model has " + std::to_string(params_.size()) + " parameters");
+    if (ready_[i])
+      throw config_error("parameter " + std::to_string(i) + " ('" + params_[i].name +
+                         "') was reported ready twice in one step; report each gradient once, "
+                         "when it is final");
+    ready_[i] = true;
+    if (!observed_) arrivals_.push_back(i);
+    if (!sync_) return;
+    auto [gi, k] = where_[i];
+    auto& g = groups_[gi];
+    for (auto b : g.plan.buckets_of[k]) --g.pending[b];
+    launch_ready(g, false);
+  }
+
+  //! End of a syncing micro-step: reduce what is left, wait for everything, unpack.
+  //! on_bucket (optional) sees each bucket's parameter slices once it is averaged.
+  void finish(const std::function<void(std::span<const param_slice>)>& on_bucket) {
+    for (auto& g : groups_) launch_ready(g, true);
+    std::vector<param_slice> slices;
+    for (auto& g : groups_) {
+      for (std::size_t b = 0; b < g.plan.buckets.size(); ++b) {
+        const auto& bk = g.plan.buckets[b];
+        if (g.works[b]) {
+          auto t0 = std::chrono::steady_clock::now();
+          g.works[b]->wait();
+          stats_.comm_seconds += seconds_since(t0);
+        }
+        if (!zero_copy() && !bk.slices.empty()) {
+          auto segs = segments_of(bk);
+          comm_.memory().unpack(g.arena_at(bk.begin), segs, g.plan.type);
+        }
+        if (on_bucket) {
+          slices.clear();
+          for (const auto& s : bk.slices) {
+            const auto& p = params_[s.param];
+            const std::size_t es = size_of(p.type);
+            slices.push_back({s.param, s.param_offset, s.count, p.type,
+                              static_cast<char*>(p.value) + s.param_offset * es,
+                              static_cast<char*>(p.grad) + s.param_offset * es});
+          }
+          on_bucket(slices);
+        }
+      }
+      g.works.clear();
+    }
+    ++stats_.syncs;
+    if (!observed_) settle_order();
+  }
+
+  bool zero_copy() const { return static_cast<bool>(bind_); }
+
+ private:
+  struct group {
+    bucket_plan plan;
+    std::shared_ptr<void> arena;
+    std::vector<std::size_t> pending;
+    std::size_t next = 0;
+    std::vector<std::optional<work_type>> works;
+    void* arena_at(std::size_t elem) const {
+      return static_cast<char*>(arena.get()) + elem * size_of(plan.type);
+    }
+  };
+
+  static double seconds_since(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+
+  std::vector<segment> segments_of(const bucket& bk) const {
+    std::vector<segment> segs;
+    segs.reserve(bk.slices.size());
+    for (const auto& s : bk.slices) {
+      const auto& p = params_[s.param];
+      segs.push_back({static_cast<char*>(p.grad) + s.param_offset * size_of(p.type), s.count});
+    }
+    return segs;
+  }
+
+  // Launch buckets strictly in plan order while the next one is complete (or all, at the end).
+  void launch_ready(group& g, bool all) {
+    while (g.next < g.plan.buckets.size() && (all || g.pending[g.next] == 0)) {
+      const auto& bk = g.plan.buckets[g.next];
+      auto mem = comm_.memory();
+      void* buf = g.arena_at(bk.begin);
+      if (zero_copy())
+        mem.scale(buf, bk.elements(), g.plan.type, prescale_);
+      else
+        mem.pack(segments_of(bk), buf, g.plan.type, prescale_);
+      if (comm_.size() > 1) {
+        auto t0 = std::chrono::steady_clock::now();
+        g.works[g.next].emplace(comm_.all_reduce(buf, buf, bk.elements(), g.plan.type, reduce_op::sum));
+        stats_.comm_seconds += seconds_since(t0);
+        ++stats_.buckets_reduced;
+        stats_.bytes_reduced += bk.elements() * size_of(g.plan.type);
+      }
+      ++g.next;
+    }
+  }
+
+  // After the first syncing step: take rank 0's arrival order (unreported parameters
+  // after it, in reverse registration order) so every rank rebuilds identically.
+  void settle_order() {
+    observed_ = true;
+    if (!policy_.rebuild_after_first_step) return;
+    std::vector<std::int64_t> order;
+    std::vector<bool> seen(params_.size(), false);
+    for (auto i : arrivals_) {
+      if (seen[i]) continue;  // reported again in a later micro-step of the first cycle
+      order.push_back(static_cast<std::int64_t>(i));
+      seen[i] = true;
+    }
+    for (std::size_t i = params_.size(); i-- > 0;)
+      if (!seen[i]) order.push_back(static_cast<std::int64_t>(i));
+    if (comm_.size() > 1) host_broadcast(comm_, order, 0);
+    std::vector<std::size_t> o(order.begin(), order.end());
+    if (o != current_order_) pending_order_ = std::move(o);
+    arrivals_.clear();
+  }
+
+  void build(const std::vector<std::size_t>& order) {
+    current_order_ = order;
+    std::map<dtype, std::vector<std::size_t>> by_type;
+    for (auto i : order) by_type[params_[i].type].push_back(i);
+    std::vector<std::size_t> sizes(params_.size());
+    for (std::size_t i = 0; i < params_.size(); ++i) sizes[i] = params_[i].numel();
+    auto mem = comm_.memory();
+    groups_.clear();
+    where_.assign(params_.size(), {0, 0});
+    stats_.bucket_count = 0;
+    stats_.arena_bytes = 0;
+    for (auto& [t, idx] : by_type) {
+      group g;
+      // Zero-copy arenas align each gradient to 256 bytes (vector loads, cuBLAS); packed
+      // arenas stay dense so one pack per bucket fills them.
+      const std::size_t align = zero_copy() ? std::max<std::size_t>(1, 256 / size_of(t)) : 1;
+      g.plan = make_bucket_plan(t, idx, sizes, policy_, align);
+      g.arena = mem.allocate(g.plan.total * size_of(t));
+      stats_.bucket_count += g.plan.buckets.size();
+      stats_.arena_bytes += g.plan.total * size_of(t);
+      groups_.push_back(std::move(g));
+    }
+    for (std::size_t gi = 0; gi < groups_.size(); ++gi)
+      for (std::size_t k = 0; k < groups_[gi].plan.order.size(); ++k)
+        where_[groups_[gi].plan.order[k]] = {gi, k};
+    if (zero_copy()) {
+      for (auto& g : groups_)
+        for (std::size_t k = 0; k < g.plan.order.size(); ++k)
+          bind_(g.plan.order[k], g.arena_at(g.plan.offset[k]));
+      auto fresh = refresh_();
+      for (auto& g : groups_)
+        for (std::size_t k = 0; k < g.plan.order.size(); ++k) {
+          const auto i = g.plan.order[k];
+          if (i >= fresh.size() || fresh[i].grad != g.arena_at(g.plan.offset[k]))
+            throw config_error("model.bind_gradient(" + std::to_string(i) +
+                               ", storage) did not take effect: parameters()[" +
+                               std::to_string(i) + "].grad does not point at the storage "
+                               "lockstep gave it (bind_gradient must make the model use it)");
+        }
+      params_ = std::move(fresh);
+    }
+    stats_.zero_copy = zero_copy();
+  }
+
+  Comm& comm_;
+  std::vector<parameter> params_;
+  BucketPolicy policy_;
+  bind_fn bind_;
+  refresh_fn refresh_;
+  std::vector<group> groups_;
+  std::vector<std::pair<std::size_t, std::size_t>> where_;  // param → (group, position)
+  std::vector<std::size_t> current_order_;
+  std::optional<std::vector<std::size_t>> pending_order_;
+  std::vector<std::size_t> arrivals_;
+  std::vector<bool> ready_;
+  bool observed_ = false;
+  bool sync_ = false;
+  double prescale_ = 1.0;
+  sync_stats stats_;
+};
+
+}  // namespace detail
+}  // namespace lockstep

@@ -1,0 +1,149 @@
+#pragma once
+// A real model for tests: a ReLU MLP with softmax cross-entropy, written plainly.
+// Gradients are *added* (the lockstep::model contract); the backward reports each
+// gradient as final, last layer first, when a hook is given.
+#include <cmath>
+#include <cstddef>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <lockstep/parameter.hpp>
+
+namespace lockstep_test {
+
+template <class T, bool Bindable = true>
+class TestMlp {
+ public:
+  TestMlp(std::vector<int> dims, std::uint64_t seed) : dims_(std::move(dims)) {
+    std::mt19937_64 rng(seed);
+    const std::size_t L = dims_.size() - 1;
+    w_.resize(L); b_.resize(L); gw_.resize(L); gb_.resize(L); gwp_.resize(L); gbp_.resize(L);
+    for (std::size_t l = 0; l < L; ++l) {
+      const int in = dims_[l], out = dims_[l + 1];
+      std::normal_distribution<double> nd(0.0, std::sqrt(2.0 / in));
+      w_[l].resize(static_cast<std::size_t>(in * out));
+      for (auto& x : w_[l]) x = static_cast<T>(nd(rng));
+      b_[l].resize(static_cast<std::size_t>(out));
+      for (auto& x : b_[l]) x = static_cast<T>(0.1 * nd(rng));
+      gw_[l].assign(w_[l].size(), T(0));
+      gb_[l].assign(b_[l].size(), T(0));
+      gwp_[l] = gw_[l].data();
+      gbp_[l] = gb_[l].data();
+    }
+  }
+
+  std::vector<lockstep::parameter> parameters() {
+    std::vector<lockstep::parameter> ps;
+    for (std::size_t l = 0; l < w_.size(); ++l) {
+      ps.push_back(lockstep::param<T>("layer" + std::to_string(l) + ".weight", w_[l].data(), gwp_[l],
+                                      {dims_[l + 1], dims_[l]}));
+      ps.push_back(lockstep::param<T>("layer" + std::to_string(l) + ".bias", b_[l].data(), gbp_[l],
+                                      {dims_[l + 1]}));
+    }
+    return ps;
+  }
+
+  void bind_gradient(std::size_t i, void* p)
+    requires Bindable
+  {
+    if (i % 2 == 0) gwp_[i / 2] = static_cast<T*>(p);
+    else gbp_[i / 2] = static_cast<T*>(p);
+  }
+
+  //! Mean cross-entropy over the rows `rows` of X (row-major, dims[0] wide); adds the
+  //! gradient of that mean into the gradient buffers; calls hook(i) as gradients finish.
+  template <class Hook>
+  double forward_backward(const std::vector<T>& X, const std::vector<int>& y,
+                          std::span<const std::size_t> rows, Hook&& hook, double loss_scale = 1.0) {
+    const std::size_t L = w_.size(), B = rows.size();
+    std::vector<std::vector<T>> act(L + 1);
+    act[0].resize(B * dims_[0]);
+    for (std::size_t r = 0; r < B; ++r)
+      for (int j = 0; j < dims_[0]; ++j) act[0][r * dims_[0] + j] = X[rows[r] * dims_[0] + j];
+    for (std::size_t l = 0; l < L; ++l) {
+      const int in = dims_[l], out = dims_[l + 1];
+      act[l + 1].assign(B * out, T(0));
+      for (std::size_t r = 0; r < B; ++r)
+        for (int o = 0; o < out; ++o) {
+          T s = b_[l][o];
+          for (int i = 0; i < in; ++i) s += w_[l][o * in + i] * act[l][r * in + i];
+          act[l + 1][r * out + o] = (l + 1 < L && s < T(0)) ? T(0) : s;
+        }
+    }
+    const int C = dims_.back();
+    std::vector<T> delta(B * C);
+    double loss = 0;
+    for (std::size_t r = 0; r < B; ++r) {
+      T m = act[L][r * C];
+      for (int c = 1; c < C; ++c) m = std::max(m, act[L][r * C + c]);
+      T z = 0;
+      for (int c = 0; c < C; ++c) z += std::exp(act[L][r * C + c] - m);
+      const int label = y[rows[r]];
+      loss += -(static_cast<double>(act[L][r * C + label] - m) - std::log(static_cast<double>(z)));
+      for (int c = 0; c < C; ++c)
+        delta[r * C + c] = static_cast<T>((std::exp(act[L][r * C + c] - m) / z - (c == label ? 1 : 0)) *
+                                          loss_scale / static_cast<double>(B));
+    }
+    for (std::size_t l = L; l-- > 0;) {
+      const int in = dims_[l], out = dims_[l + 1];
+      T* gw = gwp_[l];
+      T* gb = gbp_[l];
+      std::vector<T> prev(B * in, T(0));
+      for (std::size_t r = 0; r < B; ++r)
+        for (int o = 0; o < out; ++o) {
+          const T d = delta[r * out + o];
+          gb[o] += d;
+          for (int i = 0; i < in; ++i) {
+            gw[o * in + i] += d * act[l][r * in + i];
+            prev[r * in + i] += w_[l][o * in + i] * d;
+          }
+        }
+      hook(2 * l);
+      hook(2 * l + 1);
+      if (l > 0)
+        for (std::size_t k = 0; k < prev.size(); ++k) prev[k] = act[l][k] > T(0) ? prev[k] : T(0);
+      delta = std::move(prev);
+    }
+    return loss / static_cast<double>(B);
+  }
+
+  void sgd(double lr) {
+    for (std::size_t l = 0; l < w_.size(); ++l) {
+      for (std::size_t k = 0; k < w_[l].size(); ++k) w_[l][k] -= static_cast<T>(lr) * gwp_[l][k];
+      for (std::size_t k = 0; k < b_[l].size(); ++k) b_[l][k] -= static_cast<T>(lr) * gbp_[l][k];
+    }
+  }
+  void zero_grad() {
+    for (std::size_t l = 0; l < w_.size(); ++l) {
+      std::fill(gwp_[l], gwp_[l] + w_[l].size(), T(0));
+      std::fill(gbp_[l], gbp_[l] + b_[l].size(), T(0));
+    }
+  }
+
+  std::vector<T> flat_values() const {
+    std::vector<T> v;
+    for (std::size_t l = 0; l < w_.size(); ++l) {
+      v.insert(v.end(), w_[l].begin(), w_[l].end());
+      v.insert(v.end(), b_[l].begin(), b_[l].end());
+    }
+    return v;
+  }
+  std::vector<T> flat_grads() const {
+    std::vector<T> v;
+    for (std::size_t l = 0; l < w_.size(); ++l) {
+      v.insert(v.end(), gwp_[l], gwp_[l] + w_[l].size());
+      v.insert(v.end(), gbp_[l], gbp_[l] + b_[l].size());
+    }
+    return v;
+  }
+  const std::vector<int>& dims() const { return dims_; }
+
+ private:
+  std::vector<int> dims_;
+  std::vector<std::vector<T>> w_, b_, gw_, gb_;
+  std::vector<T*> gwp_, gbp_;
+};
+
+}  // namespace lockstep_test

@@ -1,0 +1,45 @@
+#pragma once
+// Shared test helpers: fresh random seeds (printed on failure), running ranks as threads.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include <lockstep/run.hpp>
+
+namespace lockstep_test {
+
+//! A fresh seed per run; CAPTURE it in the test so a failure can be replayed
+//! (LOCKSTEP_TEST_SEED=... fixes it).
+inline std::uint64_t fresh_seed() {
+  if (const char* s = std::getenv("LOCKSTEP_TEST_SEED")) return std::strtoull(s, nullptr, 10);
+  std::random_device rd;
+  return (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
+}
+
+template <class T>
+std::vector<T> random_vector(std::size_t n, std::mt19937_64& rng, double lo = -1.0, double hi = 1.0) {
+  std::uniform_real_distribution<double> d(lo, hi);
+  std::vector<T> v(n);
+  for (auto& x : v) x = static_cast<T>(d(rng));
+  return v;
+}
+
+//! ‖a − b‖₂ / ‖b‖₂ (b the reference); infinite when the sizes differ or a value is NaN.
+template <class T>
+double max_rel_diff(const std::vector<T>& a, const std::vector<T>& b) {
+  if (a.size() != b.size()) return std::numeric_limits<double>::infinity();
+  long double num = 0, den = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    long double d = static_cast<long double>(a[i]) - static_cast<long double>(b[i]);
+    num += d * d;
+    den += static_cast<long double>(b[i]) * static_cast<long double>(b[i]);
+  }
+  double r = static_cast<double>(std::sqrt(num) / std::max(std::sqrt(den), 1e-300L));
+  return std::isnan(r) ? std::numeric_limits<double>::infinity() : r;
+}
+
+}  // namespace lockstep_test
