@@ -1,0 +1,223 @@
+// DataParallel's contract beyond equivalence: construction checks and broadcast, the
+// bucket plan, the one-time rebuild, misuse errors, statistics, mode selection.
+#include <doctest/doctest.h>
+
+#include <cstdlib>
+#include <numeric>
+
+#include <lockstep/lockstep.hpp>
+
+#include "mlp.hpp"
+#include "test_util.hpp"
+
+using namespace lockstep_test;
+using lockstep::detail::make_bucket_plan;
+
+TEST_SUITE("cpu") {
+
+TEST_CASE("bucket plan: every element of every parameter lies in exactly one slice") {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  std::mt19937_64 rng(seed);
+  for (int trial = 0; trial < 200; ++trial) {
+    std::uniform_int_distribution<std::size_t> sz(0, 300), nparams(1, 12), cap(1, 700);
+    std::vector<std::size_t> sizes(nparams(rng));
+    for (auto& s : sizes) s = sz(rng);
+    std::vector<std::size_t> order(sizes.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), rng);
+    const std::size_t align = (trial % 2) ? 1 : 8;
+    lockstep::BucketPolicy pol{.first_bytes = cap(rng) * 4, .cap_bytes = cap(rng) * 4};
+    auto p = make_bucket_plan(lockstep::dtype::f32, order, sizes, pol, align);
+    CAPTURE(trial);
+    std::vector<std::vector<int>> hit(sizes.size());
+    for (std::size_t i = 0; i < sizes.size(); ++i) hit[i].assign(sizes[i], 0);
+    std::size_t prev_end = 0;
+    for (std::size_t b = 0; b < p.buckets.size(); ++b) {
+      const auto& bk = p.buckets[b];
+      CHECK(bk.begin == prev_end);
+      prev_end = bk.end;
+      const std::size_t limit = (b == 0 ? pol.first_bytes : pol.cap_bytes) / 4;
+      CHECK(bk.elements() <= std::max<std::size_t>(lockstep::detail::round_up(limit, align), align));
+      for (const auto& s : bk.slices) {
+        CHECK(s.arena_offset >= bk.begin);
+        CHECK(s.arena_offset + s.count <= bk.end);
+        for (std::size_t e = 0; e < s.count; ++e) hit[s.param][s.param_offset + e]++;
+      }
+    }
+    CHECK(prev_end == p.total);
+    bool all_once = true;
+    for (auto& h : hit)
+      for (int c : h) all_once &= (c == 1);
+    CHECK(all_once);
+    for (std::size_t k = 0; k < p.order.size(); ++k) CHECK(p.offset[k] % align == 0);
+  }
+}
+
+TEST_CASE("construction broadcasts rank 0's parameters") {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  std::vector<std::vector<double>> after(3);
+  TestMlp<double> rank0(std::vector<int>{5, 4, 3}, seed);
+  lockstep::run(lockstep::Threads{3}, [&](auto& ctx) {
+    TestMlp<double> m({5, 4, 3}, seed + static_cast<std::uint64_t>(ctx.rank()));
+    lockstep::DataParallel<TestMlp<double>, lockstep::ThreadComm> dp(ctx, m);
+    after[static_cast<std::size_t>(ctx.rank())] = m.flat_values();
+  });
+  for (auto& a : after) CHECK(a == rank0.flat_values());
+}
+
+TEST_CASE("ranks with different models fail on every rank, naming the parameter and both shapes") {
+  std::vector<std::string> msgs(3);
+  CHECK_THROWS_AS(lockstep::run(lockstep::Threads{3}, [&](auto& ctx) {
+                    const int hidden = ctx.rank() == 2 ? 6 : 4;
+                    TestMlp<float> m({5, hidden, 3}, 1);
+                    try {
+                      lockstep::DataParallel<TestMlp<float>, lockstep::ThreadComm> dp(ctx, m);
+                    } catch (const lockstep::mismatch_error& e) {
+                      msgs[static_cast<std::size_t>(ctx.rank())] = e.what();
+                      throw;
+                    }
+                  }),
+                  lockstep::mismatch_error);
+  for (auto& m : msgs) {
+    CAPTURE(m);
+    CHECK(m.find("parameter 0") != std::string::npos);
+    CHECK(m.find("layer0.weight [4,5] f32") != std::string::npos);
+    CHECK(m.find("layer0.weight [6,5] f32") != std::string::npos);
+    CHECK(m.find("rank 2") != std::string::npos);
+  }
+}
+
+TEST_CASE("a rank with more parameters, or another element type, is named too") {
+  std::string msg;
+  CHECK_THROWS_AS(lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
+                    std::vector<int> dims = ctx.rank() == 1 ? std::vector<int>{5, 4, 3, 2} : std::vector<int>{5, 4, 3};
+                    TestMlp<float> m(dims, 1);
+                    try {
+                      lockstep::DataParallel<TestMlp<float>, lockstep::ThreadComm> dp(ctx, m);
+                    } catch (const lockstep::mismatch_error& e) {
+                      if (ctx.rank() == 0) msg = e.what();
+                      throw;
+                    }
+                  }),
+                  lockstep::mismatch_error);
+  CHECK(msg.find("parameter 4") != std::string::npos);
+  CHECK(msg.find("nothing (it has 4 parameters)") != std::string::npos);
+}
+
+TEST_CASE("the bucket plan is rebuilt once from rank 0's arrival order, identically everywhere") {
+  // The model reports gradients first layer first (not reverse order), differently per rank
+  // after the first layer; every rank must adopt rank 0's order.
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  std::vector<lockstep::sync_stats> st(3);
+  std::vector<std::vector<double>> vals(3);
+  lockstep::run(lockstep::Threads{3}, [&](auto& ctx) {
+    TestMlp<double> m({6, 5, 4, 3}, seed);
+    lockstep::DataParallel<TestMlp<double>, lockstep::ThreadComm> dp(ctx, m, {.buckets = {.first_bytes = 48, .cap_bytes = 96}});
+    std::mt19937_64 rng(seed);
+    auto X = random_vector<double>(6 * 8, rng);
+    std::vector<int> y{0, 1, 2, 0, 1, 2, 0, 1};
+    std::vector<std::size_t> rows{0, 1, 2, 3, 4, 5, 6, 7};
+    for (int s = 0; s < 3; ++s) {
+      auto step = dp.step();
+      m.forward_backward(X, y, rows, [](std::size_t) {});
+      // Report in a custom order (rank 0: 0..5; others: reversed).
+      for (std::size_t k = 0; k < 6; ++k) step.gradient_ready(ctx.rank() == 0 ? k : 5 - k);
+      if (step.finish()) m.sgd(0.1);
+    }
+    st[static_cast<std::size_t>(ctx.rank())] = dp.stats();
+    vals[static_cast<std::size_t>(ctx.rank())] = m.flat_values();
+  });
+  for (auto& s : st) CHECK(s.rebuilt);
+  CHECK(vals[1] == vals[0]);
+  CHECK(vals[2] == vals[0]);
+}
+
+TEST_CASE("misuse is reported clearly") {
+  lockstep::run(lockstep::Threads{1}, [&](auto& ctx) {
+    TestMlp<float> m({3, 2}, 1);
+    lockstep::DataParallel<TestMlp<float>, lockstep::ThreadComm> dp(ctx, m);
+    {
+      auto s = dp.step();
+      s.gradient_ready(0);
+      CHECK_THROWS_WITH_AS(s.gradient_ready(0), doctest::Contains("reported ready twice"), lockstep::config_error);
+      CHECK_THROWS_WITH_AS(s.gradient_ready(7), doctest::Contains("parameter index 7"), lockstep::config_error);
+      CHECK_THROWS_WITH_AS((void)dp.step(), doctest::Contains("previous step is still open"), lockstep::config_error);
+      s.finish();
+      CHECK_THROWS_AS(s.finish(), lockstep::config_error);
+    }
+    CHECK_THROWS_AS(lockstep::Accumulate<>(0), lockstep::config_error);
+  });
+}
+
+TEST_CASE("statistics count buckets, bytes and syncs; Accumulate<> K changes at the next cycle") {
+  lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
+    TestMlp<float> m({8, 8, 4}, 3);  // 64+8+32+4 = 108 floats
+    lockstep::DataParallel<TestMlp<float>, lockstep::ThreadComm, lockstep::Accumulate<>> dp(
+        ctx, m, {.buckets = {.first_bytes = 1 << 20, .cap_bytes = 1 << 20}}, lockstep::Accumulate<>(2));
+    std::vector<float> X(8 * 2, 0.5f);
+    X[3] = -1.0f;
+    std::vector<int> y{1, 2};
+    std::vector<std::size_t> rows{0, 1};
+    auto micro = [&] {
+      auto s = dp.step();
+      m.forward_backward(X, y, rows, s.on_gradient_ready());
+      return s.finish();
+    };
+    CHECK_FALSE(micro().synced);
+    CHECK(micro().synced);
+    dp.accumulation().set_steps(3);
+    CHECK_FALSE(micro().synced);
+    CHECK_FALSE(micro().synced);
+    CHECK(micro().synced);
+    const auto& st = dp.stats();
+    CHECK(st.micro_steps == 5);
+    CHECK(st.syncs == 2);
+    CHECK(st.zero_copy);
+    CHECK(st.bucket_count == 1);
+    CHECK(st.buckets_reduced == 2);
+    CHECK(st.bytes_reduced >= 2 * 108 * sizeof(float));
+    CHECK(st.comm_seconds >= 0.0);
+  });
+}
+
+TEST_CASE("Auto picks CPU threads from LOCKSTEP_CPU_RANKS, and rejects nonsense") {
+  ::setenv("LOCKSTEP_CPU_RANKS", "3", 1);
+  auto p = lockstep::decide(lockstep::detect());
+  CHECK(p.kind == lockstep::mode_kind::cpu_threads);
+  CHECK(p.ranks == 3);
+  std::atomic<int> seen{0};
+  lockstep::run(lockstep::Auto{}, [&](auto& ctx) {
+    CHECK(ctx.size() == 3);
+    seen.fetch_add(1);
+  });
+  CHECK(seen.load() == 3);
+  ::setenv("LOCKSTEP_CPU_RANKS", "zero", 1);
+  CHECK_THROWS_WITH_AS(lockstep::detect(), doctest::Contains("LOCKSTEP_CPU_RANKS"), lockstep::config_error);
+  ::setenv("LOCKSTEP_CPU_RANKS", "0", 1);
+  CHECK_THROWS_AS(lockstep::detect(), lockstep::config_error);
+  ::unsetenv("LOCKSTEP_CPU_RANKS");
+  CHECK(lockstep::decide(lockstep::detect()).ranks >= 1);
+}
+
+TEST_CASE("a model whose bind_gradient does not take effect is rejected") {
+  struct Liar {
+    std::vector<float> w{1, 2, 3}, g{0, 0, 0};
+    std::vector<lockstep::parameter> parameters() {
+      return {lockstep::param<float>("w", std::span(w), std::span(g))};
+    }
+    void bind_gradient(std::size_t, void*) {}  // ignores the storage
+  };
+  lockstep::run(lockstep::Threads{1}, [&](auto& ctx) {
+    Liar m;
+    CHECK_THROWS_WITH_AS((lockstep::DataParallel<Liar, lockstep::ThreadComm>(ctx, m)),
+                         doctest::Contains("bind_gradient"), lockstep::config_error);
+    // With zero_copy off it is fine.
+    lockstep::DataParallel<Liar, lockstep::ThreadComm> ok(ctx, m, {.zero_copy = false});
+    CHECK_FALSE(ok.stats().zero_copy);
+  });
+}
+
+}  // TEST_SUITE
