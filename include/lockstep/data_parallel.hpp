@@ -15,7 +15,10 @@
 //! \endcode
 //!
 //! Policies (any order, each at most once): an accumulation_policy (EveryStep default,
-//! Accumulate<K>, Accumulate<> with K at run time).
+//! Accumulate<K>, Accumulate<> with K at run time) and a loss_scaler (NoScaling default,
+//! StaticScale, DynamicScale). With a scaler, multiply the loss by step.loss_scale() before
+//! backward; finish() unscales the averaged gradients, checks them for inf/NaN (agreed
+//! across ranks) and reports applied = false when the optimizer must skip the step.
 
 #include <cstdint>
 #include <functional>
@@ -35,6 +38,9 @@
 #include "lockstep/detail/reducer.hpp"
 #include "lockstep/error.hpp"
 #include "lockstep/every_step.hpp"
+#include "lockstep/grad_group.hpp"
+#include "lockstep/loss_scaler.hpp"
+#include "lockstep/no_scaling.hpp"
 #include "lockstep/sync_stats.hpp"
 
 namespace lockstep {
@@ -61,7 +67,9 @@ namespace detail {
 template <class P>
 struct is_accumulation_policy : std::bool_constant<accumulation_policy<P>> {};
 template <class P>
-struct is_known_policy : std::bool_constant<accumulation_policy<P>> {};
+struct is_loss_scaler : std::bool_constant<loss_scaler<P>> {};
+template <class P>
+struct is_known_policy : std::bool_constant<accumulation_policy<P> || loss_scaler<P>> {};
 
 template <class M>
 std::vector<parameter> collect_parameters(M& m) {
@@ -127,15 +135,22 @@ class DataParallel {
                 "requirement 7 — it needs memory() returning lockstep::memory_ops");
   static_assert((detail::is_known_policy<Policies>::value && ...),
                 "lockstep::DataParallel: every policy must be an accumulation_policy "
-                "(EveryStep, Accumulate<K>) — one of the Policies is none of these "
-                "(an accumulation policy needs steps())");
+                "(EveryStep, Accumulate<K>) or a loss_scaler (NoScaling, StaticScale, "
+                "DynamicScale) — one of the Policies is none of these (an accumulation "
+                "policy needs steps(); a loss scaler needs scale(), update(), state())");
   static_assert(detail::count_v<detail::is_accumulation_policy, Policies...> <= 1,
                 "lockstep::DataParallel: give at most one accumulation_policy");
+  static_assert(detail::count_v<detail::is_loss_scaler, Policies...> <= 1,
+                "lockstep::DataParallel: give at most one loss_scaler");
 
  public:
   using model_type = Model;
   using comm_type = Comm;
   using accumulation_type = detail::pick_t<detail::is_accumulation_policy, EveryStep, Policies...>;
+  using scaler_type = detail::pick_t<detail::is_loss_scaler, NoScaling, Policies...>;
+  static_assert(loss_scaler_for<scaler_type, Comm>,
+                "lockstep::DataParallel: the loss scaler cannot unscale this communicator's "
+                "gradients (it needs unscale_and_check(Comm&, span<const grad_group>))");
 
   class step_handle;
 
@@ -163,6 +178,8 @@ class DataParallel {
 
     //! Whether this micro-step will average gradients (the last of its cycle).
     bool synchronizes() const noexcept { return sync_; }
+    //! Multiply the loss by this before backward (1 without loss scaling).
+    double loss_scale() const { return dp_->scaler_.scale(); }
     gradient_hook on_gradient_ready() const { return gradient_hook(dp_); }
     void gradient_ready(std::size_t i) const { dp_->reducer_.mark_ready(i); }
 
@@ -185,12 +202,12 @@ class DataParallel {
   };
 
   DataParallel(context<Comm>& ctx, Model& model, DataParallelOptions opts = {},
-               accumulation_type acc = {})
-      : DataParallel(ctx.comm(), model, opts, std::move(acc)) {}
+               accumulation_type acc = {}, scaler_type scaler = {})
+      : DataParallel(ctx.comm(), model, opts, std::move(acc), std::move(scaler)) {}
 
   DataParallel(Comm& comm, Model& model, DataParallelOptions opts = {},
-               accumulation_type acc = {})
-      : comm_(comm), model_(model), opts_(opts), acc_(std::move(acc)),
+               accumulation_type acc = {}, scaler_type scaler = {})
+      : comm_(comm), model_(model), opts_(opts), acc_(std::move(acc)), scaler_(std::move(scaler)),
         reducer_(comm, initial_parameters(comm, model, opts), opts.buckets, binder(model, opts),
                  [&model] { return detail::collect_parameters(model); }) {}
 
@@ -210,9 +227,7 @@ class DataParallel {
       in_cycle_ = true;
     }
     const bool sync = micro_ + 1 >= k_;
-    const double divisor =
-        static_cast<double>(comm_.size()) * (opts_.average_over_accumulation ? k_ : 1);
-    reducer_.begin_micro(sync, 1.0 / divisor);
+    reducer_.begin_micro(sync, opts_.average_over_accumulation ? 1.0 / k_ : 1.0);
     open_ = true;
     ++reducer_.stats().micro_steps;
     return step_handle(this, sync);
@@ -221,6 +236,8 @@ class DataParallel {
   //! The accumulation policy (e.g. to set K at run time with Accumulate<>: takes effect
   //! at the next optimizer step).
   accumulation_type& accumulation() noexcept { return acc_; }
+  //! The loss scaler (its state() goes into checkpoints; load_state() restores it).
+  scaler_type& scaler() noexcept { return scaler_; }
   const sync_stats& stats() const noexcept { return reducer_.stats(); }
   Comm& comm() noexcept { return comm_; }
   Model& model() noexcept { return model_; }
@@ -262,8 +279,22 @@ class DataParallel {
     r.synced = sync;
     ++micro_;
     if (!sync) return r;
-    reducer_.finish(on_bucket);
     in_cycle_ = false;
+    if constexpr (std::is_same_v<scaler_type, NoScaling>) {
+      if (!scaler_.check_finite()) {
+        reducer_.finish(on_bucket);  // per-bucket callbacks overlap the later buckets
+        return r;
+      }
+    }
+    // Unscaling and the inf/NaN decision need every bucket: callbacks come after it.
+    reducer_.finish(nullptr);
+    const auto groups = reducer_.grad_groups();
+    std::vector<grad_group> views;
+    for (const auto& g : groups) views.push_back({g.type, g.segments});
+    const bool found_inf = scaler_.unscale_and_check(comm_, std::span<const grad_group>(views));
+    scaler_.update(found_inf);
+    r.applied = !found_inf;
+    if (r.applied && on_bucket) reducer_.for_each_bucket(on_bucket);
     return r;
   }
 
@@ -271,6 +302,7 @@ class DataParallel {
   Model& model_;
   DataParallelOptions opts_;
   accumulation_type acc_;
+  scaler_type scaler_;
   detail::reducer<Comm> reducer_;
   int k_ = 1;
   int micro_ = 0;

@@ -42,7 +42,10 @@ struct parameter {
 
   std::string shape_string() const {
     std::string s = "[";
-    for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? "," : "") + std::to_string(shape[i]);
+    for (std::size_t i = 0; i < shape.size(); ++i) {
+      if (i) s += ",";
+      s += std::to_string(shape[i]);
+    }
     return s + "] " + name_of(type);
   }
 

@@ -67,7 +67,7 @@ TEST_CASE("construction broadcasts rank 0's parameters") {
   for (auto& a : after) CHECK(a == rank0.flat_values());
 }
 
-TEST_CASE("ranks with different models fail on every rank, naming the parameter and both shapes") {
+TEST_CASE("ranks with different models fail on every rank - naming the parameter and both shapes") {
   std::vector<std::string> msgs(3);
   CHECK_THROWS_AS(lockstep::run(lockstep::Threads{3}, [&](auto& ctx) {
                     const int hidden = ctx.rank() == 2 ? 6 : 4;
@@ -89,7 +89,7 @@ TEST_CASE("ranks with different models fail on every rank, naming the parameter 
   }
 }
 
-TEST_CASE("a rank with more parameters, or another element type, is named too") {
+TEST_CASE("a rank with more parameters - or another element type - is named too") {
   std::string msg;
   CHECK_THROWS_AS(lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
                     std::vector<int> dims = ctx.rank() == 1 ? std::vector<int>{5, 4, 3, 2} : std::vector<int>{5, 4, 3};
@@ -106,7 +106,7 @@ TEST_CASE("a rank with more parameters, or another element type, is named too") 
   CHECK(msg.find("nothing (it has 4 parameters)") != std::string::npos);
 }
 
-TEST_CASE("the bucket plan is rebuilt once from rank 0's arrival order, identically everywhere") {
+TEST_CASE("the bucket plan is rebuilt once from rank 0's arrival order - identically everywhere") {
   // The model reports gradients first layer first (not reverse order), differently per rank
   // after the first layer; every rank must adopt rank 0's order.
   const auto seed = fresh_seed();
@@ -152,7 +152,7 @@ TEST_CASE("misuse is reported clearly") {
   });
 }
 
-TEST_CASE("statistics count buckets, bytes and syncs; Accumulate<> K changes at the next cycle") {
+TEST_CASE("statistics count buckets - bytes and syncs - Accumulate<> K changes at the next cycle") {
   lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
     TestMlp<float> m({8, 8, 4}, 3);  // 64+8+32+4 = 108 floats
     lockstep::DataParallel<TestMlp<float>, lockstep::ThreadComm, lockstep::Accumulate<>> dp(
@@ -183,7 +183,7 @@ TEST_CASE("statistics count buckets, bytes and syncs; Accumulate<> K changes at 
   });
 }
 
-TEST_CASE("Auto picks CPU threads from LOCKSTEP_CPU_RANKS, and rejects nonsense") {
+TEST_CASE("Auto picks CPU threads from LOCKSTEP_CPU_RANKS - and rejects nonsense") {
   ::setenv("LOCKSTEP_CPU_RANKS", "3", 1);
   auto p = lockstep::decide(lockstep::detect());
   CHECK(p.kind == lockstep::mode_kind::cpu_threads);

@@ -103,7 +103,7 @@ void check_against_torch(std::size_t len, std::size_t world, std::uint64_t seed,
 
 TEST_SUITE("cpu") {
 
-TEST_CASE("sampler: sizes and per-rank indices match PyTorch's rules for many (len, R)") {
+TEST_CASE("sampler: sizes and per-rank indices match PyTorch's rules for many (len - R)") {
   const auto seed = fresh_seed();
   INFO("seed = " << seed);
   std::mt19937_64 rng(seed);
@@ -182,7 +182,7 @@ TEST_CASE("sampler: ranks cover the data exactly once per epoch when len divides
   }
 }
 
-TEST_CASE("sampler: uneven len — DropLast ranks are disjoint, Pad repeats the list's first indices") {
+TEST_CASE("sampler: uneven len — DropLast ranks are disjoint - Pad repeats the list's first indices") {
   const auto seed = fresh_seed();
   INFO("seed = " << seed);
   std::mt19937_64 rng(seed);
@@ -218,7 +218,7 @@ TEST_CASE("sampler: uneven len — DropLast ranks are disjoint, Pad repeats the 
   }
 }
 
-TEST_CASE("sampler: order is a function of (seed, epoch) only") {
+TEST_CASE("sampler: order is a function of (seed - epoch) only") {
   const auto seed = fresh_seed();
   INFO("seed = " << seed);
   const std::size_t len = 1000;
@@ -260,7 +260,7 @@ TEST_CASE("sampler: Sequential is 0..len-1 partitioned and ignores seed and epoc
   }
 }
 
-TEST_CASE("sampler: the shuffle is a valid, roughly uniform permutation") {
+TEST_CASE("sampler: the shuffle is a valid - roughly uniform permutation") {
   const auto seed = fresh_seed();
   INFO("seed = " << seed);
   std::mt19937_64 rng(seed);

@@ -44,7 +44,7 @@ TEST_CASE("seeding: golden values of the documented seed functions") {
   CHECK(lockstep::rank_epoch_seed(7, 3, 11) == 2543622472452181351ULL);
 }
 
-TEST_CASE("seeding: ranks and epochs get distinct seeds, the model seed is shared") {
+TEST_CASE("seeding: ranks and epochs get distinct seeds - the model seed is shared") {
   const auto base = fresh_seed();
   INFO("base = " << base);
   std::set<std::uint64_t> seen;

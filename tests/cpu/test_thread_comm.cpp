@@ -45,7 +45,7 @@ T poison() {
 
 TEST_SUITE("cpu") {
 
-TEST_CASE_TEMPLATE("ThreadComm all_reduce sum/avg/max/min, in place and out of place", T, float, double,
+TEST_CASE_TEMPLATE("ThreadComm all_reduce sum/avg/max/min - in place and out of place", T, float, double,
                    std::int32_t, std::int64_t) {
   const auto seed = fresh_seed();
   CAPTURE(seed);
@@ -88,7 +88,7 @@ TEST_CASE_TEMPLATE("ThreadComm all_reduce sum/avg/max/min, in place and out of p
   }
 }
 
-TEST_CASE("ThreadComm broadcast, all_gather, reduce_scatter, barrier") {
+TEST_CASE("ThreadComm broadcast - all_gather - reduce_scatter - barrier") {
   const auto seed = fresh_seed();
   CAPTURE(seed);
   for (int n : {1, 2, 3, 4}) {
@@ -173,7 +173,7 @@ TEST_CASE("ThreadComm names a collective mismatch on every rank instead of hangi
   }
 }
 
-TEST_CASE("ThreadComm: a rank that never arrives times out, naming it") {
+TEST_CASE("ThreadComm: a rank that never arrives times out - naming it") {
   auto comms = lockstep::ThreadComm::create_group(3, std::chrono::milliseconds(300));
   std::string what;
   auto t0 = std::chrono::steady_clock::now();

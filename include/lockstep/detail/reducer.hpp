@@ -76,7 +76,8 @@ class reducer {
     }
   }
 
-  //! Start of a micro-step. sync: this micro-step averages; prescale: 1/divisor.
+  //! Start of a micro-step. sync: this micro-step averages; prescale: applied before the
+  //! all-reduce's average over ranks (1/K for accumulation, else 1).
   void begin_micro(bool sync, double prescale) {
     sync_ = sync;
     prescale_ = prescale;
@@ -126,17 +127,7 @@ class reducer {
           auto segs = segments_of(bk);
           comm_.memory().unpack(g.arena_at(bk.begin), segs, g.plan.type);
         }
-        if (on_bucket) {
-          slices.clear();
-          for (const auto& s : bk.slices) {
-            const auto& p = params_[s.param];
-            const std::size_t es = size_of(p.type);
-            slices.push_back({s.param, s.param_offset, s.count, p.type,
-                              static_cast<char*>(p.value) + s.param_offset * es,
-                              static_cast<char*>(p.grad) + s.param_offset * es});
-          }
-          on_bucket(slices);
-        }
+        if (on_bucket) on_bucket(slices_of(bk, slices));
       }
       g.works.clear();
     }
@@ -145,6 +136,29 @@ class reducer {
   }
 
   bool zero_copy() const { return static_cast<bool>(bind_); }
+
+  //! Calls fn with each bucket's parameter slices, in plan order.
+  void for_each_bucket(const std::function<void(std::span<const param_slice>)>& fn) const {
+    std::vector<param_slice> tmp;
+    for (const auto& g : groups_)
+      for (const auto& bk : g.plan.buckets) fn(slices_of(bk, tmp));
+  }
+
+  //! Every gradient, grouped by element type (for unscaling, clipping, norms).
+  struct owned_group {
+    dtype type;
+    std::vector<segment> segments;
+  };
+  std::vector<owned_group> grad_groups() const {
+    std::vector<owned_group> out;
+    for (const auto& g : groups_) {
+      owned_group og{g.plan.type, {}};
+      for (auto i : g.plan.order)
+        if (params_[i].numel()) og.segments.push_back({params_[i].grad, params_[i].numel()});
+      out.push_back(std::move(og));
+    }
+    return out;
+  }
 
  private:
   struct group {
@@ -162,6 +176,18 @@ class reducer {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
 
+  std::span<const param_slice> slices_of(const bucket& bk, std::vector<param_slice>& out) const {
+    out.clear();
+    for (const auto& s : bk.slices) {
+      const auto& p = params_[s.param];
+      const std::size_t es = size_of(p.type);
+      out.push_back({s.param, s.param_offset, s.count, p.type,
+                     static_cast<char*>(p.value) + s.param_offset * es,
+                     static_cast<char*>(p.grad) + s.param_offset * es});
+    }
+    return out;
+  }
+
   std::vector<segment> segments_of(const bucket& bk) const {
     std::vector<segment> segs;
     segs.reserve(bk.slices.size());
@@ -172,25 +198,50 @@ class reducer {
     return segs;
   }
 
-  // Launch buckets strictly in plan order while the next one is complete (or all, at the end).
+  // Launch buckets strictly in plan order while the next one is complete. At the end
+  // (all = true) nothing is left to overlap with, so the remaining buckets — contiguous in
+  // the arena — go out as one all-reduce, which runs at the flat all-reduce's bandwidth.
   void launch_ready(group& g, bool all) {
-    while (g.next < g.plan.buckets.size() && (all || g.pending[g.next] == 0)) {
+    auto mem = comm_.memory();
+    if (all && g.next < g.plan.buckets.size()) {
+      const std::size_t first = g.next;
+      const std::size_t begin = g.plan.buckets[first].begin, end = g.plan.total;
+      void* buf = g.arena_at(begin);
+      if (zero_copy()) {
+        mem.scale(buf, end - begin, g.plan.type, prescale_);
+      } else {
+        std::vector<segment> segs;
+        for (std::size_t b = first; b < g.plan.buckets.size(); ++b) {
+          auto more = segments_of(g.plan.buckets[b]);
+          segs.insert(segs.end(), more.begin(), more.end());
+        }
+        mem.pack(segs, buf, g.plan.type, prescale_);
+      }
+      reduce(g, first, buf, end - begin);
+      g.next = g.plan.buckets.size();
+      return;
+    }
+    while (g.next < g.plan.buckets.size() && g.pending[g.next] == 0) {
       const auto& bk = g.plan.buckets[g.next];
-      auto mem = comm_.memory();
       void* buf = g.arena_at(bk.begin);
       if (zero_copy())
         mem.scale(buf, bk.elements(), g.plan.type, prescale_);
       else
         mem.pack(segments_of(bk), buf, g.plan.type, prescale_);
-      if (comm_.size() > 1) {
-        auto t0 = std::chrono::steady_clock::now();
-        g.works[g.next].emplace(comm_.all_reduce(buf, buf, bk.elements(), g.plan.type, reduce_op::sum));
-        stats_.comm_seconds += seconds_since(t0);
-        ++stats_.buckets_reduced;
-        stats_.bytes_reduced += bk.elements() * size_of(g.plan.type);
-      }
+      reduce(g, g.next, buf, bk.elements());
       ++g.next;
     }
+  }
+
+  // The 1/N of the average is done by the communicator (reduce_op::avg: NCCL folds it into
+  // its reduction, no extra pass); only accumulation's 1/K is a prescale.
+  void reduce(group& g, std::size_t slot, void* buf, std::size_t count) {
+    if (comm_.size() == 1 || count == 0) return;
+    auto t0 = std::chrono::steady_clock::now();
+    g.works[slot].emplace(comm_.all_reduce(buf, buf, count, g.plan.type, reduce_op::avg));
+    stats_.comm_seconds += seconds_since(t0);
+    ++stats_.buckets_reduced;
+    stats_.bytes_reduced += count * size_of(g.plan.type);
   }
 
   // After the first syncing step: take rank 0's arrival order (unreported parameters
