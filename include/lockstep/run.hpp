@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "lockstep/context.hpp"
+#include "lockstep/detail/run_ranks.hpp"
 #include "lockstep/detect.hpp"
 #include "lockstep/error.hpp"
 #include "lockstep/thread_comm.hpp"
@@ -27,44 +28,6 @@ struct Threads {
 //! Mode tag: decide at run time from lockstep::detect().
 struct Auto {};
 
-namespace detail {
-
-//! Runs f(r) on n threads, aborting the group on the first failure; rethrows the root
-//! cause (not the aborted_errors it triggered on the other ranks).
-template <class F, class Abort>
-void run_ranks(int n, F&& f, Abort&& abort) {
-  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(n));
-  std::vector<std::thread> threads;
-  threads.reserve(static_cast<std::size_t>(n));
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        f(r);
-      } catch (const std::exception& e) {
-        errors[static_cast<std::size_t>(r)] = std::current_exception();
-        abort("rank " + std::to_string(r) + " failed: " + e.what());
-      } catch (...) {
-        errors[static_cast<std::size_t>(r)] = std::current_exception();
-        abort("rank " + std::to_string(r) + " failed with a non-standard exception");
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  std::exception_ptr first;
-  for (auto& e : errors) {
-    if (!e) continue;
-    try {
-      std::rethrow_exception(e);
-    } catch (const aborted_error&) {
-      if (!first) first = e;
-    } catch (...) {
-      std::rethrow_exception(e);
-    }
-  }
-  if (first) std::rethrow_exception(first);
-}
-
-}  // namespace detail
 
 template <class Body>
 void run(Threads mode, Body&& body) {
@@ -80,12 +43,32 @@ void run(Threads mode, Body&& body) {
       [&](const std::string& why) { aborter.abort(why); });
 }
 
+}  // namespace lockstep
+
+// In CUDA translation units of a CUDA build, Auto can also pick the local GPUs.
+#if defined(LOCKSTEP_WITH_CUDA) && defined(__CUDACC__)
+#include "lockstep/cuda/run_gpus.cuh"
+#define LOCKSTEP_AUTO_HAS_GPUS 1
+#else
+#define LOCKSTEP_AUTO_HAS_GPUS 0
+#endif
+
+namespace lockstep {
+
 template <class Body>
 void run(Auto, Body&& body) {
-  const plan p = decide(detect());
+  const plan p = decide(detect(), LOCKSTEP_AUTO_HAS_GPUS != 0);
   switch (p.kind) {
     case mode_kind::cpu_threads: return run(Threads{p.ranks}, std::forward<Body>(body));
+    case mode_kind::local_gpus:
+#if LOCKSTEP_AUTO_HAS_GPUS
+      return run(Gpus{p.devices}, std::forward<Body>(body));
+#else
+      break;
+#endif
   }
+  throw config_error(std::string("lockstep::run(Auto): mode ") + name_of(p.kind) +
+                     " is not available in this translation unit");
 }
 
 }  // namespace lockstep
