@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Installs what building and testing lockstep needs on Debian 12, with apt-get, and only
+# what is missing (a second run is a quick no-op). As root it installs; otherwise it prints
+# the command to run and exits non-zero when something is missing.
+set -euo pipefail
+
+packages=(
+  cmake g++ make ninja-build  # build
+  doctest-dev                 # tests
+  zlib1g-dev                  # reads the gzip'd IDX files of the examples
+  dataset-fashion-mnist       # examples/01_fashion_mnist
+  libopenmpi-dev openmpi-bin  # lockstep::mpi and its tests
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  # dpkg -s also lists removed-but-configured packages; require "install ok installed".
+  if [[ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)" != "install ok installed" ]]; then
+    missing+=("$p")
+  fi
+done
+
+if [[ ${#missing[@]} -eq 0 ]]; then
+  echo "install_deps: all ${#packages[@]} packages present"
+  exit 0
+fi
+
+cmd=(apt-get install -y --no-install-recommends "${missing[@]}")
+if [[ $(id -u) -ne 0 ]]; then
+  echo "install_deps: missing packages: ${missing[*]}" >&2
+  echo "install_deps: run as root:  apt-get update && DEBIAN_FRONTEND=noninteractive ${cmd[*]}" >&2
+  exit 1
+fi
+
+echo "install_deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+apt-get update
+"${cmd[@]}"

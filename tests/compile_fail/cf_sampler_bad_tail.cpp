@@ -1,0 +1,5 @@
+// expect-error: Tail must be lockstep::Pad or lockstep::DropLast
+// DistributedSampler's second argument is a tail tag (swapped arguments are caught too).
+#include <lockstep/distributed_sampler.hpp>
+
+static_assert(sizeof(lockstep::DistributedSampler<lockstep::Shuffle, lockstep::Shuffle>) > 0);
