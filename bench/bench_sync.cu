@@ -1,0 +1,302 @@
+// bench_sync — lockstep's gradient synchronisation on local GPUs, each figure next to its
+// limit measured in the same run (benchmarks a-c of the GPU issue):
+//  a. sync of GPT-2-small's parameter set (fp32, bf16) vs one flat ncclAllReduce of the
+//     same bytes on the same communicator;
+//  b. overlap: a synthetic GPT-2-small step (per-tensor backward time ∝ its size, ≈26 ms in
+//     all) at N GPUs vs 1 GPU: exposed communication = step(N) − step(1);
+//  c. comm-bound MLP: 8 × 4096² (134M) with small per-layer compute (≈2.5 ms at 1 GPU).
+// Compute is simulated by kernels that hold every SM for a set time (so NCCL competes for
+// SMs as it would with real GEMMs). Timings: CUDA events on each rank's compute stream,
+// median over --iters steps after warm-up; a step's time is the slowest rank's.
+//
+//   bench_sync --shapes path/to/gpt2_124m_shapes.txt [--iters 30] [--gpus 4]
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <numeric>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <lockstep/cuda/run_gpus.cuh>
+#include <lockstep/lockstep.hpp>
+
+namespace {
+
+__global__ void spin_kernel(long long ns) {
+  unsigned long long start;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  for (;;) {
+    unsigned long long now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (static_cast<long long>(now - start) >= ns) break;
+  }
+}
+
+template <class T>
+__global__ void fill_kernel(T* p, std::size_t n, unsigned seed) {
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    unsigned x = static_cast<unsigned>(i) * 2654435761u ^ seed;
+    x ^= x >> 13; x *= 0x5bd1e995u; x ^= x >> 15;
+    p[i] = static_cast<T>((x & 0xffff) / 65536.0f - 0.5f);
+  }
+}
+
+template <class T>
+__global__ void sgd_kernel(T* p, const T* g, std::size_t n, float lr) {
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+    p[i] = static_cast<T>(static_cast<float>(p[i]) - lr * static_cast<float>(g[i]));
+}
+
+int sm_count = 132;
+
+// Occupies every SM for `us` microseconds (2 blocks per SM of 256 threads).
+void compute(double us, cudaStream_t s) {
+  if (us <= 0) return;
+  spin_kernel<<<2 * sm_count, 256, 0, s>>>(static_cast<long long>(us * 1000.0));
+  LOCKSTEP_CHECK_LAUNCH();
+}
+
+struct shape {
+  std::string name;
+  std::vector<std::int64_t> dims;
+  std::size_t numel() const {
+    return static_cast<std::size_t>(std::accumulate(dims.begin(), dims.end(), std::int64_t{1}, std::multiplies<>{}));
+  }
+};
+
+std::vector<shape> read_shapes(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw lockstep::config_error("cannot open shapes file " + path);
+  std::vector<shape> out;
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    std::istringstream ss(line);
+    shape s;
+    ss >> s.name;
+    std::int64_t d;
+    while (ss >> d) s.dims.push_back(d);
+    out.push_back(s);
+  }
+  return out;
+}
+
+// A model of given shapes on one GPU: values and gradients in device memory; zero-copy.
+template <class T>
+struct ShapesModel {
+  std::vector<shape> shapes;
+  std::vector<T*> vals, grads;
+  std::vector<T*> own;
+  ShapesModel(std::vector<shape> s, unsigned seed, cudaStream_t st) : shapes(std::move(s)) {
+    for (auto& sh : shapes) {
+      T *v = nullptr, *g = nullptr;
+      LOCKSTEP_TRY_CUDA(cudaMalloc(&v, sh.numel() * sizeof(T)));
+      LOCKSTEP_TRY_CUDA(cudaMalloc(&g, sh.numel() * sizeof(T)));
+      fill_kernel<<<1024, 256, 0, st>>>(v, sh.numel(), seed++);
+      LOCKSTEP_CHECK_LAUNCH();
+      vals.push_back(v); grads.push_back(g); own.push_back(g);
+    }
+    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(st));
+  }
+  ~ShapesModel() { for (auto p : vals) cudaFree(p); for (auto p : own) cudaFree(p); }
+  std::vector<lockstep::parameter> parameters() {
+    std::vector<lockstep::parameter> ps;
+    for (std::size_t i = 0; i < shapes.size(); ++i)
+      ps.push_back(lockstep::param<T>(shapes[i].name, vals[i], grads[i], shapes[i].dims));
+    return ps;
+  }
+  void bind_gradient(std::size_t i, void* p) { grads[i] = static_cast<T*>(p); }
+  // "Backward": writes every gradient (a fill pass, as a real backward writes them).
+  void write_grads(cudaStream_t s, unsigned seed) {
+    for (std::size_t i = 0; i < shapes.size(); ++i) {
+      fill_kernel<<<1024, 256, 0, s>>>(grads[i], shapes[i].numel(), seed + static_cast<unsigned>(i));
+      LOCKSTEP_CHECK_LAUNCH();
+    }
+  }
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+// Runs fn(ctx, stream) `iters` times per rank after `warm` warm-ups, timing each call with
+// events on the compute stream; returns the median over iterations of the slowest rank.
+template <class Setup>
+double timed(int ngpu, int warm, int iters, Setup&& setup) {
+  std::vector<int> devs(static_cast<std::size_t>(ngpu));
+  std::iota(devs.begin(), devs.end(), 0);
+  std::vector<std::vector<double>> per_rank(static_cast<std::size_t>(ngpu));
+  lockstep::run(lockstep::Gpus{devs}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
+    cudaStream_t s = ctx.comm().compute_stream();
+    auto body = setup(ctx, s);  // returns a callable doing one timed iteration
+    cudaEvent_t a, b;
+    LOCKSTEP_TRY_CUDA(cudaEventCreate(&a));
+    LOCKSTEP_TRY_CUDA(cudaEventCreate(&b));
+    for (int i = 0; i < warm + iters; ++i) {
+      ctx.comm().barrier();
+      LOCKSTEP_TRY_CUDA(cudaEventRecord(a, s));
+      body();
+      LOCKSTEP_TRY_CUDA(cudaEventRecord(b, s));
+      LOCKSTEP_TRY_CUDA(cudaEventSynchronize(b));
+      float ms = 0;
+      LOCKSTEP_TRY_CUDA(cudaEventElapsedTime(&ms, a, b));
+      if (i >= warm) per_rank[static_cast<std::size_t>(ctx.rank())].push_back(ms);
+    }
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+  });
+  std::vector<double> slowest(per_rank[0].size(), 0);
+  for (auto& r : per_rank)
+    for (std::size_t i = 0; i < r.size(); ++i) slowest[i] = std::max(slowest[i], r[i]);
+  return median(slowest);
+}
+
+template <class T>
+lockstep::dtype dt() { return lockstep::dtype_of<T>; }
+
+// a. flat all-reduce of the same bytes vs lockstep's finish() (fused) and per-bucket launches.
+template <class T>
+void bench_a(const std::vector<shape>& shapes, int ngpu, int iters, const char* tname) {
+  std::size_t total = 0;
+  for (auto& s : shapes) total += s.numel();
+  const double flat = timed(ngpu, 5, iters, [&](auto& ctx, cudaStream_t s) {
+    T* buf = nullptr;
+    LOCKSTEP_TRY_CUDA(cudaMalloc(&buf, total * sizeof(T)));
+    fill_kernel<<<1024, 256, 0, s>>>(buf, total, 7u);
+    auto* comm = &ctx.comm();
+    return [=] { comm->all_reduce(buf, buf, total, dt<T>(), lockstep::reduce_op::avg).wait(); };
+  });
+  auto lockstep_time = [&](bool hooks) {
+    return timed(ngpu, 5, iters, [&, hooks](auto& ctx, cudaStream_t s) {
+      auto m = std::make_shared<ShapesModel<T>>(shapes, 11u, s);
+      auto dp = std::make_shared<lockstep::DataParallel<ShapesModel<T>, lockstep::NcclComm>>(ctx, *m);
+      auto step = std::make_shared<std::optional<typename decltype(dp)::element_type::step_handle>>();
+      // Timed region: from "all gradients final" to "averaged" (finish()).
+      return [=] {
+        // (outside the timed region in spirit; zeroing + writes are tiny next to the sync)
+        step->emplace(dp->step());
+        m->write_grads(s, 3u);
+        if (hooks)
+          for (std::size_t i = shapes.size(); i-- > 0;) (*step)->gradient_ready(i);
+        (*step)->finish();
+        step->reset();
+      };
+    });
+  };
+  // Subtract the gradient zeroing + writing, measured alone, so only the sync remains.
+  const double local = timed(1, 5, iters, [&](auto&, cudaStream_t s) {
+    auto m = std::make_shared<ShapesModel<T>>(shapes, 11u, s);
+    std::size_t tot = total;
+    T* arena = nullptr;
+    LOCKSTEP_TRY_CUDA(cudaMalloc(&arena, tot * sizeof(T)));
+    return [=] {
+      LOCKSTEP_TRY_CUDA(cudaMemsetAsync(arena, 0, tot * sizeof(T), s));
+      m->write_grads(s, 3u);
+    };
+  });
+  const double fused = lockstep_time(false) - local;
+  const double buckets = lockstep_time(true) - local;
+  std::printf("a  %-4s %d GPU  %8.1f MB  flat %7.3f ms  lockstep fused %7.3f ms (ratio %.3f)  per-bucket %7.3f ms (ratio %.3f)\n",
+              tname, ngpu, total * sizeof(T) / 1e6, flat, fused, flat / fused, buckets, flat / buckets);
+}
+
+// b/c. A synthetic training step: forward (fwd_us per layer), backward (bwd_us per tensor,
+// hook after each), finish() with a per-bucket SGD update.
+template <class T>
+double train_step_time(const std::vector<shape>& shapes, int ngpu, int iters,
+                       const std::vector<double>& fwd_us, const std::vector<double>& bwd_us) {
+  return timed(ngpu, 5, iters, [&](auto& ctx, cudaStream_t s) {
+    auto m = std::make_shared<ShapesModel<T>>(shapes, 5u, s);
+    auto dp = std::make_shared<lockstep::DataParallel<ShapesModel<T>, lockstep::NcclComm>>(ctx, *m);
+    const std::size_t n = shapes.size();
+    return [=, &fwd_us, &bwd_us] {
+      auto step = dp->step();
+      for (double us : fwd_us) compute(us, s);
+      for (std::size_t i = n; i-- > 0;) {
+        compute(bwd_us[i], s);
+        fill_kernel<<<264, 256, 0, s>>>(m->grads[i], m->shapes[i].numel(), 9u);
+        step.gradient_ready(i);
+      }
+      step.finish([&](std::span<const lockstep::param_slice> slices) {
+        for (const auto& sl : slices) {
+          sgd_kernel<<<528, 256, 0, s>>>(static_cast<T*>(sl.value), static_cast<const T*>(sl.grad), sl.count, 1e-3f);
+        }
+      });
+    };
+  });
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    std::string shapes_path = "bench/data/gpt2_124m_shapes.txt";
+    int iters = 30, max_gpus = 0;
+    for (int i = 1; i < argc; ++i) {
+      std::string a = argv[i];
+      if (a == "--shapes" && i + 1 < argc) shapes_path = argv[++i];
+      else if (a == "--iters" && i + 1 < argc) iters = std::stoi(argv[++i]);
+      else if (a == "--gpus" && i + 1 < argc) max_gpus = std::stoi(argv[++i]);
+      else { std::fprintf(stderr, "usage: bench_sync [--shapes FILE] [--iters N] [--gpus N]\n"); return 2; }
+    }
+    int visible = 0;
+    LOCKSTEP_TRY_CUDA(cudaGetDeviceCount(&visible));
+    if (max_gpus <= 0 || max_gpus > visible) max_gpus = visible;
+    cudaDeviceProp prop{};
+    LOCKSTEP_TRY_CUDA(cudaGetDeviceProperties(&prop, 0));
+    sm_count = prop.multiProcessorCount;
+    std::printf("device: %d x %s, %d SMs, NCCL_NVLS_ENABLE=%s\n", visible, prop.name, sm_count,
+                std::getenv("NCCL_NVLS_ENABLE") ? std::getenv("NCCL_NVLS_ENABLE") : "(unset)");
+    auto gpt2 = read_shapes(shapes_path);
+    std::vector<int> counts;
+    for (int g : {1, 2, 4, 8}) if (g <= max_gpus) counts.push_back(g);
+
+    for (int g : counts) if (g > 1) { bench_a<float>(gpt2, g, iters, "fp32"); bench_a<__nv_bfloat16>(gpt2, g, iters, "bf16"); }
+
+    // b. GPT-2-small step ≈ 26 ms on one GPU: forward 1/3, backward 2/3, time ∝ tensor size.
+    {
+      std::size_t total = 0;
+      for (auto& s : gpt2) total += s.numel();
+      std::vector<double> fwd(12, 8000.0 / 12), bwd(gpt2.size());
+      for (std::size_t i = 0; i < gpt2.size(); ++i) bwd[i] = 16000.0 * gpt2[i].numel() / total;
+      double one = 0;
+      for (int g : counts) {
+        double t = train_step_time<__nv_bfloat16>(gpt2, g, iters, fwd, bwd);
+        if (g == 1) one = t;
+        std::printf("b  bf16 %d GPU  step %7.3f ms  exposed %6.3f ms (%5.2f%% of step)  scaling %.1f%%\n",
+                    g, t, t - one, 100.0 * (t - one) / t, 100.0 * one / t);
+      }
+    }
+    // c. comm-bound MLP: 8 × (4096×4096 weight + 4096 bias); small per-layer compute.
+    {
+      std::vector<shape> mlp;
+      for (int l = 0; l < 8; ++l) {
+        mlp.push_back({"l" + std::to_string(l) + ".weight", {4096, 4096}});
+        mlp.push_back({"l" + std::to_string(l) + ".bias", {4096}});
+      }
+      std::vector<double> fwd(8, 70.0), bwd(mlp.size(), 0.0);
+      for (std::size_t i = 0; i < mlp.size(); i += 2) bwd[i] = 140.0;
+      for (int pass = 0; pass < 2; ++pass) {
+        double one = 0;
+        for (int g : counts) {
+          double t = pass == 0 ? train_step_time<float>(mlp, g, iters, fwd, bwd)
+                               : train_step_time<__nv_bfloat16>(mlp, g, iters, fwd, bwd);
+          if (g == 1) one = t;
+          std::printf("c  %s %d GPU  step %7.3f ms  (1 GPU %7.3f ms, scaling %.1f%%)\n", pass == 0 ? "fp32" : "bf16", g,
+                      t, one, 100.0 * one / t);
+        }
+      }
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_sync: %s\n", e.what());
+    return 1;
+  }
+}
