@@ -1,0 +1,155 @@
+# Command-line checks of fashion_mnist, run by ctest:
+#   cmake -DMODE=missing_data|corrupt_data|resume -DEXE=<fashion_mnist> -DWORK=<dir> -P check_cli.cmake
+# missing_data: a directory without the files → exit 77 and a message naming the file and
+#               `apt-get install dataset-fashion-mnist`.
+# corrupt_data: bad magic, wrong dimensions, truncation, count mismatch, label ≥ 10 (files
+#               written here with sh/printf, gzip-compressed when gzip exists) → exit 1 and a
+#               message naming the file and the problem.
+# resume:       3 epochs straight == 1 epoch, checkpoint, --resume for epochs 2-3 (same
+#               parameter checksum); a truncated checkpoint is refused.
+# Prints "SKIPPED: ..." (ctest's SKIP_REGULAR_EXPRESSION) when a check needs the real data
+# and it is not installed, or needs sh and there is none.
+cmake_minimum_required(VERSION 3.25)
+foreach(v MODE EXE WORK)
+  if(NOT DEFINED ${v})
+    message(FATAL_ERROR "check_cli.cmake: pass -D${v}=...")
+  endif()
+endforeach()
+file(REMOVE_RECURSE "${WORK}")
+file(MAKE_DIRECTORY "${WORK}")
+
+# Runs the example; sets rc, out, err in the caller.
+function(run_example)
+  execute_process(COMMAND "${EXE}" ${ARGN} --progress 0
+                  RESULT_VARIABLE r OUTPUT_VARIABLE o ERROR_VARIABLE e)
+  set(rc "${r}" PARENT_SCOPE)
+  set(out "${o}" PARENT_SCOPE)
+  set(err "${e}" PARENT_SCOPE)
+endfunction()
+
+# Expects a failure with exit status `want_rc` and stderr matching `regex`.
+function(expect_failure name want_rc regex)
+  run_example(${ARGN})
+  if(NOT rc STREQUAL want_rc)
+    message(FATAL_ERROR "${name}: exit status ${rc}, expected ${want_rc}\nstdout:\n${out}\nstderr:\n${err}")
+  endif()
+  if(NOT err MATCHES "${regex}")
+    message(FATAL_ERROR "${name}: stderr does not match '${regex}':\n${err}")
+  endif()
+  message(STATUS "${name}: ok (exit ${rc}): ${err}")
+endfunction()
+
+if(MODE STREQUAL "missing_data")
+  set(dir "${WORK}/nowhere")
+  expect_failure(missing_data 77
+    "cannot find '[^']*nowhere/train-images-idx3-ubyte\\.gz'.*sudo apt-get install dataset-fashion-mnist.*--data DIR"
+    --data "${dir}" --smoke --ranks 1)
+
+elseif(MODE STREQUAL "corrupt_data")
+  find_program(SH sh)
+  if(NOT SH)
+    message(STATUS "SKIPPED: no sh to write the corrupt files with")
+    return()
+  endif()
+  find_program(GZIP gzip)
+  if(GZIP)
+    set(z "| \"${GZIP}\" -c")
+  else()
+    set(z "")
+  endif()
+  # IDX headers as printf octal escapes (big-endian u32s).
+  set(img_magic "\\000\\000\\010\\003")
+  set(lab_magic "\\000\\000\\010\\001")
+  set(u32_2 "\\000\\000\\000\\002")
+  set(u32_3 "\\000\\000\\000\\003")
+  set(u32_27 "\\000\\000\\000\\033")
+  set(u32_28 "\\000\\000\\000\\034")
+  set(u32_60000 "\\000\\000\\352\\140")
+  set(images_2 "( printf '${img_magic}${u32_2}${u32_28}${u32_28}' && head -c 1568 /dev/zero ) ${z} > train-images-idx3-ubyte.gz")
+
+  # name @@ shell commands run in a fresh directory (no ';': list separator) @@ expected stderr
+  set(cases
+    "bad_magic@@printf 'this is not an IDX file' ${z} > train-images-idx3-ubyte.gz@@train-images-idx3-ubyte\\.gz' has bad magic 0x74686973: expected 0x00000803"
+    "truncated@@( printf '${img_magic}${u32_60000}${u32_28}${u32_28}' && head -c 100 /dev/zero ) ${z} > train-images-idx3-ubyte.gz@@train-images-idx3-ubyte\\.gz' is truncated: its header announces 60000 images but the data ends after 0 of them"
+    "header_cut@@printf '${img_magic}\\000\\000' ${z} > train-images-idx3-ubyte.gz@@train-images-idx3-ubyte\\.gz' is truncated: it ends inside its IDX header"
+    "wrong_dims@@( printf '${img_magic}${u32_2}${u32_28}${u32_27}' && head -c 1512 /dev/zero ) ${z} > train-images-idx3-ubyte.gz@@train-images-idx3-ubyte\\.gz' holds 28x27 images. Fashion-MNIST images are 28x28"
+    "count_mismatch@@${images_2} && printf '${lab_magic}${u32_3}\\001\\002\\003' ${z} > train-labels-idx1-ubyte.gz@@train-images-idx3-ubyte\\.gz' holds 2 images but '[^']*train-labels-idx1-ubyte\\.gz' holds 3 labels"
+    "bad_label@@${images_2} && printf '${lab_magic}${u32_2}\\001\\014' ${z} > train-labels-idx1-ubyte.gz@@train-labels-idx1-ubyte\\.gz' is corrupt: label 12 at index 1 is out of range"
+    "labels_as_images@@printf '${lab_magic}${u32_2}\\001\\002' ${z} > train-images-idx3-ubyte.gz@@train-images-idx3-ubyte\\.gz' has bad magic 0x00000801")
+  set(real "/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
+  if(EXISTS "${real}")  # a real gzip stream cut short: zlib's error or a short read
+    list(APPEND cases
+      "cut_gzip@@head -c 100000 '${real}' > train-images-idx3-ubyte.gz@@train-images-idx3-ubyte\\.gz' is (corrupt: zlib reports|truncated)")
+  endif()
+  foreach(c IN LISTS cases)
+    string(REPLACE "@@" ";" parts "${c}")
+    list(GET parts 0 name)
+    list(GET parts 1 cmd)
+    list(GET parts 2 regex)
+    set(dir "${WORK}/${name}")
+    file(MAKE_DIRECTORY "${dir}")
+    file(WRITE "${dir}/make.sh" "set -e\ncd \"${dir}\"\n${cmd}\n")
+    execute_process(COMMAND "${SH}" "${dir}/make.sh" RESULT_VARIABLE mk ERROR_VARIABLE mk_err)
+    if(NOT mk EQUAL 0)
+      message(FATAL_ERROR "${name}: writing the test file failed (${mk}): ${mk_err}")
+    endif()
+    expect_failure(${name} 1 "${regex}" --data "${dir}" --smoke --ranks 1)
+  endforeach()
+
+elseif(MODE STREQUAL "resume")
+  set(common --smoke --ranks 2 --epochs 3)
+  run_example(${common} --checkpoint "${WORK}/straight.lsck")
+  if(rc STREQUAL "77")
+    message(STATUS "SKIPPED: Fashion-MNIST is not installed (${err})")
+    return()
+  endif()
+  if(NOT rc STREQUAL "0" OR NOT out MATCHES "final: [^\n]*fnv1a (0x[0-9a-f]+) \\(identical on all ranks\\)")
+    message(FATAL_ERROR "straight run failed (${rc}):\n${out}\n${err}")
+  endif()
+  set(straight "${CMAKE_MATCH_1}")
+  if(NOT out MATCHES "epoch 3/3 [^\n]*test accuracy ([0-9.]+%)")
+    message(FATAL_ERROR "straight run printed no epoch 3 line:\n${out}")
+  endif()
+  set(straight_acc "${CMAKE_MATCH_1}")
+
+  run_example(${common} --stop-after 1 --checkpoint "${WORK}/part.lsck")
+  if(NOT rc STREQUAL "0" OR out MATCHES "epoch 2/3" OR NOT EXISTS "${WORK}/part.lsck")
+    message(FATAL_ERROR "--stop-after 1 run failed (${rc}):\n${out}\n${err}")
+  endif()
+
+  run_example(${common} --resume "${WORK}/part.lsck")
+  if(NOT rc STREQUAL "0" OR NOT out MATCHES "resumed from [^\n]*: 1 epoch done"
+     OR out MATCHES "epoch 1/3" OR NOT out MATCHES "epoch 3/3 [^\n]*test accuracy ([0-9.]+%)")
+    message(FATAL_ERROR "resumed run failed (${rc}):\n${out}\n${err}")
+  endif()
+  set(resumed_acc "${CMAKE_MATCH_1}")
+  if(err MATCHES "warning")
+    message(FATAL_ERROR "resuming with the same options warned:\n${err}")
+  endif()
+  if(NOT out MATCHES "final: [^\n]*fnv1a (0x[0-9a-f]+)")
+    message(FATAL_ERROR "resumed run printed no final line:\n${out}")
+  endif()
+  if(NOT CMAKE_MATCH_1 STREQUAL straight OR NOT resumed_acc STREQUAL straight_acc)
+    message(FATAL_ERROR "resume is not exact: straight run ${straight} (${straight_acc}), "
+                        "resumed ${CMAKE_MATCH_1} (${resumed_acc})\n${out}")
+  endif()
+  message(STATUS "resume: ok, parameters ${straight}, accuracy ${straight_acc} both ways")
+
+  # Resuming with other options still works, with a warning.
+  run_example(--smoke --ranks 1 --epochs 3 --resume "${WORK}/part.lsck")
+  if(NOT rc STREQUAL "0" OR NOT err MATCHES "warning: the checkpoint was saved by a run with other options")
+    message(FATAL_ERROR "resuming on 1 rank failed or did not warn (${rc}):\n${out}\n${err}")
+  endif()
+
+  # A damaged checkpoint is refused with a clear message.
+  find_program(SH sh)
+  if(SH)
+    execute_process(COMMAND "${SH}" -c "head -c 200 '${WORK}/part.lsck' > '${WORK}/cut.lsck'")
+    expect_failure(cut_checkpoint 1 "checkpoint '[^']*cut\\.lsck' is truncated"
+                   ${common} --resume "${WORK}/cut.lsck")
+  endif()
+  expect_failure(no_checkpoint 1 "cannot open checkpoint '[^']*absent\\.lsck'"
+                 ${common} --resume "${WORK}/absent.lsck")
+else()
+  message(FATAL_ERROR "check_cli.cmake: unknown MODE '${MODE}'")
+endif()
