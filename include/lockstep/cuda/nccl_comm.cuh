@@ -1,0 +1,488 @@
+#pragma once
+//! NcclComm — a lockstep::communicator over NCCL: one object per rank, one rank per GPU.
+//!
+//! Streams. Each communicator has two streams on its device:
+//!  - the *compute* stream, where the model's kernels run (a stream of its own by default;
+//!    hand yours in with set_compute_stream()). memory() works on it.
+//!  - the *communication* stream (non-blocking, highest priority), where NCCL runs.
+//! A collective records an event on the compute stream, makes the communication stream wait
+//! for it (so it sees every gradient computed so far), runs NCCL there and records a
+//! completion event. The returned work's wait() makes the compute stream wait for that event:
+//! no host synchronisation anywhere, so later backward kernels overlap the communication.
+//!
+//! Threads. One host thread per rank: every rank's collectives must be issued concurrently
+//! (from different threads, or different processes), because NCCL's kernels wait for their
+//! peers. A communicator must not be used by two threads at once. Every method makes the
+//! communicator's device current for its duration and restores the caller's device, so a
+//! thread need not call cudaSetDevice itself (lockstep's DataParallel gives each device its
+//! own thread). The exception is abort(), which any thread may call at any time (e.g. a
+//! watchdog) to release a rank blocked on a peer that died.
+//!
+//! Failures. Calls that fail throw cuda_error / nccl_error naming the call, file:line and
+//! NCCL's or CUDA's reason; misuse (bad root, unknown device) throws config_error. After a
+//! rank fails, call abort() on every communicator of the group before destroying them:
+//! destroying a communicator whose peers stopped may wait for them forever.
+//!
+//! Example (one process, all its GPUs):
+//! \code
+//!   std::vector<int> devices{0, 1, 2, 3};
+//!   auto comms = lockstep::NcclComm::create_local(devices);
+//!   // on thread r: auto w = comms[r].all_reduce(g, g, n, lockstep::dtype::f32,
+//!   //                                           lockstep::reduce_op::avg);
+//!   //              w.wait();   // later kernels on comms[r].compute_stream() see the average
+//! \endcode
+
+#include <atomic>
+#include <cstddef>
+#include <cstdio>
+#include <initializer_list>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include "lockstep/concepts.hpp"
+#include "lockstep/cuda/cuda_memory.cuh"
+#include "lockstep/cuda/error.cuh"
+#include "lockstep/dtype.hpp"
+#include "lockstep/error.hpp"
+#include "lockstep/reduce_op.hpp"
+
+namespace lockstep {
+
+namespace detail {
+
+//! Completion events, reused: a collective takes one and its work handle gives it back, so
+//! steady-state training creates none. Shared with the work handles, which may outlive the
+//! communicator.
+class event_pool {
+ public:
+  explicit event_pool(int device) : device_(device) { free_.reserve(64); }
+  ~event_pool() {
+    device_guard g(device_, std::nothrow);
+    for (cudaEvent_t e : free_) (void)cudaEventDestroy(e);
+  }
+  event_pool(const event_pool&) = delete;
+  event_pool& operator=(const event_pool&) = delete;
+
+  int device() const noexcept { return device_; }
+
+  //! The caller has made device() current.
+  cudaEvent_t acquire() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!free_.empty()) {
+        cudaEvent_t e = free_.back();
+        free_.pop_back();
+        return e;
+      }
+    }
+    cudaEvent_t e = nullptr;
+    LOCKSTEP_TRY_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    return e;
+  }
+
+  void release(cudaEvent_t e) noexcept {
+    try {
+      std::lock_guard<std::mutex> lock(mutex_);
+      free_.push_back(e);
+      return;
+    } catch (...) {
+    }
+    device_guard g(device_, std::nothrow);
+    (void)cudaEventDestroy(e);
+  }
+
+ private:
+  int device_;
+  std::mutex mutex_;
+  std::vector<cudaEvent_t> free_;
+};
+
+}  // namespace detail
+
+class NcclComm {
+ public:
+  // --------------------------------------------------------------------------------------
+  //! The handle of one collective in flight.
+  //!  - wait(): the compute stream (the one current when the collective was issued) waits for
+  //!    the collective; returns at once, no host synchronisation. wait(s) does it for stream s.
+  //!  - synchronize(): the host waits until the collective has finished.
+  //!  - query(): true once it has finished.
+  //! A default-constructed work (also what a zero-length collective returns) is complete.
+  //! Move-only. synchronize() and query() may outlive the communicator; wait() needs the
+  //! compute stream it orders to still exist.
+  class work {
+   public:
+    work() = default;
+    work(work&& o) noexcept
+        : pool_(std::move(o.pool_)), event_(std::exchange(o.event_, nullptr)), stream_(o.stream_) {}
+    work& operator=(work&& o) noexcept {
+      if (this != &o) {
+        release();
+        pool_ = std::move(o.pool_);
+        event_ = std::exchange(o.event_, nullptr);
+        stream_ = o.stream_;
+      }
+      return *this;
+    }
+    work(const work&) = delete;
+    work& operator=(const work&) = delete;
+    ~work() { release(); }
+
+    void wait() { wait(stream_); }
+
+    void wait(cudaStream_t stream) {
+      if (event_ == nullptr) return;
+      // Stream 0 means the *current* device's default stream: be on ours.
+      detail::device_guard g(pool_->device());
+      LOCKSTEP_TRY_CUDA(cudaStreamWaitEvent(stream, event_, 0));
+    }
+
+    void synchronize() const {
+      if (event_ == nullptr) return;
+      LOCKSTEP_TRY_CUDA(cudaEventSynchronize(event_));
+    }
+
+    bool query() const {
+      if (event_ == nullptr) return true;
+      const cudaError_t e = cudaEventQuery(event_);
+      if (e == cudaErrorNotReady) return false;
+      detail::check_cuda(e, "cudaEventQuery(event)", __FILE__, __LINE__);
+      return true;
+    }
+
+   private:
+    friend class NcclComm;
+    work(std::shared_ptr<detail::event_pool> pool, cudaEvent_t e, cudaStream_t s) noexcept
+        : pool_(std::move(pool)), event_(e), stream_(s) {}
+    void release() noexcept {
+      if (event_ != nullptr && pool_) pool_->release(event_);
+      event_ = nullptr;
+      pool_.reset();
+    }
+
+    std::shared_ptr<detail::event_pool> pool_;
+    cudaEvent_t event_ = nullptr;
+    cudaStream_t stream_ = nullptr;
+  };
+  using work_type = work;
+
+  // --------------------------------------------------------------------------------------
+  //! One process driving several local GPUs: element r is rank r, on devices[r]. Hand each
+  //! element to its own host thread. Devices must be distinct and visible.
+  static std::vector<NcclComm> create_local(std::span<const int> devices) {
+    const int n = static_cast<int>(devices.size());
+    if (n < 1) throw config_error("NcclComm::create_local: the device list is empty; pass one device per rank");
+    const int visible = device_count();
+    for (int i = 0; i < n; ++i) {
+      check_device(devices[static_cast<std::size_t>(i)], visible, "NcclComm::create_local");
+      for (int j = 0; j < i; ++j)
+        if (devices[static_cast<std::size_t>(j)] == devices[static_cast<std::size_t>(i)])
+          throw config_error("NcclComm::create_local: device " + std::to_string(devices[static_cast<std::size_t>(i)]) +
+                             " is listed twice (ranks " + std::to_string(j) + " and " + std::to_string(i) +
+                             "); NCCL needs one device per rank");
+    }
+    std::vector<ncclComm_t> raw(static_cast<std::size_t>(n), nullptr);
+    {
+      // ncclCommInitAll switches devices internally; leave the caller's device as it was.
+      detail::device_guard g(devices[0]);
+      LOCKSTEP_TRY_NCCL(ncclCommInitAll(raw.data(), n, devices.data()));
+    }
+    std::vector<NcclComm> out;
+    std::size_t adopted = 0;  // raw[0, adopted) belong to `out` (or were destroyed by it)
+    try {
+      out.reserve(static_cast<std::size_t>(n));
+      for (; adopted < raw.size(); ++adopted) {
+        const auto r = static_cast<int>(adopted);
+        ncclComm_t c = std::exchange(raw[adopted], nullptr);
+        out.push_back(NcclComm(adopt_tag{}, c, r, n, devices[adopted]));
+      }
+    } catch (...) {
+      for (std::size_t j = adopted; j < raw.size(); ++j)
+        if (raw[j] != nullptr) destroy_raw(raw[j], devices[j]);
+      throw;
+    }
+    return out;
+  }
+  static std::vector<NcclComm> create_local(std::initializer_list<int> devices) {
+    return create_local(std::span<const int>(devices.begin(), devices.size()));
+  }
+
+  //! One process (or thread) per GPU: rank `rank` of `world`, on `device`. Every rank calls
+  //! this with the same id (from ncclGetUniqueId on one rank, shared out of band); it returns
+  //! once all `world` ranks have joined.
+  NcclComm(const ncclUniqueId& id, int rank, int world, int device)
+      : NcclComm(adopt_tag{}, init_rank(id, rank, world, device), rank, world, device) {}
+
+  NcclComm(NcclComm&&) noexcept = default;
+  NcclComm& operator=(NcclComm&&) noexcept = default;
+  NcclComm(const NcclComm&) = delete;
+  NcclComm& operator=(const NcclComm&) = delete;
+  //! ncclCommDestroy (unless aborted), then the streams and events. Never throws.
+  ~NcclComm() = default;
+
+  // --------------------------------------------------------------------------------------
+  int rank() const noexcept { return s_ ? s_->rank : -1; }
+  int size() const noexcept { return s_ ? s_->size : 0; }
+  int device() const noexcept { return s_ ? s_->device : -1; }
+  cudaStream_t comm_stream() const noexcept { return s_ ? s_->comm_stream : nullptr; }
+  cudaStream_t compute_stream() const noexcept { return s_ ? s_->compute : nullptr; }
+  //! The raw NCCL communicator, for calls lockstep does not wrap. Stays owned by this object.
+  ncclComm_t raw() const noexcept { return s_ ? s_->comm : nullptr; }
+
+  //! Use `stream` (a stream of device(); nullptr = the legacy default stream) as the compute
+  //! stream from now on: collectives wait for the work queued on it, and work::wait() and
+  //! memory() order on it. The stream must outlive its use here.
+  void set_compute_stream(cudaStream_t stream) { live("set_compute_stream").compute = stream; }
+
+  //! Device memory operations, ordered on the compute stream.
+  CudaMemory memory() const noexcept { return CudaMemory(device(), compute_stream()); }
+
+  // --------------------------------------------------------------------------------------
+  // Collectives: device pointers, counts in elements of t. Every rank must issue the same
+  // collectives in the same order with the same counts, types and ops.
+
+  //! recv[i] = op over ranks of send[i]; send == recv is in place. avg is NCCL's ncclAvg.
+  work all_reduce(const void* send, void* recv, std::size_t count, dtype t, reduce_op op) {
+    state& s = live("all_reduce");
+    if (count == 0) return {};
+    require(send, "send", "all_reduce");
+    require(recv, "recv", "all_reduce");
+    const ncclDataType_t nt = to_nccl(t);
+    const ncclRedOp_t nop = reduction(s, op);
+    return issue(s, [&](cudaStream_t cs) {
+      LOCKSTEP_TRY_NCCL(ncclAllReduce(send, recv, count, nt, nop, s.comm, cs));
+    });
+  }
+
+  //! buf on every rank ← buf on `root`.
+  work broadcast(void* buf, std::size_t count, dtype t, int root) {
+    state& s = live("broadcast");
+    if (root < 0 || root >= s.size)
+      throw config_error("NcclComm::broadcast: root " + std::to_string(root) +
+                         " is not a rank of this group of " + std::to_string(s.size));
+    if (count == 0) return {};
+    require(buf, "buf", "broadcast");
+    const ncclDataType_t nt = to_nccl(t);
+    return issue(s, [&](cudaStream_t cs) {
+      LOCKSTEP_TRY_NCCL(ncclBroadcast(buf, buf, count, nt, root, s.comm, cs));
+    });
+  }
+
+  //! recv (size()·count elements) ← every rank's send, rank r's at r·count. In place when
+  //! send == recv + rank()·count.
+  work all_gather(const void* send, void* recv, std::size_t count, dtype t) {
+    state& s = live("all_gather");
+    if (count == 0) return {};
+    require(send, "send", "all_gather");
+    require(recv, "recv", "all_gather");
+    const ncclDataType_t nt = to_nccl(t);
+    return issue(s, [&](cudaStream_t cs) {
+      LOCKSTEP_TRY_NCCL(ncclAllGather(send, recv, count, nt, s.comm, cs));
+    });
+  }
+
+  //! recv (count elements) ← op over ranks of block rank() of send (size()·count elements).
+  //! In place when recv == send + rank()·count.
+  work reduce_scatter(const void* send, void* recv, std::size_t count, dtype t, reduce_op op) {
+    state& s = live("reduce_scatter");
+    if (count == 0) return {};
+    require(send, "send", "reduce_scatter");
+    require(recv, "recv", "reduce_scatter");
+    const ncclDataType_t nt = to_nccl(t);
+    const ncclRedOp_t nop = reduction(s, op);
+    return issue(s, [&](cudaStream_t cs) {
+      LOCKSTEP_TRY_NCCL(ncclReduceScatter(send, recv, count, nt, nop, s.comm, cs));
+    });
+  }
+
+  //! Returns (on the host) once every rank has reached the barrier and this rank's device
+  //! work issued before it (compute and communication) has finished.
+  void barrier() {
+    state& s = live("barrier");
+    work w = all_reduce(s.barrier_buf, s.barrier_buf, 1, dtype::i32, reduce_op::sum);
+    w.synchronize();
+    live("barrier");  // an abort() while we waited turns into aborted_error here
+  }
+
+  //! Throws nccl_error if NCCL has recorded an asynchronous failure on this communicator
+  //! (e.g. a peer's network connection broke). Cheap; meant for watchdogs and error paths.
+  void check_async_error() const {
+    if (!s_) return;
+    ncclResult_t r = ncclSuccess;
+    LOCKSTEP_TRY_NCCL(ncclCommGetAsyncError(s_->comm, &r));
+    if (r != ncclSuccess && r != ncclInProgress)
+      throw nccl_error(detail::call_failure("ncclCommGetAsyncError", __FILE__, __LINE__,
+                                            "rank " + std::to_string(s_->rank) + ": " +
+                                                detail::describe_nccl(r)));
+  }
+
+  //! Stops this rank's communication now (ncclCommAbort): NCCL kernels in flight quit, a
+  //! thread blocked in barrier()/synchronize() is released, and every later call throws
+  //! aborted_error carrying `reason`. Safe from any thread; idempotent; never throws.
+  void abort(std::string_view reason = "aborted") noexcept {
+    if (!s_) return;
+    if (s_->released.exchange(true)) return;
+    try {
+      s_->abort_reason.assign(reason);
+    } catch (...) {
+    }
+    s_->aborted.store(true, std::memory_order_release);
+    detail::device_guard g(s_->device, std::nothrow);
+    const ncclResult_t r = ncclCommAbort(s_->comm);
+    if (r != ncclSuccess)
+      std::fprintf(stderr, "lockstep: ncclCommAbort on rank %d failed: %s\n", s_->rank,
+                   ncclGetErrorString(r));
+  }
+  bool aborted() const noexcept { return s_ && s_->aborted.load(std::memory_order_acquire); }
+
+ private:
+  struct adopt_tag {};
+
+  struct state {
+    ncclComm_t comm = nullptr;
+    int rank = 0;
+    int size = 0;
+    int device = 0;
+    cudaStream_t comm_stream = nullptr;
+    cudaStream_t own_compute = nullptr;
+    cudaStream_t compute = nullptr;
+    cudaEvent_t ready = nullptr;  // "compute work so far", re-recorded by each collective
+    int* barrier_buf = nullptr;
+    std::shared_ptr<detail::event_pool> events;
+    std::atomic<bool> released{false};  // the comm was destroyed or aborted: exactly once
+    std::atomic<bool> aborted{false};   // set after abort_reason is written
+    std::string abort_reason;
+
+    state() = default;
+    state(const state&) = delete;
+    state& operator=(const state&) = delete;
+    ~state() {
+      detail::device_guard g(device, std::nothrow);
+      if (comm != nullptr && !released.exchange(true)) {
+        const ncclResult_t r = ncclCommDestroy(comm);
+        if (r != ncclSuccess)
+          std::fprintf(stderr, "lockstep: ncclCommDestroy on rank %d failed: %s\n", rank,
+                       ncclGetErrorString(r));
+      }
+      if (barrier_buf != nullptr) (void)cudaFree(barrier_buf);
+      if (ready != nullptr) (void)cudaEventDestroy(ready);
+      // Streams with queued work are released once it completes (cudaStreamDestroy).
+      if (comm_stream != nullptr) (void)cudaStreamDestroy(comm_stream);
+      if (own_compute != nullptr) (void)cudaStreamDestroy(own_compute);
+    }
+  };
+
+  NcclComm(adopt_tag, ncclComm_t c, int rank, int world, int device) {
+    try {
+      s_ = std::make_unique<state>();
+    } catch (...) {
+      destroy_raw(c, device);
+      throw;
+    }
+    state& s = *s_;  // from here on s_ owns c: a throw destroys it with the rest
+    s.comm = c;
+    s.rank = rank;
+    s.size = world;
+    s.device = device;
+    detail::device_guard g(device);
+    // Trust, but verify: the rank/size/device NCCL holds must be the ones we report.
+    int nccl_rank = -1, nccl_size = -1, nccl_device = -1;
+    LOCKSTEP_TRY_NCCL(ncclCommUserRank(c, &nccl_rank));
+    LOCKSTEP_TRY_NCCL(ncclCommCount(c, &nccl_size));
+    LOCKSTEP_TRY_NCCL(ncclCommCuDevice(c, &nccl_device));
+    if (nccl_rank != rank || nccl_size != world || nccl_device != device)
+      throw nccl_error("NcclComm: NCCL reports rank " + std::to_string(nccl_rank) + " of " +
+                       std::to_string(nccl_size) + " on device " + std::to_string(nccl_device) +
+                       ", expected rank " + std::to_string(rank) + " of " + std::to_string(world) +
+                       " on device " + std::to_string(device));
+    int least = 0, greatest = 0;
+    LOCKSTEP_TRY_CUDA(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    LOCKSTEP_TRY_CUDA(cudaStreamCreateWithPriority(&s.comm_stream, cudaStreamNonBlocking, greatest));
+    LOCKSTEP_TRY_CUDA(cudaStreamCreateWithFlags(&s.own_compute, cudaStreamNonBlocking));
+    s.compute = s.own_compute;
+    LOCKSTEP_TRY_CUDA(cudaEventCreateWithFlags(&s.ready, cudaEventDisableTiming));
+    s.events = std::make_shared<detail::event_pool>(device);
+    LOCKSTEP_TRY_CUDA(cudaMalloc(reinterpret_cast<void**>(&s.barrier_buf), sizeof(int)));
+    LOCKSTEP_TRY_CUDA(cudaMemsetAsync(s.barrier_buf, 0, sizeof(int), s.compute));
+    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s.compute));
+  }
+
+  static int device_count() {
+    int n = 0;
+    LOCKSTEP_TRY_CUDA(cudaGetDeviceCount(&n));
+    return n;
+  }
+
+  static void check_device(int device, int visible, const char* who) {
+    if (device < 0 || device >= visible)
+      throw config_error(std::string(who) + ": device " + std::to_string(device) +
+                         " does not exist; this process sees " + std::to_string(visible) +
+                         " CUDA device(s) (0.." + std::to_string(visible - 1) +
+                         "); check CUDA_VISIBLE_DEVICES");
+  }
+
+  static ncclComm_t init_rank(const ncclUniqueId& id, int rank, int world, int device) {
+    if (world < 1 || rank < 0 || rank >= world)
+      throw config_error("NcclComm: rank " + std::to_string(rank) + " of " + std::to_string(world) +
+                         " is not a valid rank (need 0 <= rank < world, world >= 1)");
+    check_device(device, device_count(), "NcclComm");
+    detail::device_guard g(device);
+    ncclComm_t c = nullptr;
+    LOCKSTEP_TRY_NCCL(ncclCommInitRank(&c, world, id, rank));
+    return c;
+  }
+
+  static void destroy_raw(ncclComm_t c, int device) noexcept {
+    detail::device_guard g(device, std::nothrow);
+    (void)ncclCommDestroy(c);
+  }
+
+  state& live(const char* what) const {
+    if (!s_) throw config_error(std::string("NcclComm::") + what + ": this communicator was moved from");
+    if (s_->aborted.load(std::memory_order_acquire))
+      throw aborted_error(std::string("NcclComm::") + what + ": rank " + std::to_string(s_->rank) +
+                          " was aborted (" + s_->abort_reason +
+                          "); create a new communicator to continue");
+    return *s_;
+  }
+
+  // On one rank, avg is the identity: send it as sum (a plain copy). NCCL before 2.29.7
+  // leaves the tail of a one-rank avg unwritten (NVIDIA/nccl#1950; seen here with 2.28.9 at
+  // 2^20 + 3 elements).
+  static ncclRedOp_t reduction(const state& s, reduce_op op) {
+    return s.size == 1 && op == reduce_op::avg ? ncclSum : to_nccl(op);
+  }
+
+  static void require(const void* p, const char* name, const char* what) {
+    if (p == nullptr)
+      throw config_error(std::string("NcclComm::") + what + ": " + name +
+                         " is null but count > 0; pass a device buffer");
+  }
+
+  template <class Call>
+  work issue(state& s, Call&& call) {
+    detail::device_guard g(s.device);
+    LOCKSTEP_TRY_CUDA(cudaEventRecord(s.ready, s.compute));
+    LOCKSTEP_TRY_CUDA(cudaStreamWaitEvent(s.comm_stream, s.ready, 0));
+    work w(s.events, s.events->acquire(), s.compute);  // returns the event if we throw below
+    call(s.comm_stream);
+    LOCKSTEP_TRY_CUDA(cudaEventRecord(w.event_, s.comm_stream));
+    return w;
+  }
+
+  std::unique_ptr<state> s_;
+};
+
+static_assert(communicator<NcclComm>);
+static_assert(work<NcclComm::work>);
+
+}  // namespace lockstep
