@@ -39,6 +39,8 @@ if(MODE STREQUAL "find_package")
   step("configure lockstep" ${CMAKE_COMMAND} -S ${LOCKSTEP_SOURCE} -B ${WORK_DIR}/lockstep-build
        ${common_args} -DLOCKSTEP_BUILD_TESTS=OFF -DLOCKSTEP_BUILD_EXAMPLES=OFF
        -DLOCKSTEP_BUILD_BENCH=OFF -DLOCKSTEP_INSTALL=ON)
+  # Build first (the install includes the lockstep-info tool), as a user would.
+  step("build lockstep" ${CMAKE_COMMAND} --build ${WORK_DIR}/lockstep-build)
   step("install lockstep" ${CMAKE_COMMAND} --install ${WORK_DIR}/lockstep-build --prefix ${prefix})
   set(consume_args -DCMAKE_PREFIX_PATH=${prefix} -DLOCKSTEP_EXPECT_PREFIX=${prefix})
 elseif(MODE STREQUAL "subdirectory" OR MODE STREQUAL "fetchcontent")
