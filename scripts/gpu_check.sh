@@ -23,9 +23,9 @@ cmake -S . -B "$BUILD" -DLOCKSTEP_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$AR
 cmake --build "$BUILD" -j"$(nproc)" >"$OUT/build.log" 2>&1 || { grep -E "error" -A5 "$OUT/build.log" | head -80; exit 1; }
 echo "== lockstep-info"; "$BUILD/tools/lockstep-info" 2>&1 | tee "$OUT/info.txt"
 echo "== tests (gpu, multigpu)"
-(cd "$BUILD" && ctest -L 'gpu|multigpu' --output-on-failure --timeout 900) >"$OUT/ctest_gpu.txt" 2>&1
+(cd "$BUILD" && ctest -L 'gpu|multigpu' --output-on-failure --timeout 240) >"$OUT/ctest_gpu.txt" 2>&1
 rc=$?
 grep -E "Passed|Failed|Skipped|Not Run|tests passed|tests failed|SKIPPED|\*\*\*" "$OUT/ctest_gpu.txt" | tail -60
-echo "== bench_kernels"; "$BUILD/bench/bench_kernels" "$SHAPES" 2>&1 | tee "$OUT/bench_kernels.txt"
-echo "== bench_sync"; "$BUILD/bench/bench_sync" --shapes "$SHAPES" --iters "$ITERS" 2>&1 | tee "$OUT/bench_sync.txt"
+echo "== bench_kernels"; timeout 200 "$BUILD/bench/bench_kernels" "$SHAPES" 2>&1 | tee "$OUT/bench_kernels.txt"
+echo "== bench_sync"; timeout 240 "$BUILD/bench/bench_sync" --shapes "$SHAPES" --iters "$ITERS" 2>&1 | tee "$OUT/bench_sync.txt"
 exit $rc
