@@ -16,6 +16,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <functional>
+#include <optional>
 #include <map>
 #include <mutex>
 #include <numeric>
@@ -126,8 +128,9 @@ double median(std::vector<double> v) {
   return v.empty() ? 0 : v[v.size() / 2];
 }
 
-// Runs fn(ctx, stream) `iters` times per rank after `warm` warm-ups, timing each call with
-// events on the compute stream; returns the median over iterations of the slowest rank.
+// setup(ctx, stream) returns {pre, body}. Each iteration: pre() (untimed), a barrier (every
+// rank's device idle), then body() between two events on the compute stream. Returns the
+// median over iterations of the slowest rank's time.
 template <class Setup>
 double timed(int ngpu, int warm, int iters, Setup&& setup) {
   std::vector<int> devs(static_cast<std::size_t>(ngpu));
@@ -135,11 +138,12 @@ double timed(int ngpu, int warm, int iters, Setup&& setup) {
   std::vector<std::vector<double>> per_rank(static_cast<std::size_t>(ngpu));
   lockstep::run(lockstep::Gpus{devs}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
     cudaStream_t s = ctx.comm().compute_stream();
-    auto body = setup(ctx, s);  // returns a callable doing one timed iteration
+    auto [pre, body] = setup(ctx, s);
     cudaEvent_t a, b;
     LOCKSTEP_TRY_CUDA(cudaEventCreate(&a));
     LOCKSTEP_TRY_CUDA(cudaEventCreate(&b));
     for (int i = 0; i < warm + iters; ++i) {
+      pre();
       ctx.comm().barrier();
       LOCKSTEP_TRY_CUDA(cudaEventRecord(a, s));
       body();
@@ -158,78 +162,88 @@ double timed(int ngpu, int warm, int iters, Setup&& setup) {
   return median(slowest);
 }
 
+inline std::function<void()> nothing() { return [] {}; }
+
 template <class T>
 lockstep::dtype dt() { return lockstep::dtype_of<T>; }
 
-// a. flat all-reduce of the same bytes vs lockstep's finish() (fused) and per-bucket launches.
+// Flat limit: one all-reduce (avg) of `total` elements on the same communicator.
 template <class T>
-void bench_a(const std::vector<shape>& shapes, int ngpu, int iters, const char* tname) {
-  std::size_t total = 0;
-  for (auto& s : shapes) total += s.numel();
-  const double flat = timed(ngpu, 5, iters, [&](auto& ctx, cudaStream_t s) {
+double flat_time(std::size_t total, int ngpu, int iters) {
+  return timed(ngpu, 5, iters, [&](auto& ctx, cudaStream_t s) {
     T* buf = nullptr;
     LOCKSTEP_TRY_CUDA(cudaMalloc(&buf, total * sizeof(T)));
     fill_kernel<<<1024, 256, 0, s>>>(buf, total, 7u);
     auto* comm = &ctx.comm();
-    return [=] { comm->all_reduce(buf, buf, total, dt<T>(), lockstep::reduce_op::avg).wait(); };
+    return std::pair{nothing(), std::function<void()>([=] {
+                       comm->all_reduce(buf, buf, total, dt<T>(), lockstep::reduce_op::avg).wait();
+                     })};
   });
-  auto lockstep_time = [&](bool hooks) {
-    return timed(ngpu, 5, iters, [&, hooks](auto& ctx, cudaStream_t s) {
+}
+
+// a. gradient sync once every gradient is final: lockstep's finish() (the remaining buckets
+// fused into one all-reduce) and bucket-by-bucket launches, vs the flat all-reduce.
+template <class T>
+void bench_a(const std::vector<shape>& shapes, int ngpu, int iters, const char* tname) {
+  std::size_t total = 0;
+  for (auto& s : shapes) total += s.numel();
+  const double flat = flat_time<T>(total, ngpu, iters);
+  auto lockstep_time = [&](bool per_bucket) {
+    return timed(ngpu, 5, iters, [&, per_bucket](auto& ctx, cudaStream_t s) {
       auto m = std::make_shared<ShapesModel<T>>(shapes, 11u, s);
       auto dp = std::make_shared<lockstep::DataParallel<ShapesModel<T>, lockstep::NcclComm>>(ctx, *m);
-      auto step = std::make_shared<std::optional<typename decltype(dp)::element_type::step_handle>>();
-      // Timed region: from "all gradients final" to "averaged" (finish()).
-      return [=] {
-        // (outside the timed region in spirit; zeroing + writes are tiny next to the sync)
+      using handle = typename decltype(dp)::element_type::step_handle;
+      auto step = std::make_shared<std::optional<handle>>();
+      const std::size_t n = shapes.size();
+      // Untimed: start the step and write every gradient (a backward).
+      auto pre = [=] {
         step->emplace(dp->step());
         m->write_grads(s, 3u);
-        if (hooks)
-          for (std::size_t i = shapes.size(); i-- > 0;) (*step)->gradient_ready(i);
+      };
+      // Timed: report the gradients (per-bucket launches) or not (all fused), then finish().
+      auto body = [=] {
+        if (per_bucket)
+          for (std::size_t i = n; i-- > 0;) (*step)->gradient_ready(i);
         (*step)->finish();
         step->reset();
       };
+      return std::pair{std::function<void()>(pre), std::function<void()>(body)};
     });
   };
-  // Subtract the gradient zeroing + writing, measured alone, so only the sync remains.
-  const double local = timed(1, 5, iters, [&](auto&, cudaStream_t s) {
-    auto m = std::make_shared<ShapesModel<T>>(shapes, 11u, s);
-    std::size_t tot = total;
-    T* arena = nullptr;
-    LOCKSTEP_TRY_CUDA(cudaMalloc(&arena, tot * sizeof(T)));
-    return [=] {
-      LOCKSTEP_TRY_CUDA(cudaMemsetAsync(arena, 0, tot * sizeof(T), s));
-      m->write_grads(s, 3u);
-    };
-  });
-  const double fused = lockstep_time(false) - local;
-  const double buckets = lockstep_time(true) - local;
-  std::printf("a  %-4s %d GPU  %8.1f MB  flat %7.3f ms  lockstep fused %7.3f ms (ratio %.3f)  per-bucket %7.3f ms (ratio %.3f)\n",
+  const double fused = lockstep_time(false);
+  const double buckets = lockstep_time(true);
+  std::printf("a  %-4s %d GPU  %6.1f MB  flat %7.3f ms  lockstep fused %7.3f ms (flat/lockstep %.3f)  per-bucket %7.3f ms (%.3f)\n",
               tname, ngpu, total * sizeof(T) / 1e6, flat, fused, flat / fused, buckets, flat / buckets);
 }
 
-// b/c. A synthetic training step: forward (fwd_us per layer), backward (bwd_us per tensor,
-// hook after each), finish() with a per-bucket SGD update.
+// b/c. A synthetic training step: forward (fwd_us per layer); backward: `head_us` of compute
+// with no gradient final yet (e.g. GPT-2's tied lm_head), then per tensor (reverse
+// registration order) bwd_us[i] of compute and its gradient reported; finish() with a
+// per-bucket SGD update (which overlaps the buckets still in flight).
 template <class T>
-double train_step_time(const std::vector<shape>& shapes, int ngpu, int iters,
-                       const std::vector<double>& fwd_us, const std::vector<double>& bwd_us) {
+double train_step_time(const std::vector<shape>& shapes, int ngpu, int iters, double head_us,
+                       const std::vector<double>& fwd_us, const std::vector<double>& bwd_us,
+                       lockstep::BucketPolicy buckets = {}) {
   return timed(ngpu, 5, iters, [&](auto& ctx, cudaStream_t s) {
     auto m = std::make_shared<ShapesModel<T>>(shapes, 5u, s);
-    auto dp = std::make_shared<lockstep::DataParallel<ShapesModel<T>, lockstep::NcclComm>>(ctx, *m);
+    auto dp = std::make_shared<lockstep::DataParallel<ShapesModel<T>, lockstep::NcclComm>>(
+        ctx, *m, lockstep::DataParallelOptions{.buckets = buckets});
     const std::size_t n = shapes.size();
-    return [=, &fwd_us, &bwd_us] {
+    auto body = [=, &fwd_us, &bwd_us] {
       auto step = dp->step();
       for (double us : fwd_us) compute(us, s);
+      compute(head_us, s);
       for (std::size_t i = n; i-- > 0;) {
         compute(bwd_us[i], s);
         fill_kernel<<<264, 256, 0, s>>>(m->grads[i], m->shapes[i].numel(), 9u);
         step.gradient_ready(i);
       }
       step.finish([&](std::span<const lockstep::param_slice> slices) {
-        for (const auto& sl : slices) {
+        for (const auto& sl : slices)
           sgd_kernel<<<528, 256, 0, s>>>(static_cast<T*>(sl.value), static_cast<const T*>(sl.grad), sl.count, 1e-3f);
-        }
       });
     };
+    return std::pair{nothing(), std::function<void()>(body)};
   });
 }
 
@@ -260,37 +274,53 @@ int main(int argc, char** argv) {
 
     for (int g : counts) if (g > 1) { bench_a<float>(gpt2, g, iters, "fp32"); bench_a<__nv_bfloat16>(gpt2, g, iters, "bf16"); }
 
-    // b. GPT-2-small step ≈ 26 ms on one GPU: forward 1/3, backward 2/3, time ∝ tensor size.
+    // b. GPT-2-small step ≈ 26 ms on one GPU: forward 1/3, backward 2/3 with time ∝ tensor
+    // size. The tied wte/lm_head: its big matmul comes first in backward (no gradient final
+    // yet), its embedding part last — wte's gradient is final only at the very end.
     {
       std::size_t total = 0;
       for (auto& s : gpt2) total += s.numel();
-      std::vector<double> fwd(12, 8000.0 / 12), bwd(gpt2.size());
-      for (std::size_t i = 0; i < gpt2.size(); ++i) bwd[i] = 16000.0 * gpt2[i].numel() / total;
+      std::vector<double> fwd(12, 8700.0 / 12), bwd(gpt2.size());
+      double head = 0;
+      for (std::size_t i = 0; i < gpt2.size(); ++i) {
+        const double us = 17300.0 * gpt2[i].numel() / total;
+        if (gpt2[i].name == "wte") { head = us; bwd[i] = 20.0; } else bwd[i] = us;
+      }
       double one = 0;
       for (int g : counts) {
-        double t = train_step_time<__nv_bfloat16>(gpt2, g, iters, fwd, bwd);
+        double t = train_step_time<__nv_bfloat16>(gpt2, g, iters, head, fwd, bwd);
         if (g == 1) one = t;
         std::printf("b  bf16 %d GPU  step %7.3f ms  exposed %6.3f ms (%5.2f%% of step)  scaling %.1f%%\n",
                     g, t, t - one, 100.0 * (t - one) / t, 100.0 * one / t);
       }
     }
-    // c. comm-bound MLP: 8 × (4096×4096 weight + 4096 bias); small per-layer compute.
+    // c. comm-bound MLP: 8 × (4096×4096 weight + 4096 bias); small per-layer compute; bucket
+    // caps swept (DDP's 25 MiB default first).
     {
       std::vector<shape> mlp;
       for (int l = 0; l < 8; ++l) {
         mlp.push_back({"l" + std::to_string(l) + ".weight", {4096, 4096}});
         mlp.push_back({"l" + std::to_string(l) + ".bias", {4096}});
       }
+      std::size_t total = 0;
+      for (auto& s : mlp) total += s.numel();
       std::vector<double> fwd(8, 70.0), bwd(mlp.size(), 0.0);
       for (std::size_t i = 0; i < mlp.size(); i += 2) bwd[i] = 140.0;
       for (int pass = 0; pass < 2; ++pass) {
-        double one = 0;
+        const char* tn = pass == 0 ? "fp32" : "bf16";
+        double one = pass == 0 ? train_step_time<float>(mlp, 1, iters, 0, fwd, bwd)
+                               : train_step_time<__nv_bfloat16>(mlp, 1, iters, 0, fwd, bwd);
+        std::printf("c  %s 1 GPU  step %7.3f ms\n", tn, one);
         for (int g : counts) {
-          double t = pass == 0 ? train_step_time<float>(mlp, g, iters, fwd, bwd)
-                               : train_step_time<__nv_bfloat16>(mlp, g, iters, fwd, bwd);
-          if (g == 1) one = t;
-          std::printf("c  %s %d GPU  step %7.3f ms  (1 GPU %7.3f ms, scaling %.1f%%)\n", pass == 0 ? "fp32" : "bf16", g,
-                      t, one, 100.0 * one / t);
+          if (g == 1) continue;
+          double flat = pass == 0 ? flat_time<float>(total, g, iters) : flat_time<__nv_bfloat16>(total, g, iters);
+          for (std::size_t cap_mib : {std::size_t{25}, std::size_t{64}, std::size_t{128}}) {
+            lockstep::BucketPolicy bp{.first_bytes = std::size_t{1} << 20, .cap_bytes = cap_mib << 20};
+            double t = pass == 0 ? train_step_time<float>(mlp, g, iters, 0, fwd, bwd, bp)
+                                 : train_step_time<__nv_bfloat16>(mlp, g, iters, 0, fwd, bwd, bp);
+            std::printf("c  %s %d GPU  cap %3zu MiB  step %7.3f ms  (1 GPU %6.3f ms, flat all-reduce alone %6.3f ms, "
+                        "scaling %.1f%%)\n", tn, g, cap_mib, t, one, flat, 100.0 * one / t);
+          }
         }
       }
     }

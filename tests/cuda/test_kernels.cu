@@ -168,7 +168,7 @@ constexpr dtype dt() {
 
 TEST_SUITE("gpu") {
 
-TEST_CASE_TEMPLATE("kernels: pack, unpack and scale match the host", T, float, double, __half,
+TEST_CASE_TEMPLATE("kernels: pack - unpack and scale match the host", T, float, double, __half,
                    __nv_bfloat16) {
   LOCKSTEP_REQUIRE_GPUS(1);
   using H = host_el<T>;
@@ -275,7 +275,7 @@ TEST_CASE("kernels: pack and unpack copy any element type exactly") {
   CHECK_THROWS_AS(k::pack(nullseg, tmp.p, dtype::f32, 1.0, s.s), lockstep::config_error);
 }
 
-TEST_CASE_TEMPLATE("kernels: unscale_check unscales, flags inf/NaN and sums squares", T, float, double,
+TEST_CASE_TEMPLATE("kernels: unscale_check unscales - flags inf/NaN and sums squares", T, float, double,
                    __half, __nv_bfloat16) {
   LOCKSTEP_REQUIRE_GPUS(1);
   using H = host_el<T>;
@@ -363,7 +363,7 @@ TEST_CASE_TEMPLATE("kernels: unscale_check unscales, flags inf/NaN and sums squa
   }
 }
 
-TEST_CASE_TEMPLATE("kernels: scale_by_clip scales by min(1, max_norm / norm)", T, float, double, __half,
+TEST_CASE_TEMPLATE("kernels: scale_by_clip scales by min(1 - max_norm / norm)", T, float, double, __half,
                    __nv_bfloat16) {
   LOCKSTEP_REQUIRE_GPUS(1);
   using H = host_el<T>;
@@ -590,7 +590,7 @@ double opt_tol() {
 
 }  // namespace
 
-TEST_CASE_TEMPLATE("kernels: fused SGD matches lockstep::Sgd, and skips bit-exactly", T, float, double,
+TEST_CASE_TEMPLATE("kernels: fused SGD matches lockstep::Sgd - and skips bit-exactly", T, float, double,
                    __half, __nv_bfloat16) {
   LOCKSTEP_REQUIRE_GPUS(1);
   using A = typename host_el<T>::acc;
@@ -646,7 +646,7 @@ TEST_CASE_TEMPLATE("kernels: fused SGD matches lockstep::Sgd, and skips bit-exac
                   lockstep::config_error);
 }
 
-TEST_CASE_TEMPLATE("kernels: fused AdamW matches lockstep::AdamW, and skips bit-exactly", T, float, double,
+TEST_CASE_TEMPLATE("kernels: fused AdamW matches lockstep::AdamW - and skips bit-exactly", T, float, double,
                    __half, __nv_bfloat16) {
   LOCKSTEP_REQUIRE_GPUS(1);
   using A = typename host_el<T>::acc;
