@@ -51,6 +51,18 @@ TEST_CASE("bucket plan: every element of every parameter lies in exactly one sli
       for (int c : h) all_once &= (c == 1);
     CHECK(all_once);
     for (std::size_t k = 0; k < p.order.size(); ++k) CHECK(p.offset[k] % align == 0);
+    // Launch units partition the buckets in order; a unit of several buckets holds slices of
+    // a single parameter only (so it always completes at once, on every rank).
+    std::size_t next = 0;
+    for (const auto& u : p.units) {
+      CHECK(u.first == next);
+      CHECK(u.last > u.first);
+      next = u.last;
+      if (u.last - u.first > 1)
+        for (std::size_t b = u.first; b < u.last; ++b)
+          for (const auto& sl : p.buckets[b].slices) CHECK(sl.param == p.buckets[u.first].slices.front().param);
+    }
+    CHECK(next == p.buckets.size());
   }
 }
 
@@ -217,6 +229,62 @@ TEST_CASE("a model whose bind_gradient does not take effect is rejected") {
     // With zero_copy off it is fine.
     lockstep::DataParallel<Liar, lockstep::ThreadComm> ok(ctx, m, {.zero_copy = false});
     CHECK_FALSE(ok.stats().zero_copy);
+  });
+}
+
+}  // TEST_SUITE
+
+TEST_SUITE("cpu") {
+
+TEST_CASE("ranks that report gradients differently still issue the same collectives") {
+  // Rank 0 reports every gradient, rank 1 none, rank 2 half: launch units go out in plan
+  // order everywhere, so the ThreadComm mismatch check stays silent and results agree.
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  std::vector<std::vector<double>> vals(3);
+  std::vector<lockstep::sync_stats> st(3);
+  lockstep::run(lockstep::Threads{3}, [&](auto& ctx) {
+    TestMlp<double> m({7, 9, 4}, seed);
+    lockstep::DataParallel<TestMlp<double>, lockstep::ThreadComm> dp(ctx, m, {.buckets = {.first_bytes = 64, .cap_bytes = 160}});
+    std::mt19937_64 rng(seed + static_cast<std::uint64_t>(ctx.rank()));
+    auto X = random_vector<double>(7 * 6, rng);
+    std::vector<int> y{0, 1, 2, 3, 0, 1};
+    std::vector<std::size_t> rows{0, 1, 2, 3, 4, 5};
+    for (int s = 0; s < 4; ++s) {
+      auto step = dp.step();
+      m.forward_backward(X, y, rows, [&](std::size_t i) {
+        if (ctx.rank() == 0 || (ctx.rank() == 2 && i % 2 == 0)) step.gradient_ready(i);
+      });
+      if (step.finish()) m.sgd(0.1);
+    }
+    vals[static_cast<std::size_t>(ctx.rank())] = m.flat_values();
+    st[static_cast<std::size_t>(ctx.rank())] = dp.stats();
+  });
+  CHECK(vals[1] == vals[0]);
+  CHECK(vals[2] == vals[0]);
+  CHECK(st[0].buckets_reduced == st[1].buckets_reduced);
+  CHECK(st[0].buckets_reduced > 4);  // unit by unit, not fused
+}
+
+TEST_CASE("a model that never reports is reduced with one all-reduce per step after the first") {
+  lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
+    TestMlp<float> m({6, 8, 3}, 5);
+    lockstep::DataParallel<TestMlp<float>, lockstep::ThreadComm> dp(ctx, m, {.buckets = {.first_bytes = 32, .cap_bytes = 64}});
+    std::vector<float> X(6 * 2, 0.25f);
+    X[1] = -0.5f;
+    std::vector<int> y{1, 2};
+    std::vector<std::size_t> rows{0, 1};
+    auto once = [&] {
+      auto s = dp.step();
+      m.forward_backward(X, y, rows, [](std::size_t) {});
+      s.finish();
+    };
+    once();
+    const auto first = dp.stats().buckets_reduced;
+    CHECK(first >= 3);  // step 1: unit by unit (the model might still report later)
+    once();
+    once();
+    CHECK(dp.stats().buckets_reduced == first + 2);  // then one fused all-reduce per step
   });
 }
 

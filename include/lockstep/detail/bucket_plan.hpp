@@ -32,8 +32,17 @@ struct bucket {
   std::size_t elements() const { return end - begin; }
 };
 
+//! Buckets [first, last) reduced by one collective. Consecutive buckets that hold nothing but
+//! slices of one parameter always become complete together (when that parameter does), so
+//! they form one unit: fewer, larger all-reduces. Units depend on the plan alone, never on
+//! timing, so every rank issues the same collectives.
+struct launch_unit {
+  std::size_t first = 0, last = 0;
+};
+
 struct bucket_plan {
   dtype type = dtype::f32;
+  std::vector<launch_unit> units;
   std::vector<std::size_t> order;        //!< global parameter indices, arena order
   std::vector<std::size_t> offset;       //!< arena offset per entry of order
   std::size_t total = 0;                 //!< arena length in elements (with padding)
@@ -87,6 +96,21 @@ inline bucket_plan make_bucket_plan(dtype t, std::vector<std::size_t> order,
       pos += take;
       if (pos >= bk.end) ++bj;
     }
+  }
+  // Launch units: merge runs of buckets that each hold slices of one and the same parameter.
+  auto sole = [&](const bucket& b) -> std::ptrdiff_t {
+    if (b.slices.empty()) return -1;
+    for (const auto& s : b.slices)
+      if (s.param != b.slices.front().param) return -1;
+    return static_cast<std::ptrdiff_t>(b.slices.front().param);
+  };
+  for (std::size_t b = 0; b < p.buckets.size();) {
+    std::size_t e = b + 1;
+    const auto owner = sole(p.buckets[b]);
+    if (owner >= 0)
+      while (e < p.buckets.size() && sole(p.buckets[e]) == owner) ++e;
+    p.units.push_back({b, e});
+    b = e;
   }
   return p;
 }

@@ -103,7 +103,7 @@ class reducer {
                          "when it is final");
     ready_[i] = true;
     if (!observed_) arrivals_.push_back(i);
-    if (!sync_) return;
+    if (!sync_ || fused_) return;
     auto [gi, k] = where_[i];
     auto& g = groups_[gi];
     for (auto b : g.plan.buckets_of[k]) --g.pending[b];
@@ -198,39 +198,43 @@ class reducer {
     return segs;
   }
 
-  // Launch buckets strictly in plan order while the next one is complete. At the end
-  // (all = true) nothing is left to overlap with, so the remaining buckets — contiguous in
-  // the arena — go out as one all-reduce, which runs at the flat all-reduce's bandwidth.
+  // Launch units strictly in plan order while the next one is complete, so every rank
+  // issues the same collectives in the same order. At the end (all = true) the rest go out
+  // unit by unit — or, once every rank agreed the model reports no gradient (fused_), as one
+  // all-reduce over the remaining arena, which runs at the flat all-reduce's bandwidth.
   void launch_ready(group& g, bool all) {
-    auto mem = comm_.memory();
-    if (all && g.next < g.plan.buckets.size()) {
-      const std::size_t first = g.next;
-      const std::size_t begin = g.plan.buckets[first].begin, end = g.plan.total;
-      void* buf = g.arena_at(begin);
-      if (zero_copy()) {
-        mem.scale(buf, end - begin, g.plan.type, prescale_);
-      } else {
-        std::vector<segment> segs;
-        for (std::size_t b = first; b < g.plan.buckets.size(); ++b) {
-          auto more = segments_of(g.plan.buckets[b]);
-          segs.insert(segs.end(), more.begin(), more.end());
-        }
-        mem.pack(segs, buf, g.plan.type, prescale_);
-      }
-      reduce(g, first, buf, end - begin);
-      g.next = g.plan.buckets.size();
+    const auto complete = [&](std::size_t u) {
+      for (std::size_t b = g.plan.units[u].first; b < g.plan.units[u].last; ++b)
+        if (g.pending[b] != 0) return false;
+      return true;
+    };
+    if (all && fused_ && g.next < g.plan.units.size()) {
+      launch_range(g, g.plan.units[g.next].first, g.plan.buckets.size());
+      g.next = g.plan.units.size();
       return;
     }
-    while (g.next < g.plan.buckets.size() && g.pending[g.next] == 0) {
-      const auto& bk = g.plan.buckets[g.next];
-      void* buf = g.arena_at(bk.begin);
-      if (zero_copy())
-        mem.scale(buf, bk.elements(), g.plan.type, prescale_);
-      else
-        mem.pack(segments_of(bk), buf, g.plan.type, prescale_);
-      reduce(g, g.next, buf, bk.elements());
+    while (g.next < g.plan.units.size() && (all || complete(g.next))) {
+      launch_range(g, g.plan.units[g.next].first, g.plan.units[g.next].last);
       ++g.next;
     }
+  }
+
+  // Buckets [first, last) are contiguous in the arena: scale or pack them, one all-reduce.
+  void launch_range(group& g, std::size_t first, std::size_t last) {
+    const std::size_t begin = g.plan.buckets[first].begin, end = g.plan.buckets[last - 1].end;
+    void* buf = g.arena_at(begin);
+    auto mem = comm_.memory();
+    if (zero_copy()) {
+      mem.scale(buf, end - begin, g.plan.type, prescale_);
+    } else {
+      std::vector<segment> segs;
+      for (std::size_t b = first; b < last; ++b) {
+        auto more = segments_of(g.plan.buckets[b]);
+        segs.insert(segs.end(), more.begin(), more.end());
+      }
+      mem.pack(segs, buf, g.plan.type, prescale_);
+    }
+    reduce(g, first, buf, end - begin);
   }
 
   // The 1/N of the average is done by the communicator (reduce_op::avg: NCCL folds it into
@@ -248,7 +252,15 @@ class reducer {
   // after it, in reverse registration order) so every rank rebuilds identically.
   void settle_order() {
     observed_ = true;
-    if (!policy_.rebuild_after_first_step) return;
+    // If no rank reported any gradient during the first step, the model cannot report:
+    // from now on every rank reduces everything in finish() as one all-reduce per type.
+    std::vector<std::int64_t> reported{arrivals_.empty() ? 0 : 1};
+    if (comm_.size() > 1) host_all_reduce(comm_, reported, reduce_op::max);
+    fused_ = reported[0] == 0;
+    if (!policy_.rebuild_after_first_step || fused_) {
+      arrivals_.clear();
+      return;
+    }
     std::vector<std::int64_t> order;
     std::vector<bool> seen(params_.size(), false);
     for (auto i : arrivals_) {
@@ -320,6 +332,7 @@ class reducer {
   std::vector<std::size_t> arrivals_;
   std::vector<bool> ready_;
   bool observed_ = false;
+  bool fused_ = false;
   bool sync_ = false;
   double prescale_ = 1.0;
   sync_stats stats_;
