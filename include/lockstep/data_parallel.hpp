@@ -60,6 +60,11 @@ struct DataParallelOptions {
 struct step_result {
   bool synced = false;   //!< this micro-step averaged gradients (last of its cycle)
   bool applied = true;   //!< false: the step must be skipped (non-finite gradients)
+  //! With a device-side scaler (DeviceDynamicScale): its found-inf flag agreed over ranks, an
+  //! int32 in device memory (non-zero: skip the step), valid in stream order on the compute
+  //! stream; hand it to the optimizer (cuda::FusedSgd / FusedAdamW). `applied` is then true:
+  //! the host does not know. nullptr with host-decided scalers.
+  const int* device_found_inf = nullptr;
   explicit operator bool() const noexcept { return synced && applied; }
 };
 
@@ -178,8 +183,15 @@ class DataParallel {
 
     //! Whether this micro-step will average gradients (the last of its cycle).
     bool synchronizes() const noexcept { return sync_; }
-    //! Multiply the loss by this before backward (1 without loss scaling).
+    //! Multiply the loss by this before backward (1 without loss scaling). With a device-side
+    //! scaler this reads the scale back (a host synchronisation): use device_loss_scale().
     double loss_scale() const { return dp_->scaler_.scale(); }
+    //! With a device-side scaler: the scale as a float in device memory, for the loss kernel.
+    const float* device_loss_scale() const
+      requires requires(const scaler_type& s) { s.device_scale(); }
+    {
+      return dp_->scaler_.device_scale();
+    }
     gradient_hook on_gradient_ready() const { return gradient_hook(dp_); }
     void gradient_ready(std::size_t i) const { dp_->reducer_.mark_ready(i); }
 
@@ -209,7 +221,10 @@ class DataParallel {
                accumulation_type acc = {}, scaler_type scaler = {})
       : comm_(comm), model_(model), opts_(opts), acc_(std::move(acc)), scaler_(std::move(scaler)),
         reducer_(comm, initial_parameters(comm, model, opts), opts.buckets, binder(model, opts),
-                 [&model] { return detail::collect_parameters(model); }) {}
+                 [&model] { return detail::collect_parameters(model); }) {
+    // A device-side scaler's state must exist before the first loss kernel reads it.
+    if constexpr (requires { scaler_.attach(comm_); }) scaler_.attach(comm_);
+  }
 
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;
@@ -294,6 +309,8 @@ class DataParallel {
     const bool found_inf = scaler_.unscale_and_check(comm_, std::span<const grad_group>(views));
     scaler_.update(found_inf);
     r.applied = !found_inf;
+    if constexpr (requires { scaler_.device_found_inf(); })
+      r.device_found_inf = scaler_.device_found_inf();
     if (r.applied && on_bucket) reducer_.for_each_bucket(on_bucket);
     return r;
   }

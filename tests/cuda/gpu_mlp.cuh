@@ -88,6 +88,9 @@ class GpuMlp {
         sizes_.push_back(n);
       }
     }
+    // A cudaMemcpy from pageable memory may return before the data lands, and the compute
+    // stream is non-blocking: finish the uploads before any kernel reads them.
+    LOCKSTEP_TRY_CUDA(cudaDeviceSynchronize());
   }
   ~GpuMlp() {
     for (auto p : vals_) cudaFree(p);

@@ -72,6 +72,7 @@ void check_gpu_equivalence(const gpu_config& c) {
     LOCKSTEP_TRY_CUDA(cudaMalloc(&drows, static_cast<std::size_t>(c.batch) * sizeof(int)));
     LOCKSTEP_TRY_CUDA(cudaMemcpy(dX, X.data(), X.size() * sizeof(float), cudaMemcpyHostToDevice));
     LOCKSTEP_TRY_CUDA(cudaMemcpy(dy, y.data(), y.size() * sizeof(int), cudaMemcpyHostToDevice));
+    LOCKSTEP_TRY_CUDA(cudaDeviceSynchronize());  // pageable copies may still be in flight
     for (int st = 0; st < c.steps; ++st) {
       for (int k = 0; k < c.accumulate; ++k) {
         std::vector<int> rows(static_cast<std::size_t>(c.batch));

@@ -1,0 +1,248 @@
+#pragma once
+//! DeviceDynamicScale — DynamicScale (same options, same rule, same state) whose scale, found-inf
+//! flag and skip decision stay on the GPU: a steady-state step never waits for the device.
+//!
+//! \code
+//!   lockstep::DataParallel<Model, lockstep::NcclComm, lockstep::DeviceDynamicScale> dp(ctx, model);
+//!   dp.scaler().attach(dp.comm());                 // once: allocates the state on the device
+//!   const float* scale = dp.scaler().device_scale();
+//!   const int* found_inf = dp.scaler().device_found_inf();
+//!   lockstep::cuda::FusedAdamW opt({.lr = 1e-3}, dp.parameters());
+//!   for (...) {
+//!     auto step = dp.step();
+//!     model.backward(loss_times(scale), step.on_gradient_ready());   // loss kernel reads *scale
+//!     step.finish([&](auto slices) { opt.step(slices, stream, found_inf); });
+//!   }
+//! \endcode
+//!
+//! unscale_and_check(comm, groups) queues, on the communicator's compute stream: zero the flag;
+//! one multi-tensor pass per element type g ← g · (1/scale), raising the flag on any inf/NaN
+//! result; the flag's all-reduce (max) over ranks; the scale update. It returns **false**: the
+//! host does not know whether the step is skipped. The decision is *device_found_inf(), which
+//! the optimizer reads on the device (lockstep::cuda::FusedSgd / FusedAdamW and the kernels in
+//! cuda/kernels/optimizers.cuh take it): a skipped step leaves parameters and optimizer state
+//! as they were. update(found_inf) does nothing (the device already updated).
+//!
+//! The state lives in one small device allocation: the scale in double (the authoritative value,
+//! updated exactly as DynamicScale::update does, so the two agree bit for bit), 1/scale in
+//! double (gradients are multiplied by it rounded to their element type, as DynamicScale does),
+//! the scale rounded to float for the loss kernel (device_scale()), the flag, and the counters of
+//! loss_scale_state. Every rank feeds the same all-reduced flag to the same update, so every
+//! rank's state stays identical.
+//!
+//! These synchronise with the device and are meant for logging and checkpoints, not for every
+//! step: scale() and state() (download), load_state() and attach() (upload), and copying an
+//! attached scaler (a copy starts with the state, downloaded, and no device allocation of its
+//! own). Note that step.loss_scale() calls scale(): read *device_scale() in the loss kernel.
+
+#include <cuda_runtime_api.h>
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>
+
+#include "lockstep/concepts.hpp"
+#include "lockstep/cuda/cuda_memory.cuh"
+#include "lockstep/cuda/error.cuh"
+#include "lockstep/cuda/grad_ops.cuh"
+#include "lockstep/dynamic_scale.hpp"
+#include "lockstep/error.hpp"
+#include "lockstep/grad_group.hpp"
+#include "lockstep/loss_scaler.hpp"
+#include "lockstep/reduce_op.hpp"
+
+namespace lockstep {
+
+namespace detail {
+
+//! The device-resident state of a DeviceDynamicScale.
+struct device_scale_state {
+  double scale;
+  double inv_scale;       //!< 1.0 / scale, as the host computes it
+  float scale_f32;        //!< scale rounded to float: what the loss kernel multiplies by
+  std::int32_t found_inf; //!< this step's flag, agreed over ranks
+  std::int64_t good_steps;
+  std::int64_t skipped_steps;
+  std::int64_t steps;
+};
+
+inline device_scale_state make_device_scale_state(const loss_scale_state& st) {
+  return {st.scale, 1.0 / st.scale, static_cast<float>(st.scale), 0, st.good_steps,
+          st.skipped_steps, st.steps};
+}
+
+//! DynamicScale::update on the device, same operations in the same order (double), reading the
+//! agreed flag. One thread.
+template <int = 0>
+__global__ void device_scale_update_kernel(device_scale_state* st, DynamicScaleOptions o) {
+  st->steps += 1;
+  double s = st->scale;
+  if (st->found_inf != 0) {
+    st->skipped_steps += 1;
+    st->good_steps = 0;
+    const double b = s * o.backoff_factor;
+    s = b < o.min_scale ? o.min_scale : b;  // std::max(b, min_scale)
+  } else if (++st->good_steps >= o.growth_interval) {
+    st->good_steps = 0;
+    const double g = s * o.growth_factor;
+    s = o.max_scale < g ? o.max_scale : g;  // std::min(g, max_scale)
+  }
+  st->scale = s;
+  st->inv_scale = 1.0 / s;
+  st->scale_f32 = static_cast<float>(s);
+}
+
+}  // namespace detail
+
+class DeviceDynamicScale {
+ public:
+  DeviceDynamicScale() : DeviceDynamicScale(DynamicScaleOptions{}) {}
+  explicit DeviceDynamicScale(const DynamicScaleOptions& o) : opts_(o), host_{o.init_scale, 0, 0, 0} {
+    (void)DynamicScale(o);  // validates the options as DynamicScale does
+    if (!(o.max_scale <= static_cast<double>(std::numeric_limits<float>::max())) ||
+        !(o.min_scale >= static_cast<double>(std::numeric_limits<float>::min())))
+      throw config_error("DeviceDynamicScale: min_scale and max_scale must lie within float's "
+                         "normal range (the loss kernel reads the scale as a float), got [" +
+                         std::to_string(o.min_scale) + ", " + std::to_string(o.max_scale) + "]");
+  }
+
+  //! Copies take the state (downloaded: synchronises when `o` is attached) but not the device
+  //! allocation; attach() or the first unscale_and_check gives them their own.
+  DeviceDynamicScale(const DeviceDynamicScale& o) : opts_(o.opts_), host_(o.state()) {}
+  DeviceDynamicScale& operator=(const DeviceDynamicScale& o) {
+    if (this != &o) {
+      const auto st = o.state();
+      opts_ = o.opts_;
+      release();
+      host_ = st;
+    }
+    return *this;
+  }
+  DeviceDynamicScale(DeviceDynamicScale&& o) noexcept
+      : opts_(o.opts_), host_(o.host_), buf_(std::move(o.buf_)), mem_(o.mem_),
+        owner_(std::exchange(o.owner_, nullptr)) {}
+  DeviceDynamicScale& operator=(DeviceDynamicScale&& o) noexcept {
+    if (this != &o) {
+      opts_ = o.opts_;
+      host_ = o.host_;
+      buf_ = std::move(o.buf_);
+      mem_ = o.mem_;
+      owner_ = std::exchange(o.owner_, nullptr);
+    }
+    return *this;
+  }
+
+  const DynamicScaleOptions& options() const noexcept { return opts_; }
+
+  //! Allocates the state on comm's device and uploads it (blocking; once per communicator —
+  //! again for another one, which moves the state there). After this, device_scale() and
+  //! device_found_inf() are valid, and stay the same pointers.
+  template <communicator C>
+    requires std::same_as<memory_of_t<C>, CudaMemory>
+  void attach(C& comm) {
+    if (buf_ && owner_ == static_cast<const void*>(&comm)) {
+      mem_ = comm.memory();
+      return;
+    }
+    const loss_scale_state st = state();
+    CudaMemory mem = comm.memory();
+    auto buf = mem.allocate(sizeof(detail::device_scale_state));
+    const auto dev = detail::make_device_scale_state(st);
+    mem.upload(buf.get(), &dev, sizeof dev);
+    buf_ = std::move(buf);
+    mem_ = mem;
+    owner_ = &comm;
+  }
+  bool attached() const noexcept { return static_cast<bool>(buf_); }
+
+  //! The current scale. Synchronises with the device when attached.
+  double scale() const { return state().scale; }
+
+  //! Unscales and checks on the device, agrees on the flag over ranks and updates the scale,
+  //! all queued on comm's compute stream (see the header comment). Always returns false: the
+  //! skip decision is *device_found_inf(). Collective: every rank calls it in the same order.
+  template <communicator C>
+    requires std::same_as<memory_of_t<C>, CudaMemory>
+  bool unscale_and_check(C& comm, std::span<const grad_group> groups) {
+    detail::require_floating(groups, "DeviceDynamicScale::unscale_and_check");
+    attach(comm);
+    detail::device_guard g(mem_.device());
+    auto* st = state_ptr();
+    const cudaStream_t s = mem_.stream();
+    LOCKSTEP_TRY_CUDA(cudaMemsetAsync(&st->found_inf, 0, sizeof(std::int32_t), s));
+    for (const auto& grp : groups)
+      cuda::kernels::unscale_flag(grp.segments, grp.type, 1.0, &st->inv_scale, &st->found_inf, s);
+    // Stream ordered: the compute stream waits for the all-reduce, the host does not.
+    if (comm.size() > 1)
+      comm.all_reduce(&st->found_inf, &st->found_inf, 1, dtype::i32, reduce_op::max).wait();
+    detail::device_scale_update_kernel<<<1, 1, 0, s>>>(st, opts_);
+    LOCKSTEP_CHECK_LAUNCH();
+    return false;
+  }
+
+  //! Nothing to do: unscale_and_check already updated the state on the device.
+  void update(bool) noexcept {}
+
+  //! Synchronises with the device when attached.
+  loss_scale_state state() const {
+    if (!buf_) return host_;
+    detail::device_scale_state d{};
+    mem_.download(&d, buf_.get(), sizeof d);
+    return {d.scale, d.good_steps, d.skipped_steps, d.steps};
+  }
+
+  //! Restores a state written by a scaler with these options (DeviceDynamicScale or
+  //! DynamicScale: the states are the same); uploads it when attached (blocking).
+  void load_state(const loss_scale_state& st) {
+    detail::require_valid_state(st, "DeviceDynamicScale");
+    if (st.scale < opts_.min_scale || st.scale > opts_.max_scale ||
+        st.good_steps >= opts_.growth_interval)
+      throw checkpoint_error(
+          "DeviceDynamicScale::load_state: the checkpoint's scale " + std::to_string(st.scale) +
+          " / good_steps " + std::to_string(st.good_steps) +
+          " cannot come from these options (scale in [" + std::to_string(opts_.min_scale) + ", " +
+          std::to_string(opts_.max_scale) + "], growth_interval " +
+          std::to_string(opts_.growth_interval) +
+          "); construct the scaler with the options the checkpoint was written with");
+    if (buf_) {
+      const auto dev = detail::make_device_scale_state(st);
+      mem_.upload(buf_.get(), &dev, sizeof dev);
+    }
+    host_ = st;
+  }
+
+  //! The scale as float, in device memory: multiply the loss (or its gradient) by it.
+  const float* device_scale() const { return &state_ptr("device_scale")->scale_f32; }
+  //! 1/scale (double) in device memory, as the unscaling pass reads it.
+  const double* device_inv_scale() const { return &state_ptr("device_inv_scale")->inv_scale; }
+  //! The last step's agreed flag (int32, device memory): non-zero = skip the step. Valid after
+  //! unscale_and_check, in stream order on the compute stream.
+  const int* device_found_inf() const { return &state_ptr("device_found_inf")->found_inf; }
+
+ private:
+  detail::device_scale_state* state_ptr(const char* who = "unscale_and_check") const {
+    if (!buf_)
+      throw config_error(std::string("DeviceDynamicScale::") + who +
+                         ": the scaler has no device state yet; call attach(comm) first (or "
+                         "run one unscale_and_check)");
+    return static_cast<detail::device_scale_state*>(buf_.get());
+  }
+  void release() noexcept {
+    buf_.reset();
+    owner_ = nullptr;
+  }
+
+  DynamicScaleOptions opts_;
+  loss_scale_state host_;      // the state while not attached
+  std::shared_ptr<void> buf_;  // one detail::device_scale_state
+  CudaMemory mem_{0, nullptr};
+  const void* owner_ = nullptr;
+};
+static_assert(loss_scaler<DeviceDynamicScale>);
+
+}  // namespace lockstep

@@ -1,0 +1,902 @@
+// Loss scaling and optimizers that stay on the device:
+//  - grad_ops<CudaMemory> (unscale + flag, sum of squares, clamp) against the host passes,
+//    on random segments at odd offsets between NaN-poisoned gaps, all four floating types;
+//  - FusedSgd / FusedAdamW against lockstep::Sgd / AdamW (fp32, and bf16 with an fp32 master),
+//    stepped bucket by bucket with parameters split over buckets, a skipped step, and
+//    checkpoints moved between the CPU and GPU optimizers;
+//  - DataParallel<GpuMlp, NcclComm, DeviceDynamicScale> + FusedSgd per bucket on 1, 2 and 4
+//    GPUs against one CPU rank (TestMlp + lockstep::Sgd with momentum) over the global batch,
+//    with inf injected into one GPU's gradient at one step: every GPU skips it and every GPU's
+//    scale follows DynamicScale's; one steady-state step is captured in a CUDA graph (a host
+//    synchronisation inside the step would make the capture fail) and replayed.
+#include <doctest/doctest.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <lockstep/cuda/device_dynamic_scale.cuh>
+#include <lockstep/cuda/fused_optimizers.cuh>
+#include <lockstep/cuda/grad_ops.cuh>
+#include <lockstep/cuda/run_gpus.cuh>
+#include <lockstep/lockstep.hpp>
+
+#include "gpu_mlp.cuh"
+#include "gpu_test_util.cuh"
+#include "mlp.hpp"
+#include "test_util.hpp"
+
+using namespace lockstep_test;
+using lockstep::dtype;
+using lockstep::grad_group;
+using lockstep::segment;
+
+static_assert(lockstep::loss_scaler_for<lockstep::DeviceDynamicScale, lockstep::NcclComm>);
+static_assert(lockstep::loss_scaler_for<lockstep::DynamicScale, lockstep::NcclComm>);
+static_assert(lockstep::loss_scaler_for<lockstep::StaticScale, lockstep::NcclComm>);
+static_assert(lockstep::has_grad_ops<lockstep::CudaMemory>);
+
+namespace {
+
+// ---- small utilities ---------------------------------------------------------------------
+struct DevBuf {
+  void* p = nullptr;
+  explicit DevBuf(std::size_t bytes) { LOCKSTEP_TRY_CUDA(cudaMalloc(&p, bytes ? bytes : 1)); }
+  ~DevBuf() { (void)cudaFree(p); }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  template <class T>
+  T* as() const { return static_cast<T*>(p); }
+};
+
+struct Stream {
+  cudaStream_t s = nullptr;
+  Stream() { LOCKSTEP_TRY_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
+  ~Stream() { (void)cudaStreamDestroy(s); }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+};
+
+// A pageable cudaMemcpy to the device may return before its DMA lands, and the kernels run on
+// non-blocking streams: wait for the device before they read.
+template <class T>
+void upload(void* dst, const std::vector<T>& v) {
+  LOCKSTEP_TRY_CUDA(cudaMemcpy(dst, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  LOCKSTEP_TRY_CUDA(cudaDeviceSynchronize());
+}
+template <class T>
+std::vector<T> download(const void* src, std::size_t n) {
+  std::vector<T> v(n);
+  LOCKSTEP_TRY_CUDA(cudaMemcpy(v.data(), src, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return v;
+}
+
+// Host conversions of the reference (cuda_fp16/bf16's host functions, not the kernels').
+template <class T>
+float to_f(T x) {
+  if constexpr (std::is_same_v<T, __half>) return __half2float(x);
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat162float(x);
+  else return static_cast<float>(x);
+}
+template <class T>
+T from_d(double x) {
+  if constexpr (std::is_same_v<T, __half>) return __float2half_rn(static_cast<float>(x));
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __float2bfloat16_rn(static_cast<float>(x));
+  else return static_cast<T>(x);
+}
+template <class T>
+double to_d(T x) {
+  if constexpr (std::is_floating_point_v<T>) return static_cast<double>(x);
+  else return static_cast<double>(to_f(x));
+}
+template <class T>
+bool nonfinite(T x) {
+  return !std::isfinite(to_d(x));
+}
+template <class T>
+constexpr bool is_half_v = std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>;
+template <class T>
+constexpr dtype dtype_v = std::is_same_v<T, float>    ? dtype::f32
+                          : std::is_same_v<T, double> ? dtype::f64
+                          : std::is_same_v<T, __half> ? dtype::f16
+                                                      : dtype::bf16;
+template <class T>
+const char* type_name() {
+  return lockstep::name_of(dtype_v<T>);
+}
+
+// ---- grad_ops<CudaMemory> ------------------------------------------------------------------
+// Segments of random sizes (empty, tiny, several chunks) at random offsets of one buffer; the
+// gaps between them hold 0xFF bytes (NaN in every floating type): a pass that reads them would
+// raise the flag or poison the sum, one that writes them changes their bits.
+template <class T>
+struct layout {
+  std::vector<T> host;
+  std::vector<std::pair<std::size_t, std::size_t>> segs;  // (offset, count)
+
+  layout(std::mt19937_64& rng, double lo, double hi) {
+    std::uniform_int_distribution<int> nseg(3, 45), gap(0, 37), kind(0, 9);
+    std::uniform_int_distribution<std::size_t> small(1, 300), big(16000, 70000);
+    std::uniform_real_distribution<double> val(lo, hi);
+    std::size_t at = static_cast<std::size_t>(gap(rng));
+    const int n = nseg(rng);
+    for (int i = 0; i < n; ++i) {
+      const int k = kind(rng);
+      const std::size_t count = k == 0 && i > 0 ? 0 : (k < 8 ? small(rng) : big(rng));
+      segs.emplace_back(at, count);
+      at += count + static_cast<std::size_t>(gap(rng));
+    }
+    host.resize(at + static_cast<std::size_t>(gap(rng)));
+    std::memset(static_cast<void*>(host.data()), 0xFF, host.size() * sizeof(T));
+    for (auto [off, count] : segs)
+      for (std::size_t i = 0; i < count; ++i) host[off + i] = from_d<T>(val(rng));
+  }
+  std::size_t elements() const {
+    std::size_t n = 0;
+    for (auto [o, c] : segs) n += c;
+    return n;
+  }
+  // A random element of a non-empty segment.
+  std::size_t pick(std::mt19937_64& rng) const {
+    std::vector<std::size_t> live;
+    for (std::size_t i = 0; i < segs.size(); ++i)
+      if (segs[i].second) live.push_back(i);
+    const auto [off, count] = segs[live[std::uniform_int_distribution<std::size_t>(0, live.size() - 1)(rng)]];
+    return off + std::uniform_int_distribution<std::size_t>(0, count - 1)(rng);
+  }
+  std::vector<segment> segments(void* base) const {
+    std::vector<segment> out;
+    for (auto [off, count] : segs) out.push_back({static_cast<T*>(base) + off, count});
+    return out;
+  }
+};
+
+template <class T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+// Host references. f32/f64: the host grad_ops themselves; halves (which the host passes do not
+// take): the same rule written out, arithmetic in float then rounded.
+template <class T>
+int ref_unscale(layout<T>& L, double inv) {
+  if constexpr (!is_half_v<T>) {
+    auto segs = L.segments(L.host.data());
+    grad_group g{dtype_v<T>, segs};
+    std::int32_t flag = 0;
+    lockstep::grad_ops<lockstep::HostMemory>::unscale_and_flag({}, std::span<const grad_group>(&g, 1), inv, &flag);
+    return flag;
+  } else {
+    int flag = 0;
+    const float f = static_cast<float>(inv);
+    for (auto [off, count] : L.segs)
+      for (std::size_t i = off; i < off + count; ++i) {
+        if (inv != 1.0) L.host[i] = from_d<T>(to_f(L.host[i]) * f);
+        flag |= nonfinite(L.host[i]) ? 1 : 0;
+      }
+    return flag;
+  }
+}
+
+template <class T>
+double ref_sumsq(layout<T>& L) {
+  if constexpr (!is_half_v<T>) {
+    auto segs = L.segments(L.host.data());
+    grad_group g{dtype_v<T>, segs};
+    return lockstep::grad_ops<lockstep::HostMemory>::sum_of_squares({}, std::span<const grad_group>(&g, 1));
+  } else {
+    long double s = 0;
+    for (auto [off, count] : L.segs)
+      for (std::size_t i = off; i < off + count; ++i) s += static_cast<long double>(to_d(L.host[i])) * to_d(L.host[i]);
+    return static_cast<double>(s);
+  }
+}
+
+template <class T>
+void ref_clamp(layout<T>& L, double lo, double hi) {
+  if constexpr (!is_half_v<T>) {
+    auto segs = L.segments(L.host.data());
+    grad_group g{dtype_v<T>, segs};
+    lockstep::grad_ops<lockstep::HostMemory>::clamp({}, std::span<const grad_group>(&g, 1), lo, hi);
+  } else {
+    const double big = std::is_same_v<T, __half> ? 65504.0 : 3.3895313892515355e38;
+    const T l = lo < -big ? from_d<T>(-INFINITY) : from_d<T>(lo);
+    const T h = hi > big ? from_d<T>(INFINITY) : from_d<T>(hi);
+    for (auto [off, count] : L.segs)
+      for (std::size_t i = off; i < off + count; ++i) {
+        const float v = to_f(L.host[i]);
+        if (v < to_f(l)) L.host[i] = l;
+        else if (to_f(h) < v) L.host[i] = h;
+      }
+  }
+}
+
+template <class T>
+void check_grad_ops(std::mt19937_64& rng) {
+  CAPTURE(type_name<T>());
+  Stream st;
+  const lockstep::CudaMemory mem(0, st.s);
+  using ops = lockstep::grad_ops<lockstep::CudaMemory>;
+  DevBuf flag(sizeof(std::int32_t));
+  auto get_flag = [&] {
+    std::int32_t f = -1;
+    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(st.s));
+    LOCKSTEP_TRY_CUDA(cudaMemcpy(&f, flag.p, sizeof f, cudaMemcpyDeviceToHost));
+    return f;
+  };
+  auto set_flag = [&](std::int32_t v) { upload(flag.p, std::vector<std::int32_t>{v}); };
+
+  // 1. unscale + flag: clean data with several factors (1 = read only; a power of two; others
+  //    that round), then one inf or NaN, then an overflow made by the unscaling itself.
+  const double max_t = is_half_v<T> ? (std::is_same_v<T, __half> ? 65504.0 : 3.0e38)
+                                    : static_cast<double>(std::numeric_limits<T>::max());
+  for (int c = 0; c < 6; ++c) {
+    CAPTURE(c);
+    layout<T> L(rng, -4.0, 4.0);
+    double inv = c == 0 ? 1.0 : c == 1 ? 1.0 / 1024 : c == 2 ? 0.3 : 3.0;
+    if (c == 3) L.host[L.pick(rng)] = from_d<T>(rng() % 2 ? INFINITY : NAN);
+    if (c == 4) L.host[L.pick(rng)] = from_d<T>(rng() % 2 ? -INFINITY : NAN), inv = 1.0;
+    if (c == 5) L.host[L.pick(rng)] = from_d<T>(max_t / 2), inv = 4.0;
+    CAPTURE(inv);
+    DevBuf d(L.host.size() * sizeof(T));
+    upload(d.p, L.host);
+    const auto segs = L.segments(d.p);
+    const grad_group g{dtype_v<T>, segs};
+    const std::int32_t preset = c == 0 ? 5 : 0;  // a clean pass never stores 0
+    set_flag(preset);
+    ops::unscale_and_flag(mem, std::span<const grad_group>(&g, 1), inv, flag.p);
+    const int want_flag = ref_unscale(L, inv);
+    CHECK(want_flag == (c >= 3 ? 1 : 0));  // the reference itself sees what was planted
+    CHECK(get_flag() == (want_flag ? 1 : preset));
+    CHECK(same_bits(download<T>(d.p, L.host.size()), L.host));  // gaps untouched too
+  }
+
+  // 2. sum of squares: against the host within rounding; the same bits on every call.
+  for (int c = 0; c < 2; ++c) {
+    layout<T> L(rng, -3.0, 3.0);
+    if (c == 1) L.host[L.pick(rng)] = from_d<T>(NAN);
+    DevBuf d(L.host.size() * sizeof(T));
+    upload(d.p, L.host);
+    const auto segs = L.segments(d.p);
+    const grad_group g{dtype_v<T>, segs};
+    const double got = ops::sum_of_squares(mem, std::span<const grad_group>(&g, 1));
+    const double again = lockstep::grad_norm(mem, std::span<const grad_group>(&g, 1));
+    const double want = ref_sumsq(L);
+    CAPTURE(got);
+    CAPTURE(want);
+    if (c == 1) {
+      CHECK(std::isnan(got));
+    } else {
+      CHECK(L.elements() > 0);
+      CHECK(want > 0);
+      CHECK(std::fabs(got - want) <= 1e-12 * want);
+      const double twice = ops::sum_of_squares(mem, std::span<const grad_group>(&g, 1));
+      CHECK(std::memcmp(&twice, &got, sizeof got) == 0);  // reproducible, bit for bit
+      CHECK(again == std::sqrt(got));
+    }
+  }
+
+  // 3. clamp: NaN planted inside segments passes through bit for bit; gaps untouched; a bound
+  //    beyond the type's range is no bound.
+  for (int c = 0; c < 3; ++c) {
+    layout<T> L(rng, -5.0, 5.0);
+    for (int k = 0; k < 5; ++k) L.host[L.pick(rng)] = from_d<T>(NAN);
+    const double lo = c == 2 ? -1e300 : -std::uniform_real_distribution<double>(0.1, 2.0)(rng);
+    const double hi = c == 1 ? 1e300 : std::uniform_real_distribution<double>(0.1, 2.0)(rng);
+    CAPTURE(lo);
+    CAPTURE(hi);
+    DevBuf d(L.host.size() * sizeof(T));
+    upload(d.p, L.host);
+    const auto before = L.host;
+    const auto segs = L.segments(d.p);
+    const grad_group g{dtype_v<T>, segs};
+    ops::clamp(mem, std::span<const grad_group>(&g, 1), lo, hi);
+    ref_clamp(L, lo, hi);
+    CHECK(!same_bits(before, L.host));  // the bounds did cut something
+    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(st.s));
+    CHECK(same_bits(download<T>(d.p, L.host.size()), L.host));
+  }
+}
+
+// ---- fused optimizers against the CPU ones -------------------------------------------------
+// An independent reader of the Sgd/AdamW checkpoint layout (sgd.hpp / adamw.hpp) plus the
+// masters section of fused_optimizers.cuh.
+struct parsed_blob {
+  std::string magic;
+  struct slot {
+    int has = 0, type = 0;
+    std::uint64_t count = 0;
+    std::int64_t step = 0;
+    std::vector<double> a, b;  // momentum, or exp_avg and exp_avg_sq
+  };
+  std::vector<slot> slots;
+  std::vector<std::pair<std::uint64_t, std::vector<float>>> masters;
+};
+
+parsed_blob parse_blob(const std::vector<std::byte>& blob, bool adamw) {
+  parsed_blob out;
+  std::size_t at = 0;
+  auto get = [&]<class V>(V) {
+    REQUIRE(at + sizeof(V) <= blob.size());
+    V v;
+    std::memcpy(&v, blob.data() + at, sizeof v);
+    at += sizeof v;
+    return v;
+  };
+  auto array = [&](int type, std::uint64_t n) {
+    std::vector<double> v;
+    for (std::uint64_t i = 0; i < n; ++i)
+      v.push_back(type == static_cast<int>(dtype::f64) ? get(double{}) : static_cast<double>(get(float{})));
+    return v;
+  };
+  out.magic.assign(reinterpret_cast<const char*>(blob.data()), 8);
+  at = 8;
+  for (int i = 0; i < (adamw ? 5 : 4); ++i) (void)get(double{});
+  if (!adamw) (void)get(std::uint8_t{});
+  const auto n = get(std::uint64_t{});
+  for (std::uint64_t i = 0; i < n; ++i) {
+    parsed_blob::slot s;
+    s.has = get(std::uint8_t{});
+    s.type = get(std::uint8_t{});
+    s.count = get(std::uint64_t{});
+    if (adamw) s.step = get(std::int64_t{});
+    if (s.has) {
+      s.a = array(s.type, s.count);
+      if (adamw) s.b = array(s.type, s.count);
+    }
+    out.slots.push_back(std::move(s));
+  }
+  if (out.magic[5] == 'M') {
+    const auto m = get(std::uint64_t{});
+    for (std::uint64_t j = 0; j < m; ++j) {
+      const auto slot = get(std::uint64_t{});
+      const auto count = get(std::uint64_t{});
+      std::vector<float> v;
+      for (std::uint64_t i = 0; i < count; ++i) v.push_back(get(float{}));
+      out.masters.emplace_back(slot, std::move(v));
+    }
+  }
+  CHECK(at == blob.size());
+  return out;
+}
+
+template <class V>
+std::vector<double> as_double(std::span<const V> s) {
+  return std::vector<double>(s.begin(), s.end());
+}
+
+template <bool AdamW>
+struct opt_traits;
+template <>
+struct opt_traits<false> {
+  using gpu = lockstep::cuda::FusedSgd;
+  using cpu = lockstep::Sgd;
+  static lockstep::SgdOptions options(std::mt19937_64& rng) {
+    const bool nesterov = rng() % 2;
+    return {.lr = 0.05, .momentum = 0.9, .dampening = nesterov ? 0.0 : 0.1, .weight_decay = 0.01, .nesterov = nesterov};
+  }
+};
+template <>
+struct opt_traits<true> {
+  using gpu = lockstep::cuda::FusedAdamW;
+  using cpu = lockstep::AdamW;
+  static lockstep::AdamWOptions options(std::mt19937_64&) {
+    return {.lr = 0.01, .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-8, .weight_decay = 0.05};
+  }
+};
+
+// Compares the CPU optimizer's state with a parsed GPU blob, slot by slot.
+template <bool AdamW>
+void check_state(const typename opt_traits<AdamW>::cpu& cpu, const parsed_blob& b, std::int64_t steps) {
+  REQUIRE(b.slots.size() == cpu.slot_count());
+  for (std::size_t i = 0; i < b.slots.size(); ++i) {
+    CAPTURE(i);
+    const auto& s = b.slots[i];
+    CHECK(s.has == 1);
+    CHECK(s.type == static_cast<int>(dtype::f32));
+    if constexpr (AdamW) {
+      CHECK(s.step == steps);
+      CHECK(cpu.step_count(i) == steps);
+      CHECK(max_rel_diff(s.a, as_double(cpu.template exp_avg<float>(i))) <= 1e-5);
+      CHECK(max_rel_diff(s.b, as_double(cpu.template exp_avg_sq<float>(i))) <= 1e-5);
+    } else {
+      CHECK(max_rel_diff(s.a, as_double(cpu.template momentum_buffer<float>(i))) <= 1e-5);
+    }
+  }
+}
+
+// GPU optimizer (params of type T; f32 master for halves) against the CPU one on f32 copies.
+template <bool AdamW, class T>
+void check_fused(std::mt19937_64& rng) {
+  using tr = opt_traits<AdamW>;
+  CAPTURE(AdamW);
+  CAPTURE(type_name<T>());
+  const auto o = tr::options(rng);
+  const std::vector<std::size_t> sizes{1, 7, 300, 20000, 5003, 40000};
+  const std::size_t P = sizes.size();
+  Stream st;
+
+  // Initial values are T-representable so both sides start equal.
+  std::vector<std::vector<T>> init(P);
+  std::vector<std::vector<float>> cpu_vals(P), cpu_grads(P);
+  std::vector<DevBuf*> vals, grads;
+  std::vector<lockstep::parameter> gpu_params, cpu_params;
+  for (std::size_t i = 0; i < P; ++i) {
+    std::uniform_real_distribution<double> d(-1, 1);
+    init[i].resize(sizes[i]);
+    for (auto& x : init[i]) x = from_d<T>(d(rng));
+    for (auto x : init[i]) cpu_vals[i].push_back(to_f(x));
+    cpu_grads[i].assign(sizes[i], 0.f);
+    vals.push_back(new DevBuf(sizes[i] * sizeof(T)));
+    grads.push_back(new DevBuf(sizes[i] * sizeof(T)));
+    upload(vals[i]->p, init[i]);
+    gpu_params.push_back(lockstep::param<T>("p" + std::to_string(i), vals[i]->as<T>(), grads[i]->as<T>(),
+                                            {static_cast<std::int64_t>(sizes[i])}));
+    cpu_params.push_back(lockstep::param<float>("p" + std::to_string(i), cpu_vals[i].data(), cpu_grads[i].data(),
+                                                {static_cast<std::int64_t>(sizes[i])}));
+  }
+  struct cleanup {
+    std::vector<DevBuf*>& a;
+    std::vector<DevBuf*>& b;
+    ~cleanup() {
+      for (auto* x : a) delete x;
+      for (auto* x : b) delete x;
+    }
+  } cl{vals, grads};
+
+  typename tr::gpu gpu(o, gpu_params);
+  typename tr::cpu cpu(o);
+  DevBuf flag(sizeof(int));
+  upload(flag.p, std::vector<int>{0});
+
+  auto gpu_values = [&] {
+    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(st.s));
+    std::vector<std::vector<T>> v;
+    for (std::size_t i = 0; i < P; ++i) v.push_back(download<T>(vals[i]->p, sizes[i]));
+    return v;
+  };
+  auto flat_gpu = [&] {
+    std::vector<double> out;
+    for (auto& v : gpu_values())
+      for (auto x : v) out.push_back(to_d(x));
+    return out;
+  };
+  auto flat_cpu = [&](bool round) {
+    std::vector<double> out;
+    for (auto& v : cpu_vals)
+      for (auto x : v) out.push_back(round ? to_d(from_d<T>(x)) : static_cast<double>(x));
+    return out;
+  };
+
+  // Steps: fresh gradients; the GPU takes them in "buckets" of slices, each parameter cut at a
+  // random point (offset-0 slices in the first bucket, the rest in a second, then per-parameter
+  // calls), or all at once (step_all). One step is skipped through the device flag.
+  const int steps = 5, skip = 1 + static_cast<int>(rng() % 3);
+  CAPTURE(skip);
+  std::int64_t taken = 0;
+  for (int s = 0; s < steps; ++s) {
+    CAPTURE(s);
+    for (std::size_t i = 0; i < P; ++i) {
+      std::vector<T> g(sizes[i]);
+      std::uniform_real_distribution<double> d(-2, 2);
+      for (auto& x : g) x = from_d<T>(d(rng));
+      for (std::size_t k = 0; k < sizes[i]; ++k) cpu_grads[i][k] = to_f(g[k]);
+      upload(grads[i]->p, g);
+    }
+    const bool skipped = s == skip;
+    upload(flag.p, std::vector<int>{skipped ? 1 : 0});
+    const auto before = skipped ? gpu_values() : std::vector<std::vector<T>>{};
+    if (s % 2 == 0) {
+      std::vector<lockstep::param_slice> first, rest;
+      for (std::size_t i = 0; i < P; ++i) {
+        const std::size_t cut = std::uniform_int_distribution<std::size_t>(0, sizes[i])(rng);
+        const std::size_t es = sizeof(T);
+        auto slice = [&](std::size_t off, std::size_t n) {
+          return lockstep::param_slice{i, off, n, dtype_v<T>, static_cast<char*>(vals[i]->p) + off * es,
+                                       static_cast<char*>(grads[i]->p) + off * es};
+        };
+        if (cut == 0) {
+          first.push_back(slice(0, sizes[i]));
+        } else {
+          first.push_back(slice(0, cut));
+          if (cut < sizes[i]) rest.push_back(slice(cut, sizes[i] - cut));
+        }
+      }
+      gpu.step(first, st.s, flag.as<int>());
+      for (const auto& r : rest) gpu.step(std::span<const lockstep::param_slice>(&r, 1), st.s, flag.as<int>());
+    } else {
+      gpu.step_all(gpu_params, st.s, flag.as<int>());
+    }
+    cpu.step(cpu_params, skipped);
+    if (skipped) {
+      const auto after = gpu_values();
+      for (std::size_t i = 0; i < P; ++i) CHECK(same_bits(after[i], before[i]));
+    } else {
+      ++taken;
+    }
+  }
+  CHECK(max_rel_diff(flat_cpu(false), [&] {
+          std::vector<double> v;
+          for (auto& x : init)
+            for (auto y : x) v.push_back(to_d(y));
+          return v;
+        }()) > 1e-3);  // the steps moved the parameters
+
+  std::vector<std::byte> blob;
+  gpu.save(blob);
+  const auto parsed = parse_blob(blob, AdamW);
+  check_state<AdamW>(cpu, parsed, taken);
+  if constexpr (is_half_v<T>) {
+    CHECK(parsed.magic == (AdamW ? "LKADWM01" : "LKSGDM01"));
+    REQUIRE(parsed.masters.size() == P);
+    std::vector<double> masters;
+    for (auto& [slot, v] : parsed.masters)
+      for (auto x : v) masters.push_back(x);
+    CHECK(max_rel_diff(masters, flat_cpu(false)) <= 1e-5);  // the f32 master tracks the CPU
+    std::vector<T> rounded;
+    for (double x : masters) rounded.push_back(from_d<T>(x));
+    std::vector<T> params;
+    for (auto& v : gpu_values()) params.insert(params.end(), v.begin(), v.end());
+    CHECK(same_bits(params, rounded));  // each parameter is its master rounded to nearest
+  } else {
+    CHECK(parsed.magic == (AdamW ? "LKADW001" : "LKSGD001"));
+    CHECK(max_rel_diff(flat_gpu(), flat_cpu(false)) <= 1e-5);
+    // The CPU optimizer reads the GPU's checkpoint, and the GPU the CPU's: one more step each
+    // from the other's state lands where the originals land.
+    typename tr::cpu cpu2(tr::options(rng));
+    cpu2.load(blob);
+    std::vector<std::byte> cpu_blob;
+    cpu.save(cpu_blob);
+    typename tr::gpu gpu2(tr::options(rng), gpu_params);
+    gpu2.load(cpu_blob);
+    for (std::size_t i = 0; i < P; ++i)
+      for (auto& x : cpu_grads[i]) x = static_cast<float>(std::uniform_real_distribution<double>(-2, 2)(rng));
+    for (std::size_t i = 0; i < P; ++i) upload(grads[i]->p, cpu_grads[i]);
+    upload(flag.p, std::vector<int>{0});
+    // gpu2 (CPU state) steps the GPU values; cpu2 (GPU state) steps a copy of the CPU values;
+    // cpu (its own state) steps the CPU values.
+    auto copy_vals = cpu_vals;
+    std::vector<lockstep::parameter> copy_params;
+    for (std::size_t i = 0; i < P; ++i)
+      copy_params.push_back(lockstep::param<float>("p", copy_vals[i].data(), cpu_grads[i].data(),
+                                                   {static_cast<std::int64_t>(sizes[i])}));
+    gpu2.step_all(gpu_params, st.s, flag.as<int>());
+    cpu2.step(copy_params);
+    cpu.step(cpu_params);
+    std::vector<double> copy_flat;
+    for (auto& v : copy_vals)
+      for (auto x : v) copy_flat.push_back(x);
+    CHECK(max_rel_diff(flat_gpu(), flat_cpu(false)) <= 1e-5);
+    CHECK(max_rel_diff(copy_flat, flat_cpu(false)) <= 1e-5);
+    std::vector<std::byte> blob2;
+    gpu2.save(blob2);
+    check_state<AdamW>(cpu, parse_blob(blob2, AdamW), taken + 1);
+  }
+}
+
+// ---- DataParallel + DeviceDynamicScale + FusedSgd -----------------------------------------
+namespace kern {
+__global__ void mul(float* g, std::size_t n, const float* d_scale, float h_scale) {
+  const float f = d_scale != nullptr ? *d_scale : h_scale;
+  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x)
+    g[i] *= f;
+}
+__global__ void poison(float* g, float v) { *g = v; }
+}  // namespace kern
+
+std::vector<std::vector<float>> split_params(TestMlp<float>& m) {
+  std::vector<std::vector<float>> out;
+  for (auto& p : m.parameters()) {
+    auto v = p.value_as<float>();
+    out.emplace_back(v.begin(), v.end());
+  }
+  return out;
+}
+
+// After the lead's patch, step_result carries the flag; until then it comes from the scaler.
+// (The scaler's pointer is the same every step, so a per-bucket callback, which runs before
+// finish() returns, takes it from there.) `ok` turns false if the two disagree.
+template <class R>
+const int* result_flag(const R& r, const int* fallback, bool& ok) {
+  if constexpr (requires { r.device_found_inf; }) {
+    ok = ok && r.device_found_inf == fallback;
+    return r.device_found_inf;
+  } else {
+    (void)r;
+    return fallback;
+  }
+}
+
+struct dp_config {
+  int gpus = 1;
+  bool per_bucket = true;  // FusedSgd in finish()'s per-bucket callback, else step_all after it
+  bool capture = false;    // capture step `warmup` in a CUDA graph, replay it twice
+  bool zero_copy = true;
+  lockstep::BucketPolicy buckets{};
+};
+
+template <class Scaler>
+void check_dp_scaled(const dp_config& c) {
+  constexpr bool on_device = std::is_same_v<Scaler, lockstep::DeviceDynamicScale>;
+  const auto seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  const int steps = 9, warmup = 3;  // graph: step 3 captured, 4 and 5 replay it
+  const int inf_step = std::vector<int>{0, 1, 2, 6, 7, 8}[rng() % 6];
+  const int inf_rank = static_cast<int>(rng() % static_cast<unsigned>(c.gpus));
+  const std::vector<int> dims{37, 64, 33, 10};
+  const std::size_t inf_param = rng() % (2 * (dims.size() - 1));
+  const lockstep::DynamicScaleOptions so{.init_scale = std::ldexp(1.0, 4 + static_cast<int>(rng() % 9)),
+                                         .growth_interval = 3};
+  const lockstep::SgdOptions sgd{.lr = 0.05, .momentum = 0.9, .dampening = 0.0, .weight_decay = 1e-3};
+  CAPTURE(seed); CAPTURE(c.gpus); CAPTURE(c.per_bucket); CAPTURE(c.capture); CAPTURE(c.zero_copy);
+  CAPTURE(c.buckets.cap_bytes); CAPTURE(on_device); CAPTURE(inf_step); CAPTURE(inf_rank); CAPTURE(inf_param);
+  CAPTURE(so.init_scale);
+
+  const std::size_t samples = 2048;
+  const int batch = 16;
+  auto X = random_vector<float>(samples * dims[0], rng, -2, 2);
+  std::vector<int> y(samples);
+  std::uniform_int_distribution<int> lab(0, 9);
+  for (auto& v : y) v = lab(rng);
+  const std::size_t global = static_cast<std::size_t>(batch * c.gpus);
+
+  // CPU reference: one rank, the global batch, no scaling, the inf step skipped.
+  TestMlp<float> ref(dims, seed + 1);
+  lockstep::Sgd ref_opt(sgd);
+  lockstep::DynamicScale ref_scale(so);
+  std::vector<lockstep::loss_scale_state> want_states;
+  for (int s = 0; s < steps; ++s) {
+    ref.zero_grad();
+    std::vector<std::size_t> rows(global);
+    for (std::size_t i = 0; i < global; ++i) rows[i] = (s * global + i) % samples;
+    ref.forward_backward(X, y, rows, [](std::size_t) {});
+    ref_opt.step(ref.parameters(), s == inf_step);
+    ref_scale.update(s == inf_step);
+    want_states.push_back(ref_scale.state());
+  }
+  const auto want = ref.flat_values();
+
+  std::vector<int> devices(static_cast<std::size_t>(c.gpus));
+  for (int i = 0; i < c.gpus; ++i) devices[static_cast<std::size_t>(i)] = i;
+  std::vector<std::vector<float>> got(devices.size());
+  std::vector<std::vector<lockstep::loss_scale_state>> states(devices.size());
+  std::vector<int> unchanged_at_inf(devices.size(), -1);
+  // Rank threads record what they saw; doctest checks it on this thread afterwards.
+  std::vector<std::vector<std::string>> problems(devices.size());
+  lockstep::run(lockstep::Gpus{devices}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
+    const auto rank = static_cast<std::size_t>(ctx.rank());
+    cudaStream_t s = ctx.comm().compute_stream();
+    TestMlp<float> init(dims, seed + 1 + rank * 7919);  // differs per rank: rank 0's is broadcast
+    GpuMlp m(dims, split_params(init), s);
+    lockstep::DataParallel<GpuMlp, lockstep::NcclComm, Scaler> dp(
+        ctx, m, {.buckets = c.buckets, .zero_copy = c.zero_copy}, {}, Scaler(so));
+    const float* d_scale = nullptr;
+    const int* d_flag = nullptr;
+    if constexpr (on_device) {
+      dp.scaler().attach(dp.comm());
+      d_scale = dp.scaler().device_scale();
+      d_flag = dp.scaler().device_found_inf();
+    }
+    lockstep::cuda::FusedSgd opt(sgd, dp.parameters(), ctx.device());
+    float* dX = nullptr;
+    int *dy = nullptr, *drows = nullptr;
+    LOCKSTEP_TRY_CUDA(cudaMalloc(&dX, X.size() * sizeof(float)));
+    LOCKSTEP_TRY_CUDA(cudaMalloc(&dy, y.size() * sizeof(int)));
+    LOCKSTEP_TRY_CUDA(cudaMalloc(&drows, batch * sizeof(int)));
+    LOCKSTEP_TRY_CUDA(cudaMemcpy(dX, X.data(), X.size() * sizeof(float), cudaMemcpyHostToDevice));
+    LOCKSTEP_TRY_CUDA(cudaMemcpy(dy, y.data(), y.size() * sizeof(int), cudaMemcpyHostToDevice));
+    LOCKSTEP_TRY_CUDA(cudaDeviceSynchronize());
+    auto upload_rows = [&](int st) {
+      std::vector<int> rows(batch);
+      const std::size_t first = st * global + rank * batch;
+      for (int i = 0; i < batch; ++i) rows[static_cast<std::size_t>(i)] = static_cast<int>((first + i) % samples);
+      LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(drows, rows.data(), rows.size() * sizeof(int), cudaMemcpyHostToDevice, s));
+      LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s));
+    };
+
+    // One training step, with nothing the host waits for (unless the scaler is a host one).
+    auto one_step = [&](int st) {
+      auto step = dp.step();
+      const auto params = dp.parameters();  // the arena's gradient pointers (rebound after step 0)
+      const float h_scale = on_device ? 1.0f : static_cast<float>(step.loss_scale());
+      auto hook = step.on_gradient_ready();
+      // The loss-scale multiply the loss kernel would do (exact: the scale is a power of two),
+      // and the planted inf, right before each gradient is reported final.
+      m.forward_backward(dX, dy, drows, batch, [&](std::size_t i) {
+        auto* g = static_cast<float*>(params[i].grad);
+        kern::mul<<<8, 256, 0, s>>>(g, params[i].numel(), d_scale, h_scale);
+        LOCKSTEP_CHECK_LAUNCH();
+        if (st == inf_step && static_cast<int>(rank) == inf_rank && i == inf_param) {
+          kern::poison<<<1, 1, 0, s>>>(g + params[i].numel() / 2, st % 2 ? INFINITY : NAN);
+          LOCKSTEP_CHECK_LAUNCH();
+        }
+        hook(i);
+      });
+      bool ok = true;
+      if (c.per_bucket) {
+        auto r = step.finish([&](std::span<const lockstep::param_slice> sl) { opt.step(sl, s, d_flag); });
+        if (on_device) (void)result_flag(r, d_flag, ok);
+        else ok = static_cast<bool>(r) == (st != inf_step);
+      } else {
+        auto r = step.finish();
+        if constexpr (on_device) {
+          ok = static_cast<bool>(r);  // the host does not know: the device decides
+          opt.step_all(dp.parameters(), s, result_flag(r, d_flag, ok));
+        } else if (r) {
+          opt.step_all(dp.parameters(), s);
+        }
+      }
+      if (!ok) problems[rank].push_back("step " + std::to_string(st) + ": unexpected step_result");
+    };
+
+    cudaGraphExec_t exec = nullptr;
+    for (int st = 0; st < steps; ++st) {
+      upload_rows(st);
+      const auto before = st == inf_step ? m.flat_values() : std::vector<float>{};
+      if (!c.capture || st < warmup) {
+        one_step(st);
+      } else if (st == warmup) {
+        cudaGraph_t graph = nullptr;
+        LOCKSTEP_TRY_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+        try {
+          one_step(st);
+        } catch (...) {
+          cudaGraph_t broken = nullptr;
+          (void)cudaStreamEndCapture(s, &broken);
+          if (broken) (void)cudaGraphDestroy(broken);
+          throw;
+        }
+        // Fails if anything in the step synchronised with the host (or left a stream unjoined).
+        LOCKSTEP_TRY_CUDA(cudaStreamEndCapture(s, &graph));
+        if (graph == nullptr) throw std::runtime_error("cudaStreamEndCapture returned no graph");
+        LOCKSTEP_TRY_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+        LOCKSTEP_TRY_CUDA(cudaGraphDestroy(graph));
+        LOCKSTEP_TRY_CUDA(cudaGraphLaunch(exec, s));
+      } else if (st < warmup + 3) {
+        LOCKSTEP_TRY_CUDA(cudaGraphLaunch(exec, s));  // the same step on the next rows
+      } else {
+        one_step(st);
+      }
+      if (st == inf_step) unchanged_at_inf[rank] = m.flat_values() == before ? 1 : 0;
+      states[rank].push_back(dp.scaler().state());  // synchronises: outside the step
+    }
+    if (exec) LOCKSTEP_TRY_CUDA(cudaGraphExecDestroy(exec));
+    got[rank] = m.flat_values();
+    cudaFree(dX); cudaFree(dy); cudaFree(drows);
+  });
+
+  TestMlp<float> init(dims, seed + 1);
+  CHECK(max_rel_diff(init.flat_values(), want) > 1e-3);  // training moved the parameters
+  for (std::size_t r = 0; r < got.size(); ++r) {
+    CAPTURE(r);
+    for (const auto& p : problems[r]) FAIL_CHECK(p);
+    CHECK(unchanged_at_inf[r] == 1);  // every GPU skipped the step with one GPU's inf
+    CHECK(max_rel_diff(got[r], want) <= 1e-5);
+    CHECK(got[r] == got[0]);  // bit for bit on every GPU
+    REQUIRE(states[r].size() == want_states.size());
+    for (int st = 0; st < steps; ++st) {
+      CAPTURE(st);
+      CHECK(states[r][static_cast<std::size_t>(st)] == want_states[static_cast<std::size_t>(st)]);
+    }
+  }
+  // The skip halved the scale (DynamicScale's rule, checked above step by step; here plainly).
+  const double before_inf = inf_step == 0 ? so.init_scale : want_states[static_cast<std::size_t>(inf_step - 1)].scale;
+  CHECK(want_states[static_cast<std::size_t>(inf_step)].scale == before_inf * 0.5);
+  CHECK(want_states.back().skipped_steps == 1);
+}
+
+}  // namespace
+
+TEST_SUITE("gpu") {
+TEST_CASE("grad_ops<CudaMemory> == host grad_ops: unscale + flag - sum of squares - clamp (f32 f64 f16 bf16)") {
+  LOCKSTEP_REQUIRE_GPUS(1);
+  LOCKSTEP_TRY_CUDA(cudaSetDevice(0));
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  std::mt19937_64 rng(seed);
+  check_grad_ops<float>(rng);
+  check_grad_ops<double>(rng);
+  check_grad_ops<__half>(rng);
+  check_grad_ops<__nv_bfloat16>(rng);
+}
+
+TEST_CASE("FusedSgd / FusedAdamW == lockstep::Sgd / AdamW: split slices - skipped step - CPU<->GPU checkpoints") {
+  LOCKSTEP_REQUIRE_GPUS(1);
+  LOCKSTEP_TRY_CUDA(cudaSetDevice(0));
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  std::mt19937_64 rng(seed);
+  check_fused<false, float>(rng);
+  check_fused<true, float>(rng);
+  check_fused<false, __nv_bfloat16>(rng);
+  check_fused<true, __nv_bfloat16>(rng);
+}
+
+TEST_CASE("DeviceDynamicScale: host mirror - load_state - copies - one clean and one inf step") {
+  LOCKSTEP_REQUIRE_GPUS(1);
+  auto comms = lockstep::NcclComm::create_local({0});
+  {
+    struct {
+      lockstep::NcclComm& c;
+      lockstep::NcclComm& comm() { return c; }
+    } ctx{comms[0]};
+    LOCKSTEP_TRY_CUDA(cudaSetDevice(0));
+    lockstep::DeviceDynamicScale sc({.init_scale = 256.0, .growth_interval = 5});
+    CHECK_THROWS_AS((void)sc.device_scale(), lockstep::config_error);
+    CHECK(sc.scale() == 256.0);
+    sc.attach(ctx.comm());
+    float f = 0;
+    LOCKSTEP_TRY_CUDA(cudaMemcpy(&f, sc.device_scale(), sizeof f, cudaMemcpyDeviceToHost));
+    CHECK(f == 256.0f);
+    const lockstep::loss_scale_state st{1024.0, 3, 2, 9};
+    sc.load_state(st);
+    CHECK(sc.state() == st);
+    LOCKSTEP_TRY_CUDA(cudaMemcpy(&f, sc.device_scale(), sizeof f, cudaMemcpyDeviceToHost));
+    CHECK(f == 1024.0f);
+    CHECK_THROWS_AS(sc.load_state({1024.0, 5, 0, 9}), lockstep::checkpoint_error);  // good ≥ interval
+    lockstep::DeviceDynamicScale copy = sc;
+    CHECK(!copy.attached());
+    CHECK(copy.state() == st);
+    // One clean and one overflowing unscale on real device gradients, against DynamicScale.
+    DevBuf g(64 * sizeof(float));
+    std::vector<float> h(64, 2048.0f);
+    upload(g.p, h);
+    const segment seg{g.p, 64};
+    const grad_group grp{dtype::f32, std::span<const segment>(&seg, 1)};
+    lockstep::DynamicScale ref({.init_scale = 256.0, .growth_interval = 5});
+    ref.load_state(st);
+    CHECK(!sc.unscale_and_check(ctx.comm(), std::span<const grad_group>(&grp, 1)));
+    ref.update(false);
+    CHECK(sc.state() == ref.state());
+    CHECK(download<float>(g.p, 64) == std::vector<float>(64, 2.0f));  // 2048 / 1024
+    h[17] = INFINITY;
+    upload(g.p, h);
+    (void)sc.unscale_and_check(ctx.comm(), std::span<const grad_group>(&grp, 1));
+    int found = 0;
+    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(ctx.comm().compute_stream()));
+    LOCKSTEP_TRY_CUDA(cudaMemcpy(&found, sc.device_found_inf(), sizeof found, cudaMemcpyDeviceToHost));
+    CHECK(found == 1);
+    ref.update(true);
+    CHECK(sc.state() == ref.state());
+    CHECK(sc.scale() == 512.0);
+  }
+}
+
+TEST_CASE("DataParallel + DeviceDynamicScale + FusedSgd on 1 GPU == CPU reference - a step captured in a CUDA graph") {
+  LOCKSTEP_REQUIRE_GPUS(1);
+  check_dp_scaled<lockstep::DeviceDynamicScale>({.gpus = 1, .capture = true});
+  check_dp_scaled<lockstep::DeviceDynamicScale>({.gpus = 1, .per_bucket = false});
+  check_dp_scaled<lockstep::DynamicScale>({.gpus = 1});
+}
+}
+
+TEST_SUITE("multigpu") {
+TEST_CASE("DataParallel + DeviceDynamicScale + FusedSgd: 2 GPUs - inf on one GPU skips everywhere - graph-captured step") {
+  LOCKSTEP_REQUIRE_GPUS(2);
+  check_dp_scaled<lockstep::DeviceDynamicScale>({.gpus = 2, .capture = true});
+  check_dp_scaled<lockstep::DeviceDynamicScale>(
+      {.gpus = 2, .capture = true, .buckets = {.first_bytes = 1000, .cap_bytes = 3000}});
+  check_dp_scaled<lockstep::DeviceDynamicScale>({.gpus = 2, .per_bucket = false, .zero_copy = false});
+  check_dp_scaled<lockstep::DynamicScale>({.gpus = 2, .buckets = {.first_bytes = 1000, .cap_bytes = 3000}});
+}
+TEST_CASE("DataParallel + DeviceDynamicScale + FusedSgd: 4 GPUs") {
+  LOCKSTEP_REQUIRE_GPUS(4);
+  check_dp_scaled<lockstep::DeviceDynamicScale>(
+      {.gpus = 4, .capture = true, .buckets = {.first_bytes = 1000, .cap_bytes = 5000}});
+  check_dp_scaled<lockstep::DeviceDynamicScale>({.gpus = 4, .per_bucket = false, .zero_copy = false});
+  check_dp_scaled<lockstep::DynamicScale>({.gpus = 4});
+}
+}
