@@ -314,6 +314,14 @@ int main(int argc, char** argv) {
         for (int g : counts) {
           if (g == 1) continue;
           double flat = pass == 0 ? flat_time<float>(total, g, iters) : flat_time<__nv_bfloat16>(total, g, iters);
+          {
+            // Where the time goes: the same step with no compute at all (communication and
+            // optimizer only), default buckets.
+            const std::vector<double> none(fwd.size(), 0.0), none_b(bwd.size(), 0.0);
+            double t0 = pass == 0 ? train_step_time<float>(mlp, g, iters, 0, none, none_b)
+                                  : train_step_time<__nv_bfloat16>(mlp, g, iters, 0, none, none_b);
+            std::printf("c  %s %d GPU  no compute (sync + SGD only)  step %7.3f ms\n", tn, g, t0);
+          }
           for (std::size_t cap_mib : {std::size_t{25}, std::size_t{64}, std::size_t{128}}) {
             lockstep::BucketPolicy bp{.first_bytes = std::size_t{1} << 20, .cap_bytes = cap_mib << 20};
             double t = pass == 0 ? train_step_time<float>(mlp, g, iters, 0, fwd, bwd, bp)
