@@ -289,3 +289,21 @@ TEST_CASE("a model that never reports is reduced with one all-reduce per step af
 }
 
 }  // TEST_SUITE
+
+TEST_SUITE("cpu") {
+TEST_CASE("ranks with different bucket policies fail on every rank instead of pairing wrong ranges") {
+  std::vector<std::string> msgs(2);
+  CHECK_THROWS_AS(lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
+                    TestMlp<float> m({20, 30, 10}, 1);  // 940 floats
+                    lockstep::BucketPolicy bp{.first_bytes = 1024, .cap_bytes = ctx.rank() == 0 ? 1024u : 2048u};
+                    try {
+                      lockstep::DataParallel<TestMlp<float>, lockstep::ThreadComm> dp(ctx, m, {.buckets = bp});
+                    } catch (const lockstep::mismatch_error& e) {
+                      msgs[static_cast<std::size_t>(ctx.rank())] = e.what();
+                      throw;
+                    }
+                  }),
+                  lockstep::mismatch_error);
+  for (auto& m : msgs) CHECK(m.find("different gradient bucket plans") != std::string::npos);
+}
+}  // TEST_SUITE

@@ -318,6 +318,36 @@ class reducer {
       params_ = std::move(fresh);
     }
     stats_.zero_copy = zero_copy();
+    check_same_plan();
+  }
+
+  // Every rank must cut the arena identically (same BucketPolicy, same zero-copy choice),
+  // or their all-reduces would pair different ranges: compare against rank 0's plan.
+  void check_same_plan() {
+    if (comm_.size() == 1) return;
+    std::string mine;
+    for (const auto& g : groups_) {
+      mine += std::string(name_of(g.plan.type)) + ": " + std::to_string(g.plan.total) +
+              " elements in " + std::to_string(g.plan.buckets.size()) + " buckets (first " +
+              std::to_string(g.plan.buckets.empty() ? 0 : g.plan.buckets[0].elements()) +
+              ", units " + std::to_string(g.plan.units.size()) + ", order hash " +
+              std::to_string(order_hash(g.plan.order)) + "); ";
+    }
+    auto all = host_all_gather_strings(comm_, mine);
+    for (std::size_t r = 1; r < all.size(); ++r)
+      if (all[r] != all[0])
+        throw mismatch_error("ranks built different gradient bucket plans: rank 0 has " + all[0] +
+                             "rank " + std::to_string(r) + " has " + all[r] +
+                             "(give every rank the same BucketPolicy and zero_copy setting)");
+  }
+
+  static std::uint64_t order_hash(const std::vector<std::size_t>& order) {
+    std::uint64_t h = 1469598103934665603ull;  // FNV-1a 64
+    for (auto i : order) {
+      h ^= static_cast<std::uint64_t>(i);
+      h *= 1099511628211ull;
+    }
+    return h;
   }
 
   Comm& comm_;
