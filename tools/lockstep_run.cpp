@@ -1,0 +1,828 @@
+// lockstep-run — single-node launcher: starts N copies of a program, one per rank, with the
+// environment of a torchrun-style launch (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+// MASTER_ADDR, MASTER_PORT) plus lockstep's own LOCKSTEP_* variables, prefixes every output line
+// with its rank, forwards SIGINT/SIGTERM, and stops the whole job when one rank fails.
+//
+//   lockstep-run --nproc 4 ./train --epochs 3      # 4 ranks
+//   lockstep-run ./train                           # one rank per visible GPU
+//   lockstep-run --cpu --nproc 2 ./train           # CPU ranks
+//
+// Linux/POSIX only. See docs/lockstep_run.md for the full behaviour.
+#include <fcntl.h>
+#include <glob.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#if defined(__linux__)
+#include <sys/prctl.h>
+#endif
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+extern char** environ;
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+constexpr int kMaxRanks = 1024;                  // two pipes per rank: stay well inside fd limits
+constexpr std::size_t kMaxLine = 1 << 20;        // a longer line without '\n' is split here
+constexpr std::size_t kTailLines = 200;          // --rank0-only: stderr kept per hidden rank
+constexpr std::size_t kTailBytes = 64 << 10;
+constexpr std::size_t kReadChunk = 64 << 10;
+
+constexpr const char* kUsage =
+    R"(usage: lockstep-run [options] [--] PROGRAM [ARGS...]
+
+Starts N processes of PROGRAM on this machine, one per rank, and waits for them.
+
+options:
+  --nproc N           number of ranks (alias --nproc-per-node). Default: one per visible GPU
+                      (CUDA_VISIBLE_DEVICES, else /dev/nvidia<N>, else `nvidia-smi -L`), or with
+                      --cpu one per CPU this process may run on.
+  --cpu               CPU ranks: the default N is the CPU count, and no GPU is needed.
+  --master-port PORT  MASTER_PORT for the ranks' rendezvous (default: a free port on 127.0.0.1).
+  --rank0-only        print only rank 0's output; a failing rank's last stderr lines are
+                      still printed when it fails.
+  --grace SECONDS     after SIGTERM/SIGINT, wait this long before SIGKILL (default 10).
+  --timeout SECONDS   stop the job (SIGTERM, then SIGKILL after the grace) after this long;
+                      exit code 124. Default: no limit.
+  -h, --help          show this help.
+
+Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT,
+and LOCKSTEP_RANK, LOCKSTEP_LOCAL_RANK, LOCKSTEP_WORLD_SIZE, LOCKSTEP_LOCAL_WORLD_SIZE,
+LOCKSTEP_MASTER_ADDR, LOCKSTEP_MASTER_PORT, LOCKSTEP_JOB_TOKEN, LOCKSTEP_LAUNCHER=lockstep-run;
+the rest of the environment (NCCL_NVLS_ENABLE included) is passed on unchanged.
+Output lines are prefixed "[RANK] " (stdout to stdout, stderr to stderr).
+
+exit status: 0 when every rank exits 0; the failing rank's exit code, or 128+signal when it was
+killed; 128+signal when lockstep-run was interrupted; 124 on --timeout; 2 for usage errors;
+127 when PROGRAM cannot be found or run.
+)";
+
+// ---------------------------------------------------------------------------------------------
+// Small helpers
+
+[[noreturn]] void usage_error(const std::string& msg) {
+  std::fprintf(stderr, "lockstep-run: %s\nRun 'lockstep-run --help' for usage.\n", msg.c_str());
+  std::exit(2);
+}
+
+std::optional<long> parse_long(std::string_view s) {
+  if (s.empty()) return std::nullopt;
+  std::string t(s);
+  char* end = nullptr;
+  errno = 0;
+  long v = std::strtol(t.c_str(), &end, 10);
+  if (errno != 0 || *end != '\0' || end == t.c_str()) return std::nullopt;
+  return v;
+}
+
+std::optional<double> parse_seconds(std::string_view s) {
+  if (s.empty()) return std::nullopt;
+  std::string t(s);
+  char* end = nullptr;
+  errno = 0;
+  double v = std::strtod(t.c_str(), &end);
+  if (errno != 0 || *end != '\0' || !std::isfinite(v) || v < 0) return std::nullopt;
+  return v;
+}
+
+std::string signal_name(int sig) {
+  struct Entry { int sig; const char* name; };
+  static constexpr Entry names[] = {
+      {SIGHUP, "SIGHUP"},   {SIGINT, "SIGINT"},   {SIGQUIT, "SIGQUIT"}, {SIGILL, "SIGILL"},
+      {SIGTRAP, "SIGTRAP"}, {SIGABRT, "SIGABRT"}, {SIGBUS, "SIGBUS"},   {SIGFPE, "SIGFPE"},
+      {SIGKILL, "SIGKILL"}, {SIGUSR1, "SIGUSR1"}, {SIGSEGV, "SIGSEGV"}, {SIGUSR2, "SIGUSR2"},
+      {SIGPIPE, "SIGPIPE"}, {SIGALRM, "SIGALRM"}, {SIGTERM, "SIGTERM"}, {SIGCHLD, "SIGCHLD"},
+      {SIGCONT, "SIGCONT"}, {SIGSTOP, "SIGSTOP"}, {SIGTSTP, "SIGTSTP"}, {SIGTTIN, "SIGTTIN"},
+      {SIGTTOU, "SIGTTOU"}, {SIGXCPU, "SIGXCPU"}, {SIGXFSZ, "SIGXFSZ"}, {SIGSYS, "SIGSYS"}};
+  for (const auto& e : names)
+    if (e.sig == sig) return e.name;
+  return "SIG" + std::to_string(sig);
+}
+
+std::string format_seconds(double s) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%g s", s);
+  return buf;
+}
+
+// Writes everything, waiting when the descriptor is non-blocking; a closed reader (EPIPE) turns
+// the sink off so the job keeps running without its output rather than dying of SIGPIPE.
+struct Sink {
+  int fd;
+  bool broken = false;
+  void write_all(const char* p, std::size_t n) {
+    while (n > 0 && !broken) {
+      ssize_t w = ::write(fd, p, n);
+      if (w > 0) {
+        p += w;
+        n -= static_cast<std::size_t>(w);
+      } else if (w < 0 && errno == EINTR) {
+        continue;
+      } else if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        pollfd pfd{fd, POLLOUT, 0};
+        ::poll(&pfd, 1, 100);
+      } else {
+        broken = true;
+      }
+    }
+  }
+  void write_all(const std::string& s) { write_all(s.data(), s.size()); }
+};
+
+Sink g_out{STDOUT_FILENO};
+Sink g_err{STDERR_FILENO};
+
+void say(const std::string& msg) { g_err.write_all("lockstep-run: " + msg + "\n"); }
+
+// ---------------------------------------------------------------------------------------------
+// Setup: how many ranks, which program, port, token
+
+// Counts GPUs without linking CUDA. The device nodes (or nvidia-smi, e.g. under WSL) give the
+// physical count; CUDA_VISIBLE_DEVICES, when set, narrows it the way the CUDA runtime does:
+// entries up to the first empty or negative one ("" or "-1" hide every GPU).
+int visible_gpus() {
+  int physical = 0;
+  glob_t g{};
+  if (::glob("/dev/nvidia[0-9]*", 0, nullptr, &g) == 0) {
+    for (std::size_t i = 0; i < g.gl_pathc; ++i) {
+      std::string_view p = g.gl_pathv[i];
+      p.remove_prefix(std::strlen("/dev/nvidia"));
+      if (!p.empty() && std::all_of(p.begin(), p.end(), [](char c) { return c >= '0' && c <= '9'; }))
+        ++physical;
+    }
+  }
+  ::globfree(&g);
+  if (physical == 0) {
+    if (FILE* f = ::popen("nvidia-smi -L 2>/dev/null", "r")) {
+      char line[512];
+      while (std::fgets(line, sizeof line, f))
+        if (std::strncmp(line, "GPU ", 4) == 0) ++physical;
+      ::pclose(f);
+    }
+  }
+  const char* cvd = std::getenv("CUDA_VISIBLE_DEVICES");
+  if (cvd == nullptr || physical == 0) return physical;
+  int listed = 0;
+  std::string_view rest = cvd;
+  while (true) {
+    auto comma = rest.find(',');
+    std::string_view item = rest.substr(0, comma);
+    while (!item.empty() && item.front() == ' ') item.remove_prefix(1);
+    while (!item.empty() && item.back() == ' ') item.remove_suffix(1);
+    if (item.empty() || item.front() == '-') break;
+    ++listed;
+    if (comma == std::string_view::npos) break;
+    rest.remove_prefix(comma + 1);
+  }
+  return std::min(listed, physical);
+}
+
+int usable_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof set, &set) == 0) {
+    int n = CPU_COUNT(&set);
+    if (n > 0) return n;
+  }
+  long n = ::sysconf(_SC_NPROCESSORS_ONLN);
+  return n > 0 ? static_cast<int>(n) : 1;
+}
+
+bool is_executable_file(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) && ::access(path.c_str(), X_OK) == 0;
+}
+
+// Resolved once here, so a missing program is one clear message rather than N failed ranks.
+std::optional<std::string> resolve_program(const std::string& prog) {
+  if (prog.find('/') != std::string::npos) {
+    if (is_executable_file(prog)) return prog;
+    return std::nullopt;
+  }
+  const char* path_env = std::getenv("PATH");
+  std::string_view path = path_env ? path_env : "/usr/local/bin:/usr/bin:/bin";
+  while (true) {
+    auto colon = path.find(':');
+    std::string dir(path.substr(0, colon));
+    std::string candidate = (dir.empty() ? std::string(".") : dir) + "/" + prog;
+    if (is_executable_file(candidate)) return candidate;
+    if (colon == std::string_view::npos) break;
+    path.remove_prefix(colon + 1);
+  }
+  return std::nullopt;
+}
+
+// Bind port 0, read the port the kernel chose, close. Another process could take it before
+// rank 0 binds it; --master-port avoids that window where it matters.
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof addr;
+  int port = -1;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0)
+    port = ntohs(addr.sin_port);
+  ::close(fd);
+  return port;
+}
+
+std::optional<std::string> job_token() {
+  unsigned char bytes[16];
+  int fd = ::open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return std::nullopt;
+  std::size_t got = 0;
+  while (got < sizeof bytes) {
+    ssize_t r = ::read(fd, bytes + got, sizeof bytes - got);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) break;
+    got += static_cast<std::size_t>(r);
+  }
+  ::close(fd);
+  if (got != sizeof bytes) return std::nullopt;
+  static constexpr char hex[] = "0123456789abcdef";
+  std::string s;
+  for (unsigned char b : bytes) {
+    s += hex[b >> 4];
+    s += hex[b & 15];
+  }
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Options
+
+struct Options {
+  int nproc = 0;  // 0: choose
+  bool cpu = false;
+  int master_port = 0;  // 0: choose
+  bool rank0_only = false;
+  double grace = 10;
+  double timeout = 0;  // 0: none
+  std::vector<std::string> command;
+};
+
+Options parse_options(int argc, char** argv) {
+  Options o;
+  int i = 1;
+  // Accepts "--name value" and "--name=value".
+  auto value_of = [&](std::string_view arg, std::string_view name) -> std::optional<std::string> {
+    if (arg == name) {
+      if (i + 1 >= argc) usage_error("option " + std::string(name) + " needs a value");
+      return std::string(argv[++i]);
+    }
+    if (arg.size() > name.size() && arg.substr(0, name.size()) == name && arg[name.size()] == '=')
+      return std::string(arg.substr(name.size() + 1));
+    return std::nullopt;
+  };
+  for (; i < argc; ++i) {
+    std::string_view a = argv[i];
+    if (a == "--") {
+      ++i;
+      break;
+    }
+    if (a.empty() || a[0] != '-') break;  // the program: everything from here is its command line
+    if (a == "-h" || a == "--help") {
+      std::fputs(kUsage, stdout);
+      std::exit(0);
+    }
+    if (a == "--cpu") {
+      o.cpu = true;
+    } else if (a == "--rank0-only") {
+      o.rank0_only = true;
+    } else if (auto v = value_of(a, "--nproc"); v || (v = value_of(a, "--nproc-per-node"))) {
+      auto n = parse_long(*v);
+      if (!n || *n < 1 || *n > kMaxRanks)
+        usage_error("--nproc wants a whole number from 1 to " + std::to_string(kMaxRanks) + ", got '" + *v + "'");
+      o.nproc = static_cast<int>(*n);
+    } else if (auto v = value_of(a, "--master-port")) {
+      auto p = parse_long(*v);
+      if (!p || *p < 1 || *p > 65535) usage_error("--master-port wants a port from 1 to 65535, got '" + *v + "'");
+      o.master_port = static_cast<int>(*p);
+    } else if (auto v = value_of(a, "--grace")) {
+      auto s = parse_seconds(*v);
+      if (!s) usage_error("--grace wants a number of seconds >= 0, got '" + *v + "'");
+      o.grace = *s;
+    } else if (auto v = value_of(a, "--timeout")) {
+      auto s = parse_seconds(*v);
+      if (!s || *s <= 0) usage_error("--timeout wants a number of seconds > 0, got '" + *v + "'");
+      o.timeout = *s;
+    } else {
+      usage_error("unknown option '" + std::string(a) + "' (put '--' before a program whose name starts with '-')");
+    }
+  }
+  for (; i < argc; ++i) o.command.emplace_back(argv[i]);
+  if (o.command.empty()) usage_error("no program given: lockstep-run [options] PROGRAM [ARGS...]");
+  return o;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Signals: the handler only records the signal and wakes poll() through a pipe.
+
+volatile sig_atomic_t g_last_signal = 0;
+volatile sig_atomic_t g_signal_count = 0;
+int g_wake_write = -1;
+
+extern "C" void on_signal(int sig) {
+  int saved = errno;
+  if (sig != SIGCHLD) {
+    g_last_signal = sig;
+    g_signal_count = g_signal_count + 1;  // handlers are masked against each other (sa_mask)
+  }
+  char c = 0;
+  [[maybe_unused]] ssize_t r = ::write(g_wake_write, &c, 1);
+  errno = saved;
+}
+
+constexpr int kHandled[] = {SIGINT, SIGTERM, SIGHUP, SIGCHLD};
+
+// ---------------------------------------------------------------------------------------------
+// Ranks and their output
+
+struct Stream {
+  int fd = -1;
+  bool is_err = false;
+  std::string partial;  // the current line, not yet ended by '\n'
+};
+
+struct Rank {
+  int rank = 0;
+  pid_t pid = -1;
+  bool reaped = false;
+  Stream out, err;
+  std::deque<std::string> tail;  // --rank0-only: last stderr lines, shown if this rank fails
+  std::size_t tail_bytes = 0;
+};
+
+class Launcher {
+ public:
+  explicit Launcher(Options o) : opt_(std::move(o)) {}
+  int run();
+
+ private:
+  bool start_rank(Rank& r, const std::string& path, const std::vector<std::string>& base_env,
+                  const sigset_t& original_mask, int stdin_fd);
+  void emit(Rank& r, Stream& s, std::string lines);
+  void feed(Rank& r, Stream& s, const char* data, std::size_t n);
+  bool read_some(Rank& r, Stream& s);  // false at EOF/error (fd closed)
+  void drain(Rank& r);
+  void flush_partial(Rank& r, Stream& s);
+  void reap();
+  void stop_all(int sig, const std::string& why);
+  void signal_unreaped(int sig);
+  std::string still_running() const;
+
+  Options opt_;
+  std::vector<Rank> ranks_;
+  int alive_ = 0;
+  bool stopping_ = false;
+  bool killed_ = false;
+  clock_type::time_point kill_at_{};
+  int exit_code_ = 0;
+};
+
+std::string prefix_of(int rank) {
+  std::string p = "[";
+  p.append(std::to_string(rank)).append("] ");
+  return p;
+}
+
+void Launcher::emit(Rank& r, Stream& s, std::string lines) {
+  if (lines.empty()) return;
+  if (!opt_.rank0_only || r.rank == 0) {
+    (s.is_err ? g_err : g_out).write_all(lines);
+    return;
+  }
+  if (!s.is_err) return;
+  // Keep the tail of a hidden rank's stderr, line by line, within the bounds.
+  std::size_t pos = 0;
+  while (pos < lines.size()) {
+    std::size_t nl = lines.find('\n', pos);
+    std::size_t end = nl == std::string::npos ? lines.size() : nl + 1;
+    r.tail.emplace_back(lines, pos, end - pos);
+    r.tail_bytes += end - pos;
+    pos = end;
+    while (!r.tail.empty() && (r.tail.size() > kTailLines || r.tail_bytes > kTailBytes)) {
+      r.tail_bytes -= r.tail.front().size();
+      r.tail.pop_front();
+    }
+  }
+}
+
+// Complete lines go out whole, one write per chunk read, so lines never mix: lockstep-run is
+// the only writer of its stdout/stderr and writes whole lines only.
+void Launcher::feed(Rank& r, Stream& s, const char* data, std::size_t n) {
+  const std::string prefix = prefix_of(r.rank);
+  std::string out;
+  std::size_t start = 0;
+  while (start < n) {
+    const void* hit = std::memchr(data + start, '\n', n - start);
+    if (!hit) break;
+    std::size_t nl = static_cast<std::size_t>(static_cast<const char*>(hit) - data);
+    out += prefix;
+    out += s.partial;
+    out.append(data + start, nl - start + 1);
+    s.partial.clear();
+    start = nl + 1;
+  }
+  s.partial.append(data + start, n - start);
+  if (s.partial.size() >= kMaxLine) {  // bound memory for output that never ends a line
+    out.append(prefix).append(s.partial).push_back('\n');
+    s.partial.clear();
+  }
+  emit(r, s, std::move(out));
+}
+
+void Launcher::flush_partial(Rank& r, Stream& s) {
+  if (s.partial.empty()) return;
+  std::string line = prefix_of(r.rank);
+  line.append(s.partial).push_back('\n');
+  s.partial.clear();
+  emit(r, s, std::move(line));
+}
+
+bool Launcher::read_some(Rank& r, Stream& s) {
+  if (s.fd < 0) return false;
+  char buf[kReadChunk];
+  while (true) {
+    ssize_t n = ::read(s.fd, buf, sizeof buf);
+    if (n > 0) {
+      feed(r, s, buf, static_cast<std::size_t>(n));
+      return true;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+    ::close(s.fd);  // EOF or error
+    s.fd = -1;
+    flush_partial(r, s);
+    return false;
+  }
+}
+
+// Everything an exited process wrote is already in the pipe: read until empty (not until EOF,
+// which a grandchild holding the pipe could postpone forever; the read count is bounded for a
+// grandchild that keeps writing).
+void Launcher::drain(Rank& r) {
+  for (Stream* s : {&r.out, &r.err}) {
+    for (int reads = 0; s->fd >= 0 && reads < 1024; ++reads) {
+      pollfd pfd{s->fd, POLLIN, 0};
+      if (::poll(&pfd, 1, 0) <= 0 || !(pfd.revents & (POLLIN | POLLHUP | POLLERR))) break;
+      if (!read_some(r, *s)) break;
+    }
+  }
+}
+
+void Launcher::signal_unreaped(int sig) {
+  for (auto& r : ranks_) {
+    if (r.reaped) continue;
+    // The whole process group, so helpers the rank started hear it too.
+    if (::kill(-r.pid, sig) != 0) ::kill(r.pid, sig);
+    // A stopped process would only act on the signal once continued.
+    if (sig != SIGKILL && sig != SIGCONT && ::kill(-r.pid, SIGCONT) != 0) ::kill(r.pid, SIGCONT);
+  }
+}
+
+std::string Launcher::still_running() const {
+  std::string list;
+  int count = 0;
+  for (const auto& r : ranks_) {
+    if (r.reaped) continue;
+    list += (count++ ? ", " : "") + std::to_string(r.rank);
+  }
+  return (count == 1 ? "rank " : "ranks ") + list;
+}
+
+void Launcher::stop_all(int sig, const std::string& why) {
+  stopping_ = true;
+  kill_at_ = clock_type::now() + std::chrono::duration_cast<clock_type::duration>(
+                                     std::chrono::duration<double>(opt_.grace));
+  if (alive_ > 0) {
+    say(why + "; sending " + signal_name(sig) + " to " + still_running() + " (SIGKILL after " +
+        format_seconds(opt_.grace) + ")");
+    signal_unreaped(sig);
+  } else {
+    say(why);
+  }
+}
+
+void Launcher::reap() {
+  while (alive_ > 0) {
+    int status = 0;
+    pid_t pid = ::waitpid(-1, &status, WNOHANG);
+    if (pid == 0) return;
+    if (pid < 0) {
+      if (errno == EINTR) continue;
+      // ECHILD: nothing left to wait for, which would mean our bookkeeping is off; do not hang.
+      for (auto& r : ranks_) r.reaped = true;
+      alive_ = 0;
+      return;
+    }
+    auto it = std::find_if(ranks_.begin(), ranks_.end(), [&](const Rank& r) { return r.pid == pid; });
+    if (it == ranks_.end()) continue;  // not one of ours (e.g. an adopted process)
+    Rank& r = *it;
+    r.reaped = true;
+    --alive_;
+    const bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    if (!failed || stopping_) continue;  // ranks exiting after we told them to stop are expected
+    drain(r);  // its last words first, then ours
+    std::string how;
+    if (WIFEXITED(status)) {
+      exit_code_ = WEXITSTATUS(status);
+      how = "exited with code " + std::to_string(exit_code_);
+    } else {
+      const int sig = WTERMSIG(status);
+      exit_code_ = 128 + sig;
+      how = "was killed by signal " + std::to_string(sig) + " (" + signal_name(sig) + ")";
+#ifdef WCOREDUMP
+      if (WCOREDUMP(status)) how += ", core dumped";
+#endif
+    }
+    const std::string what = "rank " + std::to_string(r.rank) + " " + how;
+    if (opt_.rank0_only && r.rank != 0) {
+      flush_partial(r, r.err);
+      if (!r.tail.empty()) {
+        say(what + "; its last stderr lines:");
+        for (const auto& line : r.tail) g_err.write_all(line);
+        r.tail.clear();
+        r.tail_bytes = 0;
+      }
+    }
+    stop_all(SIGTERM, what);
+  }
+}
+
+bool Launcher::start_rank(Rank& r, const std::string& path, const std::vector<std::string>& base_env,
+                          const sigset_t& original_mask, int stdin_fd) {
+  int out[2], err[2];
+  if (::pipe2(out, O_CLOEXEC) != 0) return false;
+  if (::pipe2(err, O_CLOEXEC) != 0) {
+    ::close(out[0]);
+    ::close(out[1]);
+    return false;
+  }
+  const int n = static_cast<int>(ranks_.size());
+  const std::string rank = std::to_string(r.rank), size = std::to_string(n);
+  std::vector<std::string> env = base_env;
+  for (const char* name : {"RANK", "LOCAL_RANK", "LOCKSTEP_RANK", "LOCKSTEP_LOCAL_RANK"})
+    env.push_back(std::string(name) + "=" + rank);
+  for (const char* name : {"WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCKSTEP_WORLD_SIZE", "LOCKSTEP_LOCAL_WORLD_SIZE"})
+    env.push_back(std::string(name) + "=" + size);
+  std::vector<char*> envp;
+  for (auto& e : env) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  std::vector<std::string> args = opt_.command;
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const pid_t parent = ::getpid();
+
+  // Signals stay blocked across fork so our handler never runs in the child before exec.
+  sigset_t all, before;
+  sigfillset(&all);
+  ::sigprocmask(SIG_SETMASK, &all, &before);
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    // Child: only async-signal-safe calls from here to exec.
+    ::setpgid(0, 0);
+#if defined(__linux__)
+    // If lockstep-run itself dies (even by SIGKILL), take the rank down rather than orphan it.
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) ::_exit(127);
+#endif
+    ::dup2(out[1], STDOUT_FILENO);
+    ::dup2(err[1], STDERR_FILENO);
+    if (stdin_fd >= 0 && stdin_fd != STDIN_FILENO) ::dup2(stdin_fd, STDIN_FILENO);
+    struct sigaction dfl {};
+    dfl.sa_handler = SIG_DFL;
+    sigemptyset(&dfl.sa_mask);
+    for (int sig : kHandled) ::sigaction(sig, &dfl, nullptr);
+    ::sigaction(SIGPIPE, &dfl, nullptr);
+    ::sigprocmask(SIG_SETMASK, &original_mask, nullptr);
+    ::execve(path.c_str(), argv.data(), envp.data());
+    const int e = errno;
+    const char* parts[] = {"lockstep-run: cannot execute ", path.c_str(), ": ", ::strerror(e), "\n"};
+    for (const char* p : parts) [[maybe_unused]] ssize_t w = ::write(STDERR_FILENO, p, std::strlen(p));
+    ::_exit(127);
+  }
+  const int fork_errno = errno;
+  ::sigprocmask(SIG_SETMASK, &before, nullptr);
+  ::close(out[1]);
+  ::close(err[1]);
+  if (pid < 0) {
+    ::close(out[0]);
+    ::close(err[0]);
+    errno = fork_errno;
+    return false;
+  }
+  ::setpgid(pid, pid);  // also here, so the group exists before we could signal it
+  r.pid = pid;
+  r.out.fd = out[0];
+  r.err.fd = err[0];
+  r.err.is_err = true;
+  for (int fd : {out[0], err[0]}) ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+  ++alive_;
+  return true;
+}
+
+int Launcher::run() {
+  // --- what to run, how many, where -------------------------------------------------------
+  auto path = resolve_program(opt_.command[0]);
+  if (!path) {
+    say("cannot find an executable program '" + opt_.command[0] + "'" +
+        (opt_.command[0].find('/') == std::string::npos ? " in PATH" : ""));
+    return 127;
+  }
+  int n = opt_.nproc;
+  if (n == 0) {
+    n = opt_.cpu ? usable_cpus() : visible_gpus();
+    if (n == 0) {
+      say("no GPU is visible (CUDA_VISIBLE_DEVICES, /dev/nvidia*, nvidia-smi -L), so the number of "
+          "ranks is unknown: pass --nproc N, or --cpu to run CPU ranks");
+      return 2;
+    }
+    n = std::min(n, kMaxRanks);
+  }
+  int port = opt_.master_port;
+  if (port == 0 && (port = free_port()) <= 0) {
+    say(std::string("cannot find a free port on 127.0.0.1 (") + std::strerror(errno) + "): pass --master-port PORT");
+    return 1;
+  }
+  auto token = job_token();
+  if (!token) {
+    say(std::string("cannot read /dev/urandom for the job token: ") + std::strerror(errno));
+    return 1;
+  }
+
+  // The environment shared by every rank: ours, minus what the launch sets. NCCL_NVLS_ENABLE
+  // and everything else pass through untouched.
+  static constexpr std::string_view set_per_launch[] = {
+      "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+      "LOCKSTEP_RANK", "LOCKSTEP_LOCAL_RANK", "LOCKSTEP_WORLD_SIZE", "LOCKSTEP_LOCAL_WORLD_SIZE",
+      "LOCKSTEP_MASTER_ADDR", "LOCKSTEP_MASTER_PORT", "LOCKSTEP_JOB_TOKEN", "LOCKSTEP_LAUNCHER"};
+  std::vector<std::string> base_env;
+  for (char** e = environ; e && *e; ++e) {
+    std::string_view kv = *e;
+    std::string_view name = kv.substr(0, kv.find('='));
+    if (std::find(std::begin(set_per_launch), std::end(set_per_launch), name) == std::end(set_per_launch))
+      base_env.emplace_back(kv);
+  }
+  const std::string port_s = std::to_string(port);
+  for (const char* v : {"MASTER_ADDR=127.0.0.1", "LOCKSTEP_MASTER_ADDR=127.0.0.1", "LOCKSTEP_LAUNCHER=lockstep-run"})
+    base_env.emplace_back(v);
+  base_env.push_back("MASTER_PORT=" + port_s);
+  base_env.push_back("LOCKSTEP_MASTER_PORT=" + port_s);
+  base_env.push_back("LOCKSTEP_JOB_TOKEN=" + *token);
+
+  // Ranks run in their own process groups, so they are not in the terminal's foreground group
+  // and a read from the terminal would stop them (SIGTTIN): only a non-terminal stdin is handed
+  // on, and only to rank 0; the others read /dev/null.
+  const int devnull = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+  const bool stdin_ok = ::fcntl(STDIN_FILENO, F_GETFD) != -1 && !::isatty(STDIN_FILENO);
+
+  // --- signals -----------------------------------------------------------------------------
+  int wake[2];
+  if (::pipe2(wake, O_CLOEXEC | O_NONBLOCK) != 0) {
+    say(std::string("cannot create a pipe: ") + std::strerror(errno));
+    return 1;
+  }
+  g_wake_write = wake[1];
+  sigset_t original_mask;
+  ::sigprocmask(SIG_SETMASK, nullptr, &original_mask);
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  for (int sig : kHandled) sigaddset(&sa.sa_mask, sig);
+  sa.sa_flags = SA_RESTART;
+  // Installed even where the shell left SIGINT ignored (a background job), so it is forwarded.
+  for (int sig : kHandled) ::sigaction(sig, &sa, nullptr);
+  struct sigaction ign {};
+  ign.sa_handler = SIG_IGN;
+  sigemptyset(&ign.sa_mask);
+  ::sigaction(SIGPIPE, &ign, nullptr);
+  sigset_t handled;
+  sigemptyset(&handled);
+  for (int sig : kHandled) sigaddset(&handled, sig);
+  ::sigprocmask(SIG_UNBLOCK, &handled, nullptr);
+
+  // --- start ---------------------------------------------------------------------------------
+  ranks_.resize(static_cast<std::size_t>(n));
+  for (int i = 0; i < n; ++i) ranks_[static_cast<std::size_t>(i)].rank = i;
+  const auto started = clock_type::now();
+  for (auto& r : ranks_) {
+    const int in = (r.rank == 0 && stdin_ok) ? STDIN_FILENO : devnull;
+    if (!start_rank(r, *path, base_env, original_mask, in)) {
+      const int e = errno;
+      for (auto& q : ranks_) q.reaped = q.pid < 0;  // never started: nothing to wait for
+      exit_code_ = 1;
+      stop_all(SIGTERM, "cannot start rank " + std::to_string(r.rank) + ": " + std::strerror(e));
+      break;
+    }
+  }
+  if (devnull >= 0) ::close(devnull);
+
+  // --- supervise: until every rank has been reaped (not until EOF: a rank may close its
+  // output and go on running, or leave a helper holding the pipes) ---------------------------
+  const bool has_deadline = opt_.timeout > 0;
+  const auto deadline = started + std::chrono::duration_cast<clock_type::duration>(
+                                      std::chrono::duration<double>(has_deadline ? opt_.timeout : 0.0));
+  sig_atomic_t signals_seen = 0;
+  std::vector<pollfd> pfds;
+  std::vector<std::pair<Rank*, Stream*>> owners;
+  while (alive_ > 0) {
+    int wait_ms = -1;
+    auto until = [&](clock_type::time_point t) {
+      auto ms = std::chrono::ceil<std::chrono::milliseconds>(t - clock_type::now()).count();
+      int v = static_cast<int>(std::clamp<long long>(ms, 0, 60'000));
+      wait_ms = wait_ms < 0 ? v : std::min(wait_ms, v);
+    };
+    if (stopping_ && !killed_) until(kill_at_);
+    if (!stopping_ && has_deadline) until(deadline);
+
+    pfds.assign(1, pollfd{wake[0], POLLIN, 0});
+    owners.assign(1, {nullptr, nullptr});
+    for (auto& r : ranks_)
+      for (Stream* s : {&r.out, &r.err})
+        if (s->fd >= 0) {
+          pfds.push_back(pollfd{s->fd, POLLIN, 0});
+          owners.emplace_back(&r, s);
+        }
+    if (::poll(pfds.data(), pfds.size(), wait_ms) < 0 && errno != EINTR) {
+      say(std::string("poll failed: ") + std::strerror(errno));
+      break;
+    }
+    if (pfds[0].revents & POLLIN) {
+      char buf[256];
+      while (::read(wake[0], buf, sizeof buf) > 0) {
+      }
+    }
+    for (std::size_t k = 1; k < pfds.size(); ++k)
+      if (pfds[k].revents & (POLLIN | POLLHUP | POLLERR)) read_some(*owners[k].first, *owners[k].second);
+
+    if (g_signal_count != signals_seen) {
+      signals_seen = g_signal_count;
+      const int sig = g_last_signal;
+      if (!stopping_) {
+        exit_code_ = 128 + sig;
+        stop_all(sig, "received " + signal_name(sig));
+      } else if (!killed_ && alive_ > 0) {
+        say("received " + signal_name(sig) + " again; sending SIGKILL to " + still_running());
+        signal_unreaped(SIGKILL);
+        killed_ = true;
+        if (exit_code_ == 0) exit_code_ = 128 + sig;
+      }
+    }
+    reap();
+    const auto now = clock_type::now();
+    if (!stopping_ && has_deadline && now >= deadline) {
+      exit_code_ = 124;
+      stop_all(SIGTERM, "timeout: the job ran longer than " + format_seconds(opt_.timeout));
+    }
+    if (stopping_ && !killed_ && alive_ > 0 && now >= kill_at_) {
+      say(still_running() + " still running " + format_seconds(opt_.grace) + " after being told to stop; sending SIGKILL");
+      signal_unreaped(SIGKILL);
+      killed_ = true;
+    }
+  }
+
+  for (auto& r : ranks_) {
+    drain(r);
+    for (Stream* s : {&r.out, &r.err}) {
+      if (s->fd >= 0) ::close(s->fd);
+      s->fd = -1;
+      flush_partial(r, *s);
+    }
+  }
+  ::close(wake[0]);
+  return exit_code_;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options opt = parse_options(argc, argv);
+  Launcher launcher(std::move(opt));
+  return launcher.run();
+}
