@@ -148,6 +148,10 @@ void bench_dtype(const std::vector<Shape>& shapes, int runs, cudaStream_t s, std
   rows.push_back({"unscale_check, scale 1 (read only)", tn, rw / 2, median_ms(runs, s, [&](int) {
                     k::unscale_check(segs, t, inv, found, sumsq, s);
                   })});
+  // The same without the norm: no block reduction or atomic, only the inf/NaN vote.
+  rows.push_back({"unscale_check, scale 1, no sumsq", tn, rw / 2, median_ms(runs, s, [&](int) {
+                    k::unscale_check(segs, t, inv, found, nullptr, s);
+                  })});
   LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s));
   int flag = 0;
   LOCKSTEP_TRY_CUDA(cudaMemcpy(&flag, found, sizeof(int), cudaMemcpyDeviceToHost));

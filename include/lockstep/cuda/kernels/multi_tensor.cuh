@@ -14,6 +14,8 @@
 //!    handles chunk_elems elements of it.
 //!  - Inside a chunk, 16-byte vector loads/stores when every list's pointer is equally
 //!    misaligned (a scalar head brings them to 16 bytes), scalar otherwise and for the tail.
+//!    The elementwise ops issue all of a thread's loads of a chunk before the first use (one
+//!    memory wait per block: these kernels are latency-bound otherwise; docs/kernels.md).
 //!
 //! Element types: f32, f64, f16 (__half), bf16 (__nv_bfloat16); arithmetic in f32 (f64 for
 //! f64). Every call queues work on stream `s` and checks the launch (cuda_error on failure).
@@ -102,13 +104,55 @@ template <class B, int N>
 struct alignas(sizeof(B) * N) pack_of {
   B v[N];
 };
+
+//! One access of F's size (≤ 16 bytes, or a multiple of 16) through a machine vector type.
+//! 16-byte stores go through inline PTX: nvcc 13.0 split plain ones (struct or uint4) into
+//! four 4-byte stores in some unrolled positions (the original kernels' two-list ops had 49
+//! STG.E and no STG.E.128), four times the store instructions and partial-sector writes.
+template <std::size_t Bytes>
+struct access_word {
+  using type = uint4;
+};
+template <> struct access_word<8> { using type = uint2; };
+template <> struct access_word<4> { using type = unsigned int; };
+template <> struct access_word<2> { using type = unsigned short; };
+template <> struct access_word<1> { using type = unsigned char; };
+template <class F>
+__device__ __forceinline__ F load_as(const void* at) {
+  using W = typename access_word<sizeof(F)>::type;
+  static_assert(sizeof(F) <= 16 ? sizeof(W) == sizeof(F) : sizeof(F) % 16 == 0);
+  constexpr int words = sizeof(F) <= 16 ? 1 : sizeof(F) / 16;
+  W w[words];
+#pragma unroll
+  for (int k = 0; k < words; ++k) w[k] = static_cast<const W*>(at)[k];
+  F f;
+  __builtin_memcpy(&f, w, sizeof f);  // registers only: no memory traffic
+  return f;
+}
+template <class F>
+__device__ __forceinline__ void store_as(void* at, const F& f) {
+  using W = typename access_word<sizeof(F)>::type;
+  static_assert(sizeof(F) <= 16 ? sizeof(W) == sizeof(F) : sizeof(F) % 16 == 0);
+  constexpr int words = sizeof(F) <= 16 ? 1 : sizeof(F) / 16;
+  W w[words];
+  __builtin_memcpy(w, &f, sizeof f);
+#pragma unroll
+  for (int k = 0; k < words; ++k) {
+    if constexpr (sizeof(W) == 16)  // the one form the compiler never splits
+      asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(static_cast<W*>(at) + k),
+                   "r"(w[k].x), "r"(w[k].y), "r"(w[k].z), "r"(w[k].w)
+                   : "memory");
+    else
+      static_cast<W*>(at)[k] = w[k];
+  }
+}
 template <int N, class B>
 __device__ __forceinline__ pack_of<B, N> load_pack(const void* base, std::size_t i) {
-  return *reinterpret_cast<const pack_of<B, N>*>(static_cast<const B*>(base) + i);
+  return load_as<pack_of<B, N>>(static_cast<const B*>(base) + i);
 }
 template <int N, class B>
 __device__ __forceinline__ void store_pack(void* base, std::size_t i, const pack_of<B, N>& x) {
-  *reinterpret_cast<pack_of<B, N>*>(static_cast<B*>(base) + i) = x;
+  store_as(static_cast<B*>(base) + i, x);
 }
 
 //! Unsigned storage of a given byte size, for type-blind copies.
@@ -169,18 +213,22 @@ __device__ __forceinline__ void run_chunk(const Op& op, typename Op::local& st, 
   const unsigned body_end = head + nvec * V;
   const unsigned tid = threadIdx.x;
 
-  for (unsigned v0 = tid; v0 < nvec; v0 += U * block_threads) {
+  // All U loads are issued before the first use. The element index is kept in 64 bits as
+  // base + a compile-time offset, so each access is one base register plus an immediate
+  // (a 32-bit vector index widened per access costs two registers and an IMAD each).
+  constexpr unsigned step = U * block_threads;  // vectors per pass of the block
+  std::size_t i0 = start + head + std::size_t(tid) * V;
+#pragma unroll 1  // U accesses a pass are in flight already; unrolling passes only adds code
+  for (unsigned v0 = tid; v0 < nvec; v0 += step, i0 += std::size_t(step) * V) {
     typename Op::template frag<V> f[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const unsigned v = v0 + u * block_threads;
-      if (v < nvec) op.template load<V>(f[u], p, start + head + std::size_t(v) * V, st);
-    }
+    for (int u = 0; u < U; ++u)
+      if (v0 + u * block_threads < nvec)
+        op.template load<V>(f[u], p, i0 + std::size_t(u) * block_threads * V, st);
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const unsigned v = v0 + u * block_threads;
-      if (v < nvec) op.template store<V>(f[u], p, start + head + std::size_t(v) * V, st);
-    }
+    for (int u = 0; u < U; ++u)
+      if (v0 + u * block_threads < nvec)
+        op.template store<V>(f[u], p, i0 + std::size_t(u) * block_threads * V, st);
   }
   const unsigned scalars = n - nvec * V;  // head + tail
   for (unsigned j = tid; j < scalars; j += block_threads) {
@@ -299,25 +347,122 @@ void visit_float(dtype t, const char* who, F&& f) {
 // ---- ops -------------------------------------------------------------------------------------
 struct no_local {};
 
+//! Vector accesses per thread that cover a whole chunk in one pass (so each block waits for
+//! memory once), at most `cap` (registers).
+__host__ __device__ constexpr int one_pass_unroll(int width, int cap) {
+  const int need = static_cast<int>(chunk_elems / std::size_t(width) / block_threads);
+  return need < 1 ? 1 : need < cap ? need : cap;
+}
+
+//! Two 16-bit floats packed in a 32-bit word (element i in the low half), converted a pair at
+//! a time: one register per pair rather than one per element, so a thread can hold a whole
+//! chunk's share of loads. The conversions round exactly as elem<T>'s (round to nearest even).
+template <class T>
+struct pair_ops;
+template <>
+struct pair_ops<__nv_bfloat16> {
+  static constexpr unsigned exp = 0x7f807f80u, unit = 0x00800080u;
+  __device__ static float2 unpack(unsigned w) {
+    return {__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u)};
+  }
+  __device__ static unsigned pack(float lo, float hi) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    unsigned w;
+    __builtin_memcpy(&w, &h, sizeof w);
+    return w;
+  }
+};
+template <>
+struct pair_ops<__half> {
+  static constexpr unsigned exp = 0x7c007c00u, unit = 0x04000400u;
+  __device__ static float2 unpack(unsigned w) {
+    __half2 h;
+    __builtin_memcpy(&h, &w, sizeof w);
+    return __half22float2(h);
+  }
+  __device__ static unsigned pack(float lo, float hi) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    unsigned w;
+    __builtin_memcpy(&w, &h, sizeof w);
+    return w;
+  }
+};
+
+//! N elements of T in registers: pairs of 16-bit floats per word when N is even, else one
+//! element of storage bits per slot.
+template <class T, int N>
+inline constexpr bool paired = sizeof(typename elem<T>::bits) == 2 && N % 2 == 0;
+template <class T, int N>
+using vfrag = std::conditional_t<paired<T, N>, pack_of<unsigned, N / 2 + (N % 2)>,
+                                 pack_of<typename elem<T>::bits, N>>;
+
+//! v[j] ← f(v[j]) for each element in order, f on the compute type (one rounding to T).
+template <class T, int N, class F>
+__device__ __forceinline__ void map_elems(vfrag<T, N>& v, F&& f) {
+  using E = elem<T>;
+  if constexpr (paired<T, N>) {
+#pragma unroll
+    for (int j = 0; j < N / 2; ++j) {
+      const float2 x = pair_ops<T>::unpack(v.v[j]);
+      v.v[j] = pair_ops<T>::pack(f(x.x), f(x.y));
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j) v.v[j] = E::from_acc(f(E::to_acc(v.v[j])));
+  }
+}
+//! f(v[j]) for each element in order, on the compute type.
+template <class T, int N, class F>
+__device__ __forceinline__ void visit_elems(const vfrag<T, N>& v, F&& f) {
+  using E = elem<T>;
+  if constexpr (paired<T, N>) {
+#pragma unroll
+    for (int j = 0; j < N / 2; ++j) {
+      const float2 x = pair_ops<T>::unpack(v.v[j]);
+      f(x.x);
+      f(x.y);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j) f(E::to_acc(v.v[j]));
+  }
+}
+//! Nonzero when an element of v is inf or NaN (an all-ones exponent). For pairs, one unit
+//! added to each half's masked exponent carries into that half's top bit only from all ones.
+template <class T, int N>
+__device__ __forceinline__ unsigned nonfinite(const vfrag<T, N>& v) {
+  unsigned acc = 0;
+  if constexpr (paired<T, N>) {
+#pragma unroll
+    for (int j = 0; j < N / 2; ++j) acc |= (v.v[j] & pair_ops<T>::exp) + pair_ops<T>::unit;
+    return acc & 0x80008000u;
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j) acc |= elem<T>::finite(v.v[j]) ? 0u : 1u;
+    return acc;
+  }
+}
+
 //! dst ← src (raw bits of B). Lists: 0 = src, 1 = dst. Whole vectors move as 16-byte words
 //! whatever B is (no per-element unpacking, fewer registers).
 template <class B>
 struct copy_op {
-  static constexpr int lists = 2, width = 16 / int(sizeof(B)), unroll = 4, min_blocks = 2;
+  static constexpr int lists = 2, width = 16 / int(sizeof(B)), unroll = one_pass_unroll(width, 8),
+                       min_blocks = sizeof(B) <= 2 ? 3 : 2;
   __host__ __device__ static constexpr int elem_bytes(int) { return sizeof(B); }
   static constexpr bool list_required(int) { return true; }
   using local = no_local;
   template <int N>
-  using frag = std::conditional_t<N == 1, pack_of<B, 1>, pack_of<unsigned int, 4>>;
-  static_assert(sizeof(pack_of<unsigned int, 4>) == sizeof(B) * width);
+  using frag = std::conditional_t<N == 1, B, uint4>;
+  static_assert(sizeof(uint4) == sizeof(B) * width);
   __device__ bool begin(local&) const { return true; }
   template <int N>
   __device__ void load(frag<N>& f, void* const* p, std::size_t i, local&) const {
-    f = *reinterpret_cast<const frag<N>*>(static_cast<const B*>(p[0]) + i);
+    f = load_as<frag<N>>(static_cast<const B*>(p[0]) + i);
   }
   template <int N>
   __device__ void store(frag<N>& f, void* const* p, std::size_t i, local&) const {
-    *reinterpret_cast<frag<N>*>(static_cast<B*>(p[1]) + i) = f;
+    store_as(static_cast<B*>(p[1]) + i, f);
   }
   __device__ void end(local&) const {}
 };
@@ -328,23 +473,23 @@ struct scale_op {
   using E = elem<T>;
   using B = typename E::bits;
   using A = typename E::acc;
-  static constexpr int lists = 2, width = 16 / int(sizeof(B)), unroll = sizeof(B) == 2 ? 2 : 4, min_blocks = 2;
+  static constexpr int lists = 2, width = 16 / int(sizeof(B)), unroll = one_pass_unroll(width, 8),
+                       min_blocks = sizeof(B) == 2 ? 3 : 2;
   __host__ __device__ static constexpr int elem_bytes(int) { return sizeof(B); }
   static constexpr bool list_required(int) { return true; }
   using local = no_local;
   template <int N>
-  using frag = pack_of<B, N>;
+  using frag = vfrag<T, N>;
   A factor;
   __device__ bool begin(local&) const { return true; }
   template <int N>
   __device__ void load(frag<N>& f, void* const* p, std::size_t i, local&) const {
-    f = load_pack<N, B>(p[0], i);
+    f = load_as<frag<N>>(static_cast<const B*>(p[0]) + i);
   }
   template <int N>
   __device__ void store(frag<N>& f, void* const* p, std::size_t i, local&) const {
-#pragma unroll
-    for (int j = 0; j < N; ++j) f.v[j] = E::from_acc(E::to_acc(f.v[j]) * factor);
-    store_pack<N, B>(p[1], i, f);
+    map_elems<T, N>(f, [&](A x) { return x * factor; });
+    store_as(static_cast<B*>(p[1]) + i, f);
   }
   __device__ void end(local&) const {}
 };
@@ -356,51 +501,48 @@ struct unscale_op {
   using E = elem<T>;
   using B = typename E::bits;
   using A = typename E::acc;
-  // Halves unpack to twice the registers: fewer vectors in flight keeps 2 blocks per SM.
-  static constexpr int lists = 1, width = 16 / int(sizeof(B)), unroll = sizeof(B) == 2 ? 2 : 4, min_blocks = 2;
+  static constexpr int lists = 1, width = 16 / int(sizeof(B)), unroll = one_pass_unroll(width, 8),
+                       min_blocks = sizeof(B) == 2 ? 3 : 2;
   __host__ __device__ static constexpr int elem_bytes(int) { return sizeof(B); }
   static constexpr bool list_required(int) { return true; }
   struct local {
     A inv;
     bool write;
-    bool bad;
+    unsigned bad;  // nonzero once an inf/NaN was seen
     double ss;
   };
   template <int N>
-  using frag = pack_of<B, N>;
+  using frag = vfrag<T, N>;
   const float* inv_scale;
   int* found_inf;
   double* sumsq;  // may be null
   __device__ bool begin(local& st) const {
     st.inv = static_cast<A>(*inv_scale);
     st.write = st.inv != A(1);
-    st.bad = false;
+    st.bad = 0;
     st.ss = 0.0;
     return true;
   }
   template <int N>
   __device__ void load(frag<N>& f, void* const* p, std::size_t i, local&) const {
-    f = load_pack<N, B>(p[0], i);
+    f = load_as<frag<N>>(static_cast<const B*>(p[0]) + i);
   }
   template <int N>
   __device__ void store(frag<N>& f, void* const* p, std::size_t i, local& st) const {
-    bool bad = false;
-    A part = 0;
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      bad |= !E::finite(f.v[j]);
-      if (st.write) f.v[j] = E::from_acc(E::to_acc(f.v[j]) * st.inv);
-      if (sumsq != nullptr) {
-        const A y = E::to_acc(f.v[j]);
-        part += y * y;
-      }
+    st.bad |= nonfinite<T, N>(f);  // of the input, before unscaling
+    if (st.write) map_elems<T, N>(f, [&](A x) { return x * st.inv; });
+    if (sumsq != nullptr) {
+      A part = 0;
+      visit_elems<T, N>(f, [&](A y) { part += y * y; });
+      st.ss += static_cast<double>(part);
     }
-    st.bad |= bad;
-    if (sumsq != nullptr) st.ss += static_cast<double>(part);
-    if (st.write) store_pack<N, B>(p[0], i, f);
+    if (st.write) store_as(static_cast<B*>(p[0]) + i, f);
   }
   __device__ void end(local& st) const {
-    if (__syncthreads_or(st.bad) && threadIdx.x == 0) *found_inf = 1;  // never reset here
+    // The flag needs no block barrier: a warp that saw inf/NaN stores the 1 itself (rare, so
+    // the atomic costs nothing in the common case; atomic only so that concurrent stores of
+    // the same value are well defined).
+    if (__any_sync(0xffffffffu, st.bad != 0) && (threadIdx.x & 31) == 0) atomicExch(found_inf, 1);
     if (sumsq != nullptr) {
       using reduce_t = cub::BlockReduce<double, block_threads>;
       __shared__ typename reduce_t::TempStorage temp;
@@ -417,15 +559,15 @@ struct clip_op {
   using E = elem<T>;
   using B = typename E::bits;
   using A = typename E::acc;
-  // Halves unpack to twice the registers: fewer vectors in flight keeps 2 blocks per SM.
-  static constexpr int lists = 1, width = 16 / int(sizeof(B)), unroll = sizeof(B) == 2 ? 2 : 4, min_blocks = 2;
+  static constexpr int lists = 1, width = 16 / int(sizeof(B)), unroll = one_pass_unroll(width, 8),
+                       min_blocks = sizeof(B) == 2 ? 3 : 2;
   __host__ __device__ static constexpr int elem_bytes(int) { return sizeof(B); }
   static constexpr bool list_required(int) { return true; }
   struct local {
     A coef;
   };
   template <int N>
-  using frag = pack_of<B, N>;
+  using frag = vfrag<T, N>;
   const double* sumsq;
   float max_norm;
   __device__ bool begin(local& st) const {
@@ -436,13 +578,12 @@ struct clip_op {
   }
   template <int N>
   __device__ void load(frag<N>& f, void* const* p, std::size_t i, local&) const {
-    f = load_pack<N, B>(p[0], i);
+    f = load_as<frag<N>>(static_cast<const B*>(p[0]) + i);
   }
   template <int N>
   __device__ void store(frag<N>& f, void* const* p, std::size_t i, local& st) const {
-#pragma unroll
-    for (int j = 0; j < N; ++j) f.v[j] = E::from_acc(E::to_acc(f.v[j]) * st.coef);
-    store_pack<N, B>(p[0], i, f);
+    map_elems<T, N>(f, [&](A x) { return x * st.coef; });
+    store_as(static_cast<B*>(p[0]) + i, f);
   }
   __device__ void end(local&) const {}
 };
