@@ -7,6 +7,8 @@
 #               message naming the file and the problem.
 # resume:       3 epochs straight == 1 epoch, checkpoint, --resume for epochs 2-3 (same
 #               parameter checksum); a truncated checkpoint is refused.
+# gpu_resume:   the same on every visible GPU (--device gpu); the GPU checkpoint also
+#               resumes on one CPU rank (with a warning). Skipped where no GPU is visible.
 # Prints "SKIPPED: ..." (ctest's SKIP_REGULAR_EXPRESSION) when a check needs the real data
 # and it is not installed, or needs sh and there is none.
 cmake_minimum_required(VERSION 3.25)
@@ -96,11 +98,21 @@ elseif(MODE STREQUAL "corrupt_data")
     expect_failure(${name} 1 "${regex}" --data "${dir}" --smoke --ranks 1)
   endforeach()
 
-elseif(MODE STREQUAL "resume")
-  set(common --smoke --ranks 2 --epochs 3)
+elseif(MODE STREQUAL "resume" OR MODE STREQUAL "gpu_resume")
+  if(MODE STREQUAL "gpu_resume")
+    set(common --smoke --device gpu --epochs 3)
+    set(other --smoke --device cpu --ranks 1 --epochs 3)
+  else()
+    set(common --smoke --ranks 2 --epochs 3)
+    set(other --smoke --ranks 1 --epochs 3)
+  endif()
   run_example(${common} --checkpoint "${WORK}/straight.lsck")
   if(rc STREQUAL "77")
     message(STATUS "SKIPPED: Fashion-MNIST is not installed (${err})")
+    return()
+  endif()
+  if(err MATCHES "no GPU is visible|built without CUDA")
+    message(STATUS "SKIPPED: ${err}")
     return()
   endif()
   if(NOT rc STREQUAL "0" OR NOT out MATCHES "final: [^\n]*fnv1a (0x[0-9a-f]+) \\(identical on all ranks\\)")
@@ -135,10 +147,10 @@ elseif(MODE STREQUAL "resume")
   endif()
   message(STATUS "resume: ok, parameters ${straight}, accuracy ${straight_acc} both ways")
 
-  # Resuming with other options still works, with a warning.
-  run_example(--smoke --ranks 1 --epochs 3 --resume "${WORK}/part.lsck")
+  # Resuming with other options (or on another device) still works, with a warning.
+  run_example(${other} --resume "${WORK}/part.lsck")
   if(NOT rc STREQUAL "0" OR NOT err MATCHES "warning: the checkpoint was saved by a run with other options")
-    message(FATAL_ERROR "resuming on 1 rank failed or did not warn (${rc}):\n${out}\n${err}")
+    message(FATAL_ERROR "resuming with ${other} failed or did not warn (${rc}):\n${out}\n${err}")
   endif()
 
   # A damaged checkpoint is refused with a clear message.

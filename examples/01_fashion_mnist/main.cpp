@@ -23,6 +23,8 @@
 //
 // Exit status: 0 done, 1 error (bad data, checkpoint, no GPU for --device gpu, a failed
 // --check, ...), 2 bad command line, 77 data not installed (ctest counts that as skipped).
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <exception>
@@ -177,7 +179,10 @@ int main(int argc, char** argv) {
     if (on_gpus) {
       where = std::to_string(ranks) + " GPU rank" + (ranks == 1 ? "" : "s") + " (device" +
               (ranks == 1 ? " " : "s ");
-      for (std::size_t i = 0; i < gpus.size(); ++i) where += (i ? "," : "") + std::to_string(gpus[i]);
+      for (std::size_t i = 0; i < gpus.size(); ++i) {
+        if (i > 0) where += ",";
+        where += std::to_string(gpus[i]);
+      }
       for (const auto& g : env.gpus)
         if (g.id == gpus[0]) where += ": " + g.name;
       where += ", cuBLAS)";
@@ -195,13 +200,15 @@ int main(int argc, char** argv) {
                   opt.batch, ranks, plan.global);
     std::fflush(stdout);
 
+#if defined(FASHION_MNIST_WITH_GPUS)
+    if (on_gpus && opt.check && !fmnist::check_gpu_model(gpus[0], data, opt)) return 1;
+#endif
     fmnist::final_result result;
     const auto t_train = std::chrono::steady_clock::now();
 
     // 3. The SPMD body: runs once per rank, each on its own thread (and GPU).
     if (on_gpus) {
 #if defined(FASHION_MNIST_WITH_GPUS)
-      if (opt.check && !fmnist::check_gpu_model(gpus[0], data, opt)) return 1;
       fmnist::train_on_gpus(gpus, opt, plan, data, result);
 #endif
     } else {

@@ -1,0 +1,294 @@
+// Example 01 on GPUs: the trainer the shared loop (fashion_mnist.hpp) drives on each GPU
+// rank, the --check against the CPU model, and the lockstep::run(Gpus{...}) entry.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <lockstep/context.hpp>
+#include <lockstep/cuda/cuda_memory.cuh>
+#include <lockstep/cuda/error.cuh>
+#include <lockstep/cuda/fused_optimizers.cuh>
+#include <lockstep/cuda/nccl_comm.cuh>
+#include <lockstep/cuda/run_gpus.cuh>
+#include <lockstep/seeding.hpp>
+#include <lockstep/sgd.hpp>
+
+#include "fashion_mnist.hpp"
+#include "gpu_mlp.cuh"
+#include "gpu_train.hpp"
+#include "mlp.hpp"
+
+namespace fmnist {
+
+namespace {
+
+constexpr std::size_t eval_rows = 1000;  // test images per forward pass
+
+// A device copy of `count` elements at `src` (blocking).
+template <class T>
+std::shared_ptr<void> to_device(const lockstep::CudaMemory& mem, const T* src, std::size_t count) {
+  auto p = mem.allocate(count * sizeof(T));
+  mem.upload(p.get(), src, count * sizeof(T));
+  return p;
+}
+
+// A split on the device: pixels (size × 784 bytes) and labels, as loaded on the host.
+struct device_split {
+  std::shared_ptr<void> pixels, labels;
+  std::size_t size = 0;
+  device_split(const lockstep::CudaMemory& mem, const split& s)
+      : pixels(to_device(mem, s.pixels.data(), s.pixels.size())),
+        labels(to_device(mem, s.labels.data(), s.labels.size())),
+        size(s.size) {}
+  const std::uint8_t* px() const { return static_cast<const std::uint8_t*>(pixels.get()); }
+  const std::uint8_t* y() const { return static_cast<const std::uint8_t*>(labels.get()); }
+};
+
+// One GPU rank's side of the training loop (see fashion_mnist.hpp): the data set on the
+// device (copied once), gpu::Mlp, batches gathered on the device from this epoch's indices
+// (uploaded once per epoch, so a step needs no host synchronisation), the loss summed on the
+// device, and lockstep::cuda::FusedSgd stepping each bucket as soon as it is averaged.
+class GpuTrainer {
+ public:
+  GpuTrainer(int device, cudaStream_t stream, const dataset& data, std::uint64_t seed, std::size_t per_rank)
+      : mem_(device, stream),
+        train_(mem_, data.train),
+        test_(mem_, data.test),
+        table_(to_device(mem_, data.table.data(), data.table.size())),
+        rows_(std::max(per_rank, eval_rows)) {
+    fmnist::Mlp host(lockstep::model_seed(seed));  // the CPU model's initial weights
+    model_.emplace(host.parameters(), mem_, rows_);
+    x_ = mem_.allocate(rows_ * image_pixels * sizeof(float));
+    y_ = mem_.allocate(rows_);
+    acc_ = mem_.allocate(sizeof(double) + sizeof(unsigned long long));
+  }
+
+  gpu::Mlp& model() { return *model_; }
+
+  void attach(const std::vector<lockstep::parameter>& params, double lr, double momentum) {
+    sgd_.emplace(lockstep::SgdOptions{.lr = lr, .momentum = momentum}, params, mem_.device());
+  }
+  void set_lr(double lr) { sgd_->set_lr(lr); }
+
+  void begin_epoch(std::span<const std::size_t> indices) {
+    indices_ = indices;
+    std::vector<int> host(indices.begin(), indices.end());
+    if (host.size() > idx_capacity_) {
+      idx_ = mem_.allocate(host.size() * sizeof(int));
+      idx_capacity_ = host.size();
+    }
+    mem_.upload(idx_.get(), host.data(), host.size() * sizeof(int));
+    mem_.zero(loss_acc(), sizeof(double));
+  }
+
+  template <class Hook>
+  void forward_backward(std::span<const std::size_t> batch, Hook&& ready) {
+    const auto at = batch.data() - indices_.data();
+    if (at < 0 || static_cast<std::size_t>(at) + batch.size() > indices_.size())
+      throw lockstep::config_error("GpuTrainer: the batch is not a part of this epoch's indices");
+    const int n = static_cast<int>(batch.size());
+    gpu::gather_rows(train_.px(), train_.y(), static_cast<const int*>(idx_.get()) + at, 0, table(), x(), y(), n,
+                     mem_.stream());
+    model_->forward_backward(x(), y(), batch.size(), loss_acc(), ready);
+  }
+
+  template <class Step>
+  void finish(Step& st) {
+    // Each bucket is stepped once its average has landed; later buckets may still be in flight.
+    st.finish([this](std::span<const lockstep::param_slice> s) { sgd_->step(s, mem_.stream()); });
+  }
+
+  double loss_sum() const {
+    double v = 0;
+    mem_.download(&v, acc_.get(), sizeof v);  // waits for the queued steps
+    return v;
+  }
+  void synchronize() {
+    lockstep::detail::device_guard g(mem_.device());
+    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(mem_.stream()));
+  }
+
+  std::size_t count_correct(std::size_t lo, std::size_t hi) {
+    mem_.zero(correct_acc(), sizeof(unsigned long long));
+    for (std::size_t at = lo; at < hi; at += eval_rows) {
+      const std::size_t n = std::min(eval_rows, hi - at);
+      gpu::gather_rows(test_.px(), test_.y(), nullptr, at, table(), x(), y(), static_cast<int>(n), mem_.stream());
+      model_->count_correct(x(), y(), n, correct_acc());
+    }
+    unsigned long long c = 0;
+    mem_.download(&c, correct_acc(), sizeof c);
+    return static_cast<std::size_t>(c);
+  }
+
+  void save_optimizer(std::vector<std::byte>& out) const { sgd_->save(out); }
+  void load_optimizer(std::span<const std::byte> in) { sgd_->load(in); }
+
+ private:
+  const float* table() const { return static_cast<const float*>(table_.get()); }
+  float* x() const { return static_cast<float*>(x_.get()); }
+  std::uint8_t* y() const { return static_cast<std::uint8_t*>(y_.get()); }
+  double* loss_acc() const { return static_cast<double*>(acc_.get()); }
+  unsigned long long* correct_acc() const {
+    return reinterpret_cast<unsigned long long*>(static_cast<char*>(acc_.get()) + sizeof(double));
+  }
+
+  lockstep::CudaMemory mem_;
+  device_split train_, test_;
+  std::shared_ptr<void> table_;
+  std::size_t rows_;
+  std::optional<gpu::Mlp> model_;
+  std::optional<lockstep::cuda::FusedSgd> sgd_;
+  std::shared_ptr<void> x_, y_, acc_, idx_;
+  std::size_t idx_capacity_ = 0;
+  std::span<const std::size_t> indices_;
+};
+
+// ‖a − b‖ / ‖b‖ (b: the reference).
+double rel_diff(std::span<const float> a, std::span<const float> b) {
+  double d = 0, n = 0;
+  for (std::size_t i = 0; i < b.size(); ++i) {
+    d += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+    n += static_cast<double>(b[i]) * b[i];
+  }
+  return std::sqrt(d) / std::max(std::sqrt(n), 1e-30);
+}
+
+// Keeps the largest difference and where it was; a NaN sticks (and fails the check).
+void track(double& worst, std::string& where, double d, const std::string& name) {
+  if (std::isnan(worst)) return;
+  if (std::isnan(d) || d > worst || where == "-") {
+    worst = d;
+    where = name;
+  }
+}
+
+struct stream_owner {
+  cudaStream_t s = nullptr;
+  explicit stream_owner(int device) {
+    lockstep::detail::device_guard g(device);
+    LOCKSTEP_TRY_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  }
+  ~stream_owner() { (void)cudaStreamDestroy(s); }
+  stream_owner(const stream_owner&) = delete;
+  stream_owner& operator=(const stream_owner&) = delete;
+};
+
+}  // namespace
+
+bool check_gpu_model(int device, const dataset& data, const options& opt) {
+  constexpr double tolerance = 1e-4;
+  constexpr int steps = 2;  // the second one uses the momentum buffers the first one made
+  lockstep::detail::device_guard g(device);
+  stream_owner stream(device);
+  bool ok = true;
+  {
+    const lockstep::CudaMemory mem(device, stream.s);
+    // A batch spread over the training set, gathered on the host and on the device.
+    const std::size_t B = std::min<std::size_t>(base_batch, data.train.size);
+    std::vector<std::size_t> rows(B);
+    for (std::size_t r = 0; r < B; ++r) rows[r] = (r * 7919 + 13) % data.train.size;
+    std::vector<float> x;
+    std::vector<std::uint8_t> y;
+    gather(data.train, rows, data.table.data(), x, y);
+    const device_split train(mem, data.train), test(mem, data.test);
+    const auto table = to_device(mem, data.table.data(), data.table.size());
+    const std::vector<int> rows_i(rows.begin(), rows.end());
+    const auto d_rows = to_device(mem, rows_i.data(), rows_i.size());
+    const std::size_t n_eval = std::min(eval_rows, data.test.size);
+    const std::size_t cap = std::max(B, n_eval);
+    const auto d_x = mem.allocate(cap * image_pixels * sizeof(float));
+    const auto d_y = mem.allocate(cap);
+    const auto d_acc = mem.allocate(sizeof(double) + sizeof(unsigned long long));
+    auto* fx = static_cast<float*>(d_x.get());
+    auto* fy = static_cast<std::uint8_t*>(d_y.get());
+    auto* loss_acc = static_cast<double*>(d_acc.get());
+    auto* count_acc = reinterpret_cast<unsigned long long*>(static_cast<char*>(d_acc.get()) + sizeof(double));
+    gpu::gather_rows(train.px(), train.y(), static_cast<const int*>(d_rows.get()), 0,
+                     static_cast<const float*>(table.get()), fx, fy, static_cast<int>(B), stream.s);
+    std::vector<float> gx(x.size());
+    std::vector<std::uint8_t> gy(y.size());
+    mem.download(gx.data(), fx, gx.size() * sizeof(float));
+    mem.download(gy.data(), fy, gy.size());
+    const bool inputs_equal = std::memcmp(gx.data(), x.data(), x.size() * sizeof(float)) == 0 && gy == y;
+
+    fmnist::Mlp cpu(lockstep::model_seed(opt.seed));
+    gpu::Mlp gm(cpu.parameters(), mem, cap);
+    const lockstep::SgdOptions so{.lr = opt.lr, .momentum = opt.momentum};
+    lockstep::Sgd cpu_sgd(so);
+    lockstep::cuda::FusedSgd gpu_sgd(so, gm.parameters(), device);
+    double loss_diff = 0, grad_diff = 0, param_diff = 0;
+    std::string worst_grad = "-", worst_param = "-";
+    std::vector<float> host;
+    for (int step = 0; step < steps; ++step) {
+      for (auto& p : cpu.parameters()) std::fill_n(static_cast<float*>(p.grad), p.numel(), 0.0f);
+      gm.zero_grad();
+      mem.zero(loss_acc, sizeof(double));
+      const double cpu_loss = cpu.forward_backward(x.data(), y.data(), B, [](std::size_t) {});
+      gm.forward_backward(fx, fy, B, loss_acc, [](std::size_t) {});
+      double gpu_loss = 0;
+      mem.download(&gpu_loss, loss_acc, sizeof gpu_loss);
+      gpu_loss /= static_cast<double>(B);
+      std::string unused;
+      track(loss_diff, unused, std::abs(gpu_loss - cpu_loss) / std::max(std::abs(cpu_loss), 1e-30), "loss");
+      const auto cp = cpu.parameters(), gp = gm.parameters();
+      for (std::size_t i = 0; i < cp.size(); ++i) {
+        host.resize(cp[i].numel());
+        mem.download(host.data(), gp[i].grad, host.size() * sizeof(float));
+        track(grad_diff, worst_grad, rel_diff(host, cp[i].grad_as<float>()), cp[i].name);
+      }
+      cpu_sgd.step(cp);
+      gpu_sgd.step_all(gp, stream.s);
+    }
+    const auto cp = cpu.parameters(), gp = gm.parameters();
+    for (std::size_t i = 0; i < cp.size(); ++i) {
+      host.resize(cp[i].numel());
+      mem.download(host.data(), gp[i].value, host.size() * sizeof(float));
+      track(param_diff, worst_param, rel_diff(host, cp[i].value_as<float>()), cp[i].name);
+    }
+    // Predictions on the first test images (after the two steps).
+    std::vector<std::size_t> test_rows(n_eval);
+    for (std::size_t r = 0; r < n_eval; ++r) test_rows[r] = r;
+    gather(data.test, test_rows, data.table.data(), x, y);
+    const std::size_t cpu_correct = cpu.count_correct(x.data(), y.data(), n_eval);
+    mem.zero(count_acc, sizeof(unsigned long long));
+    gpu::gather_rows(test.px(), test.y(), nullptr, 0, static_cast<const float*>(table.get()), fx, fy,
+                     static_cast<int>(n_eval), stream.s);
+    gm.count_correct(fx, fy, n_eval, count_acc);
+    unsigned long long gpu_correct = 0;
+    mem.download(&gpu_correct, count_acc, sizeof gpu_correct);
+    // A prediction may flip where two logits tie to within rounding; allow 1 in 500.
+    const std::size_t flips = gpu_correct > cpu_correct ? gpu_correct - cpu_correct : cpu_correct - gpu_correct;
+    const bool eval_ok = flips <= std::max<std::size_t>(1, n_eval / 500);
+    ok = inputs_equal && loss_diff <= tolerance && grad_diff <= tolerance && param_diff <= tolerance && eval_ok;
+    std::printf("check: GPU %d vs the CPU model, batch %zu, %d SGD steps: inputs %s | loss rel. diff %.2e | "
+                "gradients %.2e (worst %s) | parameters %.2e (worst %s) | %zu test images: %llu vs %zu "
+                "correct | %s (tolerance %.0e)\n",
+                device, B, steps, inputs_equal ? "identical" : "DIFFER", loss_diff, grad_diff,
+                worst_grad.c_str(), param_diff, worst_param.c_str(), n_eval, gpu_correct, cpu_correct,
+                ok ? "PASS" : "FAIL", tolerance);
+    std::fflush(stdout);
+    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(stream.s));
+  }
+  if (!ok) std::fprintf(stderr, "fashion_mnist: error: --check: the GPU model does not match the CPU model\n");
+  return ok;
+}
+
+void train_on_gpus(const std::vector<int>& devices, const options& opt, const training_plan& plan,
+                   const dataset& data, final_result& result) {
+  lockstep::run(lockstep::Gpus{devices}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
+    GpuTrainer trainer(ctx.device(), ctx.comm().compute_stream(), data, opt.seed, plan.per_rank);
+    train_rank(ctx, trainer, opt, plan, data, result);
+  });
+}
+
+}  // namespace fmnist
