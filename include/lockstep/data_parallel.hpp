@@ -258,6 +258,10 @@ class DataParallel {
   Model& model() noexcept { return model_; }
   //! Parameters as lockstep sees them (gradients pointing into the arena when zero-copy).
   const std::vector<parameter>& parameters() const noexcept { return reducer_.params(); }
+  //! The settled gradient layout, for checkpoints (see training_state.hpp).
+  std::vector<std::int64_t> plan_state() const { return reducer_.plan_state(); }
+  //! Restores a layout saved by plan_state(); call on every rank before the next step.
+  void load_plan_state(std::span<const std::int64_t> st) { reducer_.load_plan_state(st); }
   int rank() const { return comm_.rank(); }
   int size() const { return comm_.size(); }
 

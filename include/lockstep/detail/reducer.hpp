@@ -137,6 +137,45 @@ class reducer {
 
   bool zero_copy() const { return static_cast<bool>(bind_); }
 
+  //! The settled layout, for checkpoints: {format 1, observed, fused, n, order...}.
+  //! Restoring it makes a resumed run reduce with the same layout (and so, on NCCL, the
+  //! same rounding) as the uninterrupted run from its first step on.
+  std::vector<std::int64_t> plan_state() const {
+    const auto& order = pending_order_ ? *pending_order_ : current_order_;
+    std::vector<std::int64_t> st{1, observed_ ? 1 : 0, fused_ ? 1 : 0,
+                                 static_cast<std::int64_t>(order.size())};
+    for (auto i : order) st.push_back(static_cast<std::int64_t>(i));
+    return st;
+  }
+
+  //! Adopts a layout saved by plan_state() (same on every rank: it comes from one file);
+  //! takes effect at the start of the next accumulation cycle.
+  void load_plan_state(std::span<const std::int64_t> st) {
+    const auto bad = [](const std::string& why) {
+      return checkpoint_error("the saved gradient bucket layout " + why +
+                              "; the checkpoint belongs to another model or is damaged");
+    };
+    if (st.size() < 4 || st[0] != 1) throw bad("has an unknown format");
+    const auto n = static_cast<std::size_t>(st[3]);
+    if (n != params_.size() || st.size() != 4 + n)
+      throw bad("lists " + std::to_string(st[3]) + " parameters, but the model has " +
+                std::to_string(params_.size()));
+    std::vector<std::size_t> order;
+    std::vector<bool> seen(n, false);
+    for (std::size_t k = 0; k < n; ++k) {
+      const auto v = st[4 + k];
+      if (v < 0 || static_cast<std::size_t>(v) >= n || seen[static_cast<std::size_t>(v)])
+        throw bad("is not a permutation of the parameters");
+      seen[static_cast<std::size_t>(v)] = true;
+      order.push_back(static_cast<std::size_t>(v));
+    }
+    observed_ = st[1] != 0;
+    fused_ = st[2] != 0;
+    arrivals_.clear();
+    if (order != current_order_) pending_order_ = std::move(order);
+    else pending_order_.reset();
+  }
+
   //! Calls fn with each bucket's parameter slices, in plan order.
   void for_each_bucket(const std::function<void(std::span<const param_slice>)>& fn) const {
     std::vector<param_slice> tmp;
