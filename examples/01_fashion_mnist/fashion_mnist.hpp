@@ -41,6 +41,7 @@
 #include <unistd.h>  // isatty
 
 #include <lockstep/checkpoint.hpp>
+#include <lockstep/training_state.hpp>
 #include <lockstep/data_parallel.hpp>
 #include <lockstep/distributed_sampler.hpp>
 #include <lockstep/lr_schedule.hpp>
@@ -335,7 +336,7 @@ void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
   if (!opt.resume.empty()) {
     // Every rank reads and verifies the file and restores the same state.
     const auto ck = lockstep::load_checkpoint(opt.resume);
-    lockstep::restore_parameters(ck, model.parameters(), comm.memory());
+    lockstep::restore_training_state(ck, dp);  // parameters, loss scale, gradient layout
     trainer.load_optimizer(ck.blob("optimizer"));
     run_config saved{};
     ck.restore_value("run", saved);
@@ -426,7 +427,7 @@ void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
     if (!opt.checkpoint.empty()) {
       lockstep::save_checkpoint_rank0(comm, opt.checkpoint, [&](lockstep::Checkpoint& ck) {
         ck.meta = {.step = static_cast<std::int64_t>(step), .epoch = epoch + 1, .sample_position = 0};
-        ck.add_parameters(model.parameters(), comm.memory());
+        lockstep::add_training_state(ck, dp);
         std::vector<std::byte> sgd_state;
         trainer.save_optimizer(sgd_state);  // momentum buffers (and options)
         ck.add_blob("optimizer", std::move(sgd_state));
