@@ -28,7 +28,14 @@ labels=(cpu)
 # --- other labels go here once their suites exist, e.g. (each decides if it can run):
 #   command -v nvidia-smi >/dev/null && labels+=(gpu)
 #   [[ $(nvidia-smi -L 2>/dev/null | wc -l) -ge 2 ]] && labels+=(multigpu)
-#   command -v mpirun >/dev/null && labels+=(mpi)
+# MPI tests: when an MPI launcher is on PATH and lockstep::mpi was built (tests/mpi added tests).
+if command -v mpirun >/dev/null && grep -qs add_test "$build/tests/mpi/CTestTestfile.cmake"; then
+  labels+=(mpi)
+  # Open MPI refuses to start as root (containers, CI) unless both are set.
+  if [[ $(id -u) -eq 0 ]]; then
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+  fi
+fi
 label_regex=$(IFS='|'; echo "^(${labels[*]})\$")
 
 set +e
