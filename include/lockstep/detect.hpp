@@ -1,4 +1,5 @@
 #pragma once
+// lockstep-header-check: also-cpu (the CUDA parts are behind LOCKSTEP_WITH_CUDA)
 //! lockstep::detect() — what this process can run on, and decide() — which mode Auto picks.
 //! Adding a mode (GPUs, launcher-started processes) means adding a field here and a case
 //! in decide() and in run(Auto).

@@ -1,4 +1,5 @@
 #pragma once
+// lockstep-header-check: also-cpu (the CUDA parts are behind LOCKSTEP_WITH_CUDA)
 //! lockstep::run(mode, body) — runs the SPMD body once per rank.
 //!
 //! Modes are tags chosen at compile time (`Threads{n}`: n CPU ranks as host threads of
