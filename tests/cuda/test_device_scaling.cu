@@ -169,6 +169,20 @@ bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
 }
 
+//! As same_bits, except that any NaN equals any NaN: arithmetic on a NaN may return the
+//! GPU's canonical NaN rather than the input's payload (seen on H200), which is no error.
+template <class T>
+bool same_bits_or_nan(const std::vector<T>& a, const std::vector<T>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (std::memcmp(&a[i], &b[i], sizeof(T)) == 0) continue;
+    const double x = static_cast<double>(static_cast<float>(a[i]));
+    const double y = static_cast<double>(static_cast<float>(b[i]));
+    if (!(std::isnan(x) && std::isnan(y))) return false;
+  }
+  return true;
+}
+
 // Host references. f32/f64: the host grad_ops themselves; halves (which the host passes do not
 // take): the same rule written out, arithmetic in float then rounded.
 template <class T>
@@ -261,7 +275,7 @@ void check_grad_ops(std::mt19937_64& rng) {
     const int want_flag = ref_unscale(L, inv);
     CHECK(want_flag == (c >= 3 ? 1 : 0));  // the reference itself sees what was planted
     CHECK(get_flag() == (want_flag ? 1 : preset));
-    CHECK(same_bits(download<T>(d.p, L.host.size()), L.host));  // gaps untouched too
+    CHECK(same_bits_or_nan(download<T>(d.p, L.host.size()), L.host));  // gaps untouched too
   }
 
   // 2. sum of squares: against the host within rounding; the same bits on every call.

@@ -37,6 +37,14 @@
 
 namespace lockstep::cuda::kernels {
 
+namespace detail {
+//! Multiply and add rounded separately (never fused into an FMA by the compiler).
+__device__ __forceinline__ float rn_mul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double rn_mul(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float rn_add(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double rn_add(double a, double b) { return __dadd_rn(a, b); }
+}  // namespace detail
+
 //! One tensor of an SGD step.
 struct sgd_tensor {
   segment param;     //!< f32/f64: updated in place; f16/bf16: receives round(master)
@@ -181,11 +189,13 @@ struct adamw_op {
       if constexpr (master) w = f.w.v[j];
       else w = E::to_acc(f.p.v[j]);
       const A g = E::to_acc(f.g.v[j]);
-      w = w * decay;
-      const A m = beta1 * f.m.v[j] + one_minus_beta1 * g;
-      const A v = beta2 * f.v.v[j] + one_minus_beta2 * g * g;
-      const A denom = sqrt(v) / st.bc2_sqrt + eps;
-      w = w - st.step_size * (m / denom);
+      // Rounded multiplies and adds (no FMA contraction): the same operations, in the same
+      // order, as lockstep::AdamW on the host, so GPU and CPU agree to the last bit.
+      w = rn_mul(w, decay);
+      const A m = rn_add(rn_mul(beta1, f.m.v[j]), rn_mul(one_minus_beta1, g));
+      const A v = rn_add(rn_mul(beta2, f.v.v[j]), rn_mul(rn_mul(one_minus_beta2, g), g));
+      const A denom = rn_add(sqrt(v) / st.bc2_sqrt, eps);
+      w = rn_add(w, -rn_mul(st.step_size, m / denom));
       f.m.v[j] = m;
       f.v.v[j] = v;
       if constexpr (master) f.w.v[j] = w;
