@@ -26,6 +26,7 @@
 #include <vector>
 
 #include <lockstep/cuda/run_gpus.cuh>
+#include <lockstep/cuda/run_processes.cuh>
 #include <lockstep/lockstep.hpp>
 
 namespace {
@@ -131,12 +132,15 @@ double median(std::vector<double> v) {
 // setup(ctx, stream) returns {pre, body}. Each iteration: pre() (untimed), a barrier (every
 // rank's device idle), then body() between two events on the compute stream. Returns the
 // median over iterations of the slowest rank's time.
+// Under a launcher (lockstep-run, torchrun) every process is one rank of this context and
+// the benchmark measures Distributed mode; otherwise one process drives ngpu GPUs.
+lockstep::context<lockstep::NcclComm>* g_process_ctx = nullptr;
+bool g_print = true;
+
 template <class Setup>
 double timed(int ngpu, int warm, int iters, Setup&& setup) {
-  std::vector<int> devs(static_cast<std::size_t>(ngpu));
-  std::iota(devs.begin(), devs.end(), 0);
-  std::vector<std::vector<double>> per_rank(static_cast<std::size_t>(ngpu));
-  lockstep::run(lockstep::Gpus{devs}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
+  std::vector<std::vector<double>> per_rank(static_cast<std::size_t>(g_process_ctx ? 1 : ngpu));
+  auto rank_body = [&](lockstep::context<lockstep::NcclComm>& ctx, std::vector<double>& mine) {
     cudaStream_t s = ctx.comm().compute_stream();
     auto [pre, body] = setup(ctx, s);
     cudaEvent_t a, b;
@@ -151,11 +155,22 @@ double timed(int ngpu, int warm, int iters, Setup&& setup) {
       LOCKSTEP_TRY_CUDA(cudaEventSynchronize(b));
       float ms = 0;
       LOCKSTEP_TRY_CUDA(cudaEventElapsedTime(&ms, a, b));
-      if (i >= warm) per_rank[static_cast<std::size_t>(ctx.rank())].push_back(ms);
+      if (i >= warm) mine.push_back(ms);
     }
     cudaEventDestroy(a);
     cudaEventDestroy(b);
-  });
+  };
+  if (g_process_ctx) {
+    rank_body(*g_process_ctx, per_rank[0]);
+    // The slowest process, iteration by iteration.
+    lockstep::all_reduce_scalars(g_process_ctx->comm(), std::span<double>(per_rank[0]), lockstep::reduce_op::max);
+  } else {
+    std::vector<int> devs(static_cast<std::size_t>(ngpu));
+    std::iota(devs.begin(), devs.end(), 0);
+    lockstep::run(lockstep::Gpus{devs}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
+      rank_body(ctx, per_rank[static_cast<std::size_t>(ctx.rank())]);
+    });
+  }
   std::vector<double> slowest(per_rank[0].size(), 0);
   for (auto& r : per_rank)
     for (std::size_t i = 0; i < r.size(); ++i) slowest[i] = std::max(slowest[i], r[i]);
@@ -212,7 +227,7 @@ void bench_a(const std::vector<shape>& shapes, int ngpu, int iters, const char* 
   };
   const double fused = lockstep_time(false);
   const double buckets = lockstep_time(true);
-  std::printf("a  %-4s %d GPU  %6.1f MB  flat %7.3f ms  lockstep fused %7.3f ms (flat/lockstep %.3f)  per-bucket %7.3f ms (%.3f)\n",
+  if (g_print) std::printf("a  %-4s %d GPU  %6.1f MB  flat %7.3f ms  lockstep fused %7.3f ms (flat/lockstep %.3f)  per-bucket %7.3f ms (%.3f)\n",
               tname, ngpu, total * sizeof(T) / 1e6, flat, fused, flat / fused, buckets, flat / buckets);
 }
 
@@ -269,8 +284,8 @@ int main(int argc, char** argv) {
     std::printf("device: %d x %s, %d SMs, NCCL_NVLS_ENABLE=%s\n", visible, prop.name, sm_count,
                 std::getenv("NCCL_NVLS_ENABLE") ? std::getenv("NCCL_NVLS_ENABLE") : "(unset)");
     auto gpt2 = read_shapes(shapes_path);
-    std::vector<int> counts;
-    for (int g : {1, 2, 4, 8}) if (g <= max_gpus) counts.push_back(g);
+    // All benchmarks for the given GPU counts (in Distributed mode: the launcher's world).
+    auto all = [&](const std::vector<int>& counts) {
 
     for (int g : counts) if (g > 1) { bench_a<float>(gpt2, g, iters, "fp32"); bench_a<__nv_bfloat16>(gpt2, g, iters, "bf16"); }
 
@@ -290,7 +305,7 @@ int main(int argc, char** argv) {
       for (int g : counts) {
         double t = train_step_time<__nv_bfloat16>(gpt2, g, iters, head, fwd, bwd);
         if (g == 1) one = t;
-        std::printf("b  bf16 %d GPU  step %7.3f ms  exposed %6.3f ms (%5.2f%% of step)  scaling %.1f%%\n",
+        if (g_print) std::printf("b  bf16 %d GPU  step %7.3f ms  exposed %6.3f ms (%5.2f%% of step)  scaling %.1f%%\n",
                     g, t, t - one, 100.0 * (t - one) / t, 100.0 * one / t);
       }
     }
@@ -310,7 +325,7 @@ int main(int argc, char** argv) {
         const char* tn = pass == 0 ? "fp32" : "bf16";
         double one = pass == 0 ? train_step_time<float>(mlp, 1, iters, 0, fwd, bwd)
                                : train_step_time<__nv_bfloat16>(mlp, 1, iters, 0, fwd, bwd);
-        std::printf("c  %s 1 GPU  step %7.3f ms\n", tn, one);
+        if (g_print) std::printf("c  %s 1 GPU  step %7.3f ms\n", tn, one);
         for (int g : counts) {
           if (g == 1) continue;
           double flat = pass == 0 ? flat_time<float>(total, g, iters) : flat_time<__nv_bfloat16>(total, g, iters);
@@ -320,17 +335,34 @@ int main(int argc, char** argv) {
             const std::vector<double> none(fwd.size(), 0.0), none_b(bwd.size(), 0.0);
             double t0 = pass == 0 ? train_step_time<float>(mlp, g, iters, 0, none, none_b)
                                   : train_step_time<__nv_bfloat16>(mlp, g, iters, 0, none, none_b);
-            std::printf("c  %s %d GPU  no compute (sync + SGD only)  step %7.3f ms\n", tn, g, t0);
+            if (g_print) std::printf("c  %s %d GPU  no compute (sync + SGD only)  step %7.3f ms\n", tn, g, t0);
           }
           for (std::size_t cap_mib : {std::size_t{25}, std::size_t{64}, std::size_t{128}}) {
             lockstep::BucketPolicy bp{.first_bytes = std::size_t{1} << 20, .cap_bytes = cap_mib << 20};
             double t = pass == 0 ? train_step_time<float>(mlp, g, iters, 0, fwd, bwd, bp)
                                  : train_step_time<__nv_bfloat16>(mlp, g, iters, 0, fwd, bwd, bp);
-            std::printf("c  %s %d GPU  cap %3zu MiB  step %7.3f ms  (1 GPU %6.3f ms, flat all-reduce alone %6.3f ms, "
+            if (g_print) std::printf("c  %s %d GPU  cap %3zu MiB  step %7.3f ms  (1 GPU %6.3f ms, flat all-reduce alone %6.3f ms, "
                         "scaling %.1f%%)\n", tn, g, cap_mib, t, one, flat, 100.0 * one / t);
           }
         }
       }
+    }
+    };
+    if (const auto launched = lockstep::detect_launcher()) {
+      // Distributed mode: one process per GPU (lockstep-run / torchrun); the 1-GPU baselines
+      // come from the DataParallel run of the same machine.
+      lockstep::run(lockstep::Processes{}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
+        g_process_ctx = &ctx;
+        g_print = ctx.rank() == 0;
+        if (g_print) std::printf("mode: Distributed, %d processes (%s)\n", ctx.size(), launched->launcher.c_str());
+        all({ctx.size()});
+        g_process_ctx = nullptr;
+      });
+    } else {
+      std::vector<int> counts;
+      for (int g : {1, 2, 4, 8}) if (g <= max_gpus) counts.push_back(g);
+      std::printf("mode: DataParallel, one process driving the GPUs\n");
+      all(counts);
     }
     return 0;
   } catch (const std::exception& e) {

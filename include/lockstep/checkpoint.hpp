@@ -574,7 +574,7 @@ inline std::uint16_t native_tensor_flags() {
   return std::endian::native == std::endian::big ? checkpoint_flag_big_endian : 0;
 }
 
-inline std::string errno_text(int e) { return std::strerror(e); }
+inline std::string file_errno_text(int e) { return std::strerror(e); }
 
 //! POSIX file descriptor that closes itself.
 struct unique_fd {
@@ -625,7 +625,7 @@ inline void save_checkpoint(const std::filesystem::path& path, const Checkpoint&
     const int e = errno;
     if (e == ENOENT || e == ENOTDIR)
       throw fail("directory '" + dir.string() + "' does not exist", "create it before saving");
-    throw fail("cannot create temporary file '" + tmp + "': " + detail::errno_text(e), io_todo(e));
+    throw fail("cannot create temporary file '" + tmp + "': " + detail::file_errno_text(e), io_todo(e));
   }
   // From here on, any exit before the rename removes the temporary file.
   struct tmp_guard {
@@ -647,7 +647,7 @@ inline void save_checkpoint(const std::filesystem::path& path, const Checkpoint&
       if (k < 0) {
         if (errno == EINTR) continue;
         const int e = errno;
-        throw fail("writing '" + tmp + "' failed: " + detail::errno_text(e), io_todo(e));
+        throw fail("writing '" + tmp + "' failed: " + detail::file_errno_text(e), io_todo(e));
       }
       c += k;
       at += k;
@@ -693,19 +693,19 @@ inline void save_checkpoint(const std::filesystem::path& path, const Checkpoint&
 
   if (::fsync(fd.fd) != 0) {
     const int e = errno;
-    throw fail("fsync of '" + tmp + "' failed: " + detail::errno_text(e), io_todo(e));
+    throw fail("fsync of '" + tmp + "' failed: " + detail::file_errno_text(e), io_todo(e));
   }
   // close() can report a deferred write error (NFS), so check it.
   if (::close(fd.release()) != 0) {
     const int e = errno;
-    throw fail("closing '" + tmp + "' failed: " + detail::errno_text(e), io_todo(e));
+    throw fail("closing '" + tmp + "' failed: " + detail::file_errno_text(e), io_todo(e));
   }
   if (::rename(tmp.c_str(), target.c_str()) != 0) {
     const int e = errno;
     std::string todo = e == EISDIR || e == ENOTEMPTY || e == EEXIST
                            ? "a directory is in the way: remove it or choose another file name"
                            : io_todo(e);
-    throw fail("renaming '" + tmp + "' over it failed: " + detail::errno_text(e), todo);
+    throw fail("renaming '" + tmp + "' over it failed: " + detail::file_errno_text(e), todo);
   }
   guard.armed = false;
 
@@ -714,7 +714,7 @@ inline void save_checkpoint(const std::filesystem::path& path, const Checkpoint&
   if (dfd.fd < 0 || (::fsync(dfd.fd) != 0 && errno != EINVAL && errno != ENOTSUP)) {
     const int e = errno;
     throw checkpoint_error("checkpoint '" + target + "' was written, but syncing directory '" +
-                           dir.string() + "' failed: " + detail::errno_text(e) +
+                           dir.string() + "' failed: " + detail::file_errno_text(e) +
                            " (after a power loss the previous file may reappear; check the "
                            "file system)");
   }
@@ -734,13 +734,13 @@ inline Checkpoint load_checkpoint(const std::filesystem::path& path) {
   detail::unique_fd fd(::open(name.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.fd < 0) {
     const int e = errno;
-    throw checkpoint_error("cannot open " + subject + ": " + detail::errno_text(e) +
+    throw checkpoint_error("cannot open " + subject + ": " + detail::file_errno_text(e) +
                            (e == ENOENT ? " (check the path; was the checkpoint saved?)" : ""));
   }
   struct stat st {};
   if (::fstat(fd.fd, &st) != 0) {
     const int e = errno;
-    throw checkpoint_error("cannot stat " + subject + ": " + detail::errno_text(e));
+    throw checkpoint_error("cannot stat " + subject + ": " + detail::file_errno_text(e));
   }
   if (!S_ISREG(st.st_mode))
     throw checkpoint_error(subject + " is not a regular file; check the path");
@@ -752,7 +752,7 @@ inline Checkpoint load_checkpoint(const std::filesystem::path& path) {
     if (k < 0 && errno == EINTR) continue;
     if (k < 0) {
       const int e = errno;
-      throw checkpoint_error("reading " + subject + " failed: " + detail::errno_text(e));
+      throw checkpoint_error("reading " + subject + " failed: " + detail::file_errno_text(e));
     }
     if (k == 0) break;  // shrank while we read: the checks below report it
     got += static_cast<std::size_t>(k);

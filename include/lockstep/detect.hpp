@@ -19,6 +19,7 @@
 
 #include "lockstep/detail/env.hpp"
 #include "lockstep/error.hpp"
+#include "lockstep/launch_env.hpp"
 
 namespace lockstep {
 
@@ -41,6 +42,7 @@ struct environment {
   std::string cuda_error;              //!< why no GPU was found, when the runtime said so
   int nccl_version = 0;                //!< e.g. 22805 for 2.28.5; 0 when unknown
   std::optional<std::vector<int>> devices;  //!< LOCKSTEP_DEVICES="0,2": the GPUs to use
+  std::optional<launch_info> launcher;      //!< set when a launcher started this process
 };
 
 namespace detail {
@@ -69,6 +71,7 @@ inline environment detect() {
   environment e;
   e.hardware_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   if (auto d = detail::env("LOCKSTEP_DEVICES")) e.devices = detail::parse_device_list(*d, "LOCKSTEP_DEVICES");
+  e.launcher = detect_launcher();
 #if defined(LOCKSTEP_WITH_CUDA)
   e.cuda_built = true;
   int n = 0;
@@ -116,12 +119,14 @@ inline environment detect() {
   return e;
 }
 
-enum class mode_kind { cpu_threads, local_gpus };
+enum class mode_kind { cpu_threads, local_gpus, gpu_processes, mpi_processes };
 
 inline const char* name_of(mode_kind k) {
   switch (k) {
     case mode_kind::cpu_threads: return "cpu-threads";
     case mode_kind::local_gpus: return "local-gpus";
+    case mode_kind::gpu_processes: return "gpu-processes";
+    case mode_kind::mpi_processes: return "mpi-processes";
   }
   return "?";
 }
@@ -134,8 +139,22 @@ struct plan {
   std::string reason;
 };
 
-//! gpus_usable: whether the caller can run the GPU mode (its code was compiled with CUDA).
-inline plan decide(const environment& e, bool gpus_usable = false) {
+//! gpus_usable / mpi_usable: whether the caller can run those modes (its code was compiled
+//! with CUDA / MPI).
+inline plan decide(const environment& e, bool gpus_usable = false, bool mpi_usable = false) {
+  if (e.launcher) {
+    const auto& l = *e.launcher;
+    const std::string who = "rank " + std::to_string(l.rank) + " of " + std::to_string(l.world) + " (" + l.launcher + ")";
+    if (gpus_usable && !e.gpus.empty() && !e.cpu_ranks)
+      return {mode_kind::gpu_processes, l.world, {}, who + ": one process per GPU"};
+    if (mpi_usable && (l.launcher == "openmpi" || l.launcher == "slurm"))
+      return {mode_kind::mpi_processes, l.world, {}, who + ": one CPU process per rank over MPI"};
+    throw config_error("this process was started by " + l.launcher + " as " + who +
+                       ", but this build cannot run one process per rank here: " +
+                       (e.gpus.empty() ? std::string("no GPU is visible") : std::string("it was not compiled with CUDA")) +
+                       (mpi_usable ? " and it was not launched by mpirun/srun" : " and has no MPI (lockstep::mpi)") +
+                       ". Run CPU ranks as threads (unset the launcher variables, or use Threads{})");
+  }
   if (gpus_usable && !e.gpus.empty() && !e.cpu_ranks) {
     plan p{mode_kind::local_gpus, 0, {}, {}};
     if (e.devices) {

@@ -46,24 +46,44 @@ void run(Threads mode, Body&& body) {
 
 }  // namespace lockstep
 
-// In CUDA translation units of a CUDA build, Auto can also pick the local GPUs.
+// In CUDA translation units of a CUDA build, Auto can also pick the local GPUs (one process
+// driving all) or one process per GPU under a launcher; with lockstep::mpi, MPI processes.
 #if defined(LOCKSTEP_WITH_CUDA) && defined(__CUDACC__)
 #include "lockstep/cuda/run_gpus.cuh"
+#include "lockstep/cuda/run_processes.cuh"
 #define LOCKSTEP_AUTO_HAS_GPUS 1
 #else
 #define LOCKSTEP_AUTO_HAS_GPUS 0
+#endif
+#if defined(LOCKSTEP_WITH_MPI)
+#include "lockstep/run_mpi.hpp"
+#define LOCKSTEP_AUTO_HAS_MPI 1
+#else
+#define LOCKSTEP_AUTO_HAS_MPI 0
 #endif
 
 namespace lockstep {
 
 template <class Body>
 void run(Auto, Body&& body) {
-  const plan p = decide(detect(), LOCKSTEP_AUTO_HAS_GPUS != 0);
+  const plan p = decide(detect(), LOCKSTEP_AUTO_HAS_GPUS != 0, LOCKSTEP_AUTO_HAS_MPI != 0);
   switch (p.kind) {
     case mode_kind::cpu_threads: return run(Threads{p.ranks}, std::forward<Body>(body));
     case mode_kind::local_gpus:
 #if LOCKSTEP_AUTO_HAS_GPUS
       return run(Gpus{p.devices}, std::forward<Body>(body));
+#else
+      break;
+#endif
+    case mode_kind::gpu_processes:
+#if LOCKSTEP_AUTO_HAS_GPUS
+      return run(Processes{}, std::forward<Body>(body));
+#else
+      break;
+#endif
+    case mode_kind::mpi_processes:
+#if LOCKSTEP_AUTO_HAS_MPI
+      return run(Mpi{}, std::forward<Body>(body));
 #else
       break;
 #endif

@@ -1,0 +1,130 @@
+#pragma once
+//! lockstep::run(Processes{}, body) — one process per GPU, on one machine or many, started by
+//! a launcher (lockstep-run, `torchrun --no-python`, mpirun, srun). The launcher's variables
+//! say who this process is (lockstep::detect_launcher); rank 0 hosts a TcpStore at
+//! MASTER_ADDR:MASTER_PORT, through which the ranks check that they run the same lockstep
+//! with the same world size and exchange the NCCL unique id; then every rank drives GPU
+//! `local_rank` (or the local_rank-th of LOCKSTEP_DEVICES) with an NcclComm.
+//!
+//!   lockstep-run --nproc 4 ./train            # or: torchrun --no-python --nproc-per-node 4 ./train
+//!   lockstep::run(lockstep::Processes{}, [&](lockstep::context<lockstep::NcclComm>& ctx) {...});
+//!
+//! A rank whose body throws prints the error, aborts its communicator (so peers blocked in
+//! NCCL are released) and rethrows: the process exits non-zero and the launcher stops the rest.
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "lockstep/context.hpp"
+#include "lockstep/cuda/error.cuh"
+#include "lockstep/cuda/nccl_comm.cuh"
+#include "lockstep/detail/env.hpp"
+#include "lockstep/detect.hpp"
+#include "lockstep/error.hpp"
+#include "lockstep/launch_env.hpp"
+#include "lockstep/store.hpp"
+#include "lockstep/tcp_store.hpp"
+#include "lockstep/version.hpp"
+
+namespace lockstep {
+
+//! Mode tag: one rank per process, as the launcher's environment says (overrides win).
+struct Processes {
+  launch_overrides overrides{};
+};
+
+namespace detail {
+
+//! The GPU this process drives: LOCKSTEP_DEVICES[local_rank] when set, else local_rank.
+inline int process_device(const launch_info& info) {
+  int visible = 0;
+  LOCKSTEP_TRY_CUDA(cudaGetDeviceCount(&visible));
+  int device = info.local_rank;
+  std::string from = "its local rank";
+  if (auto list = env("LOCKSTEP_DEVICES")) {
+    auto ids = parse_device_list(*list, "LOCKSTEP_DEVICES");
+    if (info.local_rank >= static_cast<int>(ids.size()))
+      throw config_error("local rank " + std::to_string(info.local_rank) + " has no entry in LOCKSTEP_DEVICES='" +
+                         *list + "'; list one GPU per process on this host");
+    device = ids[static_cast<std::size_t>(info.local_rank)];
+    from = "LOCKSTEP_DEVICES";
+  }
+  if (device >= visible)
+    throw config_error("rank " + std::to_string(info.rank) + " would drive GPU " + std::to_string(device) +
+                       " (from " + from + "), but " + std::to_string(visible) +
+                       " GPU(s) are visible on this host: start at most one process per GPU "
+                       "(lockstep-run --nproc " + std::to_string(visible) + ")");
+  return device;
+}
+
+//! Every rank must run the same lockstep with the same world size: compare with rank 0.
+template <class S>
+void check_same_job(S& store, const launch_info& info) {
+  const std::string mine = std::string("lockstep ") + version_string + ", world " + std::to_string(info.world) +
+                           ", launcher " + info.launcher;
+  store.set("lockstep/hello/" + std::to_string(info.rank), bytes_of(mine));
+  const auto root = string_of(store.get("lockstep/hello/0"));
+  if (root != mine)
+    throw mismatch_error("rank " + std::to_string(info.rank) + " runs '" + mine + "' but rank 0 runs '" + root +
+                         "': start every process of the job from the same build and launcher");
+}
+
+}  // namespace detail
+
+template <class Body>
+void run(Processes mode, Body&& body) {
+  const auto found = detect_launcher(mode.overrides);
+  if (!found)
+    throw config_error("lockstep::run(Processes): no launcher variables found (RANK/WORLD_SIZE, "
+                       "OMPI_COMM_WORLD_*, SLURM_PROCID...). Start the program with lockstep-run "
+                       "--nproc N, torchrun --no-python, mpirun or srun");
+  launch_info info = *found;
+  // torchrun's agent already serves its own TCPStore at MASTER_PORT (it exports
+  // TORCHELASTIC_USE_AGENT_STORE=True); lockstep's store then listens on the next port,
+  // unless LOCKSTEP_MASTER_PORT chose one.
+  if (info.launcher == "torchrun" && !mode.overrides.master_port && !detail::env("LOCKSTEP_MASTER_PORT")) {
+    const auto agent = detail::env("TORCHELASTIC_USE_AGENT_STORE");
+    if (agent && (*agent == "True" || *agent == "true" || *agent == "1")) {
+      if (info.master_port >= 65535)
+        throw config_error("MASTER_PORT=" + std::to_string(info.master_port) +
+                           " is torchrun's agent store and leaves no next port for lockstep's; set "
+                           "LOCKSTEP_MASTER_PORT to a free port");
+      info.master_port += 1;
+    }
+  }
+  const int device = detail::process_device(info);
+  LOCKSTEP_TRY_CUDA(cudaSetDevice(device));
+  TcpStore store(info);
+  detail::check_same_job(store, info);
+  ncclUniqueId id{};
+  if (info.rank == 0) {
+    LOCKSTEP_TRY_NCCL(ncclGetUniqueId(&id));
+    store.set("lockstep/nccl_id", std::span<const std::byte>(reinterpret_cast<const std::byte*>(&id), sizeof id));
+  } else {
+    const auto bytes = store.get("lockstep/nccl_id");
+    if (bytes.size() != sizeof id)
+      throw mismatch_error("the NCCL unique id from rank 0 has " + std::to_string(bytes.size()) + " bytes, expected " +
+                           std::to_string(sizeof id) + ": ranks were built against different NCCL versions");
+    std::memcpy(&id, bytes.data(), sizeof id);
+  }
+  context<NcclComm> ctx(NcclComm(id, info.rank, info.world, device), info.local_rank, device);
+  try {
+    body(ctx);
+    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(ctx.comm().compute_stream()));
+    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(ctx.comm().comm_stream()));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "lockstep: rank %d failed: %s\n", info.rank, e.what());
+    std::fflush(stderr);
+    ctx.comm().abort(std::string("rank ") + std::to_string(info.rank) + " failed");
+    throw;
+  }
+  // Rank 0 hosts the store: nobody leaves before everyone is done with it.
+  barrier(store, "lockstep/finished");
+}
+
+}  // namespace lockstep

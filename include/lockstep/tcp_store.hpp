@@ -1,0 +1,565 @@
+#pragma once
+//! lockstep::TcpStore — the rendezvous store over TCP. Rank 0 hosts it (a server thread
+//! polling non-blocking sockets); every rank, rank 0 included, is a client. Clients retry
+//! connecting until the timeout, so the ranks may start in any order. A client must first
+//! present the job token; a wrong one is rejected, logged and disconnected, as is any
+//! malformed frame, and the server keeps serving the others. Wire format and server state
+//! machine: lockstep/detail/store_protocol.hpp. Linux (accept4, SOCK_NONBLOCK, MSG_NOSIGNAL);
+//! IPv4, host names resolved with getaddrinfo.
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "lockstep/detail/env.hpp"
+#include "lockstep/detail/store_protocol.hpp"
+#include "lockstep/error.hpp"
+#include "lockstep/launch_env.hpp"
+#include "lockstep/store.hpp"
+
+namespace lockstep {
+
+namespace detail {
+
+inline std::string errno_text(int e) { return std::string(std::strerror(e)); }
+
+inline int poll_ms(std::chrono::steady_clock::time_point deadline) {
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+  return static_cast<int>(std::clamp<long long>(left.count() + 1, 0, 1000));
+}
+
+inline void close_fd(int& fd) noexcept {
+  if (fd >= 0) ::close(fd);
+  fd = -1;
+}
+
+//! IPv4 addresses of host (a name or dotted quad); empty with `why` set when it does not resolve.
+inline std::vector<sockaddr_in> resolve_ipv4(const std::string& host, int port, std::string& why) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  const std::string service = std::to_string(port);
+  std::vector<sockaddr_in> out;
+  const int rc = ::getaddrinfo(host.c_str(), service.c_str(), &hints, &res);
+  if (rc != 0) {
+    why = std::string("cannot resolve '") + host + "': " + ::gai_strerror(rc);
+    return out;
+  }
+  for (addrinfo* a = res; a != nullptr; a = a->ai_next)
+    if (a->ai_family == AF_INET && a->ai_addrlen == sizeof(sockaddr_in))
+      out.push_back(*reinterpret_cast<const sockaddr_in*>(a->ai_addr));
+  ::freeaddrinfo(res);
+  if (out.empty()) why = "'" + host + "' has no IPv4 address";
+  return out;
+}
+
+inline std::string peer_text(const sockaddr_in& a) {
+  char buf[INET_ADDRSTRLEN] = {};
+  ::inet_ntop(AF_INET, &a.sin_addr, buf, sizeof buf);
+  return std::string(buf) + ":" + std::to_string(ntohs(a.sin_port));
+}
+
+//! The server half of TcpStore: one thread, poll() over the listening socket, a wake-up
+//! pipe and the clients, all non-blocking. Its state machine is wire::store_engine.
+class tcp_store_server {
+ public:
+  tcp_store_server(bool loopback_only, int port, std::string token, const store_limits& lim,
+                   std::size_t max_connections, std::chrono::milliseconds auth_timeout)
+      : engine_(std::move(token), lim, max_connections, auth_timeout) {
+    listen_fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (listen_fd_ < 0) throw error("TcpStore: socket() failed: " + errno_text(errno));
+    int one = 1;
+    ::setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<std::uint16_t>(port));
+    addr.sin_addr.s_addr = htonl(loopback_only ? INADDR_LOOPBACK : INADDR_ANY);
+    if (::bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+      const int e = errno;
+      close_fd(listen_fd_);
+      throw config_error("TcpStore: cannot listen on port " + std::to_string(port) + ": " + errno_text(e) +
+                         (e == EADDRINUSE ? " (another job, or an earlier run of this one, holds it; "
+                                            "choose another MASTER_PORT)"
+                                          : ""));
+    }
+    if (::listen(listen_fd_, 1024) != 0) {
+      const int e = errno;
+      close_fd(listen_fd_);
+      throw error("TcpStore: listen() failed: " + errno_text(e));
+    }
+    socklen_t len = sizeof addr;
+    ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
+    port_ = ntohs(addr.sin_port);
+    int p[2];
+    if (::pipe(p) != 0) {
+      const int e = errno;
+      close_fd(listen_fd_);
+      throw error("TcpStore: pipe() failed: " + errno_text(e));
+    }
+    wake_read_ = p[0];
+    wake_write_ = p[1];
+    for (int fd : p) {
+      ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+      ::fcntl(fd, F_SETFD, FD_CLOEXEC);
+    }
+    thread_ = std::thread([this] { loop(); });
+  }
+
+  tcp_store_server(const tcp_store_server&) = delete;
+  tcp_store_server& operator=(const tcp_store_server&) = delete;
+
+  ~tcp_store_server() {
+    stop_.store(true);
+    const char b = 1;
+    [[maybe_unused]] auto n = ::write(wake_write_, &b, 1);
+    if (thread_.joinable()) thread_.join();
+    for (auto& [id, fd] : fds_) close_fd(fd);
+    close_fd(listen_fd_);
+    close_fd(wake_read_);
+    close_fd(wake_write_);
+  }
+
+  int port() const noexcept { return port_; }
+
+ private:
+  using clock = std::chrono::steady_clock;
+
+  void loop() noexcept {
+    try {
+      run();
+    } catch (const std::exception& e) {  // bad_alloc: clients time out with a clear message
+      std::fprintf(stderr, "lockstep TcpStore server stopped: %s\n", e.what());
+    }
+  }
+
+  void run() {
+    std::vector<pollfd> pfds;
+    std::vector<wire::store_engine::conn_id> ids;
+    std::vector<std::byte> buf(64 << 10);
+    while (!stop_.load()) {
+      pfds.assign({{wake_read_, POLLIN, 0}, {listen_fd_, POLLIN, 0}});
+      ids.assign(2, 0);
+      for (auto& [id, fd] : fds_) {
+        short ev = 0;
+        if (engine_.wants_read(id)) ev |= POLLIN;
+        if (!engine_.out(id).empty()) ev |= POLLOUT;
+#ifdef POLLRDHUP
+        ev |= POLLRDHUP;  // notice a peer that left while its wait is parked
+#endif
+        pfds.push_back({fd, ev, 0});
+        ids.push_back(id);
+      }
+      int wait_ms = 1000;
+      if (auto d = engine_.next_deadline()) wait_ms = std::min(wait_ms, poll_ms(*d));
+      const int rc = ::poll(pfds.data(), pfds.size(), wait_ms);
+      if (rc < 0 && errno != EINTR) throw error("poll() failed: " + errno_text(errno));
+      const auto now = clock::now();
+      if (rc > 0) {
+        if (pfds[0].revents) break;
+        if (pfds[1].revents & POLLIN) accept_all(now);
+        for (std::size_t i = 2; i < pfds.size(); ++i) {
+          const auto id = ids[i];
+          const short re = pfds[i].revents;
+          if (re == 0) continue;
+          // An error, or a peer gone with nothing left to read (even while its wait is parked).
+          bool drop = (re & (POLLERR | POLLNVAL)) != 0 || ((re & POLLHUP) && !(re & POLLIN));
+#ifdef POLLRDHUP
+          if ((re & POLLRDHUP) && !(re & POLLIN)) drop = true;
+#endif
+          if (!drop && (re & POLLIN)) drop = !read_from(id, buf, now);
+          if (!drop && (re & POLLOUT)) drop = !flush(id, now);
+          if (drop) drop_conn(id);
+        }
+      }
+      engine_.tick(clock::now());
+      // Send replies now rather than one poll round later; close whom the engine dropped.
+      for (auto it = fds_.begin(); it != fds_.end();) {
+        const auto id = it->first;
+        ++it;
+        bool drop = !engine_.out(id).empty() && !flush(id, clock::now());
+        if (drop || engine_.should_close(id)) drop_conn(id);
+      }
+      for (const auto& line : engine_.take_log()) std::fprintf(stderr, "lockstep TcpStore server: %s\n", line.c_str());
+    }
+    linger();
+  }
+
+  //! On shutdown, replies already decided (e.g. the last barrier's) still go out: up to 1 s.
+  void linger() {
+    const auto deadline = clock::now() + std::chrono::seconds(1);
+    while (clock::now() < deadline) {
+      std::vector<pollfd> pfds;
+      std::vector<wire::store_engine::conn_id> ids;
+      for (auto& [id, fd] : fds_)
+        if (!engine_.out(id).empty()) {
+          pfds.push_back({fd, POLLOUT, 0});
+          ids.push_back(id);
+        }
+      if (pfds.empty()) return;
+      if (::poll(pfds.data(), pfds.size(), poll_ms(deadline)) <= 0) continue;
+      for (std::size_t i = 0; i < pfds.size(); ++i)
+        if (pfds[i].revents & (POLLERR | POLLHUP | POLLNVAL)) drop_conn(ids[i]);
+        else if ((pfds[i].revents & POLLOUT) && !flush(ids[i], clock::now())) drop_conn(ids[i]);
+    }
+  }
+
+  void accept_all(clock::time_point now) {
+    while (true) {
+      sockaddr_in peer{};
+      socklen_t len = sizeof peer;
+      int fd = ::accept4(listen_fd_, reinterpret_cast<sockaddr*>(&peer), &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd < 0) return;  // EAGAIN, or a transient error (EMFILE, ECONNABORTED): next round
+      int one = 1;
+      ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+      auto id = engine_.open(peer_text(peer), now);
+      if (!id) {  // say why before closing, so the client's error is not a bare "lost"
+        std::vector<std::byte> f;
+        const std::string_view msg = "the store admits world + 8 connections and all are in use";
+        wire::encode(f, wire::op::err, static_cast<std::int64_t>(wire::err_code::busy), {},
+                     {reinterpret_cast<const std::byte*>(msg.data()), msg.size()});
+        [[maybe_unused]] auto n = ::send(fd, f.data(), f.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+        ::close(fd);
+        continue;
+      }
+      fds_.emplace(*id, fd);
+    }
+  }
+
+  bool read_from(wire::store_engine::conn_id id, std::vector<std::byte>& buf, clock::time_point now) {
+    if (!engine_.wants_read(id)) return true;
+    const ssize_t n = ::recv(fds_.at(id), buf.data(), buf.size(), 0);
+    if (n == 0) return false;
+    if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+    engine_.receive(id, std::span<const std::byte>(buf.data(), static_cast<std::size_t>(n)), now);
+    return true;
+  }
+
+  bool flush(wire::store_engine::conn_id id, clock::time_point now) {
+    const auto& out = engine_.out(id);
+    if (out.empty()) return true;
+    const ssize_t n = ::send(fds_.at(id), out.data(), out.size(), MSG_NOSIGNAL);
+    if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+    engine_.sent(id, static_cast<std::size_t>(n), now);
+    return true;
+  }
+
+  void drop_conn(wire::store_engine::conn_id id) {
+    auto it = fds_.find(id);
+    if (it == fds_.end()) return;
+    close_fd(it->second);
+    fds_.erase(it);
+    engine_.close(id);
+  }
+
+  wire::store_engine engine_;
+  std::unordered_map<wire::store_engine::conn_id, int> fds_;
+  int listen_fd_ = -1, wake_read_ = -1, wake_write_ = -1;
+  int port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+}  // namespace detail
+
+//! A store reached over TCP; the process constructed with is_server = true hosts it.
+class TcpStore {
+ public:
+  //! host/port: where rank 0 listens (the server binds every interface, or only loopback
+  //! when host is a loopback address; port 0 picks a free one, see port()). world: the
+  //! number of processes (the server admits world + 8 connections). token: the job token
+  //! every process must present. timeout: bound of connecting and of every wait.
+  TcpStore(std::string host, int port, bool is_server, int world, std::string token,
+           std::chrono::milliseconds timeout = detail::default_timeout(), store_limits limits = {})
+      : host_(std::move(host)), port_(port), world_(world), token_(std::move(token)), timeout_(timeout),
+        limits_(limits), parser_(true, limits) {
+    const std::string who = "TcpStore(" + host_ + ":" + std::to_string(port) + ")";
+    if (world < 1) throw config_error(who + ": world is " + std::to_string(world) + "; give at least 1");
+    if (timeout.count() <= 0) throw config_error(who + ": the timeout must be positive");
+    if (port < 0 || port > 65535 || (port == 0 && !is_server))
+      throw config_error(who + ": port " + std::to_string(port) + " is out of range; give 1..65535 (MASTER_PORT)");
+    if (token_.size() > detail::wire::max_token_bytes)
+      throw config_error(who + ": the job token has " + std::to_string(token_.size()) + " bytes; at most " +
+                         std::to_string(detail::wire::max_token_bytes));
+    if (host_.empty()) throw config_error(who + ": no host given; set MASTER_ADDR to the host of rank 0");
+    if (is_server) {
+      server_ = std::make_unique<detail::tcp_store_server>(is_loopback(host_), port, token_, limits_,
+                                                           static_cast<std::size_t>(world) + 8, timeout_);
+      port_ = server_->port();
+    }
+    std::lock_guard lk(m_);
+    connect_locked(is_server ? std::string("127.0.0.1") : host_);
+  }
+
+  //! From detect_launcher(): rank 0 hosts at master_addr:master_port.
+  explicit TcpStore(const launch_info& info, std::chrono::milliseconds timeout = detail::default_timeout(),
+                    store_limits limits = {})
+      : TcpStore(checked_addr(info), info.master_port, info.rank == 0, info.world, info.job_token, timeout, limits) {}
+
+  TcpStore(const TcpStore&) = delete;
+  TcpStore& operator=(const TcpStore&) = delete;
+
+  //! Closes the connection; the server stops (its clients' next requests fail), so rank 0
+  //! should pass a barrier first when others may still use the store. Never throws.
+  ~TcpStore() {
+    detail::close_fd(fd_);
+    server_.reset();
+  }
+
+  void set(std::string_view key, std::span<const std::byte> value) {
+    detail::check_store_key(key, limits_, "TcpStore");
+    detail::check_store_value(key, value.size(), limits_.max_value_bytes, "TcpStore");
+    request(detail::wire::op::set, 0, key, value, "set " + detail::printable_key(key), timeout_);
+  }
+
+  std::vector<std::byte> get(std::string_view key) {
+    detail::check_store_key(key, limits_, "TcpStore");
+    return request(detail::wire::op::get, timeout_.count(), key, {}, "get " + detail::printable_key(key), timeout_).value;
+  }
+
+  void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
+    detail::check_store_keys(keys, limits_, "TcpStore");
+    if (keys.empty()) return;
+    const auto list = detail::wire::encode_key_list(keys);
+    if (list.size() > limits_.max_value_bytes)
+      throw config_error("TcpStore: the " + std::to_string(keys.size()) + " keys of one wait take " +
+                         std::to_string(list.size()) + " bytes, more than the value limit; wait on fewer at once");
+    request(detail::wire::op::wait, std::max<std::int64_t>(0, timeout.count()), {}, list, "wait", timeout);
+  }
+  void wait(const std::vector<std::string>& keys) { wait(keys, timeout_); }
+
+  bool check(const std::vector<std::string>& keys) {
+    detail::check_store_keys(keys, limits_, "TcpStore");
+    if (keys.empty()) return true;
+    const auto list = detail::wire::encode_key_list(keys);
+    if (list.size() > limits_.max_value_bytes)
+      throw config_error("TcpStore: the keys of one check take " + std::to_string(list.size()) +
+                         " bytes, more than the value limit; check fewer at once");
+    return request(detail::wire::op::check, 0, {}, list, "check", timeout_).arg != 0;
+  }
+
+  std::int64_t add(std::string_view key, std::int64_t delta) {
+    detail::check_store_key(key, limits_, "TcpStore");
+    return request(detail::wire::op::add, delta, key, {}, "add " + detail::printable_key(key), timeout_).arg;
+  }
+
+  int world() const noexcept { return world_; }
+  std::chrono::milliseconds timeout() const noexcept { return timeout_; }
+  //! The server's port (the one chosen when 0 was given).
+  int port() const noexcept { return port_; }
+  const std::string& host() const noexcept { return host_; }
+  //! The limits in force: this process's, lowered to the server's.
+  const store_limits& limits() const noexcept { return limits_; }
+
+ private:
+  using clock = std::chrono::steady_clock;
+  using op = detail::wire::op;
+
+  static std::string checked_addr(const launch_info& info) {
+    if (info.world > 1 && (info.master_addr.empty() || info.master_port == 0))
+      throw config_error("TcpStore: the launcher (" + info.launcher +
+                         ") gave no store address; set MASTER_ADDR and MASTER_PORT "
+                         "(or LOCKSTEP_MASTER_ADDR/PORT) to the host and a free port of rank 0");
+    return info.master_addr.empty() ? std::string("127.0.0.1") : info.master_addr;
+  }
+
+  static bool is_loopback(const std::string& host) {
+    std::string why;
+    auto addrs = detail::resolve_ipv4(host, 1, why);
+    if (addrs.empty()) return false;
+    for (const auto& a : addrs)
+      if ((ntohl(a.sin_addr.s_addr) >> 24) != 127) return false;
+    return true;
+  }
+
+  std::string who() const { return "TcpStore(" + host_ + ":" + std::to_string(port_) + ")"; }
+
+  //! Connects (retrying until timeout_: the server may start later) and says hello.
+  void connect_locked(const std::string& host) {
+    connect_host_ = host;
+    const auto deadline = clock::now() + timeout_;
+    auto backoff = std::chrono::milliseconds(10);
+    std::string last = "no attempt";
+    while (true) {
+      std::string why;
+      for (const auto& addr : detail::resolve_ipv4(host, port_, why)) {
+        int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+        if (fd < 0) {
+          why = "socket(): " + detail::errno_text(errno);
+          continue;
+        }
+        int rc = ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr);
+        if (rc != 0 && errno == EINPROGRESS) {
+          pollfd p{fd, POLLOUT, 0};
+          while ((rc = ::poll(&p, 1, detail::poll_ms(deadline))) == 0 && clock::now() < deadline) {
+          }
+          int err = 0;
+          socklen_t len = sizeof err;
+          if (rc > 0) ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+          else err = rc == 0 ? ETIMEDOUT : errno;
+          rc = err == 0 ? 0 : -1;
+          errno = err;
+        }
+        if (rc != 0) {
+          why = "connect to " + detail::peer_text(addr) + ": " + detail::errno_text(errno);
+          ::close(fd);
+          continue;
+        }
+        int one = 1;
+        ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        fd_ = fd;
+        hello_locked(deadline);
+        return;
+      }
+      last = why;
+      const auto now = clock::now();
+      if (now >= deadline)
+        throw timeout_error(who() + ": could not connect to the store within " + detail::seconds_text(timeout_) +
+                            " (last error: " + last +
+                            "). Rank 0 hosts it: check that it runs, that MASTER_ADDR/MASTER_PORT point at it "
+                            "and that no firewall blocks the port; raise LOCKSTEP_TIMEOUT if it starts late");
+      std::this_thread::sleep_for(std::min<clock::duration>(backoff, deadline - now));
+      backoff = std::min(backoff * 2, std::chrono::milliseconds(500));
+    }
+  }
+
+  void hello_locked(clock::time_point deadline) {
+    parser_ = detail::wire::frame_parser(true, limits_);
+    rx_.clear();
+    std::vector<std::byte> buf;
+    detail::wire::encode(buf, op::hello, detail::wire::protocol_version, {}, bytes_of(token_));
+    send_all(buf, deadline, "hello");
+    auto f = receive(deadline, "hello");
+    if (f.type == op::err) {
+      detail::close_fd(fd_);
+      if (f.arg == static_cast<std::int64_t>(detail::wire::err_code::busy))
+        throw config_error(who() + " rejected this process: " + string_of(f.value) +
+                           "; open fewer TcpStore clients per process, or is another job using this port?");
+      throw config_error(who() + " rejected this process: " + string_of(f.value) +
+                         ". Every rank of one job must present the same job token (LOCKSTEP_JOB_TOKEN); "
+                         "a different job may be using this port");
+    }
+    auto lim = detail::wire::decode_limits(f.value);
+    if (!lim) {
+      detail::close_fd(fd_);
+      throw error(who() + ": the server's hello reply is malformed; is another program listening on this port?");
+    }
+    limits_.max_key_bytes = std::min(limits_.max_key_bytes, lim->max_key_bytes);
+    limits_.max_value_bytes = std::min(limits_.max_value_bytes, lim->max_value_bytes);
+    limits_.max_wait_keys = std::min(limits_.max_wait_keys, lim->max_wait_keys);
+    parser_.set_limits(*lim);
+  }
+
+  [[noreturn]] void lost(const std::string& what) {
+    detail::close_fd(fd_);
+    throw aborted_error(who() + ": lost the connection to the store during " + what + " (" +
+                        "the rank-0 process that hosts it exited or failed?)");
+  }
+
+  void send_all(std::span<const std::byte> data, clock::time_point deadline, const std::string& what) {
+    while (!data.empty()) {
+      const ssize_t n = ::send(fd_, data.data(), data.size(), MSG_NOSIGNAL);
+      if (n > 0) {
+        data = data.subspan(static_cast<std::size_t>(n));
+        continue;
+      }
+      if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) lost(what);
+      pollfd p{fd_, POLLOUT, 0};
+      if (clock::now() >= deadline) {
+        detail::close_fd(fd_);
+        throw timeout_error(who() + ": sending " + what + " did not finish within the timeout");
+      }
+      ::poll(&p, 1, detail::poll_ms(deadline));
+    }
+  }
+
+  detail::wire::frame receive(clock::time_point deadline, const std::string& what) {
+    std::byte buf[64 << 10];
+    while (true) {
+      if (!rx_.empty()) {
+        const std::size_t used = parser_.feed(rx_);
+        rx_.erase(rx_.begin(), rx_.begin() + static_cast<std::ptrdiff_t>(used));
+      }
+      if (parser_.status() == detail::wire::frame_parser::state::failed) {
+        detail::close_fd(fd_);
+        throw error(who() + ": malformed reply to " + what + " (" + parser_.error() +
+                    "); is another program listening on this port?");
+      }
+      if (parser_.status() == detail::wire::frame_parser::state::ready) return parser_.take();
+      if (clock::now() >= deadline) {
+        detail::close_fd(fd_);  // a late reply would be taken for the next request's
+        throw timeout_error(who() + ": no reply to " + what + " within " + detail::seconds_text(timeout_) +
+                            " beyond its own wait; the server (rank 0) is stuck or its host unreachable");
+      }
+      pollfd p{fd_, POLLIN, 0};
+      ::poll(&p, 1, detail::poll_ms(deadline));
+      const ssize_t n = ::recv(fd_, buf, sizeof buf, 0);
+      if (n == 0) lost(what);
+      if (n < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) continue;
+        lost(what);
+      }
+      rx_.insert(rx_.end(), buf, buf + n);
+    }
+  }
+
+  detail::wire::frame request(op type, std::int64_t arg, std::string_view key, std::span<const std::byte> value,
+                              const std::string& what, std::chrono::milliseconds wait_for) {
+    std::lock_guard lk(m_);
+    if (fd_ < 0) connect_locked(connect_host_);  // after a lost reply: start clean
+    std::vector<std::byte> buf;
+    detail::wire::encode(buf, type, arg, key, value);
+    const auto start = clock::now();
+    send_all(buf, start + timeout_, what);
+    // The server answers a wait at its deadline; allow it the time to do so, then some.
+    auto f = receive(start + wait_for + timeout_, what);
+    if (f.type == op::ok) return f;
+    const auto code = static_cast<detail::wire::err_code>(f.arg);
+    const std::string msg = string_of(f.value);
+    if (code == detail::wire::err_code::timeout)
+      throw timeout_error(who() + ": " + what + " timed out after " + detail::seconds_text(wait_for) +
+                          " (world of " + std::to_string(world_) + "); " + msg +
+                          ". The rank that sets it failed, hangs, or is slow (then raise LOCKSTEP_TIMEOUT, seconds)");
+    if (code == detail::wire::err_code::malformed || code == detail::wire::err_code::bad_token) {
+      detail::close_fd(fd_);
+      throw error(who() + ": the server refused " + what + ": " + msg);
+    }
+    throw config_error(who() + ": " + what + " refused: " + msg);
+  }
+
+  std::string host_;
+  std::string connect_host_;
+  int port_;
+  int world_;
+  std::string token_;
+  std::chrono::milliseconds timeout_;
+  store_limits limits_;
+  std::unique_ptr<detail::tcp_store_server> server_;
+  std::mutex m_;
+  int fd_ = -1;
+  detail::wire::frame_parser parser_;
+  std::vector<std::byte> rx_;
+};
+
+static_assert(store<TcpStore>);
+
+}  // namespace lockstep

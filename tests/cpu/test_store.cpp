@@ -1,0 +1,747 @@
+// The rendezvous stores: one scenario (set/get/check/wait/add/barrier, values of random
+// sizes up to the cap, bounded timeouts) run by N ranks as threads and, for TcpStore and
+// FileStore, as fork()ed processes; expected values are regenerated from the seed, never
+// read back from the store under test. Plus: TcpStore's token check, malformed and
+// oversized frames, late servers, a server that goes away; the wire parser on random
+// frames cut at random points; the server engine without sockets. Every wait is bounded.
+#include <doctest/doctest.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <lockstep/detail/store_protocol.hpp>
+#include <lockstep/file_store.hpp>
+#include <lockstep/store.hpp>
+#include <lockstep/tcp_store.hpp>
+
+#include "test_util.hpp"
+
+using namespace std::chrono_literals;
+using lockstep::FileStore;
+using lockstep::HashStore;
+using lockstep::TcpStore;
+using lockstep_test::fresh_seed;
+namespace wire = lockstep::detail::wire;
+using clk = std::chrono::steady_clock;
+
+namespace {
+
+void expect(bool ok, const std::string& what) {
+  if (!ok) throw std::runtime_error(what);
+}
+
+double seconds_since(clk::time_point t) { return std::chrono::duration<double>(clk::now() - t).count(); }
+
+//! Rank r's value: sizes cover the cap exactly, tiny, empty and random; never all zero.
+std::vector<std::byte> value_for(std::uint64_t seed, int rank, std::size_t cap) {
+  std::mt19937_64 rng(seed * 1000003u + static_cast<std::uint64_t>(rank));
+  std::size_t n = 0;
+  switch (rank % 5) {
+    case 0: n = cap; break;
+    case 1: n = 1 + rng() % 16; break;
+    case 2: n = 0; break;
+    default: n = rng() % (cap + 1); break;
+  }
+  std::vector<std::byte> v(n);
+  for (auto& b : v) b = static_cast<std::byte>(rng());
+  if (n > 0) v[0] |= std::byte{1};
+  return v;
+}
+
+std::int64_t delta_for(std::uint64_t seed, int rank) {
+  std::mt19937_64 rng(seed ^ (0x9e3779b97f4a7c15ull * static_cast<std::uint64_t>(rank + 1)));
+  return static_cast<std::int64_t>(rng() % 2000001) - 1000000;
+}
+
+struct scenario_cfg {
+  int world = 2;
+  std::uint64_t seed = 1;
+  std::size_t cap = 1 << 20;
+  std::chrono::milliseconds quick{400};
+};
+
+//! What every rank runs. `quick` reaches the same store with a short timeout.
+template <class S>
+void scenario(S& s, S& quick, int rank, const scenario_cfg& cfg) {
+  const int world = cfg.world;
+  const std::string r = std::to_string(rank);
+  s.set("v/" + r, value_for(cfg.seed, rank, cfg.cap));
+  lockstep::barrier(s, "set");
+  std::vector<std::string> keys;
+  for (int i = 0; i < world; ++i) keys.push_back("v/" + std::to_string(i));
+  expect(s.check(keys), "check after the barrier: not every rank's key is there");
+  s.wait(keys, 2s);
+  for (int i = 0; i < world; ++i)
+    expect(s.get("v/" + std::to_string(i)) == value_for(cfg.seed, i, cfg.cap), "rank " + r + ": value of rank " +
+                                                                                   std::to_string(i) + " differs");
+  // Counters: each rank adds its own random delta a few times; the expected total is
+  // computed here from the seed.
+  constexpr int adds = 4;
+  std::int64_t expected = 0;
+  for (int i = 0; i < world; ++i) expected += adds * delta_for(cfg.seed, i);
+  for (int k = 0; k < adds; ++k) s.add("ctr", delta_for(cfg.seed, rank));
+  lockstep::barrier(s, "added");
+  expect(s.add("ctr", 0) == expected, "rank " + r + ": counter total differs");
+  expect(s.add("ctr/" + r, 5) == 5 && s.add("ctr/" + r, -7) == -2, "rank " + r + ": private counter");
+  // Counters and values are apart: no value appears under a counter's name.
+  expect(!s.check({"ctr"}), "a counter is visible to check()");
+
+  // A key nobody sets: get and wait time out within their bound, naming it.
+  auto t0 = clk::now();
+  try {
+    (void)quick.get("missing/" + r);
+    expect(false, "get of a missing key returned");
+  } catch (const lockstep::timeout_error& e) {
+    const double dt = seconds_since(t0);
+    const double want = std::chrono::duration<double>(quick.timeout()).count();
+    expect(dt >= want * 0.9 && dt < want + 5.0, "get timed out after " + std::to_string(dt) + " s");
+    expect(std::string(e.what()).find("missing/" + r) != std::string::npos, "message lacks the key: " + std::string(e.what()));
+  }
+  t0 = clk::now();
+  try {
+    quick.wait({"v/0", "never/" + r}, 200ms);
+    expect(false, "wait on a missing key returned");
+  } catch (const lockstep::timeout_error& e) {
+    const double dt = seconds_since(t0);
+    expect(dt >= 0.18 && dt < 5.0, "wait timed out after " + std::to_string(dt) + " s");
+    const std::string m = e.what();
+    const bool v0_there = quick.check({"v/0"});  // HashStore's quick is a store of its own
+    expect(m.find("never/" + r) != std::string::npos && m.find(v0_there ? "1 of 2" : "2 of 2") != std::string::npos,
+           "wait message: " + m);
+  }
+  expect(!s.check({"v/0", "never/" + r}), "check of a missing key is true");
+
+  // Overwrite: rank 0 replaces a value; after a barrier everyone sees the new one.
+  if (rank == 0) {
+    s.set("shared", lockstep::bytes_of("first"));
+    s.set("shared", value_for(cfg.seed + 7, 3, cfg.cap / 3));
+  }
+  lockstep::barrier(s, "overwritten");
+  expect(s.get("shared") == value_for(cfg.seed + 7, 3, cfg.cap / 3), "rank " + r + ": overwritten value");
+  for (int i = 0; i < 3; ++i) lockstep::barrier(s, "loop");  // reuse of one barrier name
+  lockstep::barrier(s, "end");
+}
+
+//! Runs body(rank) on `world` threads; rethrows the first failure here.
+void run_threads(int world, const std::function<void(int)>& body) {
+  std::vector<std::thread> ts;
+  std::vector<std::string> errors(static_cast<std::size_t>(world));
+  for (int r = 0; r < world; ++r)
+    ts.emplace_back([&, r] {
+      try {
+        body(r);
+      } catch (const std::exception& e) {
+        errors[static_cast<std::size_t>(r)] = e.what();
+      } catch (...) {
+        errors[static_cast<std::size_t>(r)] = "unknown exception";
+      }
+    });
+  for (auto& t : ts) t.join();
+  for (int r = 0; r < world; ++r) CHECK_MESSAGE(errors[static_cast<std::size_t>(r)].empty(), "rank ", r, ": ", errors[static_cast<std::size_t>(r)]);
+}
+
+//! Forks ranks 1..world-1 running body(rank), each exiting 0 on success; returns their pids.
+std::vector<pid_t> fork_ranks(int world, const std::function<void(int)>& body) {
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::vector<pid_t> pids;
+  for (int r = 1; r < world; ++r) {
+    const pid_t pid = ::fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+      int rc = 1;
+      try {
+        body(r);
+        rc = 0;
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "forked rank %d: %s\n", r, e.what());
+      } catch (...) {
+        std::fprintf(stderr, "forked rank %d: unknown exception\n", r);
+      }
+      std::fflush(stderr);
+      ::_exit(rc);  // never return into the test runner
+    }
+    pids.push_back(pid);
+  }
+  return pids;
+}
+
+//! Waits for the children until the deadline; kills what is left. Checks they all exited 0.
+void reap(std::vector<pid_t> pids, std::chrono::seconds limit) {
+  const auto deadline = clk::now() + limit;
+  std::vector<int> status(pids.size(), -1);
+  std::size_t left = pids.size();
+  while (left > 0 && clk::now() < deadline) {
+    for (std::size_t i = 0; i < pids.size(); ++i) {
+      if (pids[i] <= 0) continue;
+      int st = 0;
+      if (::waitpid(pids[i], &st, WNOHANG) == pids[i]) {
+        status[i] = st;
+        pids[i] = 0;
+        --left;
+      }
+    }
+    std::this_thread::sleep_for(5ms);
+  }
+  for (std::size_t i = 0; i < pids.size(); ++i) {
+    if (pids[i] > 0) {
+      ::kill(pids[i], SIGKILL);
+      ::waitpid(pids[i], nullptr, 0);
+      FAIL_CHECK("forked rank ", i + 1, " did not finish within ", limit.count(), " s (killed)");
+      continue;
+    }
+    CHECK_MESSAGE((WIFEXITED(status[i]) && WEXITSTATUS(status[i]) == 0), "forked rank ", i + 1,
+                  " failed (status ", status[i], "; its message is on stderr)");
+  }
+}
+
+//! A port free right now on loopback (for a server that starts after its clients).
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+struct temp_dir {
+  std::string path;
+  temp_dir() {
+    char tmpl[] = "/tmp/lockstep_store_test_XXXXXX";
+    REQUIRE(::mkdtemp(tmpl) != nullptr);
+    path = tmpl;
+  }
+  ~temp_dir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+};
+
+//! A raw client socket, for speaking the protocol badly on purpose.
+struct raw_client {
+  int fd = -1;
+  explicit raw_client(int port) {
+    fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(static_cast<std::uint16_t>(port));
+    REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  }
+  ~raw_client() { ::close(fd); }
+  void send(std::span<const std::byte> b) const { (void)::send(fd, b.data(), b.size(), MSG_NOSIGNAL); }
+  //! Reads replies until the server closes (true) or 3 s pass (false); returns frames seen.
+  bool until_closed(std::vector<wire::frame>& frames) const {
+    wire::frame_parser p(true, lockstep::store_limits{});
+    const auto deadline = clk::now() + 3s;
+    std::byte buf[4096];
+    while (clk::now() < deadline) {
+      pollfd pf{fd, POLLIN, 0};
+      if (::poll(&pf, 1, 100) <= 0) continue;
+      const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+      if (n <= 0) return true;
+      std::span<const std::byte> in(buf, static_cast<std::size_t>(n));
+      while (!in.empty()) {
+        in = in.subspan(p.feed(in));
+        if (p.status() == wire::frame_parser::state::ready) frames.push_back(p.take());
+        if (p.status() == wire::frame_parser::state::failed) return false;
+      }
+    }
+    return false;
+  }
+};
+
+std::vector<std::byte> hello_frame(const std::string& token) {
+  std::vector<std::byte> b;
+  wire::encode(b, wire::op::hello, wire::protocol_version, {}, lockstep::bytes_of(token));
+  return b;
+}
+
+std::string random_token(std::mt19937_64& rng) {
+  std::string t(32, ' ');
+  for (auto& c : t) c = static_cast<char>('a' + rng() % 26);
+  return t;
+}
+
+}  // namespace
+
+TEST_SUITE("cpu") {
+
+TEST_CASE("HashStore: scenario on threads") {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  std::mt19937_64 rng(seed);
+  scenario_cfg cfg{2 + static_cast<int>(rng() % 5), seed, 1 << 20, 300ms};
+  CAPTURE(cfg.world);
+  HashStore s(cfg.world, 10s);
+  HashStore quick(cfg.world, cfg.quick);
+  run_threads(cfg.world, [&](int r) { scenario(s, quick, r, cfg); });
+}
+
+TEST_CASE("stores refuse oversized values and keys before sending") {
+  lockstep::store_limits lim;
+  lim.max_value_bytes = 1000;
+  lim.max_key_bytes = 16;
+  HashStore h(1, 1s, lim);
+  std::vector<std::byte> big(1001, std::byte{7});
+  CHECK_THROWS_WITH_AS(h.set("k", big), doctest::Contains("1001 bytes"), lockstep::config_error);
+  CHECK_THROWS_WITH_AS(h.set(std::string(17, 'k'), big), doctest::Contains("max_key_bytes"), lockstep::config_error);
+  CHECK_THROWS_AS(h.set("", big), lockstep::config_error);
+  big.pop_back();
+  h.set("k", big);
+  CHECK(h.get("k") == big);
+  temp_dir d;
+  FileStore f(d.path, 1, 1s, lim);
+  big.push_back(std::byte{1});
+  CHECK_THROWS_WITH_AS(f.set("k", big), doctest::Contains("max_value_bytes"), lockstep::config_error);
+  lockstep::store_limits total;
+  total.max_total_bytes = 100;
+  HashStore small(1, 1s, total);
+  small.set("a", std::vector<std::byte>(90, std::byte{1}));
+  CHECK_THROWS_WITH_AS(small.set("b", std::vector<std::byte>(20, std::byte{1})), doctest::Contains("max_total_bytes"),
+                       lockstep::config_error);
+  small.set("a", std::vector<std::byte>(10, std::byte{1}));  // replacing frees the old bytes
+  small.set("b", std::vector<std::byte>(20, std::byte{1}));
+}
+
+TEST_CASE("TcpStore: server + clients on threads") {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  std::mt19937_64 rng(seed);
+  scenario_cfg cfg{2 + static_cast<int>(rng() % 4), seed, 1 << 20, 400ms};
+  CAPTURE(cfg.world);
+  const std::string token = random_token(rng);
+  TcpStore server("127.0.0.1", 0, true, cfg.world, token, 20s);
+  const int port = server.port();
+  REQUIRE(port > 0);
+  run_threads(cfg.world, [&](int r) {
+    if (r == 0) {
+      TcpStore quick("127.0.0.1", port, false, cfg.world, token, cfg.quick);
+      scenario(server, quick, 0, cfg);
+    } else {
+      TcpStore s("127.0.0.1", port, false, cfg.world, token, 20s);
+      TcpStore quick("127.0.0.1", port, false, cfg.world, token, cfg.quick);
+      scenario(s, quick, r, cfg);
+    }
+  });
+}
+
+TEST_CASE("TcpStore: forked processes - server started after its clients") {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  std::mt19937_64 rng(seed);
+  scenario_cfg cfg{4, seed, 1 << 20, 400ms};
+  const std::string token = random_token(rng);
+  const int port = free_port();
+  CAPTURE(port);
+  auto pids = fork_ranks(cfg.world, [&](int r) {
+    TcpStore s("localhost", port, false, cfg.world, token, 20s);  // retries until rank 0 listens
+    TcpStore quick("127.0.0.1", port, false, cfg.world, token, cfg.quick);
+    scenario(s, quick, r, cfg);
+  });
+  std::this_thread::sleep_for(300ms);  // the clients are already retrying
+  {
+    TcpStore server("127.0.0.1", port, true, cfg.world, token, 20s);
+    TcpStore quick("127.0.0.1", port, false, cfg.world, token, cfg.quick);
+    try {
+      scenario(server, quick, 0, cfg);
+    } catch (const std::exception& e) {
+      FAIL_CHECK("rank 0: ", e.what());
+    }
+  }
+  reap(pids, 60s);
+}
+
+TEST_CASE("TcpStore: wrong or missing token is rejected - the server keeps serving") {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  std::mt19937_64 rng(seed);
+  const std::string token = random_token(rng);
+  TcpStore server("127.0.0.1", 0, true, 2, token, 5s);
+  const int port = server.port();
+  std::string wrong = token;
+  wrong[rng() % wrong.size()] ^= 1;  // one bit differs
+  CHECK_THROWS_WITH_AS(TcpStore("127.0.0.1", port, false, 2, wrong, 2s), doctest::Contains("job token"),
+                       lockstep::config_error);
+  CHECK_THROWS_WITH_AS(TcpStore("127.0.0.1", port, false, 2, "", 2s), doctest::Contains("job token"),
+                       lockstep::config_error);
+  CHECK_THROWS_AS(TcpStore("127.0.0.1", port, false, 2, token + "x", 2s), lockstep::config_error);
+  {  // a raw client sending a request before hello is answered with an error and dropped
+    raw_client raw(port);
+    std::vector<std::byte> b;
+    wire::encode(b, wire::op::set, 0, "intruder", lockstep::bytes_of("x"));
+    raw.send(b);
+    std::vector<wire::frame> replies;
+    CHECK(raw.until_closed(replies));
+    REQUIRE(replies.size() == 1);
+    CHECK(replies[0].type == wire::op::err);
+    CHECK(replies[0].arg == static_cast<std::int64_t>(wire::err_code::bad_token));
+  }
+  TcpStore good("127.0.0.1", port, false, 2, token, 5s);
+  const auto v = value_for(seed, 3, 5000);
+  good.set("after", v);
+  CHECK(server.get("after") == v);
+  CHECK_FALSE(server.check({"intruder"}));
+}
+
+TEST_CASE("TcpStore: malformed and oversized frames close only that connection") {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  std::mt19937_64 rng(seed);
+  const std::string token = random_token(rng);
+  TcpStore server("127.0.0.1", 0, true, 2, token, 5s);
+  const int port = server.port();
+  {  // random garbage (first byte not the magic)
+    raw_client raw(port);
+    std::vector<std::byte> junk(1 + rng() % 3000);
+    for (auto& b : junk) b = static_cast<std::byte>(rng());
+    junk[0] = std::byte{'X'};
+    raw.send(junk);
+    std::vector<wire::frame> replies;
+    CHECK(raw.until_closed(replies));
+  }
+  {  // after hello: a header announcing a value over the server's cap
+    raw_client raw(port);
+    raw.send(hello_frame(token));
+    std::vector<std::byte> b;
+    wire::encode(b, wire::op::set, 0, "k", lockstep::bytes_of("v"));
+    lockstep::detail::store_le(b.data() + 8, static_cast<std::uint32_t>((1u << 20) + 1));
+    raw.send(std::span<const std::byte>(b).first(wire::header_bytes));
+    std::vector<wire::frame> replies;
+    CHECK(raw.until_closed(replies));
+    REQUIRE(replies.size() == 2);  // hello ok, then the error
+    CHECK(replies[0].type == wire::op::ok);
+    CHECK(replies[1].type == wire::op::err);
+    CHECK(replies[1].arg == static_cast<std::int64_t>(wire::err_code::malformed));
+  }
+  {  // a corrupted CRC
+    raw_client raw(port);
+    raw.send(hello_frame(token));
+    std::vector<std::byte> b;
+    wire::encode(b, wire::op::set, 0, "k", value_for(seed, 0, 100));  // exactly 100 bytes
+    b[wire::header_bytes + 1 + rng() % 100] ^= std::byte{0x10};
+    raw.send(b);
+    std::vector<wire::frame> replies;
+    CHECK(raw.until_closed(replies));
+  }
+  CHECK_FALSE(server.check({"k"}));
+  // A client's oversized value is refused before sending, with the limit in the message.
+  TcpStore client("127.0.0.1", port, false, 2, token, 5s);
+  std::vector<std::byte> big((1u << 20) + 1, std::byte{3});
+  CHECK_THROWS_WITH_AS(client.set("big", big), doctest::Contains("max_value_bytes"), lockstep::config_error);
+  CHECK_THROWS_AS(client.set(std::string(513, 'k'), big), lockstep::config_error);
+  big.pop_back();  // exactly the cap goes through
+  client.set("big", big);
+  CHECK(server.get("big") == big);
+}
+
+TEST_CASE("TcpStore: a client with larger limits adopts the server's") {
+  lockstep::store_limits server_lim;
+  server_lim.max_value_bytes = 4096;
+  TcpStore server("127.0.0.1", 0, true, 2, "t", 5s, server_lim);
+  TcpStore client("127.0.0.1", server.port(), false, 2, "t", 5s);  // default: 1 MiB
+  CHECK(client.limits().max_value_bytes == 4096);
+  CHECK_THROWS_WITH_AS(client.set("k", std::vector<std::byte>(4097, std::byte{1})), doctest::Contains("4096"),
+                       lockstep::config_error);
+  client.set("k", std::vector<std::byte>(4096, std::byte{1}));
+}
+
+TEST_CASE("TcpStore: the server admits world + 8 connections") {
+  TcpStore server("127.0.0.1", 0, true, 1, "t", 5s);  // its own client is the first
+  std::vector<std::unique_ptr<TcpStore>> clients;
+  for (int i = 0; i < 8; ++i) clients.push_back(std::make_unique<TcpStore>("127.0.0.1", server.port(), false, 1, "t", 5s));
+  try {
+    TcpStore one_too_many("127.0.0.1", server.port(), false, 1, "t", 5s);
+    FAIL_CHECK("a connection beyond the cap was admitted");
+  } catch (const lockstep::error& e) {  // config_error with the reason, or a bare lost connection
+    MESSAGE(std::string(e.what()));
+  }
+  clients.pop_back();  // a slot frees up once the server notices the close
+  bool admitted = false;
+  for (int i = 0; i < 50 && !admitted; ++i) {
+    try {
+      TcpStore again("127.0.0.1", server.port(), false, 1, "t", 5s);
+      again.set("k", lockstep::bytes_of("v"));
+      admitted = true;
+    } catch (const lockstep::error&) {
+      std::this_thread::sleep_for(20ms);
+    }
+  }
+  CHECK(admitted);
+  CHECK(lockstep::string_of(server.get("k")) == "v");
+}
+
+TEST_CASE("TcpStore: connecting to nobody times out within the bound") {
+  const int port = free_port();
+  const auto t0 = clk::now();
+  CHECK_THROWS_WITH_AS(TcpStore("127.0.0.1", port, false, 2, "t", 500ms), doctest::Contains("could not connect"),
+                       lockstep::timeout_error);
+  const double dt = seconds_since(t0);
+  CHECK(dt >= 0.45);
+  CHECK(dt < 5.0);
+  CHECK_THROWS_AS(TcpStore("127.0.0.1", 0, false, 2, "t", 500ms), lockstep::config_error);  // port 0 client
+  CHECK_THROWS_AS(TcpStore("127.0.0.1", 70000, false, 2, "t", 500ms), lockstep::config_error);
+}
+
+TEST_CASE("TcpStore: a waiting client fails promptly when the server goes away") {
+  auto server = std::make_unique<TcpStore>("127.0.0.1", 0, true, 2, "t", 5s);
+  TcpStore client("127.0.0.1", server->port(), false, 2, "t", 20s);
+  std::atomic<bool> threw{false};
+  std::string what;
+  const auto t0 = clk::now();
+  std::thread waiter([&] {
+    try {
+      (void)client.get("never");
+    } catch (const lockstep::error& e) {
+      what = e.what();
+      threw = true;
+    }
+  });
+  std::this_thread::sleep_for(200ms);
+  server.reset();  // joins the server thread and closes every connection
+  waiter.join();
+  CHECK(threw.load());
+  CHECK_MESSAGE(what.find("lost the connection") != std::string::npos, what);
+  CHECK(seconds_since(t0) < 5.0);
+}
+
+TEST_CASE("FileStore: scenario on threads and on forked processes") {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  {
+    temp_dir d;
+    scenario_cfg cfg{3, seed, 1 << 20, 300ms};
+    run_threads(cfg.world, [&](int r) {
+      FileStore s(d.path + "/store", cfg.world, 20s);  // each rank its own object, one directory
+      FileStore quick(d.path + "/store", cfg.world, cfg.quick);
+      scenario(s, quick, r, cfg);
+    });
+  }
+  temp_dir d;
+  scenario_cfg cfg{4, seed + 1, 1 << 20, 300ms};
+  auto body = [&](int r) {
+    FileStore s(d.path + "/store", cfg.world, 20s);
+    FileStore quick(d.path + "/store", cfg.world, cfg.quick);
+    scenario(s, quick, r, cfg);
+  };
+  auto pids = fork_ranks(cfg.world, body);
+  try {
+    body(0);
+  } catch (const std::exception& e) {
+    FAIL_CHECK("rank 0: ", e.what());
+  }
+  reap(pids, 60s);
+}
+
+TEST_CASE("FileStore: counters under contention from processes") {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  temp_dir d;
+  constexpr int procs = 4, adds = 50;
+  auto body = [&](int r) {
+    FileStore s(d.path, procs, 20s);
+    for (int k = 0; k < adds; ++k) s.add("hot", delta_for(seed, r));
+    lockstep::barrier(s, "done");
+    std::int64_t expected = 0;
+    for (int i = 0; i < procs; ++i) expected += adds * delta_for(seed, i);
+    expect(s.add("hot", 0) == expected, "rank " + std::to_string(r) + ": counter total differs");
+  };
+  auto pids = fork_ranks(procs, body);
+  try {
+    body(0);
+  } catch (const std::exception& e) {
+    FAIL_CHECK("rank 0: ", e.what());
+  }
+  reap(pids, 60s);
+}
+
+TEST_CASE("FileStore: awkward keys map to distinct files") {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  std::mt19937_64 rng(seed);
+  temp_dir d;
+  FileStore s(d.path, 1, 2s);
+  HashStore ref(1, 2s);  // the reference
+  std::vector<std::string> keys = {"a", "a.v", "a.d", "a%2E", "../x", "/abs", ".", "..", std::string("nul\0in", 6),
+                                   std::string(64, 'p'), std::string(64, 'p') + "q", std::string(128, 'p'),
+                                   std::string(512, '/'), std::string(512, 'z')};
+  for (int i = 0; i < 40; ++i) {
+    std::string k(1 + rng() % 512, ' ');
+    for (auto& c : k) c = static_cast<char>(rng() % 4 == 0 ? rng() % 256 : 'a' + rng() % 3);
+    keys.push_back(k);
+  }
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    const auto v = value_for(seed + i, 3, 300);
+    s.set(keys[i], v);
+    ref.set(keys[i], v);
+  }
+  for (const auto& k : keys) CHECK(s.get(k) == ref.get(k));
+  CHECK(s.check(keys));
+  for (const auto& k : keys) CHECK(s.add(k, 3) == ref.add(k, 3));
+}
+
+TEST_CASE("wire: random frames survive any split - corruption never yields a frame") {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  std::mt19937_64 rng(seed);
+  lockstep::store_limits lim;
+  lim.max_value_bytes = 5000;
+  for (int trial = 0; trial < 300; ++trial) {
+    // A stream of random requests, encoded, fed in random pieces.
+    std::vector<wire::frame> sent;
+    std::vector<std::byte> stream;
+    const int n = 1 + static_cast<int>(rng() % 6);
+    for (int i = 0; i < n; ++i) {
+      wire::frame f;
+      const int kind = static_cast<int>(rng() % 4);
+      f.type = kind == 0 ? wire::op::set : kind == 1 ? wire::op::get : kind == 2 ? wire::op::add : wire::op::wait;
+      f.arg = static_cast<std::int64_t>(rng() % 100000);
+      if (f.type != wire::op::wait) {
+        f.key.resize(1 + rng() % lim.max_key_bytes);
+        for (auto& c : f.key) c = static_cast<char>(rng());
+      }
+      if (f.type == wire::op::set) f.value = value_for(rng(), static_cast<int>(rng() % 5), lim.max_value_bytes);
+      if (f.type == wire::op::wait) {
+        std::vector<std::string> keys(1 + rng() % 5, "k");
+        for (auto& k : keys) k += std::to_string(rng());
+        f.value = wire::encode_key_list(keys);
+      }
+      wire::encode(stream, f.type, f.arg, f.key, f.value);
+      sent.push_back(f);
+    }
+    wire::frame_parser p(false, lim);
+    std::vector<wire::frame> got;
+    std::size_t at = 0;
+    while (at < stream.size()) {
+      const std::size_t piece = std::min<std::size_t>(stream.size() - at, 1 + rng() % 700);
+      std::span<const std::byte> in(stream.data() + at, piece);
+      while (!in.empty()) {
+        in = in.subspan(p.feed(in));
+        REQUIRE(p.status() != wire::frame_parser::state::failed);
+        if (p.status() == wire::frame_parser::state::ready) got.push_back(p.take());
+      }
+      at += piece;
+    }
+    REQUIRE(got.size() == sent.size());
+    for (std::size_t i = 0; i < sent.size(); ++i) {
+      CHECK(got[i].type == sent[i].type);
+      CHECK(got[i].arg == sent[i].arg);
+      CHECK(got[i].key == sent[i].key);
+      CHECK(got[i].value == sent[i].value);
+    }
+    // Flip one bit of a one-frame stream: the parser fails or waits for more, never delivers.
+    std::vector<std::byte> one;
+    wire::encode(one, sent[0].type, sent[0].arg, sent[0].key, sent[0].value);
+    one[rng() % one.size()] ^= static_cast<std::byte>(1u << (rng() % 8));
+    wire::frame_parser q(false, lim);
+    std::span<const std::byte> in(one);
+    bool delivered = false;
+    while (!in.empty() && q.status() == wire::frame_parser::state::need_more) {
+      in = in.subspan(q.feed(in));
+      delivered = delivered || q.status() == wire::frame_parser::state::ready;
+    }
+    CHECK_FALSE(delivered);
+  }
+  std::vector<std::string> keys;  // key lists: strict round trip, junk refused
+  CHECK(wire::decode_key_list(wire::encode_key_list({"a", "bc"}), 10, 10, keys));
+  CHECK(keys == std::vector<std::string>{"a", "bc"});
+  auto list = wire::encode_key_list({"a", "bc"});
+  list.push_back(std::byte{0});
+  CHECK_FALSE(wire::decode_key_list(list, 10, 10, keys));
+  CHECK_FALSE(wire::decode_key_list(wire::encode_key_list({"a", "bc"}), 1, 10, keys));
+  CHECK_FALSE(wire::decode_key_list(wire::encode_key_list({"abc"}), 10, 2, keys));
+  CHECK(wire::token_equal(lockstep::bytes_of("secret"), "secret"));
+  CHECK_FALSE(wire::token_equal(lockstep::bytes_of("secreT"), "secret"));
+  CHECK_FALSE(wire::token_equal(lockstep::bytes_of(std::string_view("secret\0", 7)), "secret"));
+  CHECK_FALSE(wire::token_equal(lockstep::bytes_of(""), "secret"));
+}
+
+TEST_CASE("wire: the server engine parks waits - wakes them - and times them out") {
+  using eng = wire::store_engine;
+  eng e("tok", lockstep::store_limits{}, 4, 1s);
+  auto t = eng::clock::time_point{} + 1000h;
+  auto a = e.open("a", t);
+  auto b = e.open("b", t);
+  REQUIRE(a);
+  REQUIRE(b);
+  auto replies = [&](eng::conn_id id) {
+    std::vector<wire::frame> out;
+    wire::frame_parser p(true, lockstep::store_limits{});
+    std::span<const std::byte> in(e.out(id));
+    while (!in.empty()) {
+      in = in.subspan(p.feed(in));
+      REQUIRE(p.status() != wire::frame_parser::state::failed);
+      if (p.status() == wire::frame_parser::state::ready) out.push_back(p.take());
+    }
+    e.sent(id, e.out(id).size(), t);
+    return out;
+  };
+  e.receive(*a, hello_frame("tok"), t);
+  e.receive(*b, hello_frame("tok"), t);
+  CHECK(replies(*a).at(0).type == wire::op::ok);
+  CHECK(replies(*b).at(0).type == wire::op::ok);
+  std::vector<std::byte> req;
+  wire::encode(req, wire::op::wait, 5000, {}, wire::encode_key_list({"x", "y"}));
+  e.receive(*a, req, t);
+  CHECK(e.out(*a).empty());
+  CHECK_FALSE(e.wants_read(*a));  // parked
+  req.clear();
+  wire::encode(req, wire::op::set, 0, "y", lockstep::bytes_of("1"));
+  wire::encode(req, wire::op::set, 0, "x", lockstep::bytes_of("2"));  // pipelined
+  e.receive(*b, req, t);
+  CHECK(replies(*b).size() == 2);
+  auto ra = replies(*a);
+  REQUIRE(ra.size() == 1);
+  CHECK(ra[0].type == wire::op::ok);
+  req.clear();
+  wire::encode(req, wire::op::get, 2000, "z", {});
+  e.receive(*a, req, t);
+  REQUIRE(e.next_deadline().has_value());
+  CHECK(*e.next_deadline() == t + 2000ms);
+  e.tick(t + 1999ms);
+  CHECK(e.out(*a).empty());
+  e.tick(t + 2000ms);
+  ra = replies(*a);
+  REQUIRE(ra.size() == 1);
+  CHECK(ra[0].type == wire::op::err);
+  CHECK(ra[0].arg == static_cast<std::int64_t>(wire::err_code::timeout));
+  CHECK(lockstep::string_of(ra[0].value).find("'z'") != std::string::npos);
+  // A connection that never says hello is closed at its auth deadline.
+  auto c = e.open("c", t);
+  e.tick(t + 999ms);
+  CHECK_FALSE(e.should_close(*c));
+  e.tick(t + 1s);
+  CHECK(e.should_close(*c));
+  e.close(*c);
+  // Connection cap.
+  auto d = e.open("d", t);
+  auto f = e.open("f", t);
+  CHECK(d.has_value());
+  CHECK(f.has_value());
+  CHECK_FALSE(e.open("g", t).has_value());
+}
+
+}  // TEST_SUITE

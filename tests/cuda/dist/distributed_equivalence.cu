@@ -1,0 +1,107 @@
+// Distributed (one process per GPU, started by lockstep-run or torchrun): N processes with
+// batch B each end where one CPU rank with batch N·B ends. Every process computes the CPU
+// reference itself and exits non-zero when its parameters differ; "[lockstep-skip]" when the
+// machine has fewer GPUs than processes.
+#include <cstdio>
+#include <cstdlib>
+
+#include <lockstep/cuda/run_processes.cuh>
+#include <lockstep/distributed.hpp>
+#include <lockstep/lockstep.hpp>
+
+#include "gpu_mlp.cuh"
+#include "mlp.hpp"
+#include "test_util.hpp"
+
+using namespace lockstep_test;
+
+int main() {
+  try {
+    const auto info = lockstep::detect_launcher();
+    if (!info) {
+      std::fprintf(stderr, "distributed_equivalence: start me with lockstep-run or torchrun\n");
+      return 2;
+    }
+    int visible = 0;
+    if (cudaGetDeviceCount(&visible) != cudaSuccess || visible < info->local_world) {
+      std::printf("[lockstep-skip] needs %d GPUs, found %d\n", info->local_world, visible);
+      return 0;
+    }
+    // The same seed everywhere: rank 0's, through the environment the test sets (or fixed).
+    const std::uint64_t seed = std::getenv("LOCKSTEP_TEST_SEED") ? std::strtoull(std::getenv("LOCKSTEP_TEST_SEED"), nullptr, 10) : 20261126;
+    const std::vector<int> dims{37, 64, 33, 10};
+    const std::size_t samples = 2048;
+    const int batch = 16, steps = 5, accumulate = 2;
+    const float lr = 0.1f;
+    std::mt19937_64 rng(seed);
+    auto X = random_vector<float>(samples * dims[0], rng, -2, 2);
+    std::vector<int> y(samples);
+    std::uniform_int_distribution<int> lab(0, 9);
+    for (auto& v : y) v = lab(rng);
+    int failures = 0;
+    lockstep::run(lockstep::Processes{}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
+      const int world = ctx.size();
+      const std::size_t global = static_cast<std::size_t>(batch * world * accumulate);
+      TestMlp<float> ref(dims, seed + 1);
+      for (int s = 0; s < steps; ++s) {
+        ref.zero_grad();
+        std::vector<std::size_t> rows(global);
+        for (std::size_t i = 0; i < global; ++i) rows[i] = (s * global + i) % samples;
+        ref.forward_backward(X, y, rows, [](std::size_t) {});
+        ref.sgd(lr);
+      }
+      cudaStream_t st = ctx.comm().compute_stream();
+      TestMlp<float> init(dims, seed + 1 + static_cast<std::uint64_t>(ctx.rank()) * 7919);
+      std::vector<std::vector<float>> values;
+      for (auto& p : init.parameters()) {
+        auto v = p.value_as<float>();
+        values.emplace_back(v.begin(), v.end());
+      }
+      GpuMlp m(dims, values, st);
+      lockstep::Distributed<GpuMlp, lockstep::NcclComm, lockstep::Accumulate<>> dp(
+          ctx, m, {.buckets = {.first_bytes = 2000, .cap_bytes = 6000}}, lockstep::Accumulate<>(accumulate));
+      float* dX = nullptr;
+      int *dy = nullptr, *drows = nullptr;
+      LOCKSTEP_TRY_CUDA(cudaMalloc(&dX, X.size() * sizeof(float)));
+      LOCKSTEP_TRY_CUDA(cudaMalloc(&dy, y.size() * sizeof(int)));
+      LOCKSTEP_TRY_CUDA(cudaMalloc(&drows, batch * sizeof(int)));
+      LOCKSTEP_TRY_CUDA(cudaMemcpy(dX, X.data(), X.size() * sizeof(float), cudaMemcpyHostToDevice));
+      LOCKSTEP_TRY_CUDA(cudaMemcpy(dy, y.data(), y.size() * sizeof(int), cudaMemcpyHostToDevice));
+      LOCKSTEP_TRY_CUDA(cudaDeviceSynchronize());
+      for (int s = 0; s < steps; ++s)
+        for (int k = 0; k < accumulate; ++k) {
+          std::vector<int> rows(batch);
+          const std::size_t first = s * global + (static_cast<std::size_t>(k) * world + ctx.rank()) * batch;
+          for (int i = 0; i < batch; ++i) rows[static_cast<std::size_t>(i)] = static_cast<int>((first + i) % samples);
+          LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(drows, rows.data(), rows.size() * sizeof(int), cudaMemcpyHostToDevice, st));
+          LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(st));
+          auto step = dp.step();
+          m.forward_backward(dX, dy, drows, batch, step.on_gradient_ready());
+          if (step.finish()) m.sgd(lr);
+        }
+      const auto got = m.flat_values();
+      const double err = max_rel_diff(got, ref.flat_values());
+      const double moved = max_rel_diff(init.flat_values(), ref.flat_values());
+      // Every rank holds the same parameters: compare a checksum through the communicator.
+      double sum = 0;
+      for (float v : got) sum += static_cast<double>(v) * 1.000001;
+      std::vector<double> mx{sum}, mn{-sum};
+      lockstep::all_reduce_scalars(ctx.comm(), std::span<double>(mx), lockstep::reduce_op::max);
+      lockstep::all_reduce_scalars(ctx.comm(), std::span<double>(mn), lockstep::reduce_op::max);
+      const bool same = mx[0] == -mn[0];
+      std::printf("rank %d/%d (GPU %d, launcher %s): rel. diff to the CPU reference %.3g, ranks identical: %s\n",
+                  ctx.rank(), world, ctx.device(), info->launcher.c_str(), err, same ? "yes" : "NO");
+      if (!(err <= 1e-5) || !(moved > 1e-3) || !same) ++failures;
+      cudaFree(dX); cudaFree(dy); cudaFree(drows);
+    });
+    if (failures) {
+      std::printf("FAIL\n");
+      return 1;
+    }
+    std::printf("PASS\n");
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "distributed_equivalence: %s\n", e.what());
+    return 1;
+  }
+}
