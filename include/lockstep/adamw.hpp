@@ -42,38 +42,12 @@ struct AdamWOptions {
   double weight_decay = 0.01;
 };
 
-class AdamW {
+class AdamW : public detail::host_optimizer<AdamW, AdamWOptions> {
+  friend class detail::host_optimizer<AdamW, AdamWOptions>;
+
  public:
-  explicit AdamW(AdamWOptions o) : opt_(o) { validate(opt_); }
-
-  const AdamWOptions& options() const noexcept { return opt_; }
-  void set_lr(double lr) {
-    AdamWOptions o = opt_;
-    o.lr = lr;
-    validate(o);
-    opt_ = o;
-  }
-
-  //! Updates every parameter (slot i = the i-th parameter); skip = true touches nothing,
-  //! step counts included.
-  template <detail::parameter_range R>
-  void step(R&& params, bool skip = false) {
-    if (skip) return;
-    detail::for_each_parameter(params, [&](std::size_t i, const parameter& p) {
-      update(i, segment{p.value, p.numel()}, segment{p.grad, p.numel()}, p.type);
-    });
-  }
-
-  //! Updates a subset: values[k], grads[k] (host memory, element type t) belong to slot slots[k].
-  void step_segments(std::span<const std::size_t> slots, std::span<const segment> values,
-                     std::span<const segment> grads, dtype t, bool skip = false) {
-    if (slots.size() != values.size() || slots.size() != grads.size())
-      throw config_error("AdamW::step_segments: " + std::to_string(slots.size()) + " slots, " +
-                         std::to_string(values.size()) + " value and " +
-                         std::to_string(grads.size()) + " gradient segments; pass one of each per slot");
-    if (skip) return;
-    for (std::size_t k = 0; k < slots.size(); ++k) update(slots[k], values[k], grads[k], t);
-  }
+  static constexpr const char* name = "AdamW";
+  explicit AdamW(AdamWOptions o) : host_optimizer(o) {}
 
   //! Steps taken by a slot (0 before its first).
   std::int64_t step_count(std::size_t slot) const {
@@ -230,7 +204,6 @@ class AdamW {
     }
   }
 
-  AdamWOptions opt_;
   std::vector<slot> slots_;
 };
 

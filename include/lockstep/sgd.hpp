@@ -129,28 +129,30 @@ template <class R>
 concept parameter_range = std::ranges::input_range<R> &&
                           std::convertible_to<std::ranges::range_value_t<R>, parameter>;
 
-}  // namespace detail
-
-class Sgd {
+//! What the host optimizers share: options with a learning rate, and stepping all
+//! parameters or a subset (a bucket). Derived provides validate(Options) and
+//! update(slot, value segment, grad segment, dtype); slot i is the i-th parameter.
+template <class Derived, class Options>
+class host_optimizer {
  public:
-  explicit Sgd(SgdOptions o) : opt_(o) { validate(opt_); }
+  explicit host_optimizer(Options o) : opt_(o) { Derived::validate(opt_); }
 
-  const SgdOptions& options() const noexcept { return opt_; }
+  const Options& options() const noexcept { return opt_; }
   //! For learning-rate schedules.
   void set_lr(double lr) {
-    SgdOptions o = opt_;
+    Options o = opt_;
     o.lr = lr;
-    validate(o);
+    Derived::validate(o);
     opt_ = o;
   }
 
-  //! Updates every parameter (slot i = the i-th parameter). skip = true leaves parameters
-  //! and state untouched (a step whose gradients held inf/NaN).
-  template <detail::parameter_range R>
+  //! Updates every parameter. skip = true leaves parameters and state untouched (a step
+  //! whose gradients held inf/NaN), step counts included.
+  template <parameter_range R>
   void step(R&& params, bool skip = false) {
     if (skip) return;
-    detail::for_each_parameter(params, [&](std::size_t i, const parameter& p) {
-      update(i, segment{p.value, p.numel()}, segment{p.grad, p.numel()}, p.type);
+    for_each_parameter(params, [&](std::size_t i, const parameter& p) {
+      self().update(i, segment{p.value, p.numel()}, segment{p.grad, p.numel()}, p.type);
     });
   }
 
@@ -159,12 +161,28 @@ class Sgd {
   void step_segments(std::span<const std::size_t> slots, std::span<const segment> values,
                      std::span<const segment> grads, dtype t, bool skip = false) {
     if (slots.size() != values.size() || slots.size() != grads.size())
-      throw config_error("Sgd::step_segments: " + std::to_string(slots.size()) + " slots, " +
-                         std::to_string(values.size()) + " value and " +
+      throw config_error(std::string(Derived::name) + "::step_segments: " + std::to_string(slots.size()) +
+                         " slots, " + std::to_string(values.size()) + " value and " +
                          std::to_string(grads.size()) + " gradient segments; pass one of each per slot");
     if (skip) return;
-    for (std::size_t k = 0; k < slots.size(); ++k) update(slots[k], values[k], grads[k], t);
+    for (std::size_t k = 0; k < slots.size(); ++k) self().update(slots[k], values[k], grads[k], t);
   }
+
+ protected:
+  Options opt_;
+
+ private:
+  Derived& self() { return static_cast<Derived&>(*this); }
+};
+
+}  // namespace detail
+
+class Sgd : public detail::host_optimizer<Sgd, SgdOptions> {
+  friend class detail::host_optimizer<Sgd, SgdOptions>;
+
+ public:
+  static constexpr const char* name = "Sgd";
+  explicit Sgd(SgdOptions o) : host_optimizer(o) {}
 
   //! The momentum buffer of a slot (empty before its first step or when momentum = 0).
   template <class T>
@@ -301,7 +319,6 @@ class Sgd {
     }
   }
 
-  SgdOptions opt_;
   std::vector<slot> slots_;
 };
 

@@ -75,6 +75,25 @@ T combine(T a, T b, reduce_op op) {
   }
 }
 
+//! tmp ← op over ranks (in rank order 0..N−1) of calls[r].send[offset, offset + count).
+inline void reduce_calls(const std::vector<coll_call>& calls, std::size_t offset, std::size_t count, dtype t,
+                         reduce_op op, std::vector<unsigned char>& tmp) {
+  visit_host_dtype(t, [&]<class T>(T) {
+    tmp.resize(count * sizeof(T));
+    T* out = reinterpret_cast<T*>(tmp.data());
+    const T* first = static_cast<const T*>(calls[0].send) + offset;
+    std::copy(first, first + count, out);
+    for (std::size_t r = 1; r < calls.size(); ++r) {
+      const T* in = static_cast<const T*>(calls[r].send) + offset;
+      for (std::size_t i = 0; i < count; ++i) out[i] = combine(out[i], in[i], op);
+    }
+    if (op == reduce_op::avg) {
+      const auto n = static_cast<T>(calls.size());
+      for (std::size_t i = 0; i < count; ++i) out[i] = static_cast<T>(out[i] / n);
+    }
+  });
+}
+
 }  // namespace detail
 
 class ThreadComm {
@@ -101,20 +120,7 @@ class ThreadComm {
 
   ready_work all_reduce(const void* send, void* recv, std::size_t count, dtype t, reduce_op op) {
     run({detail::coll::all_reduce, count, t, op, 0, send, recv}, [&](const auto& calls, auto& tmp) {
-      visit_host_dtype(t, [&]<class T>(T) {
-        tmp.resize(count * sizeof(T));
-        T* out = reinterpret_cast<T*>(tmp.data());
-        const T* first = static_cast<const T*>(calls[0].send);
-        std::copy(first, first + count, out);
-        for (std::size_t r = 1; r < calls.size(); ++r) {
-          const T* in = static_cast<const T*>(calls[r].send);
-          for (std::size_t i = 0; i < count; ++i) out[i] = detail::combine(out[i], in[i], op);
-        }
-        if (op == reduce_op::avg) {
-          const auto n = static_cast<T>(calls.size());
-          for (std::size_t i = 0; i < count; ++i) out[i] = static_cast<T>(out[i] / n);
-        }
-      });
+      detail::reduce_calls(calls, 0, count, t, op, tmp);
       return recv;
     });
     return {};
@@ -146,21 +152,7 @@ class ThreadComm {
 
   ready_work reduce_scatter(const void* send, void* recv, std::size_t count, dtype t, reduce_op op) {
     run({detail::coll::reduce_scatter, count, t, op, 0, send, recv}, [&](const auto& calls, auto& tmp) {
-      visit_host_dtype(t, [&]<class T>(T) {
-        tmp.resize(count * sizeof(T));
-        T* out = reinterpret_cast<T*>(tmp.data());
-        const std::size_t off = static_cast<std::size_t>(rank_) * count;
-        const T* first = static_cast<const T*>(calls[0].send) + off;
-        std::copy(first, first + count, out);
-        for (std::size_t r = 1; r < calls.size(); ++r) {
-          const T* in = static_cast<const T*>(calls[r].send) + off;
-          for (std::size_t i = 0; i < count; ++i) out[i] = detail::combine(out[i], in[i], op);
-        }
-        if (op == reduce_op::avg) {
-          const auto n = static_cast<T>(calls.size());
-          for (std::size_t i = 0; i < count; ++i) out[i] = static_cast<T>(out[i] / n);
-        }
-      });
+      detail::reduce_calls(calls, static_cast<std::size_t>(rank_) * count, count, t, op, tmp);
       return recv;
     });
     return {};

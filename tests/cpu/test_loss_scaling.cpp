@@ -22,30 +22,13 @@
 #include "lockstep/static_scale.hpp"
 #include "lockstep/thread_comm.hpp"
 
+#include "test_util.hpp"
+
 using namespace lockstep;
 
 namespace {
 
-// Runs body(rank, comm) on one thread per rank; a failing rank aborts the group so the
-// others stop waiting, and the first exception is rethrown here.
-template <class F>
-void run_ranks(int n, F body) {
-  auto comms = ThreadComm::create_group(n);
-  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(n));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        body(r, comms[static_cast<std::size_t>(r)]);
-      } catch (...) {
-        errors[static_cast<std::size_t>(r)] = std::current_exception();
-        comms[static_cast<std::size_t>(r)].abort("rank " + std::to_string(r) + " failed");
-      }
-    });
-  for (auto& t : threads) t.join();
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
-}
+using lockstep_test::run_ranks;
 
 std::uint32_t fresh_seed() { return std::random_device{}(); }
 

@@ -13,6 +13,7 @@
 #include <lockstep/mpi_comm.hpp>
 #include <lockstep/run_mpi.hpp>
 
+#include "equivalence.hpp"
 #include "mlp.hpp"
 #include "mpi_util.hpp"
 
@@ -20,29 +21,6 @@ using namespace lockstep_test;
 using namespace lockstep_mpi_test;
 
 namespace {
-
-struct dataset {
-  std::vector<int> dims;
-  std::size_t samples;
-  std::vector<double> X64;
-  std::vector<float> X32;
-  std::vector<int> y;
-};
-
-dataset make_data(std::uint64_t seed, std::size_t samples) {
-  dataset d{{13, 17, 11, 5}, samples, {}, {}, {}};
-  std::mt19937_64 rng(seed);
-  d.X64 = random_vector<double>(samples * 13, rng, -2, 2);
-  d.X32.assign(d.X64.begin(), d.X64.end());
-  std::uniform_int_distribution<int> lab(0, 4);
-  for (std::size_t i = 0; i < samples; ++i) d.y.push_back(lab(rng));
-  return d;
-}
-
-template <class T>
-const std::vector<T>& inputs(const dataset& d) {
-  if constexpr (std::is_same_v<T, double>) return d.X64; else return d.X32;
-}
 
 struct config {
   std::size_t batch = 4;  // per rank, per micro-step
@@ -55,16 +33,7 @@ struct config {
 // One rank, batch N·K·B per optimizer step.
 template <class T>
 std::vector<T> reference(const dataset& d, const config& c, int ranks, std::uint64_t init_seed, double lr) {
-  TestMlp<T> m(d.dims, init_seed);
-  const std::size_t global = c.batch * static_cast<std::size_t>(ranks * c.accumulate);
-  for (int s = 0; s < c.steps; ++s) {
-    m.zero_grad();
-    std::vector<std::size_t> rows(global);
-    for (std::size_t i = 0; i < global; ++i) rows[i] = (static_cast<std::size_t>(s) * global + i) % d.samples;
-    m.forward_backward(inputs<T>(d), d.y, rows, [](std::size_t) {});
-    m.sgd(lr);
-  }
-  return m.flat_values();
+  return one_rank_reference<T>(d, c.batch, ranks, c.accumulate, c.steps, init_seed, lr);
 }
 
 // This process' rank of the data-parallel run: batch B of the N·K·B samples of each step.

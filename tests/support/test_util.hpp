@@ -12,6 +12,16 @@
 
 namespace lockstep_test {
 
+//! Runs body(rank, comm) on n threads over a fresh ThreadComm group; a failing rank aborts
+//! the group so the others stop waiting, and the root cause is rethrown here.
+template <class F>
+void run_ranks(int n, F body) {
+  auto comms = lockstep::ThreadComm::create_group(n);
+  lockstep::detail::run_ranks(
+      n, [&](int r) { body(r, comms[static_cast<std::size_t>(r)]); },
+      [&](const std::string& why) { comms[0].abort(why); });
+}
+
 //! A fresh seed per run; CAPTURE it in the test so a failure can be replayed
 //! (LOCKSTEP_TEST_SEED=... fixes it).
 inline std::uint64_t fresh_seed() {
