@@ -19,9 +19,15 @@
 //! StaticScale, DynamicScale). With a scaler, multiply the loss by step.loss_scale() before
 //! backward; finish() unscales the averaged gradients, checks them for inf/NaN (agreed
 //! across ranks) and reports applied = false when the optimizer must skip the step.
+//!
+//! Uneven inputs (ranks with different numbers of batches): open a scope with dp.join(...)
+//! around the loop — see join.hpp.
 
+#include <array>
 #include <cstdint>
 #include <functional>
+#include <memory>
+#include <optional>
 #include <ranges>
 #include <span>
 #include <string>
@@ -122,6 +128,9 @@ void check_same_parameters(Comm& comm, const std::vector<parameter>& ps) {
   }
 }
 }  // namespace detail
+
+template <class DP>
+class Join;  // join.hpp (included at the end of this header)
 
 template <class Model, class Comm, class... Policies>
 class DataParallel {
@@ -242,10 +251,22 @@ class DataParallel {
       in_cycle_ = true;
     }
     const bool sync = micro_ + 1 >= k_;
-    reducer_.begin_micro(sync, opts_.average_over_accumulation ? 1.0 / k_ : 1.0);
+    double prescale = opts_.average_over_accumulation ? 1.0 / k_ : 1.0;
+    // In a Join scope a syncing micro-step first agrees with the other ranks on who
+    // contributes (one tiny all-reduce; outside a scope nothing is added).
+    if (joining_ && sync) prescale = join_prescale(join_agree(micro_ + 1));
+    reducer_.begin_micro(sync, prescale);
     open_ = true;
     ++reducer_.stats().micro_steps;
     return step_handle(this, sync);
+  }
+
+  //! Opens a Join scope for uneven inputs (join.hpp). Every rank enters it at the same point
+  //! of its loop; a rank that runs out of batches, on leaving the scope, keeps taking part in
+  //! the others' gradient averages (contributing zeros) and calls on_shadow_step(result) for
+  //! each such step, with the averaged gradients in place, to apply the same optimizer update.
+  [[nodiscard]] Join<DataParallel> join(std::function<void(step_result)> on_shadow_step) {
+    return Join<DataParallel>(*this, std::move(on_shadow_step));
   }
 
   //! The accumulation policy (e.g. to set K at run time with Accumulate<>: takes effect
@@ -319,6 +340,56 @@ class DataParallel {
     return r;
   }
 
+  // --- Join (join.hpp) -------------------------------------------------------------------
+  friend class Join<DataParallel>;
+
+  // Inside a Join scope every syncing micro-step starts with one all-reduce (sum) of
+  // {micro-batches this rank accumulated in the cycle, 1 if that is > 0}; a rank that ran
+  // out contributes {0, 0}. The sums give the divisor and tell joined ranks whether anybody
+  // still steps. The buffer is kept for the scope's lifetime (no allocation per step).
+  std::array<std::int64_t, 2> join_agree(std::int64_t micro_batches) {
+    std::array<std::int64_t, 2> v{micro_batches, micro_batches > 0 ? 1 : 0};
+    if (comm_.size() > 1) {
+      auto mem = comm_.memory();
+      if (!join_buf_) join_buf_ = mem.allocate(sizeof v);
+      mem.upload(join_buf_.get(), v.data(), sizeof v);
+      comm_.all_reduce(join_buf_.get(), join_buf_.get(), v.size(), dtype::i64, reduce_op::sum)
+          .wait();
+      mem.download(v.data(), join_buf_.get(), sizeof v);
+    }
+    join_active_ = static_cast<int>(v[1]);
+    return v;
+  }
+
+  // The all-reduce's avg divides by size() = N, so a prescale N/M makes the result the mean
+  // over the M micro-batches actually contributed (N/A: over the A contributing ranks, when
+  // average_over_accumulation is off). With every rank in, N/(N·K) rounds to exactly 1/K:
+  // the same numbers as outside a scope.
+  double join_prescale(const std::array<std::int64_t, 2>& agreed) const {
+    const double n = static_cast<double>(comm_.size());
+    return n / static_cast<double>(opts_.average_over_accumulation ? agreed[0] : agreed[1]);
+  }
+
+  // One step of a rank inside Join::leave(). It contributes what it accumulated in an
+  // unfinished cycle, else zeros, to exactly the collectives the stepping ranks issue, in
+  // their order: a pending plan rebuild's check (they apply it when their cycle starts,
+  // before its agreement), the agreement, the bucket all-reduces (arrival order replayed)
+  // and the loss scaler's found-inf flag. nullopt once no rank contributes any more.
+  std::optional<step_result> join_step() {
+    const bool partial = in_cycle_ && micro_ > 0;
+    if (!partial) reducer_.apply_pending_plan();
+    const auto agreed = join_agree(partial ? micro_ : 0);
+    if (agreed[0] == 0) return std::nullopt;
+    if (!partial) {
+      reducer_.begin_cycle();  // zero gradients: this rank adds nothing
+      micro_ = 0;
+      in_cycle_ = true;
+    }
+    reducer_.begin_micro(true, join_prescale(agreed));
+    reducer_.replay_arrivals();
+    return finish_step(true, nullptr);
+  }
+
   Comm& comm_;
   Model& model_;
   DataParallelOptions opts_;
@@ -329,6 +400,9 @@ class DataParallel {
   int micro_ = 0;
   bool in_cycle_ = false;
   bool open_ = false;
+  bool joining_ = false;            // a Join scope is open on this rank
+  int join_active_ = 0;             // contributing ranks at the latest agreement
+  std::shared_ptr<void> join_buf_;  // the agreement's buffer, in comm's memory space
 };
 
 //! Deduces the communicator from the context: `auto dp = lockstep::make_data_parallel(ctx, model);`
@@ -338,3 +412,7 @@ auto make_data_parallel(context<Comm>& ctx, Model& model, DataParallelOptions op
 }
 
 }  // namespace lockstep
+
+// Join's definition needs DataParallel's; including it here makes dp.join() work with this
+// header alone (join.hpp includes this one first; #pragma once ends the cycle).
+#include "lockstep/join.hpp"

@@ -58,14 +58,20 @@ class reducer {
   const sync_stats& stats() const { return stats_; }
   sync_stats& stats() { return stats_; }
 
+  //! Applies a pending plan rebuild (a collective: the new plan is checked across ranks).
+  //! Every rank does it at the same point: the start of its next accumulation cycle — or,
+  //! for a rank shadowing others in a Join scope (join.hpp), before its next agreement.
+  void apply_pending_plan() {
+    if (!pending_order_) return;
+    auto o = std::move(*pending_order_);
+    pending_order_.reset();
+    build(o);
+    stats_.rebuilt = true;
+  }
+
   //! Start of an accumulation cycle: apply a pending rebuild, zero every gradient.
   void begin_cycle() {
-    if (pending_order_) {
-      auto o = std::move(*pending_order_);
-      pending_order_.reset();
-      build(o);
-      stats_.rebuilt = true;
-    }
+    apply_pending_plan();
     auto mem = comm_.memory();
     for (auto& g : groups_) {
       if (zero_copy()) {
@@ -83,6 +89,7 @@ class reducer {
     prescale_ = prescale;
     ready_.assign(params_.size(), false);
     if (!sync) return;
+    sync_arrivals_.clear();
     for (auto& g : groups_) {
       g.pending.clear();
       for (auto& b : g.plan.buckets) g.pending.push_back(b.slices.size());
@@ -103,11 +110,26 @@ class reducer {
                          "when it is final");
     ready_[i] = true;
     if (!observed_) arrivals_.push_back(i);
-    if (!sync_ || fused_) return;
-    auto [gi, k] = where_[i];
-    auto& g = groups_[gi];
-    for (auto b : g.plan.buckets_of[k]) --g.pending[b];
-    launch_ready(g, false);
+    if (sync_) sync_arrivals_.push_back(i);
+    count_ready(i);
+  }
+
+  //! Join (join.hpp): a rank without data shadows a syncing micro-step. It reports its
+  //! (zero) gradients in the order its last real syncing step saw them — else, once settled,
+  //! in the plan's order (rank 0's observed arrival order) — so that it launches the same
+  //! units in the same order as the ranks whose backward reports them. With one element
+  //! type any order launches the same sequence; with several, the interleaving of the
+  //! types' launches follows the arrival order. Nothing is recorded as an observation.
+  void replay_arrivals() {
+    const std::vector<std::size_t>* order = nullptr;
+    if (!last_sync_arrivals_.empty()) order = &last_sync_arrivals_;
+    else if (observed_ && !fused_) order = &current_order_;
+    if (!order) return;  // first step: finish() launches every unit, as a silent model's ranks do
+    for (auto i : *order) {
+      if (ready_[i]) continue;
+      ready_[i] = true;
+      count_ready(i);
+    }
   }
 
   //! End of a syncing micro-step: reduce what is left, wait for everything, unpack.
@@ -132,6 +154,7 @@ class reducer {
       g.works.clear();
     }
     ++stats_.syncs;
+    if (!sync_arrivals_.empty()) last_sync_arrivals_.swap(sync_arrivals_);  // for replay_arrivals
     if (!observed_) settle_order();
   }
 
@@ -235,6 +258,15 @@ class reducer {
       segs.push_back({static_cast<char*>(p.grad) + s.param_offset * size_of(p.type), s.count});
     }
     return segs;
+  }
+
+  // Parameter i's gradient is final: on a syncing micro-step, launch what became complete.
+  void count_ready(std::size_t i) {
+    if (!sync_ || fused_) return;
+    auto [gi, k] = where_[i];
+    auto& g = groups_[gi];
+    for (auto b : g.plan.buckets_of[k]) --g.pending[b];
+    launch_ready(g, false);
   }
 
   // Launch units strictly in plan order while the next one is complete, so every rank
@@ -399,6 +431,8 @@ class reducer {
   std::vector<std::size_t> current_order_;
   std::optional<std::vector<std::size_t>> pending_order_;
   std::vector<std::size_t> arrivals_;
+  std::vector<std::size_t> sync_arrivals_;       // this syncing micro-step's reports, in order
+  std::vector<std::size_t> last_sync_arrivals_;  // the last real syncing micro-step's
   std::vector<bool> ready_;
   bool observed_ = false;
   bool fused_ = false;

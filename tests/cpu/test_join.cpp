@@ -1,0 +1,529 @@
+// Uneven inputs (join.hpp): ranks with different numbers of batches end the epoch together,
+// every step averages over the data actually contributed (checked against a plain loop that,
+// per step, averages over only the ranks that had a batch), and all ranks end bit-identical
+// — with accumulation (including unfinished cycles), dynamic loss scaling (an inf while a
+// rank is shadowing), tiny buckets, fused (silent) models, packed gradients, mixed element
+// types and ranks with no batch at all. Without a scope, uneven batches fail loudly.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <lockstep/lockstep.hpp>
+#include <lockstep/join.hpp>
+
+#include "mlp.hpp"
+#include "test_util.hpp"
+
+using namespace lockstep_test;
+
+namespace {
+
+struct dataset {
+  std::vector<int> dims;
+  std::size_t samples;
+  std::vector<double> X64;
+  std::vector<float> X32;
+  std::vector<int> y;
+};
+
+dataset make_data(std::uint64_t seed, std::size_t samples = 2003) {
+  dataset d{{13, 17, 11, 5}, samples, {}, {}, {}};
+  std::mt19937_64 rng(seed);
+  d.X64 = random_vector<double>(samples * 13, rng, -2, 2);
+  d.X32.assign(d.X64.begin(), d.X64.end());
+  std::uniform_int_distribution<int> lab(0, 4);
+  for (std::size_t i = 0; i < samples; ++i) d.y.push_back(lab(rng));
+  return d;
+}
+
+template <class T>
+const std::vector<T>& inputs(const dataset& d) {
+  if constexpr (std::is_same_v<T, double>) return d.X64; else return d.X32;
+}
+
+struct join_config {
+  std::vector<int> batches;  // micro-batches per rank (uneven)
+  std::size_t batch = 3;     // rows per micro-batch
+  int accumulate = 1;
+  bool hooks = true;
+  bool average_over_accumulation = true;
+  lockstep::BucketPolicy buckets{};
+  int inf_cycle = -1;  // this rank's first micro-batch of this cycle gets an infinite loss scale
+  int inf_rank = -1;
+
+  int ranks() const { return static_cast<int>(batches.size()); }
+  // Micro-batches rank r contributes to cycle c (0 once it ran out).
+  int contributed(int r, int c) const {
+    return std::clamp(batches[static_cast<std::size_t>(r)] - c * accumulate, 0, accumulate);
+  }
+  int cycles() const {
+    int m = 0;
+    for (int n : batches) m = std::max(m, (n + accumulate - 1) / accumulate);
+    return m;
+  }
+};
+
+std::vector<std::size_t> rows_of(const dataset& d, const join_config& c, int r, int j) {
+  std::vector<std::size_t> rows(c.batch);
+  const std::size_t first = static_cast<std::size_t>(r) * 613 + static_cast<std::size_t>(j) * c.batch;
+  for (std::size_t i = 0; i < c.batch; ++i) rows[i] = (first + i) % d.samples;
+  return rows;
+}
+
+// A plain loop: per cycle, the mean over the micro-batches the ranks still had (or, with
+// average_over_accumulation off, the sum over them / (K · ranks that had any)); a cycle
+// with an inf is skipped.
+template <class T>
+std::vector<T> reference(const dataset& d, const join_config& c, std::uint64_t init_seed, double lr) {
+  TestMlp<T> m(d.dims, init_seed);
+  const int K = c.accumulate;
+  for (int cy = 0; cy < c.cycles(); ++cy) {
+    if (cy == c.inf_cycle) continue;
+    int M = 0, A = 0;
+    for (int r = 0; r < c.ranks(); ++r) {
+      M += c.contributed(r, cy);
+      A += c.contributed(r, cy) > 0 ? 1 : 0;
+    }
+    const double w = c.average_over_accumulation ? 1.0 / M : 1.0 / (K * A);
+    m.zero_grad();
+    for (int r = 0; r < c.ranks(); ++r)
+      for (int j = cy * K; j < cy * K + c.contributed(r, cy); ++j) {
+        auto rows = rows_of(d, c, r, j);
+        m.forward_backward(inputs<T>(d), d.y, rows, [](std::size_t) {}, w);
+      }
+    m.sgd(lr);
+  }
+  return m.flat_values();
+}
+
+template <class T>
+struct join_outcome {
+  std::vector<std::vector<T>> params;
+  std::vector<std::size_t> shadow;
+  std::vector<lockstep::loss_scale_state> scaler;
+  std::vector<lockstep::sync_stats> stats;
+};
+
+template <class T, bool Bindable, class Acc, class Scaler>
+join_outcome<T> run_join(const dataset& d, const join_config& c, std::uint64_t init_seed, double lr,
+                         Acc acc, Scaler scaler, bool use_join = true) {
+  const auto n = static_cast<std::size_t>(c.ranks());
+  join_outcome<T> out{std::vector<std::vector<T>>(n), std::vector<std::size_t>(n, 0),
+                      std::vector<lockstep::loss_scale_state>(n), std::vector<lockstep::sync_stats>(n)};
+  lockstep::run(lockstep::Threads{c.ranks()}, [&](auto& ctx) {
+    const int r = ctx.rank();
+    const auto ri = static_cast<std::size_t>(r);
+    // Different initial values per rank: construction broadcasts rank 0's.
+    TestMlp<T, Bindable> m(d.dims, init_seed + static_cast<std::uint64_t>(r) * 7919);
+    lockstep::DataParallel<TestMlp<T, Bindable>, lockstep::ThreadComm, Acc, Scaler> dp(
+        ctx, m, {.buckets = c.buckets, .average_over_accumulation = c.average_over_accumulation},
+        acc, scaler);
+    auto update = [&](lockstep::step_result res) {
+      CHECK(res.synced);
+      if (res) m.sgd(lr);
+    };
+    auto loop = [&] {
+      for (int j = 0; j < c.batches[ri]; ++j) {
+        auto step = dp.step();
+        double ls = step.loss_scale();
+        if (!c.average_over_accumulation) ls /= c.accumulate;  // PyTorch's way: loss / K
+        if (r == c.inf_rank && j == c.inf_cycle * c.accumulate)
+          ls = std::numeric_limits<double>::infinity();
+        auto rows = rows_of(d, c, r, j);
+        if (c.hooks) m.forward_backward(inputs<T>(d), d.y, rows, step.on_gradient_ready(), ls);
+        else m.forward_backward(inputs<T>(d), d.y, rows, [](std::size_t) {}, ls);
+        auto res = step.finish();
+        if (res.synced) update(res);
+      }
+    };
+    if (use_join) {
+      auto join = dp.join(update);
+      loop();
+      out.shadow[ri] = join.leave();
+      CHECK(join.active_ranks() == 0);
+    } else {
+      loop();
+    }
+    out.params[ri] = m.flat_values();
+    out.scaler[ri] = dp.scaler().state();
+    out.stats[ri] = dp.stats();
+  });
+  return out;
+}
+
+template <class T, bool Bindable, class Scaler = lockstep::NoScaling>
+void check_join(const join_config& c, Scaler scaler = {}) {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  CAPTURE(c.ranks()); CAPTURE(c.accumulate); CAPTURE(c.hooks); CAPTURE(Bindable);
+  CAPTURE(c.buckets.cap_bytes); CAPTURE(c.average_over_accumulation); CAPTURE(c.inf_cycle);
+  std::string counts;
+  for (int b : c.batches) counts += std::to_string(b) + " ";
+  CAPTURE(counts);
+  const double tol = std::is_same_v<T, double> ? 1e-12 : 1e-5;
+  const double lr = 0.2;
+  auto d = make_data(seed);
+  auto ref = reference<T>(d, c, seed + 1, lr);
+  join_outcome<T> got;
+  if (c.accumulate == 1)
+    got = run_join<T, Bindable>(d, c, seed + 1, lr, lockstep::EveryStep{}, scaler);
+  else
+    got = run_join<T, Bindable>(d, c, seed + 1, lr, lockstep::Accumulate<>(c.accumulate), scaler);
+  TestMlp<T> init(d.dims, seed + 1);
+  if (c.cycles() > (c.inf_cycle >= 0 ? 1 : 0)) CHECK(max_rel_diff(init.flat_values(), ref) > 1e-3);
+  const int K = c.accumulate;
+  for (int r = 0; r < c.ranks(); ++r) {
+    CAPTURE(r);
+    const auto ri = static_cast<std::size_t>(r);
+    CHECK(max_rel_diff(got.params[ri], ref) <= tol);
+    CHECK(got.params[ri] == got.params[0]);  // bit for bit
+    // Steps finished inside leave(): every cycle this rank did not end with a step of its own.
+    CHECK(got.shadow[ri] == static_cast<std::size_t>(c.cycles() - c.batches[ri] / K));
+    CHECK(got.stats[ri].syncs == static_cast<std::uint64_t>(c.cycles()));
+    CHECK(got.scaler[ri] == got.scaler[0]);
+    if constexpr (!std::is_same_v<Scaler, lockstep::NoScaling>) {  // NoScaling does not count
+      CHECK(got.scaler[ri].steps == c.cycles());
+      CHECK(got.scaler[ri].skipped_steps == (c.inf_cycle >= 0 ? 1 : 0));
+    }
+  }
+}
+
+// Rank r has 3 + 2r micro-batches.
+join_config uneven(int n) {
+  join_config c;
+  for (int r = 0; r < n; ++r) c.batches.push_back(3 + 2 * r);
+  return c;
+}
+
+// ---- a model with two element types whose launches interleave ------------------------------
+// ½·mean over rows of Σ_j (p_j − x_row[(j + shift) mod D])² per parameter: its gradient is
+// p − the rows' mean of x. Backward reports c (f64), b (f32), a (f64): with small buckets the
+// f64 arena's units go out before and after the f32 arena's, so a shadowing rank must replay
+// that order to issue the same sequence of collectives.
+struct MixedModel {
+  static constexpr std::size_t D = 23;
+  std::vector<double> a, ga, c, gc;
+  std::vector<float> b, gb;
+
+  explicit MixedModel(std::uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    a = random_vector<double>(40, rng);
+    b = random_vector<float>(30, rng);
+    c = random_vector<double>(50, rng);
+    ga.assign(a.size(), 0.0);
+    gb.assign(b.size(), 0.0f);
+    gc.assign(c.size(), 0.0);
+  }
+  std::vector<lockstep::parameter> parameters() {
+    return {lockstep::param<double>("a", a.data(), ga.data(), {40}),
+            lockstep::param<float>("b", b.data(), gb.data(), {30}),
+            lockstep::param<double>("c", c.data(), gc.data(), {50})};
+  }
+  template <class P, class G, class Hook>
+  static void add_grad(const std::vector<double>& X, std::span<const std::size_t> rows, const P& p,
+                       G& g, std::size_t shift, double scale, Hook& hook, std::size_t index) {
+    for (std::size_t j = 0; j < p.size(); ++j) {
+      double s = 0;
+      for (auto row : rows) s += static_cast<double>(p[j]) - X[row * D + (j + shift) % D];
+      g[j] += static_cast<typename G::value_type>(scale * s / static_cast<double>(rows.size()));
+    }
+    hook(index);
+  }
+  template <class Hook>
+  void backward(const std::vector<double>& X, std::span<const std::size_t> rows, Hook hook,
+                double scale = 1.0) {
+    add_grad(X, rows, c, gc, 13, scale, hook, 2);
+    add_grad(X, rows, b, gb, 7, scale, hook, 1);
+    add_grad(X, rows, a, ga, 0, scale, hook, 0);
+  }
+  void sgd(double lr) {
+    for (std::size_t j = 0; j < a.size(); ++j) a[j] -= lr * ga[j];
+    for (std::size_t j = 0; j < b.size(); ++j) b[j] -= static_cast<float>(lr) * gb[j];
+    for (std::size_t j = 0; j < c.size(); ++j) c[j] -= lr * gc[j];
+  }
+};
+
+// ---- running ranks on a group with a short timeout -----------------------------------------
+template <class F>
+void run_short(int n, std::chrono::milliseconds timeout, F&& body) {
+  auto comms = lockstep::ThreadComm::create_group(n, timeout);
+  lockstep::ThreadComm aborter = comms[0];
+  lockstep::detail::run_ranks(
+      n, [&](int r) { body(comms[static_cast<std::size_t>(r)]); },
+      [&](const std::string& why) { aborter.abort(why); });
+}
+
+}  // namespace
+
+TEST_SUITE("cpu") {
+
+TEST_CASE_TEMPLATE("join: uneven batches end together and average over the ranks that had data", T,
+                   double, float) {
+  for (int n : {2, 3, 4}) {
+    auto c = uneven(n);
+    check_join<T, true>(c);
+    check_join<T, false>(c);
+    c.hooks = false;  // a model that never reports: fused mode after the first step
+    check_join<T, true>(c);
+  }
+}
+
+TEST_CASE("join: a single rank is a plain loop") {
+  join_config c;
+  c.batches = {5};
+  check_join<double, true>(c);
+  c.accumulate = 2;  // the last cycle has one micro-batch: averaged over 1
+  check_join<double, true>(c);
+}
+
+TEST_CASE("join with Accumulate<2>: unfinished cycles contribute what they have") {
+  for (int n : {2, 3, 4}) {
+    auto c = uneven(n);  // odd counts: every rank ends mid-cycle
+    c.accumulate = 2;
+    check_join<double, true>(c);
+    check_join<double, false>(c);
+    c.batches[0] = 4;  // one rank ends on a cycle boundary
+    check_join<double, true>(c);
+    c.accumulate = 3;
+    check_join<double, true>(c);
+    c.accumulate = 2;
+    c.average_over_accumulation = false;  // divide by contributing ranks; the loss carries 1/K
+    check_join<double, true>(c);
+  }
+}
+
+TEST_CASE("join with DynamicScale: a shadowing rank takes part in the found-inf agreement") {
+  const lockstep::DynamicScale scaler({.init_scale = 1024.0, .growth_interval = 2});
+  for (int n : {2, 3, 4}) {
+    auto c = uneven(n);
+    check_join<double, true>(c, scaler);  // the scale grows while ranks shadow
+    // An inf on the last rank at cycle 3, when rank 0 (3 batches) is already shadowing:
+    // every rank skips that step and backs off.
+    c.inf_rank = n - 1;
+    c.inf_cycle = 3;
+    check_join<double, true>(c, scaler);
+    check_join<float, false>(c, scaler);
+    c.accumulate = 2;
+    c.inf_cycle = 2;  // rank 0 (3 batches) flushed its last cycle at 1; shadows at 2
+    check_join<double, true>(c, scaler);
+  }
+}
+
+TEST_CASE("join with buckets smaller than one tensor (many launch units)") {
+  for (int n : {2, 3, 4}) {
+    auto c = uneven(n);
+    c.buckets = {.first_bytes = 40, .cap_bytes = 136};
+    check_join<double, true>(c);
+    check_join<double, false>(c);
+    c.hooks = false;
+    check_join<double, true>(c);
+    c.accumulate = 2;
+    check_join<double, false>(c);
+    c.hooks = true;
+    check_join<float, true>(c);
+  }
+}
+
+TEST_CASE("join with ranks that have no batch at all") {
+  for (auto counts : {std::vector<int>{0, 3, 5}, std::vector<int>{4, 0, 2}, std::vector<int>{3, 5, 0, 0},
+                      std::vector<int>{0, 1}, std::vector<int>{0, 0, 0}}) {
+    join_config c;
+    c.batches = counts;
+    check_join<double, true>(c);
+    check_join<double, false>(c);
+    c.hooks = false;
+    check_join<double, true>(c);
+    c.hooks = true;
+    c.accumulate = 2;
+    c.buckets = {.first_bytes = 40, .cap_bytes = 136};
+    check_join<double, true>(c);
+  }
+}
+
+TEST_CASE("join with equal batch counts changes nothing (bit for bit)") {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  auto d = make_data(seed);
+  for (int k : {1, 2}) {
+    join_config c;
+    c.batches = {4, 4, 4};
+    c.accumulate = k;
+    auto with = run_join<double, true>(d, c, seed, 0.1, lockstep::Accumulate<>(k), lockstep::NoScaling{});
+    auto without = run_join<double, true>(d, c, seed, 0.1, lockstep::Accumulate<>(k), lockstep::NoScaling{},
+                                          false);
+    CHECK(with.params == without.params);
+    CHECK(max_rel_diff(with.params[0], reference<double>(d, c, seed, 0.1)) <= 1e-12);
+    for (auto s : with.shadow) CHECK(s == 0);
+  }
+}
+
+TEST_CASE("join with two element types: a shadowing rank replays the launch order") {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  std::mt19937_64 rng(seed);
+  const std::size_t samples = 211, B = 4;
+  const auto X = random_vector<double>(samples * MixedModel::D, rng, -3, 3);
+  const std::vector<int> counts{2, 5, 3};
+  const int n = 3;
+  const double lr = 0.3;
+  auto rows_for = [&](int r, int j) {
+    std::vector<std::size_t> rows(B);
+    for (std::size_t i = 0; i < B; ++i)
+      rows[i] = (static_cast<std::size_t>(r) * 71 + static_cast<std::size_t>(j) * B + i) % samples;
+    return rows;
+  };
+  // Reference in double: per step, p −= lr·(p − mean of x over the contributing ranks' rows).
+  MixedModel ref(seed + 1);
+  std::vector<double> rb(ref.b.begin(), ref.b.end());
+  for (int s = 0; s < 5; ++s) {
+    std::vector<std::size_t> rows;
+    for (int r = 0; r < n; ++r)
+      if (s < counts[static_cast<std::size_t>(r)]) {
+        auto more = rows_for(r, s);
+        rows.insert(rows.end(), more.begin(), more.end());
+      }
+    auto step = [&](std::vector<double>& p, std::size_t shift) {
+      for (std::size_t j = 0; j < p.size(); ++j) {
+        double mean = 0;
+        for (auto row : rows) mean += X[row * MixedModel::D + (j + shift) % MixedModel::D];
+        mean /= static_cast<double>(rows.size());
+        p[j] -= lr * (p[j] - mean);
+      }
+    };
+    step(ref.a, 0);
+    step(rb, 7);
+    step(ref.c, 13);
+  }
+  std::vector<MixedModel> models;
+  for (int r = 0; r < n; ++r) models.emplace_back(seed + 1 + static_cast<std::uint64_t>(r) * 31);
+  std::vector<std::size_t> shadow(n);
+  lockstep::run(lockstep::Threads{n}, [&](auto& ctx) {
+    const int r = ctx.rank();
+    auto& m = models[static_cast<std::size_t>(r)];
+    lockstep::DataParallel<MixedModel, lockstep::ThreadComm> dp(
+        ctx, m, {.buckets = {.first_bytes = 64, .cap_bytes = 96}});
+    auto update = [&](lockstep::step_result res) { if (res) m.sgd(lr); };
+    auto join = dp.join(update);
+    for (int j = 0; j < counts[static_cast<std::size_t>(r)]; ++j) {
+      auto step = dp.step();
+      auto rows = rows_for(r, j);
+      m.backward(X, rows, step.on_gradient_ready());
+      update(step.finish());
+    }
+    shadow[static_cast<std::size_t>(r)] = join.leave();
+  });
+  std::vector<double> b0(models[0].b.begin(), models[0].b.end());
+  CHECK(max_rel_diff(models[0].a, ref.a) <= 1e-12);
+  CHECK(max_rel_diff(models[0].c, ref.c) <= 1e-12);
+  CHECK(max_rel_diff(b0, rb) <= 1e-5);
+  for (int r = 0; r < n; ++r) {
+    CAPTURE(r);
+    const auto& m = models[static_cast<std::size_t>(r)];
+    CHECK(m.a == models[0].a);
+    CHECK(m.b == models[0].b);
+    CHECK(m.c == models[0].c);
+    CHECK(shadow[static_cast<std::size_t>(r)] == static_cast<std::size_t>(5 - counts[static_cast<std::size_t>(r)]));
+  }
+}
+
+TEST_CASE("without a join scope uneven batches fail loudly instead of silently") {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  auto d = make_data(seed, 101);
+  using Dp = lockstep::DataParallel<TestMlp<double>, lockstep::ThreadComm>;
+  const auto timeout = std::chrono::milliseconds(400);
+  auto train = [&](Dp& dp, TestMlp<double>& m, int r, int batches) {
+    for (int j = 0; j < batches; ++j) {
+      auto step = dp.step();
+      auto rows = std::vector<std::size_t>{static_cast<std::size_t>(r * 10 + j) % 101};
+      m.forward_backward(d.X64, d.y, rows, step.on_gradient_ready());
+      if (step.finish()) m.sgd(0.1);
+    }
+  };
+
+  SUBCASE("the rank with fewer batches stops: the others time out, naming it") {
+    std::string what;
+    try {
+      run_short(2, timeout, [&](lockstep::ThreadComm& comm) {
+        TestMlp<double> m(d.dims, seed);
+        Dp dp(comm, m);
+        train(dp, m, comm.rank(), comm.rank() == 0 ? 2 : 3);
+      });
+    } catch (const lockstep::timeout_error& e) {
+      what = e.what();
+    }
+    CAPTURE(what);
+    CHECK(what.find("never arrived") != std::string::npos);
+    CHECK(what.find("rank(s) 0") != std::string::npos);
+  }
+
+  SUBCASE("the rank with fewer batches goes on to another collective: mismatch") {
+    CHECK_THROWS_AS(run_short(2, timeout,
+                              [&](lockstep::ThreadComm& comm) {
+                                TestMlp<double> m(d.dims, seed);
+                                Dp dp(comm, m);
+                                train(dp, m, comm.rank(), comm.rank() == 0 ? 2 : 3);
+                                comm.barrier();  // e.g. an end-of-epoch barrier or metric
+                              }),
+                    lockstep::mismatch_error);
+  }
+
+  SUBCASE("only some ranks open a join scope: mismatch") {
+    CHECK_THROWS_AS(run_short(2, timeout,
+                              [&](lockstep::ThreadComm& comm) {
+                                TestMlp<double> m(d.dims, seed);
+                                Dp dp(comm, m);
+                                if (comm.rank() == 0) {
+                                  auto join = dp.join([&](lockstep::step_result) {});
+                                  train(dp, m, 0, 2);
+                                } else {
+                                  train(dp, m, 1, 3);
+                                }
+                              }),
+                    lockstep::mismatch_error);
+  }
+
+  SUBCASE("a rank that never enters the scope: the scope times out") {
+    CHECK_THROWS_AS(run_short(2, timeout,
+                              [&](lockstep::ThreadComm& comm) {
+                                TestMlp<double> m(d.dims, seed);
+                                Dp dp(comm, m);
+                                if (comm.rank() == 0) {
+                                  auto join = dp.join([&](lockstep::step_result) {});
+                                  train(dp, m, 0, 2);
+                                }  // rank 1 has left the job
+                              }),
+                    lockstep::timeout_error);
+  }
+}
+
+TEST_CASE("join misuse is a config_error") {
+  auto comms = lockstep::ThreadComm::create_group(1);
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  auto d = make_data(seed, 50);
+  TestMlp<double> m(d.dims, seed);
+  lockstep::DataParallel<TestMlp<double>, lockstep::ThreadComm> dp(comms[0], m);
+  CHECK_THROWS_AS((void)dp.join({}), lockstep::config_error);
+  {
+    auto join = dp.join([](lockstep::step_result) {});
+    CHECK_THROWS_AS((void)dp.join([](lockstep::step_result) {}), lockstep::config_error);
+    auto step = dp.step();
+    CHECK_THROWS_AS(join.leave(), lockstep::config_error);
+    (void)step.finish();
+    CHECK(join.leave() == 0);
+  }
+  auto step = dp.step();
+  CHECK_THROWS_AS((void)dp.join([](lockstep::step_result) {}), lockstep::config_error);
+  (void)step.finish();
+  lockstep::Join join(dp, [](lockstep::step_result) {});  // the class, deduced
+  CHECK(join.leave() == 0);
+}
+
+}  // TEST_SUITE
