@@ -18,8 +18,8 @@
 // GLOBAL batch (split across the ranks), so the training does not depend on the number of
 // ranks or on the device. Test accuracy is computed distributed (each rank its slice of the
 // test set, counts all-reduced). Checkpoints resume bit for bit. The training loop is
-// fashion_mnist.hpp (one loop for both devices); the GPU model is gpu_mlp.cuh. See
-// docs/example_fashion_mnist.md.
+// fashion_mnist.hpp (one loop for both devices); the trainers are cpu_trainer.hpp and
+// gpu_train.cu, the GPU model gpu_mlp.cuh. See docs/example_fashion_mnist.md.
 //
 // Exit status: 0 done, 1 error (bad data, checkpoint, no GPU for --device gpu, a failed
 // --check, ...), 2 bad command line, 77 data not installed (ctest counts that as skipped).
@@ -39,6 +39,7 @@
 #include <lockstep/lockstep.hpp>
 #include <lockstep/sgd.hpp>
 
+#include "cpu_trainer.hpp"
 #include "fashion_mnist.hpp"
 #include "idx.hpp"
 #include "mlp.hpp"
@@ -51,59 +52,6 @@ inline constexpr bool built_with_gpus = false;
 #endif
 
 namespace {
-
-// One CPU rank's side of the training loop (see fashion_mnist.hpp): the host MLP of mlp.hpp,
-// batches gathered from the shared data set, lockstep::Sgd.
-class CpuTrainer {
- public:
-  CpuTrainer(const fmnist::dataset& data, std::uint64_t seed)
-      : data_(data), model_(lockstep::model_seed(seed)) {}  // same on every rank anyway
-
-  fmnist::Mlp& model() { return model_; }
-  void attach(const std::vector<lockstep::parameter>&, double lr, double momentum) {
-    sgd_.emplace(lockstep::SgdOptions{.lr = lr, .momentum = momentum});
-  }
-  void set_lr(double lr) { sgd_->set_lr(lr); }
-  void begin_epoch(std::span<const std::size_t>) { loss_sum_ = 0; }
-
-  template <class Hook>
-  void forward_backward(std::span<const std::size_t> batch, Hook&& ready) {
-    fmnist::gather(data_.train, batch, data_.table.data(), x_, y_);
-    const double loss = model_.forward_backward(x_.data(), y_.data(), batch.size(), ready);
-    loss_sum_ += loss * static_cast<double>(batch.size());
-  }
-
-  template <class Step>
-  void finish(Step& st) {
-    if (st.finish()) sgd_->step(model_.parameters());  // gradients are averaged over ranks
-  }
-
-  double loss_sum() const { return loss_sum_; }
-  void synchronize() {}
-
-  std::size_t count_correct(std::size_t lo, std::size_t hi) {
-    std::size_t correct = 0;
-    std::vector<std::size_t> rows;
-    for (std::size_t at = lo; at < hi; at += 500) {
-      rows.resize(std::min<std::size_t>(500, hi - at));
-      for (std::size_t k = 0; k < rows.size(); ++k) rows[k] = at + k;
-      fmnist::gather(data_.test, rows, data_.table.data(), x_, y_);
-      correct += model_.count_correct(x_.data(), y_.data(), rows.size());
-    }
-    return correct;
-  }
-
-  void save_optimizer(std::vector<std::byte>& out) const { sgd_->save(out); }
-  void load_optimizer(std::span<const std::byte> in) { sgd_->load(in); }
-
- private:
-  const fmnist::dataset& data_;
-  fmnist::Mlp model_;
-  std::optional<lockstep::Sgd> sgd_;
-  double loss_sum_ = 0;
-  std::vector<float> x_;
-  std::vector<std::uint8_t> y_;
-};
 
 // The GPUs --device/--gpus select: LOCKSTEP_DEVICES (else every visible GPU), the first
 // --gpus of them. Empty: run on CPU threads.
@@ -213,7 +161,7 @@ int main(int argc, char** argv) {
 #endif
     } else {
       lockstep::run(lockstep::Threads{ranks}, [&](auto& ctx) {
-        CpuTrainer trainer(data, opt.seed);
+        fmnist::CpuTrainer trainer(data, opt.seed);
         fmnist::train_rank(ctx, trainer, opt, plan, data, result);
       });
     }

@@ -1,0 +1,212 @@
+// lockstep example 02: example 01's Fashion-MNIST training with one process per rank, on one
+// host or many. The same training loop (fmnist::train_rank), model and CPU trainer as example
+// 01; only how the ranks are started and connected differs.
+//
+//   cmake -S . -B build && cmake --build build --target distributed_fashion_mnist   # needs MPI
+//   mpirun -np 4 ./build/examples/02_distributed/distributed_fashion_mnist --epochs 5
+//   mpirun -np 2 ./build/examples/02_distributed/distributed_fashion_mnist --smoke
+//   srun --ntasks 8 --ntasks-per-node 4 ./distributed_fashion_mnist      # across hosts (Slurm)
+//   mpirun -np 4 ./distributed_fashion_mnist --checkpoint run.lsck --stop-after 2
+//   mpirun -np 4 ./distributed_fashion_mnist --resume run.lsck           # epochs 3..5
+//
+// What it shows: each process loads the data set itself, builds the same model, and trains
+// its shard under lockstep::run(lockstep::Mpi{}) with lockstep::Distributed<Mlp, MpiComm>
+// (DataParallel driven from a process-per-rank context). --batch is the GLOBAL batch, so with
+// 2 processes the run reproduces example 01's `--device cpu --ranks 2` bit for bit (ctest
+// checks it). Rank 0 prints the progress, the per-epoch loss and the test accuracy (computed
+// distributed: counts all-reduced through the communicator) and a final parameter checksum
+// that every rank's must equal.
+//
+// The mode comes from the launcher: under mpirun or srun, CPU ranks over MPI (MpiComm). One
+// process per GPU (lockstep-run --nproc 4 / torchrun --no-python --nproc-per-node 4) is the
+// same body under lockstep::run(lockstep::Processes{}) with NcclComm; this build does not
+// contain that path yet (it needs a CUDA translation unit and example 01's GPU trainer) and
+// says so. Without a launcher it prints the launch lines. See docs/example_distributed.md and
+// docs/multinode.md.
+//
+// Exit status: 0 done, 1 error (bad data, checkpoint, ranks that disagree, a launcher this
+// build cannot serve), 2 bad command line or no launcher, 77 data not installed (ctest: skip).
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <filesystem>
+#include <iostream>
+#include <limits>
+#include <optional>
+#include <span>
+#include <string>
+#include <type_traits>
+
+#include <lockstep/detect.hpp>
+#include <lockstep/distributed.hpp>
+#include <lockstep/error.hpp>
+#include <lockstep/launch_env.hpp>
+#include <lockstep/metrics.hpp>
+#include <lockstep/mpi_comm.hpp>
+#include <lockstep/run_mpi.hpp>
+
+#include "../01_fashion_mnist/cpu_trainer.hpp"
+#include "../01_fashion_mnist/fashion_mnist.hpp"
+#include "../01_fashion_mnist/idx.hpp"
+
+namespace {
+
+constexpr const char* usage =
+    "usage: distributed_fashion_mnist [options], started once per rank by a launcher:\n"
+    "  mpirun -np N distributed_fashion_mnist [options]        CPU ranks over MPI\n"
+    "  srun --ntasks N distributed_fashion_mnist [options]     the same under Slurm\n"
+    "options (as in example 01):\n"
+    "  --data DIR          directory with {train,t10k}-{images-idx3,labels-idx1}-ubyte.gz\n"
+    "                      (default /usr/share/datasets/fashion-mnist), readable by every rank\n"
+    "  --batch B           global batch per optimizer step, split across ranks (default 128)\n"
+    "  --epochs E          epochs (default 5; 2 with --smoke)\n"
+    "  --lr X              peak learning rate for a global batch of 128 (default 0.05)\n"
+    "  --momentum M        SGD momentum (default 0.9)\n"
+    "  --warmup S          warmup steps (default 100)\n"
+    "  --seed S            model initialisation and shuffling seed (default 42)\n"
+    "  --limit-train N     use only the first N training images\n"
+    "  --limit-test M      use only the first M test images\n"
+    "  --smoke             quick run: --limit-train 4096 --limit-test 1000 --epochs 2\n"
+    "  --checkpoint PATH   rank 0 saves a checkpoint after every epoch\n"
+    "  --resume PATH       continue from a checkpoint (every rank reads it: use a path all\n"
+    "                      hosts see)\n"
+    "  --stop-after E      stop after epoch E, as if interrupted\n"
+    "  --progress SECONDS  progress line interval, 0 = none (default 1)\n"
+    "  --bucket-kib K      gradient buckets of K KiB (default: lockstep's)\n";
+
+// The launch lines, for a program started without a launcher.
+std::string launch_lines(const std::string& prog) {
+  return "  mpirun -np 4 " + prog + " [options]                            # CPU ranks over MPI\n"
+         "  lockstep-run --nproc 4 " + prog + " [options]                  # one process per GPU\n"
+         "  torchrun --no-python --nproc-per-node 4 " + prog + " [options] # the same, by torchrun\n";
+}
+
+// An MPI launcher started this process: Open MPI or Slurm as lockstep::detect_launcher()
+// reads them, or a PMI-based one it does not read (MPICH/Hydra, Intel MPI).
+bool mpi_launched(const std::optional<lockstep::launch_info>& l) {
+  if (l) return l->launcher == "openmpi" || l->launcher == "slurm";
+  return std::getenv("PMI_RANK") != nullptr || std::getenv("PMIX_RANK") != nullptr;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const auto t_start = std::chrono::steady_clock::now();
+  const std::string prog = argc > 0 ? argv[0] : "distributed_fashion_mnist";
+
+  // 1. The command line: example 01's parser, minus the options that choose devices and
+  //    rank counts here (the launcher does).
+  fmnist::options opt;
+  try {
+    for (int i = 1; i < argc; ++i) {
+      const std::string a = argv[i];
+      if (a == "--help" || a == "-h") {
+        std::cout << usage << "launch lines:\n" << launch_lines(prog);
+        return 0;
+      }
+      if (a == "--device" || a == "--ranks" || a == "--gpus" || a == "--check")
+        throw fmnist::usage_error(a + " is example 01's; here the launcher sets the ranks (mpirun -np N)");
+    }
+    opt = fmnist::parse(argc, argv);
+  } catch (const fmnist::usage_error& e) {
+    std::cerr << "distributed_fashion_mnist: " << e.what() << "\n" << usage;
+    return 2;
+  }
+
+  // 2. Who started us. Every rank decides alike (same variables), so each prints its own
+  //    message: with mpirun a rank that exits first may end the others before they print.
+  std::optional<lockstep::launch_info> launch;
+  try {
+    launch = lockstep::detect().launcher;
+  } catch (const lockstep::error& e) {
+    std::cerr << "distributed_fashion_mnist: error: " << e.what() << "\n";
+    return 1;
+  }
+  if (!mpi_launched(launch)) {
+    if (!launch) {
+      std::cerr << "distributed_fashion_mnist: no launcher started this process; it runs as one "
+                   "process per rank. Start it with one of:\n"
+                << launch_lines(prog)
+                << "This build runs the mpirun (or srun) line; for ranks as threads of one "
+                   "process use example 01 (fashion_mnist --ranks 4).\n";
+      return 2;
+    }
+    std::cerr << "distributed_fashion_mnist: error: started by " << launch->launcher << " as rank "
+              << launch->rank << " of " << launch->world
+              << ". Outside MPI, one process per rank is the GPU path (lockstep::run("
+                 "lockstep::Processes{}) with NcclComm), which this build of example 02 does not "
+                 "have yet; its CPU ranks need MPI: start it with `mpirun -np "
+              << launch->world << " " << prog
+              << "`, or use example 01 (fashion_mnist --device gpu) for the GPUs of one host. "
+                 "See docs/example_distributed.md.\n";
+    return 1;
+  }
+
+  // 3. The data: every process decodes its own copy (≈ 55 MB for all of Fashion-MNIST).
+  fmnist::dataset data;
+  try {
+    const auto none = std::numeric_limits<std::size_t>::max();
+    data.train = fmnist::load_split(opt.data, "train", opt.limit_train.value_or(none));
+    data.test = fmnist::load_split(opt.data, "t10k", opt.limit_test.value_or(none));
+  } catch (const fmnist::data_error& e) {
+    std::cerr << "distributed_fashion_mnist: error"
+              << (launch ? " (rank " + std::to_string(launch->rank) + ")" : std::string()) << ": "
+              << e.what() << "\n";
+    return e.missing ? 77 : 1;
+  }
+  fmnist::make_table(data);
+  const double load_s = fmnist::seconds_since(t_start);
+
+  // 4. The SPMD body, once in this process. A rank that throws ends the whole job
+  //    (run(Mpi{}) prints "lockstep: rank r failed: ..." and calls MPI_Abort).
+  int exit_code = 0;
+  lockstep::run(lockstep::Mpi{}, [&](lockstep::context<lockstep::MpiComm>& ctx) {
+    const int ranks = ctx.size();
+    if (launch && launch->world != ranks)
+      throw lockstep::config_error(
+          launch->launcher + " says the job has " + std::to_string(launch->world) +
+          " processes but MPI_COMM_WORLD has " + std::to_string(ranks) +
+          ": this process was not started by the MPI launcher it sees (e.g. run directly in an "
+          "sbatch script: start it with srun or mpirun)");
+    // Hosts: the ranks with local rank 0 (from the launcher, else MPI's shared-memory split).
+    std::int64_t hosts = ctx.local_rank() == 0 ? 1 : 0;
+    lockstep::all_reduce_scalars(ctx.comm(), std::span<std::int64_t>(&hosts, 1), lockstep::reduce_op::sum);
+    const fmnist::training_plan plan = fmnist::make_plan(opt, data.train.size, ranks, false);
+    const int epochs = *opt.epochs;
+    if (ctx.is_root()) {
+      std::printf("Fashion-MNIST: %zu train / %zu test images from %s (loaded in %.2f s)\n",
+                  data.train.size, data.test.size, opt.data.string().c_str(), load_s);
+      std::printf("%d CPU rank%s (MPI processes on %lld host%s), global batch %zu (%zu per rank), "
+                  "%d epoch%s, SGD lr %.4g momentum %.2f, warmup %llu steps + cosine decay\n",
+                  ranks, ranks == 1 ? "" : "s", static_cast<long long>(hosts), hosts == 1 ? "" : "s",
+                  plan.global, plan.per_rank, epochs, epochs == 1 ? "" : "s", plan.peak_lr,
+                  opt.momentum, static_cast<unsigned long long>(opt.warmup));
+      if (plan.global != opt.batch)
+        std::printf("note: --batch %zu is not a multiple of %d ranks; using %zu (lr scaled to match)\n",
+                    opt.batch, ranks, plan.global);
+      std::fflush(stdout);
+    }
+
+    fmnist::final_result result;
+    const auto t_train = std::chrono::steady_clock::now();
+    fmnist::CpuTrainer trainer(data, opt.seed);
+    // train_rank wraps the model with make_data_parallel(ctx, model): with a context<MpiComm>
+    // that is lockstep::Distributed<fmnist::Mlp, lockstep::MpiComm>.
+    static_assert(std::is_same_v<decltype(lockstep::make_data_parallel(ctx, trainer.model())),
+                                 lockstep::Distributed<fmnist::Mlp, lockstep::MpiComm>>);
+    fmnist::train_rank(ctx, trainer, opt, plan, data, result);
+
+    if (ctx.is_root()) {
+      std::printf("final: test accuracy %.2f%% after %d epoch%s | %.1f s training | parameters "
+                  "fnv1a 0x%016llx (%s)\n",
+                  100.0 * result.accuracy, result.epochs_run, result.epochs_run == 1 ? "" : "s",
+                  fmnist::seconds_since(t_train), static_cast<unsigned long long>(result.checksum),
+                  result.ranks_agree ? "identical on all ranks" : "RANKS DIFFER");
+      std::fflush(stdout);
+      if (!result.ranks_agree) exit_code = 1;
+    }
+  });
+  return exit_code;
+}
