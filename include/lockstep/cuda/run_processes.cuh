@@ -87,9 +87,13 @@ void run(Processes mode, Body&& body) {
   // torchrun's agent already serves its own TCPStore at MASTER_PORT (it exports
   // TORCHELASTIC_USE_AGENT_STORE=True); lockstep's store then listens on the next port,
   // unless LOCKSTEP_MASTER_PORT chose one.
-  if (info.launcher == "torchrun" && !mode.overrides.master_port && !detail::env("LOCKSTEP_MASTER_PORT")) {
-    const auto agent = detail::env("TORCHELASTIC_USE_AGENT_STORE");
-    if (agent && (*agent == "True" || *agent == "true" || *agent == "1")) {
+  if (info.launcher == "torchrun" && !mode.overrides.master_port) {
+    if (const auto own = detail::env_long("LOCKSTEP_MASTER_PORT")) {
+      if (*own < 1 || *own > 65535)
+        throw config_error("LOCKSTEP_MASTER_PORT=" + std::to_string(*own) + " is not a TCP port (1..65535)");
+      info.master_port = static_cast<int>(*own);
+    } else if (const auto agent = detail::env("TORCHELASTIC_USE_AGENT_STORE");
+               agent && (*agent == "True" || *agent == "true" || *agent == "1")) {
       if (info.master_port >= 65535)
         throw config_error("MASTER_PORT=" + std::to_string(info.master_port) +
                            " is torchrun's agent store and leaves no next port for lockstep's; set "
