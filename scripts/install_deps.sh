@@ -10,6 +10,7 @@ packages=(
   zlib1g-dev                  # reads the gzip'd IDX files of the examples
   dataset-fashion-mnist       # examples/01_fashion_mnist
   libopenmpi-dev openmpi-bin  # lockstep::mpi and its tests
+  clang libclang-rt-14-dev    # the libFuzzer target of the TCP store protocol
 )
 
 missing=()
