@@ -119,12 +119,7 @@ class AdamW : public detail::host_optimizer<AdamW, AdamWOptions> {
       slots.push_back(std::move(s));
     }
     r.expect_end();
-    try {
-      validate(o);
-    } catch (const config_error& e) {
-      throw checkpoint_error(std::string("AdamW state holds invalid options: ") + e.what());
-    }
-    opt_ = o;
+    adopt_loaded_options(o);
     slots_ = std::move(slots);
   }
 

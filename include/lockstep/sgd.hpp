@@ -169,6 +169,16 @@ class host_optimizer {
   }
 
  protected:
+  //! Options read from a checkpoint: invalid ones are a damaged checkpoint, not user input.
+  void adopt_loaded_options(const Options& o) {
+    try {
+      Derived::validate(o);
+    } catch (const config_error& e) {
+      throw checkpoint_error(std::string(Derived::name) + " state holds invalid options: " + e.what());
+    }
+    opt_ = o;
+  }
+
   Options opt_;
 
  private:
@@ -242,12 +252,7 @@ class Sgd : public detail::host_optimizer<Sgd, SgdOptions> {
       slots.push_back(std::move(s));
     }
     r.expect_end();
-    try {
-      validate(o);
-    } catch (const config_error& e) {
-      throw checkpoint_error(std::string("Sgd state holds invalid options: ") + e.what());
-    }
-    opt_ = o;
+    adopt_loaded_options(o);
     slots_ = std::move(slots);
   }
 

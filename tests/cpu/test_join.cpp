@@ -17,6 +17,7 @@
 #include <lockstep/lockstep.hpp>
 #include <lockstep/join.hpp>
 
+#include "equivalence.hpp"
 #include "mlp.hpp"
 #include "test_util.hpp"
 
@@ -24,28 +25,7 @@ using namespace lockstep_test;
 
 namespace {
 
-struct dataset {
-  std::vector<int> dims;
-  std::size_t samples;
-  std::vector<double> X64;
-  std::vector<float> X32;
-  std::vector<int> y;
-};
-
-dataset make_data(std::uint64_t seed, std::size_t samples = 2003) {
-  dataset d{{13, 17, 11, 5}, samples, {}, {}, {}};
-  std::mt19937_64 rng(seed);
-  d.X64 = random_vector<double>(samples * 13, rng, -2, 2);
-  d.X32.assign(d.X64.begin(), d.X64.end());
-  std::uniform_int_distribution<int> lab(0, 4);
-  for (std::size_t i = 0; i < samples; ++i) d.y.push_back(lab(rng));
-  return d;
-}
-
-template <class T>
-const std::vector<T>& inputs(const dataset& d) {
-  if constexpr (std::is_same_v<T, double>) return d.X64; else return d.X32;
-}
+dataset make_data(std::uint64_t seed) { return lockstep_test::make_data(seed, 2003); }
 
 struct join_config {
   std::vector<int> batches;  // micro-batches per rank (uneven)
