@@ -544,6 +544,32 @@ TEST_SUITE("multigpu") {
     check_every_collective(2);
   }
 
+  TEST_CASE("NcclComm with LOCKSTEP_DEBUG=1 names a collective that differs across GPUs on every rank") {
+    LOCKSTEP_REQUIRE_GPUS(2);
+    ::setenv("LOCKSTEP_DEBUG", "1", 1);
+    auto comms = NcclComm::create_local(first_devices(2));
+    ::unsetenv("LOCKSTEP_DEBUG");
+    std::vector<std::string> msgs(2);
+    on_ranks(2, [&](int r) {
+      auto& c = comms[static_cast<std::size_t>(r)];
+      auto buf = c.memory().allocate(16 * sizeof(float));
+      // Matching calls pass (and keep the sequence numbers in step).
+      c.all_reduce(buf.get(), buf.get(), 16, dtype::f32, reduce_op::sum).synchronize();
+      c.barrier();
+      // Rank 1 reduces one element fewer: both ranks must fail, naming both calls.
+      try {
+        c.all_reduce(buf.get(), buf.get(), r == 0 ? 16 : 15, dtype::f32, reduce_op::sum).synchronize();
+      } catch (const lockstep::mismatch_error& e) {
+        msgs[static_cast<std::size_t>(r)] = e.what();
+      }
+    });
+    for (const auto& m : msgs) {
+      CAPTURE(m);
+      CHECK(m.find("rank 0 called all_reduce #2 of 16 f32 (sum)") != std::string::npos);
+      CHECK(m.find("rank 1 called all_reduce #2 of 15 f32 (sum)") != std::string::npos);
+    }
+  }
+
   TEST_CASE("NcclComm on all visible GPUs: every collective matches ThreadComm") {
     LOCKSTEP_REQUIRE_GPUS(3);  // with 2 visible, the 2-GPU test already covers it
     check_every_collective(lockstep::test::visible_gpus());

@@ -32,7 +32,9 @@
 //!   //              w.wait();   // later kernels on comms[r].compute_stream() see the average
 //! \endcode
 
+#include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cstddef>
 #include <cstdio>
 #include <initializer_list>
@@ -51,6 +53,7 @@
 #include "lockstep/concepts.hpp"
 #include "lockstep/cuda/cuda_memory.cuh"
 #include "lockstep/cuda/error.cuh"
+#include "lockstep/detail/env.hpp"
 #include "lockstep/dtype.hpp"
 #include "lockstep/error.hpp"
 #include "lockstep/reduce_op.hpp"
@@ -253,6 +256,7 @@ class NcclComm {
   //! recv[i] = op over ranks of send[i]; send == recv is in place. avg is NCCL's ncclAvg.
   work all_reduce(const void* send, void* recv, std::size_t count, dtype t, reduce_op op) {
     state& s = live("all_reduce");
+    check_order(s, 0, count, t, static_cast<int>(op), 0);
     if (count == 0) return {};
     require(send, "send", "all_reduce");
     require(recv, "recv", "all_reduce");
@@ -269,6 +273,7 @@ class NcclComm {
     if (root < 0 || root >= s.size)
       throw config_error("NcclComm::broadcast: root " + std::to_string(root) +
                          " is not a rank of this group of " + std::to_string(s.size));
+    check_order(s, 1, count, t, 0, root);
     if (count == 0) return {};
     require(buf, "buf", "broadcast");
     const ncclDataType_t nt = to_nccl(t);
@@ -281,6 +286,7 @@ class NcclComm {
   //! send == recv + rank()·count.
   work all_gather(const void* send, void* recv, std::size_t count, dtype t) {
     state& s = live("all_gather");
+    check_order(s, 2, count, t, 0, 0);
     if (count == 0) return {};
     require(send, "send", "all_gather");
     require(recv, "recv", "all_gather");
@@ -294,6 +300,7 @@ class NcclComm {
   //! In place when recv == send + rank()·count.
   work reduce_scatter(const void* send, void* recv, std::size_t count, dtype t, reduce_op op) {
     state& s = live("reduce_scatter");
+    check_order(s, 3, count, t, static_cast<int>(op), 0);
     if (count == 0) return {};
     require(send, "send", "reduce_scatter");
     require(recv, "recv", "reduce_scatter");
@@ -361,6 +368,10 @@ class NcclComm {
     std::atomic<bool> released{false};  // the comm was destroyed or aborted: exactly once
     std::atomic<bool> aborted{false};   // set after abort_reason is written
     std::string abort_reason;
+    // LOCKSTEP_DEBUG=1: every collective is preceded by an all-gather of its description.
+    bool check_order = false;
+    std::uint64_t seq = 0;
+    std::int64_t* debug_buf = nullptr;  // size × 6 int64 on the device
 
     state() = default;
     state(const state&) = delete;
@@ -374,6 +385,7 @@ class NcclComm {
                        ncclGetErrorString(r));
       }
       if (barrier_buf != nullptr) (void)cudaFree(barrier_buf);
+      if (debug_buf != nullptr) (void)cudaFree(debug_buf);
       if (ready != nullptr) (void)cudaEventDestroy(ready);
       // Streams with queued work are released once it completes (cudaStreamDestroy).
       if (comm_stream != nullptr) (void)cudaStreamDestroy(comm_stream);
@@ -412,6 +424,10 @@ class NcclComm {
     LOCKSTEP_TRY_CUDA(cudaEventCreateWithFlags(&s.ready, cudaEventDisableTiming));
     s.events = std::make_shared<detail::event_pool>(device);
     LOCKSTEP_TRY_CUDA(cudaMalloc(reinterpret_cast<void**>(&s.barrier_buf), sizeof(int)));
+    if (const auto dbg = detail::env("LOCKSTEP_DEBUG"); dbg && *dbg != "0") {
+      s.check_order = true;
+      LOCKSTEP_TRY_CUDA(cudaMalloc(reinterpret_cast<void**>(&s.debug_buf), sizeof(std::int64_t) * 6 * world));
+    }
     LOCKSTEP_TRY_CUDA(cudaMemsetAsync(s.barrier_buf, 0, sizeof(int), s.compute));
     LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s.compute));
   }
@@ -460,6 +476,40 @@ class NcclComm {
   // 2^20 + 3 elements).
   static ncclRedOp_t reduction(const state& s, reduce_op op) {
     return s.size == 1 && op == reduce_op::avg ? ncclSum : to_nccl(op);
+  }
+
+  // LOCKSTEP_DEBUG=1: all ranks exchange (sequence, kind, count, type, op, root) before the
+  // collective and compare with rank 0's, so a rank that skipped a collective or called a
+  // different one fails with a mismatch_error naming both calls, on every rank — instead of
+  // a hang or a silently wrong sum. Costs a tiny all-gather and a host sync per collective.
+  static void check_order(state& s, int kind, std::size_t count, dtype t, int op, int root) {
+    if (!s.check_order) return;
+    detail::device_guard g(s.device);
+    const std::int64_t mine[6] = {static_cast<std::int64_t>(s.seq++), kind, static_cast<std::int64_t>(count),
+                                  static_cast<std::int64_t>(t), op, root};
+    std::int64_t* slot = s.debug_buf + 6 * s.rank;
+    LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(slot, mine, sizeof mine, cudaMemcpyHostToDevice, s.comm_stream));
+    LOCKSTEP_TRY_NCCL(ncclAllGather(slot, s.debug_buf, 6, ncclInt64, s.comm, s.comm_stream));
+    std::vector<std::int64_t> all(static_cast<std::size_t>(6 * s.size));
+    LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(all.data(), s.debug_buf, all.size() * sizeof(std::int64_t),
+                                      cudaMemcpyDeviceToHost, s.comm_stream));
+    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s.comm_stream));
+    const auto describe = [&](int r) {
+      static const char* const names[] = {"all_reduce", "broadcast", "all_gather", "reduce_scatter"};
+      const std::int64_t* c = all.data() + 6 * r;
+      const auto k = static_cast<std::size_t>(c[1]);
+      std::string d = std::string(k < 4 ? names[k] : "?") + " #" + std::to_string(c[0]) + " of " +
+                      std::to_string(c[2]) + " " + name_of(static_cast<dtype>(c[3]));
+      if (k == 0 || k == 3) d += std::string(" (") + name_of(static_cast<reduce_op>(c[4])) + ")";
+      if (k == 1) d += " from root " + std::to_string(c[5]);
+      return d;
+    };
+    for (int r = 1; r < s.size; ++r)
+      if (!std::equal(all.begin() + 6 * r, all.begin() + 6 * r + 6, all.begin()))
+        throw mismatch_error("ranks called different collectives: rank 0 called " + describe(0) + " but rank " +
+                             std::to_string(r) + " called " + describe(r) +
+                             " (every rank must issue the same collectives in the same order; "
+                             "found by LOCKSTEP_DEBUG=1)");
   }
 
   static void require(const void* p, const char* name, const char* what) {
