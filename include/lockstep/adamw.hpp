@@ -152,15 +152,7 @@ class AdamW : public detail::host_optimizer<AdamW, AdamWOptions> {
   }
 
   void update(std::size_t i, const segment& v, const segment& g, dtype t) {
-    detail::check_optimizer_dtype(t, "AdamW");
-    detail::check_segment_pair(v, g, i, "AdamW");
-    if (i >= slots_.size()) slots_.resize(i + 1);
-    slot& s = slots_[i];
-    if (s.has && (s.type != t || s.count != v.count))
-      throw config_error("AdamW: slot " + std::to_string(i) + " holds state for " +
-                         std::to_string(s.count) + " " + name_of(s.type) + " elements, but got " +
-                         std::to_string(v.count) + " " + name_of(t) +
-                         "; pass the same parameters in the same order every step");
+    slot& s = checked_slot(slots_, i, v, g, t);
     if (!s.has) {
       s.has = true;
       s.type = t;

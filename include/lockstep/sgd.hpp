@@ -169,6 +169,22 @@ class host_optimizer {
   }
 
  protected:
+  //! The state slot of parameter i, after checking the update's arguments: a float type, two
+  //! segments of one length, and the same type and length as the slot saw before.
+  template <class Slot>
+  static Slot& checked_slot(std::vector<Slot>& slots, std::size_t i, const segment& v, const segment& g, dtype t) {
+    check_optimizer_dtype(t, Derived::name);
+    check_segment_pair(v, g, i, Derived::name);
+    if (i >= slots.size()) slots.resize(i + 1);
+    Slot& s = slots[i];
+    if (s.has && (s.type != t || s.count != v.count))
+      throw config_error(std::string(Derived::name) + ": slot " + std::to_string(i) + " holds state for " +
+                         std::to_string(s.count) + " " + name_of(s.type) + " elements, but got " +
+                         std::to_string(v.count) + " " + name_of(t) +
+                         "; pass the same parameters in the same order every step");
+    return s;
+  }
+
   //! Options read from a checkpoint: invalid ones are a damaged checkpoint, not user input.
   void adopt_loaded_options(const Options& o) {
     try {
@@ -281,15 +297,7 @@ class Sgd : public detail::host_optimizer<Sgd, SgdOptions> {
   }
 
   void update(std::size_t i, const segment& v, const segment& g, dtype t) {
-    detail::check_optimizer_dtype(t, "Sgd");
-    detail::check_segment_pair(v, g, i, "Sgd");
-    if (i >= slots_.size()) slots_.resize(i + 1);
-    slot& s = slots_[i];
-    if (s.has && (s.type != t || s.count != v.count))
-      throw config_error("Sgd: slot " + std::to_string(i) + " holds state for " +
-                         std::to_string(s.count) + " " + name_of(s.type) + " elements, but got " +
-                         std::to_string(v.count) + " " + name_of(t) +
-                         "; pass the same parameters in the same order every step");
+    slot& s = checked_slot(slots_, i, v, g, t);
     if (t == dtype::f32) apply<float>(s, static_cast<float*>(v.ptr), static_cast<const float*>(g.ptr), v.count);
     else apply<double>(s, static_cast<double*>(v.ptr), static_cast<const double*>(g.ptr), v.count);
   }
