@@ -328,10 +328,7 @@ class DataParallel {
     }
     // Unscaling and the inf/NaN decision need every bucket: callbacks come after it.
     reducer_.finish(nullptr);
-    const auto groups = reducer_.grad_groups();
-    std::vector<grad_group> views;
-    for (const auto& g : groups) views.push_back({g.type, g.segments});
-    const bool found_inf = scaler_.unscale_and_check(comm_, std::span<const grad_group>(views));
+    const bool found_inf = scaler_.unscale_and_check(comm_, reducer_.grad_groups());
     scaler_.update(found_inf);
     r.applied = !found_inf;
     if constexpr (requires { scaler_.device_found_inf(); })

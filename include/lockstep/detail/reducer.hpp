@@ -17,6 +17,7 @@
 #include "lockstep/concepts.hpp"
 #include "lockstep/detail/bucket_plan.hpp"
 #include "lockstep/detail/host_collectives.hpp"
+#include "lockstep/grad_group.hpp"
 #include "lockstep/error.hpp"
 #include "lockstep/sync_stats.hpp"
 
@@ -206,21 +207,9 @@ class reducer {
       for (const auto& bk : g.plan.buckets) fn(slices_of(bk, tmp));
   }
 
-  //! Every gradient, grouped by element type (for unscaling, clipping, norms).
-  struct owned_group {
-    dtype type;
-    std::vector<segment> segments;
-  };
-  std::vector<owned_group> grad_groups() const {
-    std::vector<owned_group> out;
-    for (const auto& g : groups_) {
-      owned_group og{g.plan.type, {}};
-      for (auto i : g.plan.order)
-        if (params_[i].numel()) og.segments.push_back({params_[i].grad, params_[i].numel()});
-      out.push_back(std::move(og));
-    }
-    return out;
-  }
+  //! Every gradient, grouped by element type (for unscaling, clipping, norms). Built with
+  //! the plan, so a step reads it without allocating; valid until the plan is rebuilt.
+  std::span<const grad_group> grad_groups() const { return grad_groups_; }
 
  private:
   struct group {
@@ -229,6 +218,7 @@ class reducer {
     std::vector<std::size_t> pending;
     std::size_t next = 0;
     std::vector<std::optional<work_type>> works;
+    std::vector<segment> grads;  // every gradient of this type, in plan order
     void* arena_at(std::size_t elem) const {
       return static_cast<char*>(arena.get()) + elem * size_of(plan.type);
     }
@@ -389,6 +379,13 @@ class reducer {
       params_ = std::move(fresh);
     }
     stats_.zero_copy = zero_copy();
+    grad_groups_.clear();
+    for (auto& g : groups_) {
+      g.grads.clear();
+      for (auto i : g.plan.order)
+        if (params_[i].numel()) g.grads.push_back({params_[i].grad, params_[i].numel()});
+      grad_groups_.push_back({g.plan.type, g.grads});
+    }
     check_same_plan();
   }
 
@@ -427,6 +424,7 @@ class reducer {
   bind_fn bind_;
   refresh_fn refresh_;
   std::vector<group> groups_;
+  std::vector<grad_group> grad_groups_;  // views of groups_[k].grads
   std::vector<std::pair<std::size_t, std::size_t>> where_;  // param → (group, position)
   std::vector<std::size_t> current_order_;
   std::optional<std::vector<std::size_t>> pending_order_;
