@@ -19,6 +19,7 @@
 #include <string_view>
 
 #include "lockstep/concepts.hpp"
+#include "lockstep/detail/host_collectives.hpp"
 #include "lockstep/dtype.hpp"
 #include "lockstep/error.hpp"
 #include "lockstep/reduce_op.hpp"
@@ -29,13 +30,7 @@ namespace lockstep {
 //! T is any element type the communicator reduces (double, float, int64, int32...).
 template <communicator C, element T>
 void all_reduce_scalars(C& comm, std::span<T> values, reduce_op op) {
-  auto mem = comm.memory();
-  const std::size_t bytes = values.size() * sizeof(T);
-  auto buf = mem.allocate(bytes);
-  if (bytes) mem.upload(buf.get(), values.data(), bytes);
-  // Issued even for an empty span, so every rank's sequence of collectives stays the same.
-  comm.all_reduce(buf.get(), buf.get(), values.size(), dtype_of<T>, op).wait();
-  if (bytes) mem.download(values.data(), buf.get(), bytes);
+  detail::host_all_reduce(comm, values, op);
 }
 
 //! The mean of one value over all ranks (summed in double, then divided by the rank count).

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -12,14 +13,16 @@
 
 namespace lockstep::detail {
 
+//! values ← op over ranks of values (host memory), staged through the communicator's memory.
+//! Issued even for an empty span, so every rank's sequence of collectives stays the same.
 template <class Comm, class T>
-void host_all_reduce(Comm& comm, std::vector<T>& v, reduce_op op) {
+void host_all_reduce(Comm& comm, std::span<T> values, reduce_op op) {
   auto mem = comm.memory();
-  const std::size_t bytes = v.size() * sizeof(T);
+  const std::size_t bytes = values.size() * sizeof(T);
   auto buf = mem.allocate(bytes);
-  mem.upload(buf.get(), v.data(), bytes);
-  comm.all_reduce(buf.get(), buf.get(), v.size(), dtype_of<T>, op).wait();
-  mem.download(v.data(), buf.get(), bytes);
+  if (bytes) mem.upload(buf.get(), values.data(), bytes);
+  comm.all_reduce(buf.get(), buf.get(), values.size(), dtype_of<T>, op).wait();
+  if (bytes) mem.download(values.data(), buf.get(), bytes);
 }
 
 template <class Comm, class T>

@@ -316,7 +316,7 @@ class reducer {
     // If no rank reported any gradient during the first step, the model cannot report:
     // from now on every rank reduces everything in finish() as one all-reduce per type.
     std::vector<std::int64_t> reported{arrivals_.empty() ? 0 : 1};
-    if (comm_.size() > 1) host_all_reduce(comm_, reported, reduce_op::max);
+    if (comm_.size() > 1) host_all_reduce(comm_, std::span<std::int64_t>(reported), reduce_op::max);
     fused_ = reported[0] == 0;
     if (!policy_.rebuild_after_first_step || fused_) {
       arrivals_.clear();
