@@ -55,6 +55,7 @@
 #include "lockstep/concepts.hpp"
 #include "lockstep/detail/byte_io.hpp"
 #include "lockstep/detail/checksum.hpp"
+#include "lockstep/detail/host_collectives.hpp"
 #include "lockstep/dtype.hpp"
 #include "lockstep/error.hpp"
 #include "lockstep/parameter.hpp"
@@ -928,12 +929,8 @@ void save_checkpoint_rank0(C& comm, const std::filesystem::path& path, Build&& b
     }
   }
   // The status exchange is also the barrier: no rank leaves before rank 0 is done.
-  auto mem = comm.memory();
-  auto flag = mem.allocate(sizeof(std::int32_t));
   std::int32_t status = failure ? 1 : 0;
-  mem.upload(flag.get(), &status, sizeof status);
-  comm.all_reduce(flag.get(), flag.get(), 1, dtype::i32, reduce_op::max).wait();
-  mem.download(&status, flag.get(), sizeof status);
+  detail::host_all_reduce(comm, std::span<std::int32_t>(&status, 1), reduce_op::max);
   if (failure) std::rethrow_exception(failure);
   if (status != 0)
     throw checkpoint_error("rank 0 failed to save checkpoint '" + path.string() +
