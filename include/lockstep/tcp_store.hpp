@@ -234,7 +234,7 @@ class tcp_store_server {
       auto id = engine_.open(peer_text(peer), now);
       if (!id) {  // say why before closing, so the client's error is not a bare "lost"
         std::vector<std::byte> f;
-        const std::string_view msg = "the store admits world + 8 connections and all are in use";
+        const std::string_view msg = "the store admits 2 x world + 8 connections and all are in use";
         wire::encode(f, wire::op::err, static_cast<std::int64_t>(wire::err_code::busy), {},
                      {reinterpret_cast<const std::byte*>(msg.data()), msg.size()});
         [[maybe_unused]] auto n = ::send(fd, f.data(), f.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
@@ -286,7 +286,8 @@ class TcpStore {
  public:
   //! host/port: where rank 0 listens (the server binds every interface, or only loopback
   //! when host is a loopback address; port 0 picks a free one, see port()). world: the
-  //! number of processes (the server admits world + 8 connections). token: the job token
+  //! number of processes (the server admits 2 × world + 8 connections: one store and one
+  //! watchdog per process, and some slack). token: the job token
   //! every process must present. timeout: bound of connecting and of every wait.
   TcpStore(std::string host, int port, bool is_server, int world, std::string token,
            std::chrono::milliseconds timeout = detail::default_timeout(), store_limits limits = {})
@@ -303,7 +304,7 @@ class TcpStore {
     if (host_.empty()) throw config_error(who + ": no host given; set MASTER_ADDR to the host of rank 0");
     if (is_server) {
       server_ = std::make_unique<detail::tcp_store_server>(is_loopback(host_), port, token_, limits_,
-                                                           static_cast<std::size_t>(world) + 8, timeout_);
+                                                           2 * static_cast<std::size_t>(world) + 8, timeout_);
       port_ = server_->port();
     }
     std::lock_guard lk(m_);
@@ -356,6 +357,29 @@ class TcpStore {
                          " bytes, more than the value limit; check fewer at once");
     return request(detail::wire::op::check, 0, {}, list, "check", timeout_).arg != 0;
   }
+
+  //! Sets key only if no value is there yet; returns whether this call set it. The first
+  //! of several racing writers wins (e.g. the first failure report of a job).
+  bool set_if_absent(std::string_view key, std::span<const std::byte> value) {
+    detail::check_store_key(key, limits_, "TcpStore");
+    detail::check_store_value(key, value.size(), limits_.max_value_bytes, "TcpStore");
+    return request(detail::wire::op::set, 1, key, value, "set " + detail::printable_key(key), timeout_).arg == 1;
+  }
+
+  //! Liveness: from now on the server sets `key` to "<who> left: ..." if this connection
+  //! closes before unwatch() (the process died), and — when heartbeat_limit > 0 — to "<who>
+  //! stopped responding: ..." if no request arrives on it for that long. Any request is a
+  //! heartbeat (check() is a cheap one). An existing value is never overwritten.
+  void watch(std::string_view key, std::string_view who, std::chrono::milliseconds heartbeat_limit) {
+    detail::check_store_key(key, limits_, "TcpStore");
+    if (who.empty() || who.size() > detail::wire::max_message_bytes)
+      throw config_error("TcpStore::watch: the text naming this process must have 1.." +
+                         std::to_string(detail::wire::max_message_bytes) + " bytes");
+    request(detail::wire::op::watch, std::max<std::int64_t>(0, heartbeat_limit.count()), key, bytes_of(who),
+            "watch " + detail::printable_key(key), timeout_);
+  }
+  //! A clean leave: the watch set by watch() no longer fires.
+  void unwatch() { request(detail::wire::op::unwatch, 0, {}, {}, "unwatch", timeout_); }
 
   std::int64_t add(std::string_view key, std::int64_t delta) {
     detail::check_store_key(key, limits_, "TcpStore");

@@ -26,6 +26,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include <lockstep/detail/store_protocol.hpp>
@@ -469,10 +470,11 @@ TEST_CASE("TcpStore: a client with larger limits adopts the server's") {
   client.set("k", std::vector<std::byte>(4096, std::byte{1}));
 }
 
-TEST_CASE("TcpStore: the server admits world + 8 connections") {
-  TcpStore server("127.0.0.1", 0, true, 1, "t", 5s);  // its own client is the first
+TEST_CASE("TcpStore: the server admits 2 x world + 8 connections") {
+  const int world = 1 + static_cast<int>(std::random_device{}() % 3);
+  TcpStore server("127.0.0.1", 0, true, world, "t", 5s);  // its own client is the first
   std::vector<std::unique_ptr<TcpStore>> clients;
-  for (int i = 0; i < 8; ++i) clients.push_back(std::make_unique<TcpStore>("127.0.0.1", server.port(), false, 1, "t", 5s));
+  for (int i = 1; i < 2 * world + 8; ++i) clients.push_back(std::make_unique<TcpStore>("127.0.0.1", server.port(), false, 1, "t", 5s));
   try {
     TcpStore one_too_many("127.0.0.1", server.port(), false, 1, "t", 5s);
     FAIL_CHECK("a connection beyond the cap was admitted");
@@ -616,14 +618,19 @@ TEST_CASE("wire: random frames survive any split - corruption never yields a fra
     const int n = 1 + static_cast<int>(rng() % 6);
     for (int i = 0; i < n; ++i) {
       wire::frame f;
-      const int kind = static_cast<int>(rng() % 4);
-      f.type = kind == 0 ? wire::op::set : kind == 1 ? wire::op::get : kind == 2 ? wire::op::add : wire::op::wait;
-      f.arg = static_cast<std::int64_t>(rng() % 100000);
-      if (f.type != wire::op::wait) {
+      const int kind = static_cast<int>(rng() % 6);
+      constexpr wire::op kinds[] = {wire::op::set, wire::op::get, wire::op::add, wire::op::wait, wire::op::watch,
+                                    wire::op::unwatch};
+      f.type = kinds[kind];
+      f.arg = f.type == wire::op::set ? static_cast<std::int64_t>(rng() % 2)   // flags: 0, or 1 = if absent
+              : f.type == wire::op::unwatch ? 0
+                                              : static_cast<std::int64_t>(rng() % 100000);
+      if (f.type != wire::op::wait && f.type != wire::op::unwatch) {
         f.key.resize(1 + rng() % lim.max_key_bytes);
         for (auto& c : f.key) c = static_cast<char>(rng());
       }
       if (f.type == wire::op::set) f.value = value_for(rng(), static_cast<int>(rng() % 5), lim.max_value_bytes);
+      if (f.type == wire::op::watch) f.value = value_for(rng(), 1, 16);  // 1..16 bytes of text
       if (f.type == wire::op::wait) {
         std::vector<std::string> keys(1 + rng() % 5, "k");
         for (auto& k : keys) k += std::to_string(rng());
@@ -742,6 +749,126 @@ TEST_CASE("wire: the server engine parks waits - wakes them - and times them out
   CHECK(d.has_value());
   CHECK(f.has_value());
   CHECK_FALSE(e.open("g", t).has_value());
+}
+
+TEST_CASE("wire: a watched connection that closes or goes silent sets its key once - unwatch cancels") {
+  using eng = wire::store_engine;
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  std::mt19937_64 rng(seed);
+  eng e("tok", lockstep::store_limits{}, 8, 1s);
+  auto t = eng::clock::time_point{} + 1000h;
+  auto replies = [&](eng::conn_id id) {
+    std::vector<wire::frame> out;
+    wire::frame_parser p(true, lockstep::store_limits{});
+    std::span<const std::byte> in(e.out(id));
+    while (!in.empty()) {
+      in = in.subspan(p.feed(in));
+      REQUIRE(p.status() != wire::frame_parser::state::failed);
+      if (p.status() == wire::frame_parser::state::ready) out.push_back(p.take());
+    }
+    e.sent(id, e.out(id).size(), t);
+    return out;
+  };
+  auto request = [&](eng::conn_id id, wire::op o, std::int64_t arg, std::string_view key, std::string_view value) {
+    std::vector<std::byte> f;
+    wire::encode(f, o, arg, key, lockstep::bytes_of(value));
+    e.receive(id, f, t);
+    auto r = replies(id);
+    REQUIRE(r.size() == 1);
+    return r[0];
+  };
+  auto connect = [&] {
+    auto id = e.open("x", t);
+    REQUIRE(id);
+    e.receive(*id, hello_frame("tok"), t);
+    REQUIRE(replies(*id).at(0).type == wire::op::ok);
+    return *id;
+  };
+  const std::string key = "failed/" + std::to_string(rng() % 1000);
+  const auto limit = std::chrono::milliseconds(200 + rng() % 5000);
+  const auto watcher = connect();  // waits for the key, like a survivor
+  std::vector<std::byte> w;
+  wire::encode(w, wire::op::get, 100'000'000, key, {});
+  e.receive(watcher, w, t);
+  CHECK(e.out(watcher).empty());
+
+  // A clean leave: unwatch, then close. Nothing is set.
+  const auto clean = connect();
+  CHECK(request(clean, wire::op::watch, limit.count(), key, "rank 1").type == wire::op::ok);
+  CHECK(request(clean, wire::op::unwatch, 0, {}, {}).type == wire::op::ok);
+  e.close(clean);
+  e.tick(t + limit * 2);
+  CHECK(e.out(watcher).empty());
+
+  // Silence: heartbeats (any request) keep it alive; one limit without them fires.
+  const auto quiet = connect();
+  CHECK(request(quiet, wire::op::watch, limit.count(), key, "rank 2").type == wire::op::ok);
+  for (int i = 0; i < 5; ++i) {
+    t += limit / 2;
+    e.tick(t);
+    CHECK(request(quiet, wire::op::check, 0, {}, lockstep::string_of(wire::encode_key_list({key}))).arg == 0);
+  }
+  REQUIRE(e.next_deadline().has_value());
+  CHECK(*e.next_deadline() == t + limit);
+  e.tick(t + limit - 1ms);
+  CHECK(e.out(watcher).empty());
+  e.tick(t + limit);
+  auto got = replies(watcher);
+  REQUIRE(got.size() == 1);
+  const std::string first = lockstep::string_of(got[0].value);
+  CHECK(first.find("rank 2 stopped responding") == 0);
+
+  // A close of another watched connection does not overwrite the first failure.
+  const auto dying = connect();
+  CHECK(request(dying, wire::op::watch, 0, key, "rank 3").type == wire::op::ok);
+  e.close(dying);
+  const auto reader = connect();
+  auto v = request(reader, wire::op::get, 0, key, {});
+  CHECK(lockstep::string_of(v.value) == first);
+
+  // set with flag 1 stores only when absent and says which happened.
+  const std::string k2 = "once/" + std::to_string(rng());
+  CHECK(request(reader, wire::op::set, 1, k2, "a").arg == 1);
+  CHECK(request(reader, wire::op::set, 1, k2, "b").arg == 0);
+  CHECK(lockstep::string_of(request(reader, wire::op::get, 0, k2, {}).value) == "a");
+  CHECK(request(reader, wire::op::set, 0, k2, "c").arg == 1);  // a plain set overwrites
+  CHECK(lockstep::string_of(request(reader, wire::op::get, 0, k2, {}).value) == "c");
+
+  // A close fires at once (fresh key): the text says the process left.
+  const std::string k3 = "gone/" + std::to_string(rng());
+  const auto killed = connect();
+  CHECK(request(killed, wire::op::watch, 0, k3, "rank 7").type == wire::op::ok);
+  e.close(killed);
+  CHECK(lockstep::string_of(request(reader, wire::op::get, 0, k3, {}).value).find("rank 7 left") == 0);
+  // Malformed watches close the connection: no text, unknown set flags.
+  for (auto [o, arg, k, val] : {std::tuple{wire::op::watch, 0, std::string("k"), std::string()},
+                                std::tuple{wire::op::set, 2, std::string("k"), std::string("v")},
+                                std::tuple{wire::op::watch, -1, std::string("k"), std::string("r")}}) {
+    const auto bad = connect();
+    std::vector<std::byte> f;
+    wire::encode(f, o, arg, k, lockstep::bytes_of(val));
+    e.receive(bad, f, t);
+    CHECK(replies(bad).at(0).type == wire::op::err);
+    CHECK(e.should_close(bad));
+    e.close(bad);
+  }
+}
+
+TEST_CASE("TcpStore: watch - set_if_absent - unwatch over sockets") {
+  TcpStore server("127.0.0.1", 0, true, 3, "t", 5s);
+  {
+    TcpStore a("127.0.0.1", server.port(), false, 3, "t", 5s);
+    a.watch("dead", "rank 1", 0ms);
+    TcpStore b("127.0.0.1", server.port(), false, 3, "t", 5s);
+    b.watch("dead", "rank 2", 0ms);
+    b.unwatch();
+  }  // both close; only a's watch fires
+  CHECK(lockstep::string_of(server.get("dead")).find("rank 1 left") == 0);
+  CHECK_FALSE(server.set_if_absent("dead", lockstep::bytes_of("later")));
+  CHECK(lockstep::string_of(server.get("dead")).find("rank 1 left") == 0);
+  CHECK(server.set_if_absent("fresh", lockstep::bytes_of("x")));
+  CHECK_THROWS_AS(server.watch("k", "", 0ms), lockstep::config_error);
 }
 
 }  // TEST_SUITE

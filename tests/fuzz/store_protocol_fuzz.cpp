@@ -156,12 +156,12 @@ void fuzz_engine(reader r) {
         }
         std::vector<std::byte> frame;
         const std::int64_t arg = static_cast<std::int64_t>(r.byte()) * 7 - (kind & 0x40 ? 300 : 0);
-        switch (kind % 7) {
+        switch (kind % 9) {
           case 0: wire::encode(frame, wire::op::hello, wire::protocol_version, {}, lockstep::bytes_of(token)); break;
           case 1: wire::encode(frame, wire::op::hello, arg, {}, r.take(r.byte() % 8)); break;
           case 2: {
             const auto v = r.take(r.byte() * 3);
-            wire::encode(frame, wire::op::set, 0, key, v);
+            wire::encode(frame, wire::op::set, (kind >> 3) & 1, key, v);  // flag 1: only if absent
             break;
           }
           case 3: wire::encode(frame, wire::op::get, arg, key, {}); break;
@@ -175,10 +175,12 @@ void fuzz_engine(reader r) {
             std::vector<std::string> keys;
             const int n = 1 + r.byte() % 10;
             for (int i = 0; i < n; ++i) keys.push_back("k" + std::to_string(r.byte() % 6));
-            wire::encode(frame, kind % 7 == 5 ? wire::op::wait : wire::op::check, arg, {},
+            wire::encode(frame, kind % 9 == 5 ? wire::op::wait : wire::op::check, arg, {},
                          wire::encode_key_list(keys));
             break;
           }
+          case 7: wire::encode(frame, wire::op::watch, arg, key, r.take(1 + r.byte() % 12)); break;  // may be empty: malformed
+          case 8: wire::encode(frame, wire::op::unwatch, 0, {}, {}); break;
         }
         if (!id) break;
         // Deliver in two pieces, split where the input says.
@@ -262,6 +264,9 @@ int main(int argc, char** argv) {
     wire::encode(s, wire::op::add, -5, "ctr", {});
     wire::encode(s, wire::op::wait, 50, {}, wire::encode_key_list({"a", "bb"}));
     wire::encode(s, wire::op::check, 0, {}, wire::encode_key_list({"a"}));
+    wire::encode(s, wire::op::watch, 500, "failed", lockstep::bytes_of("rank 1"));
+    wire::encode(s, wire::op::set, 1, "failed", lockstep::bytes_of("first"));
+    wire::encode(s, wire::op::unwatch, 0, {}, {});
     seeds.push_back(s);
     std::vector<std::byte> r = bytes({0, 1, 5});
     wire::encode(r, wire::op::ok, 1, {}, wire::encode_limits(small_limits()));
@@ -284,6 +289,10 @@ int main(int argc, char** argv) {
     seeds.push_back(raw);
   }
   seeds.push_back(bytes({1, 0x12, 1, 0, 0, 3, 0x02, 4, 1, 200, 0, 0x02, 2, 1, 80, 1, 2, 3}));
+  // watches: one goes silent past its limit, one closes, one leaves cleanly
+  seeds.push_back(bytes({1, 0x02, 0, 0, 0, 0, 0x02, 7, 1, 50, 3, 'r', 'a', 'n', 'k', 0, 0x04, 100,
+                         0x12, 0, 0, 0, 0, 0x12, 7, 1, 0, 2, 'r', '2', 'x', 0, 0x16,
+                         0x22, 0, 0, 0, 0, 0x22, 7, 1, 9, 0, 'q', 0, 0x22, 8, 0, 0, 0, 0x26}));
   fs::create_directories(argv[1]);
   for (std::size_t i = 0; i < seeds.size(); ++i) {
     std::ofstream f(fs::path(argv[1]) / ("seed" + std::to_string(i)), std::ios::binary);

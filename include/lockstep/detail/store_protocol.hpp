@@ -10,11 +10,18 @@
 //!   4  u16 key_len    1..max_key for set/get/add, 0 otherwise
 //!   6  u16 0          reserved
 //!   8  u32 value_len  bounded per op (≤ max_value; a token ≤ 256)
-//!  12  i64 arg        timeout in ms (get, wait), delta (add), version (hello), code (err)
+//!  12  i64 arg        timeout in ms (get, wait), delta (add), version (hello), code (err),
+//!                     flags (set: 1 = only if absent), heartbeat limit in ms (watch)
 //!  20  key, value
 //!  ..  u32 CRC-32 of everything before it
 //! The first request must be `hello` carrying the job token; anything else, a wrong token
 //! or a malformed frame gets one `err` reply and the connection is closed.
+//!
+//! Liveness (protocol 2): a connection may `watch` a key. From then on the server sets that
+//! key (unless some value is there already: the first failure wins) when the connection
+//! closes without an `unwatch` first — the process died — or, when a heartbeat limit was
+//! given, when no request arrived on it for that long — the process is stopped or hung.
+//! The value is the watch's own text (e.g. "rank 3") followed by what happened.
 
 #include <algorithm>
 #include <array>
@@ -38,7 +45,7 @@ namespace lockstep::detail::wire {
 
 inline constexpr std::byte magic0{'L'};
 inline constexpr std::byte magic1{'S'};
-inline constexpr std::int64_t protocol_version = 1;
+inline constexpr std::int64_t protocol_version = 2;
 inline constexpr std::size_t header_bytes = 20;
 inline constexpr std::size_t trailer_bytes = 4;
 inline constexpr std::size_t max_token_bytes = 256;
@@ -53,6 +60,8 @@ enum class op : std::uint8_t {
   add = 4,    //!< key; arg: delta
   wait = 5,   //!< value: key list; arg: timeout ms
   check = 6,  //!< value: key list
+  watch = 7,  //!< key: set on failure; value: who (1..max_message bytes); arg: heartbeat limit ms (0: none)
+  unwatch = 8,  //!< no key, no value: a clean leave, the watch no longer fires
   ok = 0x81,  //!< reply. get: value; add: arg = new total; check: arg = 0/1; hello: limits
   err = 0x82  //!< reply. arg: err_code; value: message text
 };
@@ -67,7 +76,7 @@ enum class err_code : std::int64_t {
   busy = 7        //!< the server has max_connections open; closed
 };
 
-inline bool is_request(op o) { return o >= op::hello && o <= op::check; }
+inline bool is_request(op o) { return o >= op::hello && o <= op::unwatch; }
 inline bool is_reply(op o) { return o == op::ok || o == op::err; }
 
 struct frame {
@@ -229,7 +238,7 @@ class frame_parser {
     if (head_[3] != std::byte{0} || load_le<std::uint16_t>(head_.data() + 6) != 0)
       return fail(0, "reserved header bytes are not zero"), false;
     if (replies_ ? !is_reply(type) : !is_request(type)) return fail(0, "unknown op"), false;
-    const bool keyed = type == op::set || type == op::get || type == op::add;
+    const bool keyed = type == op::set || type == op::get || type == op::add || type == op::watch;
     if (keyed ? (key_len == 0 || key_len > lim_.max_key_bytes) : key_len != 0)
       return fail(0, "key length out of bounds"), false;
     std::size_t max_value = 0;
@@ -239,10 +248,14 @@ class frame_parser {
       case op::wait:
       case op::check: max_value = lim_.max_value_bytes; break;
       case op::ok: max_value = std::max<std::size_t>(lim_.max_value_bytes, 24); break;
-      case op::err: max_value = max_message_bytes; break;
+      case op::err:
+      case op::watch: max_value = max_message_bytes; break;
       default: max_value = 0; break;
     }
     if (value_len > max_value) return fail(0, "value length exceeds the limit"), false;
+    if (type == op::watch && value_len == 0) return fail(0, "a watch without its text"), false;
+    if (type == op::set && arg != 0 && arg != 1) return fail(0, "unknown set flags"), false;
+    if (type == op::watch && arg < 0) return fail(0, "negative heartbeat limit"), false;
     if ((type == op::wait || type == op::check) && value_len < 4) return fail(0, "empty key list"), false;
     if ((type == op::get || type == op::wait) && arg < 0) return fail(0, "negative timeout"), false;
     frame_.type = type;
@@ -312,6 +325,8 @@ class store_engine {
     auto it = conns_.find(id);
     if (it == conns_.end()) return;
     unpark(it->second, id);
+    if (it->second.watched)
+      fire(it->second, "left: its connection to the store closed before it finished (the process exited or was killed)");
     conns_.erase(it);
   }
 
@@ -354,6 +369,9 @@ class store_engine {
         log_.push_back("closed the connection from " + c.peer + ": no hello with the job token in time");
         c.closing = true;
       }
+      if (c.watched && c.watch_limit.count() > 0 && c.last_seen + c.watch_limit <= now)
+        fire(c, "stopped responding: no heartbeat for " + seconds_text(c.watch_limit) +
+                    " (the process is stopped, hung or cut off)");
     }
     drain(now);
   }
@@ -363,6 +381,8 @@ class store_engine {
     for (const auto& [id, c] : conns_) {
       if (c.parked && (!t || c.deadline < *t)) t = c.deadline;
       if (!c.authed && !c.closing && (!t || c.auth_deadline < *t)) t = c.auth_deadline;
+      if (c.watched && c.watch_limit.count() > 0 && (!t || c.last_seen + c.watch_limit < *t))
+        t = c.last_seen + c.watch_limit;
     }
     return t;
   }
@@ -405,6 +425,10 @@ class store_engine {
     std::vector<std::string> keys;
     std::size_t cursor = 0;  // keys[..cursor) are known to exist
     clock::time_point deadline{};
+    bool watched = false;  // op::watch: set watch_key if this connection dies or goes silent
+    std::string watch_key, watch_who;
+    std::chrono::milliseconds watch_limit{0};
+    clock::time_point last_seen{};
   };
 
   void drain(clock::time_point now) {
@@ -425,6 +449,7 @@ class store_engine {
         reply_err(c, err_code::malformed, std::string("malformed frame: ") + c.parser.error());
         c.closing = true;
       } else if (c.parser.status() == frame_parser::state::ready) {
+        c.last_seen = now;
         handle(c, id, c.parser.take(), now);
       }
     }
@@ -465,6 +490,7 @@ class store_engine {
     switch (f.type) {
       case op::set: {
         auto it = values_.find(f.key);
+        if (f.arg == 1 && it != values_.end()) return reply_ok(c, 0);  // only if absent: it is not
         const std::size_t old = it == values_.end() ? 0 : it->first.size() + it->second.size();
         const std::size_t now_total = total_ - old + f.key.size() + f.value.size();
         if (now_total > lim_.max_total_bytes) {
@@ -475,10 +501,19 @@ class store_engine {
         total_ = now_total;
         if (it == values_.end()) values_.emplace(f.key, std::move(f.value));
         else it->second = std::move(f.value);
-        reply_ok(c, 0);
+        reply_ok(c, 1);
         wake(f.key, now);
         return;
       }
+      case op::watch:
+        c.watched = true;
+        c.watch_key = std::move(f.key);
+        c.watch_who.assign(reinterpret_cast<const char*>(f.value.data()), f.value.size());
+        c.watch_limit = std::chrono::milliseconds(std::min<std::int64_t>(f.arg, 86'400'000));
+        return reply_ok(c, 0);
+      case op::unwatch:
+        c.watched = false;
+        return reply_ok(c, 0);
       case op::get: {
         auto it = values_.find(f.key);
         if (it != values_.end()) return reply_ok(c, 0, it->second);
@@ -550,6 +585,23 @@ class store_engine {
       auto it = conns_.find(id);
       if (it != conns_.end() && it->second.parked) advance(it->second, id);
     }
+  }
+
+  //! A watched connection died or went silent: set its key, unless a failure is there already.
+  void fire(conn& c, const std::string& what) {
+    c.watched = false;
+    const std::string text = c.watch_who + " " + what;
+    log_.push_back(text);
+    if (values_.find(c.watch_key) != values_.end()) return;
+    const std::size_t bytes = c.watch_key.size() + text.size();
+    if (total_ + bytes > lim_.max_total_bytes) {
+      log_.push_back("could not record it under " + printable_key(c.watch_key) + ": the store is full");
+      return;
+    }
+    total_ += bytes;
+    values_.emplace(c.watch_key, std::vector<std::byte>(reinterpret_cast<const std::byte*>(text.data()),
+                                                        reinterpret_cast<const std::byte*>(text.data()) + text.size()));
+    wake(c.watch_key, {});
   }
 
   void unpark(conn& c, conn_id id) {
