@@ -1,0 +1,352 @@
+// Watchdog (lockstep/watchdog.hpp) with real processes: each rank is a forked child with its
+// own Watchdog; rank 0's child hosts the TcpStore, as under run(Processes). One rank is
+// killed with SIGKILL, stopped with SIGSTOP, or fails on its own; the others must learn which
+// rank and what happened, within the bounds measured here. The rank, the world size and the
+// timeout are random per run (the seed is printed).
+#include <doctest/doctest.h>
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <lockstep/store.hpp>
+#include <lockstep/tcp_store.hpp>
+#include <lockstep/watchdog.hpp>
+
+#include "test_util.hpp"
+
+using namespace std::chrono_literals;
+using clk = std::chrono::steady_clock;
+
+namespace {
+
+// Child exit codes.
+constexpr int got_expected = 10;  // on_failure ran with a text containing the expected words
+constexpr int got_other = 11;     // ... with another text
+constexpr int got_nothing = 12;   // no failure within the child's patience
+constexpr int clean_exit = 0;
+
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+struct job {
+  int world = 3;
+  int port = 0;
+  std::string token;
+  lockstep::watchdog_options opt;
+};
+
+//! What one rank's child does once its Watchdog runs. `failed` is set by on_failure.
+struct rank_env {
+  int rank;
+  lockstep::TcpStore& store;
+  lockstep::Watchdog& dog;
+  std::function<std::optional<std::string>(std::chrono::milliseconds)> wait_failure;
+};
+
+struct child {
+  pid_t pid = -1;
+  int status = -1;
+  double exited_after = -1;  // seconds from the parent's mark
+};
+
+//! Forks `world` children running body(rank_env) → exit code; each writes one byte to the
+//! ready pipe once its Watchdog runs. Returns when all are ready.
+std::vector<child> start(const job& j, const std::function<int(rank_env&)>& body,
+                         const lockstep::Watchdog::poll_fn& poll_for_rank0 = {}, int poll_rank = -1,
+                         bool react = true) {
+  int ready[2];
+  REQUIRE(::pipe(ready) == 0);
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::vector<child> kids(static_cast<std::size_t>(j.world));
+  for (int r = 0; r < j.world; ++r) {
+    const pid_t pid = ::fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+      ::close(ready[0]);
+      int rc = 1;
+      try {
+        lockstep::TcpStore store("127.0.0.1", j.port, r == 0, j.world, j.token, 20s);
+        std::mutex m;
+        std::condition_variable cv;
+        std::optional<std::string> why;
+        lockstep::Watchdog dog(
+            "127.0.0.1", j.port, r, j.world, j.token,
+            [&](const std::string& w) {
+              if (!react) return;  // a rank whose main thread never notices
+              std::lock_guard lk(m);
+              why = w;
+              cv.notify_all();
+            },
+            r == poll_rank ? poll_for_rank0 : lockstep::Watchdog::poll_fn{}, j.opt);
+        rank_env env{r, store, dog, [&](std::chrono::milliseconds patience) {
+                       std::unique_lock lk(m);
+                       cv.wait_for(lk, patience, [&] { return why.has_value(); });
+                       return why;
+                     }};
+        const char b = 1;
+        if (::write(ready[1], &b, 1) != 1) ::_exit(3);
+        rc = body(env);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "rank %d: %s\n", r, e.what());
+        rc = 2;
+      }
+      std::fflush(stderr);
+      ::_exit(rc);
+    }
+    kids[static_cast<std::size_t>(r)].pid = pid;
+  }
+  ::close(ready[1]);
+  int n = 0;
+  char b;
+  while (n < j.world && ::read(ready[0], &b, 1) == 1) ++n;
+  ::close(ready[0]);
+  REQUIRE_MESSAGE(n == j.world, "only " << n << " of " << j.world << " ranks started");
+  return kids;
+}
+
+//! Waits for every child still running (at most `limit`); times are from `mark`.
+void reap(std::vector<child>& kids, clk::time_point mark, std::chrono::seconds limit) {
+  const auto deadline = clk::now() + limit;
+  while (clk::now() < deadline) {
+    bool left = false;
+    for (auto& k : kids) {
+      if (k.status != -1) continue;
+      int st = 0;
+      if (::waitpid(k.pid, &st, WNOHANG) == k.pid) {
+        k.status = st;
+        k.exited_after = std::chrono::duration<double>(clk::now() - mark).count();
+      } else {
+        left = true;
+      }
+    }
+    if (!left) return;
+    std::this_thread::sleep_for(5ms);
+  }
+  for (auto& k : kids)
+    if (k.status == -1) {
+      ::kill(k.pid, SIGKILL);
+      ::waitpid(k.pid, &k.status, 0);
+      FAIL_CHECK("a rank was still running after ", limit.count(), " s");
+    }
+}
+
+int exit_code(const child& k) { return WIFEXITED(k.status) ? WEXITSTATUS(k.status) : 128 + WTERMSIG(k.status); }
+
+//! Survivors wait for the failure and check it names `expect`.
+int expect_failure(rank_env& e, const std::string& expect) {
+  const auto why = e.wait_failure(30s);
+  if (!why) return got_nothing;
+  std::fprintf(stderr, "rank %d was told: %s\n", e.rank, why->c_str());
+  return why->find(expect) != std::string::npos ? got_expected : got_other;
+}
+
+job random_job(std::mt19937_64& rng) {
+  job j;
+  j.world = 3 + static_cast<int>(rng() % 3);  // 3..5
+  j.port = free_port();
+  j.token = "job-" + std::to_string(rng());
+  j.opt.period = 50ms;
+  j.opt.timeout = std::chrono::milliseconds(1500 + rng() % 1000);
+  j.opt.grace = 0ms;
+  return j;
+}
+
+}  // namespace
+
+TEST_SUITE("cpu") {
+
+TEST_CASE("Watchdog: a rank killed with SIGKILL is named on every other rank within a second") {
+  const auto seed = lockstep_test::fresh_seed();
+  CAPTURE(seed);
+  std::mt19937_64 rng(seed);
+  job j = random_job(rng);
+  const int victim = 1 + static_cast<int>(rng() % static_cast<unsigned>(j.world - 1));
+  CAPTURE(j.world);
+  CAPTURE(victim);
+  const std::string expect = "rank " + std::to_string(victim) + " left";
+  auto kids = start(j, [&](rank_env& e) {
+    if (e.rank == victim) {
+      std::this_thread::sleep_for(60s);
+      return 0;
+    }
+    return expect_failure(e, expect);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100 + rng() % 300));
+  const auto mark = clk::now();
+  REQUIRE(::kill(kids[static_cast<std::size_t>(victim)].pid, SIGKILL) == 0);
+  reap(kids, mark, 40s);
+  for (int r = 0; r < j.world; ++r) {
+    CAPTURE(r);
+    const auto& k = kids[static_cast<std::size_t>(r)];
+    if (r == victim) {
+      CHECK(exit_code(k) == 128 + SIGKILL);
+      continue;
+    }
+    CHECK(exit_code(k) == got_expected);
+    CHECK(k.exited_after < 1.0);  // the store notices the closed connection at once
+    MESSAGE("rank ", r, " knew after ", k.exited_after, " s");
+  }
+}
+
+TEST_CASE("Watchdog: a stopped rank is named after the timeout - not before") {
+  const auto seed = lockstep_test::fresh_seed();
+  CAPTURE(seed);
+  std::mt19937_64 rng(seed);
+  job j = random_job(rng);
+  const int victim = 1 + static_cast<int>(rng() % static_cast<unsigned>(j.world - 1));
+  CAPTURE(j.world);
+  CAPTURE(victim);
+  const std::string expect = "rank " + std::to_string(victim) + " stopped responding";
+  auto kids = start(j, [&](rank_env& e) {
+    if (e.rank == victim) {
+      std::this_thread::sleep_for(60s);
+      return 0;
+    }
+    return expect_failure(e, expect);
+  });
+  const auto mark = clk::now();
+  REQUIRE(::kill(kids[static_cast<std::size_t>(victim)].pid, SIGSTOP) == 0);
+  std::vector<child> survivors;
+  for (int r = 0; r < j.world; ++r)
+    if (r != victim) survivors.push_back(kids[static_cast<std::size_t>(r)]);
+  reap(survivors, mark, 40s);
+  ::kill(kids[static_cast<std::size_t>(victim)].pid, SIGKILL);
+  ::kill(kids[static_cast<std::size_t>(victim)].pid, SIGCONT);
+  ::waitpid(kids[static_cast<std::size_t>(victim)].pid, nullptr, 0);
+  const double t = std::chrono::duration<double>(j.opt.timeout).count();
+  for (const auto& k : survivors) {
+    CHECK(exit_code(k) == got_expected);
+    // The last heartbeat came at most one period before the stop.
+    CHECK(k.exited_after > t - 0.1);
+    CHECK(k.exited_after < t + 1.5);
+    MESSAGE("timeout ", t, " s: a survivor knew after ", k.exited_after, " s");
+  }
+}
+
+TEST_CASE("Watchdog: a failure found by one rank's poll reaches every rank with its text") {
+  const auto seed = lockstep_test::fresh_seed();
+  CAPTURE(seed);
+  std::mt19937_64 rng(seed);
+  job j = random_job(rng);
+  const int victim = static_cast<int>(rng() % static_cast<unsigned>(j.world));
+  const int polls = 3 + static_cast<int>(rng() % 10);
+  const std::string text = "rank " + std::to_string(victim) + ": disk " + std::to_string(rng() % 1000) + " is full";
+  CAPTURE(victim);
+  std::atomic<int> n{0};
+  auto poll = [&]() -> std::optional<std::string> {
+    if (++n < polls) return std::nullopt;
+    return text;
+  };
+  auto kids = start(j, [&](rank_env& e) { return expect_failure(e, text); }, poll, victim);
+  reap(kids, clk::now(), 40s);
+  for (const auto& k : kids) CHECK(exit_code(k) == got_expected);
+}
+
+TEST_CASE("Watchdog: rank 0 - the store's host - killed is named by the others") {
+  const auto seed = lockstep_test::fresh_seed();
+  CAPTURE(seed);
+  std::mt19937_64 rng(seed);
+  job j = random_job(rng);
+  auto kids = start(j, [&](rank_env& e) {
+    if (e.rank == 0) {
+      std::this_thread::sleep_for(60s);
+      return 0;
+    }
+    return expect_failure(e, "rank 0 left");
+  });
+  const auto mark = clk::now();
+  REQUIRE(::kill(kids[0].pid, SIGKILL) == 0);
+  reap(kids, mark, 40s);
+  CHECK(exit_code(kids[0]) == 128 + SIGKILL);
+  for (std::size_t r = 1; r < kids.size(); ++r) {
+    CHECK(exit_code(kids[r]) == got_expected);
+    CHECK(kids[r].exited_after < 1.0);
+  }
+}
+
+TEST_CASE("Watchdog: a clean finish in any order reports nothing") {
+  const auto seed = lockstep_test::fresh_seed();
+  CAPTURE(seed);
+  std::mt19937_64 rng(seed);
+  job j = random_job(rng);
+  std::vector<int> work_ms;
+  for (int r = 0; r < j.world; ++r) work_ms.push_back(static_cast<int>(rng() % 700));
+  auto kids = start(j, [&](rank_env& e) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(work_ms[static_cast<std::size_t>(e.rank)]));
+    e.dog.stop();  // a clean leave, then the job's last barrier (rank 0 hosts the store)
+    lockstep::barrier(e.store, "finished");
+    return e.dog.failure() ? got_other : clean_exit;
+  });
+  reap(kids, clk::now(), 40s);
+  for (const auto& k : kids) CHECK(exit_code(k) == clean_exit);
+}
+
+TEST_CASE("Watchdog: a rank whose main thread never returns is ended after the grace period") {
+  const auto seed = lockstep_test::fresh_seed();
+  CAPTURE(seed);
+  std::mt19937_64 rng(seed);
+  job j = random_job(rng);
+  j.opt.grace = std::chrono::milliseconds(500 + rng() % 1000);
+  const int victim = 1 + static_cast<int>(rng() % static_cast<unsigned>(j.world - 1));
+  auto kids = start(
+      j,
+      [&](rank_env& e) {
+        std::this_thread::sleep_for(60s);  // never looks at the failure
+        (void)e;
+        return got_nothing;
+      },
+      {}, -1, /*react=*/false);
+  const auto mark = clk::now();
+  REQUIRE(::kill(kids[static_cast<std::size_t>(victim)].pid, SIGKILL) == 0);
+  reap(kids, mark, 40s);
+  const double g = std::chrono::duration<double>(j.opt.grace).count();
+  for (int r = 0; r < j.world; ++r) {
+    if (r == victim) continue;
+    const auto& k = kids[static_cast<std::size_t>(r)];
+    CHECK(exit_code(k) == 1);
+    CHECK(k.exited_after > g);
+    CHECK(k.exited_after < g + 1.5);
+  }
+}
+
+TEST_CASE("Watchdog: bad options and an unreachable store are clear errors") {
+  lockstep::watchdog_options bad;
+  bad.period = 0ms;
+  CHECK_THROWS_AS(lockstep::Watchdog("127.0.0.1", 1, 1, 2, "t", [](const std::string&) {}, {}, bad),
+                  lockstep::config_error);
+  CHECK_THROWS_AS(lockstep::Watchdog("127.0.0.1", 1, 1, 2, "t", {}), lockstep::config_error);
+  lockstep::watchdog_options quick;
+  quick.timeout = 600ms;
+  CHECK_THROWS_WITH_AS(lockstep::Watchdog("127.0.0.1", free_port(), 1, 2, "t", [](const std::string&) {}, {}, quick),
+                       doctest::Contains("could not connect"), lockstep::timeout_error);
+}
+
+}  // TEST_SUITE
