@@ -34,13 +34,16 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstddef>
 #include <cstdio>
+#include <deque>
 #include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -262,7 +265,7 @@ class NcclComm {
     require(recv, "recv", "all_reduce");
     const ncclDataType_t nt = to_nccl(t);
     const ncclRedOp_t nop = reduction(s, op);
-    return issue(s, [&](cudaStream_t cs) {
+    return issue(s, 0, count, t, [&](cudaStream_t cs) {
       LOCKSTEP_TRY_NCCL(ncclAllReduce(send, recv, count, nt, nop, s.comm, cs));
     });
   }
@@ -277,7 +280,7 @@ class NcclComm {
     if (count == 0) return {};
     require(buf, "buf", "broadcast");
     const ncclDataType_t nt = to_nccl(t);
-    return issue(s, [&](cudaStream_t cs) {
+    return issue(s, 1, count, t, [&](cudaStream_t cs) {
       LOCKSTEP_TRY_NCCL(ncclBroadcast(buf, buf, count, nt, root, s.comm, cs));
     });
   }
@@ -291,7 +294,7 @@ class NcclComm {
     require(send, "send", "all_gather");
     require(recv, "recv", "all_gather");
     const ncclDataType_t nt = to_nccl(t);
-    return issue(s, [&](cudaStream_t cs) {
+    return issue(s, 2, count, t, [&](cudaStream_t cs) {
       LOCKSTEP_TRY_NCCL(ncclAllGather(send, recv, count, nt, s.comm, cs));
     });
   }
@@ -306,7 +309,7 @@ class NcclComm {
     require(recv, "recv", "reduce_scatter");
     const ncclDataType_t nt = to_nccl(t);
     const ncclRedOp_t nop = reduction(s, op);
-    return issue(s, [&](cudaStream_t cs) {
+    return issue(s, 3, count, t, [&](cudaStream_t cs) {
       LOCKSTEP_TRY_NCCL(ncclReduceScatter(send, recv, count, nt, nop, s.comm, cs));
     });
   }
@@ -351,6 +354,41 @@ class NcclComm {
   }
   bool aborted() const noexcept { return s_ && s_->aborted.load(std::memory_order_acquire); }
 
+  //! From now on remember when each collective was issued, so that overdue() can tell a
+  //! collective that never completes (a peer died, hangs, or issued something else) from
+  //! one that is merely slow. Costs one event record per collective. Collectives captured
+  //! into a CUDA graph are not tracked.
+  void track_collectives() { live("track_collectives").tracking = true; }
+
+  //! With track_collectives(): a description of the oldest collective still running after
+  //! `limit`, else nothing. Safe to call from another thread (a watchdog) while this rank
+  //! issues collectives.
+  std::optional<std::string> overdue(std::chrono::milliseconds limit) const {
+    if (!s_ || s_->aborted.load(std::memory_order_acquire)) return std::nullopt;
+    state& s = *s_;
+    detail::device_guard g(s.device, std::nothrow);
+    std::lock_guard lk(s.track_m);
+    while (!s.pending.empty()) {
+      const cudaError_t q = cudaEventQuery(s.pending.front().event);
+      if (q == cudaErrorNotReady) break;
+      if (q != cudaSuccess)
+        return "rank " + std::to_string(s.rank) + ": the GPU failed: " + cudaGetErrorString(q);
+      s.spare.push_back(s.pending.front().event);
+      s.pending.pop_front();
+    }
+    if (s.pending.empty()) return std::nullopt;
+    const auto& p = s.pending.front();
+    const auto age = std::chrono::steady_clock::now() - p.issued;
+    if (age < limit) return std::nullopt;
+    static const char* const names[] = {"all_reduce", "broadcast", "all_gather", "reduce_scatter"};
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(age).count();
+    return "rank " + std::to_string(s.rank) + ": " + names[p.kind] + " #" + std::to_string(p.seq) + " of " +
+           std::to_string(p.count) + " " + name_of(p.type) + " has not completed " + std::to_string(ms / 1000) +
+           "." + std::to_string(ms % 1000 / 100) +
+           " s after it was issued: a peer never issued it (it died, hangs, or called a different "
+           "collective; LOCKSTEP_DEBUG=1 checks the order)";
+  }
+
  private:
   struct adopt_tag {};
 
@@ -372,6 +410,20 @@ class NcclComm {
     bool check_order = false;
     std::uint64_t seq = 0;
     std::int64_t* debug_buf = nullptr;  // size × 6 int64 on the device
+    // track_collectives(): markers of collectives in flight, oldest first.
+    struct tracked {
+      cudaEvent_t event;
+      std::chrono::steady_clock::time_point issued;
+      std::uint64_t seq;
+      int kind;
+      std::size_t count;
+      dtype type;
+    };
+    std::uint64_t issued = 0;
+    bool tracking = false;
+    std::mutex track_m;
+    std::deque<tracked> pending;
+    std::vector<cudaEvent_t> spare;
 
     state() = default;
     state(const state&) = delete;
@@ -387,6 +439,8 @@ class NcclComm {
       if (barrier_buf != nullptr) (void)cudaFree(barrier_buf);
       if (debug_buf != nullptr) (void)cudaFree(debug_buf);
       if (ready != nullptr) (void)cudaEventDestroy(ready);
+      for (const auto& p : pending) (void)cudaEventDestroy(p.event);
+      for (cudaEvent_t e : spare) (void)cudaEventDestroy(e);
       // Streams with queued work are released once it completes (cudaStreamDestroy).
       if (comm_stream != nullptr) (void)cudaStreamDestroy(comm_stream);
       if (own_compute != nullptr) (void)cudaStreamDestroy(own_compute);
@@ -519,14 +573,38 @@ class NcclComm {
   }
 
   template <class Call>
-  work issue(state& s, Call&& call) {
+  work issue(state& s, int kind, std::size_t count, dtype t, Call&& call) {
     detail::device_guard g(s.device);
     LOCKSTEP_TRY_CUDA(cudaEventRecord(s.ready, s.compute));
     LOCKSTEP_TRY_CUDA(cudaStreamWaitEvent(s.comm_stream, s.ready, 0));
     work w(s.events, s.events->acquire(), s.compute);  // returns the event if we throw below
     call(s.comm_stream);
     LOCKSTEP_TRY_CUDA(cudaEventRecord(w.event_, s.comm_stream));
+    const std::uint64_t seq = s.issued++;
+    if (s.tracking) track(s, seq, kind, count, t);
     return w;
+  }
+
+  // track_collectives(): a marker event after each collective, with its issue time. Not
+  // while the stream is being captured into a graph (a marker would join the capture).
+  static void track(state& s, std::uint64_t seq, int kind, std::size_t count, dtype t) {
+    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    LOCKSTEP_TRY_CUDA(cudaStreamIsCapturing(s.comm_stream, &cap));
+    if (cap != cudaStreamCaptureStatusNone) return;
+    std::lock_guard lk(s.track_m);
+    cudaEvent_t e = nullptr;
+    if (!s.spare.empty()) {
+      e = s.spare.back();
+      s.spare.pop_back();
+    } else {
+      LOCKSTEP_TRY_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    }
+    const cudaError_t r = cudaEventRecord(e, s.comm_stream);
+    if (r != cudaSuccess) {
+      s.spare.push_back(e);
+      detail::check_cuda(r, "cudaEventRecord(marker, comm_stream)", __FILE__, __LINE__);
+    }
+    s.pending.push_back({e, std::chrono::steady_clock::now(), seq, kind, count, t});
   }
 
   std::unique_ptr<state> s_;

@@ -9,14 +9,23 @@
 //!   lockstep-run --nproc 4 ./train            # or: torchrun --no-python --nproc-per-node 4 ./train
 //!   lockstep::run(lockstep::Processes{}, [&](lockstep::context<lockstep::NcclComm>& ctx) {...});
 //!
-//! A rank whose body throws prints the error, aborts its communicator (so peers blocked in
-//! NCCL are released) and rethrows: the process exits non-zero and the launcher stops the rest.
+//! Failures. A Watchdog (lockstep/watchdog.hpp) runs beside the body: it aborts this rank's
+//! communicator — so the body's next call throws instead of hanging — when
+//!  - another rank's process died (its store connection closed; e.g. kill -9): at once;
+//!  - another rank stopped responding (no heartbeat for LOCKSTEP_TIMEOUT);
+//!  - another rank's body threw (it reports its error first);
+//!  - NCCL reports an asynchronous error (ncclCommGetAsyncError) on this rank;
+//!  - a collective of this rank has not completed LOCKSTEP_TIMEOUT after it was issued.
+//! The text names the rank and the cause, on every rank. A rank whose body throws prints the
+//! error, reports it, aborts its communicator and rethrows: the process exits non-zero. A
+//! rank stuck outside lockstep's calls is ended 5 s after the failure (exit status 1).
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -30,6 +39,7 @@
 #include "lockstep/store.hpp"
 #include "lockstep/tcp_store.hpp"
 #include "lockstep/version.hpp"
+#include "lockstep/watchdog.hpp"
 
 namespace lockstep {
 
@@ -117,6 +127,21 @@ void run(Processes mode, Body&& body) {
     std::memcpy(&id, bytes.data(), sizeof id);
   }
   context<NcclComm> ctx(NcclComm(id, info.rank, info.world, device), info.local_rank, device);
+  const auto limit = store.timeout();
+  ctx.comm().track_collectives();
+  // Declared after ctx: it stops (joins its thread) before the communicator is destroyed.
+  Watchdog dog(
+      store.host(), store.port(), info.rank, info.world, info.job_token,
+      [&ctx](const std::string& why) { ctx.comm().abort(why); },
+      [&ctx, limit, rank = info.rank]() -> std::optional<std::string> {
+        try {
+          ctx.comm().check_async_error();
+        } catch (const std::exception& e) {
+          return "rank " + std::to_string(rank) + ": NCCL reported an asynchronous error: " + e.what();
+        }
+        return ctx.comm().overdue(limit);
+      },
+      watchdog_options{.timeout = limit});
   try {
     body(ctx);
     LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(ctx.comm().compute_stream()));
@@ -124,9 +149,14 @@ void run(Processes mode, Body&& body) {
   } catch (const std::exception& e) {
     std::fprintf(stderr, "lockstep: rank %d failed: %s\n", info.rank, e.what());
     std::fflush(stderr);
+    dog.report("rank " + std::to_string(info.rank) + " failed: " + e.what());
     ctx.comm().abort(std::string("rank ") + std::to_string(info.rank) + " failed");
+    dog.stop();
     throw;
   }
+  dog.stop();
+  if (auto why = dog.failure())  // the body finished, but a peer did not: do not wait for it
+    throw aborted_error("rank " + std::to_string(info.rank) + " finished, but the job failed: " + *why);
   // Rank 0 hosts the store: nobody leaves before everyone is done with it.
   barrier(store, "lockstep/finished");
 }
