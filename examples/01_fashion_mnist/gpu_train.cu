@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -20,6 +21,8 @@
 #include <lockstep/cuda/fused_optimizers.cuh>
 #include <lockstep/cuda/nccl_comm.cuh>
 #include <lockstep/cuda/run_gpus.cuh>
+#include <lockstep/cuda/run_processes.cuh>
+#include <lockstep/metrics.hpp>
 #include <lockstep/seeding.hpp>
 #include <lockstep/sgd.hpp>
 
@@ -286,6 +289,19 @@ bool check_gpu_model(int device, const dataset& data, const options& opt) {
 void train_on_gpus(const std::vector<int>& devices, const options& opt, const training_plan& plan,
                    const dataset& data, final_result& result) {
   lockstep::run(lockstep::Gpus{devices}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
+    GpuTrainer trainer(ctx.device(), ctx.comm().compute_stream(), data, opt.seed, plan.per_rank);
+    train_rank(ctx, trainer, opt, plan, data, result);
+  });
+}
+
+void train_as_gpu_process(const options& opt, const dataset& data,
+                          const std::function<training_plan(const process_rank&)>& start,
+                          final_result& result, process_rank& me) {
+  lockstep::run(lockstep::Processes{}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
+    std::int64_t hosts = ctx.local_rank() == 0 ? 1 : 0;
+    lockstep::all_reduce_scalars(ctx.comm(), std::span<std::int64_t>(&hosts, 1), lockstep::reduce_op::sum);
+    me = process_rank{ctx.rank(), ctx.size(), static_cast<long long>(hosts), ctx.device()};
+    const training_plan plan = start(me);
     GpuTrainer trainer(ctx.device(), ctx.comm().compute_stream(), data, opt.seed, plan.per_rank);
     train_rank(ctx, trainer, opt, plan, data, result);
   });

@@ -2,7 +2,7 @@
 // host or many. The same training loop (fmnist::train_rank), model and CPU trainer as example
 // 01; only how the ranks are started and connected differs.
 //
-//   cmake -S . -B build && cmake --build build --target distributed_fashion_mnist   # needs MPI
+//   cmake -S . -B build && cmake --build build --target distributed_fashion_mnist   # MPI and/or CUDA
 //   mpirun -np 4 ./build/examples/02_distributed/distributed_fashion_mnist --epochs 5
 //   mpirun -np 2 ./build/examples/02_distributed/distributed_fashion_mnist --smoke
 //   srun --ntasks 8 --ntasks-per-node 4 ./distributed_fashion_mnist      # across hosts (Slurm)
@@ -17,15 +17,20 @@
 // distributed: counts all-reduced through the communicator) and a final parameter checksum
 // that every rank's must equal.
 //
-// The mode comes from the launcher: under mpirun or srun, CPU ranks over MPI (MpiComm). One
-// process per GPU (lockstep-run --nproc 4 / torchrun --no-python --nproc-per-node 4) is the
-// same body under lockstep::run(lockstep::Processes{}) with NcclComm; this build does not
-// contain that path yet (it needs a CUDA translation unit and example 01's GPU trainer) and
-// says so. Without a launcher it prints the launch lines. See docs/example_distributed.md and
-// docs/multinode.md.
+// The mode comes from the launcher: under mpirun or srun, CPU ranks over MPI (MpiComm), with
+// lockstep::Distributed<Mlp, MpiComm>. Under lockstep-run or torchrun (or with RANK,
+// WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set by hand), one process per GPU:
+// lockstep::run(lockstep::Processes{}) with NcclComm and example 01's GPU trainer
+// (gpu_train.cu), i.e. Distributed<gpu::Mlp, NcclComm>. A build without MPI or without CUDA
+// says which line it cannot serve. Without a launcher it prints the launch lines. See
+// docs/example_distributed.md and docs/multinode.md.
+//
+//   lockstep-run --nproc 4 ./distributed_fashion_mnist --epochs 5              # 4 GPUs
+//   torchrun --no-python --nproc-per-node 4 ./distributed_fashion_mnist        # the same
 //
 // Exit status: 0 done, 1 error (bad data, checkpoint, ranks that disagree, a launcher this
-// build cannot serve), 2 bad command line or no launcher, 77 data not installed (ctest: skip).
+// build cannot serve, a lost rank), 2 bad command line or no launcher, 77 data not installed
+// or fewer GPUs than processes on this host (ctest: skip).
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -44,11 +49,14 @@
 #include <lockstep/error.hpp>
 #include <lockstep/launch_env.hpp>
 #include <lockstep/metrics.hpp>
+#if defined(DIST_WITH_MPI)
 #include <lockstep/mpi_comm.hpp>
 #include <lockstep/run_mpi.hpp>
+#endif
 
 #include "../01_fashion_mnist/cpu_trainer.hpp"
 #include "../01_fashion_mnist/fashion_mnist.hpp"
+#include "../01_fashion_mnist/gpu_train.hpp"  // plain C++: the GPU path's entry point
 #include "../01_fashion_mnist/idx.hpp"
 
 namespace {
@@ -57,6 +65,8 @@ constexpr const char* usage =
     "usage: distributed_fashion_mnist [options], started once per rank by a launcher:\n"
     "  mpirun -np N distributed_fashion_mnist [options]        CPU ranks over MPI\n"
     "  srun --ntasks N distributed_fashion_mnist [options]     the same under Slurm\n"
+    "  lockstep-run --nproc N distributed_fashion_mnist [...]  one process per GPU (NCCL)\n"
+    "  torchrun --no-python --nproc-per-node N distributed_fashion_mnist [...]  the same\n"
     "options (as in example 01):\n"
     "  --data DIR          directory with {train,t10k}-{images-idx3,labels-idx1}-ubyte.gz\n"
     "                      (default /usr/share/datasets/fashion-mnist), readable by every rank\n"
@@ -90,6 +100,38 @@ bool mpi_launched(const std::optional<lockstep::launch_info>& l) {
   return std::getenv("PMI_RANK") != nullptr || std::getenv("PMIX_RANK") != nullptr;
 }
 
+#if defined(DIST_WITH_MPI)
+constexpr bool with_mpi = true;
+#else
+constexpr bool with_mpi = false;
+#endif
+#if defined(DIST_WITH_GPUS)
+constexpr bool with_gpus = true;
+#else
+constexpr bool with_gpus = false;
+#endif
+constexpr const char* built_lines = with_mpi && with_gpus ? "all three lines"
+                                    : with_mpi            ? "the mpirun (or srun) line"
+                                                          : "the lockstep-run and torchrun lines";
+
+// Rank 0's header: the data, the ranks, the plan.
+void announce(const fmnist::process_rank& me, bool gpus, const fmnist::options& opt, const fmnist::dataset& data,
+              const fmnist::training_plan& plan, double load_s) {
+  const int epochs = *opt.epochs;
+  std::printf("Fashion-MNIST: %zu train / %zu test images from %s (loaded in %.2f s)\n", data.train.size,
+              data.test.size, opt.data.string().c_str(), load_s);
+  std::printf("%d %s (%s on %lld host%s), global batch %zu (%zu per rank), %d epoch%s, SGD lr %.4g momentum "
+              "%.2f, warmup %llu steps + cosine decay\n",
+              me.ranks, gpus ? (me.ranks == 1 ? "GPU rank" : "GPU ranks") : (me.ranks == 1 ? "CPU rank" : "CPU ranks"),
+              gpus ? "one process per GPU, NCCL" : "MPI processes", me.hosts, me.hosts == 1 ? "" : "s", plan.global,
+              plan.per_rank, epochs, epochs == 1 ? "" : "s", plan.peak_lr, opt.momentum,
+              static_cast<unsigned long long>(opt.warmup));
+  if (plan.global != opt.batch)
+    std::printf("note: --batch %zu is not a multiple of %d ranks; using %zu (lr scaled to match)\n", opt.batch,
+                me.ranks, plan.global);
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -117,31 +159,49 @@ int main(int argc, char** argv) {
 
   // 2. Who started us. Every rank decides alike (same variables), so each prints its own
   //    message: with mpirun a rank that exits first may end the others before they print.
+  //    mpirun/srun: CPU ranks over MPI. lockstep-run/torchrun (or the variables set by hand):
+  //    one process per GPU.
   std::optional<lockstep::launch_info> launch;
+  int visible_gpus = 0;
   try {
-    launch = lockstep::detect().launcher;
+    const auto env = lockstep::detect();
+    launch = env.launcher;
+    visible_gpus = static_cast<int>(env.gpus.size());
   } catch (const lockstep::error& e) {
     std::cerr << "distributed_fashion_mnist: error: " << e.what() << "\n";
     return 1;
   }
-  if (!mpi_launched(launch)) {
-    if (!launch) {
-      std::cerr << "distributed_fashion_mnist: no launcher started this process; it runs as one "
-                   "process per rank. Start it with one of:\n"
-                << launch_lines(prog)
-                << "This build runs the mpirun (or srun) line; for ranks as threads of one "
-                   "process use example 01 (fashion_mnist --ranks 4).\n";
-      return 2;
-    }
-    std::cerr << "distributed_fashion_mnist: error: started by " << launch->launcher << " as rank "
-              << launch->rank << " of " << launch->world
-              << ". Outside MPI, one process per rank is the GPU path (lockstep::run("
-                 "lockstep::Processes{}) with NcclComm), which this build of example 02 does not "
-                 "have yet; its CPU ranks need MPI: start it with `mpirun -np "
-              << launch->world << " " << prog
-              << "`, or use example 01 (fashion_mnist --device gpu) for the GPUs of one host. "
-                 "See docs/example_distributed.md.\n";
+  const bool on_mpi = mpi_launched(launch);
+  if (!launch && !on_mpi) {
+    std::cerr << "distributed_fashion_mnist: no launcher started this process; it runs as one "
+                 "process per rank. Start it with one of:\n"
+              << launch_lines(prog) << "This build runs " << built_lines
+              << "; for ranks as threads of one process use example 01 (fashion_mnist --ranks 4).\n";
+    return 2;
+  }
+  if (on_mpi && !with_mpi) {
+    std::cerr << "distributed_fashion_mnist: error: started by an MPI launcher, but this build has no "
+                 "MPI part (lockstep::mpi); start it with lockstep-run --nproc N (one process per GPU), "
+                 "or install MPI and rebuild\n";
     return 1;
+  }
+  if (!on_mpi) {
+    if (!with_gpus) {
+      std::cerr << "distributed_fashion_mnist: error: started by " << launch->launcher << " as rank "
+                << launch->rank << " of " << launch->world
+                << ". Outside MPI, one process per rank is the GPU path (lockstep::run("
+                   "lockstep::Processes{}) with NcclComm), which this build does not have (no "
+                   "lockstep::cuda); its CPU ranks need MPI: start it with `mpirun -np "
+                << launch->world << " " << prog << "`. See docs/example_distributed.md.\n";
+      return 1;
+    }
+    if (launch->local_world > visible_gpus) {  // before any rank waits for the others
+      std::cerr << "[lockstep-skip] distributed_fashion_mnist: rank " << launch->rank << ": "
+                << launch->local_world << " processes on this host need as many GPUs; "
+                << visible_gpus << " visible. Start at most one process per GPU (lockstep-run --nproc "
+                << visible_gpus << ")\n";
+      return 77;
+    }
   }
 
   // 3. The data: every process decodes its own copy (≈ 55 MB for all of Fashion-MNIST).
@@ -159,54 +219,61 @@ int main(int argc, char** argv) {
   fmnist::make_table(data);
   const double load_s = fmnist::seconds_since(t_start);
 
-  // 4. The SPMD body, once in this process. A rank that throws ends the whole job
-  //    (run(Mpi{}) prints "lockstep: rank r failed: ..." and calls MPI_Abort).
-  int exit_code = 0;
-  lockstep::run(lockstep::Mpi{}, [&](lockstep::context<lockstep::MpiComm>& ctx) {
-    const int ranks = ctx.size();
-    if (launch && launch->world != ranks)
-      throw lockstep::config_error(
-          launch->launcher + " says the job has " + std::to_string(launch->world) +
-          " processes but MPI_COMM_WORLD has " + std::to_string(ranks) +
-          ": this process was not started by the MPI launcher it sees (e.g. run directly in an "
-          "sbatch script: start it with srun or mpirun)");
-    // Hosts: the ranks with local rank 0 (from the launcher, else MPI's shared-memory split).
-    std::int64_t hosts = ctx.local_rank() == 0 ? 1 : 0;
-    lockstep::all_reduce_scalars(ctx.comm(), std::span<std::int64_t>(&hosts, 1), lockstep::reduce_op::sum);
-    const fmnist::training_plan plan = fmnist::make_plan(opt, data.train.size, ranks, false);
-    const int epochs = *opt.epochs;
-    if (ctx.is_root()) {
-      std::printf("Fashion-MNIST: %zu train / %zu test images from %s (loaded in %.2f s)\n",
-                  data.train.size, data.test.size, opt.data.string().c_str(), load_s);
-      std::printf("%d CPU rank%s (MPI processes on %lld host%s), global batch %zu (%zu per rank), "
-                  "%d epoch%s, SGD lr %.4g momentum %.2f, warmup %llu steps + cosine decay\n",
-                  ranks, ranks == 1 ? "" : "s", static_cast<long long>(hosts), hosts == 1 ? "" : "s",
-                  plan.global, plan.per_rank, epochs, epochs == 1 ? "" : "s", plan.peak_lr,
-                  opt.momentum, static_cast<unsigned long long>(opt.warmup));
-      if (plan.global != opt.batch)
-        std::printf("note: --batch %zu is not a multiple of %d ranks; using %zu (lr scaled to match)\n",
-                    opt.batch, ranks, plan.global);
-      std::fflush(stdout);
+  // 4. The SPMD body, once in this process. A rank that throws ends the whole job: under MPI,
+  //    run(Mpi{}) prints "lockstep: rank r failed: ..." and calls MPI_Abort; on GPUs,
+  //    run(Processes{}) reports it to the other ranks, whose watchdogs stop them too.
+  fmnist::final_result result;
+  fmnist::process_rank me;
+  auto t_train = std::chrono::steady_clock::now();
+  // Once the communicator is up, on every rank: the plan, printed by rank 0.
+  auto start = [&](const fmnist::process_rank& who) {
+    me = who;
+    const fmnist::training_plan plan = fmnist::make_plan(opt, data.train.size, who.ranks, !on_mpi);
+    if (who.rank == 0) announce(who, !on_mpi, opt, data, plan, load_s);
+    t_train = std::chrono::steady_clock::now();
+    return plan;
+  };
+  try {
+    if (on_mpi) {
+#if defined(DIST_WITH_MPI)
+      lockstep::run(lockstep::Mpi{}, [&](lockstep::context<lockstep::MpiComm>& ctx) {
+        const int ranks = ctx.size();
+        if (launch && launch->world != ranks)
+          throw lockstep::config_error(
+              launch->launcher + " says the job has " + std::to_string(launch->world) +
+              " processes but MPI_COMM_WORLD has " + std::to_string(ranks) +
+              ": this process was not started by the MPI launcher it sees (e.g. run directly in an "
+              "sbatch script: start it with srun or mpirun)");
+        // Hosts: the ranks with local rank 0 (from the launcher, else MPI's shared-memory split).
+        std::int64_t hosts = ctx.local_rank() == 0 ? 1 : 0;
+        lockstep::all_reduce_scalars(ctx.comm(), std::span<std::int64_t>(&hosts, 1), lockstep::reduce_op::sum);
+        const fmnist::training_plan plan = start({ctx.rank(), ranks, static_cast<long long>(hosts), -1});
+        fmnist::CpuTrainer trainer(data, opt.seed);
+        // train_rank wraps the model with make_data_parallel(ctx, model): with a context<MpiComm>
+        // that is lockstep::Distributed<fmnist::Mlp, lockstep::MpiComm>.
+        static_assert(std::is_same_v<decltype(lockstep::make_data_parallel(ctx, trainer.model())),
+                                     lockstep::Distributed<fmnist::Mlp, lockstep::MpiComm>>);
+        fmnist::train_rank(ctx, trainer, opt, plan, data, result);
+      });
+#endif
+    } else {
+#if defined(DIST_WITH_GPUS)
+      // lockstep::run(Processes{}) with NcclComm: Distributed<gpu::Mlp, NcclComm> (gpu_train.cu).
+      fmnist::train_as_gpu_process(opt, data, start, result, me);
+#endif
     }
-
-    fmnist::final_result result;
-    const auto t_train = std::chrono::steady_clock::now();
-    fmnist::CpuTrainer trainer(data, opt.seed);
-    // train_rank wraps the model with make_data_parallel(ctx, model): with a context<MpiComm>
-    // that is lockstep::Distributed<fmnist::Mlp, lockstep::MpiComm>.
-    static_assert(std::is_same_v<decltype(lockstep::make_data_parallel(ctx, trainer.model())),
-                                 lockstep::Distributed<fmnist::Mlp, lockstep::MpiComm>>);
-    fmnist::train_rank(ctx, trainer, opt, plan, data, result);
-
-    if (ctx.is_root()) {
-      std::printf("final: test accuracy %.2f%% after %d epoch%s | %.1f s training | parameters "
-                  "fnv1a 0x%016llx (%s)\n",
-                  100.0 * result.accuracy, result.epochs_run, result.epochs_run == 1 ? "" : "s",
-                  fmnist::seconds_since(t_train), static_cast<unsigned long long>(result.checksum),
-                  result.ranks_agree ? "identical on all ranks" : "RANKS DIFFER");
-      std::fflush(stdout);
-      if (!result.ranks_agree) exit_code = 1;
-    }
-  });
-  return exit_code;
+  } catch (const std::exception& e) {
+    // run() printed "lockstep: rank r failed: ..." already when the body threw.
+    std::cerr << "distributed_fashion_mnist: rank " << (launch ? launch->rank : me.rank) << " stops: " << e.what()
+              << "\n";
+    return 1;
+  }
+  if (me.rank != 0) return 0;
+  std::printf("final: test accuracy %.2f%% after %d epoch%s | %.1f s training | parameters "
+              "fnv1a 0x%016llx (%s)\n",
+              100.0 * result.accuracy, result.epochs_run, result.epochs_run == 1 ? "" : "s",
+              fmnist::seconds_since(t_train), static_cast<unsigned long long>(result.checksum),
+              result.ranks_agree ? "identical on all ranks" : "RANKS DIFFER");
+  std::fflush(stdout);
+  return result.ranks_agree ? 0 : 1;
 }

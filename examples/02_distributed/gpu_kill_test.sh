@@ -1,0 +1,158 @@
+#!/usr/bin/env bash
+# Failure test of example 02's GPU path (ctest example_02_distributed_gpu_kill, label
+# multigpu): one process per GPU, started BY HAND (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+# MASTER_PORT, LOCKSTEP_JOB_TOKEN), so no launcher stops the survivors: lockstep's watchdog
+# must. NP = min(3, GPUs) processes.
+#
+#   gpu_kill_test.sh WORK EXE LOCKSTEP_RUN
+#
+# 1. straight: NP ranks under lockstep-run, E epochs, uninterrupted → reference checksum.
+# 2. kill:     the same started by hand with --checkpoint; once the first checkpoint exists,
+#              kill -9 rank 1. Every survivor must exit non-zero within 5 s, saying
+#              "rank 1 left". The time each took is printed.
+# 3. resume:   lockstep-run --resume from that checkpoint ends on the straight run's parameters.
+# 4. stop:     started by hand again, then SIGSTOP rank 1: every survivor must exit non-zero
+#              within LOCKSTEP_TIMEOUT + 5 s, saying "rank 1 stopped responding".
+# 5. rank 0:   kill -9 rank 0 (it hosts the store): the others exit non-zero within 5 s, saying
+#              "rank 0 left".
+# Exit 0 pass, 1 fail, 77 skip (fewer than 2 GPUs, or Fashion-MNIST not installed).
+set -u
+if [ $# -lt 3 ]; then
+  echo "usage: gpu_kill_test.sh WORK EXE LOCKSTEP_RUN" >&2
+  exit 1
+fi
+work=$1 exe=$2 lr=$3
+
+data=/usr/share/datasets/fashion-mnist
+for f in train-images-idx3-ubyte.gz train-labels-idx1-ubyte.gz t10k-images-idx3-ubyte.gz t10k-labels-idx1-ubyte.gz; do
+  [ -r "$data/$f" ] || { echo "SKIPPED: $data/$f is missing (Debian package dataset-fashion-mnist)"; exit 77; }
+done
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+[ "$gpus" -ge 2 ] || { echo "[lockstep-skip] needs 2 GPUs, found $gpus"; exit 77; }
+np=$(( gpus < 3 ? gpus : 3 ))
+
+timeout_s=30           # LOCKSTEP_TIMEOUT of the straight, kill and resume runs
+stop_timeout_s=8       # LOCKSTEP_TIMEOUT of the stop run (it always waits it out)
+kill_limit_s=5         # survivors of a kill -9 must be gone by then
+epochs=8
+args=(--data "$data" --epochs "$epochs" --progress 0)
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+
+rm -rf "$work" && mkdir -p "$work" || exit 1
+pids=()
+stopped=
+cleanup() {
+  [ -n "$stopped" ] && kill -CONT "$stopped" 2>/dev/null
+  for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null; done
+}
+trap cleanup EXIT
+fail() {
+  echo "FAIL: $*" >&2
+  for f in "$work"/*.log; do [ -f "$f" ] && { echo "--- $f"; tail -n 15 "$f"; }; done >&2
+  exit 1
+}
+now() { echo "$EPOCHREALTIME"; }
+elapsed() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", b - a }'; }
+less_than() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a < b) }'; }
+final_checksum() { sed -n 's/^\(\[0\] \)\{0,1\}final: .*parameters fnv1a \(0x[0-9a-f]*\) (identical on all ranks)$/\2/p' "$1"; }
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])' 2>/dev/null || echo $((20000 + RANDOM % 20000)); }
+
+# Starts NP ranks by hand (logs $1.R.log, LOCKSTEP_TIMEOUT $2, then options); sets pids.
+start_by_hand() {
+  local name=$1 t=$2
+  shift 2
+  local port token r
+  port=$(free_port)
+  token="kill-test-$RANDOM$RANDOM"
+  pids=()
+  for ((r = 0; r < np; r++)); do
+    RANK=$r WORLD_SIZE=$np LOCAL_RANK=$r LOCAL_WORLD_SIZE=$np MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+      LOCKSTEP_JOB_TOKEN=$token LOCKSTEP_TIMEOUT=$t "$exe" "${args[@]}" "$@" >"$work/$name.$r.log" 2>&1 &
+    pids+=($!)
+  done
+}
+wait_for_file() {
+  local deadline=$((SECONDS + 120))
+  while [ ! -e "$1" ]; do
+    for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null || fail "a rank ended before $1 existed"; done
+    [ $SECONDS -lt $deadline ] || fail "no $1 after 120 s"
+    sleep 0.01
+  done
+}
+# Waits for every rank but $1 (at most $2 s); checks each exited non-zero within $2 s of T0
+# and that its output contains $3. Prints the times.
+check_survivors() {
+  local victim=$1 limit=$2 expect=$3 r p rc t
+  for ((r = 0; r < np; r++)); do
+    [ "$r" -eq "$victim" ] && continue
+    p=${pids[$r]}
+    while kill -0 "$p" 2>/dev/null; do
+      less_than "$(elapsed "$T0" "$(now)")" "$((limit + 20))" || fail "rank $r still runs $((limit + 20)) s after the failure"
+      sleep 0.01
+    done
+    t=$(elapsed "$T0" "$(now)")
+    wait "$p"
+    rc=$?
+    echo "  rank $r exited $rc after $t s: $(grep -m1 -o "lockstep: rank $r stops: .\{0,110\}" "$work/$NAME.$r.log")"
+    [ "$rc" -ne 0 ] || fail "rank $r exited 0 after rank $victim was lost"
+    less_than "$t" "$limit" || fail "rank $r took $t s to exit (limit $limit s)"
+    grep -q "$expect" "$work/$NAME.$r.log" || fail "rank $r's output does not say '$expect'"
+  done
+}
+
+# --- 1. straight ---------------------------------------------------------------------------
+LOCKSTEP_TIMEOUT=$timeout_s "$lr" --nproc "$np" "$exe" "${args[@]}" >"$work/straight.log" 2>&1
+rc=$?
+[ $rc -eq 77 ] && { echo "SKIPPED:"; cat "$work/straight.log"; exit 77; }
+[ $rc -eq 0 ] || fail "the uninterrupted run exited $rc"
+straight=$(final_checksum "$work/straight.log")
+[ -n "$straight" ] || fail "the uninterrupted run has no agreeing final line"
+echo "straight: $epochs epochs on $np GPU processes, parameters $straight"
+
+# --- 2. kill -9 rank 1 after the first checkpoint ------------------------------------------
+NAME=kill
+start_by_hand kill "$timeout_s" --checkpoint "$work/ck"
+wait_for_file "$work/ck"
+T0=$(now)
+kill -KILL "${pids[1]}"
+wait "${pids[1]}" 2>/dev/null
+echo "kill -9 of rank 1 (pid ${pids[1]}):"
+check_survivors 1 "$kill_limit_s" "rank 1 left"
+grep -q "epoch $epochs/$epochs" "$work/kill.0.log" && fail "the killed run finished all epochs; the kill came too late"
+pids=()
+
+# --- 3. resume from the last checkpoint ------------------------------------------------------
+cp "$work/ck" "$work/ck.killed"
+LOCKSTEP_TIMEOUT=$timeout_s "$lr" --nproc "$np" "$exe" "${args[@]}" --resume "$work/ck.killed" >"$work/resume.log" 2>&1
+rc=$?
+[ $rc -eq 0 ] || fail "the resumed run exited $rc"
+done_epochs=$(sed -n 's/^\(\[0\] \)\{0,1\}resumed from .*: \([0-9]*\) epochs\{0,1\} done.*/\2/p' "$work/resume.log")
+[ -n "$done_epochs" ] || fail "the resumed run did not load the checkpoint"
+resumed=$(final_checksum "$work/resume.log")
+[ "$resumed" = "$straight" ] || fail "resumed parameters '$resumed' != uninterrupted $straight"
+echo "resume: checkpoint after $done_epochs epoch(s); epochs $((done_epochs + 1))-$epochs end on $resumed = the uninterrupted run"
+
+# --- 4. SIGSTOP rank 1 ----------------------------------------------------------------------
+NAME=stop
+start_by_hand stop "$stop_timeout_s" --checkpoint "$work/ck2"
+wait_for_file "$work/ck2"
+T0=$(now)
+kill -STOP "${pids[1]}" && stopped=${pids[1]}
+echo "SIGSTOP of rank 1 (LOCKSTEP_TIMEOUT=$stop_timeout_s):"
+check_survivors 1 "$((stop_timeout_s + 5))" "rank 1 stopped responding"
+kill -KILL "$stopped"; kill -CONT "$stopped" 2>/dev/null; wait "$stopped" 2>/dev/null; stopped=
+pids=()
+
+# --- 5. kill -9 rank 0, the store's host ------------------------------------------------------
+NAME=kill0
+start_by_hand kill0 "$timeout_s" --checkpoint "$work/ck3"
+wait_for_file "$work/ck3"
+T0=$(now)
+kill -KILL "${pids[0]}"
+wait "${pids[0]}" 2>/dev/null
+echo "kill -9 of rank 0:"
+check_survivors 0 "$kill_limit_s" "rank 0 left"
+pids=()
+
+echo "PASS: kill -9 / SIGSTOP / kill -9 of rank 0 all ended the job; resume == uninterrupted ($straight)"
+exit 0
