@@ -268,13 +268,19 @@ int main(int argc, char** argv) {
   try {
     std::string shapes_path = "bench/data/gpt2_124m_shapes.txt";
     int iters = 30, max_gpus = 0;
+    std::string only = "abc";  // which benchmarks: a slow (socket) network wants fewer
     for (int i = 1; i < argc; ++i) {
       std::string a = argv[i];
       if (a == "--shapes" && i + 1 < argc) shapes_path = argv[++i];
       else if (a == "--iters" && i + 1 < argc) iters = std::stoi(argv[++i]);
       else if (a == "--gpus" && i + 1 < argc) max_gpus = std::stoi(argv[++i]);
-      else { std::fprintf(stderr, "usage: bench_sync [--shapes FILE] [--iters N] [--gpus N]\n"); return 2; }
+      else if (a == "--only" && i + 1 < argc) only = argv[++i];
+      else {
+        std::fprintf(stderr, "usage: bench_sync [--shapes FILE] [--iters N] [--gpus N] [--only abc]\n");
+        return 2;
+      }
     }
+    const auto wanted = [&](char b) { return only.find(b) != std::string::npos; };
     int visible = 0;
     LOCKSTEP_TRY_CUDA(cudaGetDeviceCount(&visible));
     if (max_gpus <= 0 || max_gpus > visible) max_gpus = visible;
@@ -287,12 +293,13 @@ int main(int argc, char** argv) {
     // All benchmarks for the given GPU counts (in Distributed mode: the launcher's world).
     auto all = [&](const std::vector<int>& counts) {
 
-    for (int g : counts) if (g > 1) { bench_a<float>(gpt2, g, iters, "fp32"); bench_a<__nv_bfloat16>(gpt2, g, iters, "bf16"); }
+    if (wanted('a'))
+      for (int g : counts) if (g > 1) { bench_a<float>(gpt2, g, iters, "fp32"); bench_a<__nv_bfloat16>(gpt2, g, iters, "bf16"); }
 
     // b. GPT-2-small step ≈ 26 ms on one GPU: forward 1/3, backward 2/3 with time ∝ tensor
     // size. The tied wte/lm_head: its big matmul comes first in backward (no gradient final
     // yet), its embedding part last — wte's gradient is final only at the very end.
-    {
+    if (wanted('b')) {
       std::size_t total = 0;
       for (auto& s : gpt2) total += s.numel();
       std::vector<double> fwd(12, 8700.0 / 12), bwd(gpt2.size());
@@ -305,13 +312,17 @@ int main(int argc, char** argv) {
       for (int g : counts) {
         double t = train_step_time<__nv_bfloat16>(gpt2, g, iters, head, fwd, bwd);
         if (g == 1) one = t;
-        if (g_print) std::printf("b  bf16 %d GPU  step %7.3f ms  exposed %6.3f ms (%5.2f%% of step)  scaling %.1f%%\n",
-                    g, t, t - one, 100.0 * (t - one) / t, 100.0 * one / t);
+        if (!g_print) continue;
+        if (one > 0)
+          std::printf("b  bf16 %d GPU  step %7.3f ms  exposed %6.3f ms (%5.2f%% of step)  scaling %.1f%%\n", g, t,
+                      t - one, 100.0 * (t - one) / t, 100.0 * one / t);
+        else  // Distributed mode: the 1-GPU step comes from a DataParallel run of the same machine
+          std::printf("b  bf16 %d GPU  step %7.3f ms\n", g, t);
       }
     }
     // c. comm-bound MLP: 8 × (4096×4096 weight + 4096 bias); small per-layer compute; bucket
     // caps swept (DDP's 25 MiB default first).
-    {
+    if (wanted('c')) {
       std::vector<shape> mlp;
       for (int l = 0; l < 8; ++l) {
         mlp.push_back({"l" + std::to_string(l) + ".weight", {4096, 4096}});
@@ -323,9 +334,14 @@ int main(int argc, char** argv) {
       for (std::size_t i = 0; i < mlp.size(); i += 2) bwd[i] = 140.0;
       for (int pass = 0; pass < 2; ++pass) {
         const char* tn = pass == 0 ? "fp32" : "bf16";
-        double one = pass == 0 ? train_step_time<float>(mlp, 1, iters, 0, fwd, bwd)
-                               : train_step_time<__nv_bfloat16>(mlp, 1, iters, 0, fwd, bwd);
-        if (g_print) std::printf("c  %s 1 GPU  step %7.3f ms\n", tn, one);
+        // In Distributed mode every process is a rank of one job: no 1-GPU run here (it comes
+        // from a DataParallel run of the same machine).
+        double one = 0;
+        if (!g_process_ctx) {
+          one = pass == 0 ? train_step_time<float>(mlp, 1, iters, 0, fwd, bwd)
+                          : train_step_time<__nv_bfloat16>(mlp, 1, iters, 0, fwd, bwd);
+          if (g_print) std::printf("c  %s 1 GPU  step %7.3f ms\n", tn, one);
+        }
         for (int g : counts) {
           if (g == 1) continue;
           double flat = pass == 0 ? flat_time<float>(total, g, iters) : flat_time<__nv_bfloat16>(total, g, iters);
@@ -341,8 +357,12 @@ int main(int argc, char** argv) {
             lockstep::BucketPolicy bp{.first_bytes = std::size_t{1} << 20, .cap_bytes = cap_mib << 20};
             double t = pass == 0 ? train_step_time<float>(mlp, g, iters, 0, fwd, bwd, bp)
                                  : train_step_time<__nv_bfloat16>(mlp, g, iters, 0, fwd, bwd, bp);
-            if (g_print) std::printf("c  %s %d GPU  cap %3zu MiB  step %7.3f ms  (1 GPU %6.3f ms, flat all-reduce alone %6.3f ms, "
-                        "scaling %.1f%%)\n", tn, g, cap_mib, t, one, flat, 100.0 * one / t);
+            if (g_print && one > 0)
+              std::printf("c  %s %d GPU  cap %3zu MiB  step %7.3f ms  (1 GPU %6.3f ms, flat all-reduce alone %6.3f ms, "
+                          "scaling %.1f%%)\n", tn, g, cap_mib, t, one, flat, 100.0 * one / t);
+            else if (g_print)
+              std::printf("c  %s %d GPU  cap %3zu MiB  step %7.3f ms  (flat all-reduce alone %6.3f ms)\n", tn, g, cap_mib,
+                          t, flat);
           }
         }
       }

@@ -570,6 +570,50 @@ TEST_SUITE("multigpu") {
     }
   }
 
+  TEST_CASE("NcclComm: overdue() names a collective a peer never issued and abort() releases its waiter") {
+    LOCKSTEP_REQUIRE_GPUS(2);
+    using namespace std::chrono_literals;
+    auto comms = NcclComm::create_local(first_devices(2));
+    for (auto& c : comms) c.track_collectives();
+    std::random_device rd;
+    const std::size_t n = 1 + rd() % 100000;
+    CAPTURE(n);
+    // Matched collectives complete: nothing is overdue, even with a zero limit.
+    on_ranks(2, [&](int r) {
+      auto& c = comms[static_cast<std::size_t>(r)];
+      auto buf = c.memory().allocate(n * sizeof(float));
+      c.all_reduce(buf.get(), buf.get(), n, dtype::f32, reduce_op::sum).synchronize();
+    });
+    CHECK_FALSE(comms[0].overdue(0ms).has_value());
+    CHECK_FALSE(comms[1].overdue(0ms).has_value());
+    // Rank 0 issues a second all_reduce that rank 1 never joins.
+    auto buf0 = comms[0].memory().allocate(n * sizeof(float));
+    auto w = comms[0].all_reduce(buf0.get(), buf0.get(), n, dtype::f32, reduce_op::sum);
+    std::this_thread::sleep_for(400ms);
+    CHECK_FALSE(w.query());
+    CHECK_FALSE(comms[0].overdue(30s).has_value());  // not yet past a long limit
+    const auto why = comms[0].overdue(300ms);
+    REQUIRE(why.has_value());
+    CAPTURE(*why);
+    CHECK(why->find("rank 0: all_reduce #1 of " + std::to_string(n) + " f32 has not completed") != std::string::npos);
+    CHECK_FALSE(comms[1].overdue(0ms).has_value());
+    // A thread blocked on it (as a training loop would be) is released by abort().
+    std::atomic<bool> released{false};
+    std::thread waiter([&] {
+      try {
+        w.synchronize();
+      } catch (const std::exception&) {
+      }
+      released = true;
+    });
+    comms[0].abort(*why);
+    comms[1].abort("test: the peer of an aborted rank");
+    for (int i = 0; i < 2000 && !released; ++i) std::this_thread::sleep_for(10ms);
+    CHECK(released.load());
+    waiter.join();
+    CHECK(what_of([&] { comms[0].barrier(); }).find("has not completed") != std::string::npos);
+  }
+
   TEST_CASE("NcclComm on all visible GPUs: every collective matches ThreadComm") {
     LOCKSTEP_REQUIRE_GPUS(3);  // with 2 visible, the 2-GPU test already covers it
     check_every_collective(lockstep::test::visible_gpus());
