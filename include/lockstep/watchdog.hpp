@@ -89,7 +89,10 @@ class Watchdog {
   ~Watchdog() { stop(); }
 
   //! This rank failed: tell every rank (unless an earlier failure was reported). Never throws.
+  //! A no-op once this watchdog has seen a failure: that one is the job's cause, and the
+  //! store may be gone with it (rank 0 lost), when reaching it would only wait out a timeout.
   void report(const std::string& what) noexcept {
+    if (failure()) return;
     try {
       std::lock_guard lk(store_m_);
       if (store_) store_->set_if_absent(failure_key, bytes_of(what));
