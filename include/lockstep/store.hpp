@@ -199,6 +199,29 @@ void barrier(S& s, std::string_view name) {
   barrier(s, name, std::chrono::milliseconds(s.timeout()));
 }
 
+//! The job's last barrier, before the process that hosts the store (rank 0 of a TcpStore)
+//! exits. A plain barrier lets its last arriver return while the others may still be on
+//! their way to the server to learn that it is done; if that arriver is the host, they would
+//! find it gone. Here every rank but 0 says it has passed, and rank 0 returns only once all
+//! have: after that nobody needs the store. Bounded by `timeout` like any wait.
+template <store S>
+void final_barrier(S& s, std::string_view name, int rank, std::chrono::milliseconds timeout) {
+  barrier(s, name, timeout);
+  const std::string base = "lockstep/barrier/" + std::string(name) + "/passed/";
+  if (rank != 0) {
+    static constexpr std::byte one[1] = {std::byte{1}};
+    s.set(base + std::to_string(rank), one);
+    return;
+  }
+  std::vector<std::string> keys;
+  for (int r = 1; r < s.world(); ++r) keys.push_back(base + std::to_string(r));
+  if (!keys.empty()) s.wait(keys, timeout);
+}
+template <store S>
+void final_barrier(S& s, std::string_view name, int rank) {
+  final_barrier(s, name, rank, std::chrono::milliseconds(s.timeout()));
+}
+
 //! An in-process store (mutex + condition variable): for tests, for ranks that are
 //! threads of one process, and as the reference the other stores are checked against.
 class HashStore {

@@ -34,6 +34,7 @@
 #include <lockstep/store.hpp>
 #include <lockstep/tcp_store.hpp>
 
+#include "net_util.hpp"
 #include "test_util.hpp"
 
 using namespace std::chrono_literals;
@@ -139,7 +140,7 @@ void scenario(S& s, S& quick, int rank, const scenario_cfg& cfg) {
   lockstep::barrier(s, "overwritten");
   expect(s.get("shared") == value_for(cfg.seed + 7, 3, cfg.cap / 3), "rank " + r + ": overwritten value");
   for (int i = 0; i < 3; ++i) lockstep::barrier(s, "loop");  // reuse of one barrier name
-  lockstep::barrier(s, "end");
+  lockstep::final_barrier(s, "end", rank);  // rank 0 may host the store: it leaves last
 }
 
 //! Runs body(rank) on `world` threads; rethrows the first failure here.
@@ -216,17 +217,7 @@ void reap(std::vector<pid_t> pids, std::chrono::seconds limit) {
 }
 
 //! A port free right now on loopback (for a server that starts after its clients).
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
+using lockstep_test::free_port;
 
 struct temp_dir {
   std::string path;
@@ -279,6 +270,21 @@ std::vector<std::byte> hello_frame(const std::string& token) {
   std::vector<std::byte> b;
   wire::encode(b, wire::op::hello, wire::protocol_version, {}, lockstep::bytes_of(token));
   return b;
+}
+
+//! The replies the engine has queued on `id`, parsed (they must parse) and marked sent.
+std::vector<wire::frame> take_replies(wire::store_engine& e, wire::store_engine::conn_id id,
+                                      wire::store_engine::clock::time_point t) {
+  std::vector<wire::frame> out;
+  wire::frame_parser p(true, lockstep::store_limits{});
+  std::span<const std::byte> in(e.out(id));
+  while (!in.empty()) {
+    in = in.subspan(p.feed(in));
+    REQUIRE(p.status() != wire::frame_parser::state::failed);
+    if (p.status() == wire::frame_parser::state::ready) out.push_back(p.take());
+  }
+  e.sent(id, e.out(id).size(), t);
+  return out;
 }
 
 std::string random_token(std::mt19937_64& rng) {
@@ -457,6 +463,47 @@ TEST_CASE("TcpStore: malformed and oversized frames close only that connection")
   big.pop_back();  // exactly the cap goes through
   client.set("big", big);
   CHECK(server.get("big") == big);
+}
+
+//! A store whose wait() starts late: it widens the window in which a rank has passed a
+//! barrier's counter but not yet asked the server whether the barrier is done.
+template <class S>
+struct late_wait {
+  S& s;
+  std::chrono::milliseconds delay;
+  void set(std::string_view k, std::span<const std::byte> v) { s.set(k, v); }
+  std::vector<std::byte> get(std::string_view k) { return s.get(k); }
+  void wait(const std::vector<std::string>& keys, std::chrono::milliseconds t) {
+    std::this_thread::sleep_for(delay);
+    s.wait(keys, t);
+  }
+  bool check(const std::vector<std::string>& keys) { return s.check(keys); }
+  std::int64_t add(std::string_view k, std::int64_t d) { return s.add(k, d); }
+  int world() const { return s.world(); }
+  std::chrono::milliseconds timeout() const { return s.timeout(); }
+};
+
+TEST_CASE("TcpStore: final_barrier keeps rank 0's server up until every rank has passed") {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  std::mt19937_64 rng(seed);
+  const int world = 2 + static_cast<int>(rng() % 4);
+  const auto delay = std::chrono::milliseconds(200 + rng() % 300);
+  const int port = free_port();
+  std::atomic<int> passed{0};
+  run_threads(world, [&](int r) {
+    if (r == 0) {
+      TcpStore server("127.0.0.1", port, true, world, "t", 10s);
+      std::this_thread::sleep_for(delay);  // arrives last: a plain barrier returns here at once
+      lockstep::final_barrier(server, "end", 0);
+      return;  // the server goes away
+    }
+    TcpStore client("127.0.0.1", port, false, world, "t", 10s);
+    late_wait<TcpStore> slow{client, delay};  // others reach the server's "done" late
+    lockstep::final_barrier(slow, "end", r);
+    ++passed;
+  });
+  CHECK(passed == world - 1);
 }
 
 TEST_CASE("TcpStore: a client with larger limits adopts the server's") {
@@ -694,18 +741,7 @@ TEST_CASE("wire: the server engine parks waits - wakes them - and times them out
   auto b = e.open("b", t);
   REQUIRE(a);
   REQUIRE(b);
-  auto replies = [&](eng::conn_id id) {
-    std::vector<wire::frame> out;
-    wire::frame_parser p(true, lockstep::store_limits{});
-    std::span<const std::byte> in(e.out(id));
-    while (!in.empty()) {
-      in = in.subspan(p.feed(in));
-      REQUIRE(p.status() != wire::frame_parser::state::failed);
-      if (p.status() == wire::frame_parser::state::ready) out.push_back(p.take());
-    }
-    e.sent(id, e.out(id).size(), t);
-    return out;
-  };
+  auto replies = [&](wire::store_engine::conn_id id) { return take_replies(e, id, t); };
   e.receive(*a, hello_frame("tok"), t);
   e.receive(*b, hello_frame("tok"), t);
   CHECK(replies(*a).at(0).type == wire::op::ok);
@@ -758,18 +794,7 @@ TEST_CASE("wire: a watched connection that closes or goes silent sets its key on
   std::mt19937_64 rng(seed);
   eng e("tok", lockstep::store_limits{}, 8, 1s);
   auto t = eng::clock::time_point{} + 1000h;
-  auto replies = [&](eng::conn_id id) {
-    std::vector<wire::frame> out;
-    wire::frame_parser p(true, lockstep::store_limits{});
-    std::span<const std::byte> in(e.out(id));
-    while (!in.empty()) {
-      in = in.subspan(p.feed(in));
-      REQUIRE(p.status() != wire::frame_parser::state::failed);
-      if (p.status() == wire::frame_parser::state::ready) out.push_back(p.take());
-    }
-    e.sent(id, e.out(id).size(), t);
-    return out;
-  };
+  auto replies = [&](wire::store_engine::conn_id id) { return take_replies(e, id, t); };
   auto request = [&](eng::conn_id id, wire::op o, std::int64_t arg, std::string_view key, std::string_view value) {
     std::vector<std::byte> f;
     wire::encode(f, o, arg, key, lockstep::bytes_of(value));

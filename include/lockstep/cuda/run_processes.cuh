@@ -157,8 +157,8 @@ void run(Processes mode, Body&& body) {
   dog.stop();
   if (auto why = dog.failure())  // the body finished, but a peer did not: do not wait for it
     throw aborted_error("rank " + std::to_string(info.rank) + " finished, but the job failed: " + *why);
-  // Rank 0 hosts the store: nobody leaves before everyone is done with it.
-  barrier(store, "lockstep/finished");
+  // Rank 0 hosts the store: it leaves only after everyone is done with it.
+  final_barrier(store, "lockstep/finished", info.rank);
 }
 
 }  // namespace lockstep
