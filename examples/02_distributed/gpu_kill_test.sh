@@ -100,6 +100,17 @@ check_survivors() {
   done
 }
 
+# Starts a run by hand (name $1) with --checkpoint, and once the first checkpoint exists sends
+# signal $2 to rank $3; sets T0 (the signal's time) and NAME (the logs' prefix).
+start_and_signal() {
+  local name=$1 sig=$2 victim=$3
+  NAME=$name
+  start_by_hand "$name" "${RUN_TIMEOUT:-$timeout_s}" --checkpoint "$work/$name.ck"
+  wait_for_file "$work/$name.ck"
+  T0=$(now)
+  kill "-$sig" "${pids[$victim]}"
+}
+
 # --- 1. straight ---------------------------------------------------------------------------
 LOCKSTEP_TIMEOUT=$timeout_s "$lr" --nproc "$np" "$exe" "${args[@]}" >"$work/straight.log" 2>&1
 rc=$?
@@ -110,11 +121,7 @@ straight=$(final_checksum "$work/straight.log")
 echo "straight: $epochs epochs on $np GPU processes, parameters $straight"
 
 # --- 2. kill -9 rank 1 after the first checkpoint ------------------------------------------
-NAME=kill
-start_by_hand kill "$timeout_s" --checkpoint "$work/ck"
-wait_for_file "$work/ck"
-T0=$(now)
-kill -KILL "${pids[1]}"
+start_and_signal kill KILL 1
 wait "${pids[1]}" 2>/dev/null
 echo "kill -9 of rank 1 (pid ${pids[1]}):"
 check_survivors 1 "$kill_limit_s" "rank 1 left"
@@ -122,7 +129,7 @@ grep -q "epoch $epochs/$epochs" "$work/kill.0.log" && fail "the killed run finis
 pids=()
 
 # --- 3. resume from the last checkpoint ------------------------------------------------------
-cp "$work/ck" "$work/ck.killed"
+cp "$work/kill.ck" "$work/ck.killed"
 LOCKSTEP_TIMEOUT=$timeout_s "$lr" --nproc "$np" "$exe" "${args[@]}" --resume "$work/ck.killed" >"$work/resume.log" 2>&1
 rc=$?
 [ $rc -eq 0 ] || fail "the resumed run exited $rc"
@@ -133,22 +140,15 @@ resumed=$(final_checksum "$work/resume.log")
 echo "resume: checkpoint after $done_epochs epoch(s); epochs $((done_epochs + 1))-$epochs end on $resumed = the uninterrupted run"
 
 # --- 4. SIGSTOP rank 1 ----------------------------------------------------------------------
-NAME=stop
-start_by_hand stop "$stop_timeout_s" --checkpoint "$work/ck2"
-wait_for_file "$work/ck2"
-T0=$(now)
-kill -STOP "${pids[1]}" && stopped=${pids[1]}
+RUN_TIMEOUT=$stop_timeout_s start_and_signal stop STOP 1
+stopped=${pids[1]}
 echo "SIGSTOP of rank 1 (LOCKSTEP_TIMEOUT=$stop_timeout_s):"
 check_survivors 1 "$((stop_timeout_s + 5))" "rank 1 stopped responding"
 kill -KILL "$stopped"; kill -CONT "$stopped" 2>/dev/null; wait "$stopped" 2>/dev/null; stopped=
 pids=()
 
 # --- 5. kill -9 rank 0, the store's host ------------------------------------------------------
-NAME=kill0
-start_by_hand kill0 "$timeout_s" --checkpoint "$work/ck3"
-wait_for_file "$work/ck3"
-T0=$(now)
-kill -KILL "${pids[0]}"
+start_and_signal kill0 KILL 0
 wait "${pids[0]}" 2>/dev/null
 echo "kill -9 of rank 0:"
 check_survivors 0 "$kill_limit_s" "rank 0 left"

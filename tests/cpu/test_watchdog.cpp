@@ -9,10 +9,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -30,6 +26,7 @@
 #include <lockstep/tcp_store.hpp>
 #include <lockstep/watchdog.hpp>
 
+#include "net_util.hpp"
 #include "test_util.hpp"
 
 using namespace std::chrono_literals;
@@ -43,17 +40,7 @@ constexpr int got_other = 11;     // ... with another text
 constexpr int got_nothing = 12;   // no failure within the child's patience
 constexpr int clean_exit = 0;
 
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
+using lockstep_test::free_port;
 
 struct job {
   int world = 3;
@@ -168,6 +155,22 @@ int expect_failure(rank_env& e, const std::string& expect) {
   return why->find(expect) != std::string::npos ? got_expected : got_other;
 }
 
+//! Every rank but `idle` waits for a failure naming `expect`; `idle` only sleeps (the test
+//! kills or stops it).
+std::vector<child> start_waiting(const job& j, int idle, const std::string& expect) {
+  return start(j, [idle, expect](rank_env& e) {
+    if (e.rank == idle) {
+      std::this_thread::sleep_for(60s);
+      return 0;
+    }
+    return expect_failure(e, expect);
+  });
+}
+
+int random_peer(std::mt19937_64& rng, const job& j) {  // any rank but 0 (the store's host)
+  return 1 + static_cast<int>(rng() % static_cast<unsigned>(j.world - 1));
+}
+
 job random_job(std::mt19937_64& rng) {
   job j;
   j.world = 3 + static_cast<int>(rng() % 3);  // 3..5
@@ -179,69 +182,56 @@ job random_job(std::mt19937_64& rng) {
   return j;
 }
 
+//! A test's random choices: a fresh seed (CAPTURE it), its generator and a job from it.
+struct scenario {
+  std::uint64_t seed = lockstep_test::fresh_seed();
+  std::mt19937_64 rng{seed};
+  job j = random_job(rng);
+};
+
+//! Starts the job, then sends `sig` to a random rank other than 0 (after a random pause);
+//! every other rank must be told "rank V <what>". Returns the others (reaped, with their exit
+//! times from the signal) and the victim (killed and reaped afterwards).
+std::pair<std::vector<child>, child> lose_a_rank(scenario& sc, int sig, const std::string& what) {
+  const int victim = random_peer(sc.rng, sc.j);
+  INFO("world ", sc.j.world, ", victim rank ", victim);
+  auto kids = start_waiting(sc.j, victim, "rank " + std::to_string(victim) + " " + what);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100 + sc.rng() % 300));
+  child lost = kids[static_cast<std::size_t>(victim)];
+  kids.erase(kids.begin() + victim);
+  const auto mark = clk::now();
+  REQUIRE(::kill(lost.pid, sig) == 0);
+  reap(kids, mark, 40s);
+  if (sig != SIGKILL) {
+    ::kill(lost.pid, SIGKILL);
+    ::kill(lost.pid, SIGCONT);
+  }
+  ::waitpid(lost.pid, &lost.status, 0);
+  return {kids, lost};
+}
+
 }  // namespace
 
 TEST_SUITE("cpu") {
 
 TEST_CASE("Watchdog: a rank killed with SIGKILL is named on every other rank within a second") {
-  const auto seed = lockstep_test::fresh_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
-  job j = random_job(rng);
-  const int victim = 1 + static_cast<int>(rng() % static_cast<unsigned>(j.world - 1));
-  CAPTURE(j.world);
+  scenario sc;
+  CAPTURE(sc.seed);
+  const auto [survivors, victim] = lose_a_rank(sc, SIGKILL, "left");
   CAPTURE(victim);
-  const std::string expect = "rank " + std::to_string(victim) + " left";
-  auto kids = start(j, [&](rank_env& e) {
-    if (e.rank == victim) {
-      std::this_thread::sleep_for(60s);
-      return 0;
-    }
-    return expect_failure(e, expect);
-  });
-  std::this_thread::sleep_for(std::chrono::milliseconds(100 + rng() % 300));
-  const auto mark = clk::now();
-  REQUIRE(::kill(kids[static_cast<std::size_t>(victim)].pid, SIGKILL) == 0);
-  reap(kids, mark, 40s);
-  for (int r = 0; r < j.world; ++r) {
-    CAPTURE(r);
-    const auto& k = kids[static_cast<std::size_t>(r)];
-    if (r == victim) {
-      CHECK(exit_code(k) == 128 + SIGKILL);
-      continue;
-    }
+  CHECK(exit_code(victim) == 128 + SIGKILL);
+  for (const auto& k : survivors) {
     CHECK(exit_code(k) == got_expected);
     CHECK(k.exited_after < 1.0);  // the store notices the closed connection at once
-    MESSAGE("rank ", r, " knew after ", k.exited_after, " s");
+    MESSAGE("a survivor knew after ", k.exited_after, " s");
   }
 }
 
 TEST_CASE("Watchdog: a stopped rank is named after the timeout - not before") {
-  const auto seed = lockstep_test::fresh_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
-  job j = random_job(rng);
-  const int victim = 1 + static_cast<int>(rng() % static_cast<unsigned>(j.world - 1));
-  CAPTURE(j.world);
-  CAPTURE(victim);
-  const std::string expect = "rank " + std::to_string(victim) + " stopped responding";
-  auto kids = start(j, [&](rank_env& e) {
-    if (e.rank == victim) {
-      std::this_thread::sleep_for(60s);
-      return 0;
-    }
-    return expect_failure(e, expect);
-  });
-  const auto mark = clk::now();
-  REQUIRE(::kill(kids[static_cast<std::size_t>(victim)].pid, SIGSTOP) == 0);
-  std::vector<child> survivors;
-  for (int r = 0; r < j.world; ++r)
-    if (r != victim) survivors.push_back(kids[static_cast<std::size_t>(r)]);
-  reap(survivors, mark, 40s);
-  ::kill(kids[static_cast<std::size_t>(victim)].pid, SIGKILL);
-  ::kill(kids[static_cast<std::size_t>(victim)].pid, SIGCONT);
-  ::waitpid(kids[static_cast<std::size_t>(victim)].pid, nullptr, 0);
-  const double t = std::chrono::duration<double>(j.opt.timeout).count();
+  scenario sc;
+  CAPTURE(sc.seed);
+  const auto [survivors, victim] = lose_a_rank(sc, SIGSTOP, "stopped responding");
+  const double t = std::chrono::duration<double>(sc.j.opt.timeout).count();
   for (const auto& k : survivors) {
     CHECK(exit_code(k) == got_expected);
     // The last heartbeat came at most one period before the stop.
@@ -252,10 +242,10 @@ TEST_CASE("Watchdog: a stopped rank is named after the timeout - not before") {
 }
 
 TEST_CASE("Watchdog: a failure found by one rank's poll reaches every rank with its text") {
-  const auto seed = lockstep_test::fresh_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
-  job j = random_job(rng);
+  scenario sc;
+  CAPTURE(sc.seed);
+  auto& rng = sc.rng;
+  job& j = sc.j;
   const int victim = static_cast<int>(rng() % static_cast<unsigned>(j.world));
   const int polls = 3 + static_cast<int>(rng() % 10);
   const std::string text = "rank " + std::to_string(victim) + ": disk " + std::to_string(rng() % 1000) + " is full";
@@ -271,10 +261,10 @@ TEST_CASE("Watchdog: a failure found by one rank's poll reaches every rank with 
 }
 
 TEST_CASE("Watchdog: rank 0 - the store's host - killed is named by the others") {
-  const auto seed = lockstep_test::fresh_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
-  job j = random_job(rng);
+  scenario sc;
+  CAPTURE(sc.seed);
+  auto& rng = sc.rng;
+  job& j = sc.j;
   auto kids = start(j, [&](rank_env& e) {
     if (e.rank == 0) {
       std::this_thread::sleep_for(60s);
@@ -297,16 +287,16 @@ TEST_CASE("Watchdog: rank 0 - the store's host - killed is named by the others")
 }
 
 TEST_CASE("Watchdog: a clean finish in any order reports nothing") {
-  const auto seed = lockstep_test::fresh_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
-  job j = random_job(rng);
+  scenario sc;
+  CAPTURE(sc.seed);
+  auto& rng = sc.rng;
+  job& j = sc.j;
   std::vector<int> work_ms;
   for (int r = 0; r < j.world; ++r) work_ms.push_back(static_cast<int>(rng() % 700));
   auto kids = start(j, [&](rank_env& e) {
     std::this_thread::sleep_for(std::chrono::milliseconds(work_ms[static_cast<std::size_t>(e.rank)]));
     e.dog.stop();  // a clean leave, then the job's last barrier (rank 0 hosts the store)
-    lockstep::barrier(e.store, "finished");
+    lockstep::final_barrier(e.store, "finished", e.rank);
     return e.dog.failure() ? got_other : clean_exit;
   });
   reap(kids, clk::now(), 40s);
@@ -314,12 +304,12 @@ TEST_CASE("Watchdog: a clean finish in any order reports nothing") {
 }
 
 TEST_CASE("Watchdog: a rank whose main thread never returns is ended after the grace period") {
-  const auto seed = lockstep_test::fresh_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
-  job j = random_job(rng);
+  scenario sc;
+  CAPTURE(sc.seed);
+  auto& rng = sc.rng;
+  job& j = sc.j;
   j.opt.grace = std::chrono::milliseconds(500 + rng() % 1000);
-  const int victim = 1 + static_cast<int>(rng() % static_cast<unsigned>(j.world - 1));
+  const int victim = random_peer(rng, j);
   auto kids = start(
       j,
       [&](rank_env& e) {
