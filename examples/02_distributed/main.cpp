@@ -105,7 +105,7 @@ constexpr bool with_mpi = true;
 #else
 constexpr bool with_mpi = false;
 #endif
-#if defined(DIST_WITH_GPUS)
+#if defined(FASHION_MNIST_WITH_GPUS)
 constexpr bool with_gpus = true;
 #else
 constexpr bool with_gpus = false;
@@ -257,7 +257,7 @@ int main(int argc, char** argv) {
       });
 #endif
     } else {
-#if defined(DIST_WITH_GPUS)
+#if defined(FASHION_MNIST_WITH_GPUS)
       // lockstep::run(Processes{}) with NcclComm: Distributed<gpu::Mlp, NcclComm> (gpu_train.cu).
       fmnist::train_as_gpu_process(opt, data, start, result, me);
 #endif
