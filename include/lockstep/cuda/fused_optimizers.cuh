@@ -178,6 +178,15 @@ __global__ void to_master_kernel(const typename kd::elem<T>::bits* src, float* d
     dst[i] = kd::elem<T>::to_acc(src[i]);
 }
 
+//! Reads the 8-byte magic: `with_masters` (true) or `plain` (false); anything else throws.
+inline bool read_magic(lockstep::detail::state_reader& r, const char (&plain)[9],
+                       const char (&with_masters)[9]) {
+  r.need(8);
+  const bool m = std::memcmp(r.in.data() + r.at, with_masters, 8) == 0;
+  r.expect_magic(m ? with_masters : plain);
+  return m;
+}
+
 //! The state both optimizers keep: per parameter `states` buffers (f32, or f64 for f64
 //! parameters), an f32 master for half parameters, and one int64 step counter; all in one
 //! zeroed device allocation.
@@ -284,7 +293,87 @@ class fused_state {
     last_stream_ = s;
   }
 
+  //! One step's launches: for each float type among the slices, the refs make_ref(slice)
+  //! builds, handed to launch(std::type_identity<T>{}, refs).
+  template <int D, class MakeRef, class Launch>
+  void launch_by_type(std::span<const param_slice> slices, MakeRef&& make_ref, Launch&& launch) const {
+    for (dtype t : {dtype::f32, dtype::f64, dtype::f16, dtype::bf16}) {
+      std::vector<stepped_ref<D>> refs;
+      for (const auto& sl : slices)
+        if (sl.type == t && sl.count != 0) refs.push_back(make_ref(sl));
+      if (refs.empty()) continue;
+      kd::visit_float(t, who_, [&]<class T>(std::type_identity<T> tag) { launch(tag, refs); });
+    }
+  }
+
   // ---- checkpoints (synchronous) ----------------------------------------------------------
+  //! The optimizers' blob (the CPU optimizers' layout): magic (`with_masters` when there are
+  //! half parameters), the options put_options(w) writes, u64 slot count, per slot u8 has
+  //! (has_state(step)), u8 state type, u64 count, [i64 step when with_steps], and when it has
+  //! state its `states` buffers; then the masters.
+  template <class PutOptions, class HasState>
+  void save_blob(std::vector<std::byte>& out, const char (&plain)[9], const char (&with_masters)[9], int states,
+                 bool with_steps, PutOptions&& put_options, HasState&& has_state) const {
+    lockstep::detail::device_guard g(device_);
+    wait_idle();
+    const auto steps = download_counters();
+    const bool masters = any_master();
+    lockstep::detail::state_writer w{out};
+    for (char c : std::string_view(masters ? with_masters : plain, 8)) w.put(c);
+    put_options(w);
+    w.put(static_cast<std::uint64_t>(size()));
+    for (std::size_t i = 0; i < size(); ++i) {
+      const bool has = has_state(steps[i]);
+      const meta& m = meta_[i];
+      w.put(static_cast<std::uint8_t>(has ? 1 : 0));
+      w.put(static_cast<std::uint8_t>(has ? state_type(m) : dtype::f32));
+      w.put(static_cast<std::uint64_t>(has ? m.numel : 0));
+      if (with_steps) w.put(static_cast<std::int64_t>(steps[i]));
+      if (!has) continue;
+      for (int k = 0; k < states; ++k) put_state(w, i, k);
+    }
+    if (masters) put_masters(w);
+  }
+
+  //! Reads what save_blob (or the CPU optimizer) wrote. read_options(r) reads and checks the
+  //! options (checkpoint_error when invalid) and returns the state buffers per slot. Without
+  //! steps in the blob, a slot with state counts as stepped once. The state is replaced only
+  //! when the whole blob is good.
+  template <class ReadOptions>
+  void load_blob(std::span<const std::byte> in, const char (&plain)[9], const char (&with_masters)[9], bool with_steps,
+                 ReadOptions&& read_options) {
+    lockstep::detail::device_guard g(device_);
+    wait_idle();
+    lockstep::detail::state_reader r{in, who_};
+    const bool masters_follow = read_magic(r, plain, with_masters);
+    const int states = read_options(r);
+    const auto n = r.get<std::uint64_t>();
+    if (n > size())
+      throw checkpoint_error(std::string(who_) + " state has " + std::to_string(n) + " slots, but the optimizer has " +
+                             std::to_string(size()) + " parameters");
+    std::vector<host_slot> slots;
+    for (std::size_t i = 0; i < n; ++i) {
+      const auto has = r.get<std::uint8_t>();
+      const auto t = static_cast<dtype>(r.get<std::uint8_t>());
+      const auto count = r.get<std::uint64_t>();
+      const std::int64_t step = with_steps ? r.get<std::int64_t>() : 1;
+      if (has > 1 || (t != dtype::f32 && t != dtype::f64) || (has == 1 && states == 0) ||
+          (with_steps && (step < 0 || (has == 1) != (step > 0))))
+        throw checkpoint_error(std::string(who_) + " state slot " + std::to_string(i) +
+                               " has an invalid header; the blob is corrupt");
+      if (!has) continue;
+      check_slot(i, t, count);
+      auto& h = slots.emplace_back();
+      h.index = i;
+      h.step = step;
+      for (int k = 0; k < states; ++k) read_state(r, h, k);
+    }
+    host_masters masters;
+    if (masters_follow) masters = read_masters(r);
+    r.expect_end();
+    commit(states, slots, masters);  // nothing changed before this point if the blob was bad
+  }
+
   void wait_idle() const { LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(last_stream_)); }
   std::vector<std::int64_t> download_counters() const {
     std::vector<std::int64_t> c(meta_.size());
@@ -412,14 +501,6 @@ inline std::vector<param_slice> whole_parameters(const std::vector<parameter>& p
   return out;
 }
 
-inline bool read_magic(lockstep::detail::state_reader& r, const char (&plain)[9],
-                       const char (&with_masters)[9]) {
-  r.need(8);
-  const bool m = std::memcmp(r.in.data() + r.at, with_masters, 8) == 0;
-  r.expect_magic(m ? with_masters : plain);
-  return m;
-}
-
 }  // namespace detail
 
 // ----------------------------------------------------------------------------------------------
@@ -454,24 +535,22 @@ class FusedSgd {
     lockstep::detail::device_guard g(st_.device());
     st_.prepare(slices, s, d_found_inf);
     const bool mom = opt_.momentum != 0;
-    for (dtype t : {dtype::f32, dtype::f64, dtype::f16, dtype::bf16}) {
-      std::vector<detail::stepped_ref<4>> refs;
-      for (const auto& sl : slices)
-        if (sl.type == t && sl.count != 0)
-          refs.push_back({{sl.value, sl.grad, mom ? st_.state(sl.param, 0, sl.offset) : nullptr,
-                           st_.master(sl.param, sl.offset)},
-                          sl.count,
-                          mom ? st_.counters() + sl.param : nullptr});
-      if (refs.empty()) continue;
-      kernels::detail::visit_float(t, "FusedSgd", [&]<class T>(std::type_identity<T>) {
-        using op_t = kernels::detail::sgd_op<T>;
-        using A = typename op_t::A;
-        const op_t op{static_cast<A>(opt_.lr), static_cast<A>(opt_.momentum),
-                      static_cast<A>(1.0 - opt_.dampening), static_cast<A>(opt_.weight_decay),
-                      opt_.nesterov, nullptr, d_found_inf};
-        detail::launch_stepped(op, refs, s);
-      });
-    }
+    st_.launch_by_type<4>(
+        slices,
+        [&](const param_slice& sl) {
+          return detail::stepped_ref<4>{{sl.value, sl.grad, mom ? st_.state(sl.param, 0, sl.offset) : nullptr,
+                                         st_.master(sl.param, sl.offset)},
+                                        sl.count,
+                                        mom ? st_.counters() + sl.param : nullptr};
+        },
+        [&]<class T>(std::type_identity<T>, const std::vector<detail::stepped_ref<4>>& refs) {
+          using op_t = kernels::detail::sgd_op<T>;
+          using A = typename op_t::A;
+          const op_t op{static_cast<A>(opt_.lr), static_cast<A>(opt_.momentum),
+                        static_cast<A>(1.0 - opt_.dampening), static_cast<A>(opt_.weight_decay),
+                        opt_.nesterov, nullptr, d_found_inf};
+          detail::launch_stepped(op, refs, s);
+        });
   }
 
   //! Updates every parameter (params: the same parameters, in the same order).
@@ -482,72 +561,36 @@ class FusedSgd {
 
   //! lockstep::Sgd's layout (see the header comment). Synchronises.
   void save(std::vector<std::byte>& out) const {
-    lockstep::detail::device_guard g(st_.device());
-    st_.wait_idle();
-    const auto steps = st_.download_counters();
-    const bool masters = st_.any_master();
-    lockstep::detail::state_writer w{out};
-    for (char c : std::string_view(masters ? "LKSGDM01" : "LKSGD001")) w.put(c);
-    w.put(opt_.lr);
-    w.put(opt_.momentum);
-    w.put(opt_.dampening);
-    w.put(opt_.weight_decay);
-    w.put(static_cast<std::uint8_t>(opt_.nesterov ? 1 : 0));
-    w.put(static_cast<std::uint64_t>(st_.size()));
-    for (std::size_t i = 0; i < st_.size(); ++i) {
-      const bool has = opt_.momentum != 0 && steps[i] > 0;
-      const auto& m = st_.at(i);
-      w.put(static_cast<std::uint8_t>(has ? 1 : 0));
-      w.put(static_cast<std::uint8_t>(has ? detail::fused_state::state_type(m) : dtype::f32));
-      w.put(static_cast<std::uint64_t>(has ? m.numel : 0));
-      if (has) st_.put_state(w, i, 0);
-    }
-    if (masters) st_.put_masters(w);
+    st_.save_blob(
+        out, "LKSGD001", "LKSGDM01", 1, false,
+        [&](lockstep::detail::state_writer& w) {
+          w.put(opt_.lr);
+          w.put(opt_.momentum);
+          w.put(opt_.dampening);
+          w.put(opt_.weight_decay);
+          w.put(static_cast<std::uint8_t>(opt_.nesterov ? 1 : 0));
+        },
+        [&](std::int64_t step) { return opt_.momentum != 0 && step > 0; });
   }
 
   //! Reads what save() or lockstep::Sgd::save() wrote (options included). Synchronises.
   void load(std::span<const std::byte> in) {
-    lockstep::detail::device_guard g(st_.device());
-    st_.wait_idle();
-    lockstep::detail::state_reader r{in, "FusedSgd"};
-    const bool with_masters = detail::read_magic(r, "LKSGD001", "LKSGDM01");
     SgdOptions o{};
-    o.lr = r.get<double>();
-    o.momentum = r.get<double>();
-    o.dampening = r.get<double>();
-    o.weight_decay = r.get<double>();
-    const auto nest = r.get<std::uint8_t>();
-    if (nest > 1) throw checkpoint_error("FusedSgd state has an invalid nesterov byte; the blob is corrupt");
-    o.nesterov = nest == 1;
-    try {
-      (void)Sgd(o);
-    } catch (const config_error& e) {
-      throw checkpoint_error(std::string("FusedSgd state holds invalid options: ") + e.what());
-    }
-    const auto n = r.get<std::uint64_t>();
-    if (n > st_.size())
-      throw checkpoint_error("FusedSgd state has " + std::to_string(n) + " slots, but the optimizer has " +
-                             std::to_string(st_.size()) + " parameters");
-    const int states = o.momentum != 0 ? 1 : 0;
-    std::vector<detail::fused_state::host_slot> slots;
-    for (std::size_t i = 0; i < n; ++i) {
-      const auto has = r.get<std::uint8_t>();
-      const auto t = static_cast<dtype>(r.get<std::uint8_t>());
-      const auto count = r.get<std::uint64_t>();
-      if (has > 1 || (t != dtype::f32 && t != dtype::f64) || (has == 1 && states == 0))
-        throw checkpoint_error("FusedSgd state slot " + std::to_string(i) +
-                               " has an invalid header; the blob is corrupt");
-      if (!has) continue;
-      st_.check_slot(i, t, count);
-      auto& h = slots.emplace_back();
-      h.index = i;
-      h.step = 1;  // Sgd's blob says only that the buffer exists
-      st_.read_state(r, h, 0);
-    }
-    detail::fused_state::host_masters masters;
-    if (with_masters) masters = st_.read_masters(r);
-    r.expect_end();
-    st_.commit(states, slots, masters);  // nothing changed before this point if the blob was bad
+    st_.load_blob(in, "LKSGD001", "LKSGDM01", false, [&](lockstep::detail::state_reader& r) {
+      o.lr = r.get<double>();
+      o.momentum = r.get<double>();
+      o.dampening = r.get<double>();
+      o.weight_decay = r.get<double>();
+      const auto nest = r.get<std::uint8_t>();
+      if (nest > 1) throw checkpoint_error("FusedSgd state has an invalid nesterov byte; the blob is corrupt");
+      o.nesterov = nest == 1;
+      try {
+        (void)Sgd(o);
+      } catch (const config_error& e) {
+        throw checkpoint_error(std::string("FusedSgd state holds invalid options: ") + e.what());
+      }
+      return o.momentum != 0 ? 1 : 0;  // Sgd's blob says only whether the buffer exists
+    });
     opt_ = o;
   }
 
@@ -581,26 +624,24 @@ class FusedAdamW {
     if (slices.empty()) return;
     lockstep::detail::device_guard g(st_.device());
     st_.prepare(slices, s, d_found_inf);
-    for (dtype t : {dtype::f32, dtype::f64, dtype::f16, dtype::bf16}) {
-      std::vector<detail::stepped_ref<5>> refs;
-      for (const auto& sl : slices)
-        if (sl.type == t && sl.count != 0)
-          refs.push_back({{sl.value, sl.grad, st_.state(sl.param, 0, sl.offset),
-                           st_.state(sl.param, 1, sl.offset), st_.master(sl.param, sl.offset)},
-                          sl.count,
-                          st_.counters() + sl.param});
-      if (refs.empty()) continue;
-      kernels::detail::visit_float(t, "FusedAdamW", [&]<class T>(std::type_identity<T>) {
-        using op_t = kernels::detail::adamw_op<T>;
-        using A = typename op_t::A;
-        const op_t op{opt_.lr, opt_.beta1, opt_.beta2,
-                      static_cast<A>(1.0 - opt_.lr * opt_.weight_decay),
-                      static_cast<A>(opt_.beta1), static_cast<A>(1.0 - opt_.beta1),
-                      static_cast<A>(opt_.beta2), static_cast<A>(1.0 - opt_.beta2),
-                      static_cast<A>(opt_.eps), nullptr, d_found_inf};
-        detail::launch_stepped(op, refs, s);
-      });
-    }
+    st_.launch_by_type<5>(
+        slices,
+        [&](const param_slice& sl) {
+          return detail::stepped_ref<5>{{sl.value, sl.grad, st_.state(sl.param, 0, sl.offset),
+                                         st_.state(sl.param, 1, sl.offset), st_.master(sl.param, sl.offset)},
+                                        sl.count,
+                                        st_.counters() + sl.param};
+        },
+        [&]<class T>(std::type_identity<T>, const std::vector<detail::stepped_ref<5>>& refs) {
+          using op_t = kernels::detail::adamw_op<T>;
+          using A = typename op_t::A;
+          const op_t op{opt_.lr, opt_.beta1, opt_.beta2,
+                        static_cast<A>(1.0 - opt_.lr * opt_.weight_decay),
+                        static_cast<A>(opt_.beta1), static_cast<A>(1.0 - opt_.beta1),
+                        static_cast<A>(opt_.beta2), static_cast<A>(1.0 - opt_.beta2),
+                        static_cast<A>(opt_.eps), nullptr, d_found_inf};
+          detail::launch_stepped(op, refs, s);
+        });
   }
 
   void step_all(const std::vector<parameter>& params, cudaStream_t s, const int* d_found_inf = nullptr) {
@@ -610,74 +651,34 @@ class FusedAdamW {
 
   //! lockstep::AdamW's layout (see the header comment). Synchronises.
   void save(std::vector<std::byte>& out) const {
-    lockstep::detail::device_guard g(st_.device());
-    st_.wait_idle();
-    const auto steps = st_.download_counters();
-    const bool masters = st_.any_master();
-    lockstep::detail::state_writer w{out};
-    for (char c : std::string_view(masters ? "LKADWM01" : "LKADW001")) w.put(c);
-    w.put(opt_.lr);
-    w.put(opt_.beta1);
-    w.put(opt_.beta2);
-    w.put(opt_.eps);
-    w.put(opt_.weight_decay);
-    w.put(static_cast<std::uint64_t>(st_.size()));
-    for (std::size_t i = 0; i < st_.size(); ++i) {
-      const bool has = steps[i] > 0;
-      const auto& m = st_.at(i);
-      w.put(static_cast<std::uint8_t>(has ? 1 : 0));
-      w.put(static_cast<std::uint8_t>(has ? detail::fused_state::state_type(m) : dtype::f32));
-      w.put(static_cast<std::uint64_t>(has ? m.numel : 0));
-      w.put(static_cast<std::int64_t>(steps[i]));
-      if (!has) continue;
-      st_.put_state(w, i, 0);
-      st_.put_state(w, i, 1);
-    }
-    if (masters) st_.put_masters(w);
+    st_.save_blob(
+        out, "LKADW001", "LKADWM01", 2, true,
+        [&](lockstep::detail::state_writer& w) {
+          w.put(opt_.lr);
+          w.put(opt_.beta1);
+          w.put(opt_.beta2);
+          w.put(opt_.eps);
+          w.put(opt_.weight_decay);
+        },
+        [](std::int64_t step) { return step > 0; });
   }
 
   //! Reads what save() or lockstep::AdamW::save() wrote (options included). Synchronises.
   void load(std::span<const std::byte> in) {
-    lockstep::detail::device_guard g(st_.device());
-    st_.wait_idle();
-    lockstep::detail::state_reader r{in, "FusedAdamW"};
-    const bool with_masters = detail::read_magic(r, "LKADW001", "LKADWM01");
     AdamWOptions o{};
-    o.lr = r.get<double>();
-    o.beta1 = r.get<double>();
-    o.beta2 = r.get<double>();
-    o.eps = r.get<double>();
-    o.weight_decay = r.get<double>();
-    try {
-      (void)AdamW(o);
-    } catch (const config_error& e) {
-      throw checkpoint_error(std::string("FusedAdamW state holds invalid options: ") + e.what());
-    }
-    const auto n = r.get<std::uint64_t>();
-    if (n > st_.size())
-      throw checkpoint_error("FusedAdamW state has " + std::to_string(n) + " slots, but the optimizer has " +
-                             std::to_string(st_.size()) + " parameters");
-    std::vector<detail::fused_state::host_slot> slots;
-    for (std::size_t i = 0; i < n; ++i) {
-      const auto has = r.get<std::uint8_t>();
-      const auto t = static_cast<dtype>(r.get<std::uint8_t>());
-      const auto count = r.get<std::uint64_t>();
-      const auto step = r.get<std::int64_t>();
-      if (has > 1 || (t != dtype::f32 && t != dtype::f64) || step < 0 || (has == 1) != (step > 0))
-        throw checkpoint_error("FusedAdamW state slot " + std::to_string(i) +
-                               " has an invalid header; the blob is corrupt");
-      if (!has) continue;
-      st_.check_slot(i, t, count);
-      auto& h = slots.emplace_back();
-      h.index = i;
-      h.step = step;
-      st_.read_state(r, h, 0);
-      st_.read_state(r, h, 1);
-    }
-    detail::fused_state::host_masters masters;
-    if (with_masters) masters = st_.read_masters(r);
-    r.expect_end();
-    st_.commit(2, slots, masters);
+    st_.load_blob(in, "LKADW001", "LKADWM01", true, [&](lockstep::detail::state_reader& r) {
+      o.lr = r.get<double>();
+      o.beta1 = r.get<double>();
+      o.beta2 = r.get<double>();
+      o.eps = r.get<double>();
+      o.weight_decay = r.get<double>();
+      try {
+        (void)AdamW(o);
+      } catch (const config_error& e) {
+        throw checkpoint_error(std::string("FusedAdamW state holds invalid options: ") + e.what());
+      }
+      return 2;
+    });
     opt_ = o;
   }
 
