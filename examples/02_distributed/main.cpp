@@ -93,10 +93,10 @@ std::string launch_lines(const std::string& prog) {
          "  torchrun --no-python --nproc-per-node 4 " + prog + " [options] # the same, by torchrun\n";
 }
 
-// An MPI launcher started this process: Open MPI or Slurm as lockstep::detect_launcher()
-// reads them, or a PMI-based one it does not read (MPICH/Hydra, Intel MPI).
+// An MPI launcher started this process: Open MPI, MPICH/Intel MPI (PMI) or Slurm as
+// lockstep::detect_launcher() reads them, or a PMIx-based one it does not read.
 bool mpi_launched(const std::optional<lockstep::launch_info>& l) {
-  if (l) return l->launcher == "openmpi" || l->launcher == "slurm";
+  if (l) return l->launcher == "openmpi" || l->launcher == "mpich" || l->launcher == "slurm";
   return std::getenv("PMI_RANK") != nullptr || std::getenv("PMIX_RANK") != nullptr;
 }
 

@@ -9,7 +9,10 @@
 //!      LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
 //!   3. Open MPI (mpirun): OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}; the store
 //!      address only from LOCKSTEP_MASTER_* or MASTER_* (else none: MPI can be the store).
-//!   4. Slurm (srun): SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, the tasks on this node from
+//!   4. MPICH / Intel MPI (Hydra's mpiexec): PMI_RANK, PMI_SIZE, MPI_LOCALRANKID,
+//!      MPI_LOCALNRANKS; the store address as for Open MPI. Where Slurm's variables say the
+//!      same rank and size (srun --mpi=pmi2 sets both), Slurm's reading (5) is taken.
+//!   5. Slurm (srun): SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, the tasks on this node from
 //!      SLURM_STEP_TASKS_PER_NODE / SLURM_TASKS_PER_NODE at SLURM_NODEID ("2(x3),1"), else
 //!      SLURM_NTASKS_PER_NODE; the store host is the first host of SLURM_STEP_NODELIST /
 //!      SLURM_JOB_NODELIST / SLURM_NODELIST and the port 15000 + (16·job id + step id) mod
@@ -251,6 +254,19 @@ inline std::optional<launch_partial> launch_from_openmpi() {
   return p;
 }
 
+//! MPICH and Intel MPI (Hydra's process manager; also Slurm's PMI-2): PMI_RANK, PMI_SIZE,
+//! and the node-local MPI_LOCALRANKID / MPI_LOCALNRANKS Hydra sets.
+inline std::optional<launch_partial> launch_from_pmi() {
+  if (!env("PMI_RANK") && !env("PMI_SIZE")) return std::nullopt;
+  launch_partial p{"mpich", {}, {}, {}, {}, {}, {}, {}, "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"};
+  p.rank = launch_env_int("PMI_RANK", 0, 1 << 30, rank_meaning);
+  p.world = launch_env_int("PMI_SIZE", 1, 1 << 30, world_meaning);
+  p.local_rank = launch_env_int("MPI_LOCALRANKID", 0, 1 << 30, rank_meaning);
+  p.local_world = launch_env_int("MPI_LOCALNRANKS", 1, 1 << 30, world_meaning);
+  launch_common(p, true);
+  return p;
+}
+
 inline std::optional<launch_partial> launch_from_slurm() {
   if (!env("SLURM_PROCID")) return std::nullopt;
   const bool has_ntasks = env("SLURM_NTASKS") || !env("SLURM_NPROCS");
@@ -305,7 +321,14 @@ inline std::optional<launch_info> detect_launcher(const launch_overrides& o = {}
   std::optional<launch_partial> found = detail::launch_from_lockstep_run();
   if (!found) found = detail::launch_from_torchrun();
   if (!found) found = detail::launch_from_openmpi();
-  if (!found) found = detail::launch_from_slurm();
+  if (!found) {
+    // srun --mpi=pmi2 sets PMI_* and SLURM_* alike: Slurm's then (it knows the store host).
+    // Hydra's mpiexec inside a Slurm allocation leaves SLURM_PROCID of its proxy: PMI's then.
+    auto pmi = detail::launch_from_pmi();
+    auto slurm = detail::launch_from_slurm();
+    const bool agree = pmi && slurm && pmi->rank == slurm->rank && pmi->world == slurm->world;
+    found = pmi && !agree ? std::move(pmi) : std::move(slurm);
+  }
 
   const bool any_override = o.rank || o.world || o.local_rank || o.local_world || o.master_addr ||
                             o.master_port || o.job_token;
@@ -313,7 +336,7 @@ inline std::optional<launch_info> detect_launcher(const launch_overrides& o = {}
   if (!found) {
     if (!o.rank || !o.world)
       throw config_error("launch_overrides gives no rank and world and no launcher variables are set "
-                         "(RANK/WORLD_SIZE, LOCKSTEP_*, OMPI_COMM_WORLD_*, SLURM_*): set rank and world, "
+                         "(RANK/WORLD_SIZE, LOCKSTEP_*, OMPI_COMM_WORLD_*, PMI_*, SLURM_*): set rank and world, "
                          "or start the program with a launcher (torchrun, lockstep-run, mpirun, srun)");
     found = launch_partial{"explicit", {}, {}, {}, {}, {}, {}, {},
                            "launch_overrides::rank", "launch_overrides::world", "launch_overrides::local_rank",

@@ -30,7 +30,8 @@ const char* const all_vars[] = {
     "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_PROCID",
     "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS_PER_NODE",
     "SLURM_TASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_JOB_NODELIST", "SLURM_NODELIST",
-    "SLURM_STEP_NODELIST", "SLURM_JOB_ID", "SLURM_JOBID", "SLURM_STEP_ID", "SLURM_STEPID"};
+    "SLURM_STEP_NODELIST", "SLURM_JOB_ID", "SLURM_JOBID", "SLURM_STEP_ID", "SLURM_STEPID", "PMI_RANK", "PMI_SIZE",
+    "MPI_LOCALRANKID", "MPI_LOCALNRANKS"};
 
 class env_guard {
  public:
@@ -289,6 +290,70 @@ TEST_CASE("detect_launcher: Open MPI") {
   g.set("LOCAL_RANK", 0);
   g.set("LOCAL_WORLD_SIZE", 1);
   CHECK(detect_launcher()->launcher == "torchrun");
+}
+
+TEST_CASE("detect_launcher: MPICH and Intel MPI (PMI)") {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  std::mt19937_64 rng(seed);
+  env_guard g;
+  for (int trial = 0; trial < 100; ++trial) {
+    g.clear();
+    const layout l = random_layout(rng);
+    g.set("PMI_RANK", l.rank);
+    g.set("PMI_SIZE", l.world);
+    g.set("MPI_LOCALRANKID", l.local_rank);
+    g.set("MPI_LOCALNRANKS", l.local_world);
+    const bool addr = rng() % 2 == 0;
+    if (addr) {
+      g.set("MASTER_ADDR", "m1");
+      g.set("MASTER_PORT", 1234);
+    }
+    if (l.world > 1 && rng() % 2 == 0) {  // Hydra under Slurm: its proxy's SLURM_PROCID differs
+      g.set("SLURM_PROCID", (l.rank + 1) % l.world);
+      g.set("SLURM_NTASKS", l.world);
+    }
+    auto info = detect_launcher();
+    REQUIRE(info);
+    CHECK(info->launcher == "mpich");
+    CHECK(info->rank == l.rank);
+    CHECK(info->world == l.world);
+    CHECK(info->local_rank == l.local_rank);
+    CHECK(info->local_world == l.local_world);
+    CHECK(info->master_addr == (addr ? "m1" : ""));
+    CHECK(info->master_port == (addr ? 1234 : 0));
+  }
+  g.clear();
+  g.set("PMI_RANK", 1);
+  g.set("PMI_SIZE", 4);
+  expect_config_error({"MPI_LOCALRANKID"});
+  g.set("MPI_LOCALRANKID", 1);
+  expect_config_error({"MPI_LOCALNRANKS"});
+  g.set("MPI_LOCALNRANKS", 2);
+  g.set("PMI_RANK", 4);
+  expect_config_error({"PMI_RANK=4", "PMI_SIZE=4"});
+  g.set("PMI_RANK", "x");
+  expect_config_error({"PMI_RANK"});
+  g.set("PMI_RANK", 1);
+  // srun --mpi=pmi2: PMI and Slurm agree, and Slurm's reading (store host, token) is taken.
+  g.set("SLURM_PROCID", 1);
+  g.set("SLURM_NTASKS", 4);
+  g.set("SLURM_LOCALID", 1);
+  g.set("SLURM_NTASKS_PER_NODE", 2);
+  g.set("SLURM_JOB_NODELIST", "node[3-4]");
+  g.set("SLURM_JOB_ID", 77);
+  auto both = detect_launcher();
+  REQUIRE(both);
+  CHECK(both->launcher == "slurm");
+  CHECK(both->master_addr == "node3");
+  g.set("SLURM_PROCID", 2);  // they disagree: Hydra's PMI rank is the MPI rank
+  CHECK(detect_launcher()->launcher == "mpich");
+  CHECK(detect_launcher()->rank == 1);
+  g.set("OMPI_COMM_WORLD_RANK", 0);  // Open MPI's variables come first
+  g.set("OMPI_COMM_WORLD_SIZE", 1);
+  g.set("OMPI_COMM_WORLD_LOCAL_RANK", 0);
+  g.set("OMPI_COMM_WORLD_LOCAL_SIZE", 1);
+  CHECK(detect_launcher()->launcher == "openmpi");
 }
 
 TEST_CASE("Slurm hostlist: first host") {
