@@ -147,7 +147,7 @@ inline plan decide(const environment& e, bool gpus_usable = false, bool mpi_usab
     const std::string who = "rank " + std::to_string(l.rank) + " of " + std::to_string(l.world) + " (" + l.launcher + ")";
     if (gpus_usable && !e.gpus.empty() && !e.cpu_ranks)
       return {mode_kind::gpu_processes, l.world, {}, who + ": one process per GPU"};
-    if (mpi_usable && (l.launcher == "openmpi" || l.launcher == "slurm"))
+    if (mpi_usable && (l.launcher == "openmpi" || l.launcher == "mpich" || l.launcher == "slurm"))
       return {mode_kind::mpi_processes, l.world, {}, who + ": one CPU process per rank over MPI"};
     throw config_error("this process was started by " + l.launcher + " as " + who +
                        ", but this build cannot run one process per rank here: " +

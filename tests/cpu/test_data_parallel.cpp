@@ -214,6 +214,29 @@ TEST_CASE("Auto picks CPU threads from LOCKSTEP_CPU_RANKS - and rejects nonsense
   CHECK(lockstep::decide(lockstep::detect()).ranks >= 1);
 }
 
+TEST_CASE("decide: under a launcher - MPI launchers mean MPI processes when MPI is built") {
+  lockstep::environment e;
+  e.hardware_threads = 2;
+  for (const char* name : {"openmpi", "mpich", "slurm", "torchrun", "lockstep-run"}) {
+    CAPTURE(name);
+    lockstep::launch_info l;
+    l.world = 4;
+    l.rank = 1;
+    l.launcher = name;
+    e.launcher = l;
+    const bool mpi_launcher = std::string(name) != "torchrun" && std::string(name) != "lockstep-run";
+    if (mpi_launcher) {
+      const auto p = lockstep::decide(e, false, true);
+      CHECK(p.kind == lockstep::mode_kind::mpi_processes);
+      CHECK(p.ranks == 4);
+    } else {
+      CHECK_THROWS_WITH_AS(lockstep::decide(e, false, true), doctest::Contains("no GPU is visible"),
+                           lockstep::config_error);
+    }
+    CHECK_THROWS_AS(lockstep::decide(e, false, false), lockstep::config_error);  // nothing to run with
+  }
+}
+
 TEST_CASE("a model whose bind_gradient does not take effect is rejected") {
   struct Liar {
     std::vector<float> w{1, 2, 3}, g{0, 0, 0};
