@@ -203,7 +203,8 @@ void barrier(S& s, std::string_view name) {
 //! exits. A plain barrier lets its last arriver return while the others may still be on
 //! their way to the server to learn that it is done; if that arriver is the host, they would
 //! find it gone. Here every rank but 0 says it has passed, and rank 0 returns only once all
-//! have: after that nobody needs the store. Bounded by `timeout` like any wait.
+//! have: after that nobody needs the store. Each of its two waits is bounded by `timeout`
+//! (rank 0 may take up to twice that). Use each name once: it is the job's last barrier.
 template <store S>
 void final_barrier(S& s, std::string_view name, int rank, std::chrono::milliseconds timeout) {
   barrier(s, name, timeout);

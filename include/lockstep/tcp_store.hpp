@@ -369,7 +369,9 @@ class TcpStore {
   //! Liveness: from now on the server sets `key` to "<who> left: ..." if this connection
   //! closes before unwatch() (the process died), and — when heartbeat_limit > 0 — to "<who>
   //! stopped responding: ..." if no request arrives on it for that long. Any request is a
-  //! heartbeat (check() is a cheap one). An existing value is never overwritten.
+  //! heartbeat (check() is a cheap one); a get()/wait() parked on the server is not, so a
+  //! watched connection should not park for longer than the limit (the Watchdog keeps a
+  //! connection of its own for this). An existing value is never overwritten.
   void watch(std::string_view key, std::string_view who, std::chrono::milliseconds heartbeat_limit) {
     detail::check_store_key(key, limits_, "TcpStore");
     if (who.empty() || who.size() > detail::wire::max_message_bytes)

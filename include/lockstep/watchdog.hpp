@@ -13,9 +13,10 @@
 //! text naming the rank and what happened. run(Processes) passes a callback that aborts the
 //! NCCL communicator: the main thread's next call then throws instead of hanging.
 //!
-//! If the main thread has not returned (stop() or the destructor) `grace` after that, the
-//! watchdog prints the reason and ends the process with exit status 1: a rank stuck in a
-//! host-side wait must not outlive the job. grace = 0 disables this.
+//! If the main thread has not returned (stop() or the destructor) `grace` after the failure
+//! was seen — whether or not on_failure itself returned — the watchdog prints the reason and
+//! ends the process with exit status 1: a rank stuck in a host-side wait must not outlive the
+//! job. grace = 0 disables this.
 //!
 //! Failures first reported by this process (report()) reach the others the same way. The
 //! first failure of a job wins: later ones (e.g. the survivors shutting down) never
@@ -72,13 +73,20 @@ class Watchdog {
   //! watch and starts the thread; throws like TcpStore when the store cannot be reached.
   Watchdog(const std::string& host, int port, int rank, int world, const std::string& token,
            failure_fn on_failure, poll_fn poll = {}, watchdog_options opt = {})
-      : rank_(rank), opt_(opt), on_failure_(std::move(on_failure)), poll_(std::move(poll)) {
+      : rank_(rank),
+        world_(world),
+        port_(port),
+        host_(rank == 0 ? std::string("127.0.0.1") : host),
+        token_(token),
+        opt_(opt),
+        on_failure_(std::move(on_failure)),
+        poll_(std::move(poll)) {
     if (opt_.period.count() <= 0 || opt_.timeout.count() <= 0 || opt_.grace.count() < 0)
       throw config_error("Watchdog: period and timeout must be positive and grace not negative");
     if (!on_failure_) throw config_error("Watchdog: on_failure is empty; pass what to do when a peer fails");
     // Requests are bounded by half the timeout (a check() may take two bounds), so a stopped
     // rank 0 is noticed within `timeout`, like any other stopped rank.
-    store_ = std::make_unique<TcpStore>(rank == 0 ? std::string("127.0.0.1") : host, port, false, world, token,
+    store_ = std::make_unique<TcpStore>(host_, port_, false, world_, token_,
                                         std::max(opt_.timeout / 2, std::chrono::milliseconds(1)));
     store_->watch(failure_key, "rank " + std::to_string(rank), opt_.timeout);
     thread_ = std::thread([this] { loop(); });
@@ -90,32 +98,37 @@ class Watchdog {
 
   //! This rank failed: tell every rank (unless an earlier failure was reported). Never throws.
   //! A no-op once this watchdog has seen a failure: that one is the job's cause, and the
-  //! store may be gone with it (rank 0 lost), when reaching it would only wait out a timeout.
+  //! store may be gone with it (rank 0 lost). Uses a connection of its own, bounded by 2 s,
+  //! so a heartbeat in flight never delays it.
   void report(const std::string& what) noexcept {
     if (failure()) return;
     try {
-      std::lock_guard lk(store_m_);
-      if (store_) store_->set_if_absent(failure_key, bytes_of(what));
+      TcpStore once(host_, port_, false, world_, token_, std::chrono::seconds(2));
+      once.set_if_absent(failure_key, bytes_of(what));
     } catch (const std::exception& e) {
       std::fprintf(stderr, "lockstep: rank %d could not report its failure (%s): %s\n", rank_, what.c_str(), e.what());
     }
   }
 
   //! Stops the thread. After no failure this is a clean leave (the watch is withdrawn, so
-  //! closing the connection is not taken for a death). Idempotent; never throws.
+  //! closing the connection is not taken for a death). Idempotent; never throws. Called
+  //! from on_failure it only asks the thread to end (the destructor joins it).
   void stop() noexcept {
     {
       std::lock_guard lk(m_);
-      if (stopping_) return;
       stopping_ = true;
     }
     cv_.notify_all();
+    if (std::this_thread::get_id() == thread_.get_id()) return;
     if (thread_.joinable()) thread_.join();
-    // Rank 0's process hosts the store: after a failure, keep it up for two more heartbeats,
-    // so every rank reads the cause instead of seeing only "rank 0 left".
-    if (rank_ == 0 && failure()) std::this_thread::sleep_for(2 * opt_.period + std::chrono::milliseconds(50));
+    if (reaper_.joinable()) reaper_.join();
     std::lock_guard lk(store_m_);
-    if (store_ && !failure()) {
+    if (!store_) return;
+    if (failure()) {
+      // Rank 0's process hosts the store: keep it up a little longer, so every rank reads the
+      // cause at its next heartbeat instead of seeing only "rank 0 left".
+      if (rank_ == 0) std::this_thread::sleep_for(std::max(2 * opt_.period, std::chrono::milliseconds(500)));
+    } else {
       try {
         store_->unwatch();
       } catch (...) {  // the store is gone: nobody is left to mistake our leave for a death
@@ -150,6 +163,14 @@ class Watchdog {
     }
     if (!failure_) return;
     const std::string why = *failure_;
+    // The grace period runs from here, on a thread of its own: a callback that hangs (an
+    // abort that does not return) must not keep the process alive either.
+    if (opt_.grace.count() > 0) {
+      try {
+        reaper_ = std::thread([this, why] { end_after_grace(why); });
+      } catch (...) {
+      }
+    }
     lk.unlock();
     std::fprintf(stderr, "lockstep: rank %d stops: %s\n", rank_, why.c_str());
     std::fflush(stderr);
@@ -158,8 +179,10 @@ class Watchdog {
     } catch (const std::exception& e) {
       std::fprintf(stderr, "lockstep: rank %d: the failure callback threw: %s\n", rank_, e.what());
     }
-    if (opt_.grace.count() == 0) return;
-    lk.lock();
+  }
+
+  void end_after_grace(const std::string& why) noexcept {
+    std::unique_lock lk(m_);
     if (cv_.wait_for(lk, opt_.grace, [&] { return stopping_; })) return;
     std::fprintf(stderr,
                  "lockstep: rank %d exits: %s (its main thread did not return within %s of the failure; "
@@ -194,16 +217,21 @@ class Watchdog {
   }
 
   int rank_;
+  int world_;
+  int port_;
+  std::string host_;
+  std::string token_;
   watchdog_options opt_;
   failure_fn on_failure_;
   poll_fn poll_;
-  std::mutex store_m_;  // store_ is used by the thread and by report()/stop()
+  std::mutex store_m_;  // store_ is used by the thread and by stop()
   std::unique_ptr<TcpStore> store_;
   mutable std::mutex m_;
   std::condition_variable cv_;
   bool stopping_ = false;
   std::optional<std::string> failure_;
   std::thread thread_;
+  std::thread reaper_;  // after a failure with grace > 0: ends the process unless stop() comes first
 };
 
 }  // namespace lockstep

@@ -327,6 +327,8 @@ class NcclComm {
   //! (e.g. a peer's network connection broke). Cheap; meant for watchdogs and error paths.
   void check_async_error() const {
     if (!s_) return;
+    std::lock_guard lk(s_->abort_m);  // not while abort() frees the communicator
+    if (s_->released.load()) return;  // aborted (or destroyed): nothing left to ask
     ncclResult_t r = ncclSuccess;
     LOCKSTEP_TRY_NCCL(ncclCommGetAsyncError(s_->comm, &r));
     if (r != ncclSuccess && r != ncclInProgress)
@@ -347,6 +349,7 @@ class NcclComm {
     }
     s_->aborted.store(true, std::memory_order_release);
     detail::device_guard g(s_->device, std::nothrow);
+    std::lock_guard lk(s_->abort_m);
     const ncclResult_t r = ncclCommAbort(s_->comm);
     if (r != ncclSuccess)
       std::fprintf(stderr, "lockstep: ncclCommAbort on rank %d failed: %s\n", s_->rank,
@@ -367,6 +370,13 @@ class NcclComm {
     if (!s_ || s_->aborted.load(std::memory_order_acquire)) return std::nullopt;
     state& s = *s_;
     detail::device_guard g(s.device, std::nothrow);
+    // A query from this (watchdog) thread must not invalidate a graph capture the rank's own
+    // thread may be running in cudaStreamCaptureModeGlobal: relaxed mode for its duration.
+    struct relaxed_capture {
+      cudaStreamCaptureMode old = cudaStreamCaptureModeRelaxed;
+      relaxed_capture() { (void)cudaThreadExchangeStreamCaptureMode(&old); }
+      ~relaxed_capture() { (void)cudaThreadExchangeStreamCaptureMode(&old); }
+    } relaxed;
     std::lock_guard lk(s.track_m);
     while (!s.pending.empty()) {
       const cudaError_t q = cudaEventQuery(s.pending.front().event);
@@ -404,11 +414,12 @@ class NcclComm {
     int* barrier_buf = nullptr;
     std::shared_ptr<detail::event_pool> events;
     std::atomic<bool> released{false};  // the comm was destroyed or aborted: exactly once
+    std::mutex abort_m;                 // ncclCommAbort vs a watchdog's ncclCommGetAsyncError
     std::atomic<bool> aborted{false};   // set after abort_reason is written
     std::string abort_reason;
     // LOCKSTEP_DEBUG=1: every collective is preceded by an all-gather of its description.
     bool check_order = false;
-    std::uint64_t seq = 0;
+    std::uint64_t calls = 0;  // collectives called so far: the "#n" of messages
     std::int64_t* debug_buf = nullptr;  // size × 6 int64 on the device
     // track_collectives(): markers of collectives in flight, oldest first.
     struct tracked {
@@ -419,7 +430,6 @@ class NcclComm {
       std::size_t count;
       dtype type;
     };
-    std::uint64_t issued = 0;
     bool tracking = false;
     std::mutex track_m;
     std::deque<tracked> pending;
@@ -537,9 +547,10 @@ class NcclComm {
   // different one fails with a mismatch_error naming both calls, on every rank — instead of
   // a hang or a silently wrong sum. Costs a tiny all-gather and a host sync per collective.
   static void check_order(state& s, int kind, std::size_t count, dtype t, int op, int root) {
+    const std::uint64_t seq = s.calls++;  // every collective call, zero-length ones too
     if (!s.check_order) return;
     detail::device_guard g(s.device);
-    const std::int64_t mine[6] = {static_cast<std::int64_t>(s.seq++), kind, static_cast<std::int64_t>(count),
+    const std::int64_t mine[6] = {static_cast<std::int64_t>(seq), kind, static_cast<std::int64_t>(count),
                                   static_cast<std::int64_t>(t), op, root};
     std::int64_t* slot = s.debug_buf + 6 * s.rank;
     LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(slot, mine, sizeof mine, cudaMemcpyHostToDevice, s.comm_stream));
@@ -580,8 +591,7 @@ class NcclComm {
     work w(s.events, s.events->acquire(), s.compute);  // returns the event if we throw below
     call(s.comm_stream);
     LOCKSTEP_TRY_CUDA(cudaEventRecord(w.event_, s.comm_stream));
-    const std::uint64_t seq = s.issued++;
-    if (s.tracking) track(s, seq, kind, count, t);
+    if (s.tracking) track(s, s.calls - 1, kind, count, t);  // check_order counted this call
     return w;
   }
 

@@ -15,7 +15,7 @@
 //!  - another rank stopped responding (no heartbeat for LOCKSTEP_TIMEOUT);
 //!  - another rank's body threw (it reports its error first);
 //!  - NCCL reports an asynchronous error (ncclCommGetAsyncError) on this rank;
-//!  - a collective of this rank has not completed LOCKSTEP_TIMEOUT after it was issued.
+//!  - a collective of this rank has not completed LOCKSTEP_TIMEOUT + 2 s after it was issued.
 //! The text names the rank and the cause, on every rank. A rank whose body throws prints the
 //! error, reports it, aborts its communicator and rethrows: the process exits non-zero. A
 //! rank stuck outside lockstep's calls is ended 5 s after the failure (exit status 1).
@@ -24,6 +24,7 @@
 #include <nccl.h>
 
 #include <cstdio>
+#include <chrono>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -129,19 +130,28 @@ void run(Processes mode, Body&& body) {
   context<NcclComm> ctx(NcclComm(id, info.rank, info.world, device), info.local_rank, device);
   const auto limit = store.timeout();
   ctx.comm().track_collectives();
+  // A collective is overdue 2 s after the heartbeat limit, so that a stopped peer is named by
+  // its missing heartbeat before a survivor blames its own stuck collective.
+  const auto overdue_after = limit + std::chrono::seconds(2);
   // Declared after ctx: it stops (joins its thread) before the communicator is destroyed.
-  Watchdog dog(
-      store.host(), store.port(), info.rank, info.world, info.job_token,
-      [&ctx](const std::string& why) { ctx.comm().abort(why); },
-      [&ctx, limit, rank = info.rank]() -> std::optional<std::string> {
-        try {
-          ctx.comm().check_async_error();
-        } catch (const std::exception& e) {
-          return "rank " + std::to_string(rank) + ": NCCL reported an asynchronous error: " + e.what();
-        }
-        return ctx.comm().overdue(limit);
-      },
-      watchdog_options{.timeout = limit});
+  std::optional<Watchdog> dog;
+  try {
+    dog.emplace(
+        store.host(), store.port(), info.rank, info.world, info.job_token,
+        [&ctx](const std::string& why) { ctx.comm().abort(why); },
+        [&ctx, overdue_after, rank = info.rank]() -> std::optional<std::string> {
+          try {
+            ctx.comm().check_async_error();
+          } catch (const std::exception& e) {
+            return "rank " + std::to_string(rank) + ": NCCL reported an asynchronous error: " + e.what();
+          }
+          return ctx.comm().overdue(overdue_after);
+        },
+        watchdog_options{.timeout = limit});
+  } catch (...) {  // a communicator whose peers may be waiting must be aborted, not destroyed
+    ctx.comm().abort("rank " + std::to_string(info.rank) + " could not start its watchdog");
+    throw;
+  }
   try {
     body(ctx);
     LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(ctx.comm().compute_stream()));
@@ -149,13 +159,13 @@ void run(Processes mode, Body&& body) {
   } catch (const std::exception& e) {
     std::fprintf(stderr, "lockstep: rank %d failed: %s\n", info.rank, e.what());
     std::fflush(stderr);
-    dog.report("rank " + std::to_string(info.rank) + " failed: " + e.what());
+    dog->report("rank " + std::to_string(info.rank) + " failed: " + e.what());
     ctx.comm().abort(std::string("rank ") + std::to_string(info.rank) + " failed");
-    dog.stop();
+    dog->stop();
     throw;
   }
-  dog.stop();
-  if (auto why = dog.failure())  // the body finished, but a peer did not: do not wait for it
+  dog->stop();
+  if (auto why = dog->failure())  // the body finished, but a peer did not: do not wait for it
     throw aborted_error("rank " + std::to_string(info.rank) + " finished, but the job failed: " + *why);
   // Rank 0 hosts the store: it leaves only after everyone is done with it.
   final_barrier(store, "lockstep/finished", info.rank);

@@ -20,7 +20,8 @@
 //! Liveness (protocol 2): a connection may `watch` a key. From then on the server sets that
 //! key (unless some value is there already: the first failure wins) when the connection
 //! closes without an `unwatch` first — the process died — or, when a heartbeat limit was
-//! given, when no request arrived on it for that long — the process is stopped or hung.
+//! given, when no request arrived on it for that long — the process is stopped or hung (a
+//! request parked on the server does not count as a heartbeat).
 //! The value is the watch's own text (e.g. "rank 3") followed by what happened.
 
 #include <algorithm>
