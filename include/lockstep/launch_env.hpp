@@ -198,20 +198,31 @@ inline void launch_common(launch_partial& p, bool lockstep_first) {
   if (!p.job_token) p.job_token = env("TORCHELASTIC_RUN_ID");
 }
 
+//! A launcher that names rank, world, local rank and local world in four variables:
+//! present when any of the first `signal` is set; the store address as launch_common says.
+inline std::optional<launch_partial> launch_from_vars(const char* launcher, const char* const (&v)[4], int signal,
+                                                      bool lockstep_first) {
+  bool present = false;
+  for (int i = 0; i < signal; ++i) present = present || env(v[i]).has_value();
+  if (!present) return std::nullopt;
+  launch_partial p{launcher, {}, {}, {}, {}, {}, {}, {}, v[0], v[1], v[2], v[3]};
+  p.rank = launch_env_int(v[0], 0, 1 << 30, rank_meaning);
+  p.world = launch_env_int(v[1], 1, 1 << 30, world_meaning);
+  p.local_rank = launch_env_int(v[2], 0, 1 << 30, rank_meaning);
+  p.local_world = launch_env_int(v[3], 1, 1 << 30, world_meaning);
+  launch_common(p, lockstep_first);
+  return p;
+}
+
 inline std::optional<launch_partial> launch_from_lockstep_run() {
-  if (!env("LOCKSTEP_RANK") && !env("LOCKSTEP_WORLD_SIZE") && !env("LOCKSTEP_LOCAL_RANK") &&
-      !env("LOCKSTEP_LOCAL_WORLD_SIZE"))
-    return std::nullopt;
-  launch_partial p{"lockstep-run", {}, {}, {}, {}, {}, {}, {},
-                   "LOCKSTEP_RANK", "LOCKSTEP_WORLD_SIZE", "LOCKSTEP_LOCAL_RANK", "LOCKSTEP_LOCAL_WORLD_SIZE"};
-  p.rank = launch_env_int("LOCKSTEP_RANK", 0, 1 << 30, rank_meaning);
-  p.world = launch_env_int("LOCKSTEP_WORLD_SIZE", 1, 1 << 30, world_meaning);
-  p.local_rank = launch_env_int("LOCKSTEP_LOCAL_RANK", 0, 1 << 30, rank_meaning);
-  p.local_world = launch_env_int("LOCKSTEP_LOCAL_WORLD_SIZE", 1, 1 << 30, world_meaning);
+  static constexpr const char* ours[4] = {"LOCKSTEP_RANK", "LOCKSTEP_WORLD_SIZE", "LOCKSTEP_LOCAL_RANK",
+                                          "LOCKSTEP_LOCAL_WORLD_SIZE"};
+  auto found = launch_from_vars("lockstep-run", ours, 4, true);
+  if (!found) return std::nullopt;
+  launch_partial& p = *found;
   // lockstep-run sets the torchrun names too; a different value means a stale export.
   const std::pair<const char*, std::optional<int>*> pairs[] = {
       {"RANK", &p.rank}, {"WORLD_SIZE", &p.world}, {"LOCAL_RANK", &p.local_rank}, {"LOCAL_WORLD_SIZE", &p.local_world}};
-  const char* ours[] = {"LOCKSTEP_RANK", "LOCKSTEP_WORLD_SIZE", "LOCKSTEP_LOCAL_RANK", "LOCKSTEP_LOCAL_WORLD_SIZE"};
   for (int i = 0; i < 4; ++i) {
     auto other = env(pairs[i].first);
     if (!other || !*pairs[i].second) continue;
@@ -226,45 +237,24 @@ inline std::optional<launch_partial> launch_from_lockstep_run() {
     p.local_rank = p.rank;
     p.local_world = p.world;
   }
-  launch_common(p, true);
-  return p;
+  return found;
 }
 
 inline std::optional<launch_partial> launch_from_torchrun() {
-  if (!env("RANK") && !env("WORLD_SIZE") && !env("LOCAL_RANK") && !env("LOCAL_WORLD_SIZE")) return std::nullopt;
-  launch_partial p{"torchrun", {}, {}, {}, {}, {}, {}, {}, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"};
-  p.rank = launch_env_int("RANK", 0, 1 << 30, rank_meaning);
-  p.world = launch_env_int("WORLD_SIZE", 1, 1 << 30, world_meaning);
-  p.local_rank = launch_env_int("LOCAL_RANK", 0, 1 << 30, rank_meaning);
-  p.local_world = launch_env_int("LOCAL_WORLD_SIZE", 1, 1 << 30, world_meaning);
-  launch_common(p, false);
-  return p;
+  return launch_from_vars("torchrun", {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"}, 4, false);
 }
 
 inline std::optional<launch_partial> launch_from_openmpi() {
-  if (!env("OMPI_COMM_WORLD_RANK") && !env("OMPI_COMM_WORLD_SIZE")) return std::nullopt;
-  launch_partial p{"openmpi", {}, {}, {}, {}, {}, {}, {},
-                   "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                   "OMPI_COMM_WORLD_LOCAL_SIZE"};
-  p.rank = launch_env_int("OMPI_COMM_WORLD_RANK", 0, 1 << 30, rank_meaning);
-  p.world = launch_env_int("OMPI_COMM_WORLD_SIZE", 1, 1 << 30, world_meaning);
-  p.local_rank = launch_env_int("OMPI_COMM_WORLD_LOCAL_RANK", 0, 1 << 30, rank_meaning);
-  p.local_world = launch_env_int("OMPI_COMM_WORLD_LOCAL_SIZE", 1, 1 << 30, world_meaning);
-  launch_common(p, true);
-  return p;
+  return launch_from_vars("openmpi",
+                          {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                           "OMPI_COMM_WORLD_LOCAL_SIZE"},
+                          2, true);
 }
 
 //! MPICH and Intel MPI (Hydra's process manager; also Slurm's PMI-2): PMI_RANK, PMI_SIZE,
 //! and the node-local MPI_LOCALRANKID / MPI_LOCALNRANKS Hydra sets.
 inline std::optional<launch_partial> launch_from_pmi() {
-  if (!env("PMI_RANK") && !env("PMI_SIZE")) return std::nullopt;
-  launch_partial p{"mpich", {}, {}, {}, {}, {}, {}, {}, "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"};
-  p.rank = launch_env_int("PMI_RANK", 0, 1 << 30, rank_meaning);
-  p.world = launch_env_int("PMI_SIZE", 1, 1 << 30, world_meaning);
-  p.local_rank = launch_env_int("MPI_LOCALRANKID", 0, 1 << 30, rank_meaning);
-  p.local_world = launch_env_int("MPI_LOCALNRANKS", 1, 1 << 30, world_meaning);
-  launch_common(p, true);
-  return p;
+  return launch_from_vars("mpich", {"PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"}, 2, true);
 }
 
 inline std::optional<launch_partial> launch_from_slurm() {

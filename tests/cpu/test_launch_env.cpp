@@ -78,6 +78,14 @@ layout random_layout(std::mt19937_64& rng) {
   return {world, rank, local_world, rank % local_world};
 }
 
+//! Sets one launcher's four variables (rank, world, local rank, local world) from a layout.
+void set_layout(env_guard& g, const char* const (&names)[4], const layout& l) {
+  g.set(names[0], l.rank);
+  g.set(names[1], l.world);
+  g.set(names[2], l.local_rank);
+  g.set(names[3], l.local_world);
+}
+
 std::string random_host(std::mt19937_64& rng) {
   static const char* names[] = {"node", "gpu-a", "h", "compute", "10.1.2."};
   return names[rng() % 5] + std::to_string(rng() % 250 + 1);
@@ -105,10 +113,7 @@ TEST_CASE("detect_launcher: torchrun variables - random valid layouts") {
     const layout l = random_layout(rng);
     const std::string host = random_host(rng);
     const int port = std::uniform_int_distribution<int>(1, 65535)(rng);
-    g.set("RANK", l.rank);
-    g.set("WORLD_SIZE", l.world);
-    g.set("LOCAL_RANK", l.local_rank);
-    g.set("LOCAL_WORLD_SIZE", l.local_world);
+    set_layout(g, {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"}, l);
     g.set("MASTER_ADDR", host);
     g.set("MASTER_PORT", port);
     const bool with_id = rng() % 2;
@@ -198,19 +203,13 @@ TEST_CASE("detect_launcher: lockstep-run variables win and must agree with torch
   for (int trial = 0; trial < 100; ++trial) {
     g.clear();
     const layout l = random_layout(rng);
-    g.set("LOCKSTEP_RANK", l.rank);
-    g.set("LOCKSTEP_WORLD_SIZE", l.world);
-    g.set("LOCKSTEP_LOCAL_RANK", l.local_rank);
-    g.set("LOCKSTEP_LOCAL_WORLD_SIZE", l.local_world);
+    set_layout(g, {"LOCKSTEP_RANK", "LOCKSTEP_WORLD_SIZE", "LOCKSTEP_LOCAL_RANK", "LOCKSTEP_LOCAL_WORLD_SIZE"}, l);
     g.set("LOCKSTEP_MASTER_ADDR", "127.0.0.1");
     g.set("LOCKSTEP_MASTER_PORT", 20000 + trial);
     g.set("LOCKSTEP_JOB_TOKEN", "tok" + std::to_string(trial));
     const bool both = rng() % 2;
     if (both) {  // lockstep-run sets the torchrun names too
-      g.set("RANK", l.rank);
-      g.set("WORLD_SIZE", l.world);
-      g.set("LOCAL_RANK", l.local_rank);
-      g.set("LOCAL_WORLD_SIZE", l.local_world);
+      set_layout(g, {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"}, l);
       g.set("MASTER_ADDR", "elsewhere");
       g.set("MASTER_PORT", 1);
     }
@@ -253,10 +252,7 @@ TEST_CASE("detect_launcher: Open MPI") {
   for (int trial = 0; trial < 100; ++trial) {
     g.clear();
     const layout l = random_layout(rng);
-    g.set("OMPI_COMM_WORLD_RANK", l.rank);
-    g.set("OMPI_COMM_WORLD_SIZE", l.world);
-    g.set("OMPI_COMM_WORLD_LOCAL_RANK", l.local_rank);
-    g.set("OMPI_COMM_WORLD_LOCAL_SIZE", l.local_world);
+    set_layout(g, {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"}, l);
     const int addr_kind = static_cast<int>(rng() % 3);  // none, MASTER_*, LOCKSTEP_MASTER_*
     if (addr_kind == 1) {
       g.set("MASTER_ADDR", "m1");
@@ -300,10 +296,7 @@ TEST_CASE("detect_launcher: MPICH and Intel MPI (PMI)") {
   for (int trial = 0; trial < 100; ++trial) {
     g.clear();
     const layout l = random_layout(rng);
-    g.set("PMI_RANK", l.rank);
-    g.set("PMI_SIZE", l.world);
-    g.set("MPI_LOCALRANKID", l.local_rank);
-    g.set("MPI_LOCALNRANKS", l.local_world);
+    set_layout(g, {"PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"}, l);
     const bool addr = rng() % 2 == 0;
     if (addr) {
       g.set("MASTER_ADDR", "m1");
