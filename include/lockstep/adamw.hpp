@@ -42,6 +42,24 @@ struct AdamWOptions {
   double weight_decay = 0.01;
 };
 
+namespace detail {
+//! AdamWOptions in the checkpoint layout (AdamW and cuda::FusedAdamW).
+inline void put_options(state_writer& w, const AdamWOptions& o) {
+  w.put(o.lr);
+  w.put(o.beta1);
+  w.put(o.beta2);
+  w.put(o.eps);
+  w.put(o.weight_decay);
+}
+inline void get_options(state_reader& r, AdamWOptions& o) {
+  o.lr = r.get<double>();
+  o.beta1 = r.get<double>();
+  o.beta2 = r.get<double>();
+  o.eps = r.get<double>();
+  o.weight_decay = r.get<double>();
+}
+}  // namespace detail
+
 class AdamW : public detail::host_optimizer<AdamW, AdamWOptions> {
   friend class detail::host_optimizer<AdamW, AdamWOptions>;
 
@@ -63,17 +81,10 @@ class AdamW : public detail::host_optimizer<AdamW, AdamWOptions> {
   void save(std::vector<std::byte>& out) const {
     detail::state_writer w{out};
     for (char c : std::string_view("LKADW001")) w.put(c);
-    w.put(opt_.lr);
-    w.put(opt_.beta1);
-    w.put(opt_.beta2);
-    w.put(opt_.eps);
-    w.put(opt_.weight_decay);
+    detail::put_options(w, opt_);
     w.put(static_cast<std::uint64_t>(slots_.size()));
     for (const auto& s : slots_) {
-      w.put(static_cast<std::uint8_t>(s.has ? 1 : 0));
-      w.put(static_cast<std::uint8_t>(s.type));
-      w.put(static_cast<std::uint64_t>(s.count));
-      w.put(static_cast<std::int64_t>(s.step));
+      detail::put_slot_header(w, {s.has, s.type, s.count, s.step}, true);
       if (!s.has) continue;
       if (s.type == dtype::f32) {
         w.put_array(s.m32);
@@ -89,26 +100,18 @@ class AdamW : public detail::host_optimizer<AdamW, AdamWOptions> {
     detail::state_reader r{in, "AdamW"};
     r.expect_magic("LKADW001");
     AdamWOptions o{};
-    o.lr = r.get<double>();
-    o.beta1 = r.get<double>();
-    o.beta2 = r.get<double>();
-    o.eps = r.get<double>();
-    o.weight_decay = r.get<double>();
+    detail::get_options(r, o);
     const auto n = r.get<std::uint64_t>();
     std::vector<slot> slots;
     for (std::uint64_t i = 0; i < n; ++i) {
       slot s;
-      const auto has = r.get<std::uint8_t>();
-      const auto t = static_cast<dtype>(r.get<std::uint8_t>());
-      s.count = static_cast<std::size_t>(r.get<std::uint64_t>());
-      s.step = r.get<std::int64_t>();
-      if (has > 1 || (t != dtype::f32 && t != dtype::f64) || s.step < 0 || (has == 1) != (s.step > 0))
-        throw checkpoint_error("AdamW state slot " + std::to_string(i) +
-                               " has an invalid header; the blob is corrupt");
-      s.has = has == 1;
-      s.type = t;
+      const auto h = detail::get_slot_header(r, i, true);
+      s.count = static_cast<std::size_t>(h.count);
+      s.step = h.step;
+      s.has = h.has;
+      s.type = h.type;
       if (s.has) {
-        if (t == dtype::f32) {
+        if (s.type == dtype::f32) {
           r.get_array(s.m32, s.count);
           r.get_array(s.v32, s.count);
         } else {

@@ -100,6 +100,58 @@ struct state_reader {
   }
 };
 
+//! One slot's header in the optimizers' checkpoint layout, shared by the CPU optimizers and
+//! cuda::FusedSgd / FusedAdamW: u8 has-state, u8 state type (f32/f64), u64 element count,
+//! then — in AdamW's layout only — i64 step.
+struct slot_header {
+  bool has = false;
+  dtype type = dtype::f32;
+  std::uint64_t count = 0;
+  std::int64_t step = 0;
+};
+
+inline void put_slot_header(state_writer& w, const slot_header& h, bool with_step) {
+  w.put(static_cast<std::uint8_t>(h.has ? 1 : 0));
+  w.put(static_cast<std::uint8_t>(h.type));
+  w.put(h.count);
+  if (with_step) w.put(h.step);
+}
+
+//! Reads and checks slot i's header. Without a step in the layout, a slot with state reads
+//! as stepped once. allow_state = false: a slot with state is corrupt (no buffers expected).
+inline slot_header get_slot_header(state_reader& r, std::uint64_t i, bool with_step, bool allow_state = true) {
+  const auto has = r.get<std::uint8_t>();
+  const auto t = static_cast<dtype>(r.get<std::uint8_t>());
+  slot_header h;
+  h.count = r.get<std::uint64_t>();
+  h.step = with_step ? r.get<std::int64_t>() : (has == 1 ? 1 : 0);
+  if (has > 1 || (t != dtype::f32 && t != dtype::f64) || (has == 1 && !allow_state) ||
+      (with_step && (h.step < 0 || (has == 1) != (h.step > 0))))
+    throw checkpoint_error(std::string(r.what) + " state slot " + std::to_string(i) +
+                           " has an invalid header; the blob is corrupt");
+  h.has = has == 1;
+  h.type = t;
+  return h;
+}
+
+//! SgdOptions in the checkpoint layout (Sgd and cuda::FusedSgd).
+inline void put_options(state_writer& w, const SgdOptions& o) {
+  w.put(o.lr);
+  w.put(o.momentum);
+  w.put(o.dampening);
+  w.put(o.weight_decay);
+  w.put(static_cast<std::uint8_t>(o.nesterov ? 1 : 0));
+}
+inline void get_options(state_reader& r, SgdOptions& o) {
+  o.lr = r.get<double>();
+  o.momentum = r.get<double>();
+  o.dampening = r.get<double>();
+  o.weight_decay = r.get<double>();
+  const auto nest = r.get<std::uint8_t>();
+  if (nest > 1) throw checkpoint_error(std::string(r.what) + " state has an invalid nesterov byte; the blob is corrupt");
+  o.nesterov = nest == 1;
+}
+
 //! Host element types the CPU optimizers compute on.
 inline void check_optimizer_dtype(dtype t, const char* who) {
   if (t != dtype::f32 && t != dtype::f64)
@@ -221,16 +273,10 @@ class Sgd : public detail::host_optimizer<Sgd, SgdOptions> {
   void save(std::vector<std::byte>& out) const {
     detail::state_writer w{out};
     for (char c : std::string_view("LKSGD001")) w.put(c);
-    w.put(opt_.lr);
-    w.put(opt_.momentum);
-    w.put(opt_.dampening);
-    w.put(opt_.weight_decay);
-    w.put(static_cast<std::uint8_t>(opt_.nesterov ? 1 : 0));
+    detail::put_options(w, opt_);
     w.put(static_cast<std::uint64_t>(slots_.size()));
     for (const auto& s : slots_) {
-      w.put(static_cast<std::uint8_t>(s.has ? 1 : 0));
-      w.put(static_cast<std::uint8_t>(s.type));
-      w.put(static_cast<std::uint64_t>(s.count));
+      detail::put_slot_header(w, {s.has, s.type, s.count, 0}, false);
       if (s.has) {
         if (s.type == dtype::f32) w.put_array(s.f32);
         else w.put_array(s.f64);
@@ -242,27 +288,17 @@ class Sgd : public detail::host_optimizer<Sgd, SgdOptions> {
     detail::state_reader r{in, "Sgd"};
     r.expect_magic("LKSGD001");
     SgdOptions o{};
-    o.lr = r.get<double>();
-    o.momentum = r.get<double>();
-    o.dampening = r.get<double>();
-    o.weight_decay = r.get<double>();
-    const auto nest = r.get<std::uint8_t>();
-    if (nest > 1) throw checkpoint_error("Sgd state has an invalid nesterov byte; the blob is corrupt");
-    o.nesterov = nest == 1;
+    detail::get_options(r, o);
     const auto n = r.get<std::uint64_t>();
     std::vector<slot> slots;
     for (std::uint64_t i = 0; i < n; ++i) {
       slot s;
-      const auto has = r.get<std::uint8_t>();
-      const auto t = static_cast<dtype>(r.get<std::uint8_t>());
-      s.count = static_cast<std::size_t>(r.get<std::uint64_t>());
-      if (has > 1 || (t != dtype::f32 && t != dtype::f64))
-        throw checkpoint_error("Sgd state slot " + std::to_string(i) +
-                               " has an invalid header; the blob is corrupt");
-      s.has = has == 1;
-      s.type = t;
+      const auto h = detail::get_slot_header(r, i, false);
+      s.count = static_cast<std::size_t>(h.count);
+      s.has = h.has;
+      s.type = h.type;
       if (s.has) {
-        if (t == dtype::f32) r.get_array(s.f32, s.count);
+        if (s.type == dtype::f32) r.get_array(s.f32, s.count);
         else r.get_array(s.f64, s.count);
       }
       slots.push_back(std::move(s));

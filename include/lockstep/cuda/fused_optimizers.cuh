@@ -308,27 +308,25 @@ class fused_state {
 
   // ---- checkpoints (synchronous) ----------------------------------------------------------
   //! The optimizers' blob (the CPU optimizers' layout): magic (`with_masters` when there are
-  //! half parameters), the options put_options(w) writes, u64 slot count, per slot u8 has
-  //! (has_state(step)), u8 state type, u64 count, [i64 step when with_steps], and when it has
-  //! state its `states` buffers; then the masters.
-  template <class PutOptions, class HasState>
+  //! half parameters), the options, u64 slot count, per slot its header (has = has_state(step);
+  //! the step only when with_steps) and, when it has state, its `states` buffers; then the
+  //! masters.
+  template <class Options, class HasState>
   void save_blob(std::vector<std::byte>& out, const char (&plain)[9], const char (&with_masters)[9], int states,
-                 bool with_steps, PutOptions&& put_options, HasState&& has_state) const {
+                 bool with_steps, const Options& options, HasState&& has_state) const {
     lockstep::detail::device_guard g(device_);
     wait_idle();
     const auto steps = download_counters();
     const bool masters = any_master();
     lockstep::detail::state_writer w{out};
     for (char c : std::string_view(masters ? with_masters : plain, 8)) w.put(c);
-    put_options(w);
+    lockstep::detail::put_options(w, options);
     w.put(static_cast<std::uint64_t>(size()));
     for (std::size_t i = 0; i < size(); ++i) {
       const bool has = has_state(steps[i]);
       const meta& m = meta_[i];
-      w.put(static_cast<std::uint8_t>(has ? 1 : 0));
-      w.put(static_cast<std::uint8_t>(has ? state_type(m) : dtype::f32));
-      w.put(static_cast<std::uint64_t>(has ? m.numel : 0));
-      if (with_steps) w.put(static_cast<std::int64_t>(steps[i]));
+      lockstep::detail::put_slot_header(w, {has, has ? state_type(m) : dtype::f32, has ? m.numel : 0, steps[i]},
+                                        with_steps);
       if (!has) continue;
       for (int k = 0; k < states; ++k) put_state(w, i, k);
     }
@@ -353,19 +351,12 @@ class fused_state {
                              std::to_string(size()) + " parameters");
     std::vector<host_slot> slots;
     for (std::size_t i = 0; i < n; ++i) {
-      const auto has = r.get<std::uint8_t>();
-      const auto t = static_cast<dtype>(r.get<std::uint8_t>());
-      const auto count = r.get<std::uint64_t>();
-      const std::int64_t step = with_steps ? r.get<std::int64_t>() : 1;
-      if (has > 1 || (t != dtype::f32 && t != dtype::f64) || (has == 1 && states == 0) ||
-          (with_steps && (step < 0 || (has == 1) != (step > 0))))
-        throw checkpoint_error(std::string(who_) + " state slot " + std::to_string(i) +
-                               " has an invalid header; the blob is corrupt");
-      if (!has) continue;
-      check_slot(i, t, count);
+      const auto head = lockstep::detail::get_slot_header(r, i, with_steps, states > 0);
+      if (!head.has) continue;
+      check_slot(i, head.type, head.count);
       auto& h = slots.emplace_back();
       h.index = i;
-      h.step = step;
+      h.step = head.step;
       for (int k = 0; k < states; ++k) read_state(r, h, k);
     }
     host_masters masters;
@@ -561,29 +552,15 @@ class FusedSgd {
 
   //! lockstep::Sgd's layout (see the header comment). Synchronises.
   void save(std::vector<std::byte>& out) const {
-    st_.save_blob(
-        out, "LKSGD001", "LKSGDM01", 1, false,
-        [&](lockstep::detail::state_writer& w) {
-          w.put(opt_.lr);
-          w.put(opt_.momentum);
-          w.put(opt_.dampening);
-          w.put(opt_.weight_decay);
-          w.put(static_cast<std::uint8_t>(opt_.nesterov ? 1 : 0));
-        },
-        [&](std::int64_t step) { return opt_.momentum != 0 && step > 0; });
+    st_.save_blob(out, "LKSGD001", "LKSGDM01", 1, false, opt_,
+                  [&](std::int64_t step) { return opt_.momentum != 0 && step > 0; });
   }
 
   //! Reads what save() or lockstep::Sgd::save() wrote (options included). Synchronises.
   void load(std::span<const std::byte> in) {
     SgdOptions o{};
     st_.load_blob(in, "LKSGD001", "LKSGDM01", false, [&](lockstep::detail::state_reader& r) {
-      o.lr = r.get<double>();
-      o.momentum = r.get<double>();
-      o.dampening = r.get<double>();
-      o.weight_decay = r.get<double>();
-      const auto nest = r.get<std::uint8_t>();
-      if (nest > 1) throw checkpoint_error("FusedSgd state has an invalid nesterov byte; the blob is corrupt");
-      o.nesterov = nest == 1;
+      lockstep::detail::get_options(r, o);
       try {
         (void)Sgd(o);
       } catch (const config_error& e) {
@@ -651,27 +628,14 @@ class FusedAdamW {
 
   //! lockstep::AdamW's layout (see the header comment). Synchronises.
   void save(std::vector<std::byte>& out) const {
-    st_.save_blob(
-        out, "LKADW001", "LKADWM01", 2, true,
-        [&](lockstep::detail::state_writer& w) {
-          w.put(opt_.lr);
-          w.put(opt_.beta1);
-          w.put(opt_.beta2);
-          w.put(opt_.eps);
-          w.put(opt_.weight_decay);
-        },
-        [](std::int64_t step) { return step > 0; });
+    st_.save_blob(out, "LKADW001", "LKADWM01", 2, true, opt_, [](std::int64_t step) { return step > 0; });
   }
 
   //! Reads what save() or lockstep::AdamW::save() wrote (options included). Synchronises.
   void load(std::span<const std::byte> in) {
     AdamWOptions o{};
     st_.load_blob(in, "LKADW001", "LKADWM01", true, [&](lockstep::detail::state_reader& r) {
-      o.lr = r.get<double>();
-      o.beta1 = r.get<double>();
-      o.beta2 = r.get<double>();
-      o.eps = r.get<double>();
-      o.weight_decay = r.get<double>();
+      lockstep::detail::get_options(r, o);
       try {
         (void)AdamW(o);
       } catch (const config_error& e) {
