@@ -326,11 +326,7 @@ class TcpStore {
     server_.reset();
   }
 
-  void set(std::string_view key, std::span<const std::byte> value) {
-    detail::check_store_key(key, limits_, "TcpStore");
-    detail::check_store_value(key, value.size(), limits_.max_value_bytes, "TcpStore");
-    request(detail::wire::op::set, 0, key, value, "set " + detail::printable_key(key), timeout_);
-  }
+  void set(std::string_view key, std::span<const std::byte> value) { put(key, value, 0); }
 
   std::vector<std::byte> get(std::string_view key) {
     detail::check_store_key(key, limits_, "TcpStore");
@@ -360,11 +356,7 @@ class TcpStore {
 
   //! Sets key only if no value is there yet; returns whether this call set it. The first
   //! of several racing writers wins (e.g. the first failure report of a job).
-  bool set_if_absent(std::string_view key, std::span<const std::byte> value) {
-    detail::check_store_key(key, limits_, "TcpStore");
-    detail::check_store_value(key, value.size(), limits_.max_value_bytes, "TcpStore");
-    return request(detail::wire::op::set, 1, key, value, "set " + detail::printable_key(key), timeout_).arg == 1;
-  }
+  bool set_if_absent(std::string_view key, std::span<const std::byte> value) { return put(key, value, 1); }
 
   //! Liveness: from now on the server sets `key` to "<who> left: ..." if this connection
   //! closes before unwatch() (the process died), and — when heartbeat_limit > 0 — to "<who>
@@ -418,6 +410,13 @@ class TcpStore {
   }
 
   std::string who() const { return "TcpStore(" + host_ + ":" + std::to_string(port_) + ")"; }
+
+  //! set (flags 0) or set-if-absent (flags 1); whether the value was stored.
+  bool put(std::string_view key, std::span<const std::byte> value, std::int64_t flags) {
+    detail::check_store_key(key, limits_, "TcpStore");
+    detail::check_store_value(key, value.size(), limits_.max_value_bytes, "TcpStore");
+    return request(detail::wire::op::set, flags, key, value, "set " + detail::printable_key(key), timeout_).arg == 1;
+  }
 
   //! Connects (retrying until timeout_: the server may start later) and says hello.
   void connect_locked(const std::string& host) {

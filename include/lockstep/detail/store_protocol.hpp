@@ -490,21 +490,11 @@ class store_engine {
     }
     switch (f.type) {
       case op::set: {
-        auto it = values_.find(f.key);
-        if (f.arg == 1 && it != values_.end()) return reply_ok(c, 0);  // only if absent: it is not
-        const std::size_t old = it == values_.end() ? 0 : it->first.size() + it->second.size();
-        const std::size_t now_total = total_ - old + f.key.size() + f.value.size();
-        if (now_total > lim_.max_total_bytes) {
-          reply_err(c, err_code::full, "the store would hold more than " + std::to_string(lim_.max_total_bytes) +
-                                           " bytes (store_limits::max_total_bytes)");
-          return;
-        }
-        total_ = now_total;
-        if (it == values_.end()) values_.emplace(f.key, std::move(f.value));
-        else it->second = std::move(f.value);
-        reply_ok(c, 1);
-        wake(f.key, now);
-        return;
+        if (f.arg == 1 && values_.find(f.key) != values_.end()) return reply_ok(c, 0);  // only if absent: it is not
+        if (!put_value(f.key, std::move(f.value)))
+          return reply_err(c, err_code::full, "the store would hold more than " + std::to_string(lim_.max_total_bytes) +
+                                                  " bytes (store_limits::max_total_bytes)");
+        return reply_ok(c, 1);
       }
       case op::watch:
         c.watched = true;
@@ -577,7 +567,7 @@ class store_engine {
     runnable_.push_back(id);
   }
 
-  void wake(const std::string& key, clock::time_point) {
+  void wake(const std::string& key) {
     auto [lo, hi] = waiting_.equal_range(key);
     std::vector<conn_id> ids;
     for (auto it = lo; it != hi; ++it) ids.push_back(it->second);
@@ -594,15 +584,23 @@ class store_engine {
     const std::string text = c.watch_who + " " + what;
     log_.push_back(text);
     if (values_.find(c.watch_key) != values_.end()) return;
-    const std::size_t bytes = c.watch_key.size() + text.size();
-    if (total_ + bytes > lim_.max_total_bytes) {
+    const auto* p = reinterpret_cast<const std::byte*>(text.data());
+    if (!put_value(c.watch_key, std::vector<std::byte>(p, p + text.size())))
       log_.push_back("could not record it under " + printable_key(c.watch_key) + ": the store is full");
-      return;
-    }
-    total_ += bytes;
-    values_.emplace(c.watch_key, std::vector<std::byte>(reinterpret_cast<const std::byte*>(text.data()),
-                                                        reinterpret_cast<const std::byte*>(text.data()) + text.size()));
-    wake(c.watch_key, {});
+  }
+
+  //! Stores (or replaces) a value within max_total_bytes and wakes its waiters; false, with
+  //! nothing changed, when it would not fit.
+  bool put_value(const std::string& key, std::vector<std::byte> value) {
+    auto it = values_.find(key);
+    const std::size_t old = it == values_.end() ? 0 : it->first.size() + it->second.size();
+    const std::size_t now_total = total_ - old + key.size() + value.size();
+    if (now_total > lim_.max_total_bytes) return false;
+    total_ = now_total;
+    if (it == values_.end()) values_.emplace(key, std::move(value));
+    else it->second = std::move(value);
+    wake(key);
+    return true;
   }
 
   void unpark(conn& c, conn_id id) {
