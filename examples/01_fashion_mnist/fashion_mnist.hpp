@@ -301,6 +301,30 @@ inline double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// The run's header (examples 01 and 02): the data, `where` the ranks run, the plan.
+inline void print_header(const std::string& where, const options& opt, const dataset& data,
+                         const training_plan& plan, double load_s) {
+  const int epochs = *opt.epochs;
+  std::printf("Fashion-MNIST: %zu train / %zu test images from %s (loaded in %.2f s)\n", data.train.size,
+              data.test.size, opt.data.string().c_str(), load_s);
+  std::printf("%s, global batch %zu (%zu per rank), %d epoch%s, SGD lr %.4g momentum %.2f, warmup %llu steps + "
+              "cosine decay\n",
+              where.c_str(), plan.global, plan.per_rank, epochs, epochs == 1 ? "" : "s", plan.peak_lr, opt.momentum,
+              static_cast<unsigned long long>(opt.warmup));
+  if (plan.global != opt.batch)
+    std::printf("note: --batch %zu is not a multiple of %d ranks; using %zu (lr scaled to match)\n", opt.batch,
+                plan.ranks, plan.global);
+  std::fflush(stdout);
+}
+
+// The run's last line: accuracy, time, and the parameter checksum every rank must share.
+inline void print_final(const final_result& r, double train_s) {
+  std::printf("final: test accuracy %.2f%% after %d epoch%s | %.1f s training | parameters fnv1a 0x%016llx (%s)\n",
+              100.0 * r.accuracy, r.epochs_run, r.epochs_run == 1 ? "" : "s", train_s,
+              static_cast<unsigned long long>(r.checksum), r.ranks_agree ? "identical on all ranks" : "RANKS DIFFER");
+  std::fflush(stdout);
+}
+
 // FNV-1a over the parameters' bytes, fetched through `mem` (host or device memory):
 // equal values → equal checksum (to compare ranks and runs).
 template <class Memory>

@@ -99,8 +99,6 @@ int main(int argc, char** argv) {
     std::cerr << "fashion_mnist: " << e.what() << "\n" << fmnist::usage;
     return 2;
   }
-  const int epochs = *opt.epochs;
-
   // 1. The data, loaded once; every rank reads it (read-only) from its own thread.
   fmnist::dataset data;
   try {
@@ -137,16 +135,7 @@ int main(int argc, char** argv) {
     } else {
       where = std::to_string(ranks) + " CPU rank" + (ranks == 1 ? "" : "s") + " (threads)";
     }
-    std::printf("Fashion-MNIST: %zu train / %zu test images from %s (loaded in %.2f s)\n",
-                data.train.size, data.test.size, opt.data.string().c_str(), load_s);
-    std::printf("%s, global batch %zu (%zu per rank), %d epoch%s, SGD lr %.4g "
-                "momentum %.2f, warmup %llu steps + cosine decay\n",
-                where.c_str(), plan.global, plan.per_rank, epochs, epochs == 1 ? "" : "s",
-                plan.peak_lr, opt.momentum, static_cast<unsigned long long>(opt.warmup));
-    if (plan.global != opt.batch)
-      std::printf("note: --batch %zu is not a multiple of %d ranks; using %zu (lr scaled to match)\n",
-                  opt.batch, ranks, plan.global);
-    std::fflush(stdout);
+    fmnist::print_header(where, opt, data, plan, load_s);
 
 #if defined(FASHION_MNIST_WITH_GPUS)
     if (on_gpus && opt.check && !fmnist::check_gpu_model(gpus[0], data, opt)) return 1;
@@ -166,11 +155,7 @@ int main(int argc, char** argv) {
       });
     }
 
-    std::printf("final: test accuracy %.2f%% after %d epoch%s | %.1f s training | parameters "
-                "fnv1a 0x%016llx (%s)\n",
-                100.0 * result.accuracy, result.epochs_run, result.epochs_run == 1 ? "" : "s",
-                fmnist::seconds_since(t_train), static_cast<unsigned long long>(result.checksum),
-                result.ranks_agree ? "identical on all ranks" : "RANKS DIFFER");
+    fmnist::print_final(result, fmnist::seconds_since(t_train));
     return result.ranks_agree ? 0 : 1;
   } catch (const std::exception& e) {
     std::fflush(stdout);

@@ -114,22 +114,11 @@ constexpr const char* built_lines = with_mpi && with_gpus ? "all three lines"
                                     : with_mpi            ? "the mpirun (or srun) line"
                                                           : "the lockstep-run and torchrun lines";
 
-// Rank 0's header: the data, the ranks, the plan.
-void announce(const fmnist::process_rank& me, bool gpus, const fmnist::options& opt, const fmnist::dataset& data,
-              const fmnist::training_plan& plan, double load_s) {
-  const int epochs = *opt.epochs;
-  std::printf("Fashion-MNIST: %zu train / %zu test images from %s (loaded in %.2f s)\n", data.train.size,
-              data.test.size, opt.data.string().c_str(), load_s);
-  std::printf("%d %s (%s on %lld host%s), global batch %zu (%zu per rank), %d epoch%s, SGD lr %.4g momentum "
-              "%.2f, warmup %llu steps + cosine decay\n",
-              me.ranks, gpus ? (me.ranks == 1 ? "GPU rank" : "GPU ranks") : (me.ranks == 1 ? "CPU rank" : "CPU ranks"),
-              gpus ? "one process per GPU, NCCL" : "MPI processes", me.hosts, me.hosts == 1 ? "" : "s", plan.global,
-              plan.per_rank, epochs, epochs == 1 ? "" : "s", plan.peak_lr, opt.momentum,
-              static_cast<unsigned long long>(opt.warmup));
-  if (plan.global != opt.batch)
-    std::printf("note: --batch %zu is not a multiple of %d ranks; using %zu (lr scaled to match)\n", opt.batch,
-                me.ranks, plan.global);
-  std::fflush(stdout);
+// Where rank 0's header says the ranks run: "4 GPU ranks (one process per GPU, NCCL on 1 host)".
+std::string where_of(const fmnist::process_rank& me, bool gpus) {
+  return std::to_string(me.ranks) + (gpus ? " GPU rank" : " CPU rank") + (me.ranks == 1 ? "" : "s") + " (" +
+         (gpus ? "one process per GPU, NCCL" : "MPI processes") + " on " + std::to_string(me.hosts) + " host" +
+         (me.hosts == 1 ? "" : "s") + ")";
 }
 
 }  // namespace
@@ -229,7 +218,7 @@ int main(int argc, char** argv) {
   auto start = [&](const fmnist::process_rank& who) {
     me = who;
     const fmnist::training_plan plan = fmnist::make_plan(opt, data.train.size, who.ranks, !on_mpi);
-    if (who.rank == 0) announce(who, !on_mpi, opt, data, plan, load_s);
+    if (who.rank == 0) fmnist::print_header(where_of(who, !on_mpi), opt, data, plan, load_s);
     t_train = std::chrono::steady_clock::now();
     return plan;
   };
@@ -269,11 +258,6 @@ int main(int argc, char** argv) {
     return 1;
   }
   if (me.rank != 0) return 0;
-  std::printf("final: test accuracy %.2f%% after %d epoch%s | %.1f s training | parameters "
-              "fnv1a 0x%016llx (%s)\n",
-              100.0 * result.accuracy, result.epochs_run, result.epochs_run == 1 ? "" : "s",
-              fmnist::seconds_since(t_train), static_cast<unsigned long long>(result.checksum),
-              result.ranks_agree ? "identical on all ranks" : "RANKS DIFFER");
-  std::fflush(stdout);
+  fmnist::print_final(result, fmnist::seconds_since(t_train));
   return result.ranks_agree ? 0 : 1;
 }
