@@ -9,9 +9,9 @@
 #include <span>
 #include <vector>
 
-#include <lockstep/parameter.hpp>
-#include <lockstep/seeding.hpp>
-#include <lockstep/sgd.hpp>
+#include <lockstep/core/parameter.hpp>
+#include <lockstep/data/seeding.hpp>
+#include <lockstep/optim/sgd.hpp>
 
 #include "fashion_mnist.hpp"
 #include "mlp.hpp"
@@ -57,8 +57,8 @@ class CpuTrainer {
     return correct;
   }
 
-  void save_optimizer(std::vector<std::byte>& out) const { sgd_->save(out); }
-  void load_optimizer(std::span<const std::byte> in) { sgd_->load(in); }
+  //! The optimizer (serializable: it goes into checkpoints as a section).
+  lockstep::Sgd& optimizer() { return *sgd_; }
 
  private:
   const dataset& data_;

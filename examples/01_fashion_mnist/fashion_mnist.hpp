@@ -40,14 +40,7 @@
 
 #include <unistd.h>  // isatty
 
-#include <lockstep/checkpoint.hpp>
-#include <lockstep/training_state.hpp>
-#include <lockstep/data_parallel.hpp>
-#include <lockstep/distributed_sampler.hpp>
-#include <lockstep/lr_schedule.hpp>
-#include <lockstep/metrics.hpp>
-#include <lockstep/parameter.hpp>
-#include <lockstep/seeding.hpp>
+#include <lockstep/lockstep.hpp>
 
 #include "idx.hpp"
 
@@ -361,7 +354,7 @@ void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
     // Every rank reads and verifies the file and restores the same state.
     const auto ck = lockstep::load_checkpoint(opt.resume);
     lockstep::restore_training_state(ck, dp);  // parameters, loss scale, gradient layout
-    trainer.load_optimizer(ck.blob("optimizer"));
+    ck.restore("optimizer", trainer.optimizer());  // momentum buffers (and options)
     run_config saved{};
     ck.restore_value("run", saved);
     step = static_cast<std::uint64_t>(ck.meta.step);
@@ -452,9 +445,7 @@ void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
       lockstep::save_checkpoint_rank0(comm, opt.checkpoint, [&](lockstep::Checkpoint& ck) {
         ck.meta = {.step = static_cast<std::int64_t>(step), .epoch = epoch + 1, .sample_position = 0};
         lockstep::add_training_state(ck, dp);
-        std::vector<std::byte> sgd_state;
-        trainer.save_optimizer(sgd_state);  // momentum buffers (and options)
-        ck.add_blob("optimizer", std::move(sgd_state));
+        ck.add("optimizer", trainer.optimizer());  // momentum buffers (and options)
         ck.add_value("run", plan.config);
       });
     }

@@ -29,10 +29,10 @@
 #include <utility>
 #include <vector>
 
-#include <lockstep/cuda/cuda_memory.cuh>
+#include <lockstep/core/error.hpp>
+#include <lockstep/core/parameter.hpp>
 #include <lockstep/cuda/error.cuh>
-#include <lockstep/error.hpp>
-#include <lockstep/parameter.hpp>
+#include <lockstep/cuda/memory.cuh>
 
 #include "idx.hpp"
 #include "mlp.hpp"

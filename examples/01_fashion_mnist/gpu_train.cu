@@ -15,16 +15,16 @@
 #include <string>
 #include <vector>
 
-#include <lockstep/context.hpp>
-#include <lockstep/cuda/cuda_memory.cuh>
+#include <lockstep/core/context.hpp>
 #include <lockstep/cuda/error.cuh>
-#include <lockstep/cuda/fused_optimizers.cuh>
+#include <lockstep/cuda/fused_optimizer.cuh>
+#include <lockstep/cuda/memory.cuh>
 #include <lockstep/cuda/nccl_comm.cuh>
 #include <lockstep/cuda/run_gpus.cuh>
 #include <lockstep/cuda/run_processes.cuh>
-#include <lockstep/metrics.hpp>
-#include <lockstep/seeding.hpp>
-#include <lockstep/sgd.hpp>
+#include <lockstep/data/seeding.hpp>
+#include <lockstep/observe/metrics.hpp>
+#include <lockstep/optim/sgd.hpp>
 
 #include "fashion_mnist.hpp"
 #include "gpu_mlp.cuh"
@@ -133,8 +133,8 @@ class GpuTrainer {
     return static_cast<std::size_t>(c);
   }
 
-  void save_optimizer(std::vector<std::byte>& out) const { sgd_->save(out); }
-  void load_optimizer(std::span<const std::byte> in) { sgd_->load(in); }
+  //! The optimizer (serializable: it goes into checkpoints as a section).
+  lockstep::cuda::FusedSgd& optimizer() { return *sgd_; }
 
  private:
   const float* table() const { return static_cast<const float*>(table_.get()); }

@@ -35,9 +35,9 @@
 #include <string>
 #include <vector>
 
-#include <lockstep/detect.hpp>
+#include <lockstep/launch/detect.hpp>
 #include <lockstep/lockstep.hpp>
-#include <lockstep/sgd.hpp>
+#include <lockstep/optim/sgd.hpp>
 
 #include "cpu_trainer.hpp"
 #include "fashion_mnist.hpp"

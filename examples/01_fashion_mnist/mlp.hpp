@@ -17,8 +17,8 @@
 #include <string>
 #include <vector>
 
-#include <lockstep/parameter.hpp>
-#include <lockstep/seeding.hpp>
+#include <lockstep/core/parameter.hpp>
+#include <lockstep/data/seeding.hpp>
 
 namespace fmnist {
 

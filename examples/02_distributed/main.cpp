@@ -44,14 +44,14 @@
 #include <string>
 #include <type_traits>
 
-#include <lockstep/detect.hpp>
-#include <lockstep/distributed.hpp>
-#include <lockstep/error.hpp>
-#include <lockstep/launch_env.hpp>
-#include <lockstep/metrics.hpp>
+#include <lockstep/core/error.hpp>
+#include <lockstep/launch/detect.hpp>
+#include <lockstep/launch/launch_env.hpp>
+#include <lockstep/observe/metrics.hpp>
+#include <lockstep/parallel/data_parallel.hpp>
 #if defined(DIST_WITH_MPI)
-#include <lockstep/mpi_comm.hpp>
-#include <lockstep/run_mpi.hpp>
+#include <lockstep/mpi/comm.hpp>
+#include <lockstep/mpi/run.hpp>
 #endif
 
 #include "../01_fashion_mnist/cpu_trainer.hpp"

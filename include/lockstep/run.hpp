@@ -1,50 +1,22 @@
 #pragma once
 // lockstep-header-check: also-cpu (the CUDA parts are behind LOCKSTEP_WITH_CUDA)
-//! lockstep::run(mode, body) — runs the SPMD body once per rank.
+//! lockstep::run(mode, body) — runs the SPMD body once per rank, in the mode chosen at compile
+//! time (a mode tag: Threads, Gpus, Processes, Mpi) or at run time (Auto). This header puts
+//! every compiled-in mode behind Auto: it sits above every layer, including the optional
+//! backends, so that no lower layer includes them.
 //!
-//! Modes are tags chosen at compile time (`Threads{n}`: n CPU ranks as host threads of
-//! this process) or `Auto{}`, which asks detect()/decide() at run time. With Auto the body
-//! must be generic (`[&](auto& ctx)`), since each mode hands it a context of its own
-//! communicator type. An exception on any rank releases the others (their waits throw
-//! aborted_error) and is rethrown here, on the caller's thread.
+//! Auto asks detect()/decide() at run time. With Auto the body must compile for every mode it
+//! can pick: write it generically (`[&](auto& ctx)`) and build the strategy from the context
+//! (`lockstep::DataParallel dp(ctx, model, policies...)` deduces the communicator). Auto picks
+//! GPUs only in translation units compiled by nvcc of a CUDA build; MPI processes only with
+//! lockstep::mpi.
 
-#include <exception>
 #include <string>
-#include <thread>
-#include <vector>
+#include <utility>
 
-#include "lockstep/context.hpp"
-#include "lockstep/detail/run_ranks.hpp"
-#include "lockstep/detect.hpp"
-#include "lockstep/error.hpp"
-#include "lockstep/thread_comm.hpp"
-
-namespace lockstep {
-
-//! Mode tag: `ranks` CPU ranks as threads of this process (0: from detect()).
-struct Threads {
-  int ranks = 0;
-};
-
-//! Mode tag: decide at run time from lockstep::detect().
-struct Auto {};
-
-
-template <class Body>
-void run(Threads mode, Body&& body) {
-  const int n = mode.ranks > 0 ? mode.ranks : decide(detect()).ranks;
-  auto comms = ThreadComm::create_group(n);
-  ThreadComm aborter = comms[0];
-  detail::run_ranks(
-      n,
-      [&](int r) {
-        context<ThreadComm> ctx(comms[static_cast<std::size_t>(r)], r, -1);
-        body(ctx);
-      },
-      [&](const std::string& why) { aborter.abort(why); });
-}
-
-}  // namespace lockstep
+#include "lockstep/core/error.hpp"
+#include "lockstep/launch/detect.hpp"
+#include "lockstep/launch/run.hpp"
 
 // In CUDA translation units of a CUDA build, Auto can also pick the local GPUs (one process
 // driving all) or one process per GPU under a launcher; with lockstep::mpi, MPI processes.
@@ -56,13 +28,16 @@ void run(Threads mode, Body&& body) {
 #define LOCKSTEP_AUTO_HAS_GPUS 0
 #endif
 #if defined(LOCKSTEP_WITH_MPI)
-#include "lockstep/run_mpi.hpp"
+#include "lockstep/mpi/run.hpp"
 #define LOCKSTEP_AUTO_HAS_MPI 1
 #else
 #define LOCKSTEP_AUTO_HAS_MPI 0
 #endif
 
 namespace lockstep {
+
+//! Mode tag: decide at run time from lockstep::detect().
+struct Auto {};
 
 template <class Body>
 void run(Auto, Body&& body) {

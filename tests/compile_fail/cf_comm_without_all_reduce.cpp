@@ -1,6 +1,6 @@
 // expect-error: DataParallel: Comm does not satisfy lockstep::communicator: requirements 2-6
 // A communicator without all_reduce cannot average gradients.
-#include <lockstep/data_parallel.hpp>
+#include <lockstep/parallel/data_parallel.hpp>
 
 #include "fixtures.hpp"
 

@@ -1,6 +1,6 @@
 // expect-error: DataParallel: Comm does not satisfy lockstep::communicator: requirement 7
 // A communicator must say how its memory space is touched (memory() → memory_ops).
-#include <lockstep/data_parallel.hpp>
+#include <lockstep/parallel/data_parallel.hpp>
 
 #include "fixtures.hpp"
 

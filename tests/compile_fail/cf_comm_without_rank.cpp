@@ -1,6 +1,6 @@
 // expect-error: DataParallel: Comm does not satisfy lockstep::communicator: requirement 1 .*it needs rank
 // A communicator must say which rank it is and how many ranks there are.
-#include <lockstep/data_parallel.hpp>
+#include <lockstep/parallel/data_parallel.hpp>
 
 #include "fixtures.hpp"
 

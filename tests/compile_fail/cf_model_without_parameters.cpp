@@ -1,7 +1,7 @@
 // expect-error: DataParallel: Model does not satisfy lockstep::model: requirement 1
 // A model must expose its tensors through parameters().
-#include <lockstep/data_parallel.hpp>
-#include <lockstep/thread_comm.hpp>
+#include <lockstep/comm/thread_comm.hpp>
+#include <lockstep/parallel/data_parallel.hpp>
 
 struct NoParameters {
   std::vector<float> w, gw;

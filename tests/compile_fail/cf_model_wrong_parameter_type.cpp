@@ -4,8 +4,8 @@
 #include <span>
 #include <vector>
 
-#include <lockstep/data_parallel.hpp>
-#include <lockstep/thread_comm.hpp>
+#include <lockstep/comm/thread_comm.hpp>
+#include <lockstep/parallel/data_parallel.hpp>
 
 struct SpansModel {
   std::vector<float> w, gw;

@@ -1,6 +1,6 @@
 // expect-error: DataParallel: every policy must be an accumulation_policy
 // A policy type that is no known policy (here: an accumulation policy without steps()).
-#include <lockstep/data_parallel.hpp>
+#include <lockstep/parallel/data_parallel.hpp>
 
 #include "fixtures.hpp"
 

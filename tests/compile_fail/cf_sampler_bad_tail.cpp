@@ -1,5 +1,5 @@
 // expect-error: Tail must be lockstep::Pad or lockstep::DropLast
 // DistributedSampler's second argument is a tail tag (swapped arguments are caught too).
-#include <lockstep/distributed_sampler.hpp>
+#include <lockstep/data/sampler.hpp>
 
 static_assert(sizeof(lockstep::DistributedSampler<lockstep::Shuffle, lockstep::Shuffle>) > 0);

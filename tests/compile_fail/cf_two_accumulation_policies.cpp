@@ -1,6 +1,6 @@
 // expect-error: DataParallel: give at most one accumulation_policy
 // Two accumulation policies contradict each other.
-#include <lockstep/data_parallel.hpp>
+#include <lockstep/parallel/data_parallel.hpp>
 
 #include "fixtures.hpp"
 

@@ -7,9 +7,9 @@
 #include <span>
 #include <vector>
 
-#include <lockstep/concepts.hpp>
-#include <lockstep/host_memory.hpp>
-#include <lockstep/parameter.hpp>
+#include <lockstep/core/concepts.hpp>
+#include <lockstep/core/host_memory.hpp>
+#include <lockstep/core/parameter.hpp>
 
 namespace cf {
 

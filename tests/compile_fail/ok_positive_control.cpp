@@ -2,11 +2,10 @@
 // Positive control: correct uses of the templates the cf_*.cpp files misuse, built by the
 // same harness, so a broken harness (or a broken header) fails here rather than letting
 // every cf_ test pass on the wrong error. Compiled, never run.
-#include <lockstep/accumulate.hpp>
-#include <lockstep/data_parallel.hpp>
-#include <lockstep/distributed_sampler.hpp>
-#include <lockstep/every_step.hpp>
-#include <lockstep/thread_comm.hpp>
+#include <lockstep/comm/thread_comm.hpp>
+#include <lockstep/data/sampler.hpp>
+#include <lockstep/parallel/data_parallel.hpp>
+#include <lockstep/parallel/policies.hpp>
 
 #include "fixtures.hpp"
 

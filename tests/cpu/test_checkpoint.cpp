@@ -2,9 +2,9 @@
 // mismatch), atomic save that leaves the previous file intact, rank-0-only save.
 #include <doctest/doctest.h>
 
-#include <lockstep/checkpoint.hpp>
-#include <lockstep/host_memory.hpp>
-#include <lockstep/thread_comm.hpp>
+#include <lockstep/lockstep.hpp>
+#include <lockstep/comm/thread_comm.hpp>
+#include <lockstep/core/host_memory.hpp>
 
 #include <algorithm>
 #include <atomic>

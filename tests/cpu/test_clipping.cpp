@@ -15,8 +15,8 @@
 #include <thread>
 #include <vector>
 
-#include "lockstep/clipping.hpp"
-#include "lockstep/thread_comm.hpp"
+#include "lockstep/comm/thread_comm.hpp"
+#include "lockstep/scaling/clipping.hpp"
 
 using namespace lockstep;
 

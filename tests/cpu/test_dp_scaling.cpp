@@ -5,8 +5,8 @@
 
 #include <limits>
 
-#include <lockstep/dynamic_scale.hpp>
 #include <lockstep/lockstep.hpp>
+#include <lockstep/scaling/scalers.hpp>
 
 #include "mlp.hpp"
 #include "test_util.hpp"

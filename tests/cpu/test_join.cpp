@@ -15,7 +15,7 @@
 #include <vector>
 
 #include <lockstep/lockstep.hpp>
-#include <lockstep/join.hpp>
+#include <lockstep/parallel/join.hpp>
 
 #include "equivalence.hpp"
 #include "mlp.hpp"

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include <lockstep/launch_env.hpp>
+#include <lockstep/launch/launch_env.hpp>
 
 #include "test_util.hpp"
 

@@ -15,12 +15,10 @@
 #include <type_traits>
 #include <vector>
 
-#include "lockstep/dynamic_scale.hpp"
-#include "lockstep/every_step.hpp"
-#include "lockstep/loss_scaler.hpp"
-#include "lockstep/no_scaling.hpp"
-#include "lockstep/static_scale.hpp"
-#include "lockstep/thread_comm.hpp"
+#include "lockstep/comm/thread_comm.hpp"
+#include "lockstep/parallel/policies.hpp"
+#include "lockstep/scaling/loss_scaler.hpp"
+#include "lockstep/scaling/scalers.hpp"
 
 #include "test_util.hpp"
 
@@ -108,10 +106,8 @@ static_assert(loss_scaler<NoScaling> && loss_scaler<StaticScale> && loss_scaler<
 static_assert(loss_scaler_for<NoScaling, ThreadComm> && loss_scaler_for<StaticScale, ThreadComm> &&
               loss_scaler_for<DynamicScale, ThreadComm>);
 static_assert(!loss_scaler<EveryStep> && !loss_scaler<int>);
-static_assert(std::is_same_v<detail::first_loss_scaler_t<NoScaling, EveryStep, DynamicScale>,
-                             DynamicScale>);
-static_assert(std::is_same_v<detail::first_loss_scaler_t<NoScaling, EveryStep>, NoScaling>);
-static_assert(detail::count_loss_scalers<EveryStep, StaticScale, DynamicScale> == 2);
+static_assert(inspecting_scaler<NoScaling> && !inspecting_scaler<DynamicScale>);
+static_assert(!device_scaler<DynamicScale> && !attachable_scaler<DynamicScale, ThreadComm>);
 
 TEST_SUITE("cpu") {
 

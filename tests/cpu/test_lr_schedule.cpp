@@ -6,7 +6,7 @@
 #include <numbers>
 #include <random>
 
-#include "lockstep/lr_schedule.hpp"
+#include "lockstep/data/lr_schedule.hpp"
 
 namespace {
 std::uint64_t fresh_seed() {

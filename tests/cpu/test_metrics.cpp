@@ -15,8 +15,8 @@
 #include <thread>
 #include <vector>
 
-#include "lockstep/metrics.hpp"
-#include "lockstep/thread_comm.hpp"
+#include "lockstep/comm/thread_comm.hpp"
+#include "lockstep/observe/metrics.hpp"
 
 #include "test_util.hpp"
 

@@ -11,8 +11,8 @@
 #include <utility>
 #include <vector>
 
-#include "lockstep/adamw.hpp"
-#include "lockstep/sgd.hpp"
+#include "lockstep/optim/adamw.hpp"
+#include "lockstep/optim/sgd.hpp"
 
 namespace {
 
@@ -208,8 +208,7 @@ TEST_CASE_TEMPLATE("optimizers: skip leaves parameters and state bit-identical",
     model.random_grads(rng);
     opt.step(model.parameters());
   }
-  std::vector<std::byte> before, after;
-  opt.save(before);
+  const auto before = lockstep::to_bytes(opt);
   const Model<float> snapshot = model;
   model.random_grads(rng);
   opt.step(model.parameters(), /*skip=*/true);
@@ -218,7 +217,7 @@ TEST_CASE_TEMPLATE("optimizers: skip leaves parameters and state bit-identical",
   std::vector<lockstep::segment> v{{ps[0].value, ps[0].numel()}, {ps[2].value, ps[2].numel()}};
   std::vector<lockstep::segment> g{{ps[0].grad, ps[0].numel()}, {ps[2].grad, ps[2].numel()}};
   opt.step_segments(slots, v, g, lockstep::dtype::f32, /*skip=*/true);
-  opt.save(after);
+  const auto after = lockstep::to_bytes(opt);
   CHECK(model.same_bits(snapshot));
   CHECK(before == after);
   // and a real step does change them (the test can fail)
@@ -254,10 +253,7 @@ TEST_CASE_TEMPLATE("optimizers: per-subset steps equal one full step", Opt, lock
     }
   }
   CHECK(a.same_bits(b));
-  std::vector<std::byte> sa, sb;
-  full.save(sa);
-  parts.save(sb);
-  CHECK(sa == sb);
+  CHECK(lockstep::to_bytes(full) == lockstep::to_bytes(parts));
 }
 
 TEST_CASE_TEMPLATE("optimizers: save/load continues bit-identically", Opt, lockstep::Sgd,
@@ -275,8 +271,7 @@ TEST_CASE_TEMPLATE("optimizers: save/load continues bit-identically", Opt, locks
     model.random_grads(rng);
     opt.step(model.parameters());
   }
-  std::vector<std::byte> blob;
-  opt.save(blob);
+  const auto blob = lockstep::to_bytes(opt);
   Model<double> resumed = model;
   std::mt19937_64 rng2 = rng;
   for (int s = 0; s < 3; ++s) {
@@ -284,28 +279,25 @@ TEST_CASE_TEMPLATE("optimizers: save/load continues bit-identically", Opt, locks
     opt.step(model.parameters());
   }
   Opt other = make(0.5);  // options come from the checkpoint
-  other.load(blob);
+  lockstep::from_bytes(other, blob);
   CHECK(other.options().lr == 0.01);
   for (int s = 0; s < 3; ++s) {
     resumed.random_grads(rng2);
     other.step(resumed.parameters());
   }
   CHECK(resumed.same_bits(model));
-  std::vector<std::byte> s1, s2;
-  opt.save(s1);
-  other.save(s2);
-  CHECK(s1 == s2);
+  CHECK(lockstep::to_bytes(opt) == lockstep::to_bytes(other));
 
   // damaged blobs are refused
   Opt victim = make(0.01);
   auto truncated = std::span<const std::byte>(blob).first(blob.size() - 3);
-  CHECK_THROWS_AS(victim.load(truncated), lockstep::checkpoint_error);
+  CHECK_THROWS_AS(lockstep::from_bytes(victim, truncated), lockstep::checkpoint_error);
   auto bad = blob;
   bad[0] = std::byte{'X'};
-  CHECK_THROWS_AS(victim.load(bad), lockstep::checkpoint_error);
+  CHECK_THROWS_AS(lockstep::from_bytes(victim, bad), lockstep::checkpoint_error);
   auto longer = blob;
   longer.push_back(std::byte{0});
-  CHECK_THROWS_AS(victim.load(longer), lockstep::checkpoint_error);
+  CHECK_THROWS_AS(lockstep::from_bytes(victim, longer), lockstep::checkpoint_error);
 }
 
 TEST_CASE("optimizers: bad options and inputs are refused") {

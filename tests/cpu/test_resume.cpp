@@ -4,12 +4,12 @@
 
 #include <filesystem>
 
-#include <lockstep/checkpoint.hpp>
-#include <lockstep/distributed_sampler.hpp>
-#include <lockstep/dynamic_scale.hpp>
 #include <lockstep/lockstep.hpp>
-#include <lockstep/sgd.hpp>
-#include <lockstep/training_state.hpp>
+#include <lockstep/checkpoint/training_state.hpp>
+#include <lockstep/data/sampler.hpp>
+#include <lockstep/lockstep.hpp>
+#include <lockstep/optim/sgd.hpp>
+#include <lockstep/scaling/scalers.hpp>
 
 #include "mlp.hpp"
 #include "test_util.hpp"
@@ -47,8 +47,7 @@ std::vector<double> train(const job& j, int to, const fs::path* resume, const fs
     if (resume) {
       auto ck = lockstep::load_checkpoint(*resume);
       lockstep::restore_training_state(ck, dp);
-      auto ob = ck.blob("optimizer");
-      opt.load(ob);
+      ck.restore("optimizer", opt);
       start = static_cast<int>(ck.meta.epoch) + 1;
       step_count = ck.meta.step;
     }
@@ -69,9 +68,7 @@ std::vector<double> train(const job& j, int to, const fs::path* resume, const fs
         lockstep::save_checkpoint_rank0(ctx.comm(), *save, [&](lockstep::Checkpoint& ck) {
           ck.meta = {step_count, e, 0};
           lockstep::add_training_state(ck, dp);
-          std::vector<std::byte> ob;
-          opt.save(ob);
-          ck.add_blob("optimizer", ob);
+          ck.add("optimizer", opt);
         });
       }
     }

@@ -12,7 +12,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "lockstep/distributed_sampler.hpp"
+#include "lockstep/data/sampler.hpp"
 
 namespace {
 

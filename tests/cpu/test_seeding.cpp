@@ -6,7 +6,7 @@
 #include <random>
 #include <set>
 
-#include "lockstep/seeding.hpp"
+#include "lockstep/data/seeding.hpp"
 
 namespace {
 std::uint64_t fresh_seed() {

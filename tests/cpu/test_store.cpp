@@ -29,10 +29,11 @@
 #include <tuple>
 #include <vector>
 
-#include <lockstep/detail/store_protocol.hpp>
-#include <lockstep/file_store.hpp>
-#include <lockstep/store.hpp>
-#include <lockstep/tcp_store.hpp>
+#include <lockstep/store/detail/wire.hpp>
+#include <lockstep/store/file_store.hpp>
+#include <lockstep/store/hash_store.hpp>
+#include <lockstep/store/store.hpp>
+#include <lockstep/store/tcp_store.hpp>
 
 #include "net_util.hpp"
 #include "test_util.hpp"

@@ -8,8 +8,8 @@
 #include <limits>
 #include <thread>
 
-#include <lockstep/run.hpp>
-#include <lockstep/thread_comm.hpp>
+#include <lockstep/comm/thread_comm.hpp>
+#include <lockstep/launch/run.hpp>
 
 #include "test_util.hpp"
 

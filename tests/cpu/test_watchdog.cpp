@@ -1,4 +1,4 @@
-// Watchdog (lockstep/watchdog.hpp) with real processes: each rank is a forked child with its
+// Watchdog (lockstep/launch/watchdog.hpp) with real processes: each rank is a forked child with its
 // own Watchdog; rank 0's child hosts the TcpStore, as under run(Processes). One rank is
 // killed with SIGKILL, stopped with SIGSTOP, or fails on its own; the others must learn which
 // rank and what happened, within the bounds measured here. The rank, the world size and the
@@ -22,9 +22,9 @@
 #include <thread>
 #include <vector>
 
-#include <lockstep/store.hpp>
-#include <lockstep/tcp_store.hpp>
-#include <lockstep/watchdog.hpp>
+#include <lockstep/launch/watchdog.hpp>
+#include <lockstep/store/store.hpp>
+#include <lockstep/store/tcp_store.hpp>
 
 #include "net_util.hpp"
 #include "test_util.hpp"

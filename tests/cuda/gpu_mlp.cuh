@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
+#include <lockstep/core/parameter.hpp>
 #include <lockstep/cuda/error.cuh>
-#include <lockstep/parameter.hpp>
 
 namespace lockstep_test {
 

@@ -1,9 +1,20 @@
 #pragma once
-//! Helpers for GPU tests: how many GPUs are visible, and a visible skip when too few.
+//! Helpers for GPU tests: how many GPUs are visible, a visible skip when too few, and an
+//! independent reader of optimizer checkpoints.
 
+#include <doctest/doctest.h>
+
+#include <cstddef>
+#include <cstdint>
 #include <cstdio>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include <cuda_runtime_api.h>
+
+#include "lockstep/core/dtype.hpp"
 
 namespace lockstep::test {
 
@@ -26,6 +37,67 @@ inline const char* gpu_query_error() {
   if (e == cudaSuccess) return "";
   (void)cudaGetLastError();
   return cudaGetErrorName(e);
+}
+
+//! An independent reader of the optimizers' checkpoint layout (optim/optimizer.hpp, sgd.hpp,
+//! adamw.hpp) plus the masters section of the fused optimizers (cuda/detail/fused_state.cuh).
+struct parsed_blob {
+  std::string magic;
+  struct slot {
+    int has = 0, type = 0;
+    std::uint64_t count = 0;
+    std::int64_t step = 0;
+    std::vector<double> a, b;  // momentum, or exp_avg and exp_avg_sq
+  };
+  std::vector<slot> slots;
+  std::vector<std::pair<std::uint64_t, std::vector<float>>> masters;
+};
+
+inline parsed_blob parse_blob(const std::vector<std::byte>& blob, bool adamw) {
+  parsed_blob out;
+  std::size_t at = 0;
+  auto get = [&]<class V>(V) {
+    REQUIRE(at + sizeof(V) <= blob.size());
+    V v;
+    std::memcpy(&v, blob.data() + at, sizeof v);
+    at += sizeof v;
+    return v;
+  };
+  auto array = [&](int type, std::uint64_t n) {
+    std::vector<double> v;
+    for (std::uint64_t i = 0; i < n; ++i)
+      v.push_back(type == static_cast<int>(lockstep::dtype::f64) ? get(double{}) : static_cast<double>(get(float{})));
+    return v;
+  };
+  out.magic.assign(reinterpret_cast<const char*>(blob.data()), 8);
+  at = 8;
+  for (int i = 0; i < (adamw ? 5 : 4); ++i) (void)get(double{});
+  if (!adamw) (void)get(std::uint8_t{});
+  const auto n = get(std::uint64_t{});
+  for (std::uint64_t i = 0; i < n; ++i) {
+    parsed_blob::slot s;
+    s.has = get(std::uint8_t{});
+    s.type = get(std::uint8_t{});
+    s.count = get(std::uint64_t{});
+    if (adamw) s.step = get(std::int64_t{});
+    if (s.has) {
+      s.a = array(s.type, s.count);
+      if (adamw) s.b = array(s.type, s.count);
+    }
+    out.slots.push_back(std::move(s));
+  }
+  if (out.magic[5] == 'M') {
+    const auto m = get(std::uint64_t{});
+    for (std::uint64_t j = 0; j < m; ++j) {
+      const auto slot = get(std::uint64_t{});
+      const auto count = get(std::uint64_t{});
+      std::vector<float> v;
+      for (std::uint64_t i = 0; i < count; ++i) v.push_back(get(float{}));
+      out.masters.emplace_back(slot, std::move(v));
+    }
+  }
+  CHECK(at == blob.size());
+  return out;
 }
 
 }  // namespace lockstep::test

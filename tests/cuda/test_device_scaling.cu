@@ -29,7 +29,7 @@
 #include <vector>
 
 #include <lockstep/cuda/device_dynamic_scale.cuh>
-#include <lockstep/cuda/fused_optimizers.cuh>
+#include <lockstep/cuda/fused_optimizer.cuh>
 #include <lockstep/cuda/grad_ops.cuh>
 #include <lockstep/cuda/run_gpus.cuh>
 #include <lockstep/lockstep.hpp>
@@ -326,66 +326,8 @@ void check_grad_ops(std::mt19937_64& rng) {
 }
 
 // ---- fused optimizers against the CPU ones -------------------------------------------------
-// An independent reader of the Sgd/AdamW checkpoint layout (sgd.hpp / adamw.hpp) plus the
-// masters section of fused_optimizers.cuh.
-struct parsed_blob {
-  std::string magic;
-  struct slot {
-    int has = 0, type = 0;
-    std::uint64_t count = 0;
-    std::int64_t step = 0;
-    std::vector<double> a, b;  // momentum, or exp_avg and exp_avg_sq
-  };
-  std::vector<slot> slots;
-  std::vector<std::pair<std::uint64_t, std::vector<float>>> masters;
-};
-
-parsed_blob parse_blob(const std::vector<std::byte>& blob, bool adamw) {
-  parsed_blob out;
-  std::size_t at = 0;
-  auto get = [&]<class V>(V) {
-    REQUIRE(at + sizeof(V) <= blob.size());
-    V v;
-    std::memcpy(&v, blob.data() + at, sizeof v);
-    at += sizeof v;
-    return v;
-  };
-  auto array = [&](int type, std::uint64_t n) {
-    std::vector<double> v;
-    for (std::uint64_t i = 0; i < n; ++i)
-      v.push_back(type == static_cast<int>(dtype::f64) ? get(double{}) : static_cast<double>(get(float{})));
-    return v;
-  };
-  out.magic.assign(reinterpret_cast<const char*>(blob.data()), 8);
-  at = 8;
-  for (int i = 0; i < (adamw ? 5 : 4); ++i) (void)get(double{});
-  if (!adamw) (void)get(std::uint8_t{});
-  const auto n = get(std::uint64_t{});
-  for (std::uint64_t i = 0; i < n; ++i) {
-    parsed_blob::slot s;
-    s.has = get(std::uint8_t{});
-    s.type = get(std::uint8_t{});
-    s.count = get(std::uint64_t{});
-    if (adamw) s.step = get(std::int64_t{});
-    if (s.has) {
-      s.a = array(s.type, s.count);
-      if (adamw) s.b = array(s.type, s.count);
-    }
-    out.slots.push_back(std::move(s));
-  }
-  if (out.magic[5] == 'M') {
-    const auto m = get(std::uint64_t{});
-    for (std::uint64_t j = 0; j < m; ++j) {
-      const auto slot = get(std::uint64_t{});
-      const auto count = get(std::uint64_t{});
-      std::vector<float> v;
-      for (std::uint64_t i = 0; i < count; ++i) v.push_back(get(float{}));
-      out.masters.emplace_back(slot, std::move(v));
-    }
-  }
-  CHECK(at == blob.size());
-  return out;
-}
+using lockstep::test::parse_blob;
+using lockstep::test::parsed_blob;
 
 template <class V>
 std::vector<double> as_double(std::span<const V> s) {
@@ -549,8 +491,7 @@ void check_fused(std::mt19937_64& rng) {
           return v;
         }()) > 1e-3);  // the steps moved the parameters
 
-  std::vector<std::byte> blob;
-  gpu.save(blob);
+  const std::vector<std::byte> blob = lockstep::to_bytes(gpu);
   const auto parsed = parse_blob(blob, AdamW);
   check_state<AdamW>(cpu, parsed, taken);
   if constexpr (is_half_v<T>) {
@@ -571,11 +512,9 @@ void check_fused(std::mt19937_64& rng) {
     // The CPU optimizer reads the GPU's checkpoint, and the GPU the CPU's: one more step each
     // from the other's state lands where the originals land.
     typename tr::cpu cpu2(tr::options(rng));
-    cpu2.load(blob);
-    std::vector<std::byte> cpu_blob;
-    cpu.save(cpu_blob);
+    lockstep::from_bytes(cpu2, blob);
     typename tr::gpu gpu2(tr::options(rng), gpu_params);
-    gpu2.load(cpu_blob);
+    lockstep::from_bytes(gpu2, lockstep::to_bytes(cpu));
     for (std::size_t i = 0; i < P; ++i)
       for (auto& x : cpu_grads[i]) x = static_cast<float>(std::uniform_real_distribution<double>(-2, 2)(rng));
     for (std::size_t i = 0; i < P; ++i) upload(grads[i]->p, cpu_grads[i]);
@@ -595,9 +534,7 @@ void check_fused(std::mt19937_64& rng) {
       for (auto x : v) copy_flat.push_back(x);
     CHECK(max_rel_diff(flat_gpu(), flat_cpu(false)) <= 1e-5);
     CHECK(max_rel_diff(copy_flat, flat_cpu(false)) <= 1e-5);
-    std::vector<std::byte> blob2;
-    gpu2.save(blob2);
-    check_state<AdamW>(cpu, parse_blob(blob2, AdamW), taken + 1);
+    check_state<AdamW>(cpu, parse_blob(lockstep::to_bytes(gpu2), AdamW), taken + 1);
   }
 }
 

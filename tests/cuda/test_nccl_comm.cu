@@ -23,8 +23,8 @@
 #include <thread>
 #include <vector>
 
+#include <lockstep/comm/thread_comm.hpp>
 #include <lockstep/cuda/nccl_comm.cuh>
-#include <lockstep/thread_comm.hpp>
 
 #include "gpu_test_util.cuh"
 

@@ -1,4 +1,4 @@
-// libFuzzer target for TcpStore's wire protocol (lockstep/detail/store_protocol.hpp).
+// libFuzzer target for TcpStore's wire protocol (lockstep/store/detail/wire.hpp).
 //
 //   store_protocol_fuzz -max_total_time=30 -timeout=5 -rss_limit_mb=2048 WORK_DIR SEED_DIR
 //
@@ -24,7 +24,8 @@
 #include <string>
 #include <vector>
 
-#include <lockstep/detail/store_protocol.hpp>
+#include <lockstep/store/detail/engine.hpp>
+#include <lockstep/store/detail/wire.hpp>
 
 namespace wire = lockstep::detail::wire;
 

@@ -10,7 +10,7 @@
 #include <type_traits>
 #include <vector>
 
-#include <lockstep/mpi_comm.hpp>
+#include <lockstep/mpi/comm.hpp>
 
 #include "test_util.hpp"
 

@@ -13,9 +13,9 @@
 #include <thread>
 #include <vector>
 
-#include <lockstep/mpi_comm.hpp>
-#include <lockstep/run.hpp>
-#include <lockstep/run_mpi.hpp>
+#include <lockstep/launch/run.hpp>
+#include <lockstep/mpi/comm.hpp>
+#include <lockstep/mpi/run.hpp>
 
 #include "mpi_util.hpp"
 

@@ -10,8 +10,8 @@
 #include <vector>
 
 #include <lockstep/lockstep.hpp>
-#include <lockstep/mpi_comm.hpp>
-#include <lockstep/run_mpi.hpp>
+#include <lockstep/mpi/comm.hpp>
+#include <lockstep/mpi/run.hpp>
 
 #include "equivalence.hpp"
 #include "mlp.hpp"

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include <lockstep/mpi_comm.hpp>
+#include <lockstep/mpi/comm.hpp>
 
 #include "mpi_util.hpp"
 

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include <lockstep/parameter.hpp>
+#include <lockstep/core/parameter.hpp>
 
 namespace lockstep_test {
 

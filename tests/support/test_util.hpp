@@ -8,7 +8,7 @@
 #include <random>
 #include <vector>
 
-#include <lockstep/run.hpp>
+#include <lockstep/launch/run.hpp>
 
 namespace lockstep_test {
 

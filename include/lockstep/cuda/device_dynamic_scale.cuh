@@ -20,7 +20,7 @@
 //! result; the flag's all-reduce (max) over ranks; the scale update. It returns **false**: the
 //! host does not know whether the step is skipped. The decision is *device_found_inf(), which
 //! the optimizer reads on the device (lockstep::cuda::FusedSgd / FusedAdamW and the kernels in
-//! cuda/kernels/optimizers.cuh take it): a skipped step leaves parameters and optimizer state
+//! cuda/fused_optimizer.cuh takes it): a skipped step leaves parameters and optimizer state
 //! as they were. update(found_inf) does nothing (the device already updated).
 //!
 //! The state lives in one small device allocation: the scale in double (the authoritative value,
@@ -46,64 +46,24 @@
 #include <string>
 #include <utility>
 
-#include "lockstep/concepts.hpp"
-#include "lockstep/cuda/cuda_memory.cuh"
+#include "lockstep/core/concepts.hpp"
+#include "lockstep/core/error.hpp"
+#include "lockstep/core/grad_group.hpp"
+#include "lockstep/core/reduce_op.hpp"
 #include "lockstep/cuda/error.cuh"
-#include "lockstep/cuda/grad_ops.cuh"
-#include "lockstep/dynamic_scale.hpp"
-#include "lockstep/error.hpp"
-#include "lockstep/grad_group.hpp"
-#include "lockstep/loss_scaler.hpp"
-#include "lockstep/reduce_op.hpp"
+#include "lockstep/cuda/kernels/grad_ops.cuh"
+#include "lockstep/cuda/kernels/loss_scale.cuh"
+#include "lockstep/cuda/memory.cuh"
+#include "lockstep/scaling/loss_scaler.hpp"
+#include "lockstep/scaling/scalers.hpp"
 
 namespace lockstep {
-
-namespace detail {
-
-//! The device-resident state of a DeviceDynamicScale.
-struct device_scale_state {
-  double scale;
-  double inv_scale;       //!< 1.0 / scale, as the host computes it
-  float scale_f32;        //!< scale rounded to float: what the loss kernel multiplies by
-  std::int32_t found_inf; //!< this step's flag, agreed over ranks
-  std::int64_t good_steps;
-  std::int64_t skipped_steps;
-  std::int64_t steps;
-};
-
-inline device_scale_state make_device_scale_state(const loss_scale_state& st) {
-  return {st.scale, 1.0 / st.scale, static_cast<float>(st.scale), 0, st.good_steps,
-          st.skipped_steps, st.steps};
-}
-
-//! DynamicScale::update on the device, same operations in the same order (double), reading the
-//! agreed flag. One thread.
-template <int = 0>
-__global__ void device_scale_update_kernel(device_scale_state* st, DynamicScaleOptions o) {
-  st->steps += 1;
-  double s = st->scale;
-  if (st->found_inf != 0) {
-    st->skipped_steps += 1;
-    st->good_steps = 0;
-    const double b = s * o.backoff_factor;
-    s = b < o.min_scale ? o.min_scale : b;  // std::max(b, min_scale)
-  } else if (++st->good_steps >= o.growth_interval) {
-    st->good_steps = 0;
-    const double g = s * o.growth_factor;
-    s = o.max_scale < g ? o.max_scale : g;  // std::min(g, max_scale)
-  }
-  st->scale = s;
-  st->inv_scale = 1.0 / s;
-  st->scale_f32 = static_cast<float>(s);
-}
-
-}  // namespace detail
 
 class DeviceDynamicScale {
  public:
   DeviceDynamicScale() : DeviceDynamicScale(DynamicScaleOptions{}) {}
   explicit DeviceDynamicScale(const DynamicScaleOptions& o) : opts_(o), host_{o.init_scale, 0, 0, 0} {
-    (void)DynamicScale(o);  // validates the options as DynamicScale does
+    detail::validate(o);  // as DynamicScale does
     if (!(o.max_scale <= static_cast<double>(std::numeric_limits<float>::max())) ||
         !(o.min_scale >= static_cast<double>(std::numeric_limits<float>::min())))
       throw config_error("DeviceDynamicScale: min_scale and max_scale must lie within float's "
@@ -151,8 +111,8 @@ class DeviceDynamicScale {
     }
     const loss_scale_state st = state();
     CudaMemory mem = comm.memory();
-    auto buf = mem.allocate(sizeof(detail::device_scale_state));
-    const auto dev = detail::make_device_scale_state(st);
+    auto buf = mem.allocate(sizeof(cuda::kernels::device_scale_state));
+    const auto dev = cuda::kernels::make_device_scale_state(st);
     mem.upload(buf.get(), &dev, sizeof dev);
     buf_ = std::move(buf);
     mem_ = mem;
@@ -176,12 +136,11 @@ class DeviceDynamicScale {
     const cudaStream_t s = mem_.stream();
     LOCKSTEP_TRY_CUDA(cudaMemsetAsync(&st->found_inf, 0, sizeof(std::int32_t), s));
     for (const auto& grp : groups)
-      cuda::kernels::unscale_flag(grp.segments, grp.type, 1.0, &st->inv_scale, &st->found_inf, s);
+      cuda::kernels::unscale(grp.segments, grp.type, 1.0, &st->inv_scale, &st->found_inf, nullptr, s);
     // Stream ordered: the compute stream waits for the all-reduce, the host does not.
     if (comm.size() > 1)
       comm.all_reduce(&st->found_inf, &st->found_inf, 1, dtype::i32, reduce_op::max).wait();
-    detail::device_scale_update_kernel<<<1, 1, 0, s>>>(st, opts_);
-    LOCKSTEP_CHECK_LAUNCH();
+    cuda::kernels::update_scale(st, opts_, s);
     return false;
   }
 
@@ -191,7 +150,7 @@ class DeviceDynamicScale {
   //! Synchronises with the device when attached.
   loss_scale_state state() const {
     if (!buf_) return host_;
-    detail::device_scale_state d{};
+    cuda::kernels::device_scale_state d{};
     mem_.download(&d, buf_.get(), sizeof d);
     return {d.scale, d.good_steps, d.skipped_steps, d.steps};
   }
@@ -200,17 +159,9 @@ class DeviceDynamicScale {
   //! DynamicScale: the states are the same); uploads it when attached (blocking).
   void load_state(const loss_scale_state& st) {
     detail::require_valid_state(st, "DeviceDynamicScale");
-    if (st.scale < opts_.min_scale || st.scale > opts_.max_scale ||
-        st.good_steps >= opts_.growth_interval)
-      throw checkpoint_error(
-          "DeviceDynamicScale::load_state: the checkpoint's scale " + std::to_string(st.scale) +
-          " / good_steps " + std::to_string(st.good_steps) +
-          " cannot come from these options (scale in [" + std::to_string(opts_.min_scale) + ", " +
-          std::to_string(opts_.max_scale) + "], growth_interval " +
-          std::to_string(opts_.growth_interval) +
-          "); construct the scaler with the options the checkpoint was written with");
+    detail::require_state_fits(st, opts_, "DeviceDynamicScale");
     if (buf_) {
-      const auto dev = detail::make_device_scale_state(st);
+      const auto dev = cuda::kernels::make_device_scale_state(st);
       mem_.upload(buf_.get(), &dev, sizeof dev);
     }
     host_ = st;
@@ -225,12 +176,12 @@ class DeviceDynamicScale {
   const int* device_found_inf() const { return &state_ptr("device_found_inf")->found_inf; }
 
  private:
-  detail::device_scale_state* state_ptr(const char* who = "unscale_and_check") const {
+  cuda::kernels::device_scale_state* state_ptr(const char* who = "unscale_and_check") const {
     if (!buf_)
       throw config_error(std::string("DeviceDynamicScale::") + who +
                          ": the scaler has no device state yet; call attach(comm) first (or "
                          "run one unscale_and_check)");
-    return static_cast<detail::device_scale_state*>(buf_.get());
+    return static_cast<cuda::kernels::device_scale_state*>(buf_.get());
   }
   void release() noexcept {
     buf_.reset();
@@ -239,10 +190,10 @@ class DeviceDynamicScale {
 
   DynamicScaleOptions opts_;
   loss_scale_state host_;      // the state while not attached
-  std::shared_ptr<void> buf_;  // one detail::device_scale_state
+  std::shared_ptr<void> buf_;  // one cuda::kernels::device_scale_state
   CudaMemory mem_{0, nullptr};
   const void* owner_ = nullptr;
 };
-static_assert(loss_scaler<DeviceDynamicScale>);
+static_assert(loss_scaler<DeviceDynamicScale> && device_scaler<DeviceDynamicScale>);
 
 }  // namespace lockstep

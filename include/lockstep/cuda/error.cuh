@@ -15,9 +15,9 @@
 
 #include <string>
 
-#include "lockstep/dtype.hpp"
-#include "lockstep/error.hpp"
-#include "lockstep/reduce_op.hpp"
+#include "lockstep/core/dtype.hpp"
+#include "lockstep/core/error.hpp"
+#include "lockstep/core/reduce_op.hpp"
 
 #if NCCL_VERSION_CODE < NCCL_VERSION(2, 10, 0)
 #error "lockstep needs NCCL 2.10 or newer (ncclAvg, ncclBfloat16)"

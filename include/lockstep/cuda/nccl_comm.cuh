@@ -53,132 +53,22 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
-#include "lockstep/concepts.hpp"
-#include "lockstep/cuda/cuda_memory.cuh"
+#include "lockstep/comm/collective.hpp"
+#include "lockstep/core/concepts.hpp"
+#include "lockstep/core/dtype.hpp"
+#include "lockstep/core/env.hpp"
+#include "lockstep/core/error.hpp"
+#include "lockstep/core/reduce_op.hpp"
+#include "lockstep/cuda/detail/nccl_work.cuh"
 #include "lockstep/cuda/error.cuh"
-#include "lockstep/detail/env.hpp"
-#include "lockstep/dtype.hpp"
-#include "lockstep/error.hpp"
-#include "lockstep/reduce_op.hpp"
+#include "lockstep/cuda/memory.cuh"
 
 namespace lockstep {
 
-namespace detail {
-
-//! Completion events, reused: a collective takes one and its work handle gives it back, so
-//! steady-state training creates none. Shared with the work handles, which may outlive the
-//! communicator.
-class event_pool {
- public:
-  explicit event_pool(int device) : device_(device) { free_.reserve(64); }
-  ~event_pool() {
-    device_guard g(device_, std::nothrow);
-    for (cudaEvent_t e : free_) (void)cudaEventDestroy(e);
-  }
-  event_pool(const event_pool&) = delete;
-  event_pool& operator=(const event_pool&) = delete;
-
-  int device() const noexcept { return device_; }
-
-  //! The caller has made device() current.
-  cudaEvent_t acquire() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (!free_.empty()) {
-        cudaEvent_t e = free_.back();
-        free_.pop_back();
-        return e;
-      }
-    }
-    cudaEvent_t e = nullptr;
-    LOCKSTEP_TRY_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    return e;
-  }
-
-  void release(cudaEvent_t e) noexcept {
-    try {
-      std::lock_guard<std::mutex> lock(mutex_);
-      free_.push_back(e);
-      return;
-    } catch (...) {
-    }
-    device_guard g(device_, std::nothrow);
-    (void)cudaEventDestroy(e);
-  }
-
- private:
-  int device_;
-  std::mutex mutex_;
-  std::vector<cudaEvent_t> free_;
-};
-
-}  // namespace detail
-
 class NcclComm {
  public:
-  // --------------------------------------------------------------------------------------
-  //! The handle of one collective in flight.
-  //!  - wait(): the compute stream (the one current when the collective was issued) waits for
-  //!    the collective; returns at once, no host synchronisation. wait(s) does it for stream s.
-  //!  - synchronize(): the host waits until the collective has finished.
-  //!  - query(): true once it has finished.
-  //! A default-constructed work (also what a zero-length collective returns) is complete.
-  //! Move-only. synchronize() and query() may outlive the communicator; wait() needs the
-  //! compute stream it orders to still exist.
-  class work {
-   public:
-    work() = default;
-    work(work&& o) noexcept
-        : pool_(std::move(o.pool_)), event_(std::exchange(o.event_, nullptr)), stream_(o.stream_) {}
-    work& operator=(work&& o) noexcept {
-      if (this != &o) {
-        release();
-        pool_ = std::move(o.pool_);
-        event_ = std::exchange(o.event_, nullptr);
-        stream_ = o.stream_;
-      }
-      return *this;
-    }
-    work(const work&) = delete;
-    work& operator=(const work&) = delete;
-    ~work() { release(); }
-
-    void wait() { wait(stream_); }
-
-    void wait(cudaStream_t stream) {
-      if (event_ == nullptr) return;
-      // Stream 0 means the *current* device's default stream: be on ours.
-      detail::device_guard g(pool_->device());
-      LOCKSTEP_TRY_CUDA(cudaStreamWaitEvent(stream, event_, 0));
-    }
-
-    void synchronize() const {
-      if (event_ == nullptr) return;
-      LOCKSTEP_TRY_CUDA(cudaEventSynchronize(event_));
-    }
-
-    bool query() const {
-      if (event_ == nullptr) return true;
-      const cudaError_t e = cudaEventQuery(event_);
-      if (e == cudaErrorNotReady) return false;
-      detail::check_cuda(e, "cudaEventQuery(event)", __FILE__, __LINE__);
-      return true;
-    }
-
-   private:
-    friend class NcclComm;
-    work(std::shared_ptr<detail::event_pool> pool, cudaEvent_t e, cudaStream_t s) noexcept
-        : pool_(std::move(pool)), event_(e), stream_(s) {}
-    void release() noexcept {
-      if (event_ != nullptr && pool_) pool_->release(event_);
-      event_ = nullptr;
-      pool_.reset();
-    }
-
-    std::shared_ptr<detail::event_pool> pool_;
-    cudaEvent_t event_ = nullptr;
-    cudaStream_t stream_ = nullptr;
-  };
+  //! The handle of one collective in flight (cuda/detail/nccl_work.cuh).
+  using work = detail::nccl_work;
   using work_type = work;
 
   // --------------------------------------------------------------------------------------
@@ -259,13 +149,13 @@ class NcclComm {
   //! recv[i] = op over ranks of send[i]; send == recv is in place. avg is NCCL's ncclAvg.
   work all_reduce(const void* send, void* recv, std::size_t count, dtype t, reduce_op op) {
     state& s = live("all_reduce");
-    check_order(s, 0, count, t, static_cast<int>(op), 0);
+    const collective c = check_order(s, collective::all_reduce(count, t, op));
     if (count == 0) return {};
     require(send, "send", "all_reduce");
     require(recv, "recv", "all_reduce");
     const ncclDataType_t nt = to_nccl(t);
     const ncclRedOp_t nop = reduction(s, op);
-    return issue(s, 0, count, t, [&](cudaStream_t cs) {
+    return issue(s, c, [&](cudaStream_t cs) {
       LOCKSTEP_TRY_NCCL(ncclAllReduce(send, recv, count, nt, nop, s.comm, cs));
     });
   }
@@ -276,11 +166,11 @@ class NcclComm {
     if (root < 0 || root >= s.size)
       throw config_error("NcclComm::broadcast: root " + std::to_string(root) +
                          " is not a rank of this group of " + std::to_string(s.size));
-    check_order(s, 1, count, t, 0, root);
+    const collective c = check_order(s, collective::broadcast(count, t, root));
     if (count == 0) return {};
     require(buf, "buf", "broadcast");
     const ncclDataType_t nt = to_nccl(t);
-    return issue(s, 1, count, t, [&](cudaStream_t cs) {
+    return issue(s, c, [&](cudaStream_t cs) {
       LOCKSTEP_TRY_NCCL(ncclBroadcast(buf, buf, count, nt, root, s.comm, cs));
     });
   }
@@ -289,12 +179,12 @@ class NcclComm {
   //! send == recv + rank()·count.
   work all_gather(const void* send, void* recv, std::size_t count, dtype t) {
     state& s = live("all_gather");
-    check_order(s, 2, count, t, 0, 0);
+    const collective c = check_order(s, collective::all_gather(count, t));
     if (count == 0) return {};
     require(send, "send", "all_gather");
     require(recv, "recv", "all_gather");
     const ncclDataType_t nt = to_nccl(t);
-    return issue(s, 2, count, t, [&](cudaStream_t cs) {
+    return issue(s, c, [&](cudaStream_t cs) {
       LOCKSTEP_TRY_NCCL(ncclAllGather(send, recv, count, nt, s.comm, cs));
     });
   }
@@ -303,13 +193,13 @@ class NcclComm {
   //! In place when recv == send + rank()·count.
   work reduce_scatter(const void* send, void* recv, std::size_t count, dtype t, reduce_op op) {
     state& s = live("reduce_scatter");
-    check_order(s, 3, count, t, static_cast<int>(op), 0);
+    const collective c = check_order(s, collective::reduce_scatter(count, t, op));
     if (count == 0) return {};
     require(send, "send", "reduce_scatter");
     require(recv, "recv", "reduce_scatter");
     const ncclDataType_t nt = to_nccl(t);
     const ncclRedOp_t nop = reduction(s, op);
-    return issue(s, 3, count, t, [&](cudaStream_t cs) {
+    return issue(s, c, [&](cudaStream_t cs) {
       LOCKSTEP_TRY_NCCL(ncclReduceScatter(send, recv, count, nt, nop, s.comm, cs));
     });
   }
@@ -390,10 +280,8 @@ class NcclComm {
     const auto& p = s.pending.front();
     const auto age = std::chrono::steady_clock::now() - p.issued;
     if (age < limit) return std::nullopt;
-    static const char* const names[] = {"all_reduce", "broadcast", "all_gather", "reduce_scatter"};
     const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(age).count();
-    return "rank " + std::to_string(s.rank) + ": " + names[p.kind] + " #" + std::to_string(p.seq) + " of " +
-           std::to_string(p.count) + " " + name_of(p.type) + " has not completed " + std::to_string(ms / 1000) +
+    return "rank " + std::to_string(s.rank) + ": " + p.what.describe() + " has not completed " + std::to_string(ms / 1000) +
            "." + std::to_string(ms % 1000 / 100) +
            " s after it was issued: a peer never issued it (it died, hangs, or called a different "
            "collective; LOCKSTEP_DEBUG=1 checks the order)";
@@ -420,15 +308,12 @@ class NcclComm {
     // LOCKSTEP_DEBUG=1: every collective is preceded by an all-gather of its description.
     bool check_order = false;
     std::uint64_t calls = 0;  // collectives called so far: the "#n" of messages
-    std::int64_t* debug_buf = nullptr;  // size × 6 int64 on the device
+    std::int64_t* debug_buf = nullptr;  // size × collective::encoded_size int64 on the device
     // track_collectives(): markers of collectives in flight, oldest first.
     struct tracked {
       cudaEvent_t event;
       std::chrono::steady_clock::time_point issued;
-      std::uint64_t seq;
-      int kind;
-      std::size_t count;
-      dtype type;
+      collective what;
     };
     bool tracking = false;
     std::mutex track_m;
@@ -490,7 +375,8 @@ class NcclComm {
     LOCKSTEP_TRY_CUDA(cudaMalloc(reinterpret_cast<void**>(&s.barrier_buf), sizeof(int)));
     if (const auto dbg = detail::env("LOCKSTEP_DEBUG"); dbg && *dbg != "0") {
       s.check_order = true;
-      LOCKSTEP_TRY_CUDA(cudaMalloc(reinterpret_cast<void**>(&s.debug_buf), sizeof(std::int64_t) * 6 * world));
+      LOCKSTEP_TRY_CUDA(cudaMalloc(reinterpret_cast<void**>(&s.debug_buf),
+                                   sizeof(std::int64_t) * collective::encoded_size * static_cast<std::size_t>(world)));
     }
     LOCKSTEP_TRY_CUDA(cudaMemsetAsync(s.barrier_buf, 0, sizeof(int), s.compute));
     LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s.compute));
@@ -542,39 +428,26 @@ class NcclComm {
     return s.size == 1 && op == reduce_op::avg ? ncclSum : to_nccl(op);
   }
 
-  // LOCKSTEP_DEBUG=1: all ranks exchange (sequence, kind, count, type, op, root) before the
-  // collective and compare with rank 0's, so a rank that skipped a collective or called a
-  // different one fails with a mismatch_error naming both calls, on every rank — instead of
-  // a hang or a silently wrong sum. Costs a tiny all-gather and a host sync per collective.
-  static void check_order(state& s, int kind, std::size_t count, dtype t, int op, int root) {
-    const std::uint64_t seq = s.calls++;  // every collective call, zero-length ones too
-    if (!s.check_order) return;
+  // Numbers the call (every collective call, zero-length ones too: the "#n" of messages) and,
+  // with LOCKSTEP_DEBUG=1, exchanges every rank's descriptor before the collective and
+  // compares it with rank 0's, so a rank that skipped a collective or called a different one
+  // fails with a mismatch_error naming both calls, on every rank — instead of a hang or a
+  // silently wrong sum. Costs a tiny all-gather and a host sync per collective.
+  static collective check_order(state& s, collective c) {
+    c.seq = s.calls++;
+    if (!s.check_order) return c;
     detail::device_guard g(s.device);
-    const std::int64_t mine[6] = {static_cast<std::int64_t>(seq), kind, static_cast<std::int64_t>(count),
-                                  static_cast<std::int64_t>(t), op, root};
-    std::int64_t* slot = s.debug_buf + 6 * s.rank;
-    LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(slot, mine, sizeof mine, cudaMemcpyHostToDevice, s.comm_stream));
-    LOCKSTEP_TRY_NCCL(ncclAllGather(slot, s.debug_buf, 6, ncclInt64, s.comm, s.comm_stream));
-    std::vector<std::int64_t> all(static_cast<std::size_t>(6 * s.size));
+    constexpr std::size_t k = collective::encoded_size;
+    const auto mine = c.encode();
+    std::int64_t* slot = s.debug_buf + k * static_cast<std::size_t>(s.rank);
+    LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(slot, mine.data(), sizeof mine, cudaMemcpyHostToDevice, s.comm_stream));
+    LOCKSTEP_TRY_NCCL(ncclAllGather(slot, s.debug_buf, k, ncclInt64, s.comm, s.comm_stream));
+    std::vector<std::int64_t> all(k * static_cast<std::size_t>(s.size));
     LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(all.data(), s.debug_buf, all.size() * sizeof(std::int64_t),
                                       cudaMemcpyDeviceToHost, s.comm_stream));
     LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s.comm_stream));
-    const auto describe = [&](int r) {
-      static const char* const names[] = {"all_reduce", "broadcast", "all_gather", "reduce_scatter"};
-      const std::int64_t* c = all.data() + 6 * r;
-      const auto k = static_cast<std::size_t>(c[1]);
-      std::string d = std::string(k < 4 ? names[k] : "?") + " #" + std::to_string(c[0]) + " of " +
-                      std::to_string(c[2]) + " " + name_of(static_cast<dtype>(c[3]));
-      if (k == 0 || k == 3) d += std::string(" (") + name_of(static_cast<reduce_op>(c[4])) + ")";
-      if (k == 1) d += " from root " + std::to_string(c[5]);
-      return d;
-    };
-    for (int r = 1; r < s.size; ++r)
-      if (!std::equal(all.begin() + 6 * r, all.begin() + 6 * r + 6, all.begin()))
-        throw mismatch_error("ranks called different collectives: rank 0 called " + describe(0) + " but rank " +
-                             std::to_string(r) + " called " + describe(r) +
-                             " (every rank must issue the same collectives in the same order; "
-                             "found by LOCKSTEP_DEBUG=1)");
+    check_same_collective(all, s.size, "found by LOCKSTEP_DEBUG=1");
+    return c;
   }
 
   static void require(const void* p, const char* name, const char* what) {
@@ -584,20 +457,20 @@ class NcclComm {
   }
 
   template <class Call>
-  work issue(state& s, int kind, std::size_t count, dtype t, Call&& call) {
+  work issue(state& s, const collective& c, Call&& call) {
     detail::device_guard g(s.device);
     LOCKSTEP_TRY_CUDA(cudaEventRecord(s.ready, s.compute));
     LOCKSTEP_TRY_CUDA(cudaStreamWaitEvent(s.comm_stream, s.ready, 0));
-    work w(s.events, s.events->acquire(), s.compute);  // returns the event if we throw below
+    work w(s.events, s.events->acquire(), s.compute);  // gives the event back if we throw below
     call(s.comm_stream);
-    LOCKSTEP_TRY_CUDA(cudaEventRecord(w.event_, s.comm_stream));
-    if (s.tracking) track(s, s.calls - 1, kind, count, t);  // check_order counted this call
+    LOCKSTEP_TRY_CUDA(cudaEventRecord(w.event(), s.comm_stream));
+    if (s.tracking) track(s, c);
     return w;
   }
 
   // track_collectives(): a marker event after each collective, with its issue time. Not
   // while the stream is being captured into a graph (a marker would join the capture).
-  static void track(state& s, std::uint64_t seq, int kind, std::size_t count, dtype t) {
+  static void track(state& s, const collective& c) {
     cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
     LOCKSTEP_TRY_CUDA(cudaStreamIsCapturing(s.comm_stream, &cap));
     if (cap != cudaStreamCaptureStatusNone) return;
@@ -614,7 +487,7 @@ class NcclComm {
       s.spare.push_back(e);
       detail::check_cuda(r, "cudaEventRecord(marker, comm_stream)", __FILE__, __LINE__);
     }
-    s.pending.push_back({e, std::chrono::steady_clock::now(), seq, kind, count, t});
+    s.pending.push_back({e, std::chrono::steady_clock::now(), c});
   }
 
   std::unique_ptr<state> s_;

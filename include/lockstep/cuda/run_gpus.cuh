@@ -8,11 +8,11 @@
 #include <string>
 #include <vector>
 
-#include "lockstep/context.hpp"
+#include "lockstep/core/context.hpp"
+#include "lockstep/core/error.hpp"
 #include "lockstep/cuda/error.cuh"
 #include "lockstep/cuda/nccl_comm.cuh"
-#include "lockstep/detail/run_ranks.hpp"
-#include "lockstep/error.hpp"
+#include "lockstep/launch/detail/run_ranks.hpp"
 
 namespace lockstep {
 

@@ -9,7 +9,7 @@
 //!   lockstep-run --nproc 4 ./train            # or: torchrun --no-python --nproc-per-node 4 ./train
 //!   lockstep::run(lockstep::Processes{}, [&](lockstep::context<lockstep::NcclComm>& ctx) {...});
 //!
-//! Failures. A Watchdog (lockstep/watchdog.hpp) runs beside the body: it aborts this rank's
+//! Failures. A Watchdog (lockstep/launch/watchdog.hpp) runs beside the body: it aborts this rank's
 //! communicator — so the body's next call throws instead of hanging — when
 //!  - another rank's process died (its store connection closed; e.g. kill -9): at once;
 //!  - another rank stopped responding (no heartbeat for LOCKSTEP_TIMEOUT);
@@ -30,17 +30,18 @@
 #include <string>
 #include <vector>
 
-#include "lockstep/context.hpp"
+#include "lockstep/core/context.hpp"
+#include "lockstep/core/env.hpp"
+#include "lockstep/core/error.hpp"
 #include "lockstep/cuda/error.cuh"
 #include "lockstep/cuda/nccl_comm.cuh"
-#include "lockstep/detail/env.hpp"
-#include "lockstep/detect.hpp"
-#include "lockstep/error.hpp"
-#include "lockstep/launch_env.hpp"
-#include "lockstep/store.hpp"
-#include "lockstep/tcp_store.hpp"
+#include "lockstep/launch/detect.hpp"
+#include "lockstep/launch/job_store.hpp"
+#include "lockstep/launch/launch_env.hpp"
+#include "lockstep/launch/watchdog.hpp"
+#include "lockstep/store/store.hpp"
+#include "lockstep/store/tcp_store.hpp"
 #include "lockstep/version.hpp"
-#include "lockstep/watchdog.hpp"
 
 namespace lockstep {
 
@@ -114,7 +115,7 @@ void run(Processes mode, Body&& body) {
   }
   const int device = detail::process_device(info);
   LOCKSTEP_TRY_CUDA(cudaSetDevice(device));
-  TcpStore store(info);
+  TcpStore store = job_store(info);
   detail::check_same_job(store, info);
   ncclUniqueId id{};
   if (info.rank == 0) {

@@ -6,8 +6,8 @@
 #include <cstdlib>
 
 #include <lockstep/cuda/run_processes.cuh>
-#include <lockstep/distributed.hpp>
 #include <lockstep/lockstep.hpp>
+#include <lockstep/parallel/data_parallel.hpp>
 
 #include "gpu_mlp.cuh"
 #include "mlp.hpp"

@@ -1,6 +1,6 @@
 // Packaging smoke test: two ThreadComm ranks all-reduce random numbers; the result must
 // equal the sum computed here. Exit code 0 on success, 1 on any mismatch or error.
-#include <lockstep/thread_comm.hpp>
+#include <lockstep/comm/thread_comm.hpp>
 #include <lockstep/version.hpp>
 
 #include <cstdio>

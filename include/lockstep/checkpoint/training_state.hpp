@@ -1,0 +1,108 @@
+#pragma once
+//! Restoring from a checkpoint: a model's parameters (restore_parameters), and a DataParallel
+//! as a whole (add_training_state / restore_training_state): its parameters, its loss-scale
+//! state and its settled gradient layout, so that a resumed run continues exactly as the
+//! uninterrupted one (the same reductions in the same layout, hence the same rounding on
+//! every communicator). The optimizer and the data position are the caller's (add them to
+//! the same Checkpoint).
+//!
+//! \code
+//!   lockstep::save_checkpoint_rank0(ctx.comm(), path, [&](lockstep::Checkpoint& ck) {
+//!     lockstep::add_training_state(ck, dp);
+//!     ck.add_blob("optimizer", opt_bytes);
+//!   });
+//!   // resume, on every rank, before the first step:
+//!   auto ck = lockstep::load_checkpoint(path);
+//!   lockstep::restore_training_state(ck, dp);
+//! \endcode
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <ranges>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "lockstep/checkpoint/checkpoint.hpp"
+#include "lockstep/core/concepts.hpp"
+#include "lockstep/core/error.hpp"
+#include "lockstep/core/parameter.hpp"
+#include "lockstep/scaling/loss_scaler.hpp"
+
+namespace lockstep {
+
+// ---------------------------------------------------------------------------------------
+//! Writes the checkpoint's parameters into the model's (through `ops`). First checks that
+//! the model has the same parameters in the same order (name, shape, element type) and
+//! throws checkpoint_error naming the first difference; the model is untouched unless
+//! every check passed.
+template <std::ranges::input_range R, class Ops>
+  requires std::convertible_to<std::ranges::range_reference_t<R>, const parameter&> &&
+           memory_ops<std::remove_cvref_t<Ops>>
+void restore_parameters(const Checkpoint& ck, R&& params, Ops&& ops) {
+  std::vector<parameter> ps;
+  for (const parameter& p : params) ps.push_back(p);
+  const auto& ts = ck.parameters();
+  const std::string subject = ck.describe();
+  if (!ck.has_parameters())
+    throw checkpoint_error(subject + " holds no parameters (it was saved without "
+                           "add_parameters); restore only its sections");
+  const std::string todo =
+      "; load it into the model it was saved from (same parameters, order, shapes and types)";
+  // Field by field rather than by fingerprint alone, to name the first difference (and
+  // so that a hash collision can never pass).
+  const std::size_t common = std::min(ps.size(), ts.size());
+  for (std::size_t i = 0; i < common; ++i) {
+    const auto& p = ps[i];
+    const auto& t = ts[i];
+    if (p.name != t.name || p.shape != t.shape || p.type != t.type)
+      throw checkpoint_error(subject + " does not match the model at parameter #" +
+                             std::to_string(i) + ": the checkpoint has '" + t.name + "' " +
+                             t.shape_string() + ", the model has '" + p.name + "' " +
+                             p.shape_string() + todo);
+  }
+  if (ps.size() != ts.size()) {
+    const std::string extra = ps.size() > ts.size()
+                                  ? "the model's '" + ps[common].name + "' is not in the checkpoint"
+                                  : "the checkpoint's '" + ts[common].name + "' is not in the model";
+    throw checkpoint_error(subject + " holds " + std::to_string(ts.size()) +
+                           " parameters but the model has " + std::to_string(ps.size()) +
+                           " (parameter #" + std::to_string(common) + ": " + extra + ")" + todo);
+  }
+  for (const auto& p : ps)
+    if (p.bytes() != 0 && p.value == nullptr)
+      throw config_error("restore_parameters: parameter '" + p.name + "' has no value buffer");
+  for (std::size_t i = 0; i < ps.size(); ++i)
+    if (ps[i].bytes()) ops.upload(ps[i].value, ts[i].data.data(), ps[i].bytes());
+}
+
+// ---------------------------------------------------------------------------------------
+template <class DP>
+void add_training_state(Checkpoint& ck, DP& dp) {
+  ck.add_parameters(dp.parameters(), dp.comm().memory());
+  ck.add_value("lockstep.loss_scale", dp.scaler().state());
+  const auto plan = dp.plan_state();
+  ck.add_blob("lockstep.plan", std::span<const std::byte>(reinterpret_cast<const std::byte*>(plan.data()),
+                                                          plan.size() * sizeof(std::int64_t)));
+}
+
+//! Every section is read and checked before parameters are written (the layout, which is
+//! adopted first, changes no values).
+template <class DP>
+void restore_training_state(const Checkpoint& ck, DP& dp) {
+  loss_scale_state st{};
+  ck.restore_value("lockstep.loss_scale", st);
+  const auto bytes = ck.blob("lockstep.plan");
+  if (bytes.size() % sizeof(std::int64_t) != 0)
+    throw checkpoint_error("checkpoint section 'lockstep.plan' has a length that is not a whole "
+                           "number of entries; the file is damaged");
+  std::vector<std::int64_t> plan(bytes.size() / sizeof(std::int64_t));
+  std::memcpy(plan.data(), bytes.data(), bytes.size());
+  dp.load_plan_state(plan);
+  restore_parameters(ck, dp.parameters(), dp.comm().memory());
+  dp.scaler().load_state(st);
+}
+
+}  // namespace lockstep

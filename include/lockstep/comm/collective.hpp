@@ -1,0 +1,98 @@
+#pragma once
+//! A collective as data (nccl-tests' idea): kind, count, element type, reduction, root and
+//! sequence number, written once and used by every communicator for what it says about a
+//! call — LOCKSTEP_DEBUG order checks, timeout and overdue messages, mismatch errors. A
+//! communicator counts its calls, describes each with a collective, and (to check the order)
+//! compares every rank's encoded descriptor with rank 0's through its own transport.
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+
+#include "lockstep/core/dtype.hpp"
+#include "lockstep/core/error.hpp"
+#include "lockstep/core/reduce_op.hpp"
+
+namespace lockstep {
+
+enum class collective_kind : std::uint8_t { all_reduce, broadcast, all_gather, reduce_scatter, barrier };
+
+inline constexpr const char* name_of(collective_kind k) {
+  switch (k) {
+    case collective_kind::all_reduce: return "all_reduce";
+    case collective_kind::broadcast: return "broadcast";
+    case collective_kind::all_gather: return "all_gather";
+    case collective_kind::reduce_scatter: return "reduce_scatter";
+    case collective_kind::barrier: return "barrier";
+  }
+  return "?";
+}
+
+struct collective {
+  collective_kind kind = collective_kind::barrier;
+  std::size_t count = 0;  //!< elements per rank (all_gather, reduce_scatter: one rank's block)
+  dtype type = dtype::u8;
+  reduce_op op = reduce_op::sum;  //!< all_reduce and reduce_scatter only
+  int root = 0;                   //!< broadcast only
+  std::uint64_t seq = 0;          //!< this rank's collectives before it
+
+  static collective all_reduce(std::size_t n, dtype t, reduce_op o) { return {collective_kind::all_reduce, n, t, o, 0, 0}; }
+  static collective broadcast(std::size_t n, dtype t, int r) { return {collective_kind::broadcast, n, t, reduce_op::sum, r, 0}; }
+  static collective all_gather(std::size_t n, dtype t) { return {collective_kind::all_gather, n, t, reduce_op::sum, 0, 0}; }
+  static collective reduce_scatter(std::size_t n, dtype t, reduce_op o) {
+    return {collective_kind::reduce_scatter, n, t, o, 0, 0};
+  }
+  static collective barrier() { return {}; }
+
+  //! "all_reduce #12 of 1048576 f32 (avg)", "broadcast #0 of 10 f64 from root 1", "barrier #3".
+  std::string describe() const {
+    std::string s = std::string(name_of(kind)) + " #" + std::to_string(seq);
+    if (kind == collective_kind::barrier) return s;
+    s += " of " + std::to_string(count) + " " + name_of(type);
+    if (kind == collective_kind::all_reduce || kind == collective_kind::reduce_scatter)
+      s += std::string(" (") + name_of(op) + ")";
+    if (kind == collective_kind::broadcast) s += " from root " + std::to_string(root);
+    return s;
+  }
+
+  //! The fields every rank must agree on, in order.
+  static constexpr std::size_t encoded_size = 6;
+  using encoded = std::array<std::int64_t, encoded_size>;
+  encoded encode() const {
+    return {static_cast<std::int64_t>(seq), static_cast<std::int64_t>(kind), static_cast<std::int64_t>(count),
+            static_cast<std::int64_t>(type), static_cast<std::int64_t>(op), root};
+  }
+  static collective decode(std::span<const std::int64_t, encoded_size> f) {
+    collective c;
+    c.seq = static_cast<std::uint64_t>(f[0]);
+    c.kind = static_cast<collective_kind>(f[1]);
+    c.count = static_cast<std::size_t>(f[2]);
+    c.type = static_cast<dtype>(f[3]);
+    c.op = static_cast<reduce_op>(f[4]);
+    c.root = static_cast<int>(f[5]);
+    return c;
+  }
+  bool operator==(const collective&) const = default;
+};
+
+//! The order check, given every rank's encoded descriptor (rank r's at r · encoded_size):
+//! throws mismatch_error naming rank 0's call and the first rank whose call differs. `how`
+//! says who noticed (e.g. "found by LOCKSTEP_DEBUG=1"). Every rank calls it with the same data,
+//! so every rank throws the same error.
+inline void check_same_collective(std::span<const std::int64_t> all, int ranks, const std::string& how) {
+  constexpr auto k = collective::encoded_size;
+  const auto at = [&](int r) { return collective::decode(all.subspan(static_cast<std::size_t>(r) * k).first<k>()); };
+  const collective ref = at(0);
+  for (int r = 1; r < ranks; ++r) {
+    const collective other = at(r);
+    if (other == ref) continue;
+    throw mismatch_error("ranks called different collectives: rank 0 called " + ref.describe() + " but rank " +
+                         std::to_string(r) + " called " + other.describe() +
+                         " (every rank must issue the same collectives in the same order; " + how + ")");
+  }
+}
+
+}  // namespace lockstep

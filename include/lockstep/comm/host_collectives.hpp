@@ -1,0 +1,66 @@
+#pragma once
+//! Small collectives on host data for any communicator: staged through the
+//! communicator's memory space (device buffers for GPU communicators).
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "lockstep/core/concepts.hpp"
+
+namespace lockstep::detail {
+
+//! values ← op over ranks of values (host memory), staged through the communicator's memory.
+//! Issued even for an empty span, so every rank's sequence of collectives stays the same.
+template <class Comm, class T>
+void host_all_reduce(Comm& comm, std::span<T> values, reduce_op op) {
+  auto mem = comm.memory();
+  const std::size_t bytes = values.size() * sizeof(T);
+  auto buf = mem.allocate(bytes);
+  if (bytes) mem.upload(buf.get(), values.data(), bytes);
+  comm.all_reduce(buf.get(), buf.get(), values.size(), dtype_of<T>, op).wait();
+  if (bytes) mem.download(values.data(), buf.get(), bytes);
+}
+
+template <class Comm, class T>
+void host_broadcast(Comm& comm, std::vector<T>& v, int root) {
+  auto mem = comm.memory();
+  const std::size_t bytes = v.size() * sizeof(T);
+  auto buf = mem.allocate(bytes);
+  mem.upload(buf.get(), v.data(), bytes);
+  comm.broadcast(buf.get(), v.size(), dtype_of<T>, root).wait();
+  mem.download(v.data(), buf.get(), bytes);
+}
+
+//! Every rank's string, indexed by rank.
+template <class Comm>
+std::vector<std::string> host_all_gather_strings(Comm& comm, const std::string& mine) {
+  const int n = comm.size();
+  auto mem = comm.memory();
+  std::vector<std::int64_t> len{static_cast<std::int64_t>(mine.size())};
+  auto lbuf = mem.allocate(sizeof(std::int64_t) * static_cast<std::size_t>(n));
+  auto lsend = mem.allocate(sizeof(std::int64_t));
+  mem.upload(lsend.get(), len.data(), sizeof(std::int64_t));
+  comm.all_gather(lsend.get(), lbuf.get(), 1, dtype::i64).wait();
+  std::vector<std::int64_t> lens(static_cast<std::size_t>(n));
+  mem.download(lens.data(), lbuf.get(), lens.size() * sizeof(std::int64_t));
+  const auto width = static_cast<std::size_t>(*std::max_element(lens.begin(), lens.end()));
+  std::vector<char> padded(width, '\0');
+  std::memcpy(padded.data(), mine.data(), mine.size());
+  auto send = mem.allocate(width);
+  auto recv = mem.allocate(width * static_cast<std::size_t>(n));
+  mem.upload(send.get(), padded.data(), width);
+  comm.all_gather(send.get(), recv.get(), width, dtype::u8).wait();
+  std::vector<char> all(width * static_cast<std::size_t>(n));
+  mem.download(all.data(), recv.get(), all.size());
+  std::vector<std::string> out;
+  for (int r = 0; r < n; ++r)
+    out.emplace_back(all.data() + static_cast<std::size_t>(r) * width,
+                     static_cast<std::size_t>(lens[static_cast<std::size_t>(r)]));
+  return out;
+}
+
+}  // namespace lockstep::detail

@@ -1,0 +1,179 @@
+#pragma once
+//! ThreadComm — the reference communicator: N ranks as host threads of one process.
+//! Simple and exact: every rank sums the ranks' contributions in rank order 0..N−1, so
+//! results are deterministic and bit-identical on every rank. Every call checks that
+//! all ranks called the same collective with the same count and type, and every wait
+//! has a timeout (LOCKSTEP_TIMEOUT, default 60 s).
+
+#include <algorithm>
+#include <cstdint>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "lockstep/comm/collective.hpp"
+#include "lockstep/comm/detail/rendezvous.hpp"
+#include "lockstep/core/concepts.hpp"
+#include "lockstep/core/env.hpp"
+#include "lockstep/core/error.hpp"
+#include "lockstep/core/host_memory.hpp"
+
+namespace lockstep {
+
+namespace detail {
+
+//! One rank's call as posted to the group: what it is and where its buffers are.
+struct posted_call {
+  collective what;
+  const void* send = nullptr;
+  void* recv = nullptr;
+};
+
+struct thread_group {
+  thread_group(int n, std::chrono::milliseconds timeout)
+      : sync(n, timeout), calls(static_cast<std::size_t>(n)) {}
+  local_rendezvous sync;
+  std::vector<posted_call> calls;
+};
+
+template <class T>
+T combine(T a, T b, reduce_op op) {
+  switch (op) {
+    case reduce_op::max: return b > a ? b : a;
+    case reduce_op::min: return b < a ? b : a;
+    default: return static_cast<T>(a + b);
+  }
+}
+
+//! tmp ← op over ranks (in rank order 0..N−1) of calls[r].send[offset, offset + count).
+inline void reduce_calls(const std::vector<posted_call>& calls, std::size_t offset, std::size_t count, dtype t,
+                         reduce_op op, std::vector<unsigned char>& tmp) {
+  visit_host_dtype(t, [&]<class T>(T) {
+    tmp.resize(count * sizeof(T));
+    T* out = reinterpret_cast<T*>(tmp.data());
+    const T* first = static_cast<const T*>(calls[0].send) + offset;
+    std::copy(first, first + count, out);
+    for (std::size_t r = 1; r < calls.size(); ++r) {
+      const T* in = static_cast<const T*>(calls[r].send) + offset;
+      for (std::size_t i = 0; i < count; ++i) out[i] = combine(out[i], in[i], op);
+    }
+    if (op == reduce_op::avg) {
+      const auto n = static_cast<T>(calls.size());
+      for (std::size_t i = 0; i < count; ++i) out[i] = static_cast<T>(out[i] / n);
+    }
+  });
+}
+
+}  // namespace detail
+
+class ThreadComm {
+ public:
+  using work_type = ready_work;
+
+  //! One communicator per rank of a new group of n ranks. Hand element r to thread r.
+  static std::vector<ThreadComm> create_group(
+      int n, std::chrono::milliseconds timeout = detail::default_timeout()) {
+    if (n < 1) throw config_error("ThreadComm: a group needs at least 1 rank, got " + std::to_string(n));
+    auto g = std::make_shared<detail::thread_group>(n, timeout);
+    std::vector<ThreadComm> out;
+    out.reserve(static_cast<std::size_t>(n));
+    for (int r = 0; r < n; ++r) out.push_back(ThreadComm(g, r));
+    return out;
+  }
+
+  int rank() const noexcept { return rank_; }
+  int size() const noexcept { return g_->sync.size(); }
+  HostMemory memory() const noexcept { return {}; }
+
+  //! Releases every rank blocked in this group (used when one rank fails).
+  void abort(const std::string& reason) { g_->sync.abort(reason); }
+
+  ready_work all_reduce(const void* send, void* recv, std::size_t count, dtype t, reduce_op op) {
+    run({collective::all_reduce(count, t, op), send, recv}, [&](const auto& calls, auto& tmp) {
+      detail::reduce_calls(calls, 0, count, t, op, tmp);
+      return recv;
+    });
+    return {};
+  }
+
+  ready_work broadcast(void* buf, std::size_t count, dtype t, int root) {
+    if (root < 0 || root >= size())
+      throw config_error("ThreadComm::broadcast: root " + std::to_string(root) +
+                         " is not a rank of this group of " + std::to_string(size()));
+    run({collective::broadcast(count, t, root), buf, buf}, [&](const auto& calls, auto& tmp) {
+      const std::size_t bytes = count * size_of(t);
+      tmp.resize(bytes);
+      if (bytes) std::memcpy(tmp.data(), calls[static_cast<std::size_t>(root)].send, bytes);
+      return buf;
+    });
+    return {};
+  }
+
+  ready_work all_gather(const void* send, void* recv, std::size_t count, dtype t) {
+    run({collective::all_gather(count, t), send, recv}, [&](const auto& calls, auto& tmp) {
+      const std::size_t bytes = count * size_of(t);
+      tmp.resize(bytes * calls.size());
+      for (std::size_t r = 0; r < calls.size(); ++r)
+        if (bytes) std::memcpy(tmp.data() + r * bytes, calls[r].send, bytes);
+      return recv;
+    });
+    return {};
+  }
+
+  ready_work reduce_scatter(const void* send, void* recv, std::size_t count, dtype t, reduce_op op) {
+    run({collective::reduce_scatter(count, t, op), send, recv}, [&](const auto& calls, auto& tmp) {
+      detail::reduce_calls(calls, static_cast<std::size_t>(rank_) * count, count, t, op, tmp);
+      return recv;
+    });
+    return {};
+  }
+
+  void barrier() {
+    run({collective::barrier(), nullptr, nullptr}, [&](const auto&, auto&) -> void* { return nullptr; });
+  }
+
+  //! Number of collectives this rank has issued (the sequence number of the next).
+  std::size_t sequence() const noexcept { return seq_; }
+
+ private:
+  ThreadComm(std::shared_ptr<detail::thread_group> g, int r) : g_(std::move(g)), rank_(r) {}
+
+  // Protocol: post the call, wait for all; check every rank posted the same call;
+  // compute this rank's result into a private buffer while the inputs are read-only;
+  // wait again (so nobody still reads our send buffer); write the result.
+  template <class Compute>
+  void run(detail::posted_call call, Compute&& compute) {
+    call.what.seq = seq_++;
+    auto& calls = g_->calls;
+    const char* what = name_of(call.what.kind);
+    calls[static_cast<std::size_t>(rank_)] = call;
+    g_->sync.arrive_and_wait(rank_, what);
+    for (std::size_t r = 1; r < calls.size(); ++r) {
+      if (!(calls[r].what == calls[0].what)) {
+        // Every rank reads the calls and throws the same error; then they may all leave.
+        std::vector<std::int64_t> all;
+        for (const auto& c : calls) {
+          const auto e = c.what.encode();
+          all.insert(all.end(), e.begin(), e.end());
+        }
+        g_->sync.arrive_and_wait(rank_, what);
+        check_same_collective(all, static_cast<int>(calls.size()), "ThreadComm checks every call");
+      }
+    }
+    std::vector<unsigned char>& tmp = scratch_;
+    void* dst = compute(calls, tmp);
+    g_->sync.arrive_and_wait(rank_, what);
+    if (dst && !tmp.empty()) std::memcpy(dst, tmp.data(), tmp.size());
+  }
+
+  std::shared_ptr<detail::thread_group> g_;
+  int rank_ = 0;
+  std::size_t seq_ = 0;
+  std::vector<unsigned char> scratch_;
+};
+
+static_assert(communicator<ThreadComm>);
+
+}  // namespace lockstep

@@ -1,0 +1,146 @@
+#pragma once
+//! The concepts a user's type must satisfy. Each lists its numbered requirements;
+//! strategies check them with static_asserts whose messages name the missing piece.
+
+#include <concepts>
+#include <cstddef>
+#include <memory>
+#include <ranges>
+#include <span>
+#include <type_traits>
+
+#include "lockstep/core/dtype.hpp"
+#include "lockstep/core/parameter.hpp"
+#include "lockstep/core/reduce_op.hpp"
+
+namespace lockstep {
+
+//! A contiguous run of `count` elements at `ptr` (host or device memory).
+struct segment {
+  void* ptr = nullptr;
+  std::size_t count = 0;
+};
+
+// ---------------------------------------------------------------------------------------
+//! lockstep::model — a network whose parameters lockstep keeps in step across ranks.
+//!
+//! Requirements:
+//!  1. `m.parameters()` returns a range of `lockstep::parameter` (value + gradient views,
+//!     name, shape, element type). The order, shapes and types must be the same on every
+//!     rank; lockstep checks this at construction and names the first difference.
+//!  2. The model's backward *adds* into the gradient buffers (as autograd does): lockstep
+//!     zeroes them at the start of each accumulation cycle.
+//! Optional:
+//!  (a) `m.bind_gradient(i, void* storage)`: lockstep gives parameter i a gradient buffer
+//!      inside its contiguous arena (zero copy, no pack/unpack); afterwards
+//!      `parameters()[i].grad` must be `storage`. Checked by `gradient_binding_model`.
+//!  (b) Overlap: backward calls `step.on_gradient_ready()(i)` when gradient i is final, so
+//!      each bucket is reduced as soon as its last gradient arrives. A model that never
+//!      calls it still works; its buckets are reduced in `finish()`.
+//!
+//! Example:
+//! \code
+//!   struct Linear {
+//!     std::vector<float> w, gw;
+//!     std::vector<lockstep::parameter> parameters() {
+//!       return {lockstep::param<float>("w", std::span(w), std::span(gw))};
+//!     }
+//!   };
+//! \endcode
+template <class M>
+concept model_has_parameters = requires(M& m) {
+  { m.parameters() } -> std::ranges::input_range;
+  requires std::convertible_to<std::ranges::range_value_t<decltype(m.parameters())>, parameter>;
+};
+
+template <class M>
+concept model = model_has_parameters<M>;
+
+template <class M>
+concept gradient_binding_model = model<M> && requires(M& m, std::size_t i, void* p) {
+  m.bind_gradient(i, p);
+};
+
+// ---------------------------------------------------------------------------------------
+//! lockstep::work — a handle to a collective that may still be in flight.
+//!  1. `w.wait()` returns once the result is in the receive buffer (for device
+//!     communicators: once it is ordered before later work on the compute stream).
+template <class W>
+concept work = std::movable<W> && requires(W& w) { w.wait(); };
+
+//! A handle for a collective that completed before it was returned.
+struct ready_work {
+  void wait() noexcept {}
+};
+
+// ---------------------------------------------------------------------------------------
+//! lockstep::memory_ops — how a communicator's memory space is touched (host loops,
+//! CUDA kernels on a stream). Counts are elements of `t`, except where named bytes.
+//!  1. `allocate(bytes)` → a `std::shared_ptr<void>` owning zero-initialised memory.
+//!  2. `upload(dst, src, bytes)` / `download(dst, src, bytes)`: host ⇄ memory space, blocking.
+//!  3. `zero(ptr, bytes)`.
+//!  4. `pack(span<const segment> src, dst, t, scale)`: dst ← concat(src) · scale.
+//!  5. `unpack(src, span<const segment> dst, t)`: scatter contiguous src into dst.
+//!  6. `scale(ptr, count, t, factor)`.
+template <class O>
+concept memory_ops = requires(O& o, void* p, const void* cp, std::size_t n, dtype t, double s,
+                              std::span<const segment> segs) {
+  { o.allocate(n) } -> std::convertible_to<std::shared_ptr<void>>;
+  o.upload(p, cp, n);
+  o.download(p, cp, n);
+  o.zero(p, n);
+  o.pack(segs, p, t, s);
+  o.unpack(cp, segs, t);
+  o.scale(p, n, t, s);
+};
+
+// ---------------------------------------------------------------------------------------
+//! lockstep::communicator — how bytes move between the ranks of one job.
+//!
+//! Requirements (counts are elements of `t`; buffers live in the memory space):
+//!  1. `c.rank()`, `c.size()`: this rank and the number of ranks.
+//!  2. `c.all_reduce(send, recv, count, t, op)` → work; send may equal recv (in place).
+//!  3. `c.broadcast(buf, count, t, root)` → work.
+//!  4. `c.all_gather(send, recv, count, t)` → work; recv holds size()·count elements,
+//!     rank r's block at r·count.
+//!  5. `c.reduce_scatter(send, recv, count, t, op)` → work; send holds size()·count
+//!     elements, rank r receives the reduction of every rank's block r.
+//!  6. `c.barrier()`.
+//!  7. `c.memory()` → memory_ops for the buffers it works on.
+//! Every rank must call the same collectives in the same order with the same counts.
+//!
+//! Example: `lockstep::ThreadComm` (ranks as host threads; the reference).
+template <class C>
+concept communicator_has_rank = requires(const C& c) {
+  { c.rank() } -> std::convertible_to<int>;
+  { c.size() } -> std::convertible_to<int>;
+};
+template <class C>
+concept communicator_has_collectives =
+    requires(C& c, const void* s, void* r, std::size_t n, dtype t, reduce_op op, int root) {
+      { c.all_reduce(s, r, n, t, op) } -> work;
+      { c.broadcast(r, n, t, root) } -> work;
+      { c.all_gather(s, r, n, t) } -> work;
+      { c.reduce_scatter(s, r, n, t, op) } -> work;
+      c.barrier();
+    };
+template <class C>
+concept communicator_has_memory = requires(C& c) {
+  { c.memory() } -> memory_ops;
+};
+template <class C>
+concept communicator =
+    communicator_has_rank<C> && communicator_has_collectives<C> && communicator_has_memory<C>;
+
+// ---------------------------------------------------------------------------------------
+//! lockstep::accumulation_policy — when gradients are synchronised.
+//!  1. `p.steps()` → the number K ≥ 1 of micro-steps per optimizer step. The first K−1
+//!     micro-steps only accumulate locally (no communication); the K-th averages.
+//! Example: `lockstep::EveryStep` (K = 1), `lockstep::Accumulate<4>`, `lockstep::Accumulate<>`
+//! (K set at run time).
+template <class P>
+concept accumulation_policy = requires(const P& p) {
+  { p.steps() } -> std::convertible_to<int>;
+};
+
+}  // namespace lockstep

@@ -1,0 +1,34 @@
+#pragma once
+//! lockstep::context<Comm> — what the SPMD body sees on its rank: who it is, which device
+//! it drives, and the communicator that connects it to the other ranks.
+
+#include <utility>
+
+#include "lockstep/core/concepts.hpp"
+
+namespace lockstep {
+
+template <class Comm>
+class context {
+ public:
+  using comm_type = Comm;
+
+  //! device: the GPU this rank drives, or -1 for a CPU rank.
+  context(Comm comm, int local_rank, int device)
+      : comm_(std::move(comm)), local_rank_(local_rank), device_(device) {}
+
+  int rank() const { return comm_.rank(); }
+  int size() const { return comm_.size(); }
+  int local_rank() const noexcept { return local_rank_; }
+  int device() const noexcept { return device_; }
+  bool is_root() const { return rank() == 0; }
+  Comm& comm() noexcept { return comm_; }
+  const Comm& comm() const noexcept { return comm_; }
+
+ private:
+  Comm comm_;
+  int local_rank_ = 0;
+  int device_ = -1;
+};
+
+}  // namespace lockstep

@@ -1,0 +1,44 @@
+#pragma once
+//! The environment variables lockstep reads (LOCKSTEP_TIMEOUT, LOCKSTEP_DEBUG, ...): a
+//! malformed value is a config_error naming the variable.
+
+#include <chrono>
+#include <cstdlib>
+#include <optional>
+#include <string>
+
+#include "lockstep/core/error.hpp"
+
+namespace lockstep::detail {
+
+inline std::optional<std::string> env(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return std::nullopt;
+  return std::string(v);
+}
+
+//! Parses a positive integer variable; a malformed value is an error naming it.
+inline std::optional<long> env_long(const char* name) {
+  auto v = env(name);
+  if (!v) return std::nullopt;
+  char* end = nullptr;
+  long x = std::strtol(v->c_str(), &end, 10);
+  if (end == v->c_str() || *end != '\0')
+    throw config_error(std::string("environment variable ") + name + "='" + *v +
+                       "' is not an integer");
+  return x;
+}
+
+//! How long any wait on another rank may take: LOCKSTEP_TIMEOUT seconds, default 60.
+inline std::chrono::milliseconds default_timeout() {
+  auto v = env("LOCKSTEP_TIMEOUT");
+  if (!v) return std::chrono::seconds(60);
+  char* end = nullptr;
+  double s = std::strtod(v->c_str(), &end);
+  if (end == v->c_str() || *end != '\0' || !(s > 0))
+    throw config_error("LOCKSTEP_TIMEOUT='" + *v +
+                       "' is not a positive number of seconds (e.g. LOCKSTEP_TIMEOUT=120)");
+  return std::chrono::milliseconds(static_cast<long long>(s * 1000.0));
+}
+
+}  // namespace lockstep::detail

@@ -1,0 +1,65 @@
+#pragma once
+//! HostMemory — memory_ops for communicators whose buffers live in host memory.
+
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <span>
+
+#include "lockstep/core/concepts.hpp"
+
+namespace lockstep {
+
+struct HostMemory {
+  std::shared_ptr<void> allocate(std::size_t bytes) const {
+    std::size_t rounded = (bytes + 63) / 64 * 64;
+    void* p = std::aligned_alloc(64, rounded == 0 ? 64 : rounded);
+    if (p == nullptr) throw std::bad_alloc();
+    std::memset(p, 0, rounded == 0 ? 64 : rounded);
+    return std::shared_ptr<void>(p, [](void* q) { std::free(q); });
+  }
+  void upload(void* dst, const void* src, std::size_t bytes) const { copy(dst, src, bytes); }
+  void download(void* dst, const void* src, std::size_t bytes) const { copy(dst, src, bytes); }
+  void zero(void* p, std::size_t bytes) const {
+    if (bytes) std::memset(p, 0, bytes);
+  }
+  void pack(std::span<const segment> src, void* dst, dtype t, double s) const {
+    visit_host_dtype(t, [&]<class T>(T) {
+      T* out = static_cast<T*>(dst);
+      for (const auto& seg : src) {
+        const T* in = static_cast<const T*>(seg.ptr);
+        if (s == 1.0) {
+          copy(out, in, seg.count * sizeof(T));
+        } else {
+          const T f = static_cast<T>(s);
+          for (std::size_t i = 0; i < seg.count; ++i) out[i] = in[i] * f;
+        }
+        out += seg.count;
+      }
+    });
+  }
+  void unpack(const void* src, std::span<const segment> dst, dtype t) const {
+    const auto* in = static_cast<const unsigned char*>(src);
+    for (const auto& seg : dst) {
+      copy(seg.ptr, in, seg.count * size_of(t));
+      in += seg.count * size_of(t);
+    }
+  }
+  void scale(void* p, std::size_t count, dtype t, double s) const {
+    if (s == 1.0) return;
+    visit_host_dtype(t, [&]<class T>(T) {
+      T* x = static_cast<T*>(p);
+      const T f = static_cast<T>(s);
+      for (std::size_t i = 0; i < count; ++i) x[i] *= f;
+    });
+  }
+
+ private:
+  static void copy(void* dst, const void* src, std::size_t bytes) {
+    if (bytes && dst != src) std::memmove(dst, src, bytes);
+  }
+};
+static_assert(memory_ops<HostMemory>);
+
+}  // namespace lockstep

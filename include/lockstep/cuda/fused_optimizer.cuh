@@ -1,0 +1,149 @@
+#pragma once
+//! lockstep::cuda::FusedOptimizer<Rule> — an optimizer_rule (optim/optimizer.hpp) applied to
+//! device parameters through the multi-tensor engine, with its state owned for you, keyed by
+//! parameter index (the order of DataParallel::parameters()), and the skip decision read on
+//! the device. FusedSgd and FusedAdamW are its two instances: the same rules as lockstep::Sgd
+//! and lockstep::AdamW, so GPU and CPU agree bit for bit on f32/f64.
+//!
+//! \code
+//!   lockstep::cuda::FusedAdamW opt({.lr = 1e-3}, dp.parameters());     // on the rank's device
+//!   const int* found_inf = dp.scaler().device_found_inf();              // DeviceDynamicScale
+//!   auto step = dp.step();
+//!   model.backward(..., step.on_gradient_ready());
+//!   step.finish([&](std::span<const lockstep::param_slice> s) { opt.step(s, stream, found_inf); });
+//!   // or, after finish(): opt.step_all(dp.parameters(), stream, found_inf);
+//! \endcode
+//!
+//! State, allocated at construction on the device (one allocation, zeroed; see
+//! cuda/detail/fused_state.cuh): per parameter Rule::states(options) buffers (f32, f64 for f64
+//! parameters); an f32 master copy for f16/bf16 parameters, filled from the parameter's values
+//! the first time the parameter is stepped (so construct the optimizer any time before the
+//! first step; capture a step in a CUDA graph only after that first step); and a per-parameter
+//! int64 step counter. Nothing is allocated or synchronised in step().
+//!
+//! Step counting. A slice (param, offset, count) may cover part of a parameter (a parameter
+//! split over buckets): state is indexed at the slice's offset. A parameter's counter advances
+//! — on the device, unless *d_found_inf ≠ 0 — when its slice at offset 0 is stepped, before
+//! that slice is updated; slices at later offsets read it. So within one optimizer step, a
+//! parameter's offset-0 slice must come first (DataParallel hands buckets over in plan order,
+//! where that holds), and every element is stepped once: the counter then advances exactly once
+//! per optimizer step, whatever the buckets, and AdamW's bias correction sees step 1, 2, 3...
+//! With d_found_inf set and non-zero, parameters, state and counters stay as they were, bit for
+//! bit.
+//!
+//! Checkpoints: serializable (save(byte_writer&) / load(byte_reader&), so `ck.add("optimizer",
+//! opt)` works); they synchronise (they wait for the stream of the last step() and copy to or
+//! from the host). load() replaces the state's device allocation: capture CUDA graphs of steps
+//! after loading, not before. Movable, not copyable (a copy would share the device state).
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "lockstep/core/codec.hpp"
+#include "lockstep/core/dtype.hpp"
+#include "lockstep/core/error.hpp"
+#include "lockstep/core/parameter.hpp"
+#include "lockstep/cuda/detail/fused_state.cuh"
+#include "lockstep/cuda/kernels/engine.cuh"
+#include "lockstep/cuda/kernels/optimizers.cuh"
+#include "lockstep/cuda/memory.cuh"
+#include "lockstep/optim/adamw.hpp"
+#include "lockstep/optim/optimizer.hpp"
+#include "lockstep/optim/sgd.hpp"
+
+namespace lockstep::cuda {
+
+template <optimizer_rule Rule>
+class FusedOptimizer {
+ public:
+  using rule_type = Rule;
+  using options_type = typename Rule::options;
+
+  //! params: the parameters in the order slices index them (e.g. DataParallel::parameters()),
+  //! on `device` (-1: the current device), where the state is allocated.
+  FusedOptimizer(options_type o, const std::vector<parameter>& params, int device = -1)
+      : opt_(o), st_(params, device, Rule::fused_name) {
+    Rule::validate(o);
+    lockstep::detail::device_guard g(st_.device());
+    st_.build(Rule::states(o));
+  }
+
+  const options_type& options() const noexcept { return opt_; }
+  //! For learning-rate schedules (takes effect at the next step()).
+  void set_lr(double lr) {
+    options_type o = opt_;
+    o.lr = lr;
+    Rule::validate(o);
+    opt_ = o;
+  }
+  //! Per-parameter step counters (device memory).
+  const std::int64_t* device_steps() const noexcept { return st_.counters(); }
+  //! Device memory the state takes, in bytes.
+  std::size_t state_bytes() const noexcept { return st_.bytes(); }
+
+  //! Updates the slices (e.g. one bucket), queued on s; skipped entirely when d_found_inf is
+  //! set and *d_found_inf ≠ 0. No synchronisation.
+  void step(std::span<const param_slice> slices, cudaStream_t s, const int* d_found_inf = nullptr) {
+    if (slices.empty()) return;
+    lockstep::detail::device_guard g(st_.device());
+    st_.prepare(slices, s, d_found_inf);
+    for (dtype t : {dtype::f32, dtype::f64, dtype::f16, dtype::bf16}) {
+      refs_.clear();
+      for (const auto& sl : slices)
+        if (sl.type == t && sl.count != 0) refs_.push_back(&sl);
+      if (refs_.empty()) continue;
+      kernels::visit_float(t, Rule::fused_name, [&]<class Element>(std::type_identity<Element>) {
+        using op_t = kernels::rule_op<Rule, Element>;
+        const op_t op{{}, opt_, Rule::states(opt_)};
+        kernels::launch(op, refs_.size(), [&](std::size_t i) {
+          const param_slice& sl = *refs_[i];
+          kernels::tensor_ref<op_t::lists> r{};
+          r.p[0] = sl.value;
+          r.p[1] = sl.grad;
+          for (int k = 0; k < Rule::max_states; ++k) r.p[2 + k] = st_.state(sl.param, k, sl.offset);
+          r.p[op_t::master_list] = st_.master(sl.param, sl.offset);
+          r.count = sl.count;
+          r.step = st_.counters() + sl.param;
+          return r;
+        }, s, Rule::fused_name, d_found_inf);
+      });
+    }
+  }
+
+  //! Updates every parameter (params: the same parameters, in the same order).
+  void step_all(const std::vector<parameter>& params, cudaStream_t s, const int* d_found_inf = nullptr) {
+    if (params.size() != st_.size())
+      throw config_error(std::string(Rule::fused_name) + "::step_all: got " + std::to_string(params.size()) +
+                         " parameters, but the optimizer was built for " + std::to_string(st_.size()));
+    whole_.clear();
+    for (std::size_t i = 0; i < params.size(); ++i)
+      whole_.push_back({i, 0, params[i].numel(), params[i].type, params[i].value, params[i].grad});
+    step(whole_, s, d_found_inf);
+  }
+
+  //! The host optimizer's layout (optim/optimizer.hpp). Synchronises.
+  void save(byte_writer& w) const { st_.template save<Rule>(w, opt_); }
+  //! Reads what save() or the host optimizer wrote (options included). Synchronises.
+  void load(byte_reader& r) { opt_ = st_.template load<Rule>(r); }
+
+ private:
+  options_type opt_;
+  detail::fused_state st_;
+  std::vector<const param_slice*> refs_;  // reused by step(): no allocation in steady state
+  std::vector<param_slice> whole_;        // reused by step_all()
+};
+
+//! SGD (momentum, dampening, nesterov, weight decay; PyTorch semantics, as lockstep::Sgd).
+using FusedSgd = FusedOptimizer<SgdRule>;
+//! AdamW (PyTorch semantics, as lockstep::AdamW).
+using FusedAdamW = FusedOptimizer<AdamWRule>;
+
+static_assert(serializable<FusedSgd> && serializable<FusedAdamW>);
+
+}  // namespace lockstep::cuda

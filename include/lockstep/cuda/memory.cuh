@@ -1,0 +1,157 @@
+#pragma once
+//! CudaMemory — memory_ops for device memory on one device, ordered on one CUDA stream
+//! (the compute stream of the communicator that hands it out).
+//!
+//!  - allocate: cudaMalloc + zero fill; the shared_ptr frees on the right device.
+//!  - upload / download: blocking (they return once the copy is done) and ordered after
+//!    everything already queued on the stream, e.g. a collective whose work was wait()ed.
+//!  - zero / pack / unpack / scale: queued on the stream, not blocking.
+//! Every call makes the device current for its duration and restores the caller's device,
+//! so it may be used from any host thread.
+
+#include <cstddef>
+#include <cstdio>
+#include <memory>
+#include <new>
+#include <span>
+#include <string>
+
+#include <cuda_runtime_api.h>
+
+#include "lockstep/core/concepts.hpp"
+#include "lockstep/core/dtype.hpp"
+#include "lockstep/core/error.hpp"
+#include "lockstep/cuda/error.cuh"
+#include "lockstep/cuda/kernels/memory_ops.cuh"
+
+namespace lockstep {
+
+namespace detail {
+
+//! Makes `device` current for a scope and restores the previous device afterwards.
+//! CUDA's current device is per host thread; a thread driving several communicators (or a
+//! user thread that set another device) must not be left on ours.
+class device_guard {
+ public:
+  explicit device_guard(int device) {
+    LOCKSTEP_TRY_CUDA(cudaGetDevice(&prev_));
+    if (prev_ != device) {
+      LOCKSTEP_TRY_CUDA(cudaSetDevice(device));
+      restore_ = true;
+    }
+  }
+  //! For destructors: never throws; `ok()` says whether the device could be set.
+  device_guard(int device, std::nothrow_t) noexcept {
+    if (cudaGetDevice(&prev_) != cudaSuccess) {
+      ok_ = cudaSetDevice(device) == cudaSuccess;
+      return;
+    }
+    if (prev_ != device) {
+      ok_ = cudaSetDevice(device) == cudaSuccess;
+      restore_ = ok_;
+    }
+  }
+  ~device_guard() {
+    if (restore_) (void)cudaSetDevice(prev_);
+  }
+  device_guard(const device_guard&) = delete;
+  device_guard& operator=(const device_guard&) = delete;
+  bool ok() const noexcept { return ok_; }
+
+ private:
+  int prev_ = 0;
+  bool restore_ = false;
+  bool ok_ = true;
+};
+
+}  // namespace detail
+
+class CudaMemory {
+ public:
+  //! Memory on `device`, with asynchronous work queued on `stream` (a stream of that device;
+  //! nullptr is the legacy default stream).
+  CudaMemory(int device, cudaStream_t stream) noexcept : device_(device), stream_(stream) {}
+
+  int device() const noexcept { return device_; }
+  cudaStream_t stream() const noexcept { return stream_; }
+
+  //! `bytes` of zeroed device memory (at least 1 byte is reserved, so the pointer is never
+  //! null). The fill has completed when this returns, so any stream may use the memory.
+  std::shared_ptr<void> allocate(std::size_t bytes) const {
+    detail::device_guard g(device_);
+    void* p = nullptr;
+    const cudaError_t e = cudaMalloc(&p, bytes == 0 ? 1 : bytes);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();  // out of memory is not sticky: leave no stale error behind
+      throw cuda_error(detail::call_failure(
+          "cudaMalloc", __FILE__, __LINE__,
+          detail::describe_cuda(e) + " while allocating " + std::to_string(bytes) +
+              " bytes on device " + std::to_string(device_)));
+    }
+    // The shared_ptr frees p (through the deleter) if its own allocation throws.
+    std::shared_ptr<void> owner(p, deleter{device_});
+    if (bytes) LOCKSTEP_TRY_CUDA(cudaMemsetAsync(p, 0, bytes, stream_));
+    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(stream_));
+    return owner;
+  }
+
+  //! Host → device, blocking.
+  void upload(void* dst, const void* src, std::size_t bytes) const {
+    if (bytes == 0) return;
+    detail::device_guard g(device_);
+    LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
+    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(stream_));
+  }
+
+  //! Device → host, blocking.
+  void download(void* dst, const void* src, std::size_t bytes) const {
+    if (bytes == 0) return;
+    detail::device_guard g(device_);
+    LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(stream_));
+  }
+
+  void zero(void* p, std::size_t bytes) const {
+    if (bytes == 0) return;
+    detail::device_guard g(device_);
+    LOCKSTEP_TRY_CUDA(cudaMemsetAsync(p, 0, bytes, stream_));
+  }
+
+  //! dst ← concat(src) · scale, one fused launch.
+  void pack(std::span<const segment> src, void* dst, dtype t, double scale) const {
+    detail::device_guard g(device_);
+    cuda::kernels::pack(src, dst, t, scale, stream_);
+  }
+
+  //! Scatters contiguous src into the segments of dst.
+  void unpack(const void* src, std::span<const segment> dst, dtype t) const {
+    detail::device_guard g(device_);
+    cuda::kernels::unpack(src, dst, t, stream_);
+  }
+
+  void scale(void* p, std::size_t count, dtype t, double factor) const {
+    detail::device_guard g(device_);
+    cuda::kernels::scale(p, count, t, factor, stream_);
+  }
+
+ private:
+  struct deleter {
+    int device;
+    void operator()(void* p) const noexcept {
+      // Never throws: it may run during unwinding or at exit (when the runtime may already
+      // be unloading). A failure is reported, not raised.
+      detail::device_guard g(device, std::nothrow);
+      const cudaError_t e = cudaFree(p);
+      if (e != cudaSuccess && e != cudaErrorCudartUnloading)
+        std::fprintf(stderr, "lockstep: cudaFree on device %d failed: %s\n", device,
+                     cudaGetErrorString(e));
+    }
+  };
+
+  int device_ = 0;
+  cudaStream_t stream_ = nullptr;
+};
+
+static_assert(memory_ops<CudaMemory>);
+
+}  // namespace lockstep

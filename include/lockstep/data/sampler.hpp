@@ -1,0 +1,256 @@
+#pragma once
+//! DistributedSampler<Order, Tail>: which samples each rank sees, epoch by epoch.
+//!
+//! Semantics (the same partition as PyTorch's torch.utils.data.DistributedSampler; with
+//! len samples, R ranks, this rank r):
+//!  1. The epoch's list: Shuffle → a permutation of 0..len-1 that depends only on
+//!     (seed, epoch) — not on R or r — so all ranks agree on it; Sequential → 0..len-1.
+//!  2. num_samples = size() = ceil(len / R); with DropLast and len % R != 0 it is
+//!     ceil((len - R) / R) = floor(len / R). total_size() = num_samples · R.
+//!  3. Pad: the list is extended to total_size by repeating it from its start, tiled as
+//!     often as needed when total_size - len > len (len < R), i.e. element i of the padded
+//!     list is list[i % len]. DropLast: the list is cut to total_size.
+//!  4. Rank r takes list[r], list[r + R], list[r + 2R], ... (list[r : total_size : R]):
+//!     the ranks are disjoint apart from the padding, together cover every index at least
+//!     once (Pad) and all get the same number of samples, hence the same number of batches
+//!     — nobody waits at a collective for a rank that ran out of data.
+//!  5. len = 0 gives no samples on any rank.
+//!
+//! The permutation (documented so other implementations can reproduce it bit for bit):
+//!  Fisher–Yates over a = [0, 1, ..., len-1]: for i = len-1 down to 1, j = bounded(i+1),
+//!  swap(a[i], a[j]); the generator is SplitMix64 (seeding.hpp) started at state
+//!  detail::sampler_key(seed, epoch); bounded(n) is Lemire's unbiased multiply-shift with
+//!  rejection ("Fast random integer generation in an interval", 2019): x = next(),
+//!  m = x·n (128-bit); if low64(m) < n, t = (2^64 - n) mod n and while low64(m) < t draw
+//!  again; return high64(m). PyTorch shuffles with torch.randperm, so its orders differ
+//!  from these; the partition rules above are the same.
+//!
+//! Resuming mid-epoch: position() counts this rank's samples already consumed this epoch;
+//! batches() starts there. set_epoch() resets it to 0, so to resume call
+//! `set_epoch(e); set_position(k);` (in that order) and iterate batches(B). When k is a
+//! multiple of B the batches are exactly the ones the uninterrupted run had left.
+//!
+//! \code
+//!   lockstep::DistributedSampler sampler(train.size(), ctx, {.seed = 42});
+//!   for (std::uint64_t epoch = 0; epoch < epochs; ++epoch) {
+//!     sampler.set_epoch(epoch);
+//!     for (auto batch : sampler.batches(64)) { train_step(batch); sampler.advance(batch.size()); }
+//!   }
+//! \endcode
+
+#include <algorithm>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <numeric>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "lockstep/core/error.hpp"
+#include "lockstep/data/seeding.hpp"
+
+namespace lockstep {
+
+// ---- policy tags: DistributedSampler<Order, Tail> ------------------------------------------
+//! Order: a fresh pseudo-random permutation of the data set for each (seed, epoch).
+struct Shuffle {};
+//! Order: 0, 1, ..., len-1 (evaluation, debugging).
+struct Sequential {};
+
+//! Tail: when len is not divisible by the number of ranks, repeat indices from the start of
+//! the epoch's list until every rank has ceil(len / ranks) samples (PyTorch's default).
+struct Pad {};
+//! Tail: drop the last len % ranks indices of the epoch's list, so every rank has
+//! floor(len / ranks) samples (PyTorch's drop_last=True).
+struct DropLast {};
+
+//! Tuning values for DistributedSampler. `seed` must be the same on every rank.
+struct SamplerOptions {
+  std::uint64_t seed = 0;
+};
+
+//! What batches() does with a last batch smaller than B.
+enum class LastBatch {
+  keep_partial,  //!< yield it (PyTorch DataLoader's drop_last=False)
+  drop_partial,  //!< drop it: every batch has exactly B indices
+};
+
+namespace detail {
+
+//! Anything that knows its rank and the number of ranks (a context, a communicator).
+template <class G>
+concept rank_group = requires(const G& g) {
+  { g.rank() } -> std::convertible_to<int>;
+  { g.size() } -> std::convertible_to<int>;
+};
+
+//! (a · b) as (high, low) 64-bit halves from 32-bit pieces: for compilers without a
+//! 128-bit integer (MSVC); kept always compiled so the tests check it against the other.
+constexpr std::pair<std::uint64_t, std::uint64_t> mul_64x64_portable(std::uint64_t a,
+                                                                     std::uint64_t b) noexcept {
+  const std::uint64_t a_lo = a & 0xffffffffULL, a_hi = a >> 32;
+  const std::uint64_t b_lo = b & 0xffffffffULL, b_hi = b >> 32;
+  const std::uint64_t ll = a_lo * b_lo, lh = a_lo * b_hi, hl = a_hi * b_lo, hh = a_hi * b_hi;
+  const std::uint64_t mid = (ll >> 32) + (lh & 0xffffffffULL) + (hl & 0xffffffffULL);
+  return {hh + (lh >> 32) + (hl >> 32) + (mid >> 32), (mid << 32) | (ll & 0xffffffffULL)};
+}
+
+//! (a · b) as (high, low) 64-bit halves, the same on every platform.
+constexpr std::pair<std::uint64_t, std::uint64_t> mul_64x64(std::uint64_t a,
+                                                            std::uint64_t b) noexcept {
+#if defined(__SIZEOF_INT128__)
+  __extension__ using u128 = unsigned __int128;  // __extension__: quiet under -Wpedantic
+  const u128 m = static_cast<u128>(a) * b;
+  return {static_cast<std::uint64_t>(m >> 64), static_cast<std::uint64_t>(m)};
+#else
+  return mul_64x64_portable(a, b);
+#endif
+}
+
+//! A uniform integer in [0, n), n >= 1, without modulo bias (Lemire 2019).
+constexpr std::uint64_t bounded(SplitMix64& gen, std::uint64_t n) noexcept {
+  auto m = mul_64x64(gen.next(), n);  // (high, low): high is the candidate
+  if (m.second < n) {
+    const std::uint64_t threshold = (0 - n) % n;  // 2^64 mod n: the biased low values
+    while (m.second < threshold) m = mul_64x64(gen.next(), n);
+  }
+  return m.first;
+}
+
+//! The documented Fisher–Yates shuffle of [0, len) for (seed, epoch).
+inline std::vector<std::size_t> permutation(std::size_t len, std::uint64_t seed,
+                                            std::uint64_t epoch) {
+  std::vector<std::size_t> a(len);
+  std::iota(a.begin(), a.end(), std::size_t{0});
+  SplitMix64 gen(sampler_key(seed, epoch));
+  for (std::size_t i = len; i > 1; --i) {
+    const auto j = static_cast<std::size_t>(bounded(gen, i));
+    std::swap(a[i - 1], a[j]);
+  }
+  return a;
+}
+
+}  // namespace detail
+
+//! Splits a data set of `len` samples across `world` ranks; see the top of this file.
+//! Order: lockstep::Shuffle or lockstep::Sequential. Tail: lockstep::Pad or
+//! lockstep::DropLast.
+template <class Order = Shuffle, class Tail = Pad>
+class DistributedSampler {
+  static_assert(std::is_same_v<Order, Shuffle> || std::is_same_v<Order, Sequential>,
+                "DistributedSampler<Order, Tail>: Order must be lockstep::Shuffle or "
+                "lockstep::Sequential");
+  static_assert(std::is_same_v<Tail, Pad> || std::is_same_v<Tail, DropLast>,
+                "DistributedSampler<Order, Tail>: Tail must be lockstep::Pad or "
+                "lockstep::DropLast");
+
+ public:
+  using order_type = Order;
+  using tail_type = Tail;
+
+  //! Rank `rank` of `world` ranks; every rank must pass the same len and opts.seed.
+  DistributedSampler(std::size_t len, int rank, int world, SamplerOptions opts = {})
+      : len_(len), rank_(rank), world_(world), seed_(opts.seed) {
+    if (world < 1)
+      throw config_error("DistributedSampler: world size is " + std::to_string(world) +
+                         "; it must be at least 1 (the number of ranks)");
+    if (rank < 0 || rank >= world)
+      throw config_error("DistributedSampler: rank " + std::to_string(rank) +
+                         " is outside [0, " + std::to_string(world) +
+                         "); pass this process's rank and the number of ranks");
+    const auto r = static_cast<std::size_t>(world);
+    if constexpr (std::is_same_v<Tail, DropLast>)
+      num_samples_ = len / r;  // == ceil((len - R) / R) when len % R != 0
+    else
+      num_samples_ = len / r + (len % r != 0 ? 1 : 0);
+    fill();
+  }
+
+  //! Takes rank and world from a context or communicator (anything with rank(), size()).
+  template <detail::rank_group G>
+  DistributedSampler(std::size_t len, const G& group, SamplerOptions opts = {})
+      : DistributedSampler(len, static_cast<int>(group.rank()), static_cast<int>(group.size()),
+                           opts) {}
+
+  //! This rank's number of samples per epoch (PyTorch's num_samples); the same on all ranks.
+  std::size_t size() const noexcept { return num_samples_; }
+  //! size() · world(): the padded (Pad) or truncated (DropLast) length of the epoch's list.
+  std::size_t total_size() const noexcept { return num_samples_ * static_cast<std::size_t>(world_); }
+  std::size_t dataset_size() const noexcept { return len_; }
+  int rank() const noexcept { return rank_; }
+  int world() const noexcept { return world_; }
+  std::uint64_t seed() const noexcept { return seed_; }
+
+  //! This rank's indices for the current epoch, in the order they are to be used.
+  const std::vector<std::size_t>& indices() const noexcept { return indices_; }
+
+  std::uint64_t epoch() const noexcept { return epoch_; }
+  //! Selects the epoch (and so, with Shuffle, the order) and resets position() to 0.
+  void set_epoch(std::uint64_t epoch) {
+    position_ = 0;
+    if (epoch == epoch_) return;  // same (seed, epoch) → same indices
+    epoch_ = epoch;
+    fill();
+  }
+
+  //! How many of this rank's samples were consumed this epoch (for checkpoints).
+  std::size_t position() const noexcept { return position_; }
+  //! Resume after `k` consumed samples of the current epoch; 0 <= k <= size().
+  void set_position(std::size_t k) {
+    if (k > num_samples_)
+      throw config_error("DistributedSampler::set_position(" + std::to_string(k) +
+                         "): this rank has only " + std::to_string(num_samples_) +
+                         " samples per epoch; a checkpoint from a different data set size "
+                         "or number of ranks cannot be resumed mid-epoch");
+    position_ = k;
+  }
+  //! Marks `n` more samples consumed (call after each step to keep position() current).
+  void advance(std::size_t n) { set_position(position_ + n); }
+
+  //! The rest of this epoch (from position()) cut into batches of `batch_size` indices.
+  //! The spans point into indices(): they stay valid until set_epoch() with a new epoch
+  //! or the sampler's destruction.
+  std::vector<std::span<const std::size_t>> batches(
+      std::size_t batch_size, LastBatch last = LastBatch::keep_partial) const {
+    if (batch_size == 0)
+      throw config_error("DistributedSampler::batches: batch size is 0; pass at least 1");
+    const std::span<const std::size_t> rest = std::span(indices_).subspan(position_);
+    std::size_t n = rest.size() / batch_size;
+    if (last == LastBatch::keep_partial && rest.size() % batch_size != 0) ++n;
+    std::vector<std::span<const std::size_t>> out;
+    out.reserve(n);
+    for (std::size_t b = 0; b < n; ++b) {
+      const std::size_t begin = b * batch_size;
+      out.push_back(rest.subspan(begin, std::min(batch_size, rest.size() - begin)));
+    }
+    return out;
+  }
+
+ private:
+  // Rank r's k-th index is list[(r + k·R) % len] (rule 3 and 4 above in one formula).
+  void fill() {
+    indices_.resize(num_samples_);
+    if (num_samples_ == 0) return;
+    const auto r = static_cast<std::size_t>(rank_), w = static_cast<std::size_t>(world_);
+    if constexpr (std::is_same_v<Order, Shuffle>) {
+      const std::vector<std::size_t> list = detail::permutation(len_, seed_, epoch_);
+      for (std::size_t k = 0; k < num_samples_; ++k) indices_[k] = list[(r + k * w) % len_];
+    } else {
+      for (std::size_t k = 0; k < num_samples_; ++k) indices_[k] = (r + k * w) % len_;
+    }
+  }
+
+  std::size_t len_;
+  int rank_;
+  int world_;
+  std::uint64_t seed_;
+  std::uint64_t epoch_ = 0;
+  std::size_t num_samples_ = 0;
+  std::size_t position_ = 0;
+  std::vector<std::size_t> indices_;
+};
+
+}  // namespace lockstep

@@ -1,0 +1,118 @@
+#pragma once
+//! The layout of one element type's gradient arena and its buckets.
+//!
+//! Parameters are laid out in `order` (bucket order: the order gradients are expected to
+//! become final). Buckets are element ranges of the arena: the first holds at most
+//! first_bytes, the others at most cap_bytes, so a tensor larger than a bucket spans
+//! several and a bucket may hold the tails and heads of several tensors. `align` pads
+//! each parameter's start (zero-copy arenas align the model's gradient pointers); padding
+//! elements stay zero and are reduced harmlessly.
+
+#include <algorithm>
+#include <cstddef>
+#include <vector>
+
+#include "lockstep/core/dtype.hpp"
+#include "lockstep/core/error.hpp"
+#include "lockstep/parallel/policies.hpp"
+
+namespace lockstep::detail {
+
+//! The part of parameter `param` (global index) that lies in one bucket.
+struct slice {
+  std::size_t param = 0;
+  std::size_t param_offset = 0;  //!< first element within the parameter
+  std::size_t arena_offset = 0;  //!< first element within the arena
+  std::size_t count = 0;
+};
+
+struct bucket {
+  std::size_t begin = 0, end = 0;  //!< arena element range [begin, end)
+  std::vector<slice> slices;
+  std::size_t elements() const { return end - begin; }
+};
+
+//! Buckets [first, last) reduced by one collective. Consecutive buckets that hold nothing but
+//! slices of one parameter always become complete together (when that parameter does), so
+//! they form one unit: fewer, larger all-reduces. Units depend on the plan alone, never on
+//! timing, so every rank issues the same collectives.
+struct launch_unit {
+  std::size_t first = 0, last = 0;
+};
+
+struct bucket_plan {
+  dtype type = dtype::f32;
+  std::vector<launch_unit> units;
+  std::vector<std::size_t> order;        //!< global parameter indices, arena order
+  std::vector<std::size_t> offset;       //!< arena offset per entry of order
+  std::size_t total = 0;                 //!< arena length in elements (with padding)
+  std::vector<bucket> buckets;
+  std::vector<std::vector<std::size_t>> buckets_of;  //!< per entry of order: bucket indices
+};
+
+inline std::size_t round_up(std::size_t x, std::size_t a) { return a <= 1 ? x : (x + a - 1) / a * a; }
+
+//! sizes[i]: element count of global parameter i (only those listed in order are used).
+inline bucket_plan make_bucket_plan(dtype t, std::vector<std::size_t> order,
+                                    const std::vector<std::size_t>& sizes,
+                                    const BucketPolicy& policy, std::size_t align) {
+  if (policy.first_bytes == 0 || policy.cap_bytes == 0)
+    throw config_error("BucketPolicy: first_bytes and cap_bytes must be positive");
+  bucket_plan p;
+  p.type = t;
+  p.order = std::move(order);
+  const std::size_t es = size_of(t);
+  std::size_t at = 0;
+  for (std::size_t k = 0; k < p.order.size(); ++k) {
+    at = round_up(at, align);
+    p.offset.push_back(at);
+    at += sizes[p.order[k]];
+  }
+  p.total = round_up(at, align);
+  // Bucket boundaries: element counts from the byte caps, kept aligned.
+  const std::size_t first = std::max<std::size_t>(round_up(std::max<std::size_t>(policy.first_bytes / es, 1), align), 1);
+  const std::size_t cap = std::max<std::size_t>(round_up(std::max<std::size_t>(policy.cap_bytes / es, 1), align), 1);
+  for (std::size_t b = 0; b < p.total;) {
+    const std::size_t len = p.buckets.empty() ? first : cap;
+    bucket bk;
+    bk.begin = b;
+    bk.end = std::min(p.total, b + len);
+    p.buckets.push_back(std::move(bk));
+    b = p.buckets.back().end;
+  }
+  // Slices: walk each parameter across the buckets it overlaps.
+  p.buckets_of.resize(p.order.size());
+  std::size_t bi = 0;
+  for (std::size_t k = 0; k < p.order.size(); ++k) {
+    const std::size_t n = sizes[p.order[k]];
+    std::size_t pos = p.offset[k], end = p.offset[k] + n;
+    while (bi < p.buckets.size() && p.buckets[bi].end <= pos) ++bi;
+    std::size_t bj = bi;
+    while (pos < end) {
+      auto& bk = p.buckets[bj];
+      const std::size_t take = std::min(end, bk.end) - pos;
+      bk.slices.push_back({p.order[k], pos - p.offset[k], pos, take});
+      p.buckets_of[k].push_back(bj);
+      pos += take;
+      if (pos >= bk.end) ++bj;
+    }
+  }
+  // Launch units: merge runs of buckets that each hold slices of one and the same parameter.
+  auto sole = [&](const bucket& b) -> std::ptrdiff_t {
+    if (b.slices.empty()) return -1;
+    for (const auto& s : b.slices)
+      if (s.param != b.slices.front().param) return -1;
+    return static_cast<std::ptrdiff_t>(b.slices.front().param);
+  };
+  for (std::size_t b = 0; b < p.buckets.size();) {
+    std::size_t e = b + 1;
+    const auto owner = sole(p.buckets[b]);
+    if (owner >= 0)
+      while (e < p.buckets.size() && sole(p.buckets[e]) == owner) ++e;
+    p.units.push_back({b, e});
+    b = e;
+  }
+  return p;
+}
+
+}  // namespace lockstep::detail

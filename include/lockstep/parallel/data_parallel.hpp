@@ -1,0 +1,390 @@
+#pragma once
+//! lockstep::DataParallel<Model, Comm, Policies...> — one model replica per rank, gradients
+//! averaged bucket by bucket as backward produces them.
+//!
+//! \code
+//!   lockstep::run(lockstep::Threads{4}, [&](auto& ctx) {
+//!     Mlp model(seed);                                     // same shapes on every rank
+//!     lockstep::DataParallel<Mlp, lockstep::ThreadComm> dp(ctx, model);  // rank 0's values
+//!     for (auto& batch : my_batches) {
+//!       auto step = dp.step();
+//!       model.backward(batch, step.on_gradient_ready());   // optional: overlap
+//!       if (step.finish()) optimizer.update(model);        // averaged over all ranks
+//!     }
+//!   });
+//! \endcode
+//!
+//! Policies (any order, each at most once): an accumulation_policy (EveryStep default,
+//! Accumulate<K>, Accumulate<> with K at run time) and a loss_scaler (NoScaling default,
+//! StaticScale, DynamicScale). With a scaler, multiply the loss by step.loss_scale() before
+//! backward; finish() unscales the averaged gradients, checks them for inf/NaN (agreed
+//! across ranks) and reports applied = false when the optimizer must skip the step.
+//!
+//! Uneven inputs (ranks with different numbers of batches): open a scope with dp.join(...)
+//! around the loop — see join.hpp.
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <ranges>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "lockstep/comm/host_collectives.hpp"
+#include "lockstep/core/concepts.hpp"
+#include "lockstep/core/context.hpp"
+#include "lockstep/core/error.hpp"
+#include "lockstep/core/grad_group.hpp"
+#include "lockstep/detail/pick.hpp"
+#include "lockstep/parallel/join.hpp"
+#include "lockstep/parallel/policies.hpp"
+#include "lockstep/parallel/reducer.hpp"
+#include "lockstep/parallel/step.hpp"
+#include "lockstep/scaling/loss_scaler.hpp"
+#include "lockstep/scaling/scalers.hpp"
+
+namespace lockstep {
+
+namespace detail {
+template <class P>
+struct is_accumulation_policy : std::bool_constant<accumulation_policy<P>> {};
+template <class P>
+struct is_loss_scaler : std::bool_constant<loss_scaler<P>> {};
+template <class P>
+struct is_known_policy : std::bool_constant<accumulation_policy<P> || loss_scaler<P>> {};
+
+template <class M>
+std::vector<parameter> collect_parameters(M& m) {
+  std::vector<parameter> out;
+  for (auto&& p : m.parameters()) out.push_back(static_cast<parameter>(p));
+  return out;
+}
+
+//! One line per parameter; ranks compare these to find the first difference.
+inline std::string describe(const std::vector<parameter>& ps) {
+  std::string s;
+  for (const auto& p : ps) s += p.name + " " + p.shape_string() + "\n";
+  return s;
+}
+
+inline std::vector<std::string> lines(const std::string& s) {
+  std::vector<std::string> out;
+  std::size_t at = 0;
+  while (at < s.size()) {
+    auto nl = s.find('\n', at);
+    out.push_back(s.substr(at, nl - at));
+    at = nl + 1;
+  }
+  return out;
+}
+
+//! Throws mismatch_error (on every rank alike) if any rank's parameters differ from rank 0's.
+template <class Comm>
+void check_same_parameters(Comm& comm, const std::vector<parameter>& ps) {
+  auto all = host_all_gather_strings(comm, describe(ps));
+  const auto ref = lines(all[0]);
+  for (std::size_t r = 1; r < all.size(); ++r) {
+    if (all[r] == all[0]) continue;
+    const auto mine = lines(all[r]);
+    for (std::size_t i = 0; i < std::max(ref.size(), mine.size()); ++i) {
+      if (i < ref.size() && i < mine.size() && ref[i] == mine[i]) continue;
+      std::string a = i < ref.size() ? "'" + ref[i] + "'" : "nothing (it has " + std::to_string(ref.size()) + " parameters)";
+      std::string b = i < mine.size() ? "'" + mine[i] + "'" : "nothing (it has " + std::to_string(mine.size()) + " parameters)";
+      throw mismatch_error("ranks built different models: parameter " + std::to_string(i) +
+                           " is " + a + " on rank 0 but " + b + " on rank " +
+                           std::to_string(r) +
+                           " (every rank must construct the same model: same parameters, "
+                           "order, shapes and element types)");
+    }
+  }
+}
+}  // namespace detail
+
+template <class Model, class Comm, class... Policies>
+class DataParallel {
+  static_assert(model_has_parameters<Model>,
+                "lockstep::DataParallel: Model does not satisfy lockstep::model: requirement 1 "
+                "— it needs parameters() returning a range of lockstep::parameter");
+  static_assert(communicator_has_rank<Comm>,
+                "lockstep::DataParallel: Comm does not satisfy lockstep::communicator: "
+                "requirement 1 — it needs rank() and size()");
+  static_assert(communicator_has_collectives<Comm>,
+                "lockstep::DataParallel: Comm does not satisfy lockstep::communicator: "
+                "requirements 2-6 — it needs all_reduce, broadcast, all_gather, "
+                "reduce_scatter and barrier returning lockstep::work");
+  static_assert(communicator_has_memory<Comm>,
+                "lockstep::DataParallel: Comm does not satisfy lockstep::communicator: "
+                "requirement 7 — it needs memory() returning lockstep::memory_ops");
+  static_assert((detail::is_known_policy<Policies>::value && ...),
+                "lockstep::DataParallel: every policy must be an accumulation_policy "
+                "(EveryStep, Accumulate<K>) or a loss_scaler (NoScaling, StaticScale, "
+                "DynamicScale) — one of the Policies is none of these (an accumulation "
+                "policy needs steps(); a loss scaler needs scale(), update(), state())");
+  static_assert(detail::count_v<detail::is_accumulation_policy, Policies...> <= 1,
+                "lockstep::DataParallel: give at most one accumulation_policy");
+  static_assert(detail::count_v<detail::is_loss_scaler, Policies...> <= 1,
+                "lockstep::DataParallel: give at most one loss_scaler");
+
+ public:
+  using model_type = Model;
+  using comm_type = Comm;
+  using accumulation_type = detail::pick_t<detail::is_accumulation_policy, EveryStep, Policies...>;
+  using scaler_type = detail::pick_t<detail::is_loss_scaler, NoScaling, Policies...>;
+  static_assert(loss_scaler_for<scaler_type, Comm>,
+                "lockstep::DataParallel: the loss scaler cannot unscale this communicator's "
+                "gradients (it needs unscale_and_check(Comm&, span<const grad_group>))");
+
+  class step_handle;
+
+  //! A callable the model's backward invokes with a parameter index when that gradient
+  //! is final. Cheap to copy; valid until the step finishes.
+  class gradient_hook {
+   public:
+    void operator()(std::size_t param_index) const { dp_->reducer_.mark_ready(param_index); }
+
+   private:
+    friend class step_handle;
+    explicit gradient_hook(DataParallel* dp) : dp_(dp) {}
+    DataParallel* dp_;
+  };
+
+  //! One micro-step: created by step(), ended by finish().
+  class step_handle {
+   public:
+    step_handle(const step_handle&) = delete;
+    step_handle& operator=(const step_handle&) = delete;
+    step_handle(step_handle&& o) noexcept : dp_(std::exchange(o.dp_, nullptr)), sync_(o.sync_) {}
+    ~step_handle() {
+      if (dp_) dp_->open_ = false;  // abandoned (e.g. an exception): the next step() restarts the cycle
+    }
+
+    //! Whether this micro-step will average gradients (the last of its cycle).
+    bool synchronizes() const noexcept { return sync_; }
+    //! Multiply the loss by this before backward (1 without loss scaling). With a device-side
+    //! scaler this reads the scale back (a host synchronisation): use device_loss_scale().
+    double loss_scale() const { return dp_->scaler_.scale(); }
+    //! With a device-side scaler: the scale as a float in device memory, for the loss kernel.
+    const float* device_loss_scale() const
+      requires device_scaler<scaler_type>
+    {
+      return dp_->scaler_.device_scale();
+    }
+    gradient_hook on_gradient_ready() const { return gradient_hook(dp_); }
+    void gradient_ready(std::size_t i) const { dp_->reducer_.mark_ready(i); }
+
+    //! Ends backward: reduces every bucket not yet reduced and waits for all of them.
+    step_result finish() { return finish(nullptr); }
+
+    //! As finish(), calling on_bucket(slices) for each bucket as soon as it is averaged
+    //! (e.g. an optimizer updating those parameters while later buckets are in flight).
+    step_result finish(const std::function<void(std::span<const param_slice>)>& on_bucket) {
+      if (!dp_) throw config_error("lockstep: finish() called twice on one step");
+      auto* dp = std::exchange(dp_, nullptr);
+      return dp->finish_step(sync_, on_bucket);
+    }
+
+   private:
+    friend class DataParallel;
+    step_handle(DataParallel* dp, bool sync) : dp_(dp), sync_(sync) {}
+    DataParallel* dp_;
+    bool sync_;
+  };
+
+  DataParallel(context<Comm>& ctx, Model& model, DataParallelOptions opts = {},
+               accumulation_type acc = {}, scaler_type scaler = {})
+      : DataParallel(ctx.comm(), model, opts, std::move(acc), std::move(scaler)) {}
+
+  DataParallel(Comm& comm, Model& model, DataParallelOptions opts = {},
+               accumulation_type acc = {}, scaler_type scaler = {})
+      : comm_(comm), model_(model), opts_(opts), acc_(std::move(acc)), scaler_(std::move(scaler)),
+        reducer_(comm, initial_parameters(comm, model, opts), opts.buckets, binder(model, opts),
+                 [&model] { return detail::collect_parameters(model); }) {
+    // A device-side scaler's state must exist before the first loss kernel reads it.
+    if constexpr (attachable_scaler<scaler_type, Comm>) scaler_.attach(comm_);
+  }
+
+  DataParallel(const DataParallel&) = delete;
+  DataParallel& operator=(const DataParallel&) = delete;
+
+  //! Begins a micro-step. The accumulation policy decides whether it synchronises.
+  [[nodiscard]] step_handle step() {
+    if (open_)
+      throw config_error("lockstep: step() called while the previous step is still open; "
+                         "call finish() on each step before starting the next");
+    if (!in_cycle_) {
+      k_ = acc_.steps();
+      if (k_ < 1) throw config_error("lockstep: the accumulation policy returned steps() < 1");
+      micro_ = 0;
+      reducer_.begin_cycle();
+      in_cycle_ = true;
+    }
+    const bool sync = micro_ + 1 >= k_;
+    double prescale = opts_.average_over_accumulation ? 1.0 / k_ : 1.0;
+    // In a Join scope a syncing micro-step first agrees with the other ranks on who
+    // contributes (one tiny all-reduce; outside a scope nothing is added).
+    if (joining_ && sync) prescale = join_prescale(join_agree(micro_ + 1));
+    reducer_.begin_micro(sync, prescale);
+    open_ = true;
+    ++reducer_.stats().micro_steps;
+    return step_handle(this, sync);
+  }
+
+  //! Opens a Join scope for uneven inputs (join.hpp). Every rank enters it at the same point
+  //! of its loop; a rank that runs out of batches, on leaving the scope, keeps taking part in
+  //! the others' gradient averages (contributing zeros) and calls on_shadow_step(result) for
+  //! each such step, with the averaged gradients in place, to apply the same optimizer update.
+  [[nodiscard]] Join<DataParallel> join(std::function<void(step_result)> on_shadow_step) {
+    return Join<DataParallel>(*this, std::move(on_shadow_step));
+  }
+
+  //! The accumulation policy (e.g. to set K at run time with Accumulate<>: takes effect
+  //! at the next optimizer step).
+  accumulation_type& accumulation() noexcept { return acc_; }
+  //! The loss scaler (its state() goes into checkpoints; load_state() restores it).
+  scaler_type& scaler() noexcept { return scaler_; }
+  const sync_stats& stats() const noexcept { return reducer_.stats(); }
+  Comm& comm() noexcept { return comm_; }
+  Model& model() noexcept { return model_; }
+  //! Parameters as lockstep sees them (gradients pointing into the arena when zero-copy).
+  const std::vector<parameter>& parameters() const noexcept { return reducer_.params(); }
+  //! The settled gradient layout, for checkpoints (see training_state.hpp).
+  std::vector<std::int64_t> plan_state() const { return reducer_.plan_state(); }
+  //! Restores a layout saved by plan_state(); call on every rank before the next step.
+  void load_plan_state(std::span<const std::int64_t> st) { reducer_.load_plan_state(st); }
+  int rank() const { return comm_.rank(); }
+  int size() const { return comm_.size(); }
+
+ private:
+  static std::vector<parameter> initial_parameters(Comm& comm, Model& model,
+                                                   const DataParallelOptions& opts) {
+    auto ps = detail::collect_parameters(model);
+    for (const auto& p : ps)
+      if (!is_floating(p.type))
+        throw config_error("parameter '" + p.name + "' has element type " + name_of(p.type) +
+                           "; gradients must be floating point (f16, bf16, f32, f64)");
+    if (comm.size() > 1) {
+      detail::check_same_parameters(comm, ps);
+      if (opts.broadcast_parameters)
+        for (auto& p : ps)
+          if (p.numel()) comm.broadcast(p.value, p.numel(), p.type, 0).wait();
+    }
+    return ps;
+  }
+
+  static typename detail::reducer<Comm>::bind_fn binder(Model& model, const DataParallelOptions& opts) {
+    if constexpr (gradient_binding_model<Model>) {
+      if (opts.zero_copy) return [&model](std::size_t i, void* p) { model.bind_gradient(i, p); };
+    }
+    (void)model;
+    (void)opts;
+    return {};
+  }
+
+  step_result finish_step(bool sync,
+                          const std::function<void(std::span<const param_slice>)>& on_bucket) {
+    open_ = false;
+    step_result r;
+    r.synced = sync;
+    ++micro_;
+    if (!sync) return r;
+    in_cycle_ = false;
+    if constexpr (inspecting_scaler<scaler_type>) {
+      if (!scaler_.active()) {
+        reducer_.finish(on_bucket);  // per-bucket callbacks overlap the later buckets
+        return r;
+      }
+    }
+    // Unscaling and the inf/NaN decision need every bucket: callbacks come after it.
+    reducer_.finish(nullptr);
+    const bool found_inf = scaler_.unscale_and_check(comm_, reducer_.grad_groups());
+    scaler_.update(found_inf);
+    r.applied = !found_inf;
+    if constexpr (device_scaler<scaler_type>) r.device_found_inf = scaler_.device_found_inf();
+    if (r.applied && on_bucket) reducer_.for_each_bucket(on_bucket);
+    return r;
+  }
+
+  // --- Join (join.hpp) -------------------------------------------------------------------
+  friend class Join<DataParallel>;
+
+  // Inside a Join scope every syncing micro-step starts with one all-reduce (sum) of
+  // {micro-batches this rank accumulated in the cycle, 1 if that is > 0}; a rank that ran
+  // out contributes {0, 0}. The sums give the divisor and tell joined ranks whether anybody
+  // still steps. The buffer is kept for the scope's lifetime (no allocation per step).
+  std::array<std::int64_t, 2> join_agree(std::int64_t micro_batches) {
+    std::array<std::int64_t, 2> v{micro_batches, micro_batches > 0 ? 1 : 0};
+    if (comm_.size() > 1) {
+      auto mem = comm_.memory();
+      if (!join_buf_) join_buf_ = mem.allocate(sizeof v);
+      mem.upload(join_buf_.get(), v.data(), sizeof v);
+      comm_.all_reduce(join_buf_.get(), join_buf_.get(), v.size(), dtype::i64, reduce_op::sum)
+          .wait();
+      mem.download(v.data(), join_buf_.get(), sizeof v);
+    }
+    join_active_ = static_cast<int>(v[1]);
+    return v;
+  }
+
+  // The all-reduce's avg divides by size() = N, so a prescale N/M makes the result the mean
+  // over the M micro-batches actually contributed (N/A: over the A contributing ranks, when
+  // average_over_accumulation is off). With every rank in, N/(N·K) rounds to exactly 1/K:
+  // the same numbers as outside a scope.
+  double join_prescale(const std::array<std::int64_t, 2>& agreed) const {
+    const double n = static_cast<double>(comm_.size());
+    return n / static_cast<double>(opts_.average_over_accumulation ? agreed[0] : agreed[1]);
+  }
+
+  // One step of a rank inside Join::leave(). It contributes what it accumulated in an
+  // unfinished cycle, else zeros, to exactly the collectives the stepping ranks issue, in
+  // their order: a pending plan rebuild's check (they apply it when their cycle starts,
+  // before its agreement), the agreement, the bucket all-reduces (arrival order replayed)
+  // and the loss scaler's found-inf flag. nullopt once no rank contributes any more.
+  std::optional<step_result> join_step() {
+    const bool partial = in_cycle_ && micro_ > 0;
+    if (!partial) reducer_.apply_pending_plan();
+    const auto agreed = join_agree(partial ? micro_ : 0);
+    if (agreed[0] == 0) return std::nullopt;
+    if (!partial) {
+      reducer_.begin_cycle();  // zero gradients: this rank adds nothing
+      micro_ = 0;
+      in_cycle_ = true;
+    }
+    reducer_.begin_micro(true, join_prescale(agreed));
+    reducer_.replay_arrivals();
+    return finish_step(true, nullptr);
+  }
+
+  Comm& comm_;
+  Model& model_;
+  DataParallelOptions opts_;
+  accumulation_type acc_;
+  scaler_type scaler_;
+  detail::reducer<Comm> reducer_;
+  int k_ = 1;
+  int micro_ = 0;
+  bool in_cycle_ = false;
+  bool open_ = false;
+  bool joining_ = false;            // a Join scope is open on this rank
+  int join_active_ = 0;             // contributing ranks at the latest agreement
+  std::shared_ptr<void> join_buf_;  // the agreement's buffer, in comm's memory space
+};
+
+//! Deduces the communicator from the context: `auto dp = lockstep::make_data_parallel(ctx, model);`
+template <class... Policies, class Comm, class Model>
+auto make_data_parallel(context<Comm>& ctx, Model& model, DataParallelOptions opts = {}) {
+  return DataParallel<Model, Comm, Policies...>(ctx, model, opts);
+}
+
+//! lockstep::Distributed<Model, Comm, Policies...> — data parallelism with one process per
+//! device (run(Processes{}) with NcclComm, run(Mpi{}) with MpiComm). It is the same strategy
+//! as DataParallel — the same reducer, buckets, policies and checks — driven from a
+//! process-per-rank context instead of a thread-per-rank one; the name says how the job runs.
+template <class Model, class Comm, class... Policies>
+using Distributed = DataParallel<Model, Comm, Policies...>;
+
+}  // namespace lockstep

@@ -1,0 +1,118 @@
+#pragma once
+//! lockstep::Join — uneven inputs: ranks with different numbers of batches finish an epoch
+//! together, without a hang, and every step averages over the data actually contributed.
+//!
+//! \code
+//!   auto update = [&](lockstep::step_result r) { if (r) optimizer.update(model); };
+//!   {
+//!     auto join = dp.join(update);                  // every rank enters, between steps
+//!     for (auto& batch : my_batches) {              // any number, 0 included
+//!       auto step = dp.step();                      // syncing steps agree who contributes
+//!       model.backward(batch, step.on_gradient_ready());
+//!       update(step.finish());
+//!     }
+//!   }   // leaving: while other ranks still step, take part in their averages with zero
+//!       // gradients and call update(result) for each; then every rank leaves together
+//! \endcode
+//!
+//! Semantics:
+//!  - Inside the scope each syncing micro-step starts with one small all-reduce: how many
+//!    micro-batches each rank accumulated in this cycle. The gradients are then the mean
+//!    over the micro-batches contributed (`average_over_accumulation`, the default) or over
+//!    the contributing ranks (off: PyTorch's divide-by-ranks), so a step equals a run over
+//!    only the contributing ranks' data. With every rank in, it is exactly the usual average.
+//!  - A rank that leaves the scope in the middle of an accumulation cycle contributes the
+//!    micro-batches it has (weighted as one each); the cycle's update counts them.
+//!  - A rank that has left contributes zeros to the same collectives, in the same order
+//!    (same buckets and launch units, fused or not, the loss scaler's found-inf flag), and
+//!    receives the same averaged, unscaled gradients. on_shadow_step is called with each such
+//!    step's result; applying the same update there keeps parameters, optimizer state and
+//!    the loss scaler identical on every rank (lockstep does not broadcast parameters at the
+//!    end: the callback is the rule, so that optimizer state stays in sync too).
+//!  - Outside a scope nothing changes and nothing is added to a step.
+//! Every wait is one of the communicator's, with its timeout: a rank that never enters the
+//! scope, or leaves the job, makes the others fail with timeout_error / mismatch_error.
+
+#include <cstddef>
+#include <exception>
+#include <functional>
+#include <utility>
+
+#include "lockstep/core/error.hpp"
+#include "lockstep/parallel/step.hpp"
+
+namespace lockstep {
+
+template <class DP>
+class Join {
+ public:
+  using shadow_fn = std::function<void(step_result)>;
+
+  //! Enters the scope (no communication). Use between steps; scopes do not nest.
+  Join(DP& dp, shadow_fn on_shadow_step)
+      : dp_(dp), on_shadow_step_(std::move(on_shadow_step)),
+        uncaught_(std::uncaught_exceptions()) {
+    if (!on_shadow_step_)
+      throw config_error("lockstep::Join: on_shadow_step is empty; pass the optimizer update "
+                         "the stepping ranks apply (e.g. [&](lockstep::step_result r) { if (r) "
+                         "opt.update(model); }) so that a rank out of data stays in sync");
+    if (dp_.joining_)
+      throw config_error("lockstep::Join: a Join scope is already open on this DataParallel; "
+                         "scopes do not nest");
+    if (dp_.open_)
+      throw config_error("lockstep::Join: a step is open; enter the scope between steps "
+                         "(after finish())");
+    dp_.joining_ = true;
+  }
+
+  Join(const Join&) = delete;
+  Join& operator=(const Join&) = delete;
+
+  //! Leaves the scope (as leave()) unless an exception is unwinding the stack: then it only
+  //! closes the scope — the failing rank's communicator aborts or times out the others.
+  ~Join() noexcept(false) {
+    if (done_) return;
+    if (std::uncaught_exceptions() > uncaught_) {
+      done_ = true;
+      dp_.joining_ = false;
+      return;
+    }
+    leave();
+  }
+
+  //! Finishes this rank's unfinished accumulation cycle, if any, then shadows the other
+  //! ranks' steps until no rank contributes; calls on_shadow_step for each of these steps.
+  //! Returns their number (the same as shadow_steps()). Collective: every rank of the
+  //! communicator must leave its scope. Called by the destructor if not called before.
+  std::size_t leave() {
+    if (done_) return shadow_steps_;
+    if (dp_.open_)
+      throw config_error("lockstep::Join::leave: a step is still open; call finish() on the "
+                         "last step before leaving the Join scope");
+    done_ = true;  // a failure below is not retried by the destructor
+    struct close_scope {
+      DP& dp;
+      ~close_scope() { dp.joining_ = false; }
+    } close{dp_};
+    while (auto r = dp_.join_step()) {
+      ++shadow_steps_;
+      on_shadow_step_(*r);
+    }
+    return shadow_steps_;
+  }
+
+  //! Steps this rank completed inside leave(): the flush of an unfinished cycle, if any,
+  //! and every step it shadowed.
+  std::size_t shadow_steps() const noexcept { return shadow_steps_; }
+  //! Ranks that contributed data at the latest agreement (0 after the final one).
+  int active_ranks() const noexcept { return dp_.join_active_; }
+
+ private:
+  DP& dp_;
+  shadow_fn on_shadow_step_;
+  int uncaught_ = 0;
+  bool done_ = false;
+  std::size_t shadow_steps_ = 0;
+};
+
+}  // namespace lockstep

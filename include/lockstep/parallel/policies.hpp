@@ -1,0 +1,75 @@
+#pragma once
+//! The choices DataParallel is configured with: when gradients are synchronised (the
+//! accumulation policies EveryStep and Accumulate, tags chosen at compile time) and the value
+//! structs of its tuning (BucketPolicy, DataParallelOptions).
+
+#include <cstddef>
+#include <string>
+
+#include "lockstep/core/concepts.hpp"
+#include "lockstep/core/error.hpp"
+
+namespace lockstep {
+
+// ---- accumulation policies ---------------------------------------------------------------
+
+//! Synchronise gradients on every step (the default).
+struct EveryStep {
+  static constexpr int steps() noexcept { return 1; }
+};
+
+//! K chosen at run time (`Accumulate<>`).
+inline constexpr int dynamic_steps = 0;
+
+//! K micro-steps per optimizer step, communication only on the last (no_sync semantics).
+//! `Accumulate<4>` fixes K at compile time; `Accumulate<>` takes it at run time
+//! (`Accumulate<>(4)`) and may change it between optimizer steps.
+template <int K = dynamic_steps>
+struct Accumulate {
+  static_assert(K >= 1, "lockstep::Accumulate<K>: K must be at least 1");
+  static constexpr int steps() noexcept { return K; }
+};
+
+template <>
+struct Accumulate<dynamic_steps> {
+  Accumulate() = default;
+  explicit Accumulate(int k) { set_steps(k); }
+  int steps() const noexcept { return k_; }
+  void set_steps(int k) {
+    if (k < 1)
+      throw config_error("lockstep::Accumulate: steps must be at least 1, got " +
+                         std::to_string(k));
+    k_ = k;
+  }
+
+ private:
+  int k_ = 1;
+};
+
+static_assert(accumulation_policy<EveryStep>);
+static_assert(accumulation_policy<Accumulate<4>>);
+static_assert(accumulation_policy<Accumulate<>>);
+
+// ---- tuning ------------------------------------------------------------------------------
+
+//! Gradient buckets: the first is small so that communication starts early in backward; the
+//! rest are capped (PyTorch DDP's defaults). Buckets are byte ranges of the gradient arena,
+//! so a tensor larger than a bucket simply spans several.
+struct BucketPolicy {
+  std::size_t first_bytes = std::size_t{1} << 20;  //!< 1 MiB
+  std::size_t cap_bytes = std::size_t{25} << 20;   //!< 25 MiB
+  bool rebuild_after_first_step = true;            //!< reorder by observed arrival, once
+};
+
+struct DataParallelOptions {
+  BucketPolicy buckets{};
+  //! Let lockstep own the gradients (model.bind_gradient) when the model offers it.
+  bool zero_copy = true;
+  //! Copy rank 0's parameter values to every rank at construction.
+  bool broadcast_parameters = true;
+  //! true: gradients are the mean over all N·K micro-batches (each micro-batch's loss
+  //! being a mean); false: divide by N only, as PyTorch DDP does (then scale the loss by 1/K).
+  bool average_over_accumulation = true;
+};
+
+}  // namespace lockstep

@@ -1,0 +1,444 @@
+#pragma once
+//! The gradient reducer shared by every strategy: per element type one contiguous arena
+//! in bucket order; buckets are averaged as soon as their last gradient is final,
+//! strictly in plan order (so every rank issues the same collectives in the same order);
+//! the plan is rebuilt once from rank 0's observed arrival order.
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "lockstep/comm/host_collectives.hpp"
+#include "lockstep/core/concepts.hpp"
+#include "lockstep/core/error.hpp"
+#include "lockstep/core/grad_group.hpp"
+#include "lockstep/parallel/bucket_plan.hpp"
+#include "lockstep/parallel/policies.hpp"
+
+namespace lockstep {
+
+//! What gradient synchronisation has cost so far (per rank).
+struct sync_stats {
+  std::uint64_t micro_steps = 0;      //!< step() calls
+  std::uint64_t syncs = 0;            //!< micro-steps that averaged gradients
+  std::uint64_t buckets_reduced = 0;  //!< bucket all-reduces issued
+  std::uint64_t bytes_reduced = 0;    //!< bytes all-reduced (this rank's buffers)
+  double comm_seconds = 0;            //!< host time spent issuing and waiting on collectives
+  std::size_t bucket_count = 0;       //!< buckets in the current plan (all element types)
+  std::size_t arena_bytes = 0;        //!< gradient arena size (all element types)
+  bool zero_copy = false;             //!< the model's gradients live in the arena
+  bool rebuilt = false;               //!< the plan was reordered after the first step
+};
+
+namespace detail {
+
+template <class Comm>
+class reducer {
+ public:
+  using work_type = decltype(std::declval<Comm&>().all_reduce(nullptr, nullptr, 0, dtype::f32, reduce_op::sum));
+  //! bind(i, ptr): give parameter i arena storage for its gradient; refresh(): re-read the
+  //! model's parameters (pointers after binding).
+  using bind_fn = std::function<void(std::size_t, void*)>;
+  using refresh_fn = std::function<std::vector<parameter>()>;
+
+  reducer(Comm& comm, std::vector<parameter> params, BucketPolicy policy, bind_fn bind,
+          refresh_fn refresh)
+      : comm_(comm), params_(std::move(params)), policy_(policy), bind_(std::move(bind)),
+        refresh_(std::move(refresh)) {
+    // Initial order: reverse registration order (backward produces the last layer first).
+    std::vector<std::size_t> order;
+    for (std::size_t i = params_.size(); i-- > 0;) order.push_back(i);
+    build(order);
+  }
+
+  const std::vector<parameter>& params() const { return params_; }
+  const sync_stats& stats() const { return stats_; }
+  sync_stats& stats() { return stats_; }
+
+  //! Applies a pending plan rebuild (a collective: the new plan is checked across ranks).
+  //! Every rank does it at the same point: the start of its next accumulation cycle — or,
+  //! for a rank shadowing others in a Join scope (join.hpp), before its next agreement.
+  void apply_pending_plan() {
+    if (!pending_order_) return;
+    auto o = std::move(*pending_order_);
+    pending_order_.reset();
+    build(o);
+    stats_.rebuilt = true;
+  }
+
+  //! Start of an accumulation cycle: apply a pending rebuild, zero every gradient.
+  void begin_cycle() {
+    apply_pending_plan();
+    auto mem = comm_.memory();
+    for (auto& g : groups_) {
+      if (zero_copy()) {
+        mem.zero(g.arena.get(), g.plan.total * size_of(g.plan.type));
+      } else {
+        for (auto i : g.plan.order) mem.zero(params_[i].grad, params_[i].bytes());
+      }
+    }
+  }
+
+  //! Start of a micro-step. sync: this micro-step averages; prescale: applied before the
+  //! all-reduce's average over ranks (1/K for accumulation, else 1).
+  void begin_micro(bool sync, double prescale) {
+    sync_ = sync;
+    prescale_ = prescale;
+    ready_.assign(params_.size(), false);
+    if (!sync) return;
+    sync_arrivals_.clear();
+    for (auto& g : groups_) {
+      g.pending.clear();
+      for (auto& b : g.plan.buckets) g.pending.push_back(b.slices.size());
+      g.next = 0;
+      g.works.clear();
+      g.works.resize(g.plan.buckets.size());
+    }
+  }
+
+  //! Parameter i's gradient is final for this micro-step.
+  void mark_ready(std::size_t i) {
+    if (i >= params_.size())
+      throw config_error("gradient-ready hook called with parameter index " + std::to_string(i) +
+                         ", but the model has " + std::to_string(params_.size()) + " parameters");
+    if (ready_[i])
+      throw config_error("parameter " + std::to_string(i) + " ('" + params_[i].name +
+                         "') was reported ready twice in one step; report each gradient once, "
+                         "when it is final");
+    ready_[i] = true;
+    if (!observed_) arrivals_.push_back(i);
+    if (sync_) sync_arrivals_.push_back(i);
+    count_ready(i);
+  }
+
+  //! Join (join.hpp): a rank without data shadows a syncing micro-step. It reports its
+  //! (zero) gradients in the order its last real syncing step saw them — else, once settled,
+  //! in the plan's order (rank 0's observed arrival order) — so that it launches the same
+  //! units in the same order as the ranks whose backward reports them. With one element
+  //! type any order launches the same sequence; with several, the interleaving of the
+  //! types' launches follows the arrival order. Nothing is recorded as an observation.
+  void replay_arrivals() {
+    const std::vector<std::size_t>* order = nullptr;
+    if (!last_sync_arrivals_.empty()) order = &last_sync_arrivals_;
+    else if (observed_ && !fused_) order = &current_order_;
+    if (!order) return;  // first step: finish() launches every unit, as a silent model's ranks do
+    for (auto i : *order) {
+      if (ready_[i]) continue;
+      ready_[i] = true;
+      count_ready(i);
+    }
+  }
+
+  //! End of a syncing micro-step: reduce what is left, wait for everything, unpack.
+  //! on_bucket (optional) sees each bucket's parameter slices once it is averaged.
+  void finish(const std::function<void(std::span<const param_slice>)>& on_bucket) {
+    for (auto& g : groups_) launch_ready(g, true);
+    std::vector<param_slice> slices;
+    for (auto& g : groups_) {
+      for (std::size_t b = 0; b < g.plan.buckets.size(); ++b) {
+        const auto& bk = g.plan.buckets[b];
+        if (g.works[b]) {
+          auto t0 = std::chrono::steady_clock::now();
+          g.works[b]->wait();
+          stats_.comm_seconds += seconds_since(t0);
+        }
+        if (!zero_copy() && !bk.slices.empty()) {
+          auto segs = segments_of(bk);
+          comm_.memory().unpack(g.arena_at(bk.begin), segs, g.plan.type);
+        }
+        if (on_bucket) on_bucket(slices_of(bk, slices));
+      }
+      g.works.clear();
+    }
+    ++stats_.syncs;
+    if (!sync_arrivals_.empty()) last_sync_arrivals_.swap(sync_arrivals_);  // for replay_arrivals
+    if (!observed_) settle_order();
+  }
+
+  bool zero_copy() const { return static_cast<bool>(bind_); }
+
+  //! The settled layout, for checkpoints: {format 1, observed, fused, n, order...}.
+  //! Restoring it makes a resumed run reduce with the same layout (and so, on NCCL, the
+  //! same rounding) as the uninterrupted run from its first step on.
+  std::vector<std::int64_t> plan_state() const {
+    const auto& order = pending_order_ ? *pending_order_ : current_order_;
+    std::vector<std::int64_t> st{1, observed_ ? 1 : 0, fused_ ? 1 : 0,
+                                 static_cast<std::int64_t>(order.size())};
+    for (auto i : order) st.push_back(static_cast<std::int64_t>(i));
+    return st;
+  }
+
+  //! Adopts a layout saved by plan_state() (same on every rank: it comes from one file);
+  //! takes effect at the start of the next accumulation cycle.
+  void load_plan_state(std::span<const std::int64_t> st) {
+    const auto bad = [](const std::string& why) {
+      return checkpoint_error("the saved gradient bucket layout " + why +
+                              "; the checkpoint belongs to another model or is damaged");
+    };
+    if (st.size() < 4 || st[0] != 1) throw bad("has an unknown format");
+    const auto n = static_cast<std::size_t>(st[3]);
+    if (n != params_.size() || st.size() != 4 + n)
+      throw bad("lists " + std::to_string(st[3]) + " parameters, but the model has " +
+                std::to_string(params_.size()));
+    std::vector<std::size_t> order;
+    std::vector<bool> seen(n, false);
+    for (std::size_t k = 0; k < n; ++k) {
+      const auto v = st[4 + k];
+      if (v < 0 || static_cast<std::size_t>(v) >= n || seen[static_cast<std::size_t>(v)])
+        throw bad("is not a permutation of the parameters");
+      seen[static_cast<std::size_t>(v)] = true;
+      order.push_back(static_cast<std::size_t>(v));
+    }
+    observed_ = st[1] != 0;
+    fused_ = st[2] != 0;
+    arrivals_.clear();
+    if (order != current_order_) pending_order_ = std::move(order);
+    else pending_order_.reset();
+  }
+
+  //! Calls fn with each bucket's parameter slices, in plan order.
+  void for_each_bucket(const std::function<void(std::span<const param_slice>)>& fn) const {
+    std::vector<param_slice> tmp;
+    for (const auto& g : groups_)
+      for (const auto& bk : g.plan.buckets) fn(slices_of(bk, tmp));
+  }
+
+  //! Every gradient, grouped by element type (for unscaling, clipping, norms). Built with
+  //! the plan, so a step reads it without allocating; valid until the plan is rebuilt.
+  std::span<const grad_group> grad_groups() const { return grad_groups_; }
+
+ private:
+  struct group {
+    bucket_plan plan;
+    std::shared_ptr<void> arena;
+    std::vector<std::size_t> pending;
+    std::size_t next = 0;
+    std::vector<std::optional<work_type>> works;
+    std::vector<segment> grads;  // every gradient of this type, in plan order
+    void* arena_at(std::size_t elem) const {
+      return static_cast<char*>(arena.get()) + elem * size_of(plan.type);
+    }
+  };
+
+  static double seconds_since(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+
+  std::span<const param_slice> slices_of(const bucket& bk, std::vector<param_slice>& out) const {
+    out.clear();
+    for (const auto& s : bk.slices) {
+      const auto& p = params_[s.param];
+      const std::size_t es = size_of(p.type);
+      out.push_back({s.param, s.param_offset, s.count, p.type,
+                     static_cast<char*>(p.value) + s.param_offset * es,
+                     static_cast<char*>(p.grad) + s.param_offset * es});
+    }
+    return out;
+  }
+
+  std::vector<segment> segments_of(const bucket& bk) const {
+    std::vector<segment> segs;
+    segs.reserve(bk.slices.size());
+    for (const auto& s : bk.slices) {
+      const auto& p = params_[s.param];
+      segs.push_back({static_cast<char*>(p.grad) + s.param_offset * size_of(p.type), s.count});
+    }
+    return segs;
+  }
+
+  // Parameter i's gradient is final: on a syncing micro-step, launch what became complete.
+  void count_ready(std::size_t i) {
+    if (!sync_ || fused_) return;
+    auto [gi, k] = where_[i];
+    auto& g = groups_[gi];
+    for (auto b : g.plan.buckets_of[k]) --g.pending[b];
+    launch_ready(g, false);
+  }
+
+  // Launch units strictly in plan order while the next one is complete, so every rank
+  // issues the same collectives in the same order. At the end (all = true) the rest go out
+  // unit by unit — or, once every rank agreed the model reports no gradient (fused_), as one
+  // all-reduce over the remaining arena, which runs at the flat all-reduce's bandwidth.
+  void launch_ready(group& g, bool all) {
+    const auto complete = [&](std::size_t u) {
+      for (std::size_t b = g.plan.units[u].first; b < g.plan.units[u].last; ++b)
+        if (g.pending[b] != 0) return false;
+      return true;
+    };
+    if (all && fused_ && g.next < g.plan.units.size()) {
+      launch_range(g, g.plan.units[g.next].first, g.plan.buckets.size());
+      g.next = g.plan.units.size();
+      return;
+    }
+    while (g.next < g.plan.units.size() && (all || complete(g.next))) {
+      launch_range(g, g.plan.units[g.next].first, g.plan.units[g.next].last);
+      ++g.next;
+    }
+  }
+
+  // Buckets [first, last) are contiguous in the arena: scale or pack them, one all-reduce.
+  void launch_range(group& g, std::size_t first, std::size_t last) {
+    const std::size_t begin = g.plan.buckets[first].begin, end = g.plan.buckets[last - 1].end;
+    void* buf = g.arena_at(begin);
+    auto mem = comm_.memory();
+    if (zero_copy()) {
+      mem.scale(buf, end - begin, g.plan.type, prescale_);
+    } else {
+      std::vector<segment> segs;
+      for (std::size_t b = first; b < last; ++b) {
+        auto more = segments_of(g.plan.buckets[b]);
+        segs.insert(segs.end(), more.begin(), more.end());
+      }
+      mem.pack(segs, buf, g.plan.type, prescale_);
+    }
+    reduce(g, first, buf, end - begin);
+  }
+
+  // The 1/N of the average is done by the communicator (reduce_op::avg: NCCL folds it into
+  // its reduction, no extra pass); only accumulation's 1/K is a prescale.
+  void reduce(group& g, std::size_t slot, void* buf, std::size_t count) {
+    if (comm_.size() == 1 || count == 0) return;
+    auto t0 = std::chrono::steady_clock::now();
+    g.works[slot].emplace(comm_.all_reduce(buf, buf, count, g.plan.type, reduce_op::avg));
+    stats_.comm_seconds += seconds_since(t0);
+    ++stats_.buckets_reduced;
+    stats_.bytes_reduced += count * size_of(g.plan.type);
+  }
+
+  // After the first syncing step: take rank 0's arrival order (unreported parameters
+  // after it, in reverse registration order) so every rank rebuilds identically.
+  void settle_order() {
+    observed_ = true;
+    // If no rank reported any gradient during the first step, the model cannot report:
+    // from now on every rank reduces everything in finish() as one all-reduce per type.
+    std::vector<std::int64_t> reported{arrivals_.empty() ? 0 : 1};
+    if (comm_.size() > 1) host_all_reduce(comm_, std::span<std::int64_t>(reported), reduce_op::max);
+    fused_ = reported[0] == 0;
+    if (!policy_.rebuild_after_first_step || fused_) {
+      arrivals_.clear();
+      return;
+    }
+    std::vector<std::int64_t> order;
+    std::vector<bool> seen(params_.size(), false);
+    for (auto i : arrivals_) {
+      if (seen[i]) continue;  // reported again in a later micro-step of the first cycle
+      order.push_back(static_cast<std::int64_t>(i));
+      seen[i] = true;
+    }
+    for (std::size_t i = params_.size(); i-- > 0;)
+      if (!seen[i]) order.push_back(static_cast<std::int64_t>(i));
+    if (comm_.size() > 1) host_broadcast(comm_, order, 0);
+    std::vector<std::size_t> o(order.begin(), order.end());
+    if (o != current_order_) pending_order_ = std::move(o);
+    arrivals_.clear();
+  }
+
+  void build(const std::vector<std::size_t>& order) {
+    current_order_ = order;
+    std::map<dtype, std::vector<std::size_t>> by_type;
+    for (auto i : order) by_type[params_[i].type].push_back(i);
+    std::vector<std::size_t> sizes(params_.size());
+    for (std::size_t i = 0; i < params_.size(); ++i) sizes[i] = params_[i].numel();
+    auto mem = comm_.memory();
+    groups_.clear();
+    where_.assign(params_.size(), {0, 0});
+    stats_.bucket_count = 0;
+    stats_.arena_bytes = 0;
+    for (auto& [t, idx] : by_type) {
+      group g;
+      // Zero-copy arenas align each gradient to 256 bytes (vector loads, cuBLAS); packed
+      // arenas stay dense so one pack per bucket fills them.
+      const std::size_t align = zero_copy() ? std::max<std::size_t>(1, 256 / size_of(t)) : 1;
+      g.plan = make_bucket_plan(t, idx, sizes, policy_, align);
+      g.arena = mem.allocate(g.plan.total * size_of(t));
+      stats_.bucket_count += g.plan.buckets.size();
+      stats_.arena_bytes += g.plan.total * size_of(t);
+      groups_.push_back(std::move(g));
+    }
+    for (std::size_t gi = 0; gi < groups_.size(); ++gi)
+      for (std::size_t k = 0; k < groups_[gi].plan.order.size(); ++k)
+        where_[groups_[gi].plan.order[k]] = {gi, k};
+    if (zero_copy()) {
+      for (auto& g : groups_)
+        for (std::size_t k = 0; k < g.plan.order.size(); ++k)
+          bind_(g.plan.order[k], g.arena_at(g.plan.offset[k]));
+      auto fresh = refresh_();
+      for (auto& g : groups_)
+        for (std::size_t k = 0; k < g.plan.order.size(); ++k) {
+          const auto i = g.plan.order[k];
+          if (i >= fresh.size() || fresh[i].grad != g.arena_at(g.plan.offset[k]))
+            throw config_error("model.bind_gradient(" + std::to_string(i) +
+                               ", storage) did not take effect: parameters()[" +
+                               std::to_string(i) + "].grad does not point at the storage "
+                               "lockstep gave it (bind_gradient must make the model use it)");
+        }
+      params_ = std::move(fresh);
+    }
+    stats_.zero_copy = zero_copy();
+    grad_groups_.clear();
+    for (auto& g : groups_) {
+      g.grads.clear();
+      for (auto i : g.plan.order)
+        if (params_[i].numel()) g.grads.push_back({params_[i].grad, params_[i].numel()});
+      grad_groups_.push_back({g.plan.type, g.grads});
+    }
+    check_same_plan();
+  }
+
+  // Every rank must cut the arena identically (same BucketPolicy, same zero-copy choice),
+  // or their all-reduces would pair different ranges: compare against rank 0's plan.
+  void check_same_plan() {
+    if (comm_.size() == 1) return;
+    std::string mine;
+    for (const auto& g : groups_) {
+      mine += std::string(name_of(g.plan.type)) + ": " + std::to_string(g.plan.total) +
+              " elements in " + std::to_string(g.plan.buckets.size()) + " buckets (first " +
+              std::to_string(g.plan.buckets.empty() ? 0 : g.plan.buckets[0].elements()) +
+              ", units " + std::to_string(g.plan.units.size()) + ", order hash " +
+              std::to_string(order_hash(g.plan.order)) + "); ";
+    }
+    auto all = host_all_gather_strings(comm_, mine);
+    for (std::size_t r = 1; r < all.size(); ++r)
+      if (all[r] != all[0])
+        throw mismatch_error("ranks built different gradient bucket plans: rank 0 has " + all[0] +
+                             "rank " + std::to_string(r) + " has " + all[r] +
+                             "(give every rank the same BucketPolicy and zero_copy setting)");
+  }
+
+  static std::uint64_t order_hash(const std::vector<std::size_t>& order) {
+    std::uint64_t h = 1469598103934665603ull;  // FNV-1a 64
+    for (auto i : order) {
+      h ^= static_cast<std::uint64_t>(i);
+      h *= 1099511628211ull;
+    }
+    return h;
+  }
+
+  Comm& comm_;
+  std::vector<parameter> params_;
+  BucketPolicy policy_;
+  bind_fn bind_;
+  refresh_fn refresh_;
+  std::vector<group> groups_;
+  std::vector<grad_group> grad_groups_;  // views of groups_[k].grads
+  std::vector<std::pair<std::size_t, std::size_t>> where_;  // param → (group, position)
+  std::vector<std::size_t> current_order_;
+  std::optional<std::vector<std::size_t>> pending_order_;
+  std::vector<std::size_t> arrivals_;
+  std::vector<std::size_t> sync_arrivals_;       // this syncing micro-step's reports, in order
+  std::vector<std::size_t> last_sync_arrivals_;  // the last real syncing micro-step's
+  std::vector<bool> ready_;
+  bool observed_ = false;
+  bool fused_ = false;
+  bool sync_ = false;
+  double prescale_ = 1.0;
+  sync_stats stats_;
+};
+
+}  // namespace detail
+}  // namespace lockstep
