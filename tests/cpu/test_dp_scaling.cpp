@@ -43,8 +43,7 @@ TEST_CASE("DataParallel + DynamicScale: same parameters as unscaled single-rank 
   std::vector<std::vector<bool>> applied(n);
   lockstep::run(lockstep::Threads{n}, [&](auto& ctx) {
     TestMlp<double> m(dims, seed);
-    lockstep::DataParallel<TestMlp<double>, lockstep::ThreadComm, lockstep::DynamicScale> dp(
-        ctx, m, {}, {}, lockstep::DynamicScale({.init_scale = 1024.0, .growth_interval = 2}));
+    lockstep::DataParallel dp(ctx, m, lockstep::DynamicScale({.init_scale = 1024.0, .growth_interval = 2}));
     for (int s = 0; s < steps; ++s) {
       auto step = dp.step();
       std::vector<std::size_t> rows(B);

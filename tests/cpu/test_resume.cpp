@@ -37,9 +37,8 @@ std::vector<double> train(const job& j, int to, const fs::path* resume, const fs
   std::vector<std::vector<double>> out(static_cast<std::size_t>(j.ranks));
   lockstep::run(lockstep::Threads{j.ranks}, [&](auto& ctx) {
     TestMlp<double> m(j.dims, j.seed);
-    lockstep::DataParallel<TestMlp<double>, lockstep::ThreadComm, lockstep::DynamicScale> dp(
-        ctx, m, {.buckets = {.first_bytes = 200, .cap_bytes = 400}}, {},
-        lockstep::DynamicScale({.init_scale = 256.0, .growth_interval = 3}));
+    lockstep::DataParallel dp(ctx, m, {.buckets = {.first_bytes = 200, .cap_bytes = 400}},
+                              lockstep::DynamicScale({.init_scale = 256.0, .growth_interval = 3}));
     lockstep::Sgd opt({.lr = 0.2, .momentum = 0.9, .weight_decay = 1e-3});
     lockstep::DistributedSampler<> sampler(j.samples, ctx, {.seed = j.seed});
     int start = 0;

@@ -632,8 +632,7 @@ void check_dp_scaled(const dp_config& c) {
     cudaStream_t s = ctx.comm().compute_stream();
     TestMlp<float> init(dims, seed + 1 + rank * 7919);  // differs per rank: rank 0's is broadcast
     GpuMlp m(dims, split_params(init), s);
-    lockstep::DataParallel<GpuMlp, lockstep::NcclComm, Scaler> dp(
-        ctx, m, {.buckets = c.buckets, .zero_copy = c.zero_copy}, {}, Scaler(so));
+    lockstep::DataParallel dp(ctx, m, {.buckets = c.buckets, .zero_copy = c.zero_copy}, Scaler(so));
     const float* d_scale = nullptr;
     const int* d_flag = nullptr;
     if constexpr (on_device) {

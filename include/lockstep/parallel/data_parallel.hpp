@@ -15,8 +15,8 @@
 //! \endcode
 //!
 //! Policies (any order, each at most once): an accumulation_policy (EveryStep default,
-//! Accumulate<K>, Accumulate<> with K at run time) and a loss_scaler (NoScaling default,
-//! StaticScale, DynamicScale). With a scaler, multiply the loss by step.loss_scale() before
+//! Accumulate<K>, Accumulate<> with K at run time), a loss_scaler (NoScaling default,
+//! StaticScale, DynamicScale) and a bucket_hook (AllReduceMean default; bucket_hook.hpp). With a scaler, multiply the loss by step.loss_scale() before
 //! backward; finish() unscales the averaged gradients, checks them for inf/NaN (agreed
 //! across ranks) and reports applied = false when the optimizer must skip the step.
 //!
@@ -41,6 +41,7 @@
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/grad_group.hpp"
 #include "lockstep/detail/pick.hpp"
+#include "lockstep/parallel/bucket_hook.hpp"
 #include "lockstep/parallel/join.hpp"
 #include "lockstep/parallel/policies.hpp"
 #include "lockstep/parallel/reducer.hpp"
@@ -55,8 +56,12 @@ template <class P>
 struct is_accumulation_policy : std::bool_constant<accumulation_policy<P>> {};
 template <class P>
 struct is_loss_scaler : std::bool_constant<loss_scaler<P>> {};
-template <class P>
-struct is_known_policy : std::bool_constant<accumulation_policy<P> || loss_scaler<P>> {};
+template <class A>
+inline constexpr bool is_options_v = std::is_same_v<std::remove_cvref_t<A>, DataParallelOptions>;
+template <class... As>
+inline constexpr bool starts_with_options_v = false;
+template <class A, class... As>
+inline constexpr bool starts_with_options_v<A, As...> = is_options_v<A>;
 
 template <class M>
 std::vector<parameter> collect_parameters(M& m) {
@@ -120,22 +125,38 @@ class DataParallel {
   static_assert(communicator_has_memory<Comm>,
                 "lockstep::DataParallel: Comm does not satisfy lockstep::communicator: "
                 "requirement 7 — it needs memory() returning lockstep::memory_ops");
-  static_assert((detail::is_known_policy<Policies>::value && ...),
+  template <class P>
+  struct is_hook : std::bool_constant<bucket_hook<P, Comm>> {};
+  template <class P>
+  struct is_policy : std::bool_constant<accumulation_policy<P> || loss_scaler<P> || bucket_hook<P, Comm>> {};
+  static_assert((is_policy<Policies>::value && ...),
                 "lockstep::DataParallel: every policy must be an accumulation_policy "
-                "(EveryStep, Accumulate<K>) or a loss_scaler (NoScaling, StaticScale, "
-                "DynamicScale) — one of the Policies is none of these (an accumulation "
-                "policy needs steps(); a loss scaler needs scale(), update(), state())");
+                "(EveryStep, Accumulate<K>), a loss_scaler (NoScaling, StaticScale, "
+                "DynamicScale) or a bucket_hook (AllReduceMean) — one of the Policies is none of "
+                "these (an accumulation policy needs steps(); a loss scaler needs scale(), "
+                "update(), state(); a hook needs reduce(comm, data, count, dtype)). When the "
+                "policies are deduced (DataParallel dp(ctx, model, ...)), DataParallelOptions "
+                "must come first");
   static_assert(detail::count_v<detail::is_accumulation_policy, Policies...> <= 1,
                 "lockstep::DataParallel: give at most one accumulation_policy");
   static_assert(detail::count_v<detail::is_loss_scaler, Policies...> <= 1,
                 "lockstep::DataParallel: give at most one loss_scaler");
+  static_assert(detail::count_v<is_hook, Policies...> <= 1, "lockstep::DataParallel: give at most one bucket_hook");
 
  public:
   using model_type = Model;
   using comm_type = Comm;
   using accumulation_type = detail::pick_t<detail::is_accumulation_policy, EveryStep, Policies...>;
   using scaler_type = detail::pick_t<detail::is_loss_scaler, NoScaling, Policies...>;
-  static_assert(loss_scaler_for<scaler_type, Comm>,
+  using hook_type = detail::pick_t<is_hook, AllReduceMean, Policies...>;
+  static_assert(loss_scaler_for<scaler_type, Comm> || has_grad_ops<memory_of_t<Comm>>,
+                "lockstep::DataParallel: no lockstep::grad_ops for this communicator's memory "
+                "space (the type Comm::memory() returns): the loss scaler needs it to unscale "
+                "and check the gradients where they live. Include the header that provides it "
+                "(<lockstep/cuda/grad_ops.cuh>, or <lockstep/cuda.cuh>, for NcclComm's "
+                "CudaMemory), specialise lockstep::grad_ops for your memory type "
+                "(docs/communicator.md), or use lockstep::NoScaling");
+  static_assert(!has_grad_ops<memory_of_t<Comm>> || loss_scaler_for<scaler_type, Comm>,
                 "lockstep::DataParallel: the loss scaler cannot unscale this communicator's "
                 "gradients (it needs unscale_and_check(Comm&, span<const grad_group>))");
 
@@ -195,17 +216,37 @@ class DataParallel {
     bool sync_;
   };
 
-  DataParallel(context<Comm>& ctx, Model& model, DataParallelOptions opts = {},
-               accumulation_type acc = {}, scaler_type scaler = {})
-      : DataParallel(ctx.comm(), model, opts, std::move(acc), std::move(scaler)) {}
+  //! What the constructors take after the model, in any order, each at most once: a
+  //! DataParallelOptions, and an instance of any of this DataParallel's policies (e.g.
+  //! `Accumulate<>(4)`, `DynamicScale({.init_scale = 1024})`). What is not given is
+  //! default-constructed. Braced options (`{.zero_copy = false}`) go first.
+  template <class A>
+  static constexpr bool argument_v =
+      detail::is_options_v<A> || std::is_same_v<std::remove_cvref_t<A>, accumulation_type> ||
+      std::is_same_v<std::remove_cvref_t<A>, scaler_type> || std::is_same_v<std::remove_cvref_t<A>, hook_type>;
 
-  DataParallel(Comm& comm, Model& model, DataParallelOptions opts = {},
-               accumulation_type acc = {}, scaler_type scaler = {})
-      : comm_(comm), model_(model), opts_(opts), acc_(std::move(acc)), scaler_(std::move(scaler)),
-        reducer_(comm, initial_parameters(comm, model, opts), opts.buckets, binder(model, opts),
-                 [&model] { return detail::collect_parameters(model); }) {
-    // A device-side scaler's state must exist before the first loss kernel reads it.
-    if constexpr (attachable_scaler<scaler_type, Comm>) scaler_.attach(comm_);
+  template <class... Args>
+    requires(argument_v<Args> && ...) && (!detail::starts_with_options_v<Args...>)
+  explicit DataParallel(context<Comm>& ctx, Model& model, Args&&... args)
+      : DataParallel(ctx.comm(), model, std::forward<Args>(args)...) {}
+  template <class... Args>
+    requires(argument_v<Args> && ...)
+  DataParallel(context<Comm>& ctx, Model& model, const DataParallelOptions& opts, Args&&... args)
+      : DataParallel(ctx.comm(), model, opts, std::forward<Args>(args)...) {}
+
+  // (std::type_identity_t: the communicator alone never deduces the class; the context does.)
+  template <class... Args>
+    requires(argument_v<Args> && ...) && (!detail::starts_with_options_v<Args...>)
+  explicit DataParallel(std::type_identity_t<Comm>& comm, Model& model, Args&&... args)
+      : DataParallel(built, comm, model, take<DataParallelOptions>(args...), take<accumulation_type>(args...),
+                     take<scaler_type>(args...), take<hook_type>(args...)) {}
+  template <class... Args>
+    requires(argument_v<Args> && ...)
+  DataParallel(std::type_identity_t<Comm>& comm, Model& model, const DataParallelOptions& opts, Args&&... args)
+      : DataParallel(built, comm, model, opts, take<accumulation_type>(args...), take<scaler_type>(args...),
+                     take<hook_type>(args...)) {
+    static_assert(((detail::is_options_v<Args> ? 1 : 0) + ... + 0) == 0,
+                  "lockstep::DataParallel: DataParallelOptions is given twice");
   }
 
   DataParallel(const DataParallel&) = delete;
@@ -359,12 +400,39 @@ class DataParallel {
     return finish_step(true, nullptr);
   }
 
+  struct built_t {};
+  static constexpr built_t built{};
+  DataParallel(built_t, Comm& comm, Model& model, const DataParallelOptions& opts, accumulation_type acc,
+               scaler_type scaler, hook_type hook)
+      : comm_(comm), model_(model), opts_(opts), acc_(std::move(acc)), scaler_(std::move(scaler)),
+        hook_(std::move(hook)),
+        reducer_(comm, hook_, initial_parameters(comm, model, opts), opts.buckets, binder(model, opts),
+                 [&model] { return detail::collect_parameters(model); }) {
+    // A device-side scaler's state must exist before the first loss kernel reads it.
+    if constexpr (attachable_scaler<scaler_type, Comm>) scaler_.attach(comm_);
+  }
+
+  //! The argument of type T among args (at most one), else T{}.
+  template <class T, class... Args>
+  static T take(Args&&... args) {
+    static_assert(((std::is_same_v<std::remove_cvref_t<Args>, T> ? 1 : 0) + ... + 0) <= 1,
+                  "lockstep::DataParallel: a policy or DataParallelOptions is given twice");
+    T out{};
+    (
+        [&](auto&& a) {
+          if constexpr (std::is_same_v<std::remove_cvref_t<decltype(a)>, T>) out = a;
+        }(args),
+        ...);
+    return out;
+  }
+
   Comm& comm_;
   Model& model_;
   DataParallelOptions opts_;
   accumulation_type acc_;
   scaler_type scaler_;
-  detail::reducer<Comm> reducer_;
+  hook_type hook_;
+  detail::reducer<Comm, hook_type> reducer_;
   int k_ = 1;
   int micro_ = 0;
   bool in_cycle_ = false;
@@ -374,10 +442,23 @@ class DataParallel {
   std::shared_ptr<void> join_buf_;  // the agreement's buffer, in comm's memory space
 };
 
-//! Deduces the communicator from the context: `auto dp = lockstep::make_data_parallel(ctx, model);`
-template <class... Policies, class Comm, class Model>
-auto make_data_parallel(context<Comm>& ctx, Model& model, DataParallelOptions opts = {}) {
-  return DataParallel<Model, Comm, Policies...>(ctx, model, opts);
+// Deduction from the context, so that one body compiles for every communicator run(Auto) can
+// pick: `lockstep::DataParallel dp(ctx, model, lockstep::Accumulate<>(4), lockstep::DynamicScale());`
+// The policies are the types of the arguments (DataParallelOptions first, if given).
+template <class Comm, class Model>
+DataParallel(context<Comm>&, Model&) -> DataParallel<Model, Comm>;
+template <class Comm, class Model, class... Ps>
+DataParallel(context<Comm>&, Model&, const DataParallelOptions&, Ps&&...)
+    -> DataParallel<Model, Comm, std::remove_cvref_t<Ps>...>;
+template <class Comm, class Model, class P, class... Ps>
+  requires(!detail::is_options_v<P>)
+DataParallel(context<Comm>&, Model&, P&&, Ps&&...) -> DataParallel<Model, Comm, std::remove_cvref_t<P>, std::remove_cvref_t<Ps>...>;
+
+//! The same with the policies named as types: `auto dp = make_data_parallel<Accumulate<2>>(ctx, model);`
+//! (instances, in any order, may follow the model as in the constructors).
+template <class... Policies, class Comm, class Model, class... Args>
+auto make_data_parallel(context<Comm>& ctx, Model& model, Args&&... args) {
+  return DataParallel<Model, Comm, Policies...>(ctx, model, std::forward<Args>(args)...);
 }
 
 //! lockstep::Distributed<Model, Comm, Policies...> — data parallelism with one process per

@@ -17,6 +17,7 @@
 #include "lockstep/core/concepts.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/grad_group.hpp"
+#include "lockstep/parallel/bucket_hook.hpp"
 #include "lockstep/parallel/bucket_plan.hpp"
 #include "lockstep/parallel/policies.hpp"
 
@@ -37,18 +38,25 @@ struct sync_stats {
 
 namespace detail {
 
-template <class Comm>
+//! Where a parameter's gradient sits in the reducer: which element-type group, and its
+//! position in that group's plan order (PyTorch's Reducer calls this a VariableLocator).
+struct gradient_locator {
+  std::size_t group = 0;     //!< index into the reducer's groups (one per element type)
+  std::size_t position = 0;  //!< index into that group's plan.order / plan.buckets_of
+};
+
+template <class Comm, class Hook = AllReduceMean>
 class reducer {
  public:
-  using work_type = decltype(std::declval<Comm&>().all_reduce(nullptr, nullptr, 0, dtype::f32, reduce_op::sum));
+  using work_type = decltype(std::declval<Hook&>().reduce(std::declval<Comm&>(), nullptr, std::size_t{}, dtype::f32));
   //! bind(i, ptr): give parameter i arena storage for its gradient; refresh(): re-read the
   //! model's parameters (pointers after binding).
   using bind_fn = std::function<void(std::size_t, void*)>;
   using refresh_fn = std::function<std::vector<parameter>()>;
 
-  reducer(Comm& comm, std::vector<parameter> params, BucketPolicy policy, bind_fn bind,
+  reducer(Comm& comm, Hook& hook, std::vector<parameter> params, BucketPolicy policy, bind_fn bind,
           refresh_fn refresh)
-      : comm_(comm), params_(std::move(params)), policy_(policy), bind_(std::move(bind)),
+      : comm_(comm), hook_(hook), params_(std::move(params)), policy_(policy), bind_(std::move(bind)),
         refresh_(std::move(refresh)) {
     // Initial order: reverse registration order (backward produces the last layer first).
     std::vector<std::size_t> order;
@@ -254,9 +262,9 @@ class reducer {
   // Parameter i's gradient is final: on a syncing micro-step, launch what became complete.
   void count_ready(std::size_t i) {
     if (!sync_ || fused_) return;
-    auto [gi, k] = where_[i];
-    auto& g = groups_[gi];
-    for (auto b : g.plan.buckets_of[k]) --g.pending[b];
+    const gradient_locator at = where_[i];
+    auto& g = groups_[at.group];
+    for (auto b : g.plan.buckets_of[at.position]) --g.pending[b];
     launch_ready(g, false);
   }
 
@@ -299,12 +307,13 @@ class reducer {
     reduce(g, first, buf, end - begin);
   }
 
-  // The 1/N of the average is done by the communicator (reduce_op::avg: NCCL folds it into
-  // its reduction, no extra pass); only accumulation's 1/K is a prescale.
+  // The bucket's collective is the hook's (bucket_hook.hpp); the default folds the 1/N of
+  // the average into the communicator's reduce_op::avg (no extra pass). Only accumulation's
+  // 1/K is a prescale.
   void reduce(group& g, std::size_t slot, void* buf, std::size_t count) {
     if (comm_.size() == 1 || count == 0) return;
     auto t0 = std::chrono::steady_clock::now();
-    g.works[slot].emplace(comm_.all_reduce(buf, buf, count, g.plan.type, reduce_op::avg));
+    g.works[slot].emplace(hook_.reduce(comm_, buf, count, g.plan.type));
     stats_.comm_seconds += seconds_since(t0);
     ++stats_.buckets_reduced;
     stats_.bytes_reduced += count * size_of(g.plan.type);
@@ -346,7 +355,7 @@ class reducer {
     for (std::size_t i = 0; i < params_.size(); ++i) sizes[i] = params_[i].numel();
     auto mem = comm_.memory();
     groups_.clear();
-    where_.assign(params_.size(), {0, 0});
+    where_.assign(params_.size(), gradient_locator{});
     stats_.bucket_count = 0;
     stats_.arena_bytes = 0;
     for (auto& [t, idx] : by_type) {
@@ -362,7 +371,7 @@ class reducer {
     }
     for (std::size_t gi = 0; gi < groups_.size(); ++gi)
       for (std::size_t k = 0; k < groups_[gi].plan.order.size(); ++k)
-        where_[groups_[gi].plan.order[k]] = {gi, k};
+        where_[groups_[gi].plan.order[k]] = gradient_locator{gi, k};
     if (zero_copy()) {
       for (auto& g : groups_)
         for (std::size_t k = 0; k < g.plan.order.size(); ++k)
@@ -420,13 +429,14 @@ class reducer {
   }
 
   Comm& comm_;
+  Hook& hook_;
   std::vector<parameter> params_;
   BucketPolicy policy_;
   bind_fn bind_;
   refresh_fn refresh_;
   std::vector<group> groups_;
   std::vector<grad_group> grad_groups_;  // views of groups_[k].grads
-  std::vector<std::pair<std::size_t, std::size_t>> where_;  // param → (group, position)
+  std::vector<gradient_locator> where_;  // by parameter index
   std::vector<std::size_t> current_order_;
   std::optional<std::vector<std::size_t>> pending_order_;
   std::vector<std::size_t> arrivals_;
