@@ -116,7 +116,8 @@ struct compensated_sum {
 //! A specialisation provides (counts and layout come from the groups):
 //!  1. `unscale_and_flag(mem, groups, inv_scale, void* flag)`: one pass, x ← x · T(inv_scale)
 //!     (no write when inv_scale == 1), and if any result is inf or NaN, store the int32 1 at
-//!     `flag` (in the memory space; never stores 0, the caller zeroes it first).
+//!     `flag` (in the memory space; never stores 0, the caller zeroes it first). flag may be
+//!     null: then nothing is flagged (clip_grad_norm scales through it).
 //!  2. `sum_of_squares(mem, groups)` → double: Σx² over every element, accumulated in double,
 //!     in an order fixed by the layout (equal inputs give bit-equal results on every rank).
 //!  3. `clamp(mem, groups, lo, hi)`: x ← min(max(x, lo), hi) elementwise; NaN stays NaN.
@@ -156,7 +157,7 @@ struct grad_ops<HostMemory> {
       }
     });
     // Checked after the multiply: catches inf/NaN in the input and overflow by unscaling.
-    if (bad) *static_cast<std::int32_t*>(flag) = 1;
+    if (bad && flag != nullptr) *static_cast<std::int32_t*>(flag) = 1;
   }
 
   static double sum_of_squares(const HostMemory&, std::span<const grad_group> groups) {

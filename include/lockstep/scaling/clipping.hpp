@@ -47,10 +47,8 @@ double clip_grad_norm(Mem mem, std::span<const grad_group> groups, double max_no
   const double norm = grad_norm(mem, groups);
   if (!std::isfinite(norm)) return norm;
   const double coef = max_norm / (norm + 1e-6);
-  if (coef < 1.0)
-    for (const auto& g : groups)
-      for (const auto& s : g.segments)
-        if (s.count != 0) mem.scale(s.ptr, s.count, g.type, coef);
+  // One multi-tensor pass per element type (a scale per segment would be a launch each).
+  if (coef < 1.0) grad_ops<Mem>::unscale_and_flag(mem, groups, coef, nullptr);
   return norm;
 }
 inline double clip_grad_norm(std::span<const grad_group> groups, double max_norm) {

@@ -18,6 +18,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <memory>
+#include <new>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -29,6 +31,7 @@
 #include "lockstep/cuda/error.cuh"
 #include "lockstep/cuda/kernels/access.cuh"
 #include "lockstep/cuda/kernels/engine.cuh"
+#include "lockstep/cuda/memory.cuh"
 
 namespace lockstep::cuda::kernels {
 
@@ -36,8 +39,9 @@ namespace lockstep::cuda::kernels {
 //! `factor`, rounded to the compute type (as the host rounds it to T). With flag: stores the
 //! int32 1 there when a result is inf/NaN (the result, not the input: overflow by unscaling
 //! with a scale < 1 counts, as on the host; never stores 0). With partials:
-//! partials[chunk] = Σ (double) x² of the results of the block's chunk. No write when f == 1.
-template <class Element>
+//! partials[chunk] = Σ (double) x² of the results of the block's chunk, in an order fixed by
+//! the layout. No write when f == 1. Partials = true is the instance that sums.
+template <class Element, bool Partials = false>
 struct unscale_op : op_base<storage_of<Element>> {
   using compute_t = compute_of<Element>;
   using storage_t = storage_of<Element>;
@@ -52,7 +56,7 @@ struct unscale_op : op_base<storage_of<Element>> {
   double factor;
   const double* d_factor;  // may be null
   int* flag;               // may be null
-  double* partials;        // may be null
+  double* partials;        // Partials: where the chunk sums go
 
   __device__ bool begin(local& st, const block_info&) const {
     const double v = d_factor != nullptr ? *d_factor : factor;
@@ -70,12 +74,25 @@ struct unscale_op : op_base<storage_of<Element>> {
   __device__ void store(frag<N>& f, void* const* p, std::size_t i, local& st) const {
     if (st.write) map_elems<Element, N>(f, [&](compute_t x) { return x * st.f; });
     if (flag != nullptr) st.bad |= nonfinite<Element, N>(f);
-    if (partials != nullptr)
-      visit_elems<Element, N>(f, [&](compute_t y) {
-        const double v = static_cast<double>(y);  // a float squared is exact in double
-        st.ss += v * v;
-      });
+    if constexpr (Partials) st.ss += squares<N>(f);
     if (st.write) store_as(static_cast<storage_t*>(p[0]) + i, f);
+  }
+  //! Σx² (double) of a fragment, each square exact in double and the N of them summed as a
+  //! tree: a serial chain of one add per element would hold the block's tail for N dependent
+  //! double adds.
+  template <int N>
+  __device__ static double squares(const frag<N>& f) {
+    double sq[N];
+    int j = 0;
+    visit_elems<Element, N>(f, [&](compute_t y) {
+      const double v = static_cast<double>(y);
+      sq[j++] = v * v;
+    });
+#pragma unroll
+    for (int w = 1; w < N; w *= 2)
+#pragma unroll
+      for (int k = 0; k + w < N; k += 2 * w) sq[k] += sq[k + w];
+    return sq[0];
   }
   __device__ void end(local& st, const block_info& info) const {
     // The flag needs no block barrier: a warp that saw inf/NaN stores the 1 itself (rare, so
@@ -83,7 +100,7 @@ struct unscale_op : op_base<storage_of<Element>> {
     // the same value are well defined).
     if (flag != nullptr && __any_sync(0xffffffffu, st.bad != 0) && (threadIdx.x & 31) == 0)
       atomicExch(flag, 1);
-    if (partials != nullptr) {
+    if constexpr (Partials) {
       using reduce_t = cub::BlockReduce<double, tuning_of<unscale_op>.block_threads>;
       __shared__ typename reduce_t::TempStorage temp;
       const double total = reduce_t(temp).Sum(st.ss);
@@ -174,26 +191,58 @@ struct stream_scratch {
   stream_scratch& operator=(const stream_scratch&) = delete;
 };
 
+//! A device buffer of at least `bytes` on `device`, owned by the calling host thread and kept
+//! between calls, for passes that wait for their stream before returning (so the buffer is
+//! idle between uses). Grows when asked for more; freed when the thread ends.
+inline void* thread_scratch(int device, std::size_t bytes) {
+  struct buffer {
+    int device = -1;
+    void* p = nullptr;
+    std::size_t bytes = 0;
+    ~buffer() {
+      if (p == nullptr) return;
+      lockstep::detail::device_guard g(device, std::nothrow);
+      (void)cudaFree(p);  // may fail harmlessly at process exit, once the runtime unloads
+    }
+  };
+  thread_local std::vector<std::unique_ptr<buffer>> buffers;
+  buffer* b = nullptr;
+  for (auto& x : buffers)
+    if (x->device == device) b = x.get();
+  if (b == nullptr) b = buffers.emplace_back(std::make_unique<buffer>(buffer{device, nullptr, 0})).get();
+  if (b->bytes < bytes) {
+    if (b->p != nullptr) LOCKSTEP_TRY_CUDA(cudaFree(b->p));
+    b->p = nullptr;
+    b->bytes = 0;
+    LOCKSTEP_TRY_CUDA(cudaMalloc(&b->p, bytes));
+    b->bytes = bytes;
+  }
+  return b->p;
+}
+
 }  // namespace detail
 
-//! The number of chunks unscale() covers for `segs` (the length its partials need).
+//! The number of chunk sums unscale() writes for `segs` (the length its partials need).
 template <class Element>
 std::size_t unscale_chunks(std::span<const segment> segs) {
   std::size_t n = 0;
-  for (const auto& s : segs) n += chunks_of<unscale_op<Element>>(s.count);
+  for (const auto& s : segs) n += chunks_of<unscale_op<Element, true>>(s.count);
   return n;
 }
 
 //! One unscale_op pass over `segs` (element type t): see unscale_op. d_flag and d_partials
-//! (device memory) may be null; partials are written from d_partials[0]. Returns the number
-//! of chunks. Queued on s.
+//! (device memory) may be null; partials are written from d_partials[0] (unscale_chunks of
+//! them). Returns the number of chunks. Queued on s.
 inline std::size_t unscale(std::span<const segment> segs, dtype t, double factor, const double* d_factor,
                            int* d_flag, double* d_partials, cudaStream_t s) {
   check_segments(segs, "unscale");
   std::size_t chunks = 0;
   visit_float(t, "unscale", [&]<class Element>(std::type_identity<Element>) {
-    chunks = launch(unscale_op<Element>{{}, factor, d_factor, d_flag, d_partials}, segs.size(),
-                    [&](std::size_t i) { return tensor_ref<1>{{segs[i].ptr}, segs[i].count}; }, s, "unscale");
+    const auto tensor = [&](std::size_t i) { return tensor_ref<1>{{segs[i].ptr}, segs[i].count}; };
+    if (d_partials != nullptr)
+      chunks = launch(unscale_op<Element, true>{{}, factor, d_factor, d_flag, d_partials}, segs.size(), tensor, s, "unscale");
+    else
+      chunks = launch(unscale_op<Element>{{}, factor, d_factor, d_flag, nullptr}, segs.size(), tensor, s, "unscale");
   });
   return chunks;
 }
@@ -208,34 +257,52 @@ inline void clamp(std::span<const segment> segs, dtype t, double lo, double hi, 
   });
 }
 
-//! Σx² (double) over every element of every group, in a fixed order, into *d_out (device
-//! memory). Scratch comes from cudaMallocAsync on s; nothing synchronises.
-inline void sum_of_squares(std::span<const grad_group> groups, double* d_out, cudaStream_t s) {
+namespace detail {
+//! The chunks sum_of_squares covers for `groups` (checked).
+inline std::size_t square_chunks(std::span<const grad_group> groups) {
   std::size_t total = 0;
   for (const auto& g : groups) {
     check_segments(g.segments, "sum_of_squares");
     visit_float(g.type, "sum_of_squares",
                 [&]<class Element>(std::type_identity<Element>) { total += unscale_chunks<Element>(g.segments); });
   }
+  return total;
+}
+//! Σx² into *d_out, with partials[0 .. square_chunks(groups)) as scratch. Nothing synchronises.
+inline void sum_of_squares(std::span<const grad_group> groups, double* partials, std::size_t total, double* d_out,
+                           cudaStream_t s) {
   if (total == 0) {
     LOCKSTEP_TRY_CUDA(cudaMemsetAsync(d_out, 0, sizeof(double), s));
     return;
   }
-  detail::stream_scratch buf(total * sizeof(double), s);
-  auto* partials = static_cast<double*>(buf.p);
   std::size_t base = 0;
   for (const auto& g : groups) base += unscale(g.segments, g.type, 1.0, nullptr, nullptr, partials + base, s);
   constexpr int threads = tuning_of<unscale_op<float>>.block_threads;
-  detail::sum_partials_kernel<threads><<<1, threads, 0, s>>>(partials, total, d_out);
+  sum_partials_kernel<threads><<<1, threads, 0, s>>>(partials, total, d_out);
   LOCKSTEP_CHECK_LAUNCH();
 }
+}  // namespace detail
 
-//! The same, returned on the host (waits for stream s).
+//! Σx² (double) over every element of every group, in a fixed order (per chunk, then the chunk
+//! sums in order), into *d_out (device memory). Scratch comes from cudaMallocAsync on s;
+//! nothing synchronises.
+inline void sum_of_squares(std::span<const grad_group> groups, double* d_out, cudaStream_t s) {
+  const std::size_t total = detail::square_chunks(groups);
+  detail::stream_scratch buf(total * sizeof(double), s);
+  detail::sum_of_squares(groups, static_cast<double*>(buf.p), total, d_out, s);
+}
+
+//! The same, returned on the host (waits for stream s). Its scratch is kept per host thread
+//! and device between calls (it is idle whenever this returns): allocating it each time cost
+//! more than the pass itself once the stream's memory pool had given the memory back.
 inline double sum_of_squares(std::span<const grad_group> groups, cudaStream_t s) {
-  detail::stream_scratch out(sizeof(double), s);
-  sum_of_squares(groups, static_cast<double*>(out.p), s);
+  const std::size_t total = detail::square_chunks(groups);
+  int device = 0;
+  LOCKSTEP_TRY_CUDA(cudaGetDevice(&device));
+  auto* partials = static_cast<double*>(detail::thread_scratch(device, (total + 1) * sizeof(double)));
+  detail::sum_of_squares(groups, partials, total, partials + total, s);  // partials, then the sum
   double v = 0.0;
-  LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(&v, out.p, sizeof v, cudaMemcpyDeviceToHost, s));
+  LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(&v, partials + total, sizeof v, cudaMemcpyDeviceToHost, s));
   LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s));
   return v;
 }

@@ -48,6 +48,8 @@ inline std::string to_string(const tuning& t) {
 //!  - streaming: every load of a chunk issued before the first use (one memory wait per block:
 //!    unroll = chunk / (width · threads), at most 8), and 3 blocks per SM for 1- and 2-byte
 //!    elements (their registers allow it), 2 otherwise.
+//!    The ops that end a chunk with a block reduction (the sum of squares) run the same:
+//!    4× longer chunks, so 4× fewer reductions, measured no faster (bench_kernels sweeps it).
 //!  - optimizer: 1 (16-bit parameters, whose states are twice as wide) or 2 vectors in flight
 //!    and one block per SM: 5 lists of fragments already use most of the registers.
 constexpr tuning select_tuning(op_kind kind, int elem_bytes) {
