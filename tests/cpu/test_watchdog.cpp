@@ -269,7 +269,6 @@ TEST_CASE("Watchdog: a failure found by one rank's poll reaches every rank with 
 TEST_CASE("Watchdog: rank 0 - the store's host - killed is named by the others") {
   scenario sc;
   CAPTURE(sc.seed);
-  auto& rng = sc.rng;
   job& j = sc.j;
   auto kids = start(j, [&](rank_env& e) {
     if (e.rank == 0) {

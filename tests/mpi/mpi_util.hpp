@@ -1,13 +1,12 @@
 #pragma once
-// Helpers for the MPI tests: a seed shared by all ranks, deterministic per-rank inputs (so
-// every rank can compute every reference itself), agreement checks over MPI_COMM_WORLD.
+// Helpers for the MPI tests: a seed shared by all ranks, agreement checks over MPI_COMM_WORLD.
+// (Collective inputs and references: tests/support/comm_conformance.hpp.)
 #include <doctest/doctest.h>
 #include <mpi.h>
 
 #include <cstdint>
 #include <cstring>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include <lockstep/mpi/comm.hpp>
@@ -34,41 +33,11 @@ inline std::uint64_t shared_seed() {
   return s;
 }
 
-//! True on every rank iff `ok` holds on every rank.
-inline bool all_ranks(bool ok) {
-  int v = ok ? 1 : 0;
-  MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
-  return v == 1;
-}
-
 inline std::uint64_t splitmix(std::uint64_t x) {
   x += 0x9e3779b97f4a7c15ull;
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
   x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
   return x ^ (x >> 31);
-}
-
-//! Element i of rank r's input for case `salt`: never all zero, signed where the type is.
-template <class T>
-T value(std::uint64_t seed, std::uint64_t salt, int r, std::size_t i) {
-  const std::uint64_t h = splitmix(seed ^ splitmix(salt * 1315423911ull + static_cast<std::uint64_t>(r)) ^
-                                   (static_cast<std::uint64_t>(i) * 0x2545f4914f6cdd1dull));
-  if constexpr (std::is_floating_point_v<T>) {
-    return static_cast<T>(static_cast<double>(h >> 11) * 0x1.0p-53 * 2.0 - 1.0);
-  } else if constexpr (std::is_same_v<T, std::uint8_t>) {
-    return static_cast<T>(h & 0xff);  // sums wrap modulo 256, as they should
-  } else if constexpr (std::is_same_v<T, std::int32_t>) {
-    return static_cast<T>(static_cast<std::int64_t>(h % 2000001) - 1000000);
-  } else {
-    return static_cast<T>(static_cast<std::int64_t>(h % 2000000000001ull) - 1000000000000ll);
-  }
-}
-
-template <class T>
-std::vector<T> input(std::uint64_t seed, std::uint64_t salt, int r, std::size_t n) {
-  std::vector<T> v(n);
-  for (std::size_t i = 0; i < n; ++i) v[i] = value<T>(seed, salt, r, i);
-  return v;
 }
 
 //! 64-bit FNV-1a of the bytes.

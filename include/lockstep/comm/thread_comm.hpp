@@ -91,6 +91,8 @@ class ThreadComm {
   void abort(const std::string& reason) { g_->sync.abort(reason); }
 
   ready_work all_reduce(const void* send, void* recv, std::size_t count, dtype t, reduce_op op) {
+    // Refused before the call is posted, so a rank that catches the error stays in step.
+    require_host_arithmetic(t, "ThreadComm::all_reduce");
     run({collective::all_reduce(count, t, op), send, recv}, [&](const auto& calls, auto& tmp) {
       detail::reduce_calls(calls, 0, count, t, op, tmp);
       return recv;
@@ -123,6 +125,7 @@ class ThreadComm {
   }
 
   ready_work reduce_scatter(const void* send, void* recv, std::size_t count, dtype t, reduce_op op) {
+    require_host_arithmetic(t, "ThreadComm::reduce_scatter");
     run({collective::reduce_scatter(count, t, op), send, recv}, [&](const auto& calls, auto& tmp) {
       detail::reduce_calls(calls, static_cast<std::size_t>(rank_) * count, count, t, op, tmp);
       return recv;

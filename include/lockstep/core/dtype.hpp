@@ -61,6 +61,17 @@ concept element = requires { dtype_traits<std::remove_cv_t<T>>::value; };
 template <element T>
 inline constexpr dtype dtype_of = dtype_traits<std::remove_cv_t<T>>::value;
 
+//! Whether the host can compute on elements of t (f16/bf16 have no host arithmetic here).
+inline constexpr bool has_host_arithmetic(dtype t) { return t != dtype::f16 && t != dtype::bf16; }
+
+//! Throws config_error unless the host can compute on elements of t; `who` names the caller.
+inline void require_host_arithmetic(dtype t, const char* who) {
+  if (!has_host_arithmetic(t))
+    throw config_error(std::string(who) + ": element type " + name_of(t) +
+                       " has no host arithmetic in this build; use f32/f64 on the CPU or a "
+                       "CUDA communicator for half precision");
+}
+
 //! Calls f(T{}) with the C++ type of a host-computable dtype; throws for the others.
 template <class F>
 decltype(auto) visit_host_dtype(dtype t, F&& f) {
@@ -72,9 +83,8 @@ decltype(auto) visit_host_dtype(dtype t, F&& f) {
     case dtype::f64: return f(double{});
     default: break;
   }
-  throw config_error(std::string("element type ") + name_of(t) +
-                     " has no host arithmetic in this build; use f32/f64 on the CPU or a "
-                     "CUDA communicator for half precision");
+  require_host_arithmetic(t, "lockstep");
+  throw config_error(std::string("element type ") + name_of(t) + " is unknown");
 }
 
 }  // namespace lockstep

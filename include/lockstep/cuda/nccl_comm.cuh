@@ -77,9 +77,9 @@ class NcclComm {
   static std::vector<NcclComm> create_local(std::span<const int> devices) {
     const int n = static_cast<int>(devices.size());
     if (n < 1) throw config_error("NcclComm::create_local: the device list is empty; pass one device per rank");
-    const int visible = device_count();
+    const int visible = detail::visible_devices();
     for (int i = 0; i < n; ++i) {
-      check_device(devices[static_cast<std::size_t>(i)], visible, "NcclComm::create_local");
+      detail::check_device(devices[static_cast<std::size_t>(i)], visible, "NcclComm::create_local");
       for (int j = 0; j < i; ++j)
         if (devices[static_cast<std::size_t>(j)] == devices[static_cast<std::size_t>(i)])
           throw config_error("NcclComm::create_local: device " + std::to_string(devices[static_cast<std::size_t>(i)]) +
@@ -103,7 +103,7 @@ class NcclComm {
       }
     } catch (...) {
       for (std::size_t j = adopted; j < raw.size(); ++j)
-        if (raw[j] != nullptr) destroy_raw(raw[j], devices[j]);
+        if (raw[j] != nullptr) detail::nccl_destroy(raw[j], devices[j]);
       throw;
     }
     return out;
@@ -116,7 +116,7 @@ class NcclComm {
   //! this with the same id (from ncclGetUniqueId on one rank, shared out of band); it returns
   //! once all `world` ranks have joined.
   NcclComm(const ncclUniqueId& id, int rank, int world, int device)
-      : NcclComm(adopt_tag{}, init_rank(id, rank, world, device), rank, world, device) {}
+      : NcclComm(adopt_tag{}, detail::nccl_init_rank(id, rank, world, device), rank, world, device) {}
 
   NcclComm(NcclComm&&) noexcept = default;
   NcclComm& operator=(NcclComm&&) noexcept = default;
@@ -208,7 +208,12 @@ class NcclComm {
   //! work issued before it (compute and communication) has finished.
   void barrier() {
     state& s = live("barrier");
-    work w = all_reduce(s.barrier_buf, s.barrier_buf, 1, dtype::i32, reduce_op::sum);
+    // An all-reduce of one int underneath, numbered and checked as a barrier (so that the
+    // order check tells it from a user's one-element sum).
+    const collective c = check_order(s, collective::barrier());
+    work w = issue(s, c, [&](cudaStream_t cs) {
+      LOCKSTEP_TRY_NCCL(ncclAllReduce(s.barrier_buf, s.barrier_buf, 1, ncclInt32, ncclSum, s.comm, cs));
+    });
     w.synchronize();
     live("barrier");  // an abort() while we waited turns into aborted_error here
   }
@@ -346,7 +351,7 @@ class NcclComm {
     try {
       s_ = std::make_unique<state>();
     } catch (...) {
-      destroy_raw(c, device);
+      detail::nccl_destroy(c, device);
       throw;
     }
     state& s = *s_;  // from here on s_ owns c: a throw destroys it with the rest
@@ -380,36 +385,6 @@ class NcclComm {
     }
     LOCKSTEP_TRY_CUDA(cudaMemsetAsync(s.barrier_buf, 0, sizeof(int), s.compute));
     LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s.compute));
-  }
-
-  static int device_count() {
-    int n = 0;
-    LOCKSTEP_TRY_CUDA(cudaGetDeviceCount(&n));
-    return n;
-  }
-
-  static void check_device(int device, int visible, const char* who) {
-    if (device < 0 || device >= visible)
-      throw config_error(std::string(who) + ": device " + std::to_string(device) +
-                         " does not exist; this process sees " + std::to_string(visible) +
-                         " CUDA device(s) (0.." + std::to_string(visible - 1) +
-                         "); check CUDA_VISIBLE_DEVICES");
-  }
-
-  static ncclComm_t init_rank(const ncclUniqueId& id, int rank, int world, int device) {
-    if (world < 1 || rank < 0 || rank >= world)
-      throw config_error("NcclComm: rank " + std::to_string(rank) + " of " + std::to_string(world) +
-                         " is not a valid rank (need 0 <= rank < world, world >= 1)");
-    check_device(device, device_count(), "NcclComm");
-    detail::device_guard g(device);
-    ncclComm_t c = nullptr;
-    LOCKSTEP_TRY_NCCL(ncclCommInitRank(&c, world, id, rank));
-    return c;
-  }
-
-  static void destroy_raw(ncclComm_t c, int device) noexcept {
-    detail::device_guard g(device, std::nothrow);
-    (void)ncclCommDestroy(c);
   }
 
   state& live(const char* what) const {

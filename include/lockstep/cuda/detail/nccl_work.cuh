@@ -1,15 +1,19 @@
 #pragma once
-//! NcclComm's handle of a collective in flight (NcclComm::work) and the pool of completion
-//! events the handles share.
+//! What NcclComm is built from: its handle of a collective in flight (NcclComm::work), the
+//! pool of completion events the handles share, and creating and destroying raw NCCL
+//! communicators on a checked device.
 
 #include <cuda_runtime_api.h>
+#include <nccl.h>
 
 #include <memory>
 #include <mutex>
 #include <new>
+#include <string>
 #include <utility>
 #include <vector>
 
+#include "lockstep/core/error.hpp"
 #include "lockstep/cuda/error.cuh"
 #include "lockstep/cuda/memory.cuh"
 
@@ -127,5 +131,35 @@ class nccl_work {
   cudaEvent_t event_ = nullptr;
   cudaStream_t stream_ = nullptr;
 };
+
+inline int visible_devices() {
+  int n = 0;
+  LOCKSTEP_TRY_CUDA(cudaGetDeviceCount(&n));
+  return n;
+}
+
+inline void check_device(int device, int visible, const char* who) {
+  if (device < 0 || device >= visible)
+    throw config_error(std::string(who) + ": device " + std::to_string(device) + " does not exist; this process sees " +
+                       std::to_string(visible) + " CUDA device(s) (0.." + std::to_string(visible - 1) +
+                       "); check CUDA_VISIBLE_DEVICES");
+}
+
+//! Rank `rank` of `world` on `device` (ncclCommInitRank, which returns once all ranks joined).
+inline ncclComm_t nccl_init_rank(const ncclUniqueId& id, int rank, int world, int device) {
+  if (world < 1 || rank < 0 || rank >= world)
+    throw config_error("NcclComm: rank " + std::to_string(rank) + " of " + std::to_string(world) +
+                       " is not a valid rank (need 0 <= rank < world, world >= 1)");
+  check_device(device, visible_devices(), "NcclComm");
+  device_guard g(device);
+  ncclComm_t c = nullptr;
+  LOCKSTEP_TRY_NCCL(ncclCommInitRank(&c, world, id, rank));
+  return c;
+}
+
+inline void nccl_destroy(ncclComm_t c, int device) noexcept {
+  device_guard g(device, std::nothrow);
+  (void)ncclCommDestroy(c);
+}
 
 }  // namespace lockstep::detail
