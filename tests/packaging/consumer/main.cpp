@@ -1,7 +1,7 @@
 // Packaging smoke test: two ThreadComm ranks all-reduce random numbers; the result must
 // equal the sum computed here. Exit code 0 on success, 1 on any mismatch or error.
-#include <lockstep/comm/thread_comm.hpp>
-#include <lockstep/version.hpp>
+// The umbrella header: every header it includes must be in the package.
+#include <lockstep/lockstep.hpp>
 
 #include <cstdio>
 #include <exception>
