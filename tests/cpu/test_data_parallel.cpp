@@ -7,6 +7,7 @@
 
 #include <lockstep/lockstep.hpp>
 
+#include "equivalence.hpp"
 #include "mlp.hpp"
 #include "test_util.hpp"
 
@@ -247,12 +248,66 @@ TEST_CASE("a model whose bind_gradient does not take effect is rejected") {
   };
   lockstep::run(lockstep::Threads{1}, [&](auto& ctx) {
     Liar m;
-    CHECK_THROWS_WITH_AS((lockstep::DataParallel<Liar, lockstep::ThreadComm>(ctx, m)),
+    // The layout is final at construction when nothing is rebuilt: bound (and caught) there.
+    CHECK_THROWS_WITH_AS((lockstep::DataParallel(ctx, m, {.buckets = {.rebuild_after_first_step = false}})),
                          doctest::Contains("bind_gradient"), lockstep::config_error);
+    // Otherwise at the start of the second cycle, when the rebuilt layout takes effect.
+    lockstep::DataParallel dp(ctx, m);
+    (void)dp.step().finish();
+    CHECK_THROWS_WITH_AS((void)dp.step(), doctest::Contains("bind_gradient"), lockstep::config_error);
     // With zero_copy off it is fine.
-    lockstep::DataParallel<Liar, lockstep::ThreadComm> ok(ctx, m, {.zero_copy = false});
+    lockstep::DataParallel ok(ctx, m, {.zero_copy = false});
+    (void)ok.step().finish();
+    (void)ok.step().finish();
     CHECK_FALSE(ok.stats().zero_copy);
   });
+}
+
+TEST_CASE("bind_gradient is called once per parameter, in the final layout - a model caching it stays right") {
+  // A model that caches the storage bind_gradient gives it (as a GPU model keeps raw pointers
+  // for its kernels) and counts the calls. Backward reports gradients in an order unlike the
+  // initial layout's (first layer first), so the first step's arrivals reorder the plan.
+  struct Caching : TestMlp<double> {
+    using TestMlp<double>::TestMlp;
+    std::vector<int> binds = std::vector<int>(6, 0);
+    std::vector<void*> cached = std::vector<void*>(6, nullptr);
+    void bind_gradient(std::size_t i, void* p) {
+      ++binds[i];
+      cached[i] = p;
+      TestMlp<double>::bind_gradient(i, p);
+    }
+  };
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  const auto d = make_data(seed, 64);
+  constexpr int steps = 4;
+  constexpr std::size_t batch = 8;
+  std::vector<std::vector<double>> got(2);
+  lockstep::run(lockstep::Threads{2}, [&](lockstep::context<lockstep::ThreadComm>& ctx) {
+    Caching m(d.dims, seed + 1);
+    lockstep::DataParallel dp(ctx, m, {.buckets = {.first_bytes = 256, .cap_bytes = 512}});
+    CHECK(m.binds == std::vector<int>(6, 0));  // not yet: the layout is not final
+    for (int s = 0; s < steps; ++s) {
+      auto step = dp.step();
+      std::vector<std::size_t> rows;
+      for (std::size_t r = 0; r < batch; ++r)
+        rows.push_back((static_cast<std::size_t>(s) * 2 * batch + static_cast<std::size_t>(ctx.rank()) * batch + r) % d.samples);
+      m.forward_backward(d.X64, d.y, rows, [](std::size_t) {});
+      const auto ready = step.on_gradient_ready();
+      for (std::size_t i = 0; i < 6; ++i) ready(i);  // first layer first: unlike the initial layout
+      if (step.finish()) m.sgd(0.05);
+      if (s >= 1) {
+        CHECK(m.binds == std::vector<int>(6, 1));  // bound once, when the rebuilt layout took effect
+        for (std::size_t i = 0; i < 6; ++i) CHECK(m.cached[i] == dp.parameters()[i].grad);
+      }
+    }
+    CHECK(dp.stats().rebuilt);
+    CHECK(dp.stats().zero_copy);
+    got[static_cast<std::size_t>(ctx.rank())] = m.flat_values();
+  });
+  const auto want = one_rank_reference<double>(d, batch, 2, 1, steps, seed + 1, 0.05);
+  CHECK(got[0] == got[1]);
+  CHECK(max_rel_diff(got[0], want) <= 1e-12);
 }
 
 }  // TEST_SUITE

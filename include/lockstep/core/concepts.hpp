@@ -33,9 +33,13 @@ struct segment {
 //! Optional:
 //!  (a) `m.bind_gradient(i, void* storage)`: lockstep gives parameter i a gradient buffer
 //!      inside its contiguous arena (zero copy, no pack/unpack); afterwards
-//!      `parameters()[i].grad` must be `storage`. Checked by `gradient_binding_model`.
+//!      `parameters()[i].grad` must be `storage`. Called once per parameter, when the bucket
+//!      layout is final (at construction, or at the start of the second accumulation cycle
+//!      when the first step's arrival order decides it), so storage the model caches from it
+//!      stays valid. Checked by `gradient_binding_model`.
 //!  (b) Overlap: backward calls `step.on_gradient_ready()(i)` when gradient i is final, so
-//!      each bucket is reduced as soon as its last gradient arrives. A model that never
+//!      each bucket is reduced as soon as its last gradient arrives. The hook's type is
+//!      `lockstep::gradient_ready_fn`, the same for every DataParallel. A model that never
 //!      calls it still works; its buckets are reduced in `finish()`.
 //!
 //! Example:

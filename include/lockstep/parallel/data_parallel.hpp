@@ -162,18 +162,6 @@ class DataParallel {
 
   class step_handle;
 
-  //! A callable the model's backward invokes with a parameter index when that gradient
-  //! is final. Cheap to copy; valid until the step finishes.
-  class gradient_hook {
-   public:
-    void operator()(std::size_t param_index) const { dp_->reducer_.mark_ready(param_index); }
-
-   private:
-    friend class step_handle;
-    explicit gradient_hook(DataParallel* dp) : dp_(dp) {}
-    DataParallel* dp_;
-  };
-
   //! One micro-step: created by step(), ended by finish().
   class step_handle {
    public:
@@ -195,7 +183,10 @@ class DataParallel {
     {
       return dp_->scaler_.device_scale();
     }
-    gradient_hook on_gradient_ready() const { return gradient_hook(dp_); }
+    //! The hook for the model's backward (see gradient_ready_fn): gradient i is final.
+    gradient_ready_fn on_gradient_ready() const {
+      return gradient_ready_fn(dp_, [](void* dp, std::size_t i) { static_cast<DataParallel*>(dp)->reducer_.mark_ready(i); });
+    }
     void gradient_ready(std::size_t i) const { dp_->reducer_.mark_ready(i); }
 
     //! Ends backward: reduces every bucket not yet reduced and waits for all of them.

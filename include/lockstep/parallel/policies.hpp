@@ -63,7 +63,9 @@ struct BucketPolicy {
 
 struct DataParallelOptions {
   BucketPolicy buckets{};
-  //! Let lockstep own the gradients (model.bind_gradient) when the model offers it.
+  //! Let lockstep own the gradients (model.bind_gradient) when the model offers it: once the
+  //! layout is final (see lockstep::model (a)); DataParallel::parameters() then returns the
+  //! arena pointers. Before that, and with this off, buckets are packed from the model's own.
   bool zero_copy = true;
   //! Copy rank 0's parameter values to every rank at construction.
   bool broadcast_parameters = true;

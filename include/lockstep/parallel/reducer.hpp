@@ -50,7 +50,12 @@ class reducer {
  public:
   using work_type = decltype(std::declval<Hook&>().reduce(std::declval<Comm&>(), nullptr, std::size_t{}, dtype::f32));
   //! bind(i, ptr): give parameter i arena storage for its gradient; refresh(): re-read the
-  //! model's parameters (pointers after binding).
+  //! model's parameters (pointers after binding). bind is called once per parameter, when
+  //! the layout is final: at construction if it is known then (no rebuild after the first
+  //! step), else when the rebuild from the first step's arrival order (or a layout loaded
+  //! from a checkpoint) takes effect — until then the gradients stay in the model's own
+  //! buffers and buckets are packed. So storage a model or optimizer caches from bind never
+  //! goes stale.
   using bind_fn = std::function<void(std::size_t, void*)>;
   using refresh_fn = std::function<std::vector<parameter>()>;
 
@@ -61,7 +66,7 @@ class reducer {
     // Initial order: reverse registration order (backward produces the last layer first).
     std::vector<std::size_t> order;
     for (std::size_t i = params_.size(); i-- > 0;) order.push_back(i);
-    build(order);
+    build(order, bind_ && !policy_.rebuild_after_first_step);
   }
 
   const std::vector<parameter>& params() const { return params_; }
@@ -75,7 +80,7 @@ class reducer {
     if (!pending_order_) return;
     auto o = std::move(*pending_order_);
     pending_order_.reset();
-    build(o);
+    build(o, static_cast<bool>(bind_));
     stats_.rebuilt = true;
   }
 
@@ -168,7 +173,8 @@ class reducer {
     if (!observed_) settle_order();
   }
 
-  bool zero_copy() const { return static_cast<bool>(bind_); }
+  //! Whether the model's gradients live in the arena now (after the binding, see bind_fn).
+  bool zero_copy() const { return bound_; }
 
   //! The settled layout, for checkpoints: {format 1, observed, fused, n, order...}.
   //! Restoring it makes a resumed run reduce with the same layout (and so, on NCCL, the
@@ -205,7 +211,7 @@ class reducer {
     observed_ = st[1] != 0;
     fused_ = st[2] != 0;
     arrivals_.clear();
-    if (order != current_order_) pending_order_ = std::move(order);
+    if (order != current_order_ || binding_due()) pending_order_ = std::move(order);
     else pending_order_.reset();
   }
 
@@ -330,6 +336,7 @@ class reducer {
     fused_ = reported[0] == 0;
     if (!policy_.rebuild_after_first_step || fused_) {
       arrivals_.clear();
+      if (binding_due()) pending_order_ = current_order_;  // the layout is final: bind now
       return;
     }
     std::vector<std::int64_t> order;
@@ -343,12 +350,17 @@ class reducer {
       if (!seen[i]) order.push_back(static_cast<std::int64_t>(i));
     if (comm_.size() > 1) host_broadcast(comm_, order, 0);
     std::vector<std::size_t> o(order.begin(), order.end());
-    if (o != current_order_) pending_order_ = std::move(o);
+    if (o != current_order_ || binding_due()) pending_order_ = std::move(o);
     arrivals_.clear();
   }
 
-  void build(const std::vector<std::size_t>& order) {
+  // The model lends its gradients but they are not in the arena yet.
+  bool binding_due() const { return bind_ && !bound_; }
+
+  // Lays out the arena in `order`; with bind, the model's gradients move into it (once).
+  void build(const std::vector<std::size_t>& order, bool bind) {
     current_order_ = order;
+    bound_ = bind;
     std::map<dtype, std::vector<std::size_t>> by_type;
     for (auto i : order) by_type[params_[i].type].push_back(i);
     std::vector<std::size_t> sizes(params_.size());
@@ -445,6 +457,7 @@ class reducer {
   std::vector<bool> ready_;
   bool observed_ = false;
   bool fused_ = false;
+  bool bound_ = false;  // the model's gradients live in the arena
   bool sync_ = false;
   double prescale_ = 1.0;
   sync_stats stats_;

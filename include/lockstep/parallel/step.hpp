@@ -1,7 +1,33 @@
 #pragma once
-//! What one DataParallel step reports to the training loop.
+//! What one DataParallel step hands to the model (the gradient-ready hook) and reports back
+//! to the training loop (step_result).
+
+#include <cstddef>
 
 namespace lockstep {
+
+//! The hook a model's backward calls with a parameter index when that gradient is final, so
+//! its bucket can be reduced while backward goes on. One type for every DataParallel, so a
+//! backward written as an ordinary (non-template) function can take it:
+//! \code
+//!   void Mlp::backward(const Batch& b, double loss_scale, lockstep::gradient_ready_fn ready);
+//! \endcode
+//! A default-constructed hook does nothing (for the same backward outside DataParallel).
+//! Cheap to copy (two pointers); valid until the step that made it finishes.
+class gradient_ready_fn {
+ public:
+  gradient_ready_fn() = default;
+  //! Calls fn(target, i) for each gradient i.
+  gradient_ready_fn(void* target, void (*fn)(void*, std::size_t)) noexcept : target_(target), fn_(fn) {}
+  void operator()(std::size_t param_index) const {
+    if (fn_ != nullptr) fn_(target_, param_index);
+  }
+  explicit operator bool() const noexcept { return fn_ != nullptr; }
+
+ private:
+  void* target_ = nullptr;
+  void (*fn_)(void*, std::size_t) = nullptr;
+};
 
 //! What finish() reports. Converts to true when the optimizer should step.
 struct step_result {
