@@ -2,6 +2,7 @@
 // bucket plan, the one-time rebuild, misuse errors, statistics, mode selection.
 #include <doctest/doctest.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <numeric>
 
@@ -236,6 +237,64 @@ TEST_CASE("decide: under a launcher - MPI launchers mean MPI processes when MPI 
     }
     CHECK_THROWS_AS(lockstep::decide(e, false, false), lockstep::config_error);  // nothing to run with
   }
+}
+
+TEST_CASE("policies and options by instance, in any order - deduced from the context") {
+  lockstep::run(lockstep::Threads{2}, [&](lockstep::context<lockstep::ThreadComm>& ctx) {
+    TestMlp<double> m({5, 4, 3}, 7);
+    // Deduced: the communicator from the context, the policies from the arguments' types.
+    lockstep::DataParallel a(ctx, m);
+    static_assert(std::is_same_v<decltype(a), lockstep::DataParallel<TestMlp<double>, lockstep::ThreadComm>>);
+    lockstep::DataParallel b(ctx, m, lockstep::DynamicScale({.init_scale = 512.0}), lockstep::Accumulate<>(3));
+    static_assert(std::is_same_v<decltype(b), lockstep::DataParallel<TestMlp<double>, lockstep::ThreadComm,
+                                                                     lockstep::DynamicScale, lockstep::Accumulate<>>>);
+    CHECK(b.accumulation().steps() == 3);
+    CHECK(b.scaler().scale() == 512.0);
+    // Braced options first, then policy instances in either order.
+    lockstep::DataParallel c(ctx, m, {.zero_copy = false}, lockstep::Accumulate<>(2), lockstep::StaticScale(64.0));
+    CHECK(c.accumulation().steps() == 2);
+    CHECK(c.scaler().scale() == 64.0);
+    // Named types, the arguments in any order, options among them; what is not given is default.
+    lockstep::DataParallel<TestMlp<double>, lockstep::ThreadComm, lockstep::Accumulate<>, lockstep::StaticScale> d(
+        ctx, m, lockstep::StaticScale(4.0), lockstep::DataParallelOptions{.zero_copy = false}, lockstep::Accumulate<>(5));
+    CHECK(d.accumulation().steps() == 5);
+    CHECK(d.scaler().scale() == 4.0);
+    lockstep::DataParallel<TestMlp<double>, lockstep::ThreadComm, lockstep::Accumulate<>, lockstep::StaticScale> e(
+        ctx, m, lockstep::Accumulate<>(4));
+    CHECK(e.scaler().scale() == lockstep::StaticScale().scale());
+    // The options given by instance are the ones used.
+    for (int i = 0; i < 2; ++i) (void)d.step().finish();
+    CHECK_FALSE(d.stats().zero_copy);
+  });
+}
+
+TEST_CASE("a rank that runs one step more than its peer is told at once that the peer has left") {
+  // No LOCKSTEP_TIMEOUT is set: without the departure check this waits 60 s.
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string what;
+  try {
+    lockstep::run(lockstep::Threads{2}, [&](lockstep::context<lockstep::ThreadComm>& ctx) {
+      TestMlp<double> m({5, 4, 3}, 11);
+      lockstep::DataParallel dp(ctx, m);
+      const int steps = ctx.rank() == 0 ? 2 : 3;  // uneven inputs, no Join
+      for (int s = 0; s < steps; ++s) (void)dp.step().finish();
+    });
+  } catch (const lockstep::mismatch_error& e) {
+    what = e.what();
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  CAPTURE(what);
+  CHECK(secs < 10.0);
+  CHECK(what.find("rank 0 has left the training body") != std::string::npos);
+  CHECK(what.find("rank 1 is waiting for it in") != std::string::npos);
+  CHECK(what.find("dp.join()") != std::string::npos);
+}
+
+TEST_CASE("run(Threads{n}) refuses a negative count") {
+  int calls = 0;
+  CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{-1}, [&](auto&) { ++calls; }),
+                       doctest::Contains("negative number of ranks"), lockstep::config_error);
+  CHECK(calls == 0);
 }
 
 TEST_CASE("a model whose bind_gradient does not take effect is rejected") {

@@ -309,6 +309,31 @@ TEST_CASE("HashStore: scenario on threads") {
   run_threads(cfg.world, [&](int r) { scenario(s, quick, r, cfg); });
 }
 
+TEST_CASE("final_barrier with an abort key: a failure set by a rank ends the others' wait at once") {
+  // Rank 2 never reaches the barrier: it fails, and says so under the abort key. Without the
+  // key the other ranks would wait the whole (here 30 s) timeout.
+  lockstep::HashStore s(3, std::chrono::seconds(30));
+  std::vector<std::string> got(3);
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::thread> ts;
+  for (int r = 0; r < 3; ++r)
+    ts.emplace_back([&, r] {
+      if (r == 2) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        s.set("job/failed", lockstep::bytes_of("rank 2 failed: deliberately"));
+        return;
+      }
+      try {
+        lockstep::final_barrier(s, "end", r, std::chrono::seconds(30), "job/failed");
+      } catch (const lockstep::aborted_error& e) {
+        got[static_cast<std::size_t>(r)] = e.what();
+      }
+    });
+  for (auto& t : ts) t.join();
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5));
+  for (int r = 0; r < 2; ++r) CHECK(got[static_cast<std::size_t>(r)].find("rank 2 failed: deliberately") != std::string::npos);
+}
+
 TEST_CASE("stores refuse oversized values and keys before sending") {
   lockstep::store_limits lim;
   lim.max_value_bytes = 1000;

@@ -280,18 +280,19 @@ inline Checkpoint load_checkpoint(const std::filesystem::path& path) {
   h.fingerprint = detail::load_le<std::uint64_t>(b + 24);
   h.payload_bytes = detail::load_le<std::uint64_t>(b + 32);
   h.payload_crc = detail::load_le<std::uint32_t>(b + 40);
-  // The version word sits at a fixed offset in every format, so it is checked before the
-  // rest of the header (whose layout it decides).
-  if (h.format_version != detail::checkpoint_format_version)
+  // The header's own length (offset 20) and checksum (its last 4 bytes) come first, in every
+  // format: a damaged version word must read as damage, not as a file from another lockstep.
+  const auto header_len = detail::load_le<std::uint32_t>(b + 20);
+  if (header_len < H || header_len > n ||
+      detail::load_le<std::uint32_t>(b + header_len - 4) != detail::crc32_of(b, header_len - 4))
+    throw checkpoint_error(subject + " has a corrupt header (its checksum does not match): " +
+                           use_other);
+  if (h.format_version != detail::checkpoint_format_version || header_len != H)
     throw checkpoint_error(subject + " has format version " + std::to_string(h.format_version) +
                            " (written by lockstep " + h.writer_version() + "), but lockstep " +
                            version_string + " reads format version " +
                            std::to_string(detail::checkpoint_format_version) +
                            ": load it with a matching lockstep version");
-  if (detail::load_le<std::uint32_t>(b + 44) != detail::crc32_of(b, 44) ||
-      detail::load_le<std::uint32_t>(b + 20) != H)
-    throw checkpoint_error(subject + " has a corrupt header (its checksum does not match): " +
-                           use_other);
   if (h.flags != detail::native_tensor_flags())
     throw checkpoint_error(subject + " was written on a host of the other byte order; load it "
                            "on a host like the one that saved it");

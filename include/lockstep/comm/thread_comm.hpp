@@ -90,6 +90,11 @@ class ThreadComm {
   //! Releases every rank blocked in this group (used when one rank fails).
   void abort(const std::string& reason) { g_->sync.abort(reason); }
 
+  //! This rank will issue no more collectives (its body returned; run(Threads) calls it): a
+  //! peer that waits for it in a collective fails at once with mismatch_error naming both,
+  //! instead of waiting out LOCKSTEP_TIMEOUT.
+  void leave() { g_->sync.leave(rank_); }
+
   ready_work all_reduce(const void* send, void* recv, std::size_t count, dtype t, reduce_op op) {
     // Refused before the call is posted, so a rank that catches the error stays in step.
     require_host_arithmetic(t, "ThreadComm::all_reduce");
@@ -150,7 +155,7 @@ class ThreadComm {
   void run(detail::posted_call call, Compute&& compute) {
     call.what.seq = seq_++;
     auto& calls = g_->calls;
-    const char* what = name_of(call.what.kind);
+    const std::string what = call.what.describe();
     calls[static_cast<std::size_t>(rank_)] = call;
     g_->sync.arrive_and_wait(rank_, what);
     for (std::size_t r = 1; r < calls.size(); ++r) {

@@ -24,6 +24,7 @@
 #include <nccl.h>
 
 #include <cstdio>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <optional>
@@ -136,19 +137,29 @@ void run(Processes mode, Body&& body) {
   const auto overdue_after = limit + std::chrono::seconds(2);
   // Declared after ctx: it stops (joins its thread) before the communicator is destroyed.
   std::optional<Watchdog> dog;
+  std::atomic<const Watchdog*> self{nullptr};  // for the poll, once dog is constructed
   try {
     dog.emplace(
         store.host(), store.port(), info.rank, info.world, info.job_token,
         [&ctx](const std::string& why) { ctx.comm().abort(why); },
-        [&ctx, overdue_after, rank = info.rank]() -> std::optional<std::string> {
+        [&ctx, &self, overdue_after, rank = info.rank]() -> std::optional<std::string> {
           try {
             ctx.comm().check_async_error();
           } catch (const std::exception& e) {
             return "rank " + std::to_string(rank) + ": NCCL reported an asynchronous error: " + e.what();
           }
+          // A peer whose body returned never issues another collective: one of ours still
+          // running 2 s after that is waiting for nobody (uneven inputs without a Join).
+          if (const Watchdog* d = self.load(); d != nullptr)
+            if (const auto who = d->departed())
+              if (const auto pending = ctx.comm().overdue(std::chrono::seconds(2)))
+                return *who + " has left the training body; " + *pending +
+                       " — uneven inputs? Every rank must issue the same collectives; with different "
+                       "numbers of batches per rank, use dp.join() (lockstep::Join)";
           return ctx.comm().overdue(overdue_after);
         },
         watchdog_options{.timeout = limit});
+    self.store(&*dog);
   } catch (...) {  // a communicator whose peers may be waiting must be aborted, not destroyed
     ctx.comm().abort("rank " + std::to_string(info.rank) + " could not start its watchdog");
     throw;
@@ -165,11 +176,15 @@ void run(Processes mode, Body&& body) {
     dog->stop();
     throw;
   }
+  // This rank issues no more collectives: a peer still waiting in one is told (first one wins).
+  store.set_if_absent(Watchdog::departure_key, bytes_of("rank " + std::to_string(info.rank)));
   dog->stop();
   if (auto why = dog->failure())  // the body finished, but a peer did not: do not wait for it
     throw aborted_error("rank " + std::to_string(info.rank) + " finished, but the job failed: " + *why);
-  // Rank 0 hosts the store: it leaves only after everyone is done with it.
-  final_barrier(store, "lockstep/finished", info.rank);
+  // Rank 0 hosts the store: it leaves only after everyone is done with it. A peer's failure
+  // (say, one that waited for this rank after it left) ends the wait at once.
+  final_barrier(store, "lockstep/finished", info.rank, std::chrono::milliseconds(store.timeout()),
+                Watchdog::failure_key);
 }
 
 }  // namespace lockstep

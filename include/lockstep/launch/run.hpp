@@ -36,6 +36,7 @@ void run(Threads mode, Body&& body) {
       [&](int r) {
         context<ThreadComm> ctx(comms[static_cast<std::size_t>(r)], r, -1);
         body(ctx);
+        ctx.comm().leave();  // a peer still waiting in a collective for this rank fails at once
       },
       [&](const std::string& why) { aborter.abort(why); });
 }

@@ -68,6 +68,8 @@ class Watchdog {
   using poll_fn = std::function<std::optional<std::string>()>;
 
   static constexpr const char* failure_key = "lockstep/failed";
+  //! Set (first one wins) by a rank whose body returned: it issues no more collectives.
+  static constexpr const char* departure_key = "lockstep/left";
 
   //! host/port: the job's TcpStore (rank 0 connects over loopback). Connects, registers the
   //! watch and starts the thread; throws like TcpStore when the store cannot be reached.
@@ -143,6 +145,13 @@ class Watchdog {
     return failure_;
   }
 
+  //! What the first rank whose body returned wrote at departure_key ("rank R"), once a
+  //! heartbeat has seen it. A rank still waiting in a collective then waits for nobody.
+  std::optional<std::string> departed() const {
+    std::lock_guard lk(m_);
+    return departed_;
+  }
+
  private:
   void loop() noexcept {
     std::unique_lock lk(m_);
@@ -198,6 +207,11 @@ class Watchdog {
       std::lock_guard lk(store_m_);
       try {
         if (store_->check({failure_key})) return string_of(store_->get(failure_key));
+        if (!departed() && store_->check({departure_key})) {
+          auto who = string_of(store_->get(departure_key));
+          std::lock_guard lk(m_);
+          departed_ = std::move(who);
+        }
       } catch (const timeout_error& e) {
         if (rank_ == 0) throw;
         return std::string("rank 0 stopped responding: the store it hosts did not answer in time (") + e.what() +
@@ -230,6 +244,7 @@ class Watchdog {
   std::condition_variable cv_;
   bool stopping_ = false;
   std::optional<std::string> failure_;
+  std::optional<std::string> departed_;
   std::thread thread_;
   std::thread reaper_;  // after a failure with grace > 0: ends the process unless stop() comes first
 };

@@ -163,11 +163,39 @@ inline std::int64_t checked_add(std::int64_t a, std::int64_t b, std::string_view
 
 }  // namespace detail
 
+namespace detail {
+//! s.wait(keys, timeout), but in slices of at most 200 ms, between which a set `abort_key`
+//! (e.g. the key a failing rank sets) ends the wait with aborted_error carrying its value.
+//! An empty abort_key is a plain wait.
+template <store S>
+void wait_unless(S& s, const std::vector<std::string>& keys, std::chrono::milliseconds timeout,
+                 std::string_view abort_key) {
+  if (abort_key.empty()) {
+    s.wait(keys, timeout);
+    return;
+  }
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    const auto slice = std::min(std::max(left, std::chrono::milliseconds(1)), std::chrono::milliseconds(200));
+    try {
+      s.wait(keys, slice);
+      return;
+    } catch (const timeout_error&) {
+      if (s.check({std::string(abort_key)}))
+        throw aborted_error("stopped waiting: " + string_of(s.get(abort_key)));
+      if (left <= slice) throw;
+    }
+  }
+}
+}  // namespace detail
+
 //! Blocks until all `s.world()` processes called barrier(s, name) (the same number of
 //! times), for at most `timeout`. Built on add() + wait(), so it works with any store.
 //! Each use leaves one small key in the store: meant for rendezvous points, not per step.
+//! With an abort_key, a rank's failure (that key set) ends the wait at once (aborted_error).
 template <store S>
-void barrier(S& s, std::string_view name, std::chrono::milliseconds timeout) {
+void barrier(S& s, std::string_view name, std::chrono::milliseconds timeout, std::string_view abort_key = {}) {
   const std::string base = "lockstep/barrier/" + std::string(name);
   const std::string counter = base + "/count";
   const std::int64_t world = s.world();
@@ -180,7 +208,7 @@ void barrier(S& s, std::string_view name, std::chrono::milliseconds timeout) {
     return;
   }
   try {
-    s.wait({done}, timeout);
+    detail::wait_unless(s, {done}, timeout, abort_key);
   } catch (const timeout_error&) {
     std::int64_t arrived = world;
     try {
@@ -206,8 +234,9 @@ void barrier(S& s, std::string_view name) {
 //! have: after that nobody needs the store. Each of its two waits is bounded by `timeout`
 //! (rank 0 may take up to twice that). Use each name once: it is the job's last barrier.
 template <store S>
-void final_barrier(S& s, std::string_view name, int rank, std::chrono::milliseconds timeout) {
-  barrier(s, name, timeout);
+void final_barrier(S& s, std::string_view name, int rank, std::chrono::milliseconds timeout,
+                   std::string_view abort_key = {}) {
+  barrier(s, name, timeout, abort_key);
   const std::string base = "lockstep/barrier/" + std::string(name) + "/passed/";
   if (rank != 0) {
     static constexpr std::byte one[1] = {std::byte{1}};
@@ -216,7 +245,7 @@ void final_barrier(S& s, std::string_view name, int rank, std::chrono::milliseco
   }
   std::vector<std::string> keys;
   for (int r = 1; r < s.world(); ++r) keys.push_back(base + std::to_string(r));
-  if (!keys.empty()) s.wait(keys, timeout);
+  if (!keys.empty()) detail::wait_unless(s, keys, timeout, abort_key);
 }
 template <store S>
 void final_barrier(S& s, std::string_view name, int rank) {

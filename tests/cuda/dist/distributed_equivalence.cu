@@ -2,8 +2,11 @@
 // batch B each end where one CPU rank with batch N·B ends. Every process computes the CPU
 // reference itself and exits non-zero when its parameters differ; "[lockstep-skip]" when the
 // machine has fewer GPUs than processes.
+//   distributed_equivalence --uneven   rank 0 runs one step fewer (uneven inputs, no Join):
+//   every process must end within seconds, the others saying that rank 0 left.
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 
 #include <lockstep/cuda/run_processes.cuh>
 #include <lockstep/lockstep.hpp>
@@ -15,8 +18,9 @@
 
 using namespace lockstep_test;
 
-int main() {
+int main(int argc, char** argv) {
   try {
+    const bool uneven = argc > 1 && std::string(argv[1]) == "--uneven";
     const auto info = lockstep::detect_launcher();
     if (!info) {
       std::fprintf(stderr, "distributed_equivalence: start me with lockstep-run or torchrun\n");
@@ -68,7 +72,8 @@ int main() {
       LOCKSTEP_TRY_CUDA(cudaMemcpy(dX, X.data(), X.size() * sizeof(float), cudaMemcpyHostToDevice));
       LOCKSTEP_TRY_CUDA(cudaMemcpy(dy, y.data(), y.size() * sizeof(int), cudaMemcpyHostToDevice));
       LOCKSTEP_TRY_CUDA(cudaDeviceSynchronize());
-      for (int s = 0; s < steps; ++s)
+      const int my_steps = uneven && ctx.rank() == 0 ? steps - 1 : steps;
+      for (int s = 0; s < my_steps; ++s)
         for (int k = 0; k < accumulate; ++k) {
           std::vector<int> rows(batch);
           const std::size_t first = s * global + (static_cast<std::size_t>(k) * world + ctx.rank()) * batch;
@@ -79,6 +84,7 @@ int main() {
           m.forward_backward(dX, dy, drows, batch, step.on_gradient_ready());
           if (step.finish()) m.sgd(lr);
         }
+      if (uneven) return;  // the ranks that stepped on fail in their last step (not here)
       const auto got = m.flat_values();
       const double err = max_rel_diff(got, ref.flat_values());
       const double moved = max_rel_diff(init.flat_values(), ref.flat_values());

@@ -16,14 +16,14 @@ namespace lockstep::detail {
 class local_rendezvous {
  public:
   local_rendezvous(int n, std::chrono::milliseconds timeout)
-      : n_(n), timeout_(timeout), present_(static_cast<std::size_t>(n), false) {}
+      : n_(n), timeout_(timeout), present_(static_cast<std::size_t>(n), false), left_(static_cast<std::size_t>(n), false) {}
 
   int size() const { return n_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
 
-  //! Blocks until every rank arrived (or throws timeout_error / aborted_error).
-  //! `what` names the operation for the messages.
-  void arrive_and_wait(int rank, const char* what) {
+  //! Blocks until every rank arrived (or throws timeout_error / aborted_error, or
+  //! mismatch_error when a rank it waits for has left). `what` names the operation.
+  void arrive_and_wait(int rank, const std::string& what) {
     std::unique_lock lk(m_);
     throw_if_aborted(rank);
     const std::size_t gen = generation_;
@@ -35,9 +35,22 @@ class local_rendezvous {
       cv_.notify_all();
       return;
     }
-    const bool done = cv_.wait_for(lk, timeout_, [&] { return generation_ != gen || aborted_; });
+    int gone = -1;
+    const bool done = cv_.wait_for(lk, timeout_, [&] {
+      gone = departed_missing();
+      return generation_ != gen || aborted_ || gone >= 0;
+    });
     if (generation_ != gen) return;
     if (aborted_) throw_if_aborted(rank);
+    if (gone >= 0) {
+      // That rank will never come: fail now (and release the others) instead of at the timeout.
+      const std::string msg = "rank " + std::to_string(gone) + " has left the training body; rank " +
+                              std::to_string(rank) + " is waiting for it in " + what +
+                              " — uneven inputs? Every rank must issue the same collectives; with "
+                              "different numbers of batches per rank, use dp.join() (lockstep::Join)";
+      abort_locked(msg);
+      throw mismatch_error(msg);
+    }
     (void)done;
     std::string missing;
     for (int r = 0; r < n_; ++r)
@@ -49,6 +62,13 @@ class local_rendezvous {
                       "otherwise they hang or called a different collective)";
     abort_locked(msg);
     throw timeout_error(msg);
+  }
+
+  //! `rank` will not arrive again (its body returned): a rank that waits for it fails at once.
+  void leave(int rank) {
+    std::lock_guard lk(m_);
+    left_[static_cast<std::size_t>(rank)] = true;
+    cv_.notify_all();
   }
 
   //! Marks the group failed: every current and future wait throws aborted_error.
@@ -69,6 +89,12 @@ class local_rendezvous {
     }
     cv_.notify_all();
   }
+  // A rank that left and has not arrived in the current round, or -1.
+  int departed_missing() const {
+    for (int r = 0; r < n_; ++r)
+      if (left_[static_cast<std::size_t>(r)] && !present_[static_cast<std::size_t>(r)]) return r;
+    return -1;
+  }
   void throw_if_aborted(int rank) const {
     if (aborted_)
       throw aborted_error("rank " + std::to_string(rank) +
@@ -82,6 +108,7 @@ class local_rendezvous {
   int arrived_ = 0;
   std::size_t generation_ = 0;
   std::vector<bool> present_;
+  std::vector<bool> left_;
   bool aborted_ = false;
   std::string reason_;
 };
