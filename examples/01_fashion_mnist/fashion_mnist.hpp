@@ -344,28 +344,24 @@ void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
   auto& model = trainer.model();
   lockstep::DataParallelOptions dp_opts;  // zero_copy (bind_gradient) is on by default
   if (opt.bucket_kib > 0) dp_opts.buckets.first_bytes = dp_opts.buckets.cap_bytes = opt.bucket_kib << 10;
-  auto dp = lockstep::make_data_parallel(ctx, model, dp_opts);  // checks shapes, broadcasts rank 0's
+  lockstep::DataParallel dp(ctx, model, dp_opts);  // checks shapes, broadcasts rank 0's
   trainer.attach(dp.parameters(), plan.peak_lr, opt.momentum);
   lockstep::DistributedSampler<> sampler(data.train.size, ctx, {.seed = opt.seed});
 
   std::uint64_t step = 0;
-  int first_epoch = 0;
   if (!opt.resume.empty()) {
-    // Every rank reads and verifies the file and restores the same state.
+    // Every rank reads and verifies the file and restores the same state: parameters, loss
+    // scale, gradient layout and the sampler's epoch and position, in one call.
     const auto ck = lockstep::load_checkpoint(opt.resume);
-    lockstep::restore_training_state(ck, dp);  // parameters, loss scale, gradient layout
+    lockstep::restore_training_state(ck, dp, sampler);
     ck.restore("optimizer", trainer.optimizer());  // momentum buffers (and options)
     run_config saved{};
     ck.restore_value("run", saved);
     step = static_cast<std::uint64_t>(ck.meta.step);
-    first_epoch = static_cast<int>(ck.meta.epoch);
-    if (ck.meta.sample_position != 0)
-      throw lockstep::checkpoint_error("checkpoint '" + opt.resume.string() +
-                                       "' was saved mid-epoch; this example saves and resumes "
-                                       "at epoch boundaries only");
+    const int done = static_cast<int>(sampler.epoch());
     if (ctx.is_root()) {
       std::printf("resumed from %s: %d epoch%s done, %llu steps\n", opt.resume.string().c_str(),
-                  first_epoch, first_epoch == 1 ? "" : "s", static_cast<unsigned long long>(step));
+                  done, done == 1 ? "" : "s", static_cast<unsigned long long>(step));
       if (saved != plan.config)
         std::fprintf(stderr,
                      "fashion_mnist: warning: the checkpoint was saved by a run with other "
@@ -376,11 +372,14 @@ void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
     }
   }
 
+  const int first_epoch = static_cast<int>(sampler.epoch());
   int last_epoch = epochs;
   if (opt.stop_after > 0) last_epoch = std::min(last_epoch, opt.stop_after);
-  for (int epoch = first_epoch; epoch < last_epoch; ++epoch) {
+  // The sampler carries the epoch (and, in a resumed run, the position within it); the
+  // (seed, epoch) pair decides the order.
+  for (; sampler.epoch() < static_cast<std::uint64_t>(last_epoch); sampler.set_epoch(sampler.epoch() + 1)) {
+    const int epoch = static_cast<int>(sampler.epoch());
     // --- train ---
-    sampler.set_epoch(static_cast<std::uint64_t>(epoch));  // (seed, epoch) → the order
     const auto batches = sampler.batches(plan.per_rank);
     trainer.begin_epoch(std::span<const std::size_t>(sampler.indices()));
     lockstep::ThroughputMeter meter;
@@ -443,8 +442,8 @@ void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
     // --- checkpoint: rank 0 writes; every rank returns once the file is in place ---
     if (!opt.checkpoint.empty()) {
       lockstep::save_checkpoint_rank0(comm, opt.checkpoint, [&](lockstep::Checkpoint& ck) {
-        ck.meta = {.step = static_cast<std::int64_t>(step), .epoch = epoch + 1, .sample_position = 0};
-        lockstep::add_training_state(ck, dp);
+        ck.meta.step = static_cast<std::int64_t>(step);
+        lockstep::add_training_state(ck, dp, sampler);  // the epoch is used up: resumes at the next
         ck.add("optimizer", trainer.optimizer());  // momentum buffers (and options)
         ck.add_value("run", plan.config);
       });

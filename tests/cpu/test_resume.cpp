@@ -5,11 +5,6 @@
 #include <filesystem>
 
 #include <lockstep/lockstep.hpp>
-#include <lockstep/checkpoint/training_state.hpp>
-#include <lockstep/data/sampler.hpp>
-#include <lockstep/lockstep.hpp>
-#include <lockstep/optim/sgd.hpp>
-#include <lockstep/scaling/scalers.hpp>
 
 #include "mlp.hpp"
 #include "test_util.hpp"
@@ -30,10 +25,12 @@ struct job {
   std::vector<int> y;
 };
 
-// Trains epochs [from, to) (optionally resuming from `resume`), saving a checkpoint after
-// each epoch to `save`. Returns rank 0's parameters.
-std::vector<double> train(const job& j, int to, const fs::path* resume, const fs::path* save,
-                          std::vector<std::int64_t>* plan_out = nullptr) {
+// Trains until `stop_at` steps (or the end of the last epoch), optionally resuming from
+// `resume`, and saves a checkpoint to `save` after step `save_at` — mid-epoch when the step
+// count says so. The loop is the resumable one: the sampler knows its epoch and position.
+// Returns rank 0's parameters.
+std::vector<double> train(const job& j, std::int64_t stop_at, const fs::path* resume, std::int64_t save_at,
+                          const fs::path* save, std::vector<std::int64_t>* plan_out = nullptr) {
   std::vector<std::vector<double>> out(static_cast<std::size_t>(j.ranks));
   lockstep::run(lockstep::Threads{j.ranks}, [&](auto& ctx) {
     TestMlp<double> m(j.dims, j.seed);
@@ -41,19 +38,17 @@ std::vector<double> train(const job& j, int to, const fs::path* resume, const fs
                               lockstep::DynamicScale({.init_scale = 256.0, .growth_interval = 3}));
     lockstep::Sgd opt({.lr = 0.2, .momentum = 0.9, .weight_decay = 1e-3});
     lockstep::DistributedSampler<> sampler(j.samples, ctx, {.seed = j.seed});
-    int start = 0;
     std::int64_t step_count = 0;
-    if (resume) {
+    if (resume) {  // one call for the model, the loss scale, the layout and the data position
       auto ck = lockstep::load_checkpoint(*resume);
-      lockstep::restore_training_state(ck, dp);
+      lockstep::restore_training_state(ck, dp, sampler);
       ck.restore("optimizer", opt);
-      start = static_cast<int>(ck.meta.epoch) + 1;
       step_count = ck.meta.step;
     }
     const std::int64_t start_steps = step_count;
-    for (int e = start; e < to; ++e) {
-      sampler.set_epoch(static_cast<std::uint64_t>(e));
+    for (; sampler.epoch() < static_cast<std::uint64_t>(j.epochs); sampler.set_epoch(sampler.epoch() + 1)) {
       for (auto batch : sampler.batches(j.batch)) {
+        if (step_count == stop_at) break;
         auto step = dp.step();
         // A resumed run adopts the saved layout at its very first step.
         if (resume && step_count == start_steps) CHECK(dp.stats().rebuilt);
@@ -61,15 +56,16 @@ std::vector<double> train(const job& j, int to, const fs::path* resume, const fs
         m.forward_backward(j.X, j.y, rows, step.on_gradient_ready(), step.loss_scale());
         auto r = step.finish();
         opt.step(dp.parameters(), !r);
+        sampler.advance(batch.size());
         ++step_count;
+        if (save && step_count == save_at)
+          lockstep::save_checkpoint_rank0(ctx.comm(), *save, [&](lockstep::Checkpoint& ck) {
+            ck.meta.step = step_count;
+            lockstep::add_training_state(ck, dp, sampler);
+            ck.add("optimizer", opt);
+          });
       }
-      if (save) {
-        lockstep::save_checkpoint_rank0(ctx.comm(), *save, [&](lockstep::Checkpoint& ck) {
-          ck.meta = {step_count, e, 0};
-          lockstep::add_training_state(ck, dp);
-          ck.add("optimizer", opt);
-        });
-      }
+      if (step_count == stop_at) break;
     }
     out[static_cast<std::size_t>(ctx.rank())] = m.flat_values();
     if (plan_out && ctx.rank() == 0) *plan_out = dp.plan_state();
@@ -93,11 +89,20 @@ TEST_CASE("resume from a checkpoint reproduces the uninterrupted run bit for bit
   fs::create_directories(dir);
   const fs::path ck = dir / "run.ckpt";
 
+  // 203 samples over 3 ranks: 68 a rank, 14 batches of 5 (the last one of 3) an epoch.
+  constexpr std::int64_t per_epoch = 14, never = -1;
   std::vector<std::int64_t> plan_a, plan_b;
-  const auto uninterrupted = train(j, j.epochs, nullptr, nullptr, &plan_a);
-  train(j, 1, nullptr, &ck);  // "killed" after epoch 0's checkpoint
-  const auto resumed = train(j, j.epochs, &ck, nullptr, &plan_b);
-  CHECK(resumed == uninterrupted);  // bit for bit
+  const auto uninterrupted = train(j, never, nullptr, never, nullptr, &plan_a);
+  for (std::int64_t at : {per_epoch, per_epoch + 6}) {  // at an epoch's end, and mid-epoch
+    CAPTURE(at);
+    train(j, at, nullptr, at, &ck);  // "killed" right after its checkpoint
+    const auto resumed = train(j, never, &ck, never, nullptr, &plan_b);
+    CHECK(resumed == uninterrupted);  // bit for bit
+    const auto saved = lockstep::load_checkpoint(ck);
+    CHECK(saved.meta.step == at);
+    CHECK(saved.meta.epoch == (at == per_epoch ? 0 : 1));
+    CHECK(saved.meta.sample_position == (at == per_epoch ? 68 : 30));
+  }
   // The resumed run reduced with the settled layout from its first step (TestMlp reports
   // weight before bias, unlike the initial guess, so the layout did change once).
   CHECK(plan_b == plan_a);

@@ -473,4 +473,36 @@ TEST_CASE("sampler: constructs from anything with rank() and size()") {
   CHECK_THROWS_AS(DistributedSampler<>(100, Group{3, 3}), lockstep::config_error);
 }
 
+TEST_CASE("sampler: its state resumes it mid-epoch - a used-up epoch resumes at the next - other data is refused") {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  lockstep::DistributedSampler<> a(1003, 1, 4, {.seed = seed});
+  a.set_epoch(5);
+  a.advance(40);
+  const auto st = a.state();
+  // Restored through the byte codec into a sampler of another seed and epoch.
+  lockstep::DistributedSampler<> b(1003, 1, 4, {.seed = seed + 1});
+  lockstep::from_bytes(b, lockstep::to_bytes(a));
+  CHECK(b.state() == st);
+  CHECK(b.indices() == a.indices());
+  CHECK(b.batches(8).front().front() == a.indices()[40]);
+  // The epoch used up: the next one, from its start.
+  a.advance(a.size() - 40);
+  lockstep::DistributedSampler<> c(1003, 1, 4, {.seed = seed});
+  c.load_state(a.state());
+  CHECK(c.epoch() == 6);
+  CHECK(c.position() == 0);
+  lockstep::DistributedSampler<> next(1003, 1, 4, {.seed = seed});
+  next.set_epoch(6);
+  CHECK(c.indices() == next.indices());
+  // Another number of ranks: fine at an epoch boundary, refused mid-epoch; other data refused.
+  lockstep::DistributedSampler<> d(1003, 0, 2, {.seed = seed});
+  d.load_state(a.state());
+  CHECK(d.epoch() == 6);
+  CHECK_THROWS_AS(d.load_state(st), lockstep::checkpoint_error);
+  CHECK(d.epoch() == 6);  // unchanged by the refusal
+  lockstep::DistributedSampler<> e(1004, 1, 4, {.seed = seed});
+  CHECK_THROWS_WITH_AS(e.load_state(st), doctest::Contains("same data"), lockstep::checkpoint_error);
+}
+
 }  // TEST_SUITE

@@ -3,17 +3,18 @@
 //! as a whole (add_training_state / restore_training_state): its parameters, its loss-scale
 //! state and its settled gradient layout, so that a resumed run continues exactly as the
 //! uninterrupted one (the same reductions in the same layout, hence the same rounding on
-//! every communicator). The optimizer and the data position are the caller's (add them to
-//! the same Checkpoint).
+//! every communicator), and, given a sampler, where the data stands. The optimizer is the
+//! caller's (add it to the same Checkpoint: lockstep's optimizers are serializable).
 //!
 //! \code
 //!   lockstep::save_checkpoint_rank0(ctx.comm(), path, [&](lockstep::Checkpoint& ck) {
-//!     lockstep::add_training_state(ck, dp);
-//!     ck.add_blob("optimizer", opt_bytes);
+//!     lockstep::add_training_state(ck, dp, sampler);  // parameters, scale, layout, data position
+//!     ck.add("optimizer", opt);
 //!   });
 //!   // resume, on every rank, before the first step:
 //!   auto ck = lockstep::load_checkpoint(path);
-//!   lockstep::restore_training_state(ck, dp);
+//!   lockstep::restore_training_state(ck, dp, sampler);
+//!   ck.restore("optimizer", opt);
 //! \endcode
 
 #include <algorithm>
@@ -26,6 +27,7 @@
 #include <vector>
 
 #include "lockstep/checkpoint/checkpoint.hpp"
+#include "lockstep/core/codec.hpp"
 #include "lockstep/core/concepts.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/parameter.hpp"
@@ -103,6 +105,29 @@ void restore_training_state(const Checkpoint& ck, DP& dp) {
   dp.load_plan_state(plan);
   restore_parameters(ck, dp.parameters(), dp.comm().memory());
   dp.scaler().load_state(st);
+}
+
+//! The same, with the data position: the sampler's state (seed, epoch, position) goes into
+//! the section "lockstep.sampler", and meta.epoch / meta.sample_position are set from it.
+//! Restoring resumes the sampler where the saved run stood (mid-epoch included); the loop
+//! then continues from sampler.epoch() without calling set_epoch for that epoch.
+template <class DP, class Sampler>
+  requires serializable<Sampler> && requires(const Sampler& s) { s.state(); }
+void add_training_state(Checkpoint& ck, DP& dp, const Sampler& sampler) {
+  const auto st = sampler.state();
+  ck.add("lockstep.sampler", sampler);
+  add_training_state(ck, dp);
+  ck.meta.epoch = static_cast<std::int64_t>(st.epoch);
+  ck.meta.sample_position = static_cast<std::int64_t>(st.position);
+}
+
+template <class DP, class Sampler>
+  requires serializable<Sampler>
+void restore_training_state(const Checkpoint& ck, DP& dp, Sampler& sampler) {
+  Sampler resumed = sampler;  // checked in full before anything of dp changes
+  ck.restore("lockstep.sampler", resumed);
+  restore_training_state(ck, dp);
+  sampler = std::move(resumed);
 }
 
 }  // namespace lockstep

@@ -25,10 +25,13 @@
 //!  again; return high64(m). PyTorch shuffles with torch.randperm, so its orders differ
 //!  from these; the partition rules above are the same.
 //!
-//! Resuming mid-epoch: position() counts this rank's samples already consumed this epoch;
-//! batches() starts there. set_epoch() resets it to 0, so to resume call
-//! `set_epoch(e); set_position(k);` (in that order) and iterate batches(B). When k is a
-//! multiple of B the batches are exactly the ones the uninterrupted run had left.
+//! Resuming, mid-epoch too: position() counts this rank's samples already consumed this epoch
+//! (advance() after each batch keeps it current); batches() starts there. The sampler is
+//! serializable (save/load, or state()/load_state()): epoch, position and seed, so one call
+//! restores it — lockstep::add_training_state / restore_training_state put it in a
+//! checkpoint beside the model's state. An epoch saved used up (position == size()) resumes
+//! at the start of the next one. When the position is a multiple of the batch size the
+//! batches are exactly the ones the uninterrupted run had left.
 //!
 //! \code
 //!   lockstep::DistributedSampler sampler(train.size(), ctx, {.seed = 42});
@@ -49,6 +52,7 @@
 #include <utility>
 #include <vector>
 
+#include "lockstep/core/codec.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/data/seeding.hpp"
 
@@ -70,6 +74,16 @@ struct DropLast {};
 //! Tuning values for DistributedSampler. `seed` must be the same on every rank.
 struct SamplerOptions {
   std::uint64_t seed = 0;
+};
+
+//! Where a DistributedSampler stands: what a checkpoint keeps to resume it.
+struct sampler_state {
+  std::uint64_t seed = 0;
+  std::uint64_t epoch = 0;
+  std::uint64_t position = 0;      //!< samples of this rank consumed in `epoch`
+  std::uint64_t dataset_size = 0;  //!< to refuse a resume over different data
+  std::int64_t world = 1;          //!< to refuse a mid-epoch resume on another number of ranks
+  bool operator==(const sampler_state&) const = default;
 };
 
 //! What batches() does with a last batch smaller than B.
@@ -161,11 +175,7 @@ class DistributedSampler {
       throw config_error("DistributedSampler: rank " + std::to_string(rank) +
                          " is outside [0, " + std::to_string(world) +
                          "); pass this process's rank and the number of ranks");
-    const auto r = static_cast<std::size_t>(world);
-    if constexpr (std::is_same_v<Tail, DropLast>)
-      num_samples_ = len / r;  // == ceil((len - R) / R) when len % R != 0
-    else
-      num_samples_ = len / r + (len % r != 0 ? 1 : 0);
+    num_samples_ = samples_per_rank(len, world);
     fill();
   }
 
@@ -210,6 +220,63 @@ class DistributedSampler {
   //! Marks `n` more samples consumed (call after each step to keep position() current).
   void advance(std::size_t n) { set_position(position_ + n); }
 
+  //! Where the sampler stands (for checkpoints; the same on every rank but the position's
+  //! meaning, which is per rank — and equal on every rank that steps in lockstep).
+  sampler_state state() const noexcept {
+    return {seed_, epoch_, position_, len_, world_};
+  }
+  //! Resumes a saved state: its seed and epoch, and its position — or, when the epoch was
+  //! used up, the start of the next epoch. A state from another data set size is refused;
+  //! so is a mid-epoch one from another number of ranks (an epoch boundary is fine: the
+  //! (seed, epoch) order does not depend on the ranks). Throws checkpoint_error; the sampler
+  //! is unchanged then.
+  void load_state(const sampler_state& st) {
+    if (st.dataset_size != len_)
+      throw checkpoint_error("DistributedSampler: the saved state is for a data set of " +
+                             std::to_string(st.dataset_size) + " samples, this sampler has " + std::to_string(len_) +
+                             "; resume over the same data");
+    if (st.world < 1)
+      throw checkpoint_error("DistributedSampler: the saved state names " + std::to_string(st.world) +
+                             " ranks; the state is damaged");
+    const std::uint64_t saved_size = samples_per_rank(len_, static_cast<int>(st.world));
+    std::uint64_t epoch = st.epoch, position = st.position;
+    if (position > saved_size)
+      throw checkpoint_error("DistributedSampler: the saved position " + std::to_string(position) +
+                             " is past the epoch's " + std::to_string(saved_size) + " samples; the state is damaged");
+    if (position == saved_size) {
+      ++epoch;  // used up: the next epoch, from its start
+      position = 0;
+    }
+    if (st.world != world_ && position != 0)
+      throw checkpoint_error("DistributedSampler: the state was saved mid-epoch by " + std::to_string(st.world) +
+                             " ranks; this job has " + std::to_string(world_) +
+                             ", so its position means nothing here (resume from an epoch boundary)");
+    const bool refill = st.seed != seed_ || epoch != epoch_;
+    seed_ = st.seed;
+    epoch_ = epoch;
+    position_ = static_cast<std::size_t>(position);
+    if (refill) fill();
+  }
+
+  //! serializable: the state, for Checkpoint::add / restore.
+  void save(byte_writer& w) const {
+    const auto st = state();
+    w.write(st.seed);
+    w.write(st.epoch);
+    w.write(st.position);
+    w.write(st.dataset_size);
+    w.write(st.world);
+  }
+  void load(byte_reader& r) {
+    sampler_state st;
+    st.seed = r.read<std::uint64_t>();
+    st.epoch = r.read<std::uint64_t>();
+    st.position = r.read<std::uint64_t>();
+    st.dataset_size = r.read<std::uint64_t>();
+    st.world = r.read<std::int64_t>();
+    load_state(st);
+  }
+
   //! The rest of this epoch (from position()) cut into batches of `batch_size` indices.
   //! The spans point into indices(): they stay valid until set_epoch() with a new epoch
   //! or the sampler's destruction.
@@ -230,6 +297,13 @@ class DistributedSampler {
   }
 
  private:
+  // Rule 2 above.
+  static std::size_t samples_per_rank(std::size_t len, int world) {
+    const auto r = static_cast<std::size_t>(world);
+    if constexpr (std::is_same_v<Tail, DropLast>) return len / r;  // == ceil((len - R) / R) when len % R != 0
+    else return len / r + (len % r != 0 ? 1 : 0);
+  }
+
   // Rank r's k-th index is list[(r + k·R) % len] (rule 3 and 4 above in one formula).
   void fill() {
     indices_.resize(num_samples_);
