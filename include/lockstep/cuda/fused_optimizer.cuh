@@ -9,7 +9,7 @@
 //!   lockstep::cuda::FusedAdamW opt({.lr = 1e-3}, dp.parameters());     // on the rank's device
 //!   const int* found_inf = dp.scaler().device_found_inf();              // DeviceDynamicScale
 //!   auto step = dp.step();
-//!   model.backward(..., step.on_gradient_ready());
+//!   model.backward(batch, step.on_gradient_ready());
 //!   step.finish([&](std::span<const lockstep::param_slice> s) { opt.step(s, stream, found_inf); });
 //!   // or, after finish(): opt.step_all(dp.parameters(), stream, found_inf);
 //! \endcode
@@ -60,28 +60,22 @@
 namespace lockstep::cuda {
 
 template <optimizer_rule Rule>
-class FusedOptimizer {
+class FusedOptimizer : public lockstep::detail::rule_options<Rule> {
+  using base = lockstep::detail::rule_options<Rule>;
+  using base::opt_;
+
  public:
-  using rule_type = Rule;
-  using options_type = typename Rule::options;
+  using typename base::options_type;
+  using typename base::rule_type;
 
   //! params: the parameters in the order slices index them (e.g. DataParallel::parameters()),
   //! on `device` (-1: the current device), where the state is allocated.
   FusedOptimizer(options_type o, const std::vector<parameter>& params, int device = -1)
-      : opt_(o), st_(params, device, Rule::fused_name) {
-    Rule::validate(o);
+      : base(o), st_(params, device, Rule::fused_name) {
     lockstep::detail::device_guard g(st_.device());
     st_.build(Rule::states(o));
   }
 
-  const options_type& options() const noexcept { return opt_; }
-  //! For learning-rate schedules (takes effect at the next step()).
-  void set_lr(double lr) {
-    options_type o = opt_;
-    o.lr = lr;
-    Rule::validate(o);
-    opt_ = o;
-  }
   //! Per-parameter step counters (device memory).
   const std::int64_t* device_steps() const noexcept { return st_.counters(); }
   //! Device memory the state takes, in bytes.
@@ -133,7 +127,6 @@ class FusedOptimizer {
   void load(byte_reader& r) { opt_ = st_.template load<Rule>(r); }
 
  private:
-  options_type opt_;
   detail::fused_state st_;
   std::vector<const param_slice*> refs_;  // reused by step(): no allocation in steady state
   std::vector<param_slice> whole_;        // reused by step_all()

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <tuple>
 
 #include "lockstep/core/codec.hpp"
 #include "lockstep/core/error.hpp"
@@ -51,21 +52,8 @@ struct AdamWRule {
     if (!(o.eps > 0) || !(o.weight_decay >= 0) || !std::isfinite(o.weight_decay))
       throw config_error("AdamW: eps must be > 0 and weight_decay a finite number ≥ 0");
   }
-  static void save_options(byte_writer& w, const AdamWOptions& o) {
-    w.write(o.lr);
-    w.write(o.beta1);
-    w.write(o.beta2);
-    w.write(o.eps);
-    w.write(o.weight_decay);
-  }
-  static AdamWOptions load_options(byte_reader& r) {
-    AdamWOptions o{};
-    o.lr = r.read<double>();
-    o.beta1 = r.read<double>();
-    o.beta2 = r.read<double>();
-    o.eps = r.read<double>();
-    o.weight_decay = r.read<double>();
-    return o;
+  static constexpr auto fields(auto& o) noexcept {
+    return std::tie(o.lr, o.beta1, o.beta2, o.eps, o.weight_decay);
   }
 
   template <class A>

@@ -7,7 +7,7 @@
 //! docs/optimizer.md says how to add one.
 //!
 //! Checkpoint layout (save/load), little-endian; the fused optimizers write the same:
-//!   Rule::magic (8 bytes) | Rule::save_options | u64 slot count
+//!   Rule::magic (8 bytes) | Rule::fields(options), each in turn | u64 slot count
 //!   | per slot: u8 has_state, u8 state dtype (f32/f64), u64 count, [i64 step if
 //!     Rule::saves_step], then (has_state) Rule::states(options) arrays of count elements.
 //! A fused optimizer with f16/bf16 parameters writes Rule::magic_with_masters instead and
@@ -22,6 +22,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -92,7 +93,8 @@ LOCKSTEP_HOST_DEVICE inline double pow_of(double x, double y) {
 //!     options o use (e.g. SGD without momentum keeps none).
 //!  4. `R::validate(o)`: throws config_error naming the bad option.
 //!  5. Checkpoints: `R::magic` and `R::magic_with_masters` (8 characters each),
-//!     `R::saves_step`, `R::save_options(byte_writer&, o)`, `R::load_options(byte_reader&)`.
+//!     `R::saves_step`, and `R::fields(o)`: the options as a std::tie of their members, in
+//!     the order the checkpoint holds them (each written with byte_writer::write).
 //!  6. `R::coefficients<A>` and `R::prepare<A>(o, step)`: the scalars of one step of one
 //!     tensor in compute type A (float or double), rounded once from double; `step` counts
 //!     the tensor's steps from 1.
@@ -110,8 +112,7 @@ concept optimizer_rule =
       { R::states(o) } -> std::convertible_to<int>;
       R::validate(o);
       { R::saves_step } -> std::convertible_to<bool>;
-      R::save_options(w, o);
-      { R::load_options(r) } -> std::same_as<typename R::options>;
+      R::fields(o);
       R::update(R::template prepare<float>(o, std::int64_t{1}), a, a, s);
       { o.lr } -> std::convertible_to<double>;
     };
@@ -149,10 +150,22 @@ inline slot_header get_slot_header(byte_reader& r, std::uint64_t i, bool with_st
   return h;
 }
 
+//! A rule's options in checkpoint order (Rule::fields), written or read in turn.
+template <class Rule>
+void save_options(byte_writer& w, const typename Rule::options& o) {
+  std::apply([&](const auto&... f) { (w.write(f), ...); }, Rule::fields(o));
+}
+template <class Rule>
+typename Rule::options load_options(byte_reader& r) {
+  typename Rule::options o{};
+  std::apply([&](auto&... f) { ((f = r.read<std::remove_cvref_t<decltype(f)>>()), ...); }, Rule::fields(o));
+  return o;
+}
+
 //! Options read from a checkpoint: invalid ones are a damaged checkpoint, not user input.
 template <optimizer_rule Rule>
 typename Rule::options checked_loaded_options(byte_reader& r, const char* who) {
-  const auto o = Rule::load_options(r);
+  const auto o = load_options<Rule>(r);
   try {
     Rule::validate(o);
   } catch (const config_error& e) {
@@ -175,6 +188,29 @@ template <class R>
 concept parameter_range = std::ranges::input_range<R> &&
                           std::convertible_to<std::ranges::range_value_t<R>, parameter>;
 
+//! What the host and the fused optimizer of a rule share: its options, validated at
+//! construction and on every change.
+template <optimizer_rule Rule>
+class rule_options {
+ public:
+  using rule_type = Rule;
+  using options_type = typename Rule::options;
+
+  explicit rule_options(options_type o) : opt_(o) { Rule::validate(opt_); }
+
+  const options_type& options() const noexcept { return opt_; }
+  //! For learning-rate schedules (takes effect at the next step).
+  void set_lr(double lr) {
+    options_type o = opt_;
+    o.lr = lr;
+    Rule::validate(o);
+    opt_ = o;
+  }
+
+ protected:
+  options_type opt_;
+};
+
 }  // namespace detail
 
 // ---------------------------------------------------------------------------------------
@@ -183,21 +219,15 @@ concept parameter_range = std::ranges::input_range<R> &&
 //! `step(params)` updates every slot; `step_segments(slots, values, grads, t)` a subset (e.g.
 //! one bucket as soon as it is reduced). serializable: save(byte_writer&) / load(byte_reader&).
 template <optimizer_rule Rule>
-class Optimizer {
+class Optimizer : public detail::rule_options<Rule> {
+  using base = detail::rule_options<Rule>;
+  using base::opt_;
+
  public:
-  using rule_type = Rule;
-  using options_type = typename Rule::options;
+  using typename base::options_type;
+  using typename base::rule_type;
 
-  explicit Optimizer(options_type o) : opt_(o) { Rule::validate(opt_); }
-
-  const options_type& options() const noexcept { return opt_; }
-  //! For learning-rate schedules.
-  void set_lr(double lr) {
-    options_type o = opt_;
-    o.lr = lr;
-    Rule::validate(o);
-    opt_ = o;
-  }
+  explicit Optimizer(options_type o) : base(o) {}
 
   //! Updates every parameter. skip = true leaves parameters and state untouched (a step
   //! whose gradients held inf/NaN), step counts included.
@@ -238,7 +268,7 @@ class Optimizer {
 
   void save(byte_writer& w) const {
     w.write_bytes(Rule::magic, 8);
-    Rule::save_options(w, opt_);
+    detail::save_options<Rule>(w, opt_);
     w.write(static_cast<std::uint64_t>(slots_.size()));
     const int states = Rule::states(opt_);
     for (const auto& s : slots_) {
@@ -341,7 +371,6 @@ class Optimizer {
     }
   }
 
-  options_type opt_;
   std::vector<slot> slots_;
 };
 

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <tuple>
 
 #include "lockstep/core/codec.hpp"
 #include "lockstep/core/error.hpp"
@@ -49,21 +50,8 @@ struct SgdRule {
     if (o.nesterov && (o.momentum <= 0 || o.dampening != 0))
       throw config_error("Sgd: nesterov needs momentum > 0 and dampening = 0 (as in PyTorch)");
   }
-  static void save_options(byte_writer& w, const SgdOptions& o) {
-    w.write(o.lr);
-    w.write(o.momentum);
-    w.write(o.dampening);
-    w.write(o.weight_decay);
-    w.write(o.nesterov);
-  }
-  static SgdOptions load_options(byte_reader& r) {
-    SgdOptions o{};
-    o.lr = r.read<double>();
-    o.momentum = r.read<double>();
-    o.dampening = r.read<double>();
-    o.weight_decay = r.read<double>();
-    o.nesterov = r.read<bool>();
-    return o;
+  static constexpr auto fields(auto& o) noexcept {
+    return std::tie(o.lr, o.momentum, o.dampening, o.weight_decay, o.nesterov);
   }
 
   template <class A>

@@ -135,7 +135,7 @@ class fused_state {
     const bool masters = any_master();
     const int states = Rule::states(o);
     w.write_bytes(masters ? Rule::magic_with_masters : Rule::magic, 8);
-    Rule::save_options(w, o);
+    lockstep::detail::save_options<Rule>(w, o);
     w.write(static_cast<std::uint64_t>(size()));
     for (std::size_t i = 0; i < size(); ++i) {
       const bool has = states > 0 && steps[i] > 0;
