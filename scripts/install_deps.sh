@@ -7,6 +7,7 @@ set -euo pipefail
 packages=(
   cmake g++ make ninja-build  # build
   doctest-dev                 # tests
+  python3-minimal             # tests/docs/check_snippets.py: every code block in the docs is compiled
   zlib1g-dev                  # reads the gzip'd IDX files of the examples
   dataset-fashion-mnist       # examples/01_fashion_mnist
   libopenmpi-dev openmpi-bin  # lockstep::mpi and its tests

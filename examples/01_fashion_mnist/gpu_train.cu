@@ -297,6 +297,7 @@ void train_on_gpus(const std::vector<int>& devices, const options& opt, const tr
 void train_as_gpu_process(const options& opt, const dataset& data,
                           const std::function<training_plan(const process_rank&)>& start,
                           final_result& result, process_rank& me) {
+  // [snippet docs/example_distributed.md#1]
   lockstep::run(lockstep::Processes{}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
     std::int64_t hosts = ctx.local_rank() == 0 ? 1 : 0;
     lockstep::all_reduce_scalars(ctx.comm(), std::span<std::int64_t>(&hosts, 1), lockstep::reduce_op::sum);
@@ -305,6 +306,7 @@ void train_as_gpu_process(const options& opt, const dataset& data,
     GpuTrainer trainer(ctx.device(), ctx.comm().compute_stream(), data, opt.seed, plan.per_rank);
     train_rank(ctx, trainer, opt, plan, data, result);
   });
+  // [end snippet]
 }
 
 }  // namespace fmnist

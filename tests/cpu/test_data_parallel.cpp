@@ -239,7 +239,7 @@ TEST_CASE("decide: under a launcher - MPI launchers mean MPI processes when MPI 
   }
 }
 
-TEST_CASE("policies and options by instance, in any order - deduced from the context") {
+TEST_CASE("policies and options by instance in any order - deduced from the context") {
   lockstep::run(lockstep::Threads{2}, [&](lockstep::context<lockstep::ThreadComm>& ctx) {
     TestMlp<double> m({5, 4, 3}, 7);
     // Deduced: the communicator from the context, the policies from the arguments' types.
@@ -322,7 +322,7 @@ TEST_CASE("a model whose bind_gradient does not take effect is rejected") {
   });
 }
 
-TEST_CASE("bind_gradient is called once per parameter, in the final layout - a model caching it stays right") {
+TEST_CASE("bind_gradient is called once per parameter in the final layout - a model caching it stays right") {
   // A model that caches the storage bind_gradient gives it (as a GPU model keeps raw pointers
   // for its kernels) and counts the calls. Backward reports gradients in an order unlike the
   // initial layout's (first layer first), so the first step's arrivals reorder the plan.

@@ -198,7 +198,7 @@ class byte_reader {
 //!
 //! Example:
 //! \code
-//!   struct Counter {
+//!   struct MyOptimizerState {
 //!     double lr; std::vector<float> momentum;
 //!     void save(lockstep::byte_writer& w) const { w.write(lr); w.write_array(momentum); }
 //!     void load(lockstep::byte_reader& r) { r.read(lr); momentum = r.read_array<float>(); }

@@ -8,9 +8,9 @@
 //!   const float* scale = dp.scaler().device_scale();
 //!   const int* found_inf = dp.scaler().device_found_inf();
 //!   lockstep::cuda::FusedAdamW opt({.lr = 1e-3}, dp.parameters());
-//!   for (...) {
+//!   for (auto& batch : my_batches) {
 //!     auto step = dp.step();
-//!     model.backward(loss_times(scale), step.on_gradient_ready());   // loss kernel reads *scale
+//!     model.forward_backward(batch, scale, step.on_gradient_ready());  // its loss kernel reads *scale
 //!     step.finish([&](auto slices) { opt.step(slices, stream, found_inf); });
 //!   }
 //! \endcode

@@ -61,6 +61,9 @@
 #include "lockstep/core/reduce_op.hpp"
 #include "lockstep/cuda/detail/nccl_work.cuh"
 #include "lockstep/cuda/error.cuh"
+// The grad_ops of its memory space come with it: a DataParallel over NcclComm with a loss
+// scaler or clipping needs them, and a body written for run(Auto) names no CUDA header.
+#include "lockstep/cuda/grad_ops.cuh"
 #include "lockstep/cuda/memory.cuh"
 
 namespace lockstep {

@@ -25,7 +25,7 @@
 //! \code
 //!   lockstep::Watchdog dog(info.master_addr, info.master_port, info.rank, info.world, info.job_token,
 //!                          [&](const std::string& why) { comm.abort(why); });
-//!   ... train ...
+//!   train(comm);  // ... a watched job
 //!   dog.stop();   // a clean leave: before the job's last barrier
 //! \endcode
 

@@ -5,8 +5,13 @@
 //! \code
 //!   // mpirun -np 4 ./train
 //!   lockstep::run(lockstep::Mpi{}, [&](lockstep::context<lockstep::MpiComm>& ctx) {
-//!     lockstep::DataParallel<Mlp, lockstep::MpiComm> dp(ctx, model);
-//!     ...
+//!     Mlp model(seed);
+//!     lockstep::DataParallel dp(ctx, model);   // a Distributed<Mlp, MpiComm>
+//!     for (auto& batch : my_batches) {
+//!       auto step = dp.step();
+//!       model.backward(batch, step.on_gradient_ready());
+//!       if (step.finish()) optimizer.update(model);
+//!     }
 //!   });
 //! \endcode
 //!

@@ -5,7 +5,7 @@
 //! \code
 //!   lockstep::run(lockstep::Threads{4}, [&](auto& ctx) {
 //!     Mlp model(seed);                                     // same shapes on every rank
-//!     lockstep::DataParallel<Mlp, lockstep::ThreadComm> dp(ctx, model);  // rank 0's values
+//!     lockstep::DataParallel dp(ctx, model);               // rank 0's values everywhere
 //!     for (auto& batch : my_batches) {
 //!       auto step = dp.step();
 //!       model.backward(batch, step.on_gradient_ready());   // optional: overlap

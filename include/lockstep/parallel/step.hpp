@@ -10,7 +10,7 @@ namespace lockstep {
 //! its bucket can be reduced while backward goes on. One type for every DataParallel, so a
 //! backward written as an ordinary (non-template) function can take it:
 //! \code
-//!   void Mlp::backward(const Batch& b, double loss_scale, lockstep::gradient_ready_fn ready);
+//!   void backward(Mlp& model, const Batch& batch, double loss_scale, lockstep::gradient_ready_fn ready);
 //! \endcode
 //! A default-constructed hook does nothing (for the same backward outside DataParallel).
 //! Cheap to copy (two pointers); valid until the step that made it finishes.

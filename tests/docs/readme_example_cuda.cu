@@ -1,0 +1,3 @@
+// The README's usage in a CUDA translation unit (compiled only): there run(Auto) can also
+// pick the local GPUs or one process per GPU, and the body must compile for those too.
+#include "readme_example.cpp"  // NOLINT(bugprone-suspicious-include)

@@ -1,0 +1,496 @@
+// The code blocks of the docs and of the headers' comments, verbatim between snippet markers
+// (tests/docs/check_snippets.py compares them with their sources), compiled and run on CPU
+// ranks. What a block presumes (`Mlp`, `optimizer`, `my_batches`, `train`...) is defined
+// around it; the checks after a block test what it claims.
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <lockstep/checkpoint/training_state.hpp>
+#include <lockstep/launch/job_store.hpp>
+#include <lockstep/launch/launch_env.hpp>
+#include <lockstep/lockstep.hpp>
+#include <lockstep/parallel/join.hpp>
+
+#include "lion_rule.hpp"
+#include "snippet_env.hpp"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+//! A fresh directory, made the working directory for the test's lifetime.
+struct scratch_dir {
+  fs::path dir, before = fs::current_path();
+  scratch_dir() {
+    dir = fs::temp_directory_path() / ("lockstep_snippets_" + std::to_string(lockstep_test::fresh_seed()));
+    fs::create_directories(dir);
+    fs::current_path(dir);
+  }
+  ~scratch_dir() {
+    fs::current_path(before);
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+  }
+};
+
+std::vector<float> values_of(Mlp& m) {
+  std::vector<float> v;
+  for (auto& p : m.parameters()) {
+    const auto* x = static_cast<const float*>(p.value);
+    v.insert(v.end(), x, x + p.numel());
+  }
+  return v;
+}
+
+//! Every rank's copy equals rank 0's, bit for bit.
+template <class Comm>
+bool same_on_every_rank(Comm& comm, std::vector<float> v) {
+  std::vector<float> root = v;
+  lockstep::detail::host_broadcast(comm, root, 0);
+  int differs = root == v ? 0 : 1;
+  lockstep::all_reduce_scalars(comm, std::span<int>(&differs, 1), lockstep::reduce_op::max);
+  return differs == 0;
+}
+
+}  // namespace
+
+// [snippet include/lockstep/core/concepts.hpp#1]
+struct Linear {
+  std::vector<float> w, gw;
+  std::vector<lockstep::parameter> parameters() {
+    return {lockstep::param<float>("w", std::span(w), std::span(gw))};
+  }
+};
+// [end snippet]
+static_assert(lockstep::model<Linear>);
+
+// [snippet include/lockstep/core/codec.hpp#1]
+struct MyOptimizerState {
+  double lr; std::vector<float> momentum;
+  void save(lockstep::byte_writer& w) const { w.write(lr); w.write_array(momentum); }
+  void load(lockstep::byte_reader& r) { r.read(lr); momentum = r.read_array<float>(); }
+};
+// [end snippet]
+static_assert(lockstep::serializable<MyOptimizerState>);
+
+// [snippet include/lockstep/parallel/step.hpp#1]
+void backward(Mlp& model, const Batch& batch, double loss_scale, lockstep::gradient_ready_fn ready);
+// [end snippet]
+void backward(Mlp& model, const Batch& batch, double loss_scale, lockstep::gradient_ready_fn ready) {
+  model.backward(batch, ready, loss_scale);
+}
+
+template <class Scaler, class Comm>
+bool finish_step(Scaler& scaler, Comm& comm, const std::vector<lockstep::grad_group>& groups) {
+  using lockstep::grad_group;
+  // [snippet include/lockstep/scaling/loss_scaler.hpp#1]
+  bool found_inf = scaler.unscale_and_check(comm, std::span<const grad_group>(groups));
+  scaler.update(found_inf);
+  return !found_inf;   // false: skip the optimizer step
+  // [end snippet]
+}
+
+TEST_SUITE("cpu") {
+
+TEST_CASE("snippets: DataParallel's loop (data_parallel.hpp) + a non-template backward (step.hpp)") {
+  const std::uint64_t seed = lockstep_test::fresh_seed();
+  CAPTURE(seed);
+  const auto my_batches = snippet_env::batches(3);
+  const PlainSgd optimizer;
+  // [snippet include/lockstep/parallel/data_parallel.hpp#1]
+  lockstep::run(lockstep::Threads{4}, [&](auto& ctx) {
+    Mlp model(seed);                                     // same shapes on every rank
+    lockstep::DataParallel dp(ctx, model);               // rank 0's values everywhere
+    for (auto& batch : my_batches) {
+      auto step = dp.step();
+      model.backward(batch, step.on_gradient_ready());   // optional: overlap
+      if (step.finish()) optimizer.update(model);        // averaged over all ranks
+    }
+  });
+  // [end snippet]
+  lockstep::run(lockstep::Threads{3}, [&](auto& ctx) {
+    Mlp model(seed + static_cast<std::uint64_t>(ctx.rank()));  // rank 0's values win
+    lockstep::DataParallel dp(ctx, model, lockstep::DynamicScale());
+    const auto mine = snippet_env::batches(2 + static_cast<std::size_t>(ctx.rank()) % 1);
+    for (const auto& b : mine) {
+      auto step = dp.step();
+      backward(model, Batch(b), step.loss_scale(), step.on_gradient_ready());
+      if (step.finish()) optimizer.update(model);
+    }
+    CHECK(same_on_every_rank(ctx.comm(), values_of(model)));
+  });
+}
+
+TEST_CASE("snippets: Join with uneven batches (join.hpp + docs/join.md)") {
+  const std::uint64_t seed = lockstep_test::fresh_seed();
+  CAPTURE(seed);
+  const PlainSgd optimizer;
+  lockstep::run(lockstep::Threads{3}, [&](auto& ctx) {
+    Mlp model(seed);
+    lockstep::DataParallel dp(ctx, model);
+    const auto my_batches = snippet_env::batches(static_cast<std::size_t>(ctx.rank()) * 2);  // 0, 2, 4
+    // [snippet include/lockstep/parallel/join.hpp#1]
+    auto update = [&](lockstep::step_result r) { if (r) optimizer.update(model); };
+    {
+      auto join = dp.join(update);                  // every rank enters, between steps
+      for (auto& batch : my_batches) {              // any number, 0 included
+        auto step = dp.step();                      // syncing steps agree who contributes
+        model.backward(batch, step.on_gradient_ready());
+        update(step.finish());
+      }
+    }   // leaving: while other ranks still step, take part in their averages with zero
+        // gradients and call update(result) for each; then every rank leaves together
+    // [end snippet]
+    CHECK(same_on_every_rank(ctx.comm(), values_of(model)));
+  });
+  lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
+    Mlp model(seed);
+    lockstep::DataParallel dp(ctx, model);
+    const auto my_batches = snippet_env::batches(ctx.rank() == 0 ? 1 : 3);
+    // [snippet docs/join.md#1]
+
+    auto update = [&](lockstep::step_result r) { if (r) optimizer.update(model); };
+    {
+      auto join = dp.join(update);                 // every rank enters, between steps
+      for (auto& batch : my_batches) {             // any count per rank, 0 included
+        auto step = dp.step();
+        model.backward(batch, step.on_gradient_ready());
+        update(step.finish());
+      }
+      join.leave();                                // optional (the destructor leaves too); returns the steps shadowed
+    }
+    // [end snippet]
+    CHECK(same_on_every_rank(ctx.comm(), values_of(model)));
+  });
+}
+
+TEST_CASE("snippets: sampler + seeds + learning-rate helpers (data/ + docs/sampler.md)") {
+  const auto& train = snippet_env::table();
+  const std::uint64_t epochs = 2;
+  lockstep::run(lockstep::Threads{3}, [&](auto& ctx) {
+    std::size_t seen = 0;
+    auto train_step = [&](std::span<const std::size_t> batch) { seen += batch.size(); };
+    // [snippet include/lockstep/data/sampler.hpp#1]
+    lockstep::DistributedSampler sampler(train.size(), ctx, {.seed = 42});
+    for (std::uint64_t epoch = 0; epoch < epochs; ++epoch) {
+      sampler.set_epoch(epoch);
+      for (auto batch : sampler.batches(64)) { train_step(batch); sampler.advance(batch.size()); }
+    }
+    // [end snippet]
+    CHECK(seen == epochs * sampler.size());
+
+    // docs/sampler.md: resume from a state saved mid-epoch, then finish the run.
+    lockstep::DistributedSampler first(train.size(), ctx, {.seed = 42});
+    first.set_epoch(1);
+    first.advance(64);
+    const bool resuming = true;
+    const lockstep::sampler_state saved = first.state();
+    std::vector<std::size_t> order;
+    auto step = [&](std::span<const std::size_t> batch) { order.insert(order.end(), batch.begin(), batch.end()); };
+    {
+      // [snippet docs/sampler.md#1]
+      lockstep::DistributedSampler sampler(train.size(), ctx, {.seed = 42});   // <Shuffle, Pad>
+      if (resuming) sampler.load_state(saved);       // seed, epoch, position (a used-up epoch: the next)
+      for (; sampler.epoch() < epochs; sampler.set_epoch(sampler.epoch() + 1)) {  // set_epoch: position 0
+        for (auto batch : sampler.batches(64)) { step(batch); sampler.advance(batch.size()); }
+        // a checkpoint here or mid-epoch: saved = sampler.state() (or add_training_state(ck, dp, sampler))
+      }
+      // [end snippet]
+    }
+    const auto all = first.indices();  // epoch 1's list; the resumed run saw its tail
+    CHECK(std::vector<std::size_t>(all.begin() + 64, all.end()) == order);
+
+    {
+    const int step = 700;
+    lockstep::Sgd optimizer({.lr = 0.1});
+    // [snippet include/lockstep/data/lr_schedule.hpp#1]
+    const auto eb = lockstep::effective_batch(64, ctx.size(), 4);        // 64 · N · 4
+    const lockstep::LinearWarmup sched{.peak_lr = lockstep::scaled_lr(0.1, 256, eb),
+                                       .warmup_steps = 500,
+                                       .decay = lockstep::Decay::cosine,
+                                       .total_steps = 20000};
+    optimizer.set_lr(sched(step));                                       // step from 0
+    // [end snippet]
+    CHECK(eb == 64u * 3u * 4u);
+    CHECK(optimizer.options().lr == doctest::Approx(sched(step)));
+    CHECK(optimizer.options().lr > 0.0);
+    CHECK(optimizer.options().lr <= 0.1 * 768.0 / 256.0);
+    }
+
+    const std::uint64_t epoch = 3;
+    // [snippet include/lockstep/data/seeding.hpp#1]
+    std::mt19937_64 init(lockstep::model_seed(42));                       // same on all ranks
+    std::mt19937_64 aug(lockstep::rank_epoch_seed(42, ctx.rank(), epoch)); // differs per rank
+    // [end snippet]
+    std::vector<float> draws{static_cast<float>(init() >> 40), static_cast<float>(aug() >> 40)};
+    std::vector<float> root = draws;
+    lockstep::detail::host_broadcast(ctx.comm(), root, 0);
+    CHECK(root[0] == draws[0]);
+    if (ctx.rank() != 0) CHECK(root[1] != draws[1]);
+  });
+}
+
+TEST_CASE("snippets: the codec's example (core/codec.hpp) round-trips") {
+  std::mt19937_64 rng(lockstep_test::fresh_seed());
+  MyOptimizerState a{0.25 + static_cast<double>(rng() % 1000) / 7.0, lockstep_test::random_vector<float>(37, rng)};
+  const auto bytes = lockstep::to_bytes(a);
+  MyOptimizerState b{};
+  lockstep::from_bytes(b, std::span<const std::byte>(bytes));
+  CHECK(b.lr == a.lr);
+  CHECK(b.momentum == a.momentum);
+}
+
+TEST_CASE("snippets: a new optimizer rule (docs/optimizer.md's Lion) on the host") {
+  std::mt19937_64 rng(lockstep_test::fresh_seed());
+  const LionOptions o{.lr = 0.01, .beta1 = 0.9, .beta2 = 0.99, .weight_decay = 0.1};
+  auto w32 = lockstep_test::random_vector<float>(1 + rng() % 300, rng);
+  auto w64 = lockstep_test::random_vector<double>(1 + rng() % 300, rng);
+  std::vector<float> g32(w32.size());
+  std::vector<double> g64(w64.size());
+  std::vector<lockstep::parameter> params{lockstep::param<float>("a", std::span(w32), std::span(g32)),
+                                          lockstep::param<double>("b", std::span(w64), std::span(g64))};
+  // The reference: the rule's formulas, written out in the parameter's own type.
+  auto ref32 = w32;
+  auto ref64 = w64;
+  std::vector<float> m32(w32.size(), 0.0f);
+  std::vector<double> m64(w64.size(), 0.0);
+  auto reference = [&](auto& w, auto& m, const auto& g) {
+    using A = std::remove_cvref_t<decltype(w[0])>;
+    for (std::size_t i = 0; i < w.size(); ++i) {
+      const A u = A(o.beta1) * m[i] + A(1 - o.beta1) * g[i];
+      const A sign = u > A(0) ? A(1) : u < A(0) ? A(-1) : A(0);
+      w[i] = w[i] - (A(o.lr) * sign + A(o.lr * o.weight_decay) * w[i]);
+      m[i] = A(o.beta2) * m[i] + A(1 - o.beta2) * g[i];
+    }
+  };
+  Lion opt(o);
+  std::vector<std::byte> saved;
+  Lion resumed({.lr = 1.0});
+  for (int step = 0; step < 4; ++step) {
+    for (auto& x : g32) x = static_cast<float>(std::uniform_real_distribution<double>(-1, 1)(rng));
+    for (auto& x : g64) x = std::uniform_real_distribution<double>(-1, 1)(rng);
+    if (step == 2) {
+      saved = lockstep::to_bytes(opt);
+      lockstep::from_bytes(resumed, std::span<const std::byte>(saved));
+    }
+    const auto before32 = w32;
+    const auto before64 = w64;
+    opt.step(params);
+    reference(ref32, m32, g32);
+    reference(ref64, m64, g64);
+    CHECK(w32 == ref32);
+    CHECK(w64 == ref64);
+    if (step >= 2) {  // the resumed optimizer takes the same step from the same values
+      auto again32 = before32;
+      auto again64 = before64;
+      std::vector<lockstep::parameter> ps{lockstep::param<float>("a", std::span(again32), std::span(g32)),
+                                          lockstep::param<double>("b", std::span(again64), std::span(g64))};
+      resumed.step(ps);
+      CHECK(again32 == w32);
+      CHECK(again64 == w64);
+    }
+  }
+  CHECK(resumed.options().lr == o.lr);
+  CHECK_THROWS_AS(Lion({.lr = 0.1, .beta1 = 1.0}), lockstep::config_error);
+}
+
+TEST_CASE("snippets: the loss scaler's contract (scaling/loss_scaler.hpp)") {
+  using lockstep::grad_group;
+  std::mt19937_64 rng(lockstep_test::fresh_seed());
+  auto comms = lockstep::ThreadComm::create_group(1);
+  lockstep::DynamicScale scaler({.init_scale = 1024.0});
+  auto g = lockstep_test::random_vector<float>(33, rng, 1.0, 2.0);
+  const std::vector<float> before = g;
+  const lockstep::segment seg{g.data(), g.size()};
+  std::vector<grad_group> groups{grad_group{lockstep::dtype::f32, std::span(&seg, 1)}};
+  CHECK(finish_step(scaler, comms[0], groups));
+  CHECK(g[5] == doctest::Approx(before[5] / 1024.0));
+  g[17] = std::numeric_limits<float>::infinity();
+  CHECK_FALSE(finish_step(scaler, comms[0], groups));
+  CHECK(scaler.scale() < 1024.0);
+}
+
+TEST_CASE("snippets: checkpoints (checkpoint.hpp + training_state.hpp + docs/checkpoint.md)") {
+  const std::uint64_t seed = lockstep_test::fresh_seed();
+  CAPTURE(seed);
+  scratch_dir scratch;
+  fs::create_directories("run");
+  const fs::path dir = "run";
+  lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
+    auto& comm = ctx.comm();
+    Mlp model(seed);
+    lockstep::Sgd optimizer({.lr = 0.1, .momentum = 0.9});
+    optimizer.step(model.parameters());  // momentum state to save (the gradients are zero)
+    lockstep::loss_scale_state scaler_state{.scale = 512.0, .good_steps = 3, .steps = 9};
+    std::mt19937_64 rng(seed ^ 0x5eed);
+    std::int64_t step = 11, epoch = 2, pos = 96;
+    const auto values = values_of(model);
+    const auto next_draw = std::mt19937_64(rng)();
+    for (int file = 0; file < 2; ++file) {
+      {
+        if (file == 0) {
+          // [snippet include/lockstep/checkpoint/checkpoint.hpp#1]
+          // save: only rank 0 builds and writes; every rank returns once the file is in place
+          lockstep::save_checkpoint_rank0(comm, "run/ckpt.lsck", [&](lockstep::Checkpoint& ck) {
+            ck.meta = {.step = step, .epoch = epoch, .sample_position = pos};
+            ck.add_parameters(model.parameters(), comm.memory());
+            ck.add("optimizer", optimizer);          // lockstep::serializable
+            ck.add_value("loss_scale", scaler_state); // trivially copyable struct
+            ck.add_streamed("rng", rng);              // anything with << and >>
+          });
+          // [end snippet]
+        } else {
+          // [snippet docs/checkpoint.md#1]
+          // Save (collective): rank 0 builds and writes, every rank returns once the file is in place.
+          lockstep::save_checkpoint_rank0(comm, dir / "last.lsck", [&](lockstep::Checkpoint& ck) {
+            ck.meta = {.step = step, .epoch = epoch, .sample_position = pos};
+            ck.add_parameters(model.parameters(), comm.memory());  // values may live on the device
+            ck.add("optimizer", optimizer);                        // lockstep::serializable
+            ck.add_value("loss_scale", scaler_state);               // trivially copyable struct
+            ck.add_streamed("rng", rng);                           // std::mt19937_64 etc. (<< and >>)
+          });
+          // [end snippet]
+        }
+      }
+      // Scramble what the file holds, then resume.
+      Mlp other(seed + 1);
+      const auto mine = model.parameters(), theirs = other.parameters();
+      for (std::size_t i = 0; i < mine.size(); ++i)
+        std::copy_n(static_cast<const std::byte*>(theirs[i].value), mine[i].bytes(), static_cast<std::byte*>(mine[i].value));
+      lockstep::Sgd fresh({.lr = 0.1, .momentum = 0.9});
+      optimizer = fresh;
+      scaler_state = {};
+      rng.seed(1);
+      step = epoch = pos = 0;
+      if (file == 0) {
+        // [snippet include/lockstep/checkpoint/checkpoint.hpp#1]
+        // resume: every rank reads and verifies the file, then restores
+        auto ck = lockstep::load_checkpoint("run/ckpt.lsck");
+        lockstep::restore_parameters(ck, model.parameters(), comm.memory());
+        ck.restore("optimizer", optimizer);
+        ck.restore_value("loss_scale", scaler_state);
+        ck.restore_streamed("rng", rng);
+        // [end snippet]
+        step = ck.meta.step; epoch = ck.meta.epoch; pos = ck.meta.sample_position;
+      } else {
+        // [snippet docs/checkpoint.md#1]
+        // Resume (every rank reads the same file).
+        auto ck = lockstep::load_checkpoint(dir / "last.lsck");  // throws checkpoint_error unless intact
+        lockstep::restore_parameters(ck, model.parameters(), comm.memory());
+        ck.restore("optimizer", optimizer);
+        ck.restore_value("loss_scale", scaler_state);
+        ck.restore_streamed("rng", rng);
+        step = ck.meta.step; epoch = ck.meta.epoch; pos = ck.meta.sample_position;
+        // [end snippet]
+      }
+      CHECK(values_of(model) == values);
+      CHECK(optimizer.step_count(0) == 1);
+      CHECK(scaler_state.scale == 512.0);
+      CHECK(scaler_state.good_steps == 3);
+      CHECK(rng() == next_draw);
+      CHECK(step == 11);
+      CHECK(epoch == 2);
+      CHECK(pos == 96);
+      rng.seed(seed ^ 0x5eed);
+    }
+
+    // The one-call form with a DataParallel and its sampler.
+    const fs::path path = dir / "state.lsck";
+    lockstep::DataParallel dp(ctx, model, lockstep::DynamicScale());
+    lockstep::DistributedSampler sampler(snippet_env::table().size(), ctx, {.seed = 7});
+    lockstep::Sgd opt({.lr = 0.05});
+    sampler.set_epoch(1);
+    sampler.advance(16);
+    const auto want = sampler.state();
+    // [snippet include/lockstep/checkpoint/training_state.hpp#1]
+    lockstep::save_checkpoint_rank0(ctx.comm(), path, [&](lockstep::Checkpoint& ck) {
+      lockstep::add_training_state(ck, dp, sampler);  // parameters, scale, layout, data position
+      ck.add("optimizer", opt);
+    });
+    // [end snippet]
+    sampler.set_epoch(0);
+    {
+      // [snippet docs/checkpoint.md#2]
+      lockstep::save_checkpoint_rank0(ctx.comm(), path, [&](lockstep::Checkpoint& ck) {
+        lockstep::add_training_state(ck, dp, sampler);  // parameters, scale, layout, data position
+        ck.add("optimizer", opt);
+      });
+      // resume, on every rank, before the first step:
+      auto ck = lockstep::load_checkpoint(path);
+      lockstep::restore_training_state(ck, dp, sampler);
+      ck.restore("optimizer", opt);
+      // [end snippet]
+    }
+    CHECK(sampler.epoch() == 0);
+    sampler.load_state(want);
+    lockstep::save_checkpoint_rank0(ctx.comm(), path, [&](lockstep::Checkpoint& ck) {
+      lockstep::add_training_state(ck, dp, sampler);
+      ck.add("optimizer", opt);
+    });
+    sampler.set_epoch(0);
+    {
+      // [snippet include/lockstep/checkpoint/training_state.hpp#1]
+      // resume, on every rank, before the first step:
+      auto ck = lockstep::load_checkpoint(path);
+      lockstep::restore_training_state(ck, dp, sampler);
+      ck.restore("optimizer", opt);
+      // [end snippet]
+    }
+    CHECK(sampler.state() == want);
+  });
+}
+
+TEST_CASE("snippets: stores and the watchdog (store.hpp + watchdog.hpp + docs/launch_and_store.md)") {
+  std::mt19937_64 rng(lockstep_test::fresh_seed());
+  const auto id_bytes = lockstep_test::random_vector<float>(8, rng);  // as bytes below
+  const auto id_span = std::as_bytes(std::span(id_bytes));
+  lockstep::launch_info info{.rank = 0, .world = 1, .master_addr = "127.0.0.1", .master_port = 0,
+                             .launcher = "explicit", .job_token = "snippets"};
+  {
+    const auto& id_bytes = id_span;
+    // [snippet include/lockstep/store/store.hpp#1]
+    lockstep::TcpStore st(info.master_addr, info.master_port, info.rank == 0, info.world,
+                          info.job_token);
+    if (info.rank == 0) st.set("nccl_id", id_bytes);
+    auto id = st.get("nccl_id");           // waits for rank 0, bounded by LOCKSTEP_TIMEOUT
+    lockstep::barrier(st, "ready");        // everyone got it
+    // [end snippet]
+    CHECK(std::ranges::equal(id, id_bytes));
+
+    info.master_port = st.port();
+    auto comms = lockstep::ThreadComm::create_group(1);
+    auto& comm = comms[0];
+    bool trained = false;
+    auto train = [&](lockstep::ThreadComm&) { trained = true; };
+    // [snippet include/lockstep/launch/watchdog.hpp#1]
+    lockstep::Watchdog dog(info.master_addr, info.master_port, info.rank, info.world, info.job_token,
+                           [&](const std::string& why) { comm.abort(why); });
+    train(comm);  // ... a watched job
+    dog.stop();   // a clean leave: before the job's last barrier
+    // [end snippet]
+    CHECK(trained);
+  }
+  {
+    const auto& id_bytes = id_span;
+    // Not started by a launcher here (ctest): the block does nothing unless one is seen.
+    // [snippet docs/launch_and_store.md#1]
+
+    auto info = lockstep::detect_launcher();          // std::nullopt: not started by a launcher
+    if (info) {
+      auto store = lockstep::job_store(*info);        // a TcpStore; rank 0 hosts at MASTER_ADDR:MASTER_PORT
+      if (info->rank == 0) store.set("nccl_id", id_bytes);
+      auto id = store.get("nccl_id");                 // waits, at most LOCKSTEP_TIMEOUT (60 s)
+      lockstep::barrier(store, "ready");
+    }
+    // [end snippet]
+    CHECK_FALSE(info.has_value());
+  }
+}
+
+}  // TEST_SUITE

@@ -1,0 +1,72 @@
+// The CUDA headers' code blocks (verbatim between snippet markers, compared by
+// check_snippets.py), compiled only: running them needs GPUs, and the GPU tests
+// (tests/cuda) run the same calls. What a block presumes is declared around it.
+#include <span>
+#include <vector>
+
+#include <lockstep/cuda.cuh>
+#include <lockstep/lockstep.hpp>
+
+#include "lion_rule.hpp"
+
+using Batch = std::span<const std::size_t>;
+
+//! A model whose parameters live on the device (declared only: this file is not linked).
+struct GpuModel {
+  std::vector<lockstep::parameter> parameters();
+  void backward(Batch batch, lockstep::gradient_ready_fn ready);
+  void forward_backward(Batch batch, const float* loss_scale, lockstep::gradient_ready_fn ready);
+};
+using Model = GpuModel;
+
+void fused_optimizer_snippet(lockstep::context<lockstep::NcclComm>& ctx, GpuModel& model, Batch batch) {
+  lockstep::DataParallel dp(ctx, model, lockstep::DeviceDynamicScale());
+  dp.scaler().attach(dp.comm());
+  cudaStream_t stream = ctx.comm().compute_stream();
+  // [snippet include/lockstep/cuda/fused_optimizer.cuh#1]
+  lockstep::cuda::FusedAdamW opt({.lr = 1e-3}, dp.parameters());     // on the rank's device
+  const int* found_inf = dp.scaler().device_found_inf();              // DeviceDynamicScale
+  auto step = dp.step();
+  model.backward(batch, step.on_gradient_ready());
+  step.finish([&](std::span<const lockstep::param_slice> s) { opt.step(s, stream, found_inf); });
+  // or, after finish(): opt.step_all(dp.parameters(), stream, found_inf);
+  // [end snippet]
+  opt.step_all(dp.parameters(), stream, found_inf);
+}
+
+void device_dynamic_scale_snippet(lockstep::context<lockstep::NcclComm>& ctx, Model& model,
+                                  const std::vector<std::vector<std::size_t>>& my_batches) {
+  cudaStream_t stream = ctx.comm().compute_stream();
+  // [snippet include/lockstep/cuda/device_dynamic_scale.cuh#1]
+  lockstep::DataParallel<Model, lockstep::NcclComm, lockstep::DeviceDynamicScale> dp(ctx, model);
+  dp.scaler().attach(dp.comm());                 // once: allocates the state on the device
+  const float* scale = dp.scaler().device_scale();
+  const int* found_inf = dp.scaler().device_found_inf();
+  lockstep::cuda::FusedAdamW opt({.lr = 1e-3}, dp.parameters());
+  for (auto& batch : my_batches) {
+    auto step = dp.step();
+    model.forward_backward(batch, scale, step.on_gradient_ready());  // its loss kernel reads *scale
+    step.finish([&](auto slices) { opt.step(slices, stream, found_inf); });
+  }
+  // [end snippet]
+}
+
+void nccl_comm_snippet() {
+  // [snippet include/lockstep/cuda/nccl_comm.cuh#1]
+  std::vector<int> devices{0, 1, 2, 3};
+  auto comms = lockstep::NcclComm::create_local(devices);
+  // on thread r: auto w = comms[r].all_reduce(g, g, n, lockstep::dtype::f32,
+  //                                           lockstep::reduce_op::avg);
+  //              w.wait();   // later kernels on comms[r].compute_stream() see the average
+  // [end snippet]
+  const std::size_t n = 1024;
+  float* g = nullptr;
+  auto w = comms[0].all_reduce(g, g, n, lockstep::dtype::f32, lockstep::reduce_op::avg);
+  w.wait();
+}
+
+//! docs/optimizer.md's rule as a fused optimizer: the same rule compiles for the device.
+void fused_lion(const std::vector<lockstep::parameter>& params, cudaStream_t stream, const int* found_inf) {
+  lockstep::cuda::FusedOptimizer<LionRule> opt({.lr = 1e-4}, params);
+  opt.step_all(params, stream, found_inf);
+}
