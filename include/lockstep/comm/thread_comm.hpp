@@ -50,6 +50,22 @@ T combine(T a, T b, reduce_op op) {
 //! tmp ← op over ranks (in rank order 0..N−1) of calls[r].send[offset, offset + count).
 inline void reduce_calls(const std::vector<posted_call>& calls, std::size_t offset, std::size_t count, dtype t,
                          reduce_op op, std::vector<unsigned char>& tmp) {
+  if (is_half(t)) {  // f16/bf16: combined in float in rank order, rounded once
+    with_half_codec(t, [&](auto to_float, auto from_float) {
+      std::vector<float> acc(count);
+      const auto* first = static_cast<const std::uint16_t*>(calls[0].send) + offset;
+      for (std::size_t i = 0; i < count; ++i) acc[i] = to_float(first[i]);
+      for (std::size_t r = 1; r < calls.size(); ++r) {
+        const auto* in = static_cast<const std::uint16_t*>(calls[r].send) + offset;
+        for (std::size_t i = 0; i < count; ++i) acc[i] = combine(acc[i], to_float(in[i]), op);
+      }
+      const float n = op == reduce_op::avg ? static_cast<float>(calls.size()) : 1.0f;
+      tmp.resize(count * sizeof(std::uint16_t));
+      auto* out = reinterpret_cast<std::uint16_t*>(tmp.data());
+      for (std::size_t i = 0; i < count; ++i) out[i] = from_float(n == 1.0f ? acc[i] : acc[i] / n);
+    });
+    return;
+  }
   visit_host_dtype(t, [&]<class T>(T) {
     tmp.resize(count * sizeof(T));
     T* out = reinterpret_cast<T*>(tmp.data());
@@ -97,7 +113,6 @@ class ThreadComm {
 
   ready_work all_reduce(const void* send, void* recv, std::size_t count, dtype t, reduce_op op) {
     // Refused before the call is posted, so a rank that catches the error stays in step.
-    require_host_arithmetic(t, "ThreadComm::all_reduce");
     run({collective::all_reduce(count, t, op), send, recv}, [&](const auto& calls, auto& tmp) {
       detail::reduce_calls(calls, 0, count, t, op, tmp);
       return recv;
@@ -130,7 +145,6 @@ class ThreadComm {
   }
 
   ready_work reduce_scatter(const void* send, void* recv, std::size_t count, dtype t, reduce_op op) {
-    require_host_arithmetic(t, "ThreadComm::reduce_scatter");
     run({collective::reduce_scatter(count, t, op), send, recv}, [&](const auto& calls, auto& tmp) {
       detail::reduce_calls(calls, static_cast<std::size_t>(rank_) * count, count, t, op, tmp);
       return recv;

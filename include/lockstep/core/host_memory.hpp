@@ -1,6 +1,7 @@
 #pragma once
 //! HostMemory — memory_ops for communicators whose buffers live in host memory.
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -8,6 +9,7 @@
 #include <span>
 
 #include "lockstep/core/concepts.hpp"
+#include "lockstep/core/half.hpp"
 
 namespace lockstep {
 
@@ -25,6 +27,26 @@ struct HostMemory {
     if (bytes) std::memset(p, 0, bytes);
   }
   void pack(std::span<const segment> src, void* dst, dtype t, double s) const {
+    if (detail::is_half(t) && s != 1.0) {  // computed in float, rounded once
+      detail::with_half_codec(t, [&](auto to_float, auto from_float) {
+        auto* out = static_cast<std::uint16_t*>(dst);
+        const float f = static_cast<float>(s);
+        for (const auto& seg : src) {
+          const auto* in = static_cast<const std::uint16_t*>(seg.ptr);
+          for (std::size_t i = 0; i < seg.count; ++i) out[i] = from_float(to_float(in[i]) * f);
+          out += seg.count;
+        }
+      });
+      return;
+    }
+    if (detail::is_half(t)) {
+      auto* out = static_cast<unsigned char*>(dst);
+      for (const auto& seg : src) {
+        copy(out, seg.ptr, seg.count * size_of(t));
+        out += seg.count * size_of(t);
+      }
+      return;
+    }
     visit_host_dtype(t, [&]<class T>(T) {
       T* out = static_cast<T*>(dst);
       for (const auto& seg : src) {
@@ -48,6 +70,14 @@ struct HostMemory {
   }
   void scale(void* p, std::size_t count, dtype t, double s) const {
     if (s == 1.0) return;
+    if (detail::is_half(t)) {
+      detail::with_half_codec(t, [&](auto to_float, auto from_float) {
+        auto* x = static_cast<std::uint16_t*>(p);
+        const float f = static_cast<float>(s);
+        for (std::size_t i = 0; i < count; ++i) x[i] = from_float(to_float(x[i]) * f);
+      });
+      return;
+    }
     visit_host_dtype(t, [&]<class T>(T) {
       T* x = static_cast<T*>(p);
       const T f = static_cast<T>(s);
