@@ -41,6 +41,11 @@ struct segment {
 //!      each bucket is reduced as soon as its last gradient arrives. The hook's type is
 //!      `lockstep::gradient_ready_fn`, the same for every DataParallel. A model that never
 //!      calls it still works; its buckets are reduced in `finish()`.
+//!  (c) `m.buffers()`: a range of `lockstep::parameter` (grad null) for state that is not
+//!      trained but must match across ranks (BatchNorm statistics); DataParallel broadcasts
+//!      rank 0's at construction and, on request, every cycle. Checked by `buffer_model`.
+//!  (d) `m.unbind_gradients()`: with (a), the model takes its gradients back into storage of
+//!      its own; DataParallel calls it when it is destroyed, before the arena is freed.
 //!
 //! Example:
 //! \code
@@ -64,6 +69,15 @@ template <class M>
 concept gradient_binding_model = model<M> && requires(M& m, std::size_t i, void* p) {
   m.bind_gradient(i, p);
 };
+
+template <class M>
+concept buffer_model = model<M> && requires(M& m) {
+  { m.buffers() } -> std::ranges::input_range;
+  requires std::convertible_to<std::ranges::range_value_t<decltype(m.buffers())>, parameter>;
+};
+
+template <class M>
+concept gradient_unbinding_model = gradient_binding_model<M> && requires(M& m) { m.unbind_gradients(); };
 
 // ---------------------------------------------------------------------------------------
 //! lockstep::work — a handle to a collective that may still be in flight.

@@ -42,6 +42,7 @@
 #include "lockstep/core/grad_group.hpp"
 #include "lockstep/detail/pick.hpp"
 #include "lockstep/parallel/bucket_hook.hpp"
+#include "lockstep/parallel/buffers.hpp"
 #include "lockstep/parallel/join.hpp"
 #include "lockstep/parallel/policies.hpp"
 #include "lockstep/parallel/reducer.hpp"
@@ -242,6 +243,17 @@ class DataParallel {
 
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;
+  //! A model holding views of the gradient arena gets its gradients back (model (d)).
+  ~DataParallel() {
+    if constexpr (gradient_unbinding_model<Model>) {
+      if (reducer_.zero_copy()) {
+        try {
+          model_.unbind_gradients();
+        } catch (...) {  // a destructor must not throw; the model keeps the (dead) views
+        }
+      }
+    }
+  }
 
   //! Begins a micro-step. The accumulation policy decides whether it synchronises.
   [[nodiscard]] step_handle step() {
@@ -254,6 +266,7 @@ class DataParallel {
       micro_ = 0;
       reducer_.begin_cycle();
       in_cycle_ = true;
+      if (opts_.broadcast_buffers && comm_.size() > 1) detail::broadcast_buffers(comm_, buffers_);
     }
     const bool sync = micro_ + 1 >= k_;
     double prescale = opts_.average_over_accumulation ? 1.0 / k_ : 1.0;
@@ -379,6 +392,7 @@ class DataParallel {
   std::optional<step_result> join_step() {
     const bool partial = in_cycle_ && micro_ > 0;
     if (!partial) reducer_.apply_pending_plan();
+    if (!partial && opts_.broadcast_buffers && comm_.size() > 1) detail::broadcast_buffers(comm_, buffers_);
     const auto agreed = join_agree(partial ? micro_ : 0);
     if (agreed[0] == 0) return std::nullopt;
     if (!partial) {
@@ -398,7 +412,12 @@ class DataParallel {
       : comm_(comm), model_(model), opts_(opts), acc_(std::move(acc)), scaler_(std::move(scaler)),
         hook_(std::move(hook)),
         reducer_(comm, hook_, initial_parameters(comm, model, opts), opts.buckets, binder(model, opts),
-                 [&model] { return detail::collect_parameters(model); }) {
+                 [&model] { return detail::collect_parameters(model); }),
+        buffers_(detail::collect_buffers(model)) {
+    if (comm_.size() > 1 && !buffers_.empty()) {
+      detail::check_same_buffers(comm_, buffers_);
+      if (opts.broadcast_parameters) detail::broadcast_buffers(comm_, buffers_);
+    }
     // A device-side scaler's state must exist before the first loss kernel reads it.
     if constexpr (attachable_scaler<scaler_type, Comm>) scaler_.attach(comm_);
   }
@@ -424,6 +443,7 @@ class DataParallel {
   scaler_type scaler_;
   hook_type hook_;
   detail::reducer<Comm, hook_type> reducer_;
+  std::vector<parameter> buffers_;  // the model's buffers (model (c)), empty without
   int k_ = 1;
   int micro_ = 0;
   bool in_cycle_ = false;

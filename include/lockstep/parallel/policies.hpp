@@ -67,8 +67,12 @@ struct DataParallelOptions {
   //! layout is final (see lockstep::model (a)); DataParallel::parameters() then returns the
   //! arena pointers. Before that, and with this off, buckets are packed from the model's own.
   bool zero_copy = true;
-  //! Copy rank 0's parameter values to every rank at construction.
+  //! Copy rank 0's parameter values (and buffers, see lockstep::model (c)) to every rank at
+  //! construction.
   bool broadcast_parameters = true;
+  //! Copy rank 0's buffers to every rank at the start of every accumulation cycle, before
+  //! the forward passes (PyTorch DDP's broadcast_buffers, on there by default).
+  bool broadcast_buffers = false;
   //! true: gradients are the mean over all N·K micro-batches (each micro-batch's loss
   //! being a mean); false: divide by N only, as PyTorch DDP does (then scale the loss by 1/K).
   bool average_over_accumulation = true;
