@@ -12,6 +12,8 @@ packages=(
   dataset-fashion-mnist       # examples/01_fashion_mnist
   libopenmpi-dev openmpi-bin  # lockstep::mpi and its tests
   clang libclang-rt-14-dev    # the libFuzzer target of the TCP store protocol
+  libtorch-dev                # lockstep::torch and its tests (libtorch 1.13, CPU)
+  fortunes                    # text for examples/03_gpt2_torch (its CPU test)
 )
 
 missing=()

@@ -26,17 +26,17 @@ cmake --build "$build" -j "$jobs"
 # Every test carries a label, or `ctest -L` would pass it over without a word (doctest
 # names with a comma lose theirs: doctest_discover_tests splits the label list there).
 all_tests=$(cd "$build" && ctest -N | grep -c "Test *#" || true)
-labelled=$(cd "$build" && ctest -N -L "^(cpu|mpi|gpu|multigpu)\$" | grep -c "Test *#" || true)
+labelled=$(cd "$build" && ctest -N -L "^(cpu|mpi|torch|gpu|multigpu)\$" | grep -c "Test *#" || true)
 if [[ "$all_tests" != "$labelled" ]]; then
-  echo "test.sh: $((all_tests - labelled)) test(s) carry no cpu/mpi/gpu/multigpu label, so no run would include them:" >&2
+  echo "test.sh: $((all_tests - labelled)) test(s) carry no cpu/mpi/torch/gpu/multigpu label, so no run would include them:" >&2
   (cd "$build" && comm -23 <(ctest -N | grep "Test *#" | sed 's/.*: //' | sort) \
-                          <(ctest -N -L "^(cpu|mpi|gpu|multigpu)\$" | grep "Test *#" | sed 's/.*: //' | sort)) >&2
-  echo "test.sh: give each a TEST_SUITE (cpu, gpu, multigpu, mpi) or LABELS, and no comma in a doctest name" >&2
+                          <(ctest -N -L "^(cpu|mpi|torch|gpu|multigpu)\$" | grep "Test *#" | sed 's/.*: //' | sort)) >&2
+  echo "test.sh: give each a TEST_SUITE (cpu, gpu, multigpu, mpi, torch) or LABELS, and no comma in a doctest name" >&2
   exit 1
 fi
 
 # Test labels to run (ctest -L takes a regular expression).
-labels=(cpu)
+labels=(cpu torch)  # torch: the libtorch adapter's tests (reported skipped without libtorch)
 # --- other labels go here once their suites exist, e.g. (each decides if it can run):
 #   command -v nvidia-smi >/dev/null && labels+=(gpu)
 #   [[ $(nvidia-smi -L 2>/dev/null | wc -l) -ge 2 ]] && labels+=(multigpu)

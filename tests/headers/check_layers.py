@@ -20,10 +20,10 @@ LAYERS = {
     "comm": 2, "data": 2,
     "scaling": 3, "optim": 3, "store": 3, "observe": 3,
     "parallel": 4, "checkpoint": 4, "launch": 4,
-    "cuda": 5, "mpi": 5,
+    "cuda": 5, "mpi": 5, "torch": 5,
     "run.hpp": 6,                          # run(Auto): every compiled-in mode
     "lockstep.hpp": 7,                     # umbrella of the CPU part
-    "cuda.cuh": 8, "mpi.hpp": 8,           # umbrellas of the optional parts
+    "cuda.cuh": 8, "mpi.hpp": 8, "torch.hpp": 8,  # umbrellas of the optional parts
 }
 MAX_TOP_LEVEL = 10
 MAX_LINES = 500

@@ -1,0 +1,267 @@
+// GPT-2 small, written with libtorch's C++ frontend (gpt2.hpp), trained data-parallel by
+// lockstep on real text (the bytes of Debian's fortune cookies by default). One body for
+// every mode run(Auto) picks:
+//
+//   ./gpt2_torch                               all local GPUs, one thread each (NcclComm)
+//   lockstep-run --nproc 4 ./gpt2_torch        one process per GPU (also torchrun --no-python)
+//   ./gpt2_torch --device cpu --config tiny    CPU ranks (LOCKSTEP_CPU_RANKS, ThreadComm)
+//
+// On GPUs: bf16 autocast, lockstep's compute stream as libtorch's current stream, the fused
+// AdamW of lockstep stepping each bucket as soon as it is averaged. On CPU ranks:
+// torch::optim::AdamW on the averaged gradients. Rank 0 prints the loss and tokens/s;
+// --bench prints one line "bench: ..." with the median step time, tokens/s and peak memory
+// (bench/gpt2_torch.sh runs it beside PyTorch DDP, bench/gpt2_ddp.py).
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <optional>
+#include <span>
+#include <mutex>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <torch/torch.h>
+#include <torch/version.h>
+
+#include <lockstep/lockstep.hpp>
+#include <lockstep/torch.hpp>
+
+#if defined(__CUDACC__) && defined(LOCKSTEP_WITH_CUDA)
+#define GPT2_GPU 1
+#include <ATen/autocast_mode.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <lockstep/cuda.cuh>
+#else
+#define GPT2_GPU 0
+#endif
+
+#include "gpt2.hpp"
+#include "text_data.hpp"
+
+namespace {
+
+struct options {
+  std::string data = "/usr/share/games/fortunes";
+  std::string config = "small";
+  std::string device = "auto";
+  std::int64_t batch = 8, seq = 1024, steps = 300, warmup = 5, log_every = 25;
+  double lr = 6e-4;
+  std::uint64_t seed = 42;
+  bool bench = false;
+};
+
+[[noreturn]] void usage(int rc) {
+  std::printf(
+      "usage: gpt2_torch [--data DIR|FILE] [--config small|tiny] [--device auto|cpu] [--batch B]\n"
+      "                  [--seq T] [--steps N] [--warmup N] [--lr X] [--seed S] [--log-every N] [--bench]\n"
+      "  batch: sequences per rank and step; on GPUs: all local GPUs, or one per process under a launcher\n");
+  std::exit(rc);
+}
+
+options parse(int argc, char** argv) {
+  options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "gpt2_torch: %s needs a value\n", a.c_str());
+        usage(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--data") o.data = next();
+    else if (a == "--config") o.config = next();
+    else if (a == "--device") o.device = next();
+    else if (a == "--batch") o.batch = std::stoll(next());
+    else if (a == "--seq") o.seq = std::stoll(next());
+    else if (a == "--steps") o.steps = std::stoll(next());
+    else if (a == "--warmup") o.warmup = std::stoll(next());
+    else if (a == "--log-every") o.log_every = std::stoll(next());
+    else if (a == "--lr") o.lr = std::stod(next());
+    else if (a == "--seed") o.seed = std::stoull(next());
+    else if (a == "--bench") o.bench = true;
+    else if (a == "--help" || a == "-h") usage(0);
+    else {
+      std::fprintf(stderr, "gpt2_torch: unknown argument %s\n", a.c_str());
+      usage(2);
+    }
+  }
+  if (o.config != "small" && o.config != "tiny") usage(2);
+  if (o.batch < 1 || o.seq < 2 || o.steps < 1 || o.warmup < 0 || o.warmup >= o.steps) usage(2);
+  return o;
+}
+
+gpt2::Config config_of(const options& o) {
+  gpt2::Config c;
+  if (o.config == "tiny") c = gpt2::Config{.vocab = 256, .context = 64, .layers = 2, .heads = 2, .width = 64};
+  c.context = std::max(c.context, o.seq);
+  return c;
+}
+
+std::mutex init_mutex;  // the model is built under one seed, one rank at a time
+
+template <class Comm>
+constexpr bool on_gpu() {
+#if GPT2_GPU
+  return std::is_same_v<Comm, lockstep::NcclComm>;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const options opt = parse(argc, argv);
+  if (!std::filesystem::exists(opt.data)) {
+    std::fprintf(stderr, "gpt2_torch: no text at %s; give --data DIR|FILE (Debian: apt-get install fortunes) [skipped]\n",
+                 opt.data.c_str());
+    return 77;
+  }
+  const gpt2::TextData text(opt.data);
+  bool learned = true;
+  const gpt2::Config cfg = config_of(opt);
+  if (opt.device == "cpu") setenv("CUDA_VISIBLE_DEVICES", "", 1);  // run(Auto) then picks CPU ranks
+
+  try {
+  lockstep::run(lockstep::Auto{}, [&](auto& ctx) {
+    using Comm = std::remove_cvref_t<decltype(ctx.comm())>;
+    constexpr bool gpu = on_gpu<Comm>();
+    if constexpr (!gpu) torch::set_num_threads(1);
+#if GPT2_GPU
+    std::optional<c10::cuda::CUDAGuard> device_guard;
+    std::optional<c10::cuda::CUDAStreamGuard> stream_guard;
+    if constexpr (gpu) {
+      device_guard.emplace(static_cast<c10::DeviceIndex>(ctx.device()));
+      stream_guard.emplace(c10::cuda::getStreamFromExternal(ctx.comm().compute_stream(),
+                                                            static_cast<c10::DeviceIndex>(ctx.device())));
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+      at::autocast::set_autocast_enabled(at::kCUDA, true);
+      at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+#else
+      at::autocast::set_enabled(true);
+      at::autocast::set_autocast_gpu_dtype(at::kBFloat16);
+#endif
+    }
+#endif
+    const torch::Device dev = gpu ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(ctx.device()))
+                                  : torch::Device(torch::kCPU);
+    gpt2::Gpt model(nullptr);
+    {
+      std::lock_guard<std::mutex> lock(init_mutex);
+      torch::manual_seed(opt.seed);
+      model = gpt2::Gpt(cfg);
+    }
+    model->to(dev);
+    lockstep::TorchModule tm(model);
+    lockstep::DataParallel dp(ctx, tm);
+
+    std::int64_t params = 0;
+    for (const auto& p : tm.tensors()) params += p.numel();
+    if (ctx.is_root())
+      std::printf("gpt2_torch: %lld parameters, %d rank(s) on %s, %lld x %lld tokens per rank and step, %zu bytes of text\n",
+                  static_cast<long long>(params), ctx.size(), gpu ? "GPUs" : "CPU", static_cast<long long>(opt.batch),
+                  static_cast<long long>(opt.seq), text.size());
+
+#if GPT2_GPU
+    using fused = lockstep::cuda::FusedAdamW;
+    std::optional<fused> gpu_opt;
+    if constexpr (gpu)
+      gpu_opt.emplace(lockstep::AdamWOptions{.lr = opt.lr, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1},
+                      dp.parameters(), ctx.device());
+#endif
+    std::optional<torch::optim::AdamW> cpu_opt;
+    if constexpr (!gpu)
+      cpu_opt.emplace(tm.tensors(), torch::optim::AdamWOptions(opt.lr).betas({0.9, 0.95}).weight_decay(0.1));
+
+    auto sync = [&] {
+#if GPT2_GPU
+      if constexpr (gpu) LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(ctx.comm().compute_stream()));
+#endif
+    };
+    using clock = std::chrono::steady_clock;
+    std::vector<double> step_ms;
+    auto t_log = clock::now();
+    double first_loss = 0, last_loss = 0;
+    for (std::int64_t s = 0; s < opt.steps; ++s) {
+      const auto t0 = clock::now();
+      auto rows = text.batch(opt.batch, opt.seq, opt.seed, s, ctx.rank()).to(dev, /*non_blocking=*/true);
+      auto x = rows.narrow(1, 0, opt.seq), y = rows.narrow(1, 1, opt.seq);
+      auto step = dp.step();
+      auto loss = model->loss(x, y);
+      tm.backward(loss, step.on_gradient_ready());
+#if GPT2_GPU
+      if constexpr (gpu) {
+        at::autocast::clear_cache();
+        cudaStream_t stream = ctx.comm().compute_stream();
+        step.finish([&](std::span<const lockstep::param_slice> b) { gpu_opt->step(b, stream, nullptr); });
+      }
+#endif
+      if constexpr (!gpu) {
+        step.finish();
+        cpu_opt->step();
+      }
+      const bool log = s % opt.log_every == 0 || s + 1 == opt.steps;  // the same on every rank
+      if (opt.bench || log) sync();
+      step_ms.push_back(std::chrono::duration<double, std::milli>(clock::now() - t0).count());
+      if (log) {
+        const double l = lockstep::mean_across_ranks(ctx.comm(), loss.template item<double>());
+        if (s == 0) first_loss = l;
+        last_loss = l;
+        if (ctx.is_root()) {
+          const double secs = std::chrono::duration<double>(clock::now() - t_log).count();
+          const double steps_done = s == 0 ? 1.0 : static_cast<double>(std::min<std::int64_t>(opt.log_every, s));
+          std::printf("step %5lld  loss %.4f  %.0f tokens/s\n", static_cast<long long>(s), l,
+                      steps_done * static_cast<double>(opt.batch * opt.seq * ctx.size()) / secs);
+          std::fflush(stdout);
+          t_log = clock::now();
+        }
+      }
+    }
+    if (opt.bench) {
+      std::vector<double> timed(step_ms.begin() + opt.warmup, step_ms.end());
+      std::sort(timed.begin(), timed.end());
+      const double median = timed[timed.size() / 2];
+      double peak_gib = 0;
+#if GPT2_GPU
+      if constexpr (gpu) {
+        // libtorch's allocator (activations, weights) plus what lockstep allocated itself:
+        // the gradient arena and the optimizer's state.
+        const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(ctx.device()));
+        double arena = 0;
+        for (const auto& p : dp.parameters()) arena += static_cast<double>(p.bytes());
+        peak_gib = (static_cast<double>(stats.allocated_bytes[0].peak) + arena +
+                    static_cast<double>(gpu_opt->state_bytes())) / (1 << 30);
+      }
+#endif
+      double worst = median;
+      lockstep::detail::host_all_reduce(ctx.comm(), std::span<double>(&worst, 1), lockstep::reduce_op::max);
+      double peak = peak_gib;
+      lockstep::detail::host_all_reduce(ctx.comm(), std::span<double>(&peak, 1), lockstep::reduce_op::max);
+      if (ctx.is_root())
+        std::printf("bench: lockstep gpus=%d step_ms=%.2f tokens_per_s=%.0f peak_gib=%.2f loss_first=%.3f loss_last=%.3f\n",
+                    ctx.size(), worst, static_cast<double>(opt.batch * opt.seq * ctx.size()) / (worst / 1e3), peak,
+                    first_loss, last_loss);
+    } else if (ctx.is_root()) {
+      std::printf("gpt2_torch: loss %.3f -> %.3f over %lld steps\n", first_loss, last_loss,
+                  static_cast<long long>(opt.steps));
+    }
+    if (ctx.is_root()) learned = last_loss < first_loss;
+  });
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "gpt2_torch: %s\n", e.what());
+    return 1;
+  }
+  if (!learned) {
+    std::fprintf(stderr, "gpt2_torch: the loss did not go down\n");
+    return 1;
+  }
+  return 0;
+}

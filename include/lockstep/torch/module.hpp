@@ -1,0 +1,233 @@
+#pragma once
+//! lockstep::TorchModule — any libtorch `torch::nn::Module` as a lockstep::model, so that
+//! DataParallel (threads, local GPUs, one process per GPU, MPI) trains it as PyTorch's
+//! DistributedDataParallel trains a Python module:
+//!
+//!  - parameters(): every parameter that requires grad, in named_parameters() order, as a view
+//!    of its data and its `.grad` (f32, f64, f16, bf16; CPU tensors for CPU communicators,
+//!    CUDA tensors on the rank's device for NcclComm). `.grad` is allocated (zeros) here, so
+//!    autograd accumulates into it in place from the first backward on.
+//!  - bind_gradient(i, storage): `.grad` becomes a tensor view of lockstep's arena
+//!    (`from_blob`, no copy — DDP's gradient_as_bucket_view), so buckets are reduced in place
+//!    and an optimizer reading `.grad` (torch::optim included) sees the average.
+//!  - Overlap: a post hook on each parameter's gradient accumulator (the node that adds into
+//!    `.grad`; PyTorch's Reducer uses the same) reports the parameter as ready once its
+//!    gradient is accumulated. `backward(loss, step.on_gradient_ready())` runs
+//!    `loss.backward()` with the hooks pointed at the step; `report_to(ready)` does the same
+//!    around a backward of your own.
+//!  - Unused parameters (no gradient this step: a branch not taken) are simply not reported;
+//!    DataParallel reduces their zero gradients with the last buckets in finish(), the same
+//!    on every rank, so nothing needs a graph traversal (DDP's find_unused_parameters).
+//!  - buffers(): BatchNorm statistics and other buffers; DataParallel broadcasts them from
+//!    rank 0 at construction and, with `DataParallelOptions::broadcast_buffers`, at every
+//!    step (DDP's broadcast_buffers).
+//!  - unbind_gradients(): `.grad` becomes the module's own copy again; DataParallel calls it
+//!    when it is destroyed, so the module never keeps a view of freed arena memory.
+//!
+//! Hooks fire on autograd's threads (for CUDA tensors, the device's worker thread) while the
+//! thread that called backward waits; DataParallel is used by one thread at a time, as always.
+//! Built with libtorch 1.13 (Debian's libtorch-dev, CPU) and 2.x. See docs/torch.md.
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/nn/module.h>
+#include <torch/types.h>
+
+#include "lockstep/core/dtype.hpp"
+#include "lockstep/core/error.hpp"
+#include "lockstep/core/parameter.hpp"
+#include "lockstep/parallel/step.hpp"
+
+namespace lockstep {
+
+namespace detail {
+
+//! lockstep's element type of a torch scalar type; what = a name for the message.
+inline dtype dtype_of_torch(c10::ScalarType t, const std::string& what) {
+  switch (t) {
+    case c10::ScalarType::Float: return dtype::f32;
+    case c10::ScalarType::Double: return dtype::f64;
+    case c10::ScalarType::Half: return dtype::f16;
+    case c10::ScalarType::BFloat16: return dtype::bf16;
+    case c10::ScalarType::Int: return dtype::i32;
+    case c10::ScalarType::Long: return dtype::i64;
+    case c10::ScalarType::Byte:
+    case c10::ScalarType::Bool: return dtype::u8;
+    default: break;
+  }
+  throw config_error("lockstep::TorchModule: " + what + " has torch element type " +
+                     std::string(c10::toString(t)) +
+                     "; lockstep carries float, double, half, bfloat16, int32, int64, uint8 and bool");
+}
+
+//! What the accumulator hooks share with the TorchModule: where to report, and which
+//! parameters reported in this backward.
+struct torch_hook_state {
+  std::mutex m;
+  gradient_ready_fn ready;
+  std::vector<char> fired;
+};
+
+//! Runs after autograd accumulated parameter `index`'s gradient into `.grad`.
+class torch_ready_hook final : public torch::autograd::FunctionPostHook {
+ public:
+  torch_ready_hook(std::shared_ptr<torch_hook_state> st, std::size_t index) : st_(std::move(st)), index_(index) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    gradient_ready_fn ready;
+    {
+      std::lock_guard<std::mutex> lock(st_->m);
+      if (!st_->ready) return outputs;  // a backward outside a step: nothing to report
+      if (st_->fired[index_]) return outputs;  // twice in one backward (retain_graph): once is enough
+      st_->fired[index_] = 1;
+      ready = st_->ready;
+    }
+    ready(index_);
+    return outputs;
+  }
+
+ private:
+  std::shared_ptr<torch_hook_state> st_;
+  std::size_t index_;
+};
+
+}  // namespace detail
+
+class TorchModule {
+ public:
+  //! While alive, gradients accumulated by autograd are reported to `ready` (see report_to).
+  class reporting {
+   public:
+    reporting(const reporting&) = delete;
+    reporting& operator=(const reporting&) = delete;
+    ~reporting() {
+      std::lock_guard<std::mutex> lock(st_->m);
+      st_->ready = {};
+    }
+
+   private:
+    friend class TorchModule;
+    explicit reporting(std::shared_ptr<detail::torch_hook_state> st, gradient_ready_fn ready) : st_(std::move(st)) {
+      std::lock_guard<std::mutex> lock(st_->m);
+      if (st_->ready)
+        throw config_error("lockstep::TorchModule: report_to() while another report_to() is active; "
+                           "one backward at a time per module");
+      st_->ready = ready;
+      std::fill(st_->fired.begin(), st_->fired.end(), 0);
+    }
+    std::shared_ptr<detail::torch_hook_state> st_;
+  };
+
+  //! Wraps `module` (held, shared). Its parameters must not change afterwards.
+  explicit TorchModule(std::shared_ptr<torch::nn::Module> module) : module_(std::move(module)) {
+    if (!module_) throw config_error("lockstep::TorchModule: the module is null");
+    for (auto& item : module_->named_parameters(/*recurse=*/true)) {
+      at::Tensor& p = item.value();
+      if (!p.requires_grad()) continue;  // frozen: not trained, not reduced (as in DDP)
+      if (!p.is_contiguous())
+        throw config_error("lockstep::TorchModule: parameter '" + item.key() +
+                           "' is not contiguous; make it contiguous before wrapping the module");
+      const dtype t = detail::dtype_of_torch(p.scalar_type(), "parameter '" + item.key() + "'");
+      if (!is_floating(t))
+        throw config_error("lockstep::TorchModule: parameter '" + item.key() + "' is not floating point");
+      at::Tensor& g = p.mutable_grad();
+      if (!g.defined() || !g.is_contiguous() || g.sizes() != p.sizes() || g.scalar_type() != p.scalar_type() ||
+          g.device() != p.device())
+        g = torch::zeros_like(p, at::MemoryFormat::Contiguous);
+      names_.push_back(item.key());
+      params_.push_back(p);
+    }
+    for (auto& item : module_->named_buffers(/*recurse=*/true)) {
+      if (!item.value().defined() || item.value().numel() == 0) continue;
+      if (!item.value().is_contiguous())
+        throw config_error("lockstep::TorchModule: buffer '" + item.key() + "' is not contiguous");
+      (void)detail::dtype_of_torch(item.value().scalar_type(), "buffer '" + item.key() + "'");
+      buffer_names_.push_back(item.key());
+      buffers_.push_back(item.value());
+    }
+    hooks_ = std::make_shared<detail::torch_hook_state>();
+    hooks_->fired.assign(params_.size(), 0);
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      // The accumulator node lives as long as someone holds it: keep it, or the hook goes with it.
+      auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
+      if (!acc) throw config_error("lockstep::TorchModule: parameter '" + names_[i] + "' has no gradient accumulator");
+      acc->add_post_hook(std::make_unique<detail::torch_ready_hook>(hooks_, i));
+      accumulators_.push_back(std::move(acc));
+    }
+  }
+  //! From a module holder (`Net net; lockstep::TorchModule m(net);`).
+  template <class Holder>
+    requires requires(Holder& h) { h.ptr(); }
+  explicit TorchModule(Holder& holder) : TorchModule(std::static_pointer_cast<torch::nn::Module>(holder.ptr())) {}
+
+  TorchModule(const TorchModule&) = delete;
+  TorchModule& operator=(const TorchModule&) = delete;
+
+  // ---- lockstep::model ------------------------------------------------------------------
+  std::vector<parameter> parameters() const {
+    std::vector<parameter> out;
+    out.reserve(params_.size());
+    for (std::size_t i = 0; i < params_.size(); ++i) out.push_back(view(names_[i], params_[i], params_[i].grad()));
+    return out;
+  }
+  void bind_gradient(std::size_t i, void* storage) {
+    at::Tensor& p = params_.at(i);
+    at::Tensor view = torch::from_blob(storage, p.sizes(), p.options().requires_grad(false));
+    view.copy_(p.grad());  // the arena starts with what the module holds
+    p.mutable_grad() = view;
+  }
+  //! `.grad` becomes the module's own storage again (a copy of the arena's values).
+  void unbind_gradients() {
+    for (auto& p : params_) p.mutable_grad() = p.grad().clone(at::MemoryFormat::Contiguous);
+  }
+  //! Buffers as value-only views (grad null), for broadcasts.
+  std::vector<parameter> buffers() const {
+    std::vector<parameter> out;
+    out.reserve(buffers_.size());
+    for (std::size_t i = 0; i < buffers_.size(); ++i) out.push_back(view(buffer_names_[i], buffers_[i], {}));
+    return out;
+  }
+
+  // ---- backward -------------------------------------------------------------------------
+  //! loss.backward(), reporting each parameter's gradient to `ready` once accumulated.
+  void backward(const at::Tensor& loss, gradient_ready_fn ready) {
+    auto r = report_to(ready);
+    loss.backward();
+  }
+  //! For a backward of your own (e.g. `(loss * scale).backward()`): reports while alive.
+  [[nodiscard]] reporting report_to(gradient_ready_fn ready) { return reporting(hooks_, ready); }
+
+  torch::nn::Module& module() noexcept { return *module_; }
+  //! The trained tensors, in parameters() order (for torch::optim: `torch::optim::AdamW(m.tensors(), ...)`).
+  const std::vector<at::Tensor>& tensors() const noexcept { return params_; }
+  const std::vector<std::string>& names() const noexcept { return names_; }
+
+ private:
+  static parameter view(const std::string& name, const at::Tensor& t, const at::Tensor& grad) {
+    parameter p;
+    p.name = name;
+    p.shape.assign(t.sizes().begin(), t.sizes().end());
+    if (p.shape.empty()) p.shape.push_back(1);  // a 0-d parameter is one element
+    p.type = detail::dtype_of_torch(t.scalar_type(), "'" + name + "'");
+    p.value = t.data_ptr();
+    p.grad = grad.defined() ? grad.data_ptr() : nullptr;
+    return p;
+  }
+
+  std::shared_ptr<torch::nn::Module> module_;
+  std::vector<std::string> names_, buffer_names_;
+  std::vector<at::Tensor> params_, buffers_;
+  std::shared_ptr<detail::torch_hook_state> hooks_;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+};
+
+}  // namespace lockstep

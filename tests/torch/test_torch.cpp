@@ -1,0 +1,330 @@
+// lockstep::TorchModule on CPU ranks (ThreadComm): a libtorch model trained data-parallel
+// equals the same model trained on one rank with the whole batch; unused parameters, buffers,
+// bf16 parameters, zero copy and wrong use. References are plain libtorch, without lockstep.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include <lockstep/lockstep.hpp>
+#include <lockstep/torch.hpp>
+
+#include "../../examples/03_gpt2_torch/gpt2.hpp"
+#include "test_util.hpp"
+
+// libtorch builds with glog (Debian's) define CHECK as an abort that doctest never sees.
+#undef CHECK
+#define CHECK DOCTEST_CHECK
+
+namespace {
+
+//! ‖a−b‖/‖b‖ over all parameters of two modules (b the reference).
+double rel_diff(torch::nn::Module& a, torch::nn::Module& b) {
+  auto pa = a.parameters(), pb = b.parameters();
+  REQUIRE(pa.size() == pb.size());
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < pa.size(); ++i) {
+    auto x = pa[i].detach().to(torch::kDouble), y = pb[i].detach().to(torch::kDouble);
+    num += (x - y).pow(2).sum().item<double>();
+    den += y.pow(2).sum().item<double>();
+  }
+  return std::sqrt(num) / std::max(std::sqrt(den), 1e-300);
+}
+
+gpt2::Config tiny() { return gpt2::Config{.vocab = 61, .context = 16, .layers = 2, .heads = 2, .width = 24}; }
+
+//! Random token ids [rows, T+1]: inputs are [:, :T], targets [:, 1:].
+torch::Tensor tokens(std::int64_t rows, const gpt2::Config& c, std::uint64_t seed) {
+  torch::manual_seed(seed);
+  return torch::randint(c.vocab, {rows, c.context + 1}, torch::kLong);
+}
+
+void copy_parameters(torch::nn::Module& to, torch::nn::Module& from) {
+  torch::NoGradGuard g;
+  auto a = to.parameters(), b = from.parameters();
+  for (std::size_t i = 0; i < a.size(); ++i) a[i].copy_(b[i]);
+}
+
+struct TwoHeadsImpl : torch::nn::Module {
+  TwoHeadsImpl()
+      : trunk(register_module("trunk", torch::nn::Linear(5, 7))),
+        a(register_module("a", torch::nn::Linear(7, 3))),
+        b(register_module("b", torch::nn::Linear(7, 3))),
+        never(register_module("never", torch::nn::Linear(7, 3))) {}
+  torch::Tensor forward(const torch::Tensor& x, bool use_a) { return (use_a ? a : b)(torch::tanh(trunk(x))); }
+  torch::nn::Linear trunk, a, b, never;
+};
+TORCH_MODULE(TwoHeads);
+
+struct NetImpl : torch::nn::Module {
+  NetImpl() : l1(register_module("l1", torch::nn::Linear(6, 8))), l2(register_module("l2", torch::nn::Linear(8, 1))) {}
+  torch::Tensor loss(const torch::Tensor& x, const torch::Tensor& y) {
+    return torch::mse_loss(l2(torch::relu(l1(x))), y);
+  }
+  torch::nn::Linear l1, l2;
+};
+TORCH_MODULE(Net);
+
+struct Batch {
+  torch::Tensor x, y;
+};
+
+// [snippet docs/torch.md#1]
+void train(auto& ctx, Net& net, const std::vector<Batch>& my_batches) {  // once per rank
+  lockstep::TorchModule tm(net);                           // DDP(model)
+  lockstep::DataParallel dp(ctx, tm);                       // rank 0's parameters and buffers
+  torch::optim::AdamW opt(tm.tensors(), torch::optim::AdamWOptions(3e-4));
+  for (const auto& b : my_batches) {
+    auto step = dp.step();
+    tm.backward(net->loss(b.x, b.y), step.on_gradient_ready());  // buckets reduced during backward
+    if (step.finish()) opt.step();                         // .grad holds the average over ranks
+  }
+}
+// [end snippet]
+
+}  // namespace
+
+TEST_SUITE("torch") {
+
+TEST_CASE("TorchModule: docs/torch.md's loop leaves every rank with the same parameters") {
+  torch::set_num_threads(1);
+  const auto seed = lockstep_test::fresh_seed();
+  CAPTURE(seed);
+  constexpr int ranks = 2;
+  std::vector<Net> nets;
+  std::vector<std::vector<Batch>> batches(ranks);
+  for (int r = 0; r < ranks; ++r) {
+    torch::manual_seed(seed + static_cast<std::uint64_t>(r));  // different models and data
+    nets.emplace_back();
+    for (int b = 0; b < 3; ++b) batches[r].push_back({torch::randn({4, 6}), torch::randn({4, 1})});
+  }
+  const auto before = nets[0]->parameters()[0].clone();
+  lockstep::run(lockstep::Threads{ranks}, [&](auto& ctx) {
+    train(ctx, nets[static_cast<std::size_t>(ctx.rank())], batches[static_cast<std::size_t>(ctx.rank())]);
+  });
+  CHECK(rel_diff(*nets[1], *nets[0]) == 0.0);
+  CHECK_FALSE(torch::equal(nets[0]->parameters()[0], before));
+}
+
+TEST_CASE("TorchModule: 3 CPU ranks x batch B == 1 rank x batch 3B after 4 AdamW steps (tiny GPT-2)") {
+  torch::set_num_threads(1);
+  const auto seed = lockstep_test::fresh_seed();
+  CAPTURE(seed);
+  const auto c = tiny();
+  constexpr int ranks = 3, B = 2, steps = 4;
+  // One batch for every step: the loss must go down (the model learns it by heart).
+  const auto batch = tokens(ranks * B, c, seed + 1);
+  std::vector<torch::Tensor> data(steps, batch);
+
+  torch::manual_seed(seed);
+  gpt2::Gpt reference(c);
+  std::vector<gpt2::Gpt> replicas;
+  for (int r = 0; r < ranks; ++r) {
+    torch::manual_seed(seed ^ static_cast<std::uint64_t>(r + 7));  // different: rank 0's values win
+    replicas.emplace_back(c);
+  }
+  copy_parameters(*replicas[0], *reference);
+
+  // The reference: plain libtorch, one process, the whole batch.
+  torch::optim::AdamW ref_opt(reference->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+  std::vector<double> ref_loss;
+  for (int s = 0; s < steps; ++s) {
+    ref_opt.zero_grad();
+    auto x = data[s].narrow(1, 0, c.context), y = data[s].narrow(1, 1, c.context);
+    auto loss = reference->loss(x, y);
+    loss.backward();
+    ref_opt.step();
+    ref_loss.push_back(loss.item<double>());
+  }
+
+  std::vector<double> mean_loss(steps, 0.0);
+  std::vector<int> bound(ranks, 0);
+  lockstep::run(lockstep::Threads{ranks}, [&](auto& ctx) {
+    gpt2::Gpt& model = replicas[static_cast<std::size_t>(ctx.rank())];
+    lockstep::TorchModule tm(model);
+    lockstep::DataParallel dp(ctx, tm);
+    torch::optim::AdamW opt(tm.tensors(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+    for (int s = 0; s < steps; ++s) {
+      auto rows = data[s].narrow(0, ctx.rank() * B, B);
+      auto x = rows.narrow(1, 0, c.context), y = rows.narrow(1, 1, c.context);
+      auto step = dp.step();
+      auto loss = model->loss(x, y);
+      tm.backward(loss, step.on_gradient_ready());
+      const auto r = step.finish();
+      REQUIRE(r.applied);
+      opt.step();  // torch::optim on lockstep-averaged gradients
+      mean_loss[static_cast<std::size_t>(s)] = lockstep::mean_across_ranks(ctx.comm(), loss.template item<double>());
+    }
+    // Zero copy from the second step on: .grad is a view of the arena.
+    const auto ps = dp.parameters();
+    bool all = true;
+    for (std::size_t i = 0; i < ps.size(); ++i) all = all && tm.tensors()[i].grad().data_ptr() == ps[i].grad;
+    bound[static_cast<std::size_t>(ctx.rank())] = all ? 1 : 0;
+  });
+  for (int s = 0; s < steps; ++s) CHECK(mean_loss[s] == doctest::Approx(ref_loss[s]).epsilon(1e-5));
+  CHECK(ref_loss.back() < ref_loss.front());
+  for (int r = 0; r < ranks; ++r) {
+    CAPTURE(r);
+    const double d = rel_diff(*replicas[r], *reference);
+    MESSAGE("rank " << r << ": relative difference " << d);
+    CHECK(d <= 1e-5);
+    CHECK(bound[r] == 1);
+    // DataParallel is gone: the gradients are the module's own again, with the last values.
+    for (auto& p : replicas[r]->parameters()) CHECK(std::isfinite(p.grad().sum().item<double>()));
+  }
+}
+
+TEST_CASE("TorchModule: a branch used on some ranks only and one used on none") {
+  torch::set_num_threads(1);
+  const auto seed = lockstep_test::fresh_seed();
+  CAPTURE(seed);
+  constexpr int ranks = 2;
+  torch::manual_seed(seed);
+  TwoHeads reference;
+  std::vector<TwoHeads> replicas(ranks);
+  for (auto& m : replicas) copy_parameters(*m, *reference);
+  torch::manual_seed(seed + 1);
+  auto x = torch::randn({ranks, 4, 5});
+
+  // Reference gradients: the mean over ranks of each rank's loss, rank r using head a iff r is even.
+  torch::Tensor total = torch::zeros({});
+  for (int r = 0; r < ranks; ++r) total = total + reference->forward(x[r], r % 2 == 0).pow(2).mean();
+  (total / ranks).backward();
+
+  for (int round = 0; round < 2; ++round)  // the first step packs, the second runs zero copy
+    lockstep::run(lockstep::Threads{ranks}, [&](auto& ctx) {
+      TwoHeads& m = replicas[static_cast<std::size_t>(ctx.rank())];
+      lockstep::TorchModule tm(m);
+      lockstep::DataParallel dp(ctx, tm);
+      for (int s = 0; s < 2; ++s) {
+        auto step = dp.step();
+        tm.backward(m->forward(x[ctx.rank()], ctx.rank() % 2 == 0).pow(2).mean(), step.on_gradient_ready());
+        step.finish();
+        const auto named = m->named_parameters();
+        for (const auto& item : reference->named_parameters()) {
+          CAPTURE(item.key());
+          const auto got = named[item.key()].grad();
+          REQUIRE(got.defined());
+          if (item.key().rfind("never", 0) == 0) {
+            CHECK(got.abs().max().item<float>() == 0.0f);
+          } else {
+            CHECK(torch::allclose(got, item.value().grad(), 1e-6, 1e-7));
+          }
+        }
+      }
+    });
+}
+
+TEST_CASE("TorchModule: buffers are rank 0's at construction and with broadcast_buffers at every step") {
+  torch::set_num_threads(1);
+  const auto seed = lockstep_test::fresh_seed();
+  CAPTURE(seed);
+  constexpr int ranks = 3;
+  std::vector<torch::nn::Sequential> nets;
+  for (int r = 0; r < ranks; ++r) {
+    torch::manual_seed(seed + static_cast<std::uint64_t>(r));
+    nets.emplace_back(torch::nn::Linear(4, 6), torch::nn::BatchNorm1d(6), torch::nn::Linear(6, 1));
+    nets.back()->train();
+    nets.back()->forward(torch::randn({8, 4}) * (r + 1));  // different running statistics per rank
+  }
+  auto buffers_of = [](torch::nn::Sequential& n) {
+    std::vector<torch::Tensor> out;
+    for (auto& b : n->buffers()) out.push_back(b.clone());
+    return out;
+  };
+  const auto rank0 = buffers_of(nets[0]);
+  REQUIRE_FALSE(torch::equal(buffers_of(nets[1])[0], rank0[0]));
+  lockstep::run(lockstep::Threads{ranks}, [&](auto& ctx) {
+    auto& net = nets[static_cast<std::size_t>(ctx.rank())];
+    lockstep::TorchModule tm(net);
+    CHECK(tm.buffers().size() == 3);  // running_mean, running_var, num_batches_tracked
+    lockstep::DataParallelOptions opts;
+    opts.broadcast_buffers = true;
+    lockstep::DataParallel dp(ctx, tm, opts);
+    const auto now = buffers_of(net);
+    for (std::size_t i = 0; i < now.size(); ++i) CHECK(torch::equal(now[i], rank0[i]));
+    // A step whose forward moves each rank's statistics its own way...
+    {
+      auto step = dp.step();
+      tm.backward(net->forward(torch::randn({8, 4}) * (ctx.rank() + 2)).sum(), step.on_gradient_ready());
+      step.finish();
+    }
+    const auto own = buffers_of(net);
+    ctx.comm().barrier();
+    // ...and the next step starts from rank 0's again.
+    auto step = dp.step();
+    std::vector<float> mine(own[0].data_ptr<float>(), own[0].data_ptr<float>() + 6);
+    std::vector<float> root = mine;
+    lockstep::detail::host_broadcast(ctx.comm(), root, 0);
+    CHECK(std::equal(root.begin(), root.end(), buffers_of(net)[0].data_ptr<float>()));
+    step.finish();
+  });
+}
+
+TEST_CASE("TorchModule: bf16 parameters are averaged in float and rounded once") {
+  torch::set_num_threads(1);
+  const auto seed = lockstep_test::fresh_seed();
+  CAPTURE(seed);
+  constexpr int ranks = 2;
+  std::vector<torch::nn::Linear> nets;
+  torch::manual_seed(seed);
+  torch::nn::Linear proto(8, 4);
+  for (int r = 0; r < ranks; ++r) {
+    nets.emplace_back(8, 4);
+    copy_parameters(*nets.back(), *proto);
+    nets.back()->to(torch::kBFloat16);
+  }
+  torch::manual_seed(seed + 1);
+  auto x = torch::randn({ranks, 5, 8}).to(torch::kBFloat16);
+  // Each rank's own gradient, computed alone (no lockstep): the average is float(g0 + g1)/2 → bf16.
+  std::vector<std::vector<torch::Tensor>> own(ranks);
+  for (int r = 0; r < ranks; ++r) {
+    torch::nn::Linear alone(8, 4);
+    copy_parameters(*alone, *proto);
+    alone->to(torch::kBFloat16);
+    alone->forward(x[r]).pow(2).mean().backward();
+    for (auto& p : alone->parameters()) own[r].push_back(p.grad().clone());
+  }
+  lockstep::run(lockstep::Threads{ranks}, [&](auto& ctx) {
+    auto& net = nets[static_cast<std::size_t>(ctx.rank())];
+    lockstep::TorchModule tm(net);
+    CHECK(tm.parameters()[0].type == lockstep::dtype::bf16);
+    lockstep::DataParallel dp(ctx, tm);
+    auto step = dp.step();
+    tm.backward(net->forward(x[ctx.rank()]).pow(2).mean(), step.on_gradient_ready());
+    step.finish();
+    const auto ps = net->parameters();
+    for (std::size_t i = 0; i < ps.size(); ++i) {
+      const auto want = ((own[0][i].to(torch::kFloat) + own[1][i].to(torch::kFloat)) / 2).to(torch::kBFloat16);
+      CHECK(torch::equal(ps[i].grad(), want));
+    }
+  });
+}
+
+TEST_CASE("TorchModule: ranks that built different modules are told which parameter differs") {
+  torch::set_num_threads(1);
+  std::vector<torch::nn::Sequential> nets;
+  nets.emplace_back(torch::nn::Linear(4, 6), torch::nn::Linear(6, 2));
+  nets.emplace_back(torch::nn::Linear(4, 6), torch::nn::Linear(6, 3));  // rank 1: another head
+  std::string what;
+  try {
+    lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
+      lockstep::TorchModule tm(nets[static_cast<std::size_t>(ctx.rank())]);
+      lockstep::DataParallel dp(ctx, tm);
+    });
+  } catch (const lockstep::mismatch_error& e) {
+    what = e.what();
+  }
+  CAPTURE(what);
+  CHECK(what.find("1.weight") != std::string::npos);
+  CHECK(what.find("[2,6]") != std::string::npos);
+  CHECK(what.find("[3,6]") != std::string::npos);
+  CHECK_THROWS_AS(lockstep::TorchModule(std::shared_ptr<torch::nn::Module>{}), lockstep::config_error);
+}
+
+}  // TEST_SUITE
