@@ -22,7 +22,7 @@ for n in $counts; do
   CUDA_VISIBLE_DEVICES=$devices "$exe" "${common[@]}" --bench --log-every 100000 2>&1 | grep -E "^bench:|rror" | sed "s/^bench: lockstep/bench: lockstep-threads/"
   if [[ $n -gt 1 ]]; then
     CUDA_VISIBLE_DEVICES=$devices "$build/tools/lockstep-run" --nproc "$n" "$exe" "${common[@]}" --bench --log-every 100000 2>&1 \
-      | grep -E "^bench:|rror" | sed "s/^bench: lockstep/bench: lockstep-processes/"
+      | grep -E "bench:|rror" | sed "s/^\[0\] //; s/^bench: lockstep/bench: lockstep-processes/"
     CUDA_VISIBLE_DEVICES=$devices torchrun --standalone --nproc-per-node "$n" bench/gpt2_ddp.py "${common[@]}" 2>&1 | grep -E "^bench:|rror"
   else
     CUDA_VISIBLE_DEVICES=$devices python3 bench/gpt2_ddp.py "${common[@]}" 2>&1 | grep -E "^bench:|rror" | sed "s/^bench: ddp/bench: pytorch-1gpu/"
