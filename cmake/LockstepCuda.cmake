@@ -8,11 +8,7 @@
 # lockstep_cuda_target_flags(<target>) for lockstep's own CUDA targets (tests, examples, bench).
 
 set(LOCKSTEP_HAS_CUDA OFF)
-set_property(CACHE LOCKSTEP_ENABLE_CUDA PROPERTY STRINGS AUTO ON OFF)
-string(TOUPPER "${LOCKSTEP_ENABLE_CUDA}" _lockstep_cuda_mode)
-if(NOT _lockstep_cuda_mode MATCHES "^(AUTO|ON|OFF)$")
-  message(FATAL_ERROR "LOCKSTEP_ENABLE_CUDA is '${LOCKSTEP_ENABLE_CUDA}'; use AUTO, ON or OFF.")
-endif()
+lockstep_part_mode(CUDA "Build the CUDA/NCCL parts" _lockstep_cuda_mode)
 
 if(NOT _lockstep_cuda_mode STREQUAL "OFF")
   # nvcc is often not on PATH (e.g. /usr/local/cuda/bin): look in the usual places before

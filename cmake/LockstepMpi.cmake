@@ -6,13 +6,8 @@
 #                         OFF: no MPI part
 # Sets LOCKSTEP_HAS_MPI (ON/OFF) for the rest of the build.
 
-set(LOCKSTEP_ENABLE_MPI AUTO CACHE STRING "Build the MPI part (lockstep::mpi): AUTO, ON or OFF")
-set_property(CACHE LOCKSTEP_ENABLE_MPI PROPERTY STRINGS AUTO ON OFF)
 set(LOCKSTEP_HAS_MPI OFF)
-string(TOUPPER "${LOCKSTEP_ENABLE_MPI}" _lockstep_mpi_mode)
-if(NOT _lockstep_mpi_mode MATCHES "^(AUTO|ON|OFF)$")
-  message(FATAL_ERROR "LOCKSTEP_ENABLE_MPI is '${LOCKSTEP_ENABLE_MPI}'; use AUTO, ON or OFF.")
-endif()
+lockstep_part_mode(MPI "Build the MPI part (lockstep::mpi)" _lockstep_mpi_mode)
 
 if(NOT _lockstep_mpi_mode STREQUAL "OFF")
   find_package(MPI QUIET COMPONENTS CXX)

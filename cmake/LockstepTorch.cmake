@@ -8,14 +8,9 @@
 #                           OFF: no torch part
 # Sets LOCKSTEP_HAS_TORCH (ON/OFF) and LOCKSTEP_TORCH_CUDA (libtorch built with CUDA).
 
-set(LOCKSTEP_ENABLE_TORCH AUTO CACHE STRING "Build the libtorch adapter (lockstep::torch): AUTO, ON or OFF")
-set_property(CACHE LOCKSTEP_ENABLE_TORCH PROPERTY STRINGS AUTO ON OFF)
 set(LOCKSTEP_HAS_TORCH OFF)
 set(LOCKSTEP_TORCH_CUDA OFF)
-string(TOUPPER "${LOCKSTEP_ENABLE_TORCH}" _lockstep_torch_mode)
-if(NOT _lockstep_torch_mode MATCHES "^(AUTO|ON|OFF)$")
-  message(FATAL_ERROR "LOCKSTEP_ENABLE_TORCH is '${LOCKSTEP_ENABLE_TORCH}'; use AUTO, ON or OFF.")
-endif()
+lockstep_part_mode(TORCH "Build the libtorch adapter (lockstep::torch)" _lockstep_torch_mode)
 
 if(NOT _lockstep_torch_mode STREQUAL "OFF")
   find_package(Torch QUIET)

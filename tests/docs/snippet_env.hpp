@@ -64,6 +64,26 @@ class Mlp {
   lockstep_test::TestMlp<float> net_;
 };
 
+//! The model's parameter values, concatenated.
+inline std::vector<float> values_of(Mlp& m) {
+  std::vector<float> v;
+  for (auto& p : m.parameters()) {
+    const auto* x = static_cast<const float*>(p.value);
+    v.insert(v.end(), x, x + p.numel());
+  }
+  return v;
+}
+
+//! Every rank's v equals rank 0's, bit for bit (a collective).
+template <class Comm>
+bool same_on_every_rank(Comm& comm, std::vector<float> v) {
+  std::vector<float> root = v;
+  lockstep::detail::host_broadcast(comm, root, 0);
+  int differs = root == v ? 0 : 1;
+  lockstep::detail::host_all_reduce(comm, std::span<int>(&differs, 1), lockstep::reduce_op::max);
+  return differs == 0;
+}
+
 //! "optimizer.update(model)": plain SGD on the model's own gradient storage.
 struct PlainSgd {
   double lr = 0.05;

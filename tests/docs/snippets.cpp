@@ -39,24 +39,7 @@ struct scratch_dir {
   }
 };
 
-std::vector<float> values_of(Mlp& m) {
-  std::vector<float> v;
-  for (auto& p : m.parameters()) {
-    const auto* x = static_cast<const float*>(p.value);
-    v.insert(v.end(), x, x + p.numel());
-  }
-  return v;
-}
 
-//! Every rank's copy equals rank 0's, bit for bit.
-template <class Comm>
-bool same_on_every_rank(Comm& comm, std::vector<float> v) {
-  std::vector<float> root = v;
-  lockstep::detail::host_broadcast(comm, root, 0);
-  int differs = root == v ? 0 : 1;
-  lockstep::all_reduce_scalars(comm, std::span<int>(&differs, 1), lockstep::reduce_op::max);
-  return differs == 0;
-}
 
 }  // namespace
 

@@ -16,22 +16,7 @@
 
 namespace {
 
-std::vector<float> values_of(Mlp& m) {
-  std::vector<float> v;
-  for (auto& p : m.parameters()) {
-    const auto* x = static_cast<const float*>(p.value);
-    v.insert(v.end(), x, x + p.numel());
-  }
-  return v;
-}
 
-bool same_on_every_rank(lockstep::MpiComm& comm, std::vector<float> v) {
-  std::vector<float> root = v;
-  lockstep::detail::host_broadcast(comm, root, 0);
-  int differs = root == v ? 0 : 1;
-  lockstep::detail::host_all_reduce(comm, std::span<int>(&differs, 1), lockstep::reduce_op::max);
-  return differs == 0;
-}
 
 //! optimizer.update(model) that also keeps what it left in the model.
 struct RecordingSgd {
