@@ -83,7 +83,7 @@ TEST_CASE("halves: every code decodes to its value and encodes back to itself") 
   }
 }
 
-TEST_CASE("halves: random floats round to the nearest code, ties to even") {
+TEST_CASE("halves: random floats round to the nearest code - ties to even") {
   using namespace lockstep::detail;
   const auto seed = lockstep_test::fresh_seed();
   CAPTURE(seed);
@@ -107,7 +107,7 @@ TEST_CASE("halves: random floats round to the nearest code, ties to even") {
   CHECK(bf16_of_float(-std::numeric_limits<float>::infinity()) == 0xff80);
 }
 
-TEST_CASE("halves: HostMemory scales and packs f16 and bf16 in float, rounding once") {
+TEST_CASE("halves: HostMemory scales and packs f16 and bf16 in float - rounding once") {
   using namespace lockstep::detail;
   std::mt19937_64 rng(lockstep_test::fresh_seed());
   lockstep::HostMemory mem;
