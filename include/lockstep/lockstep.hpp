@@ -6,6 +6,7 @@
 #include "lockstep/checkpoint/checkpoint.hpp"
 #include "lockstep/checkpoint/collective.hpp"
 #include "lockstep/checkpoint/file.hpp"
+#include "lockstep/checkpoint/sharded.hpp"
 #include "lockstep/checkpoint/training_state.hpp"
 #include "lockstep/comm/collective.hpp"
 #include "lockstep/comm/host_collectives.hpp"

@@ -476,4 +476,62 @@ TEST_CASE("snippets: stores and the watchdog (store.hpp + watchdog.hpp + docs/la
   }
 }
 
+TEST_CASE("snippets: ShardedOptimizer (checkpoint/sharded.hpp + docs/sharding.md)") {
+  const std::uint64_t seed = lockstep_test::fresh_seed();
+  CAPTURE(seed);
+  const auto my_batches = snippet_env::batches(3);
+  std::vector<std::vector<float>> after(4);
+  // [snippet docs/sharding.md#1]
+  lockstep::run(lockstep::Threads{4}, [&](auto& ctx) {
+    Mlp model(seed);
+    lockstep::DataParallel dp(ctx, model, {.max_grad_norm = 1.0}, lockstep::ShardedOptimizer{},
+                              lockstep::DynamicScale());
+    lockstep::AdamW opt({.lr = 1e-3});  // steps dp.shard_parameters(): 1/N of the model
+    for (auto& batch : my_batches) {
+      auto step = dp.step();
+      model.backward(Batch(batch), step.on_gradient_ready(), step.loss_scale());
+      const auto r = step.finish([&](std::span<const lockstep::param_slice> s) { opt.step(s); });
+      // every rank's model holds the updated parameters here (unless !r.applied: skipped)
+      // [end snippet]
+      CHECK(r.applied);
+      CHECK(r.grad_norm > 0);
+      CHECK(same_on_every_rank(ctx.comm(), values_of(model)));
+      // [snippet docs/sharding.md#1]
+    }
+    // [end snippet]
+    after[static_cast<std::size_t>(ctx.rank())] = values_of(model);
+    // [snippet docs/sharding.md#1]
+  });
+  // [end snippet]
+  Mlp init(seed);
+  CHECK(after[0] != values_of(init));  // it trained
+
+  scratch_dir tmp;
+  lockstep::run(lockstep::Threads{3}, [&](auto& ctx) {
+    Mlp model(seed + static_cast<std::uint64_t>(ctx.rank()));
+    const Batch batch(my_batches[static_cast<std::size_t>(ctx.rank())]);
+    lockstep::DataParallel dp(ctx, model, lockstep::ShardedOptimizer{});
+    lockstep::AdamW opt({.lr = 1e-3});
+    auto step = dp.step();
+    model.backward(batch, step.on_gradient_ready());
+    step.finish([&](std::span<const lockstep::param_slice> s) { opt.step(s); });
+    CHECK(same_on_every_rank(ctx.comm(), values_of(model)));
+    const std::string path = "sharded.ckpt";
+    const auto before = values_of(model);
+    // [snippet include/lockstep/checkpoint/sharded.hpp#1]
+    auto opt_state = lockstep::gather_sharded(dp, opt);        // collective: every rank
+    lockstep::save_checkpoint_rank0(dp.comm(), path, [&](lockstep::Checkpoint& ck) {
+      lockstep::add_training_state(ck, dp);
+      ck.add_blob("optimizer", std::move(opt_state));
+    });
+    // ... on resume, every rank:
+    const auto saved = lockstep::load_checkpoint(path);
+    lockstep::restore_training_state(saved, dp);
+    lockstep::load_sharded(dp, opt, saved.blob("optimizer"));
+    // [end snippet]
+    CHECK(values_of(model) == before);
+    CHECK(opt.slot_count() == dp.shard_parameters().size());
+  });
+}
+
 }  // TEST_SUITE

@@ -34,6 +34,19 @@ void fused_optimizer_snippet(lockstep::context<lockstep::NcclComm>& ctx, GpuMode
   opt.step_all(dp.parameters(), stream, found_inf);
 }
 
+void sharded_snippet(lockstep::context<lockstep::NcclComm>& ctx, GpuModel& model, Batch batch) {
+  cudaStream_t stream = ctx.comm().compute_stream();
+  // [snippet docs/sharding.md#2]
+  lockstep::DataParallel dp(ctx, model, lockstep::ShardedOptimizer{}, lockstep::DeviceDynamicScale());
+  dp.scaler().attach(dp.comm());
+  lockstep::cuda::FusedAdamW opt({.lr = 3e-4}, dp.shard_parameters());  // state for the shards only
+  const int* found_inf = dp.scaler().device_found_inf();
+  auto step = dp.step();
+  model.backward(batch, step.on_gradient_ready());
+  step.finish([&](std::span<const lockstep::param_slice> s) { opt.step(s, stream, found_inf); });
+  // [end snippet]
+}
+
 void device_dynamic_scale_snippet(lockstep::context<lockstep::NcclComm>& ctx, Model& model,
                                   const std::vector<std::vector<std::size_t>>& my_batches) {
   cudaStream_t stream = ctx.comm().compute_stream();

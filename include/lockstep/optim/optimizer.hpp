@@ -216,8 +216,8 @@ class rule_options {
 // ---------------------------------------------------------------------------------------
 //! Optimizer<Rule> — a rule applied to host parameters (f32/f64), in their own type.
 //! State lives in *slots*: slot i belongs to the i-th parameter of `parameters()`.
-//! `step(params)` updates every slot; `step_segments(slots, values, grads, t)` a subset (e.g.
-//! one bucket as soon as it is reduced). serializable: save(byte_writer&) / load(byte_reader&).
+//! `step(params)` updates every slot; `step(slices)` the slots the slices name (whole), and
+//! `step_segments(slots, values, grads, t)` a subset (e.g. one bucket as soon as it is reduced). serializable: save(byte_writer&) / load(byte_reader&).
 template <optimizer_rule Rule>
 class Optimizer : public detail::rule_options<Rule> {
   using base = detail::rule_options<Rule>;
@@ -238,6 +238,21 @@ class Optimizer : public detail::rule_options<Rule> {
     for (auto&& p : params) {
       const parameter& q = p;
       update(i++, segment{q.value, q.numel()}, segment{q.grad, q.numel()}, q.type);
+    }
+  }
+
+  //! Updates slices, e.g. the shards DataParallel hands to finish(on_shard) with
+  //! ShardedOptimizer: slice k updates slot slices[k].param. Host optimizers keep state per
+  //! whole slot, so each slice must start at offset 0 and cover the same count every step.
+  void step(std::span<const param_slice> slices, bool skip = false) {
+    if (skip) return;
+    for (const auto& sl : slices) {
+      if (sl.offset != 0)
+        throw config_error(std::string(Rule::name) + "::step: a slice of parameter " + std::to_string(sl.param) +
+                           " starts at element " + std::to_string(sl.offset) +
+                           "; host optimizers step whole slots (a bucket split this parameter: step "
+                           "after finish() with step(dp.parameters()), or use ShardedOptimizer's shards)");
+      update(sl.param, segment{sl.value, sl.count}, segment{sl.grad, sl.count}, sl.type);
     }
   }
 

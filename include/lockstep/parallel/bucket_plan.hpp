@@ -6,10 +6,15 @@
 //! first_bytes, the others at most cap_bytes, so a tensor larger than a bucket spans
 //! several and a bucket may hold the tails and heads of several tensors. `align` pads
 //! each parameter's start (zero-copy arenas align the model's gradient pointers); padding
-//! elements stay zero and are reduced harmlessly.
+//! elements stay zero and are reduced harmlessly. `ways` (a sharded optimizer's rank count)
+//! makes every bucket length and the arena length a multiple of it, so that each bucket (and
+//! each launch unit) splits into `ways` equal shards.
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
+#include <numeric>
+#include <string>
 #include <vector>
 
 #include "lockstep/core/dtype.hpp"
@@ -55,7 +60,8 @@ inline std::size_t round_up(std::size_t x, std::size_t a) { return a <= 1 ? x : 
 //! sizes[i]: element count of global parameter i (only those listed in order are used).
 inline bucket_plan make_bucket_plan(dtype t, std::vector<std::size_t> order,
                                     const std::vector<std::size_t>& sizes,
-                                    const BucketPolicy& policy, std::size_t align) {
+                                    const BucketPolicy& policy, std::size_t align,
+                                    std::size_t ways = 1) {
   if (policy.first_bytes == 0 || policy.cap_bytes == 0)
     throw config_error("BucketPolicy: first_bytes and cap_bytes must be positive");
   bucket_plan p;
@@ -68,10 +74,11 @@ inline bucket_plan make_bucket_plan(dtype t, std::vector<std::size_t> order,
     p.offset.push_back(at);
     at += sizes[p.order[k]];
   }
-  p.total = round_up(at, align);
-  // Bucket boundaries: element counts from the byte caps, kept aligned.
-  const std::size_t first = std::max<std::size_t>(round_up(std::max<std::size_t>(policy.first_bytes / es, 1), align), 1);
-  const std::size_t cap = std::max<std::size_t>(round_up(std::max<std::size_t>(policy.cap_bytes / es, 1), align), 1);
+  // Bucket boundaries: element counts from the byte caps, kept aligned (and divisible by ways).
+  const std::size_t grain = std::lcm(std::max<std::size_t>(align, 1), std::max<std::size_t>(ways, 1));
+  p.total = round_up(at, grain);
+  const std::size_t first = std::max<std::size_t>(round_up(std::max<std::size_t>(policy.first_bytes / es, 1), grain), 1);
+  const std::size_t cap = std::max<std::size_t>(round_up(std::max<std::size_t>(policy.cap_bytes / es, 1), grain), 1);
   for (std::size_t b = 0; b < p.total;) {
     const std::size_t len = p.buckets.empty() ? first : cap;
     bucket bk;
@@ -113,6 +120,24 @@ inline bucket_plan make_bucket_plan(dtype t, std::vector<std::size_t> order,
     b = e;
   }
   return p;
+}
+
+//! FNV-1a 64 of a parameter order.
+inline std::uint64_t order_hash(const std::vector<std::size_t>& order) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (auto i : order) {
+    h ^= static_cast<std::uint64_t>(i);
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+//! What ranks compare to check they cut the arena alike: type, sizes, units, order hash.
+inline std::string describe_plan(const bucket_plan& p) {
+  return std::string(name_of(p.type)) + ": " + std::to_string(p.total) + " elements in " +
+         std::to_string(p.buckets.size()) + " buckets (first " +
+         std::to_string(p.buckets.empty() ? 0 : p.buckets[0].elements()) + ", units " +
+         std::to_string(p.units.size()) + ", order hash " + std::to_string(order_hash(p.order)) + "); ";
 }
 
 }  // namespace lockstep::detail

@@ -16,9 +16,12 @@
 //!
 //! Policies (any order, each at most once): an accumulation_policy (EveryStep default,
 //! Accumulate<K>, Accumulate<> with K at run time), a loss_scaler (NoScaling default,
-//! StaticScale, DynamicScale) and a bucket_hook (AllReduceMean default; bucket_hook.hpp). With a scaler, multiply the loss by step.loss_scale() before
-//! backward; finish() unscales the averaged gradients, checks them for inf/NaN (agreed
-//! across ranks) and reports applied = false when the optimizer must skip the step.
+//! StaticScale, DynamicScale), a bucket_hook (AllReduceMean default; bucket_hook.hpp) and
+//! ShardedOptimizer (policies.hpp; not with a bucket_hook). With a scaler, multiply the loss
+//! by step.loss_scale() before backward; finish() unscales the averaged gradients, checks them
+//! for inf/NaN (agreed across ranks) and reports applied = false when the optimizer must skip
+//! the step. With DataParallelOptions::max_grad_norm it also clips them.
+//! Sharded, the optimizer steps shard_parameters() in finish(on_shard): docs/sharding.md.
 //!
 //! Uneven inputs (ranks with different numbers of batches): open a scope with dp.join(...)
 //! around the loop — see join.hpp.
@@ -42,11 +45,12 @@
 #include "lockstep/core/grad_group.hpp"
 #include "lockstep/detail/pick.hpp"
 #include "lockstep/parallel/bucket_hook.hpp"
-#include "lockstep/parallel/buffers.hpp"
+#include "lockstep/parallel/replicas.hpp"
 #include "lockstep/parallel/join.hpp"
 #include "lockstep/parallel/policies.hpp"
 #include "lockstep/parallel/reducer.hpp"
 #include "lockstep/parallel/step.hpp"
+#include "lockstep/scaling/clipping.hpp"
 #include "lockstep/scaling/loss_scaler.hpp"
 #include "lockstep/scaling/scalers.hpp"
 
@@ -57,6 +61,8 @@ template <class P>
 struct is_accumulation_policy : std::bool_constant<accumulation_policy<P>> {};
 template <class P>
 struct is_loss_scaler : std::bool_constant<loss_scaler<P>> {};
+template <class P>
+struct is_sharding : std::is_same<P, ShardedOptimizer> {};
 template <class A>
 inline constexpr bool is_options_v = std::is_same_v<std::remove_cvref_t<A>, DataParallelOptions>;
 template <class... As>
@@ -64,51 +70,6 @@ inline constexpr bool starts_with_options_v = false;
 template <class A, class... As>
 inline constexpr bool starts_with_options_v<A, As...> = is_options_v<A>;
 
-template <class M>
-std::vector<parameter> collect_parameters(M& m) {
-  std::vector<parameter> out;
-  for (auto&& p : m.parameters()) out.push_back(static_cast<parameter>(p));
-  return out;
-}
-
-//! One line per parameter; ranks compare these to find the first difference.
-inline std::string describe(const std::vector<parameter>& ps) {
-  std::string s;
-  for (const auto& p : ps) s += p.name + " " + p.shape_string() + "\n";
-  return s;
-}
-
-inline std::vector<std::string> lines(const std::string& s) {
-  std::vector<std::string> out;
-  std::size_t at = 0;
-  while (at < s.size()) {
-    auto nl = s.find('\n', at);
-    out.push_back(s.substr(at, nl - at));
-    at = nl + 1;
-  }
-  return out;
-}
-
-//! Throws mismatch_error (on every rank alike) if any rank's parameters differ from rank 0's.
-template <class Comm>
-void check_same_parameters(Comm& comm, const std::vector<parameter>& ps) {
-  auto all = host_all_gather_strings(comm, describe(ps));
-  const auto ref = lines(all[0]);
-  for (std::size_t r = 1; r < all.size(); ++r) {
-    if (all[r] == all[0]) continue;
-    const auto mine = lines(all[r]);
-    for (std::size_t i = 0; i < std::max(ref.size(), mine.size()); ++i) {
-      if (i < ref.size() && i < mine.size() && ref[i] == mine[i]) continue;
-      std::string a = i < ref.size() ? "'" + ref[i] + "'" : "nothing (it has " + std::to_string(ref.size()) + " parameters)";
-      std::string b = i < mine.size() ? "'" + mine[i] + "'" : "nothing (it has " + std::to_string(mine.size()) + " parameters)";
-      throw mismatch_error("ranks built different models: parameter " + std::to_string(i) +
-                           " is " + a + " on rank 0 but " + b + " on rank " +
-                           std::to_string(r) +
-                           " (every rank must construct the same model: same parameters, "
-                           "order, shapes and element types)");
-    }
-  }
-}
 }  // namespace detail
 
 template <class Model, class Comm, class... Policies>
@@ -129,12 +90,13 @@ class DataParallel {
   template <class P>
   struct is_hook : std::bool_constant<bucket_hook<P, Comm>> {};
   template <class P>
-  struct is_policy : std::bool_constant<accumulation_policy<P> || loss_scaler<P> || bucket_hook<P, Comm>> {};
+  struct is_policy : std::bool_constant<accumulation_policy<P> || loss_scaler<P> || bucket_hook<P, Comm> ||
+                                        std::is_same_v<P, ShardedOptimizer>> {};
   static_assert((is_policy<Policies>::value && ...),
                 "lockstep::DataParallel: every policy must be an accumulation_policy "
                 "(EveryStep, Accumulate<K>), a loss_scaler (NoScaling, StaticScale, "
-                "DynamicScale) or a bucket_hook (AllReduceMean) — one of the Policies is none of "
-                "these (an accumulation policy needs steps(); a loss scaler needs scale(), "
+                "DynamicScale), a bucket_hook (AllReduceMean) or ShardedOptimizer — one of the "
+                "Policies is none of these (an accumulation policy needs steps(); a loss scaler needs scale(), "
                 "update(), state(); a hook needs reduce(comm, data, count, dtype)). When the "
                 "policies are deduced (DataParallel dp(ctx, model, ...)), DataParallelOptions "
                 "must come first");
@@ -143,6 +105,11 @@ class DataParallel {
   static_assert(detail::count_v<detail::is_loss_scaler, Policies...> <= 1,
                 "lockstep::DataParallel: give at most one loss_scaler");
   static_assert(detail::count_v<is_hook, Policies...> <= 1, "lockstep::DataParallel: give at most one bucket_hook");
+  static_assert(detail::count_v<detail::is_sharding, Policies...> <= 1,
+                "lockstep::DataParallel: give ShardedOptimizer at most once");
+  static_assert(detail::count_v<detail::is_sharding, Policies...> == 0 || detail::count_v<is_hook, Policies...> == 0,
+                "lockstep::DataParallel: ShardedOptimizer reduce-scatters every bucket itself; it "
+                "cannot be combined with a bucket_hook");
 
  public:
   using model_type = Model;
@@ -150,6 +117,8 @@ class DataParallel {
   using accumulation_type = detail::pick_t<detail::is_accumulation_policy, EveryStep, Policies...>;
   using scaler_type = detail::pick_t<detail::is_loss_scaler, NoScaling, Policies...>;
   using hook_type = detail::pick_t<is_hook, AllReduceMean, Policies...>;
+  //! Whether the optimizer state is sharded over the ranks (ShardedOptimizer).
+  static constexpr bool sharded = detail::count_v<detail::is_sharding, Policies...> > 0;
   static_assert(loss_scaler_for<scaler_type, Comm> || has_grad_ops<memory_of_t<Comm>>,
                 "lockstep::DataParallel: no lockstep::grad_ops for this communicator's memory "
                 "space (the type Comm::memory() returns): the loss scaler needs it to unscale "
@@ -195,6 +164,9 @@ class DataParallel {
 
     //! As finish(), calling on_bucket(slices) for each bucket as soon as it is averaged
     //! (e.g. an optimizer updating those parameters while later buckets are in flight).
+    //! Sharded (the only form there): the slices are this rank's shards (one slice of
+    //! shard_parameters() per call), and each is all-gathered into the parameters as soon as
+    //! on_bucket returns; every rank's parameters are updated when finish returns.
     step_result finish(const std::function<void(std::span<const param_slice>)>& on_bucket) {
       if (!dp_) throw config_error("lockstep: finish() called twice on one step");
       auto* dp = std::exchange(dp_, nullptr);
@@ -215,7 +187,8 @@ class DataParallel {
   template <class A>
   static constexpr bool argument_v =
       detail::is_options_v<A> || std::is_same_v<std::remove_cvref_t<A>, accumulation_type> ||
-      std::is_same_v<std::remove_cvref_t<A>, scaler_type> || std::is_same_v<std::remove_cvref_t<A>, hook_type>;
+      std::is_same_v<std::remove_cvref_t<A>, scaler_type> || std::is_same_v<std::remove_cvref_t<A>, hook_type> ||
+      (sharded && std::is_same_v<std::remove_cvref_t<A>, ShardedOptimizer>);
 
   template <class... Args>
     requires(argument_v<Args> && ...) && (!detail::starts_with_options_v<Args...>)
@@ -266,7 +239,7 @@ class DataParallel {
       micro_ = 0;
       reducer_.begin_cycle();
       in_cycle_ = true;
-      if (opts_.broadcast_buffers && comm_.size() > 1) detail::broadcast_buffers(comm_, buffers_);
+      if (opts_.broadcast_buffers && comm_.size() > 1) detail::broadcast_values(comm_, buffers_);
     }
     const bool sync = micro_ + 1 >= k_;
     double prescale = opts_.average_over_accumulation ? 1.0 / k_ : 1.0;
@@ -284,6 +257,10 @@ class DataParallel {
   //! the others' gradient averages (contributing zeros) and calls on_shadow_step(result) for
   //! each such step, with the averaged gradients in place, to apply the same optimizer update.
   [[nodiscard]] Join<DataParallel> join(std::function<void(step_result)> on_shadow_step) {
+    if constexpr (sharded)
+      throw config_error("lockstep: DataParallel::join is not supported with ShardedOptimizer yet (a "
+                         "shadow step would need the optimizer inside it); give every rank the same "
+                         "number of batches (e.g. DistributedSampler with drop_last)");
     return Join<DataParallel>(*this, std::move(on_shadow_step));
   }
 
@@ -297,6 +274,19 @@ class DataParallel {
   Model& model() noexcept { return model_; }
   //! Parameters as lockstep sees them (gradients pointing into the arena when zero-copy).
   const std::vector<parameter>& parameters() const noexcept { return reducer_.params(); }
+  //! Sharded: this rank's shard of the parameters, one per launch unit (build the optimizer
+  //! over these: its state is then 1/N of the model's). Fixed from construction on.
+  const std::vector<parameter>& shard_parameters() const noexcept
+    requires sharded
+  {
+    return reducer_.shard_parameters();
+  }
+  //! Sharded: a fingerprint of the shard layout (see save_sharded / load_sharded).
+  std::uint64_t shard_layout() const
+    requires sharded
+  {
+    return reducer_.shard_layout_hash();
+  }
   //! The settled gradient layout, for checkpoints (see training_state.hpp).
   std::vector<std::int64_t> plan_state() const { return reducer_.plan_state(); }
   //! Restores a layout saved by plan_state(); call on every rank before the next step.
@@ -313,10 +303,8 @@ class DataParallel {
         throw config_error("parameter '" + p.name + "' has element type " + name_of(p.type) +
                            "; gradients must be floating point (f16, bf16, f32, f64)");
     if (comm.size() > 1) {
-      detail::check_same_parameters(comm, ps);
-      if (opts.broadcast_parameters)
-        for (auto& p : ps)
-          if (p.numel()) comm.broadcast(p.value, p.numel(), p.type, 0).wait();
+      detail::check_same_tensors(comm, ps, "parameter");
+      if (opts.broadcast_parameters) detail::broadcast_values(comm, ps);
     }
     return ps;
   }
@@ -333,25 +321,50 @@ class DataParallel {
   step_result finish_step(bool sync,
                           const std::function<void(std::span<const param_slice>)>& on_bucket) {
     open_ = false;
+    if constexpr (sharded) {
+      if (sync && !on_bucket)
+        throw config_error("lockstep: with ShardedOptimizer, end a synchronising step with "
+                           "finish(on_shard), the optimizer stepping each shard: "
+                           "step.finish([&](std::span<const lockstep::param_slice> s) { opt.step(s); }) "
+                           "(finish() alone would leave the parameters without their update)");
+    }
     step_result r;
     r.synced = sync;
     ++micro_;
     if (!sync) return r;
     in_cycle_ = false;
-    if constexpr (inspecting_scaler<scaler_type>) {
-      if (!scaler_.active()) {
-        reducer_.finish(on_bucket);  // per-bucket callbacks overlap the later buckets
-        return r;
-      }
+    bool whole = opts_.max_grad_norm > 0;  // clipping needs every bucket first
+    if constexpr (inspecting_scaler<scaler_type>) whole = whole || scaler_.active();
+    else whole = true;
+    if (!whole) {
+      reducer_.finish(on_bucket);  // per-bucket callbacks overlap the later buckets
+      return r;
     }
-    // Unscaling and the inf/NaN decision need every bucket: callbacks come after it.
+    // Unscaling, the inf/NaN decision and clipping need every bucket: callbacks come after.
     reducer_.finish(nullptr);
     const bool found_inf = scaler_.unscale_and_check(comm_, reducer_.grad_groups());
     scaler_.update(found_inf);
     r.applied = !found_inf;
     if constexpr (device_scaler<scaler_type>) r.device_found_inf = scaler_.device_found_inf();
-    if (r.applied && on_bucket) reducer_.for_each_bucket(on_bucket);
+    if (r.applied && opts_.max_grad_norm > 0) r.grad_norm = clip();
+    if (r.applied && on_bucket) {
+      if constexpr (sharded) reducer_.update_shards(on_bucket);
+      else reducer_.for_each_bucket(on_bucket);
+    }
     return r;
+  }
+
+  // DataParallelOptions::max_grad_norm: every rank holds the same averaged gradients (the
+  // norm needs no communication), or, sharded, its shard (the squares are summed over ranks).
+  double clip() {
+    if constexpr (has_grad_ops<memory_of_t<Comm>>) {
+      const auto groups = reducer_.grad_groups();
+      if constexpr (sharded) return clip_grad_norm_sharded(comm_, groups, opts_.max_grad_norm);
+      else return clip_grad_norm(comm_.memory(), groups, opts_.max_grad_norm);
+    } else {
+      throw config_error("lockstep: DataParallelOptions::max_grad_norm needs lockstep::grad_ops for this "
+                         "communicator's memory space (see docs/communicator.md)");
+    }
   }
 
   // --- Join (join.hpp) -------------------------------------------------------------------
@@ -392,7 +405,7 @@ class DataParallel {
   std::optional<step_result> join_step() {
     const bool partial = in_cycle_ && micro_ > 0;
     if (!partial) reducer_.apply_pending_plan();
-    if (!partial && opts_.broadcast_buffers && comm_.size() > 1) detail::broadcast_buffers(comm_, buffers_);
+    if (!partial && opts_.broadcast_buffers && comm_.size() > 1) detail::broadcast_values(comm_, buffers_);
     const auto agreed = join_agree(partial ? micro_ : 0);
     if (agreed[0] == 0) return std::nullopt;
     if (!partial) {
@@ -412,11 +425,14 @@ class DataParallel {
       : comm_(comm), model_(model), opts_(opts), acc_(std::move(acc)), scaler_(std::move(scaler)),
         hook_(std::move(hook)),
         reducer_(comm, hook_, initial_parameters(comm, model, opts), opts.buckets, binder(model, opts),
-                 [&model] { return detail::collect_parameters(model); }),
+                 [&model] { return detail::collect_parameters(model); }, sharded),
         buffers_(detail::collect_buffers(model)) {
+    if (!(opts_.max_grad_norm >= 0))
+      throw config_error("DataParallelOptions::max_grad_norm must be >= 0 (0: no clipping), got " +
+                         std::to_string(opts_.max_grad_norm));
     if (comm_.size() > 1 && !buffers_.empty()) {
-      detail::check_same_buffers(comm_, buffers_);
-      if (opts.broadcast_parameters) detail::broadcast_buffers(comm_, buffers_);
+      detail::check_same_tensors(comm_, buffers_, "buffer");
+      if (opts.broadcast_parameters) detail::broadcast_values(comm_, buffers_);
     }
     // A device-side scaler's state must exist before the first loss kernel reads it.
     if constexpr (attachable_scaler<scaler_type, Comm>) scaler_.attach(comm_);

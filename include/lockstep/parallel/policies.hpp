@@ -50,6 +50,16 @@ static_assert(accumulation_policy<EveryStep>);
 static_assert(accumulation_policy<Accumulate<4>>);
 static_assert(accumulation_policy<Accumulate<>>);
 
+// ---- sharding -----------------------------------------------------------------------------
+
+//! ZeRO stage 1 (Megatron's distributed optimizer): each bucket is reduce-scattered instead of
+//! all-reduced, so every rank holds the average of 1/N of the gradients — its shard; the
+//! optimizer, built over DataParallel::shard_parameters(), keeps state for that 1/N only and
+//! updates it inside finish(on_shard); each updated shard is then all-gathered back into every
+//! rank's parameters. The bucket layout is fixed at construction (no rebuild after the first
+//! step: the optimizer's state is laid out along it). docs/sharding.md.
+struct ShardedOptimizer {};
+
 // ---- tuning ------------------------------------------------------------------------------
 
 //! Gradient buckets: the first is small so that communication starts early in backward; the
@@ -76,6 +86,10 @@ struct DataParallelOptions {
   //! true: gradients are the mean over all N·K micro-batches (each micro-batch's loss
   //! being a mean); false: divide by N only, as PyTorch DDP does (then scale the loss by 1/K).
   bool average_over_accumulation = true;
+  //! > 0: finish() clips the averaged, unscaled gradients to this global L2 norm (PyTorch's
+  //! clip_grad_norm_) before any per-bucket callback, and reports the norm in
+  //! step_result::grad_norm; sharded, the norm is summed over the shards. 0: off.
+  double max_grad_norm = 0;
 };
 
 }  // namespace lockstep

@@ -3,6 +3,8 @@
 //! in bucket order; buckets are averaged as soon as their last gradient is final,
 //! strictly in plan order (so every rank issues the same collectives in the same order);
 //! the plan is rebuilt once from rank 0's observed arrival order.
+//! Sharded (ShardedOptimizer): units are reduce-scattered and the optimizer's shards gathered
+//! back into the parameters (shards.hpp).
 
 #include <chrono>
 #include <cstdint>
@@ -20,21 +22,10 @@
 #include "lockstep/parallel/bucket_hook.hpp"
 #include "lockstep/parallel/bucket_plan.hpp"
 #include "lockstep/parallel/policies.hpp"
+#include "lockstep/parallel/shards.hpp"
+#include "lockstep/parallel/step.hpp"
 
 namespace lockstep {
-
-//! What gradient synchronisation has cost so far (per rank).
-struct sync_stats {
-  std::uint64_t micro_steps = 0;      //!< step() calls
-  std::uint64_t syncs = 0;            //!< micro-steps that averaged gradients
-  std::uint64_t buckets_reduced = 0;  //!< bucket all-reduces issued
-  std::uint64_t bytes_reduced = 0;    //!< bytes all-reduced (this rank's buffers)
-  double comm_seconds = 0;            //!< host time spent issuing and waiting on collectives
-  std::size_t bucket_count = 0;       //!< buckets in the current plan (all element types)
-  std::size_t arena_bytes = 0;        //!< gradient arena size (all element types)
-  bool zero_copy = false;             //!< the model's gradients live in the arena
-  bool rebuilt = false;               //!< the plan was reordered after the first step
-};
 
 namespace detail {
 
@@ -59,10 +50,13 @@ class reducer {
   using bind_fn = std::function<void(std::size_t, void*)>;
   using refresh_fn = std::function<std::vector<parameter>()>;
 
+  //! sharded: reduce-scatter instead of all-reduce (see the file comment); the layout is then
+  //! fixed at construction (policy.rebuild_after_first_step is ignored).
   reducer(Comm& comm, Hook& hook, std::vector<parameter> params, BucketPolicy policy, bind_fn bind,
-          refresh_fn refresh)
+          refresh_fn refresh, bool sharded = false)
       : comm_(comm), hook_(hook), params_(std::move(params)), policy_(policy), bind_(std::move(bind)),
-        refresh_(std::move(refresh)) {
+        refresh_(std::move(refresh)), sharded_(sharded), shards_(comm) {
+    if (sharded_) policy_.rebuild_after_first_step = false;
     // Initial order: reverse registration order (backward produces the last layer first).
     std::vector<std::size_t> order;
     for (std::size_t i = params_.size(); i-- > 0;) order.push_back(i);
@@ -112,6 +106,7 @@ class reducer {
       g.works.clear();
       g.works.resize(g.plan.buckets.size());
     }
+    if (sharded_) shards_.begin();
   }
 
   //! Parameter i's gradient is final for this micro-step.
@@ -149,8 +144,15 @@ class reducer {
 
   //! End of a syncing micro-step: reduce what is left, wait for everything, unpack.
   //! on_bucket (optional) sees each bucket's parameter slices once it is averaged.
+  //! Sharded: on_bucket (the optimizer) steps each unit's shard, then the unit is gathered
+  //! into the parameters (shards.hpp); without on_bucket, call update_shards() next.
   void finish(const std::function<void(std::span<const param_slice>)>& on_bucket) {
     for (auto& g : groups_) launch_ready(g, true);
+    if (sharded_) {
+      shards_.finish(on_bucket, stats_.comm_seconds);
+      end_sync();
+      return;
+    }
     std::vector<param_slice> slices;
     for (auto& g : groups_) {
       for (std::size_t b = 0; b < g.plan.buckets.size(); ++b) {
@@ -168,13 +170,26 @@ class reducer {
       }
       g.works.clear();
     }
-    ++stats_.syncs;
-    if (!sync_arrivals_.empty()) last_sync_arrivals_.swap(sync_arrivals_);  // for replay_arrivals
-    if (!observed_) settle_order();
+    end_sync();
   }
+
+  //! Sharded, after finish(nullptr): hands each unit's shard to fn (the optimizer), then
+  //! all-gathers every unit into the parameters.
+  void update_shards(const std::function<void(std::span<const param_slice>)>& fn) {
+    shards_.update_all(fn, stats_.comm_seconds);
+  }
+
+  //! Sharded: this rank's shard of every launch unit as a parameter (value in the value
+  //! arena, gradient in the gradient arena), in launch order; slice k handed to the
+  //! optimizer names parameter k of this list. Empty when not sharded.
+  const std::vector<parameter>& shard_parameters() const noexcept { return shards_.parameters(); }
 
   //! Whether the model's gradients live in the arena now (after the binding, see bind_fn).
   bool zero_copy() const { return bound_; }
+
+  //! Sharded: a fingerprint of the shard layout (ranks, element types, unit sizes), so that
+  //! optimizer state saved from shards is loaded only into the same layout.
+  std::uint64_t shard_layout_hash() const { return shards_.layout_hash(order_hash(current_order_)); }
 
   //! The settled layout, for checkpoints: {format 1, observed, fused, n, order...}.
   //! Restoring it makes a resumed run reduce with the same layout (and so, on NCCL, the
@@ -208,6 +223,9 @@ class reducer {
       seen[static_cast<std::size_t>(v)] = true;
       order.push_back(static_cast<std::size_t>(v));
     }
+    if (sharded_ && order != current_order_)
+      throw bad("differs from this sharded run's (a sharded optimizer's layout is fixed at construction: "
+                "the checkpoint was saved with another model or without ShardedOptimizer)");
     observed_ = st[1] != 0;
     fused_ = st[2] != 0;
     arrivals_.clear();
@@ -222,8 +240,9 @@ class reducer {
       for (const auto& bk : g.plan.buckets) fn(slices_of(bk, tmp));
   }
 
-  //! Every gradient, grouped by element type (for unscaling, clipping, norms). Built with
-  //! the plan, so a step reads it without allocating; valid until the plan is rebuilt.
+  //! Every gradient, grouped by element type (for unscaling, clipping, norms) — sharded: this
+  //! rank's shards only. Built with the plan, so a step reads it without allocating; valid
+  //! until the plan is rebuilt.
   std::span<const grad_group> grad_groups() const { return grad_groups_; }
 
  private:
@@ -239,8 +258,10 @@ class reducer {
     }
   };
 
-  static double seconds_since(std::chrono::steady_clock::time_point t0) {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  void end_sync() {
+    ++stats_.syncs;
+    if (!sync_arrivals_.empty()) last_sync_arrivals_.swap(sync_arrivals_);  // for replay_arrivals
+    if (!observed_) settle_order();
   }
 
   std::span<const param_slice> slices_of(const bucket& bk, std::vector<param_slice>& out) const {
@@ -284,7 +305,7 @@ class reducer {
         if (g.pending[b] != 0) return false;
       return true;
     };
-    if (all && fused_ && g.next < g.plan.units.size()) {
+    if (all && fused_ && !sharded_ && g.next < g.plan.units.size()) {
       launch_range(g, g.plan.units[g.next].first, g.plan.buckets.size());
       g.next = g.plan.units.size();
       return;
@@ -310,7 +331,14 @@ class reducer {
       }
       mem.pack(segs, buf, g.plan.type, prescale_);
     }
-    reduce(g, first, buf, end - begin);
+    if (sharded_) {
+      shards_.reduce_scatter(static_cast<std::size_t>(&g - groups_.data()), first, buf, end - begin,
+                             stats_.comm_seconds);
+      ++stats_.buckets_reduced;
+      stats_.bytes_reduced += (end - begin) * size_of(g.plan.type);
+    } else {
+      reduce(g, first, buf, end - begin);
+    }
   }
 
   // The bucket's collective is the hook's (bucket_hook.hpp); the default folds the 1/N of
@@ -374,8 +402,10 @@ class reducer {
       group g;
       // Zero-copy arenas align each gradient to 256 bytes (vector loads, cuBLAS); packed
       // arenas stay dense so one pack per bucket fills them.
-      const std::size_t align = zero_copy() ? std::max<std::size_t>(1, 256 / size_of(t)) : 1;
-      g.plan = make_bucket_plan(t, idx, sizes, policy_, align);
+      // Sharded arenas are dense too: a shard's values are packed from the parameters.
+      const std::size_t align = zero_copy() && !sharded_ ? std::max<std::size_t>(1, 256 / size_of(t)) : 1;
+      g.plan = make_bucket_plan(t, idx, sizes, policy_, align,
+                                sharded_ ? static_cast<std::size_t>(comm_.size()) : 1);
       g.arena = mem.allocate(g.plan.total * size_of(t));
       stats_.bucket_count += g.plan.buckets.size();
       stats_.arena_bytes += g.plan.total * size_of(t);
@@ -401,11 +431,27 @@ class reducer {
       params_ = std::move(fresh);
     }
     stats_.zero_copy = zero_copy();
+    if (sharded_) {
+      std::vector<const bucket_plan*> plans;
+      std::vector<void*> arenas;
+      for (auto& g : groups_) {
+        plans.push_back(&g.plan);
+        arenas.push_back(g.arena.get());
+      }
+      shards_.build(plans, arenas, params_);
+      stats_.shard_bytes = shards_.bytes();
+    }
     grad_groups_.clear();
-    for (auto& g : groups_) {
+    for (std::size_t gi = 0; gi < groups_.size(); ++gi) {
+      auto& g = groups_[gi];
       g.grads.clear();
-      for (auto i : g.plan.order)
-        if (params_[i].numel()) g.grads.push_back({params_[i].grad, params_[i].numel()});
+      if (sharded_) {  // this rank's shards: what it unscales, checks and clips
+        const auto mine = shards_.grads(gi);
+        g.grads.assign(mine.begin(), mine.end());
+      } else {
+        for (auto i : g.plan.order)
+          if (params_[i].numel()) g.grads.push_back({params_[i].grad, params_[i].numel()});
+      }
       grad_groups_.push_back({g.plan.type, g.grads});
     }
     check_same_plan();
@@ -416,28 +462,13 @@ class reducer {
   void check_same_plan() {
     if (comm_.size() == 1) return;
     std::string mine;
-    for (const auto& g : groups_) {
-      mine += std::string(name_of(g.plan.type)) + ": " + std::to_string(g.plan.total) +
-              " elements in " + std::to_string(g.plan.buckets.size()) + " buckets (first " +
-              std::to_string(g.plan.buckets.empty() ? 0 : g.plan.buckets[0].elements()) +
-              ", units " + std::to_string(g.plan.units.size()) + ", order hash " +
-              std::to_string(order_hash(g.plan.order)) + "); ";
-    }
+    for (const auto& g : groups_) mine += describe_plan(g.plan);
     auto all = host_all_gather_strings(comm_, mine);
     for (std::size_t r = 1; r < all.size(); ++r)
       if (all[r] != all[0])
         throw mismatch_error("ranks built different gradient bucket plans: rank 0 has " + all[0] +
                              "rank " + std::to_string(r) + " has " + all[r] +
                              "(give every rank the same BucketPolicy and zero_copy setting)");
-  }
-
-  static std::uint64_t order_hash(const std::vector<std::size_t>& order) {
-    std::uint64_t h = 1469598103934665603ull;  // FNV-1a 64
-    for (auto i : order) {
-      h ^= static_cast<std::uint64_t>(i);
-      h *= 1099511628211ull;
-    }
-    return h;
   }
 
   Comm& comm_;
@@ -458,6 +489,8 @@ class reducer {
   bool observed_ = false;
   bool fused_ = false;
   bool bound_ = false;  // the model's gradients live in the arena
+  bool sharded_ = false;
+  shard_set<Comm> shards_;  // sharded: the shards, the value arena, their collectives
   bool sync_ = false;
   double prescale_ = 1.0;
   sync_stats stats_;

@@ -1,8 +1,10 @@
 #pragma once
 //! What one DataParallel step hands to the model (the gradient-ready hook) and reports back
-//! to the training loop (step_result).
+//! to the training loop (step_result, and sync_stats over all steps).
 
 #include <cstddef>
+#include <cstdint>
+#include <limits>
 
 namespace lockstep {
 
@@ -29,6 +31,20 @@ class gradient_ready_fn {
   void (*fn_)(void*, std::size_t) = nullptr;
 };
 
+//! What gradient synchronisation has cost so far (per rank).
+struct sync_stats {
+  std::uint64_t micro_steps = 0;      //!< step() calls
+  std::uint64_t syncs = 0;            //!< micro-steps that averaged gradients
+  std::uint64_t buckets_reduced = 0;  //!< bucket all-reduces issued
+  std::uint64_t bytes_reduced = 0;    //!< bytes all-reduced (this rank's buffers)
+  double comm_seconds = 0;            //!< host time spent issuing and waiting on collectives
+  std::size_t bucket_count = 0;       //!< buckets in the current plan (all element types)
+  std::size_t arena_bytes = 0;        //!< gradient arena size (all element types)
+  std::size_t shard_bytes = 0;        //!< sharded: this rank's shard of the arena (optimizer's share)
+  bool zero_copy = false;             //!< the model's gradients live in the arena
+  bool rebuilt = false;               //!< the plan was reordered after the first step
+};
+
 //! What finish() reports. Converts to true when the optimizer should step.
 struct step_result {
   bool synced = false;   //!< this micro-step averaged gradients (last of its cycle)
@@ -38,6 +54,9 @@ struct step_result {
   //! stream; hand it to the optimizer (cuda::FusedSgd / FusedAdamW). `applied` is then true:
   //! the host does not know. nullptr with host-decided scalers.
   const int* device_found_inf = nullptr;
+  //! The global L2 norm of the averaged gradients before clipping, when
+  //! DataParallelOptions::max_grad_norm is set; NaN otherwise (and on micro-steps).
+  double grad_norm = std::numeric_limits<double>::quiet_NaN();
   explicit operator bool() const noexcept { return synced && applied; }
 };
 

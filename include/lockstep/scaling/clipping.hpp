@@ -13,12 +13,30 @@
 #include <span>
 #include <string>
 
+#include "lockstep/comm/host_collectives.hpp"
 #include "lockstep/core/concepts.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/grad_group.hpp"
 #include "lockstep/core/host_memory.hpp"
+#include "lockstep/scaling/loss_scaler.hpp"
 
 namespace lockstep {
+
+namespace detail {
+inline void check_max_norm(double max_norm) {
+  if (!(max_norm >= 0.0))
+    throw config_error("clip_grad_norm: max_norm must be >= 0, got " + std::to_string(max_norm));
+}
+//! Scales the groups by max_norm / (norm + 1e-6) when that is below 1; returns norm.
+template <memory_ops Mem>
+double clip_to(Mem mem, std::span<const grad_group> groups, double max_norm, double norm) {
+  if (!std::isfinite(norm)) return norm;
+  const double coef = max_norm / (norm + 1e-6);
+  // One multi-tensor pass per element type (a scale per segment would be a launch each).
+  if (coef < 1.0) grad_ops<Mem>::unscale_and_flag(mem, groups, coef, nullptr);
+  return norm;
+}
+}  // namespace detail
 
 //! The global L2 norm over every element of every group: sqrt(Σx²), the squares summed in
 //! double with compensation (a relative error of a few 1e-16 whatever the size). inf/NaN in
@@ -42,17 +60,24 @@ inline double grad_norm(std::span<const grad_group> groups) {
 template <memory_ops Mem>
   requires has_grad_ops<Mem>
 double clip_grad_norm(Mem mem, std::span<const grad_group> groups, double max_norm) {
-  if (!(max_norm >= 0.0))
-    throw config_error("clip_grad_norm: max_norm must be >= 0, got " + std::to_string(max_norm));
-  const double norm = grad_norm(mem, groups);
-  if (!std::isfinite(norm)) return norm;
-  const double coef = max_norm / (norm + 1e-6);
-  // One multi-tensor pass per element type (a scale per segment would be a launch each).
-  if (coef < 1.0) grad_ops<Mem>::unscale_and_flag(mem, groups, coef, nullptr);
-  return norm;
+  detail::check_max_norm(max_norm);
+  return detail::clip_to(mem, groups, max_norm, grad_norm(mem, groups));
 }
 inline double clip_grad_norm(std::span<const grad_group> groups, double max_norm) {
   return clip_grad_norm(HostMemory{}, groups, max_norm);
+}
+
+//! As clip_grad_norm, for gradients split over the ranks of comm, each rank passing its own
+//! part (its shard, as DataParallel does with ShardedOptimizer): the squares are summed over
+//! the ranks (one all-reduce of a double), so every rank clips by the same norm. Collective.
+template <communicator C>
+  requires has_grad_ops<memory_of_t<C>>
+double clip_grad_norm_sharded(C& comm, std::span<const grad_group> groups, double max_norm) {
+  detail::check_max_norm(max_norm);
+  auto mem = comm.memory();
+  double sum = grad_ops<memory_of_t<C>>::sum_of_squares(mem, groups);
+  if (comm.size() > 1) detail::host_all_reduce(comm, std::span<double>(&sum, 1), reduce_op::sum);
+  return detail::clip_to(mem, groups, max_norm, std::sqrt(sum));
 }
 
 //! Clamps every gradient element to [-clip, clip] (PyTorch's clip_grad_value_); NaN stays NaN.

@@ -1,0 +1,81 @@
+#pragma once
+//! Every rank holds the same model. Its parameters (lockstep::model 1) and buffers (model (c):
+//! BatchNorm running statistics and the like — state that is not trained but must match) are
+//! compared across ranks at construction, the first difference named, and rank 0's values are
+//! broadcast to every rank; buffers, with DataParallelOptions::broadcast_buffers, also at the
+//! start of every accumulation cycle (PyTorch DDP's broadcast_buffers).
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "lockstep/comm/host_collectives.hpp"
+#include "lockstep/core/concepts.hpp"
+#include "lockstep/core/error.hpp"
+#include "lockstep/core/parameter.hpp"
+
+namespace lockstep::detail {
+
+template <class M>
+std::vector<parameter> collect_parameters(M& m) {
+  std::vector<parameter> out;
+  for (auto&& p : m.parameters()) out.push_back(static_cast<parameter>(p));
+  return out;
+}
+
+template <class M>
+std::vector<parameter> collect_buffers(M& m) {
+  std::vector<parameter> out;
+  if constexpr (buffer_model<M>)
+    for (auto&& b : m.buffers()) out.push_back(static_cast<parameter>(b));
+  (void)m;
+  return out;
+}
+
+//! One line per tensor: name, shape and element type.
+inline std::vector<std::string> describe(const std::vector<parameter>& ps) {
+  std::vector<std::string> out;
+  for (const auto& p : ps) out.push_back(p.name + " " + p.shape_string());
+  return out;
+}
+
+//! Throws mismatch_error (on every rank alike) if any rank's tensors differ from rank 0's,
+//! naming the first difference; `what` says which list ("parameter", "buffer").
+template <class Comm>
+void check_same_tensors(Comm& comm, const std::vector<parameter>& ps, const std::string& what) {
+  std::string mine;
+  for (const auto& l : describe(ps)) mine += l + "\n";
+  const auto all = host_all_gather_strings(comm, mine);
+  const auto lines = [](const std::string& s) {
+    std::vector<std::string> out;
+    for (std::size_t at = 0, nl; at < s.size(); at = nl + 1) {
+      nl = s.find('\n', at);
+      out.push_back(s.substr(at, nl - at));
+    }
+    return out;
+  };
+  const auto ref = lines(all[0]);
+  for (std::size_t r = 1; r < all.size(); ++r) {
+    if (all[r] == all[0]) continue;
+    const auto theirs = lines(all[r]);
+    for (std::size_t i = 0; i < std::max(ref.size(), theirs.size()); ++i) {
+      if (i < ref.size() && i < theirs.size() && ref[i] == theirs[i]) continue;
+      const auto at = [&](const std::vector<std::string>& v) {
+        return i < v.size() ? "'" + v[i] + "'" : "nothing (it has " + std::to_string(v.size()) + " " + what + "s)";
+      };
+      throw mismatch_error("ranks built different models: " + what + " " + std::to_string(i) + " is " + at(ref) +
+                           " on rank 0 but " + at(theirs) + " on rank " + std::to_string(r) +
+                           " (every rank must construct the same model: same " + what +
+                           "s, order, shapes and element types)");
+    }
+  }
+}
+
+//! Rank 0's values to every rank.
+template <class Comm>
+void broadcast_values(Comm& comm, const std::vector<parameter>& ps) {
+  for (const auto& p : ps)
+    if (p.numel()) comm.broadcast(p.value, p.numel(), p.type, 0).wait();
+}
+
+}  // namespace lockstep::detail

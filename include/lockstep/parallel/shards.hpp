@@ -1,0 +1,206 @@
+#pragma once
+//! The reducer's sharded half (ShardedOptimizer, policies.hpp): per element type and launch
+//! unit, this rank's block of the gradient arena (its shard), a value arena of the same layout
+//! the optimizer updates the shard in, and the collectives around it — the unit's
+//! reduce-scatter (mean) as soon as backward completes it, and after the optimizer has stepped
+//! the shard, the all-gather of the unit's values, unpacked into the model's parameters.
+//! The plan must be dense and cut so that every unit's length is a multiple of size().
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "lockstep/core/concepts.hpp"
+#include "lockstep/core/parameter.hpp"
+#include "lockstep/core/reduce_op.hpp"
+#include "lockstep/parallel/bucket_plan.hpp"
+
+namespace lockstep::detail {
+
+inline double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+template <class Comm>
+class shard_set {
+ public:
+  using work_type = decltype(std::declval<Comm&>().all_gather(nullptr, nullptr, std::size_t{}, dtype::f32));
+  using step_fn = std::function<void(std::span<const param_slice>)>;
+
+  explicit shard_set(Comm& comm) : comm_(comm) {}
+
+  //! Lays out the shards of every group (one per element type, in the reducer's order):
+  //! plans[g] cut arena g; params: the model's parameters (values are packed from them).
+  void build(std::span<const bucket_plan* const> plans, std::span<void* const> arenas,
+             const std::vector<parameter>& params) {
+    groups_.clear();
+    params_.clear();
+    slices_.clear();
+    bytes_ = 0;
+    const auto n = static_cast<std::size_t>(comm_.size()), r = static_cast<std::size_t>(comm_.rank());
+    auto mem = comm_.memory();
+    for (std::size_t gi = 0; gi < plans.size(); ++gi) {
+      const bucket_plan& plan = *plans[gi];
+      const std::size_t es = size_of(plan.type);
+      group& g = groups_.emplace_back();
+      g.plan = &plan;
+      g.values = mem.allocate(plan.total * es);
+      g.scatters.resize(plan.buckets.size());
+      g.gathers.resize(plan.units.size());
+      char* grads = static_cast<char*>(arenas[gi]);
+      for (const auto& unit : plan.units) {
+        shard sh;
+        sh.begin = plan.buckets[unit.first].begin;
+        const std::size_t len = plan.buckets[unit.last - 1].end - sh.begin;
+        sh.count = len / n;
+        const std::size_t lo = sh.begin + r * sh.count, hi = lo + sh.count;
+        for (std::size_t b = unit.first; b < unit.last; ++b)
+          for (const auto& s : plan.buckets[b].slices) {
+            char* v = static_cast<char*>(params[s.param].value);
+            sh.all.push_back({v + s.param_offset * es, s.count});
+            const std::size_t a = std::max(lo, s.arena_offset), e = std::min(hi, s.arena_offset + s.count);
+            if (a < e) sh.mine.push_back({v + (s.param_offset + (a - s.arena_offset)) * es, e - a});
+          }
+        sh.index = params_.size();
+        void* value = g.values_at(lo);
+        void* grad = grads + lo * es;
+        params_.push_back(parameter{"shard " + std::to_string(r) + "/" + std::to_string(n) + " of " +
+                                        name_of(plan.type) + " elements [" + std::to_string(sh.begin) + ", " +
+                                        std::to_string(sh.begin + len) + ")",
+                                    {static_cast<std::int64_t>(sh.count)}, plan.type, value, grad});
+        slices_.push_back({sh.index, 0, sh.count, plan.type, value, grad});
+        if (sh.count) g.grads.push_back({grad, sh.count});
+        bytes_ += sh.count * es;
+        g.shards.push_back(std::move(sh));
+      }
+    }
+  }
+
+  //! This rank's shard of every launch unit, in launch order (the optimizer's parameters).
+  const std::vector<parameter>& parameters() const noexcept { return params_; }
+  //! The gradient shards of group g, for unscaling, checks and clipping.
+  std::span<const segment> grads(std::size_t g) const { return groups_[g].grads; }
+  //! Bytes of the gradient arena this rank's shards cover.
+  std::size_t bytes() const noexcept { return bytes_; }
+
+  //! A fingerprint of the layout (ranks, element types, shard sizes) mixed into h.
+  std::uint64_t layout_hash(std::uint64_t h) const {
+    const auto mix = [&h](std::uint64_t v) {
+      h ^= v;
+      h *= 1099511628211ull;
+    };
+    mix(static_cast<std::uint64_t>(comm_.size()));
+    for (const auto& g : groups_) {
+      mix(static_cast<std::uint64_t>(g.plan->type));
+      for (const auto& sh : g.shards) mix(sh.count);
+    }
+    return h;
+  }
+
+  //! The syncing step begins: nothing in flight.
+  void begin() {
+    for (auto& g : groups_) {
+      for (auto& w : g.scatters) w.reset();
+      for (auto& w : g.gathers) w.reset();
+    }
+  }
+
+  //! Reduce-scatters the unit of group g starting at bucket `first`: count elements at buf
+  //! (already prescaled); rank r keeps the mean of block r in place.
+  void reduce_scatter(std::size_t g, std::size_t first, void* buf, std::size_t count, double& seconds) {
+    if (comm_.size() == 1 || count == 0) return;
+    const auto t = groups_[g].plan->type;
+    const std::size_t per = count / static_cast<std::size_t>(comm_.size());
+    void* mine = static_cast<char*>(buf) + static_cast<std::size_t>(comm_.rank()) * per * size_of(t);
+    const auto t0 = std::chrono::steady_clock::now();
+    groups_[g].scatters[first].emplace(comm_.reduce_scatter(buf, mine, per, t, reduce_op::avg));
+    seconds += seconds_since(t0);
+  }
+
+  //! Waits for every reduce-scatter in unit order; with fn, updates each unit as it is ready
+  //! and gathers everything (see update). Without fn, call update_all next.
+  void finish(const step_fn& fn, double& seconds) {
+    for (std::size_t gi = 0; gi < groups_.size(); ++gi) {
+      group& g = groups_[gi];
+      for (std::size_t u = 0; u < g.shards.size(); ++u) {
+        wait(g.scatters[g.plan->units[u].first], seconds);
+        if (fn) update(g, u, fn, seconds);
+      }
+    }
+    if (fn) gather(seconds);
+  }
+
+  //! Hands every unit's shard to fn (the optimizer) and gathers everything.
+  void update_all(const step_fn& fn, double& seconds) {
+    for (auto& g : groups_)
+      for (std::size_t u = 0; u < g.shards.size(); ++u) update(g, u, fn, seconds);
+    gather(seconds);
+  }
+
+ private:
+  struct shard {
+    std::size_t begin = 0;      // the unit's first arena element
+    std::size_t count = 0;      // elements per rank (the unit's length / size())
+    std::size_t index = 0;      // into params_
+    std::vector<segment> mine;  // the model's values in this rank's block
+    std::vector<segment> all;   // the model's values in the whole unit
+  };
+  struct group {
+    const bucket_plan* plan = nullptr;
+    std::shared_ptr<void> values;  // the value arena, the plan's layout
+    std::vector<shard> shards;     // per launch unit
+    std::vector<segment> grads;    // the gradient shards
+    std::vector<std::optional<work_type>> scatters;  // by the unit's first bucket
+    std::vector<std::optional<work_type>> gathers;   // by unit
+    void* values_at(std::size_t elem) const {
+      return static_cast<char*>(values.get()) + elem * size_of(plan->type);
+    }
+  };
+
+  static void wait(std::optional<work_type>& w, double& seconds) {
+    if (!w) return;
+    const auto t0 = std::chrono::steady_clock::now();
+    w->wait();
+    seconds += seconds_since(t0);
+    w.reset();
+  }
+
+  // Packs this rank's block of unit u from the parameters into the value arena, hands it to
+  // fn with its gradient shard, and issues the unit's all-gather (in place).
+  void update(group& g, std::size_t u, const step_fn& fn, double& seconds) {
+    const shard& sh = g.shards[u];
+    const std::size_t mine = sh.begin + static_cast<std::size_t>(comm_.rank()) * sh.count;
+    comm_.memory().pack(sh.mine, g.values_at(mine), g.plan->type, 1.0);
+    fn(std::span<const param_slice>(&slices_[sh.index], 1));
+    if (comm_.size() == 1) return;
+    const auto t0 = std::chrono::steady_clock::now();
+    g.gathers[u].emplace(comm_.all_gather(g.values_at(mine), g.values_at(sh.begin), sh.count, g.plan->type));
+    seconds += seconds_since(t0);
+  }
+
+  // Waits for every unit's all-gather and unpacks the values into the parameters.
+  void gather(double& seconds) {
+    auto mem = comm_.memory();
+    for (auto& g : groups_)
+      for (std::size_t u = 0; u < g.shards.size(); ++u) {
+        wait(g.gathers[u], seconds);
+        mem.unpack(g.values_at(g.shards[u].begin), g.shards[u].all, g.plan->type);
+      }
+  }
+
+  Comm& comm_;
+  std::vector<group> groups_;
+  std::vector<parameter> params_;    // this rank's shard of each unit
+  std::vector<param_slice> slices_;  // the same, as the optimizer's slices
+  std::size_t bytes_ = 0;
+};
+
+}  // namespace lockstep::detail

@@ -1,0 +1,226 @@
+// ShardedOptimizer (ZeRO-1) on CPU ranks: a sharded run ends with the parameters of the same
+// run unsharded — AdamW on 1..4 ranks, a model whose size no rank count divides, tiny buckets
+// (tensors split over buckets and shards), zero-copy and packed gradients, accumulation,
+// dynamic loss scaling with an injected inf (the step is skipped on every rank), clipping by
+// the global norm summed over the shards — with state for 1/N of the parameters per rank, and
+// checkpoints of the sharded state that resume bit for bit.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <limits>
+#include <type_traits>
+
+#include <lockstep/lockstep.hpp>
+
+#include "equivalence.hpp"
+#include "mlp.hpp"
+#include "sharded_run.hpp"
+#include "test_util.hpp"
+
+using namespace lockstep_test;
+
+namespace {
+
+using config = sharded_config;
+using outcome = sharded_outcome;
+
+template <class T, bool Sharded, bool Bindable, class Hold = std::nullptr_t, class Start = std::nullptr_t>
+outcome train(const dataset& d, const config& c, std::uint64_t init_seed, Hold hold = nullptr,
+              Start start = nullptr) {
+  outcome out;
+  out.values.resize(static_cast<std::size_t>(c.ranks));
+  lockstep::run(lockstep::Threads{c.ranks},
+                [&](auto& ctx) { train_rank<T, Sharded, Bindable>(ctx, d, c, init_seed, out, hold, start); });
+  return out;
+}
+
+template <class T, bool Bindable>
+void check_sharded_equals_unsharded(const config& c) {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  CAPTURE(c.ranks); CAPTURE(c.accumulate); CAPTURE(c.hooks); CAPTURE(Bindable); CAPTURE(c.buckets.cap_bytes);
+  CAPTURE(c.max_norm); CAPTURE(c.inf_step);
+  const auto d = make_data(seed, 211);
+  const auto plain = train<T, false, Bindable>(d, c, seed + 1);
+  const auto sharded = train<T, true, Bindable>(d, c, seed + 1);
+  // The run trained (values moved) and all ranks agree bit for bit.
+  TestMlp<T> init(d.dims, seed + 1);
+  std::vector<double> v0;
+  for (auto x : init.flat_values()) v0.push_back(static_cast<double>(x));
+  CHECK(max_rel_diff(v0, plain.values[0]) > 1e-3);
+  const double tol = std::is_same_v<T, double> ? 1e-12 : 1e-6;
+  for (int r = 0; r < c.ranks; ++r) {
+    CAPTURE(r);
+    CHECK(sharded.values[static_cast<std::size_t>(r)] == sharded.values[0]);
+    CHECK(max_rel_diff(sharded.values[static_cast<std::size_t>(r)], plain.values[0]) <= tol);
+  }
+  if (c.max_norm == 0) CHECK(sharded.values[0] == plain.values[0]);  // same sums, same updates
+  CHECK(sharded.applied == plain.applied);
+  CHECK(sharded.final_scale == plain.final_scale);
+  for (std::size_t s = 0; s < plain.norms.size(); ++s) {
+    if (std::isnan(plain.norms[s])) CHECK(std::isnan(sharded.norms[s]));
+    else CHECK(std::abs(sharded.norms[s] - plain.norms[s]) <= 1e-12 * plain.norms[s]);
+  }
+  // State for this rank's shard only: ceil(P / N) elements per state buffer, and the same
+  // number of bytes in the gradient arena's shard.
+  const std::size_t P = parameter_count(d), N = static_cast<std::size_t>(c.ranks);
+  CHECK(plain.state_elements == P);
+  CHECK(sharded.state_elements == (P + N - 1) / N);
+  CHECK(sharded.shard_bytes == (P + N - 1) / N * sizeof(T));
+}
+
+}  // namespace
+
+TEST_SUITE("cpu") {
+
+TEST_CASE_TEMPLATE("sharded: AdamW on N ranks equals the unsharded run - zero-copy and packed", T, float, double) {
+  for (int n : {1, 2, 3, 4}) {
+    config c;
+    c.ranks = n;
+    check_sharded_equals_unsharded<T, true>(c);
+    check_sharded_equals_unsharded<T, false>(c);
+    c.hooks = false;  // every bucket reduced in finish()
+    check_sharded_equals_unsharded<T, true>(c);
+  }
+}
+
+TEST_CASE_TEMPLATE("sharded: tiny buckets split tensors over buckets and shards", T, float, double) {
+  for (int n : {2, 3, 4}) {
+    config c;
+    c.ranks = n;
+    c.buckets = {.first_bytes = 4 * sizeof(T) * 7, .cap_bytes = 4 * sizeof(T) * 19};
+    check_sharded_equals_unsharded<T, true>(c);
+    check_sharded_equals_unsharded<T, false>(c);
+  }
+}
+
+TEST_CASE_TEMPLATE("sharded: accumulation - loss scaling with an injected inf - clipping", T, float, double) {
+  std::mt19937_64 rng(fresh_seed());
+  for (int n : {2, 3, 4}) {
+    config c;
+    c.ranks = n;
+    c.accumulate = 2;
+    c.buckets = {.first_bytes = 256, .cap_bytes = 1024};
+    check_sharded_equals_unsharded<T, true>(c);
+    config inf = c;
+    inf.inf_step = 2;
+    inf.inf_at = std::uniform_int_distribution<std::size_t>(0, 13 * 17 - 1)(rng);  // anywhere in the first weight
+    check_sharded_equals_unsharded<T, true>(inf);
+    config clip = c;
+    clip.max_norm = 0.05;  // below the norms of this model: every step clips
+    check_sharded_equals_unsharded<T, true>(clip);
+    check_sharded_equals_unsharded<T, false>(clip);
+  }
+}
+
+TEST_CASE("sharded: the skipped step is skipped on every rank and clipping reports the norm") {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  const auto d = make_data(seed, 211);
+  config c;
+  c.ranks = 3;
+  c.steps = 4;
+  c.inf_step = 1;
+  c.max_norm = 0.05;
+  const auto got = train<float, true, true>(d, c, seed + 1);
+  CHECK(got.applied == std::vector<int>{1, 0, 1, 1});
+  CHECK(got.final_scale == 512.0);  // halved once; 3 clean steps (growth_interval) not reached after it
+  CHECK(std::isfinite(got.norms[0]));
+  CHECK(got.norms[0] > c.max_norm);  // so it clipped
+}
+
+TEST_CASE_TEMPLATE("sharded: a checkpoint of the sharded state resumes bit for bit", T, float, double) {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  const auto d = make_data(seed, 211);
+  config c;
+  c.ranks = 3;
+  c.steps = 6;
+  c.buckets = {.first_bytes = 300, .cap_bytes = 700};
+  const int at = 3;
+  lockstep::Checkpoint saved;
+  const auto whole = train<T, true, true>(d, c, seed + 1, [&](auto& ctx, auto& dp, auto& opt, int s) {
+    if (s != at - 1) return;
+    auto state = lockstep::gather_sharded(dp, opt);
+    if (ctx.rank() == 0) {
+      lockstep::Checkpoint ck;
+      lockstep::add_training_state(ck, dp);
+      ck.add_blob("optimizer", std::move(state));
+      saved = ck;
+    }
+  });
+  config rest = c;
+  rest.first_step = at;
+  // Fresh models (other initial values) take everything from the checkpoint.
+  const auto resumed = train<T, true, true>(d, rest, seed + 99, nullptr, [&](auto& dp, auto& opt) {
+    lockstep::restore_training_state(saved, dp);
+    lockstep::load_sharded(dp, opt, saved.blob("optimizer"));
+  });
+  for (int r = 0; r < c.ranks; ++r) CHECK(resumed.values[static_cast<std::size_t>(r)] == whole.values[0]);
+  CHECK(resumed.final_scale == whole.final_scale);
+}
+
+TEST_CASE("sharded: wrong use is refused with what to do") {
+  const auto seed = fresh_seed();
+  const auto d = make_data(seed, 64);
+  using Model = TestMlp<float>;
+  using DP = lockstep::DataParallel<Model, lockstep::ThreadComm, lockstep::ShardedOptimizer>;
+  SUBCASE("finish() without the optimizer") {
+    CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
+                           Model m(d.dims, seed);
+                           DP dp(ctx, m);
+                           auto step = dp.step();
+                           std::vector<std::size_t> rows{0, 1};
+                           m.forward_backward(d.X32, d.y, rows, step.on_gradient_ready());
+                           (void)step.finish();
+                         }),
+                         doctest::Contains("finish(on_shard)"), lockstep::config_error);
+  }
+  SUBCASE("join") {
+    CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
+                           Model m(d.dims, seed);
+                           DP dp(ctx, m);
+                           auto j = dp.join([](lockstep::step_result) {});
+                         }),
+                         doctest::Contains("not supported with ShardedOptimizer"), lockstep::config_error);
+  }
+  SUBCASE("a negative max_grad_norm") {
+    CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
+                           Model m(d.dims, seed);
+                           DP dp(ctx, m, {.max_grad_norm = -1});
+                         }),
+                         doctest::Contains("max_grad_norm"), lockstep::config_error);
+  }
+  SUBCASE("state saved by another number of ranks, or damaged, is not loaded") {
+    std::vector<std::byte> two;
+    lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
+      Model m(d.dims, seed);
+      DP dp(ctx, m);
+      lockstep::AdamW opt({.lr = 0.01});
+      auto step = dp.step();
+      std::vector<std::size_t> rows{0, 1};
+      m.forward_backward(d.X32, d.y, rows, step.on_gradient_ready());
+      step.finish([&](std::span<const lockstep::param_slice> s) { opt.step(s); });
+      auto st = lockstep::gather_sharded(dp, opt);
+      if (ctx.rank() == 0) two = st;
+    });
+    CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{3}, [&](auto& ctx) {
+                           Model m(d.dims, seed);
+                           DP dp(ctx, m);
+                           lockstep::AdamW opt({.lr = 0.01});
+                           lockstep::load_sharded(dp, opt, two);
+                         }),
+                         doctest::Contains("saved by 2 ranks, but this job has 3"), lockstep::checkpoint_error);
+    auto cut = two;
+    cut.resize(cut.size() - 5);
+    lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
+      Model m(d.dims, seed);
+      DP dp(ctx, m);
+      lockstep::AdamW opt({.lr = 0.01});
+      CHECK_THROWS_AS(lockstep::load_sharded(dp, opt, cut), lockstep::checkpoint_error);
+      CHECK(opt.slot_count() == 0);  // unchanged
+    });
+  }
+}
+
+}  // TEST_SUITE

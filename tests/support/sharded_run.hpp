@@ -1,0 +1,107 @@
+#pragma once
+// The training loop of the ShardedOptimizer tests, one rank's part, for any communicator
+// (ThreadComm in tests/cpu/test_sharded.cpp, MpiComm in tests/mpi/test_mpi_sharded.cpp):
+// the MLP trained with host AdamW, DynamicScale and Accumulate<>, sharded or not.
+#include <cmath>
+#include <cstddef>
+#include <limits>
+#include <span>
+#include <type_traits>
+#include <vector>
+
+#include <lockstep/lockstep.hpp>
+
+#include "equivalence.hpp"
+#include "mlp.hpp"
+
+namespace lockstep_test {
+
+struct sharded_config {
+  int ranks = 2;
+  std::size_t batch = 3;  // per rank, per micro-step
+  int accumulate = 1;
+  int steps = 5;
+  bool hooks = true;
+  lockstep::BucketPolicy buckets{};
+  double max_norm = 0;   // DataParallelOptions::max_grad_norm
+  int inf_step = -1;     // this step's gradients get an inf on the last rank
+  std::size_t inf_at = 0;
+  int first_step = 0;    // resume: the step the loop starts at
+};
+
+struct sharded_outcome {
+  std::vector<std::vector<double>> values;  // per rank, widened
+  std::vector<int> applied;                 // rank 0, per step
+  std::vector<double> norms;                // rank 0, per step
+  double final_scale = 0;
+  std::size_t state_elements = 0;           // rank 0: optimizer state per buffer
+  std::size_t shard_bytes = 0;
+};
+
+using Scale = lockstep::DynamicScale;
+constexpr lockstep::DynamicScaleOptions scale_options{.init_scale = 1024.0, .growth_interval = 3};
+
+// One rank of config c (c.ranks must be ctx.size()); Sharded picks ShardedOptimizer.
+// hold(ctx, dp, opt, step) is called after each optimizer step (checkpoints); start(dp, opt)
+// before the first (resume). Fills out.values[rank], and on rank 0 the rest of out.
+template <class T, bool Sharded, bool Bindable, class Ctx, class Hold = std::nullptr_t, class Start = std::nullptr_t>
+void train_rank(Ctx& ctx, const dataset& d, const sharded_config& c, std::uint64_t init_seed, sharded_outcome& out,
+                Hold hold = nullptr, Start start = nullptr) {
+  using Comm = std::remove_cvref_t<decltype(ctx.comm())>;
+  using Model = TestMlp<T, Bindable>;
+  Model m(d.dims, init_seed + static_cast<std::uint64_t>(ctx.rank()) * 7919);
+  const lockstep::DataParallelOptions o{.buckets = c.buckets, .max_grad_norm = c.max_norm};
+  using DP = std::conditional_t<
+      Sharded,
+      lockstep::DataParallel<Model, Comm, lockstep::Accumulate<>, Scale, lockstep::ShardedOptimizer>,
+      lockstep::DataParallel<Model, Comm, lockstep::Accumulate<>, Scale>>;
+  DP p(ctx, m, o, lockstep::Accumulate<>(c.accumulate), Scale(scale_options));
+  lockstep::AdamW opt({.lr = 0.01, .weight_decay = 0.05});
+  if constexpr (!std::is_same_v<Start, std::nullptr_t>) start(p, opt);
+  const std::size_t global = c.batch * static_cast<std::size_t>(c.ranks * c.accumulate);
+  for (int s = c.first_step; s < c.steps; ++s) {
+    lockstep::step_result r;
+    for (int k = 0; k < c.accumulate; ++k) {
+      auto step = p.step();
+      std::vector<std::size_t> rows(c.batch);
+      const std::size_t first = static_cast<std::size_t>(s) * global +
+                                (static_cast<std::size_t>(k) * c.ranks + ctx.rank()) * c.batch;
+      for (std::size_t i = 0; i < c.batch; ++i) rows[i] = (first + i) % d.samples;
+      // The inf goes in before parameter 0's gradient is reported final (and reduced).
+      const bool inject = s == c.inf_step && ctx.rank() == c.ranks - 1 && step.synchronizes();
+      const auto poison = [&] { static_cast<T*>(m.parameters()[0].grad)[c.inf_at] = std::numeric_limits<T>::infinity(); };
+      m.forward_backward(inputs<T>(d), d.y, rows, [&](std::size_t i) {
+        if (inject && i == 0) poison();
+        if (c.hooks) step.gradient_ready(i);
+      }, step.loss_scale());
+      if constexpr (Sharded) {
+        r = step.finish([&](std::span<const lockstep::param_slice> sl) { opt.step(sl); });
+      } else {
+        r = step.finish();
+        if (r) opt.step(p.parameters());
+      }
+    }
+    if (ctx.rank() == 0) {
+      out.applied.push_back(r.applied ? 1 : 0);
+      out.norms.push_back(r.grad_norm);
+    }
+    if constexpr (!std::is_same_v<Hold, std::nullptr_t>) hold(ctx, p, opt, s);
+  }
+  std::vector<double> v;
+  for (auto x : m.flat_values()) v.push_back(static_cast<double>(x));
+  out.values[static_cast<std::size_t>(ctx.rank())] = std::move(v);
+  if (ctx.rank() == 0) {
+    out.final_scale = p.scaler().scale();
+    for (std::size_t i = 0; i < opt.slot_count(); ++i) out.state_elements += opt.template state<T>(i, 0).size();
+    out.shard_bytes = p.stats().shard_bytes;
+  }
+}
+
+inline std::size_t parameter_count(const dataset& d) {
+  std::size_t n = 0;
+  for (std::size_t l = 0; l + 1 < d.dims.size(); ++l)
+    n += static_cast<std::size_t>(d.dims[l] * d.dims[l + 1] + d.dims[l + 1]);
+  return n;
+}
+
+}  // namespace lockstep_test
