@@ -223,4 +223,35 @@ TEST_CASE("sharded: wrong use is refused with what to do") {
   }
 }
 
+TEST_CASE("max_grad_norm: finish() clips as clip_grad_norm after finish() does - and reports the norm") {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  const auto d = make_data(seed, 211);
+  const double max_norm = 0.05, lr = 0.1;
+  lockstep::run(lockstep::Threads{3}, [&](auto& ctx) {
+    TestMlp<float> a(d.dims, seed + 1), b(d.dims, seed + 1);
+    lockstep::DataParallel<TestMlp<float>, lockstep::ThreadComm> da(ctx, a, {.max_grad_norm = max_norm});
+    lockstep::DataParallel<TestMlp<float>, lockstep::ThreadComm> db(ctx, b);
+    for (std::size_t s = 0; s < 4; ++s) {
+      std::vector<std::size_t> rows{(s * 9 + 3 * static_cast<std::size_t>(ctx.rank())) % d.samples,
+                                    (s * 9 + 3 * static_cast<std::size_t>(ctx.rank()) + 1) % d.samples};
+      auto sa = da.step();
+      a.forward_backward(d.X32, d.y, rows, sa.on_gradient_ready());
+      const auto ra = sa.finish();
+      a.sgd(lr);
+      auto sb = db.step();
+      b.forward_backward(d.X32, d.y, rows, sb.on_gradient_ready());
+      (void)sb.finish();
+      std::vector<lockstep::segment> segs;
+      for (const auto& p : db.parameters()) segs.push_back({p.grad, p.numel()});
+      const lockstep::grad_group g{lockstep::dtype::f32, segs};
+      const double nb = lockstep::clip_grad_norm(std::span<const lockstep::grad_group>(&g, 1), max_norm);
+      b.sgd(lr);
+      CHECK(ra.grad_norm == nb);
+      CHECK(ra.grad_norm > max_norm);  // it clipped
+    }
+    CHECK(a.flat_values() == b.flat_values());
+  });
+}
+
 }  // TEST_SUITE
