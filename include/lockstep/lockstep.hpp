@@ -34,6 +34,7 @@
 #include "lockstep/optim/sgd.hpp"
 #include "lockstep/parallel/data_parallel.hpp"
 #include "lockstep/parallel/join.hpp"
+#include "lockstep/parallel/mesh.hpp"
 #include "lockstep/parallel/policies.hpp"
 #include "lockstep/parallel/step.hpp"
 #include "lockstep/run.hpp"

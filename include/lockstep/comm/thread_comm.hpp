@@ -9,7 +9,9 @@
 #include <cstdint>
 #include <chrono>
 #include <cstring>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -31,12 +33,52 @@ struct posted_call {
   void* recv = nullptr;
 };
 
+struct thread_group;
+
+//! Every group of one job — the one run(Threads) made and those split() made from it — so a
+//! failure anywhere releases every rank (abort), and a rank whose body returned is known to
+//! have left every group it belongs to.
+struct thread_family {
+  std::mutex m;
+  std::vector<std::weak_ptr<thread_group>> groups;
+  void abort(const std::string& reason);
+  void leave(int world_rank);
+};
+
 struct thread_group {
-  thread_group(int n, std::chrono::milliseconds timeout)
-      : sync(n, timeout), calls(static_cast<std::size_t>(n)) {}
+  thread_group(int n, std::chrono::milliseconds timeout, std::shared_ptr<thread_family> f, std::vector<int> world)
+      : sync(n, timeout), calls(static_cast<std::size_t>(n)), family(std::move(f)), world_ranks(std::move(world)) {}
   local_rendezvous sync;
   std::vector<posted_call> calls;
+  std::shared_ptr<thread_family> family;
+  std::vector<int> world_ranks;  // this group's rank r is rank world_ranks[r] of the job's first group
+  // split(): the sub-groups being made, by (sequence number, colour); the first member to
+  // arrive creates one, the last to take it removes the entry.
+  std::mutex split_m;
+  std::map<std::pair<std::size_t, std::int64_t>, std::pair<std::shared_ptr<thread_group>, int>> splitting;
 };
+
+inline void thread_family::abort(const std::string& reason) {
+  std::vector<std::shared_ptr<thread_group>> live;
+  {
+    std::lock_guard lk(m);
+    for (auto& w : groups)
+      if (auto g = w.lock()) live.push_back(std::move(g));
+  }
+  for (auto& g : live) g->sync.abort(reason);
+}
+
+inline void thread_family::leave(int world_rank) {
+  std::vector<std::shared_ptr<thread_group>> live;
+  {
+    std::lock_guard lk(m);
+    for (auto& w : groups)
+      if (auto g = w.lock()) live.push_back(std::move(g));
+  }
+  for (auto& g : live)
+    for (std::size_t r = 0; r < g->world_ranks.size(); ++r)
+      if (g->world_ranks[r] == world_rank) g->sync.leave(static_cast<int>(r));
+}
 
 template <class T>
 T combine(T a, T b, reduce_op op) {
@@ -92,7 +134,11 @@ class ThreadComm {
   static std::vector<ThreadComm> create_group(
       int n, std::chrono::milliseconds timeout = detail::default_timeout()) {
     if (n < 1) throw config_error("ThreadComm: a group needs at least 1 rank, got " + std::to_string(n));
-    auto g = std::make_shared<detail::thread_group>(n, timeout);
+    std::vector<int> world(static_cast<std::size_t>(n));
+    for (int r = 0; r < n; ++r) world[static_cast<std::size_t>(r)] = r;
+    auto family = std::make_shared<detail::thread_family>();
+    auto g = std::make_shared<detail::thread_group>(n, timeout, family, std::move(world));
+    family->groups.push_back(g);
     std::vector<ThreadComm> out;
     out.reserve(static_cast<std::size_t>(n));
     for (int r = 0; r < n; ++r) out.push_back(ThreadComm(g, r));
@@ -103,13 +149,52 @@ class ThreadComm {
   int size() const noexcept { return g_->sync.size(); }
   HostMemory memory() const noexcept { return {}; }
 
-  //! Releases every rank blocked in this group (used when one rank fails).
-  void abort(const std::string& reason) { g_->sync.abort(reason); }
+  //! Releases every rank blocked in this group and in every group split from the same job
+  //! (used when one rank fails).
+  void abort(const std::string& reason) { g_->family->abort(reason); }
 
   //! This rank will issue no more collectives (its body returned; run(Threads) calls it): a
-  //! peer that waits for it in a collective fails at once with mismatch_error naming both,
-  //! instead of waiting out LOCKSTEP_TIMEOUT.
-  void leave() { g_->sync.leave(rank_); }
+  //! peer that waits for it in a collective — of this group or of any group split from the
+  //! job's — fails at once with mismatch_error naming both, instead of waiting out LOCKSTEP_TIMEOUT.
+  void leave() { g_->family->leave(g_->world_ranks[static_cast<std::size_t>(rank_)]); }
+
+  //! A communicator over the ranks that pass the same colour (≥ 0), ordered by key (ties: by
+  //! rank here), like MPI_Comm_split. Collective over this group. The new group shares the
+  //! job's failure handling: the timeout, abort (a failure in any group releases all) and
+  //! leave; its collectives are checked and numbered on their own.
+  ThreadComm split(int color, int key) {
+    if (color < 0)
+      throw config_error("ThreadComm::split: colour " + std::to_string(color) +
+                         " is negative; give every rank a colour >= 0 (ranks of one colour form a group)");
+    const std::int64_t mine[2] = {color, key};
+    std::vector<std::int64_t> all(2 * static_cast<std::size_t>(size()));
+    all_gather(mine, all.data(), 2, dtype::i64);
+    const std::size_t id = seq_;  // the same on every rank: this split's number
+    std::vector<int> members;  // ranks of this group with my colour, in their new order
+    for (int r = 0; r < size(); ++r)
+      if (all[2 * static_cast<std::size_t>(r)] == color) members.push_back(r);
+    std::stable_sort(members.begin(), members.end(), [&](int a, int b) {
+      return all[2 * static_cast<std::size_t>(a) + 1] < all[2 * static_cast<std::size_t>(b) + 1];
+    });
+    const int n = static_cast<int>(members.size());
+    const int me = static_cast<int>(std::find(members.begin(), members.end(), rank_) - members.begin());
+    std::shared_ptr<detail::thread_group> sub;
+    {
+      std::lock_guard lk(g_->split_m);
+      auto& [group, taken] = g_->splitting[{id, color}];
+      if (!group) {
+        std::vector<int> world;
+        for (int r : members) world.push_back(g_->world_ranks[static_cast<std::size_t>(r)]);
+        group = std::make_shared<detail::thread_group>(n, g_->sync.timeout(), g_->family, std::move(world));
+        std::lock_guard fl(g_->family->m);
+        std::erase_if(g_->family->groups, [](const auto& w) { return w.expired(); });
+        g_->family->groups.push_back(group);
+      }
+      sub = group;
+      if (++taken == n) g_->splitting.erase({id, color});
+    }
+    return ThreadComm(std::move(sub), me);
+  }
 
   ready_work all_reduce(const void* send, void* recv, std::size_t count, dtype t, reduce_op op) {
     // Refused before the call is posted, so a rank that catches the error stays in step.
@@ -197,5 +282,6 @@ class ThreadComm {
 };
 
 static_assert(communicator<ThreadComm>);
+static_assert(splittable_communicator<ThreadComm>);
 
 }  // namespace lockstep

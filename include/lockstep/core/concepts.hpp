@@ -150,6 +150,17 @@ template <class C>
 concept communicator =
     communicator_has_rank<C> && communicator_has_collectives<C> && communicator_has_memory<C>;
 
+//! lockstep::splittable_communicator — a communicator that makes sub-communicators (a mesh of
+//! data × model parallelism, parallel/mesh.hpp).
+//!  1. `c.split(color, key)` → C over the ranks that passed the same colour (≥ 0), ranked by
+//!     key (ties by rank in c); collective over c, like MPI_Comm_split. Failures in any
+//!     communicator split from a job end the whole job.
+//! Example: `lockstep::ThreadComm::split`, `lockstep::MpiComm::split`.
+template <class C>
+concept splittable_communicator = communicator<C> && requires(C& c, int color, int key) {
+  { c.split(color, key) } -> std::same_as<C>;
+};
+
 // ---------------------------------------------------------------------------------------
 //! lockstep::accumulation_policy — when gradients are synchronised.
 //!  1. `p.steps()` → the number K ≥ 1 of micro-steps per optimizer step. The first K−1

@@ -352,6 +352,29 @@ class MpiComm {
     w.wait();
   }
 
+  //! A communicator over the ranks that pass the same colour (>= 0), ordered by key (ties: by
+  //! rank here): MPI_Comm_split. Collective over this communicator. MPI_Comm_split has no
+  //! timeout, so a barrier with one (LOCKSTEP_TIMEOUT) goes first: every rank is known to
+  //! have arrived before any blocks in it. The new communicator keeps this one's timeout and
+  //! order checking, numbers its collectives on its own, and ends with the job like every
+  //! MpiComm (run(Mpi) calls MPI_Abort on any failure).
+  MpiComm split(int color, int key) {
+    if (color < 0)
+      throw config_error("MpiComm::split: colour " + std::to_string(color) +
+                         " is negative; give every rank a colour >= 0 (ranks of one colour form a group)");
+    barrier();
+    MPI_Comm sub = MPI_COMM_NULL;
+    LOCKSTEP_TRY_MPI(MPI_Comm_split(s_->comm, color, key, &sub));
+    struct freer {
+      MPI_Comm* c;
+      ~freer() { MPI_Comm_free(c); }
+    } free_sub{&sub};
+    MpiComm out(sub, s_->timeout);
+    out.s_->check_order = s_->check_order;
+    out.s_->max_chunk = s_->max_chunk;
+    return out;
+  }
+
  private:
   // Checks the communicator is healthy, optionally that every rank issues the same call,
   // and starts a work for it.
@@ -436,5 +459,6 @@ class MpiComm {
 };
 
 static_assert(communicator<MpiComm>);
+static_assert(splittable_communicator<MpiComm>);
 
 }  // namespace lockstep

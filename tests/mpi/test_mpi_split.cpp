@@ -1,0 +1,56 @@
+// MpiComm::split (MPI_Comm_split): sub-communicators of uneven sizes pass the conformance
+// suite and are ranked by key; the tensor-parallel MLP of examples/04_hybrid on a mesh of
+// processes equals the unsplit network trained on one rank.
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <vector>
+
+#include <lockstep/lockstep.hpp>
+#include <lockstep/mpi/comm.hpp>
+#include <lockstep/mpi/run.hpp>
+
+#include "comm_conformance.hpp"
+#include "hybrid_check.hpp"
+#include "mpi_util.hpp"
+
+using namespace lockstep_mpi_test;
+using namespace lockstep_test;
+
+TEST_SUITE("mpi") {
+
+TEST_CASE("MpiComm split: uneven sub-communicators pass the conformance suite - ranked by key") {
+  auto world = lockstep::MpiComm::world();
+  const int r = world.rank(), n = world.size();
+  const int color = r == 0 ? 0 : 1;  // sizes 1 and n − 1
+  auto sub = world.split(color, -r);  // reverse order
+  CHECK(sub.size() == (color == 0 ? 1 : n - 1));
+  std::vector<std::int64_t> ranks(static_cast<std::size_t>(sub.size()));
+  const std::int64_t me = r;
+  sub.all_gather(&me, ranks.data(), 1, lockstep::dtype::i64).wait();
+  for (std::size_t k = 0; k < ranks.size(); ++k)
+    CHECK(ranks[k] == (color == 0 ? 0 : n - 1 - static_cast<std::int64_t>(k)));
+  conformance_options o;
+  o.seed = shared_seed();
+  if (sub.size() > 1) check_collectives(sub, o);  // one rank alone has nothing to disagree with
+  auto pairs = world.split(r / 2, r);             // nested use: halves of the world
+  CHECK(pairs.size() == 2);
+  check_all_reduce(pairs, o);
+}
+
+TEST_CASE("hybrid over MPI: replicas x tensor-parallel parts equal the unsplit network") {
+  lockstep::run(lockstep::Mpi{}, [](lockstep::context<lockstep::MpiComm>& ctx) {
+    const auto seed = shared_seed();
+    CAPTURE(seed);
+    const auto h = make_hybrid_data(seed, 97);
+    for (int parts = 1; parts <= ctx.size(); parts *= 2) {
+      CAPTURE(parts);
+      const auto ref = hybrid_reference<lockstep::MpiComm>(h, seed + 1, ctx.size() / parts, 3, 5, 0.1f);
+      const auto got = hybrid_rank(ctx, h, seed + 1, parts, 3, 5, 0.1f);
+      CHECK(max_rel_diff(got, ref) <= 1e-5);
+      CHECK(same_on_all_ranks(got));
+    }
+  });
+}
+
+}  // TEST_SUITE
