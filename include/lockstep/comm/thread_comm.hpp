@@ -47,7 +47,7 @@ struct thread_family {
 
 struct thread_group {
   thread_group(int n, std::chrono::milliseconds timeout, std::shared_ptr<thread_family> f, std::vector<int> world)
-      : sync(n, timeout), calls(static_cast<std::size_t>(n)), family(std::move(f)), world_ranks(std::move(world)) {}
+      : sync(n, timeout, world), calls(static_cast<std::size_t>(n)), family(std::move(f)), world_ranks(std::move(world)) {}
   local_rendezvous sync;
   std::vector<posted_call> calls;
   std::shared_ptr<thread_family> family;

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "lockstep/core/error.hpp"
@@ -15,8 +16,16 @@ namespace lockstep::detail {
 
 class local_rendezvous {
  public:
-  local_rendezvous(int n, std::chrono::milliseconds timeout)
-      : n_(n), timeout_(timeout), present_(static_cast<std::size_t>(n), false), left_(static_cast<std::size_t>(n), false) {}
+  //! names: the job's rank number of each member, for messages (default: 0..n−1; a group
+  //! split from the job's names its members as the job does).
+  local_rendezvous(int n, std::chrono::milliseconds timeout, std::vector<int> names = {})
+      : n_(n), timeout_(timeout), present_(static_cast<std::size_t>(n), false), left_(static_cast<std::size_t>(n), false),
+        names_(std::move(names)) {
+    if (names_.size() != static_cast<std::size_t>(n)) {
+      names_.resize(static_cast<std::size_t>(n));
+      for (int r = 0; r < n; ++r) names_[static_cast<std::size_t>(r)] = r;
+    }
+  }
 
   int size() const { return n_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
@@ -44,8 +53,8 @@ class local_rendezvous {
     if (aborted_) throw_if_aborted(rank);
     if (gone >= 0) {
       // That rank will never come: fail now (and release the others) instead of at the timeout.
-      const std::string msg = "rank " + std::to_string(gone) + " has left the training body; rank " +
-                              std::to_string(rank) + " is waiting for it in " + what +
+      const std::string msg = "rank " + name(gone) + " has left the training body; rank " + name(rank) +
+                              " is waiting for it in " + what +
                               " — uneven inputs? Every rank must issue the same collectives; with "
                               "different numbers of batches per rank, use dp.join() (lockstep::Join)";
       abort_locked(msg);
@@ -54,8 +63,8 @@ class local_rendezvous {
     (void)done;
     std::string missing;
     for (int r = 0; r < n_; ++r)
-      if (!present_[static_cast<std::size_t>(r)]) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
-    std::string msg = "rank " + std::to_string(rank) + " waited " +
+      if (!present_[static_cast<std::size_t>(r)]) missing += (missing.empty() ? "" : ", ") + name(r);
+    std::string msg = "rank " + name(rank) + " waited " +
                       std::to_string(timeout_.count() / 1000.0) + " s in " + what +
                       " for rank(s) " + missing +
                       " that never arrived (raise LOCKSTEP_TIMEOUT if they are only slow; "
@@ -97,9 +106,10 @@ class local_rendezvous {
   }
   void throw_if_aborted(int rank) const {
     if (aborted_)
-      throw aborted_error("rank " + std::to_string(rank) +
-                          " stopped waiting because another rank failed: " + reason_);
+      throw aborted_error("rank " + name(rank) + " stopped waiting because another rank failed: " + reason_);
   }
+
+  std::string name(int r) const { return std::to_string(names_[static_cast<std::size_t>(r)]); }
 
   const int n_;
   const std::chrono::milliseconds timeout_;
@@ -111,6 +121,7 @@ class local_rendezvous {
   std::vector<bool> left_;
   bool aborted_ = false;
   std::string reason_;
+  std::vector<int> names_;
 };
 
 }  // namespace lockstep::detail
