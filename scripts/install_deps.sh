@@ -24,8 +24,25 @@ for p in "${packages[@]}"; do
   fi
 done
 
+# Python readers the tests use: TensorBoard's own (tests whose name contains "tensorboard"
+# read lockstep's event files with it), into the python3 on PATH.
+python_deps() {
+  if python3 -c 'import tensorboard' 2>/dev/null; then return 0; fi
+  if [[ $(id -u) -ne 0 ]]; then
+    echo "install_deps: missing the Python package tensorboard: run  python3 -m pip install tensorboard" >&2
+    return 1
+  fi
+  echo "install_deps: installing the Python package tensorboard"
+  if ! python3 -m pip --version >/dev/null 2>&1; then
+    apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3-pip
+  fi
+  python3 -m pip install --quiet tensorboard 2>/dev/null ||
+    python3 -m pip install --quiet --break-system-packages tensorboard  # Debian's own python3
+}
+
 if [[ ${#missing[@]} -eq 0 ]]; then
   echo "install_deps: all ${#packages[@]} packages present"
+  python_deps
   exit 0
 fi
 
@@ -40,3 +57,4 @@ echo "install_deps: installing ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
 apt-get update
 "${cmd[@]}"
+python_deps

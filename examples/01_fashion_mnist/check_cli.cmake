@@ -9,6 +9,8 @@
 #               parameter checksum); a truncated checkpoint is refused.
 # gpu_resume:   the same on every visible GPU (--device gpu); the GPU checkpoint also
 #               resumes on one CPU rank (with a warning). Skipped where no GPU is visible.
+# tensorboard:  --logdir: TensorBoard's reader (READER, run with PYTHON) finds train/loss and
+#               train/lr at every step and test/accuracy at every epoch, equal to the CSV.
 # Prints "SKIPPED: ..." (ctest's SKIP_REGULAR_EXPRESSION) when a check needs the real data
 # and it is not installed, or needs sh and there is none.
 cmake_minimum_required(VERSION 3.25)
@@ -162,6 +164,39 @@ elseif(MODE STREQUAL "resume" OR MODE STREQUAL "gpu_resume")
   endif()
   expect_failure(no_checkpoint 1 "cannot open checkpoint '[^']*absent\\.lsck'"
                  ${common} --resume "${WORK}/absent.lsck")
+elseif(MODE STREQUAL "tensorboard")
+  run_example(--device cpu --ranks 2 --smoke --logdir "${WORK}/logs")
+  if(rc STREQUAL "77")
+    message(STATUS "SKIPPED: the Fashion-MNIST data set is not installed")
+    return()
+  endif()
+  if(NOT rc STREQUAL "0" OR NOT out MATCHES "test accuracy ([0-9.]+)%[^\n]*\n[^\n]*test accuracy ([0-9.]+)%")
+    message(FATAL_ERROR "the run failed (${rc}):\n${out}\n${err}")
+  endif()
+  set(last_acc "${CMAKE_MATCH_2}")
+  execute_process(COMMAND "${PYTHON}" "${READER}" "${WORK}/logs" "${WORK}/logs/scalars.csv" /dev/null
+                  RESULT_VARIABLE r OUTPUT_VARIABLE o ERROR_VARIABLE e)
+  if(NOT r STREQUAL "0")
+    message(FATAL_ERROR "TensorBoard's reader failed (${r}):\n${o}\n${e}")
+  endif()
+  string(REGEX MATCHALL "tb\ttrain/loss\t" losses "${o}")
+  string(REGEX MATCHALL "tb\ttrain/lr\t" lrs "${o}")
+  string(REGEX MATCHALL "tb\ttest/accuracy\t[0-9]+\t([0-9.e-]+)" accs "${o}")
+  list(LENGTH losses n_loss)
+  list(LENGTH lrs n_lr)
+  list(LENGTH accs n_acc)
+  # --smoke: 4096 images, batch 128, 2 epochs = 64 steps
+  if(NOT n_loss EQUAL 64 OR NOT n_lr EQUAL 64 OR NOT n_acc EQUAL 2)
+    message(FATAL_ERROR "expected 64 train/loss, 64 train/lr and 2 test/accuracy values, read ${n_loss}, ${n_lr}, ${n_acc}:\n${o}")
+  endif()
+  list(GET accs 1 last)
+  string(REGEX REPLACE ".*\t" "" last "${last}")
+  execute_process(COMMAND "${PYTHON}" -c "import sys; sys.exit(0 if abs(float('${last}')*100 - float('${last_acc}')) < 0.006 else 1)"
+                  RESULT_VARIABLE same)
+  if(NOT same STREQUAL "0")
+    message(FATAL_ERROR "TensorBoard holds test accuracy ${last}, the run printed ${last_acc}%")
+  endif()
+  message(STATUS "tensorboard: ok, 64 steps and 2 epochs read back, accuracy ${last_acc}%")
 else()
   message(FATAL_ERROR "check_cli.cmake: unknown MODE '${MODE}'")
 endif()

@@ -63,6 +63,7 @@ struct options {
   std::uint64_t seed = 42;
   std::optional<std::size_t> limit_train, limit_test;
   std::filesystem::path checkpoint, resume;
+  std::filesystem::path logdir;  // TensorBoard event file (and scalars.csv) here
   int stop_after = 0;  // 0: run all epochs
   double progress = 1.0;
   std::size_t bucket_kib = 0;  // 0: lockstep's default buckets (1 MiB first, 25 MiB cap)
@@ -100,6 +101,8 @@ inline constexpr const char* usage =
     "  --stop-after E      stop after epoch E, as if interrupted (the schedule still spans\n"
     "                      --epochs)\n"
     "  --progress SECONDS  progress line interval, 0 = none (default 1)\n"
+    "  --logdir DIR        write TensorBoard scalars (train/loss and train/lr per step; test\n"
+    "                      accuracy, samples/s, lockstep/* per epoch) and DIR/scalars.csv\n"
     "  --bucket-kib K      gradient buckets of K KiB (default: lockstep's 1 MiB first bucket,\n"
     "                      which holds this whole 0.9 MiB model)\n";
 
@@ -165,6 +168,7 @@ inline options parse(int argc, char** argv) {
     else if (a == "--resume") o.resume = value();
     else if (a == "--stop-after") o.stop_after = parse_number<int>(a, value());
     else if (a == "--progress") o.progress = parse_number<double>(a, value());
+    else if (a == "--logdir") o.logdir = value();
     else if (a == "--bucket-kib") o.bucket_kib = parse_number<std::size_t>(a, value());
     else throw usage_error("unknown option '" + a + "'");
   }
@@ -347,6 +351,10 @@ void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
   lockstep::DataParallel dp(ctx, model, dp_opts);  // checks shapes, broadcasts rank 0's
   trainer.attach(dp.parameters(), plan.peak_lr, opt.momentum);
   lockstep::DistributedSampler<> sampler(data.train.size, ctx, {.seed = opt.seed});
+  // Rank 0 writes the scalars; with --logdir unset every call below returns at once.
+  lockstep::ScalarLog scalars;
+  if (!opt.logdir.empty())
+    scalars = lockstep::ScalarLog(ctx.rank(), {.tensorboard = opt.logdir, .csv = opt.logdir / "scalars.csv"});
 
   std::uint64_t step = 0;
   if (!opt.resume.empty()) {
@@ -390,8 +398,14 @@ void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
     for (std::size_t b = 0; b < batches.size(); ++b) {
       trainer.set_lr(plan.schedule(step));
       auto st = dp.step();
+      const double loss_before = scalars.active() ? trainer.loss_sum() : 0.0;
       trainer.forward_backward(batches[b], st.on_gradient_ready());
       trainer.finish(st);  // gradients are averaged over ranks, then the optimizer steps
+      if (scalars.active()) {  // rank 0's batch (reading the loss synchronises a GPU rank)
+        const auto s = static_cast<std::int64_t>(step);
+        scalars.scalar("train/loss", s, (trainer.loss_sum() - loss_before) / static_cast<double>(batches[b].size()));
+        scalars.scalar("train/lr", s, plan.schedule(step));
+      }
       ++step;
       sampler.advance(batches[b].size());
       seen += batches[b].size();
@@ -437,6 +451,13 @@ void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
                     train_s, eval_s, samples_per_s);
       log(line);
       result.accuracy = counts.accuracy();
+      const auto s = static_cast<std::int64_t>(step);
+      scalars.scalar("test/accuracy", s, counts.accuracy());
+      scalars.scalar("train/epoch_loss", s, loss_stats[0] / loss_stats[1]);
+      scalars.scalar("throughput/samples_per_s", s, samples_per_s);
+      scalars.scalar("lockstep/loss_scale", s, dp.scaler().scale());
+      scalars.scalar("lockstep/comm_seconds", s, dp.stats().comm_seconds);
+      scalars.flush();
     }
 
     // --- checkpoint: rank 0 writes; every rank returns once the file is in place ---

@@ -29,6 +29,7 @@
 #include "lockstep/launch/run.hpp"
 #include "lockstep/launch/watchdog.hpp"
 #include "lockstep/observe/metrics.hpp"
+#include "lockstep/observe/scalars.hpp"
 #include "lockstep/optim/adamw.hpp"
 #include "lockstep/optim/optimizer.hpp"
 #include "lockstep/optim/sgd.hpp"

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <optional>
 #include <random>
 #include <span>
@@ -532,6 +534,35 @@ TEST_CASE("snippets: ShardedOptimizer (checkpoint/sharded.hpp + docs/sharding.md
     CHECK(values_of(model) == before);
     CHECK(opt.slot_count() == dp.shard_parameters().size());
   });
+}
+
+TEST_CASE("snippets: ScalarLog (observe/scalars.hpp)") {
+  const std::uint64_t seed = lockstep_test::fresh_seed();
+  scratch_dir tmp;
+  const auto my_batches = snippet_env::batches(1);
+  lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
+    Mlp model(seed);
+    lockstep::DataParallel dp(ctx, model, lockstep::DynamicScale());
+    const std::int64_t step = 1;
+    auto st = dp.step();
+    const double loss = model.backward(Batch(my_batches[0]), st.on_gradient_ready(), st.loss_scale());
+    const auto r = st.finish();
+    {
+      // [snippet include/lockstep/observe/scalars.hpp#1]
+      lockstep::ScalarLog log(ctx.rank(), {.tensorboard = "runs/mlp", .csv = "runs/mlp.csv"});
+      log.scalar("train/loss", step, loss);      // rank 0 writes; elsewhere a no-op
+      log.training(step, dp, r);                 // lockstep's own: loss scale, grad norm, ...
+      // [end snippet]
+    }
+    ctx.comm().barrier();
+    std::ifstream csv("runs/mlp.csv");
+    std::string all((std::istreambuf_iterator<char>(csv)), std::istreambuf_iterator<char>());
+    CHECK(all.find(",1,train/loss,") != std::string::npos);
+    CHECK(all.find(",1,lockstep/loss_scale,65536") != std::string::npos);
+  });
+  int events = 0;
+  for (const auto& e : fs::directory_iterator("runs/mlp")) events += e.is_regular_file() ? 1 : 0;
+  CHECK(events == 1);
 }
 
 }  // TEST_SUITE

@@ -1,6 +1,7 @@
 #pragma once
-//! Checksums for checkpoints: CRC-32 over the payload, FNV-1a 64 for the parameter
-//! fingerprint. Both are incremental (feed bytes in any number of pieces).
+//! Checksums: CRC-32 over a checkpoint's payload and the store's frames, CRC-32C over
+//! TensorBoard's records, FNV-1a 64 for the parameter fingerprint. All are incremental (feed
+//! bytes in any number of pieces).
 
 #include <array>
 #include <cstddef>
@@ -10,32 +11,33 @@ namespace lockstep::detail {
 
 using crc32_table_set = std::array<std::array<std::uint32_t, 256>, 8>;
 
-//! t[0]: the byte-wise CRC-32 table; t[k][i]: the CRC of byte i followed by k zero bytes.
-constexpr crc32_table_set make_crc32_tables() {
+//! For a reflected polynomial: t[0] the byte-wise table; t[k][i] the CRC of byte i followed
+//! by k zero bytes.
+constexpr crc32_table_set make_crc32_tables(std::uint32_t poly) {
   crc32_table_set t{};
   for (std::uint32_t i = 0; i < 256; ++i) {
     std::uint32_t c = i;
-    for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0xEDB88320u : c >> 1;
+    for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ poly : c >> 1;
     t[0][i] = c;
   }
   for (std::size_t k = 1; k < 8; ++k)
     for (std::size_t i = 0; i < 256; ++i) t[k][i] = (t[k - 1][i] >> 8) ^ t[0][t[k - 1][i] & 0xFF];
   return t;
 }
-inline constexpr crc32_table_set crc32_tables = make_crc32_tables();
+template <std::uint32_t Poly>
+inline constexpr crc32_table_set crc32_tables = make_crc32_tables(Poly);
 
-//! CRC-32 as in IEEE 802.3 / zlib / PNG / gzip: reflected polynomial 0xEDB88320, initial
-//! value 0xFFFFFFFF, final XOR 0xFFFFFFFF (check value for "123456789": 0xCBF43926).
-//! Table-driven "slicing-by-8" (eight 256-entry tables, eight bytes per step; Kounavis &
-//! Berry, "A Systematic Approach to Building High Performance Software-based CRC
-//! Generators", ISCC 2005), so checksumming a large checkpoint costs little next to
-//! writing it.
-class crc32 {
+//! A 32-bit CRC with reflected polynomial Poly, initial value 0xFFFFFFFF and final XOR
+//! 0xFFFFFFFF. Table-driven "slicing-by-8" (eight 256-entry tables, eight bytes per step;
+//! Kounavis & Berry, "A Systematic Approach to Building High Performance Software-based CRC
+//! Generators", ISCC 2005), so checksumming a large checkpoint costs little next to writing it.
+template <std::uint32_t Poly>
+class basic_crc32 {
  public:
   void update(const void* data, std::size_t n) noexcept {
     const auto* p = static_cast<const unsigned char*>(data);
     std::uint32_t c = state_;
-    const auto& t = crc32_tables;
+    const auto& t = crc32_tables<Poly>;
     while (n >= 8) {
       const std::uint32_t lo = c ^ (std::uint32_t{p[0]} | std::uint32_t{p[1]} << 8 |
                                     std::uint32_t{p[2]} << 16 | std::uint32_t{p[3]} << 24);
@@ -53,8 +55,18 @@ class crc32 {
   std::uint32_t state_ = 0xFFFFFFFFu;
 };
 
+//! CRC-32 as in IEEE 802.3 / zlib / PNG / gzip (check value for "123456789": 0xCBF43926).
+using crc32 = basic_crc32<0xEDB88320u>;
+//! CRC-32C, Castagnoli (iSCSI, TFRecord; check value for "123456789": 0xE3069283).
+using crc32c = basic_crc32<0x82F63B78u>;
+
 inline std::uint32_t crc32_of(const void* data, std::size_t n) noexcept {
   crc32 c;
+  c.update(data, n);
+  return c.value();
+}
+inline std::uint32_t crc32c_of(const void* data, std::size_t n) noexcept {
+  crc32c c;
   c.update(data, n);
   return c.value();
 }
