@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <numeric>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -53,6 +54,13 @@ struct bucket_plan {
   std::size_t total = 0;                 //!< arena length in elements (with padding)
   std::vector<bucket> buckets;
   std::vector<std::vector<std::size_t>> buckets_of;  //!< per entry of order: bucket indices
+};
+
+//! Where a parameter's gradient sits in the reducer: which element-type group, and its
+//! position in that group's plan order (PyTorch's Reducer calls this a VariableLocator).
+struct gradient_locator {
+  std::size_t group = 0;     //!< index into the reducer's groups (one per element type)
+  std::size_t position = 0;  //!< index into that group's plan.order / plan.buckets_of
 };
 
 inline std::size_t round_up(std::size_t x, std::size_t a) { return a <= 1 ? x : (x + a - 1) / a * a; }
@@ -138,6 +146,38 @@ inline std::string describe_plan(const bucket_plan& p) {
          std::to_string(p.buckets.size()) + " buckets (first " +
          std::to_string(p.buckets.empty() ? 0 : p.buckets[0].elements()) + ", units " +
          std::to_string(p.units.size()) + ", order hash " + std::to_string(order_hash(p.order)) + "); ";
+}
+
+//! The settled layout as a checkpoint holds it: {format 1, observed, fused, n, order...}.
+struct plan_state_t {
+  bool observed = false;  //!< the first step's arrival order was seen
+  bool fused = false;     //!< the model reports no gradient: one all-reduce per type
+  std::vector<std::size_t> order;
+};
+inline std::vector<std::int64_t> encode_plan_state(const plan_state_t& p) {
+  std::vector<std::int64_t> st{1, p.observed ? 1 : 0, p.fused ? 1 : 0, static_cast<std::int64_t>(p.order.size())};
+  for (auto i : p.order) st.push_back(static_cast<std::int64_t>(i));
+  return st;
+}
+//! Reads what encode_plan_state wrote for a model of n parameters; checkpoint_error otherwise.
+inline plan_state_t decode_plan_state(std::span<const std::int64_t> st, std::size_t n) {
+  const auto bad = [](const std::string& why) {
+    return checkpoint_error("the saved gradient bucket layout " + why +
+                            "; the checkpoint belongs to another model or is damaged");
+  };
+  if (st.size() < 4 || st[0] != 1) throw bad("has an unknown format");
+  if (static_cast<std::size_t>(st[3]) != n || st.size() != 4 + n)
+    throw bad("lists " + std::to_string(st[3]) + " parameters, but the model has " + std::to_string(n));
+  plan_state_t p{st[1] != 0, st[2] != 0, {}};
+  std::vector<bool> seen(n, false);
+  for (std::size_t k = 0; k < n; ++k) {
+    const auto v = st[4 + k];
+    if (v < 0 || static_cast<std::size_t>(v) >= n || seen[static_cast<std::size_t>(v)])
+      throw bad("is not a permutation of the parameters");
+    seen[static_cast<std::size_t>(v)] = true;
+    p.order.push_back(static_cast<std::size_t>(v));
+  }
+  return p;
 }
 
 }  // namespace lockstep::detail

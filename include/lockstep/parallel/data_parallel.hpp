@@ -43,7 +43,6 @@
 #include "lockstep/core/context.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/grad_group.hpp"
-#include "lockstep/detail/pick.hpp"
 #include "lockstep/parallel/bucket_hook.hpp"
 #include "lockstep/parallel/replicas.hpp"
 #include "lockstep/parallel/join.hpp"
@@ -57,12 +56,6 @@
 namespace lockstep {
 
 namespace detail {
-template <class P>
-struct is_accumulation_policy : std::bool_constant<accumulation_policy<P>> {};
-template <class P>
-struct is_loss_scaler : std::bool_constant<loss_scaler<P>> {};
-template <class P>
-struct is_sharding : std::is_same<P, ShardedOptimizer> {};
 template <class A>
 inline constexpr bool is_options_v = std::is_same_v<std::remove_cvref_t<A>, DataParallelOptions>;
 template <class... As>
@@ -87,38 +80,15 @@ class DataParallel {
   static_assert(communicator_has_memory<Comm>,
                 "lockstep::DataParallel: Comm does not satisfy lockstep::communicator: "
                 "requirement 7 — it needs memory() returning lockstep::memory_ops");
-  template <class P>
-  struct is_hook : std::bool_constant<bucket_hook<P, Comm>> {};
-  template <class P>
-  struct is_policy : std::bool_constant<accumulation_policy<P> || loss_scaler<P> || bucket_hook<P, Comm> ||
-                                        std::is_same_v<P, ShardedOptimizer>> {};
-  static_assert((is_policy<Policies>::value && ...),
-                "lockstep::DataParallel: every policy must be an accumulation_policy "
-                "(EveryStep, Accumulate<K>), a loss_scaler (NoScaling, StaticScale, "
-                "DynamicScale), a bucket_hook (AllReduceMean) or ShardedOptimizer — one of the "
-                "Policies is none of these (an accumulation policy needs steps(); a loss scaler needs scale(), "
-                "update(), state(); a hook needs reduce(comm, data, count, dtype)). When the "
-                "policies are deduced (DataParallel dp(ctx, model, ...)), DataParallelOptions "
-                "must come first");
-  static_assert(detail::count_v<detail::is_accumulation_policy, Policies...> <= 1,
-                "lockstep::DataParallel: give at most one accumulation_policy");
-  static_assert(detail::count_v<detail::is_loss_scaler, Policies...> <= 1,
-                "lockstep::DataParallel: give at most one loss_scaler");
-  static_assert(detail::count_v<is_hook, Policies...> <= 1, "lockstep::DataParallel: give at most one bucket_hook");
-  static_assert(detail::count_v<detail::is_sharding, Policies...> <= 1,
-                "lockstep::DataParallel: give ShardedOptimizer at most once");
-  static_assert(detail::count_v<detail::is_sharding, Policies...> == 0 || detail::count_v<is_hook, Policies...> == 0,
-                "lockstep::DataParallel: ShardedOptimizer reduce-scatters every bucket itself; it "
-                "cannot be combined with a bucket_hook");
 
  public:
   using model_type = Model;
   using comm_type = Comm;
-  using accumulation_type = detail::pick_t<detail::is_accumulation_policy, EveryStep, Policies...>;
-  using scaler_type = detail::pick_t<detail::is_loss_scaler, NoScaling, Policies...>;
-  using hook_type = detail::pick_t<is_hook, AllReduceMean, Policies...>;
+  using accumulation_type = typename detail::policy_set<Comm, Policies...>::accumulation;
+  using scaler_type = typename detail::policy_set<Comm, Policies...>::scaler;
+  using hook_type = typename detail::policy_set<Comm, Policies...>::hook;
   //! Whether the optimizer state is sharded over the ranks (ShardedOptimizer).
-  static constexpr bool sharded = detail::count_v<detail::is_sharding, Policies...> > 0;
+  static constexpr bool sharded = detail::policy_set<Comm, Policies...>::sharded;
   static_assert(loss_scaler_for<scaler_type, Comm> || has_grad_ops<memory_of_t<Comm>>,
                 "lockstep::DataParallel: no lockstep::grad_ops for this communicator's memory "
                 "space (the type Comm::memory() returns): the loss scaler needs it to unscale "
@@ -248,6 +218,7 @@ class DataParallel {
     if (joining_ && sync) prescale = join_prescale(join_agree(micro_ + 1));
     reducer_.begin_micro(sync, prescale);
     open_ = true;
+    if (trace_) step_t0_ = trace_->now();
     ++reducer_.stats().micro_steps;
     return step_handle(this, sync);
   }
@@ -318,8 +289,19 @@ class DataParallel {
     return {};
   }
 
-  step_result finish_step(bool sync,
-                          const std::function<void(std::span<const param_slice>)>& on_bucket) {
+  // LOCKSTEP_TRACE: the model's part of the step, lockstep's (finish) and the whole.
+  step_result finish_step(bool sync, const std::function<void(std::span<const param_slice>)>& on_bucket) {
+    if (!trace_) return finish_inner(sync, on_bucket);
+    const auto t0 = trace_->now();
+    trace_->span(sync ? "forward + backward" : "forward + backward (accumulating)", detail::trace_log::host, step_t0_, t0);
+    const auto r = finish_inner(sync, on_bucket);
+    trace_->span("finish", detail::trace_log::host, t0, trace_->now());
+    if (r.synced && !r.applied) trace_->instant("step skipped: inf/NaN gradients", detail::trace_log::host);
+    trace_->span("step", detail::trace_log::host, step_t0_, trace_->now());
+    return r;
+  }
+
+  step_result finish_inner(bool sync, const std::function<void(std::span<const param_slice>)>& on_bucket) {
     open_ = false;
     if constexpr (sharded) {
       if (sync && !on_bucket)
@@ -342,11 +324,18 @@ class DataParallel {
     }
     // Unscaling, the inf/NaN decision and clipping need every bucket: callbacks come after.
     reducer_.finish(nullptr);
-    const bool found_inf = scaler_.unscale_and_check(comm_, reducer_.grad_groups());
+    bool found_inf = false;
+    {
+      detail::trace_scope t(trace_.get(), "unscale + inf/NaN check", detail::trace_log::host);
+      found_inf = scaler_.unscale_and_check(comm_, reducer_.grad_groups());
+    }
     scaler_.update(found_inf);
     r.applied = !found_inf;
     if constexpr (device_scaler<scaler_type>) r.device_found_inf = scaler_.device_found_inf();
-    if (r.applied && opts_.max_grad_norm > 0) r.grad_norm = clip();
+    if (r.applied && opts_.max_grad_norm > 0) {
+      detail::trace_scope t(trace_.get(), "clip by global norm", detail::trace_log::host);
+      r.grad_norm = clip();
+    }
     if (r.applied && on_bucket) {
       if constexpr (sharded) reducer_.update_shards(on_bucket);
       else reducer_.for_each_bucket(on_bucket);
@@ -403,6 +392,7 @@ class DataParallel {
   // before its agreement), the agreement, the bucket all-reduces (arrival order replayed)
   // and the loss scaler's found-inf flag. nullopt once no rank contributes any more.
   std::optional<step_result> join_step() {
+    if (trace_) step_t0_ = trace_->now();
     const bool partial = in_cycle_ && micro_ > 0;
     if (!partial) reducer_.apply_pending_plan();
     if (!partial && opts_.broadcast_buffers && comm_.size() > 1) detail::broadcast_values(comm_, buffers_);
@@ -436,6 +426,7 @@ class DataParallel {
     }
     // A device-side scaler's state must exist before the first loss kernel reads it.
     if constexpr (attachable_scaler<scaler_type, Comm>) scaler_.attach(comm_);
+    reducer_.set_trace(trace_.get());
   }
 
   //! The argument of type T among args (at most one), else T{}.
@@ -467,6 +458,8 @@ class DataParallel {
   bool joining_ = false;            // a Join scope is open on this rank
   int join_active_ = 0;             // contributing ranks at the latest agreement
   std::shared_ptr<void> join_buf_;  // the agreement's buffer, in comm's memory space
+  std::unique_ptr<detail::trace_log> trace_ = detail::trace_log::from_env(comm_.rank());  // LOCKSTEP_TRACE
+  detail::trace_log::clock::time_point step_t0_{};
 };
 
 // Deduction from the context, so that one body compiles for every communicator run(Auto) can

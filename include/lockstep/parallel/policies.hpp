@@ -5,9 +5,14 @@
 
 #include <cstddef>
 #include <string>
+#include <type_traits>
 
 #include "lockstep/core/concepts.hpp"
 #include "lockstep/core/error.hpp"
+#include "lockstep/detail/pick.hpp"
+#include "lockstep/parallel/bucket_hook.hpp"
+#include "lockstep/scaling/loss_scaler.hpp"
+#include "lockstep/scaling/scalers.hpp"
 
 namespace lockstep {
 
@@ -91,5 +96,48 @@ struct DataParallelOptions {
   //! step_result::grad_norm; sharded, the norm is summed over the shards. 0: off.
   double max_grad_norm = 0;
 };
+
+namespace detail {
+template <class P>
+struct is_accumulation_policy : std::bool_constant<accumulation_policy<P>> {};
+template <class P>
+struct is_loss_scaler : std::bool_constant<loss_scaler<P>> {};
+template <class P>
+struct is_sharding : std::is_same<P, ShardedOptimizer> {};
+
+//! DataParallel's policies sorted by kind — each of a known kind, at most one of each — and
+//! the defaults for the kinds not given.
+template <class Comm, class... Policies>
+struct policy_set {
+  template <class P>
+  struct is_hook : std::bool_constant<bucket_hook<P, Comm>> {};
+  template <class P>
+  struct is_policy : std::bool_constant<accumulation_policy<P> || loss_scaler<P> || bucket_hook<P, Comm> ||
+                                        std::is_same_v<P, ShardedOptimizer>> {};
+  static_assert((is_policy<Policies>::value && ...),
+                "lockstep::DataParallel: every policy must be an accumulation_policy "
+                "(EveryStep, Accumulate<K>), a loss_scaler (NoScaling, StaticScale, "
+                "DynamicScale), a bucket_hook (AllReduceMean) or ShardedOptimizer — one of the "
+                "Policies is none of these (an accumulation policy needs steps(); a loss scaler needs scale(), "
+                "update(), state(); a hook needs reduce(comm, data, count, dtype)). When the "
+                "policies are deduced (DataParallel dp(ctx, model, ...)), DataParallelOptions "
+                "must come first");
+  static_assert(detail::count_v<detail::is_accumulation_policy, Policies...> <= 1,
+                "lockstep::DataParallel: give at most one accumulation_policy");
+  static_assert(detail::count_v<detail::is_loss_scaler, Policies...> <= 1,
+                "lockstep::DataParallel: give at most one loss_scaler");
+  static_assert(detail::count_v<is_hook, Policies...> <= 1, "lockstep::DataParallel: give at most one bucket_hook");
+  static_assert(detail::count_v<detail::is_sharding, Policies...> <= 1,
+                "lockstep::DataParallel: give ShardedOptimizer at most once");
+  static_assert(detail::count_v<detail::is_sharding, Policies...> == 0 || detail::count_v<is_hook, Policies...> == 0,
+                "lockstep::DataParallel: ShardedOptimizer reduce-scatters every bucket itself; it "
+                "cannot be combined with a bucket_hook");
+
+  using accumulation = pick_t<is_accumulation_policy, EveryStep, Policies...>;
+  using scaler = pick_t<is_loss_scaler, NoScaling, Policies...>;
+  using hook = pick_t<is_hook, AllReduceMean, Policies...>;
+  static constexpr bool sharded = count_v<is_sharding, Policies...> > 0;
+};
+}  // namespace detail
 
 }  // namespace lockstep

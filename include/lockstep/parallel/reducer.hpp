@@ -23,18 +23,12 @@
 #include "lockstep/parallel/bucket_plan.hpp"
 #include "lockstep/parallel/policies.hpp"
 #include "lockstep/parallel/shards.hpp"
+#include "lockstep/observe/trace.hpp"
 #include "lockstep/parallel/step.hpp"
 
 namespace lockstep {
 
 namespace detail {
-
-//! Where a parameter's gradient sits in the reducer: which element-type group, and its
-//! position in that group's plan order (PyTorch's Reducer calls this a VariableLocator).
-struct gradient_locator {
-  std::size_t group = 0;     //!< index into the reducer's groups (one per element type)
-  std::size_t position = 0;  //!< index into that group's plan.order / plan.buckets_of
-};
 
 template <class Comm, class Hook = AllReduceMean>
 class reducer {
@@ -105,6 +99,7 @@ class reducer {
       g.next = 0;
       g.works.clear();
       g.works.resize(g.plan.buckets.size());
+      if (trace_) g.issued.assign(g.plan.buckets.size(), {});
     }
     if (sharded_) shards_.begin();
   }
@@ -161,20 +156,20 @@ class reducer {
           auto t0 = std::chrono::steady_clock::now();
           g.works[b]->wait();
           stats_.comm_seconds += seconds_since(t0);
+          if (trace_) trace_collective(g, b, t0);
         }
         if (!zero_copy() && !bk.slices.empty()) {
           auto segs = segments_of(bk);
           comm_.memory().unpack(g.arena_at(bk.begin), segs, g.plan.type);
         }
-        if (on_bucket) on_bucket(slices_of(bk, slices));
+        if (on_bucket) hand_over(on_bucket, bk, b, slices);
       }
       g.works.clear();
     }
     end_sync();
   }
 
-  //! Sharded, after finish(nullptr): hands each unit's shard to fn (the optimizer), then
-  //! all-gathers every unit into the parameters.
+  //! Sharded, after finish(nullptr): fn (the optimizer) steps each shard; all are gathered.
   void update_shards(const std::function<void(std::span<const param_slice>)>& fn) {
     shards_.update_all(fn, stats_.comm_seconds);
   }
@@ -183,6 +178,9 @@ class reducer {
   //! arena, gradient in the gradient arena), in launch order; slice k handed to the
   //! optimizer names parameter k of this list. Empty when not sharded.
   const std::vector<parameter>& shard_parameters() const noexcept { return shards_.parameters(); }
+
+  //! LOCKSTEP_TRACE (observe/trace.hpp): record each bucket collective and callback in t.
+  void set_trace(trace_log* t) noexcept { trace_ = t; }
 
   //! Whether the model's gradients live in the arena now (after the binding, see bind_fn).
   bool zero_copy() const { return bound_; }
@@ -195,41 +193,21 @@ class reducer {
   //! Restoring it makes a resumed run reduce with the same layout (and so, on NCCL, the
   //! same rounding) as the uninterrupted run from its first step on.
   std::vector<std::int64_t> plan_state() const {
-    const auto& order = pending_order_ ? *pending_order_ : current_order_;
-    std::vector<std::int64_t> st{1, observed_ ? 1 : 0, fused_ ? 1 : 0,
-                                 static_cast<std::int64_t>(order.size())};
-    for (auto i : order) st.push_back(static_cast<std::int64_t>(i));
-    return st;
+    return encode_plan_state({observed_, fused_, pending_order_ ? *pending_order_ : current_order_});
   }
 
   //! Adopts a layout saved by plan_state() (same on every rank: it comes from one file);
   //! takes effect at the start of the next accumulation cycle.
   void load_plan_state(std::span<const std::int64_t> st) {
-    const auto bad = [](const std::string& why) {
-      return checkpoint_error("the saved gradient bucket layout " + why +
-                              "; the checkpoint belongs to another model or is damaged");
-    };
-    if (st.size() < 4 || st[0] != 1) throw bad("has an unknown format");
-    const auto n = static_cast<std::size_t>(st[3]);
-    if (n != params_.size() || st.size() != 4 + n)
-      throw bad("lists " + std::to_string(st[3]) + " parameters, but the model has " +
-                std::to_string(params_.size()));
-    std::vector<std::size_t> order;
-    std::vector<bool> seen(n, false);
-    for (std::size_t k = 0; k < n; ++k) {
-      const auto v = st[4 + k];
-      if (v < 0 || static_cast<std::size_t>(v) >= n || seen[static_cast<std::size_t>(v)])
-        throw bad("is not a permutation of the parameters");
-      seen[static_cast<std::size_t>(v)] = true;
-      order.push_back(static_cast<std::size_t>(v));
-    }
-    if (sharded_ && order != current_order_)
-      throw bad("differs from this sharded run's (a sharded optimizer's layout is fixed at construction: "
-                "the checkpoint was saved with another model or without ShardedOptimizer)");
-    observed_ = st[1] != 0;
-    fused_ = st[2] != 0;
+    auto saved = decode_plan_state(st, params_.size());
+    if (sharded_ && saved.order != current_order_)
+      throw checkpoint_error("the saved gradient bucket layout differs from this sharded run's (a sharded "
+                             "optimizer's layout is fixed at construction: the checkpoint was saved with "
+                             "another model or without ShardedOptimizer)");
+    observed_ = saved.observed;
+    fused_ = saved.fused;
     arrivals_.clear();
-    if (order != current_order_ || binding_due()) pending_order_ = std::move(order);
+    if (saved.order != current_order_ || binding_due()) pending_order_ = std::move(saved.order);
     else pending_order_.reset();
   }
 
@@ -237,7 +215,7 @@ class reducer {
   void for_each_bucket(const std::function<void(std::span<const param_slice>)>& fn) const {
     std::vector<param_slice> tmp;
     for (const auto& g : groups_)
-      for (const auto& bk : g.plan.buckets) fn(slices_of(bk, tmp));
+      for (std::size_t b = 0; b < g.plan.buckets.size(); ++b) hand_over(fn, g.plan.buckets[b], b, tmp);
   }
 
   //! Every gradient, grouped by element type (for unscaling, clipping, norms) — sharded: this
@@ -252,16 +230,33 @@ class reducer {
     std::vector<std::size_t> pending;
     std::size_t next = 0;
     std::vector<std::optional<work_type>> works;
+    std::vector<std::pair<std::chrono::steady_clock::time_point, std::size_t>> issued;  // LOCKSTEP_TRACE: when, how many
     std::vector<segment> grads;  // every gradient of this type, in plan order
     void* arena_at(std::size_t elem) const {
       return static_cast<char*>(arena.get()) + elem * size_of(plan.type);
     }
   };
 
+  // The collective that bucket b starts, from its issue to the end of its wait (begun at t0).
+  void trace_collective(const group& g, std::size_t b, std::chrono::steady_clock::time_point t0) {
+    const auto end = trace_->now();
+    trace_->span("reduce from bucket " + std::to_string(b), trace_log::comm, g.issued[b].first, end,
+                 std::to_string(g.issued[b].second * size_of(g.plan.type)) + " bytes " + name_of(g.plan.type));
+    trace_->span("wait", trace_log::host, t0, end);
+  }
+
   void end_sync() {
     ++stats_.syncs;
     if (!sync_arrivals_.empty()) last_sync_arrivals_.swap(sync_arrivals_);  // for replay_arrivals
     if (!observed_) settle_order();
+  }
+
+  // Hands bucket b's slices to fn (LOCKSTEP_TRACE: timed on the optimizer track).
+  void hand_over(const std::function<void(std::span<const param_slice>)>& fn, const bucket& bk, std::size_t b,
+                 std::vector<param_slice>& tmp) const {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn(slices_of(bk, tmp));
+    if (trace_) trace_->span("bucket " + std::to_string(b) + " callback", trace_log::optimizer, t0, trace_->now());
   }
 
   std::span<const param_slice> slices_of(const bucket& bk, std::vector<param_slice>& out) const {
@@ -348,6 +343,7 @@ class reducer {
     if (comm_.size() == 1 || count == 0) return;
     auto t0 = std::chrono::steady_clock::now();
     g.works[slot].emplace(hook_.reduce(comm_, buf, count, g.plan.type));
+    if (trace_) g.issued[slot] = {t0, count};
     stats_.comm_seconds += seconds_since(t0);
     ++stats_.buckets_reduced;
     stats_.bytes_reduced += count * size_of(g.plan.type);
@@ -490,6 +486,7 @@ class reducer {
   bool fused_ = false;
   bool bound_ = false;  // the model's gradients live in the arena
   bool sharded_ = false;
+  trace_log* trace_ = nullptr;  // LOCKSTEP_TRACE, else null
   shard_set<Comm> shards_;  // sharded: the shards, the value arena, their collectives
   bool sync_ = false;
   double prescale_ = 1.0;
