@@ -72,6 +72,13 @@ LOCKSTEP_MASTER_ADDR, LOCKSTEP_MASTER_PORT, LOCKSTEP_JOB_TOKEN, LOCKSTEP_LAUNCHE
 the rest of the environment (NCCL_NVLS_ENABLE included) is passed on unchanged.
 Output lines are prefixed "[RANK] " (stdout to stdout, stderr to stderr).
 
+interactive: `lockstep-run PROGRAM [ARGS...]` with no option, stdin a terminal, asks how to run
+(auto / threads / processes), how many of the GPUs found (or CPU ranks), and whether to scale the
+learning rate with the global batch, prints the same command without questions, and runs it.
+The answer to the last reaches the program as LOCKSTEP_LR_SCALING=linear|sqrt (lockstep's
+lr_scaling_from_env() reads it). It never asks when stdin is not a terminal, nor with
+LOCKSTEP_NO_PROMPT=1.
+
 exit status: 0 when every rank exits 0; the failing rank's exit code, or 128+signal when it was
 killed; 128+signal when lockstep-run was interrupted; 124 on --timeout; 2 for usage errors;
 127 when PROGRAM cannot be found or run.
@@ -282,6 +289,7 @@ struct Options {
   bool rank0_only = false;
   double grace = 10;
   double timeout = 0;  // 0: none
+  bool any_option = false;  // a launcher option was given (no questions then)
   std::vector<std::string> command;
 };
 
@@ -305,6 +313,7 @@ Options parse_options(int argc, char** argv) {
       break;
     }
     if (a.empty() || a[0] != '-') break;  // the program: everything from here is its command line
+    o.any_option = true;
     if (a == "-h" || a == "--help") {
       std::fputs(kUsage, stdout);
       std::exit(0);
@@ -821,8 +830,113 @@ int Launcher::run() {
 
 }  // namespace
 
+// ---------------------------------------------------------------------------------------------
+// Interactive mode
+
+// Words safe to show unquoted in a shell command; anything else in single quotes.
+std::string shell_word(const std::string& w) {
+  const bool plain = !w.empty() && w.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+                                                        "0123456789_-./=:,+@%") == std::string::npos;
+  if (plain) return w;
+  std::string q = "'";
+  for (char c : w) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+// Asks until an answer passes `ok` (an empty line takes `dflt`); nullopt at the end of input.
+std::optional<std::string> ask(const std::string& question, const std::string& dflt, const std::string& hint,
+                               bool (*ok)(const std::string&, int), int limit) {
+  while (true) {
+    std::printf("%s [%s]: ", question.c_str(), dflt.c_str());
+    std::fflush(stdout);
+    std::string line;
+    int c;
+    while ((c = std::getchar()) != EOF && c != '\n') line += static_cast<char>(c);
+    if (c == EOF && line.empty()) return std::nullopt;
+    while (!line.empty() && (line.back() == ' ' || line.back() == '\r')) line.pop_back();
+    while (!line.empty() && line.front() == ' ') line.erase(line.begin());
+    if (line.empty()) line = dflt;
+    if (ok(line, limit)) return line;
+    std::printf("  please answer %s\n", hint.c_str());
+  }
+}
+
+// Returns the exit status when the questions end the run (no answer, or the program ran in
+// this process's place and could not start); otherwise adjusts opt for the launch and returns
+// nullopt. Threads mode replaces this process with PROGRAM (execv).
+std::optional<int> interactive(Options& opt) {
+  const int gpus = visible_gpus(), cpus = usable_cpus();
+  const bool on_gpus = gpus > 0;
+  std::printf("lockstep-run: %s\n", on_gpus ? (std::to_string(gpus) + " GPU" + (gpus == 1 ? "" : "s") + " found").c_str()
+                                             : "no GPU found: CPU ranks");
+  const auto mode = ask("Run as [a]uto (one process per GPU; CPU ranks as threads of one process), [t]hreads (one "
+                        "process drives every rank) or [p]rocesses (one per rank)?",
+                        "a", "a, t or p", [](const std::string& a, int) { return a == "a" || a == "t" || a == "p"; }, 0);
+  const auto no_answer = [] {
+    std::fprintf(stderr, "\nlockstep-run: no answer (end of input); nothing was run\n");
+    return 2;
+  };
+  if (!mode) return no_answer();
+  const int most = on_gpus ? gpus : cpus;
+  const auto count = ask(on_gpus ? "How many of the " + std::to_string(gpus) + " GPUs (1-" + std::to_string(gpus) + ")?"
+                                 : "How many CPU ranks (1-" + std::to_string(cpus) + ")?",
+                         std::to_string(most), "a whole number from 1 to " + std::to_string(most),
+                         [](const std::string& a, int limit) {
+                           auto n = parse_long(a);
+                           return n && *n >= 1 && *n <= limit;
+                         },
+                         most);
+  if (!count) return no_answer();
+  const auto lr = ask("Scale the learning rate with the global batch: [n]o, [l]inear or [s]quare root?", "n",
+                      "n, l or s", [](const std::string& a, int) { return a == "n" || a == "l" || a == "s"; }, 0);
+  if (!lr) return no_answer();
+  const int n = static_cast<int>(*parse_long(*count));
+  const bool processes = *mode == "p" || (*mode == "a" && on_gpus);
+  std::vector<std::string> env;
+  if (*lr != "n") env.push_back(std::string("LOCKSTEP_LR_SCALING=") + (*lr == "l" ? "linear" : "sqrt"));
+  std::vector<std::string> cmd;
+  if (processes) {
+    cmd = {"lockstep-run", "--nproc", std::to_string(n)};
+    if (!on_gpus) cmd.push_back("--cpu");
+  } else if (on_gpus) {
+    std::string list;
+    for (int d = 0; d < n; ++d) list += (d ? "," : "") + std::to_string(d);
+    env.push_back("LOCKSTEP_DEVICES=" + list);
+  } else {
+    env.push_back("LOCKSTEP_CPU_RANKS=" + std::to_string(n));
+  }
+  std::string line;
+  for (const auto& e : env) line += shell_word(e) + " ";
+  for (const auto& w : cmd) line += shell_word(w) + " ";
+  for (const auto& w : opt.command) line += shell_word(w) + " ";
+  line.pop_back();
+  std::printf("lockstep-run: the same without questions:\n  %s\n", line.c_str());
+  std::fflush(stdout);
+  for (const auto& e : env) ::putenv(::strdup(e.c_str()));
+  if (processes) {
+    opt.nproc = n;
+    opt.cpu = !on_gpus;
+    return std::nullopt;
+  }
+  // Threads: the program itself drives the ranks (run(Auto) in one process).
+  const auto path = resolve_program(opt.command[0]);
+  if (!path) {
+    std::fprintf(stderr, "lockstep-run: cannot find an executable program '%s'\n", opt.command[0].c_str());
+    return 127;
+  }
+  std::vector<char*> argv;
+  for (auto& w : opt.command) argv.push_back(w.data());
+  argv.push_back(nullptr);
+  ::execv(path->c_str(), argv.data());
+  std::fprintf(stderr, "lockstep-run: cannot run '%s': %s\n", path->c_str(), std::strerror(errno));
+  return 127;
+}
+
 int main(int argc, char** argv) {
   Options opt = parse_options(argc, argv);
+  const char* no_prompt = std::getenv("LOCKSTEP_NO_PROMPT");
+  if (!opt.any_option && ::isatty(STDIN_FILENO) && !(no_prompt && *no_prompt && std::strcmp(no_prompt, "0") != 0))
+    if (auto rc = interactive(opt)) return *rc;
   Launcher launcher(std::move(opt));
   return launcher.run();
 }

@@ -2,6 +2,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <numbers>
 #include <random>
@@ -104,6 +105,26 @@ TEST_CASE("lr: LinearWarmup decays linearly or by cosine to final_lr") {
   CHECK_THROWS_AS(bad(0), lockstep::config_error);
   const lockstep::LinearWarmup nan{.peak_lr = std::nan("")};
   CHECK_THROWS_AS(nan(0), lockstep::config_error);
+}
+
+TEST_CASE("lr_schedule: the scaling rule from LOCKSTEP_LR_SCALING (lockstep-run's question)") {
+  std::mt19937_64 rng(std::random_device{}());
+  const double base = std::uniform_real_distribution<double>(1e-4, 1e-1)(rng);
+  const std::size_t b0 = 32 + rng() % 64, eb = b0 * (2 + rng() % 7);
+  const double r = static_cast<double>(eb) / static_cast<double>(b0);
+  ::unsetenv("LOCKSTEP_LR_SCALING");
+  CHECK(lockstep::lr_scaling_from_env() == lockstep::LrScaling::none);
+  CHECK(lockstep::lr_scaling_from_env(lockstep::LrScaling::sqrt) == lockstep::LrScaling::sqrt);
+  ::setenv("LOCKSTEP_LR_SCALING", "linear", 1);
+  CHECK(lockstep::scaled_lr(base, b0, eb, lockstep::lr_scaling_from_env()) == doctest::Approx(base * r).epsilon(1e-15));
+  ::setenv("LOCKSTEP_LR_SCALING", "sqrt", 1);
+  CHECK(lockstep::scaled_lr(base, b0, eb, lockstep::lr_scaling_from_env()) == doctest::Approx(base * std::sqrt(r)).epsilon(1e-15));
+  ::setenv("LOCKSTEP_LR_SCALING", "none", 1);
+  CHECK(lockstep::scaled_lr(base, b0, eb, lockstep::lr_scaling_from_env()) == base);
+  ::setenv("LOCKSTEP_LR_SCALING", "quadratic", 1);
+  CHECK_THROWS_WITH_AS(lockstep::lr_scaling_from_env(), doctest::Contains("give none, linear or sqrt"), lockstep::config_error);
+  ::unsetenv("LOCKSTEP_LR_SCALING");
+  CHECK_THROWS_AS(lockstep::scaled_lr(base, 0, eb, lockstep::LrScaling::sqrt), lockstep::config_error);
 }
 
 }  // TEST_SUITE

@@ -4,6 +4,7 @@
 // around it; the checks after a block test what it claims.
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -563,6 +564,16 @@ TEST_CASE("snippets: ScalarLog (observe/scalars.hpp)") {
   int events = 0;
   for (const auto& e : fs::directory_iterator("runs/mlp")) events += e.is_regular_file() ? 1 : 0;
   CHECK(events == 1);
+}
+
+TEST_CASE("snippets: the learning-rate rule lockstep-run asks for (docs/lockstep_run.md)") {
+  ::setenv("LOCKSTEP_LR_SCALING", "sqrt", 1);
+  const std::size_t global_batch = 1024;
+  // [snippet docs/lockstep_run.md#1]
+  const double lr = lockstep::scaled_lr(0.1, 256, global_batch, lockstep::lr_scaling_from_env());
+  // [end snippet]
+  ::unsetenv("LOCKSTEP_LR_SCALING");
+  CHECK(lr == doctest::Approx(0.2).epsilon(1e-15));  // √(1024 / 256) = 2
 }
 
 }  // TEST_SUITE

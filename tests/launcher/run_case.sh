@@ -91,7 +91,7 @@ check_env() {
     LOCKSTEP_JOB_TOKEN=stale LOCKSTEP_LAUNCHER=other run_lr "${args[@]}" "$CHILD" env
   expect_rc 0
   [[ -s $WORK/err ]] && fail "unexpected stderr"
-  (( $(wc -l <"$WORK/out") == 16 * n )) || fail "expected $((16 * n)) lines"
+  (( $(wc -l <"$WORK/out") == 19 * n )) || fail "expected $((19 * n)) lines"
   get() {  # sets GOT to rank $1's value of $2, which must be printed exactly once
     local v; v=$(grep -E "^\[$1\] $2=" "$WORK/out")
     [[ $(grep -c . <<<"$v") -eq 1 ]] || fail "rank $1: $2 printed $(grep -c . <<<"$v") times"

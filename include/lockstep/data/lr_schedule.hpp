@@ -21,6 +21,7 @@
 #include <numbers>
 #include <string>
 
+#include "lockstep/core/env.hpp"
 #include "lockstep/core/error.hpp"
 
 namespace lockstep {
@@ -43,6 +44,32 @@ inline double scaled_lr(double base_lr, std::size_t base_batch, std::size_t effe
                        ") and effective_batch (" + std::to_string(effective_batch) +
                        ") must be at least 1");
   return base_lr * (static_cast<double>(effective_batch) / static_cast<double>(base_batch));
+}
+
+//! How the learning rate follows the global batch: not at all, in proportion (the linear
+//! rule, for SGD) or with its square root (often used for Adam-type optimizers).
+enum class LrScaling { none, linear, sqrt };
+
+//! The rule a launcher asked for in LOCKSTEP_LR_SCALING ("none", "linear" or "sqrt"; set by
+//! lockstep-run's interactive mode), or `fallback` when it is unset. Anything else: config_error.
+inline LrScaling lr_scaling_from_env(LrScaling fallback = LrScaling::none) {
+  const auto v = detail::env("LOCKSTEP_LR_SCALING");
+  if (!v || v->empty()) return fallback;
+  if (*v == "none") return LrScaling::none;
+  if (*v == "linear") return LrScaling::linear;
+  if (*v == "sqrt") return LrScaling::sqrt;
+  throw config_error("LOCKSTEP_LR_SCALING=" + *v + ": give none, linear or sqrt");
+}
+
+//! base_lr, tuned for base_batch, for effective_batch under `rule`: × r, × √r or × 1, where
+//! r = effective_batch / base_batch.
+inline double scaled_lr(double base_lr, std::size_t base_batch, std::size_t effective_batch, LrScaling rule) {
+  const double linear = scaled_lr(1.0, base_batch, effective_batch);  // checks both batches
+  switch (rule) {
+    case LrScaling::linear: return base_lr * linear;
+    case LrScaling::sqrt: return base_lr * std::sqrt(linear);
+    default: return base_lr;
+  }
 }
 
 //! Linear warmup for step = 0, 1, ...: peak_lr · (step + 1) / warmup_steps while
