@@ -11,6 +11,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "lockstep/core/dtype.hpp"
 #include "lockstep/core/error.hpp"
@@ -38,6 +39,10 @@ struct collective {
   reduce_op op = reduce_op::sum;  //!< all_reduce and reduce_scatter only
   int root = 0;                   //!< broadcast only
   std::uint64_t seq = 0;          //!< this rank's collectives before it
+  //! What the caller says the call is for (e.g. "bucket 3: f32 [0, 262144)"), set through a
+  //! communicator's label_next(); compared like the rest, so two ranks that pair different
+  //! buckets of equal size are told apart. Not part of encode(): see label_hash().
+  std::string label{};
 
   static collective all_reduce(std::size_t n, dtype t, reduce_op o) { return {collective_kind::all_reduce, n, t, o, 0, 0}; }
   static collective broadcast(std::size_t n, dtype t, int r) { return {collective_kind::broadcast, n, t, reduce_op::sum, r, 0}; }
@@ -55,7 +60,16 @@ struct collective {
     if (kind == collective_kind::all_reduce || kind == collective_kind::reduce_scatter)
       s += std::string(" (") + name_of(op) + ")";
     if (kind == collective_kind::broadcast) s += " from root " + std::to_string(root);
+    if (!label.empty()) s += " for " + label;
     return s;
+  }
+
+  //! FNV-1a 64 of the label (0 without one), for transports that compare numbers.
+  std::int64_t label_hash() const {
+    if (label.empty()) return 0;
+    std::uint64_t h = 1469598103934665603ull;
+    for (unsigned char ch : label) h = (h ^ ch) * 1099511628211ull;
+    return static_cast<std::int64_t>(h >> 1);
   }
 
   //! The fields every rank must agree on, in order.
@@ -78,21 +92,33 @@ struct collective {
   bool operator==(const collective&) const = default;
 };
 
-//! The order check, given every rank's encoded descriptor (rank r's at r · encoded_size):
-//! throws mismatch_error naming rank 0's call and the first rank whose call differs. `how`
-//! says who noticed (e.g. "found by LOCKSTEP_DEBUG=1"). Every rank calls it with the same data,
-//! so every rank throws the same error.
-inline void check_same_collective(std::span<const std::int64_t> all, int ranks, const std::string& how) {
-  constexpr auto k = collective::encoded_size;
-  const auto at = [&](int r) { return collective::decode(all.subspan(static_cast<std::size_t>(r) * k).first<k>()); };
-  const collective ref = at(0);
-  for (int r = 1; r < ranks; ++r) {
-    const collective other = at(r);
-    if (other == ref) continue;
-    throw mismatch_error("ranks called different collectives: rank 0 called " + ref.describe() + " but rank " +
-                         std::to_string(r) + " called " + other.describe() +
+namespace detail {
+//! Labels comm's next collective when the communicator takes labels (ThreadComm, MpiComm have
+//! label_next); `make` builds the label only then.
+template <class Comm, class Make>
+void label_next_collective(Comm& comm, Make&& make) {
+  if constexpr (requires { comm.label_next(std::string{}); }) comm.label_next(make());
+}
+}  // namespace detail
+
+//! The order check, given every rank's call (labels included): throws mismatch_error naming
+//! rank 0's call and the first rank whose call differs. `how` says who noticed (e.g. "found
+//! by LOCKSTEP_DEBUG=1"). Every rank calls it with the same data, so every rank throws the same.
+inline void check_same_collective(std::span<const collective> all, const std::string& how) {
+  for (std::size_t r = 1; r < all.size(); ++r) {
+    if (all[r] == all[0]) continue;
+    throw mismatch_error("ranks called different collectives: rank 0 called " + all[0].describe() + " but rank " +
+                         std::to_string(r) + " called " + all[r].describe() +
                          " (every rank must issue the same collectives in the same order; " + how + ")");
   }
+}
+
+//! The same given every rank's encoded descriptor (rank r's at r · encoded_size), no labels.
+inline void check_same_collective(std::span<const std::int64_t> all, int ranks, const std::string& how) {
+  constexpr auto k = collective::encoded_size;
+  std::vector<collective> calls;
+  for (int r = 0; r < ranks; ++r) calls.push_back(collective::decode(all.subspan(static_cast<std::size_t>(r) * k).first<k>()));
+  check_same_collective(std::span<const collective>(calls), how);
 }
 
 }  // namespace lockstep

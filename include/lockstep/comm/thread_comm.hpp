@@ -13,6 +13,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "lockstep/comm/collective.hpp"
@@ -244,6 +245,10 @@ class ThreadComm {
   //! Number of collectives this rank has issued (the sequence number of the next).
   std::size_t sequence() const noexcept { return seq_; }
 
+  //! Names this rank's next collective (e.g. the bucket it reduces): compared across ranks
+  //! with the rest of the call and shown in mismatch messages. DataParallel labels its buckets.
+  void label_next(std::string label) { next_label_ = std::move(label); }
+
  private:
   ThreadComm(std::shared_ptr<detail::thread_group> g, int r) : g_(std::move(g)), rank_(r) {}
 
@@ -253,6 +258,7 @@ class ThreadComm {
   template <class Compute>
   void run(detail::posted_call call, Compute&& compute) {
     call.what.seq = seq_++;
+    call.what.label = std::exchange(next_label_, {});
     auto& calls = g_->calls;
     const std::string what = call.what.describe();
     calls[static_cast<std::size_t>(rank_)] = call;
@@ -260,13 +266,10 @@ class ThreadComm {
     for (std::size_t r = 1; r < calls.size(); ++r) {
       if (!(calls[r].what == calls[0].what)) {
         // Every rank reads the calls and throws the same error; then they may all leave.
-        std::vector<std::int64_t> all;
-        for (const auto& c : calls) {
-          const auto e = c.what.encode();
-          all.insert(all.end(), e.begin(), e.end());
-        }
+        std::vector<collective> all;
+        for (const auto& c : calls) all.push_back(c.what);
         g_->sync.arrive_and_wait(rank_, what);
-        check_same_collective(all, static_cast<int>(calls.size()), "ThreadComm checks every call");
+        check_same_collective(std::span<const collective>(all), "ThreadComm checks every call");
       }
     }
     std::vector<unsigned char>& tmp = scratch_;
@@ -278,6 +281,7 @@ class ThreadComm {
   std::shared_ptr<detail::thread_group> g_;
   int rank_ = 0;
   std::size_t seq_ = 0;
+  std::string next_label_;
   std::vector<unsigned char> scratch_;
 };
 

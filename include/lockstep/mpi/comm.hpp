@@ -34,6 +34,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <climits>
 #include <cstdint>
@@ -42,6 +43,7 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -239,6 +241,10 @@ class MpiComm {
   //! Number of collectives this rank has issued (the sequence number of the next).
   std::size_t sequence() const noexcept { return s_->seq; }
 
+  //! Names this rank's next collective (e.g. the bucket it reduces): compared across ranks by
+  //! the order check and shown in its messages. DataParallel labels its buckets.
+  void label_next(std::string label) { next_label_ = std::move(label); }
+
   //! Checks the order of collectives across ranks before each one (default: LOCKSTEP_DEBUG).
   void set_check_order(bool on) noexcept { s_->check_order = on; }
   void set_timeout(std::chrono::milliseconds t) noexcept { s_->timeout = t; }
@@ -381,6 +387,7 @@ class MpiComm {
   work begin(collective call) {
     s_->live();
     call.seq = s_->seq++;
+    call.label = std::exchange(next_label_, {});
     if (s_->check_order) check_order(call);
     work w;
     w.state_ = s_;
@@ -392,8 +399,11 @@ class MpiComm {
   // all ranks see the same verdict, and on a mismatch all of them gather the calls to name
   // the first rank that differs from rank 0.
   void check_order(const collective& c) {
-    constexpr int k = static_cast<int>(collective::encoded_size);
-    const auto mine = c.encode();
+    constexpr int k = static_cast<int>(collective::encoded_size) + 1;  // + the label's hash
+    std::array<std::int64_t, k> mine{};
+    const auto enc = c.encode();
+    std::copy(enc.begin(), enc.end(), mine.begin());
+    mine[k - 1] = c.label_hash();
     std::int64_t mm[2 * k];
     for (int i = 0; i < k; ++i) mm[i] = mine[static_cast<std::size_t>(i)], mm[k + i] = -mine[static_cast<std::size_t>(i)];
     const std::string what = "the order check before " + c.describe();
@@ -407,7 +417,25 @@ class MpiComm {
     run_now(what, [&](MPI_Request* r) {
       return MPI_Iallgather(mine.data(), k, MPI_INT64_T, all.data(), k, MPI_INT64_T, s_->comm, r);
     });
-    check_same_collective(all, size(), "seen by the LOCKSTEP_DEBUG order check on rank " + std::to_string(rank()));
+    // Every rank's call, labels included (their lengths, then their bytes).
+    std::vector<int> lens(static_cast<std::size_t>(size())), at(static_cast<std::size_t>(size()));
+    const int len = static_cast<int>(c.label.size());
+    run_now(what, [&](MPI_Request* r) { return MPI_Iallgather(&len, 1, MPI_INT, lens.data(), 1, MPI_INT, s_->comm, r); });
+    int total = 0;
+    for (std::size_t q = 0; q < lens.size(); ++q) at[q] = std::exchange(total, total + lens[q]);
+    std::string text(static_cast<std::size_t>(total), '\0');
+    run_now(what, [&](MPI_Request* r) {
+      return MPI_Iallgatherv(c.label.data(), len, MPI_CHAR, text.data(), lens.data(), at.data(), MPI_CHAR, s_->comm, r);
+    });
+    std::vector<collective> calls;
+    for (int q = 0; q < size(); ++q) {
+      const auto f = std::span<const std::int64_t>(all).subspan(static_cast<std::size_t>(q * k));
+      calls.push_back(collective::decode(f.first<collective::encoded_size>()));
+      calls.back().label = text.substr(static_cast<std::size_t>(at[static_cast<std::size_t>(q)]),
+                                       static_cast<std::size_t>(lens[static_cast<std::size_t>(q)]));
+    }
+    check_same_collective(std::span<const collective>(calls),
+                          "seen by the LOCKSTEP_DEBUG order check on rank " + std::to_string(rank()));
   }
 
   // A small collective started and waited for at once (with the timeout).
@@ -456,6 +484,7 @@ class MpiComm {
   }
 
   std::shared_ptr<detail::mpi_state> s_;
+  std::string next_label_;
 };
 
 static_assert(communicator<MpiComm>);

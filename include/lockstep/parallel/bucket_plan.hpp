@@ -130,6 +130,13 @@ inline bucket_plan make_bucket_plan(dtype t, std::vector<std::size_t> order,
   return p;
 }
 
+//! "bucket 3: 262144 f32 at 786432" — which bucket's collective a call is (a collective's
+//! label): the first bucket of the unit, the elements it reduces and where in the arena.
+inline std::string bucket_label(const bucket_plan& p, std::size_t first, std::size_t count, const char* what = "bucket ") {
+  return what + std::to_string(first) + ": " + std::to_string(count) + " " + name_of(p.type) + " at " +
+         std::to_string(p.buckets[first].begin);
+}
+
 //! FNV-1a 64 of a parameter order.
 inline std::uint64_t order_hash(const std::vector<std::size_t>& order) {
   std::uint64_t h = 1469598103934665603ull;

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "lockstep/comm/collective.hpp"
 #include "lockstep/comm/host_collectives.hpp"
 #include "lockstep/core/concepts.hpp"
 #include "lockstep/core/error.hpp"
@@ -342,6 +343,7 @@ class reducer {
   void reduce(group& g, std::size_t slot, void* buf, std::size_t count) {
     if (comm_.size() == 1 || count == 0) return;
     auto t0 = std::chrono::steady_clock::now();
+    label_next_collective(comm_, [&] { return bucket_label(g.plan, slot, count); });
     g.works[slot].emplace(hook_.reduce(comm_, buf, count, g.plan.type));
     if (trace_) g.issued[slot] = {t0, count};
     stats_.comm_seconds += seconds_since(t0);

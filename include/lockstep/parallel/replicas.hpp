@@ -71,6 +71,29 @@ void check_same_tensors(Comm& comm, const std::vector<parameter>& ps, const std:
   }
 }
 
+//! The model's parameters still are the ones DataParallel was built with — same count, and
+//! each the same storage, element type and shape (a rank that rebuilt, resized or reloaded
+//! its model into new tensors would otherwise pair wrong buckets with the other ranks, or
+//! write freed memory). Local, no communication: the rank that changed throws, and the job's
+//! failure handling ends the others. `was`: DataParallel's view (gradients may be arena views).
+inline void check_unchanged(const std::vector<parameter>& was, const std::vector<parameter>& now, int rank) {
+  const auto what = [](const parameter& p) { return "'" + p.name + "' " + p.shape_string(); };
+  std::string why;
+  if (now.size() != was.size())
+    why = "it has " + std::to_string(now.size()) + " parameters, but DataParallel was built with " +
+          std::to_string(was.size());
+  for (int pass = 0; pass < 2; ++pass)  // a different shape or type first, else new storage
+    for (std::size_t i = 0; why.empty() && i < now.size(); ++i)
+      if (now[i].type != was[i].type || now[i].shape != was[i].shape || (pass == 1 && now[i].value != was[i].value))
+        why = "parameter " + std::to_string(i) + " is " + what(now[i]) +
+              (now[i].value != was[i].value ? " in new storage" : "") + ", but DataParallel was built with " +
+              what(was[i]);
+  if (!why.empty())
+    throw mismatch_error("rank " + std::to_string(rank) + ": the model changed after DataParallel was built: " + why +
+                         " (rebuild the DataParallel after changing the model, on every rank alike; to load "
+                         "values, copy them into the existing parameters, e.g. restore_training_state)");
+}
+
 //! Rank 0's values to every rank.
 template <class Comm>
 void broadcast_values(Comm& comm, const std::vector<parameter>& ps) {

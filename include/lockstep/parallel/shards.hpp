@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "lockstep/comm/collective.hpp"
 #include "lockstep/core/concepts.hpp"
 #include "lockstep/core/parameter.hpp"
 #include "lockstep/core/reduce_op.hpp"
@@ -121,6 +122,7 @@ class shard_set {
     const std::size_t per = count / static_cast<std::size_t>(comm_.size());
     void* mine = static_cast<char*>(buf) + static_cast<std::size_t>(comm_.rank()) * per * size_of(t);
     const auto t0 = std::chrono::steady_clock::now();
+    label_next_collective(comm_, [&] { return bucket_label(*groups_[g].plan, first, count, "reduce-scatter of bucket "); });
     groups_[g].scatters[first].emplace(comm_.reduce_scatter(buf, mine, per, t, reduce_op::avg));
     seconds += seconds_since(t0);
   }
@@ -182,6 +184,10 @@ class shard_set {
     fn(std::span<const param_slice>(&slices_[sh.index], 1));
     if (comm_.size() == 1) return;
     const auto t0 = std::chrono::steady_clock::now();
+    label_next_collective(comm_, [&] {
+      return bucket_label(*g.plan, g.plan->units[u].first, sh.count * static_cast<std::size_t>(comm_.size()),
+                          "all-gather of bucket ");
+    });
     g.gathers[u].emplace(comm_.all_gather(g.values_at(mine), g.values_at(sh.begin), sh.count, g.plan->type));
     seconds += seconds_since(t0);
   }

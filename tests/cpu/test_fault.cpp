@@ -1,0 +1,137 @@
+// The fault suite on CPU ranks (ThreadComm): the quiet failures end every rank at once with the
+// same message naming the rank, the collective's sequence number and what it was for (which
+// bucket) — docs/reliability.md lists them with what PyTorch DDP does in the same case.
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <lockstep/lockstep.hpp>
+
+#include "mlp.hpp"
+#include "test_util.hpp"
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+using Model = lockstep_test::TestMlp<float>;
+
+// {8, 8, 8, 8, 8}: four 8×8 weights and four biases; zero-copy pads each to 64 floats, and
+// 256-byte buckets make every bucket exactly 64 elements — equal counts, told apart by label.
+const std::vector<int> dims{8, 8, 8, 8, 8};
+constexpr lockstep::BucketPolicy equal_buckets{.first_bytes = 256, .cap_bytes = 256, .rebuild_after_first_step = false};
+
+//! A bucket hook that, on one rank, lets one bucket's all-reduce fall through (as if an
+//! exception there had been caught and the rank went on to the next bucket).
+struct SkipOne {
+  int rank = -1, at = -1, seen = 0;
+  lockstep::ready_work reduce(lockstep::ThreadComm& comm, void* data, std::size_t n, lockstep::dtype t) {
+    if (comm.rank() == rank && seen++ == at) return {};
+    return comm.all_reduce(data, data, n, t, lockstep::reduce_op::avg);
+  }
+};
+
+//! Runs body on n ranks; returns every rank's error message (the job must fail).
+template <class Body>
+std::vector<std::string> messages_of(int n, Body&& body, double& seconds) {
+  std::vector<std::string> msgs(static_cast<std::size_t>(n));
+  const auto t0 = clock_type::now();
+  CHECK_THROWS(lockstep::run(lockstep::Threads{n}, [&](auto& ctx) {
+    try {
+      body(ctx);
+    } catch (const std::exception& e) {
+      msgs[static_cast<std::size_t>(ctx.rank())] = e.what();
+      throw;
+    }
+  }));
+  seconds = std::chrono::duration<double>(clock_type::now() - t0).count();
+  return msgs;
+}
+
+void train(Model& m, auto& dp, int steps, const std::vector<float>& x, const std::vector<int>& y) {
+  const std::vector<std::size_t> rows{0, 1, 2, 3};
+  for (int s = 0; s < steps; ++s) {
+    auto st = dp.step();
+    m.forward_backward(x, y, rows, st.on_gradient_ready());
+    if (st.finish()) m.sgd(0.1);
+  }
+}
+
+struct data {
+  std::vector<float> x;
+  std::vector<int> y{0, 1, 2, 3, 4, 5, 6, 7};
+  explicit data(std::uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    x = lockstep_test::random_vector<float>(8 * 8, rng);
+  }
+};
+
+}  // namespace
+
+TEST_SUITE("cpu") {
+
+TEST_CASE("fault_skip_collective: a rank that skips one bucket of equal size is named with both buckets") {
+  const auto seed = lockstep_test::fresh_seed();
+  CAPTURE(seed);
+  const data d(seed);
+  double secs = 0;
+  const auto msgs = messages_of(3, [&](auto& ctx) {
+    Model m(dims, seed);
+    lockstep::DataParallel dp(ctx, m, {.buckets = equal_buckets}, SkipOne{.rank = 1, .at = 11});  // step 1's 4th
+    train(m, dp, 4, d.x, d.y);
+  }, secs);
+  for (const auto& msg : msgs) {
+    CAPTURE(msg);
+    CHECK(msg == msgs[0]);  // every rank prints the same cause
+    CHECK(msg.find("ranks called different collectives: rank 0 called all_reduce #") != std::string::npos);
+    CHECK(msg.find("#24 of 64 f32 (avg) for bucket 3: 64 f32 at 192 but rank 1 called all_reduce #24 of 64 f32 "
+                   "(avg) for bucket 4: 64 f32 at 256") != std::string::npos);
+  }
+  CHECK(secs < 5);
+}
+
+TEST_CASE("fault_extra_collective: one rank's extra metrics all-reduce is named on every rank") {
+  const auto seed = lockstep_test::fresh_seed();
+  const data d(seed);
+  double secs = 0;
+  const auto msgs = messages_of(3, [&](auto& ctx) {
+    Model m(dims, seed);
+    lockstep::DataParallel dp(ctx, m, {.buckets = equal_buckets});
+    train(m, dp, 2, d.x, d.y);
+    if (ctx.rank() == 2) {  // an evaluation only this rank runs
+      double acc[2] = {0.5, 1.0};
+      lockstep::all_reduce_scalars(ctx.comm(), std::span<double>(acc), lockstep::reduce_op::sum);
+    }
+    train(m, dp, 2, d.x, d.y);
+  }, secs);
+  for (const auto& msg : msgs) {
+    CAPTURE(msg);
+    CHECK(msg == msgs[0]);
+    CHECK(msg.find("for bucket 0: 64 f32 at 0 but rank 2 called all_reduce #") != std::string::npos);
+    CHECK(msg.find("of 2 f64 (sum)") != std::string::npos);
+  }
+  CHECK(secs < 5);
+}
+
+TEST_CASE("fault_shapes_changed: a rank that rebuilds its model after start is caught at its next step") {
+  const auto seed = lockstep_test::fresh_seed();
+  const data d(seed);
+  double secs = 0;
+  const auto msgs = messages_of(3, [&](auto& ctx) {
+    Model m(dims, seed);
+    lockstep::DataParallel dp(ctx, m, {.buckets = equal_buckets});
+    train(m, dp, 2, d.x, d.y);
+    if (ctx.rank() == 1) m = Model({8, 8, 9, 8, 8}, seed);  // "loaded another checkpoint's architecture"
+    train(m, dp, 2, d.x, d.y);
+  }, secs);
+  CAPTURE(msgs[1]);
+  CHECK(msgs[1].find("rank 1: the model changed after DataParallel was built: parameter 2 is 'layer1.weight' "
+                     "[9,8] f32 in new storage, but DataParallel was built with 'layer1.weight' [8,8] f32") !=
+        std::string::npos);
+  for (int r : {0, 2}) CHECK(msgs[static_cast<std::size_t>(r)].find("because another rank failed: rank 1 failed") != std::string::npos);
+  CHECK(secs < 5);
+}
+
+}  // TEST_SUITE
