@@ -4,9 +4,15 @@
 // rank (fp32 ≤ 1e-5), every rank holding the same whole network.
 #include <doctest/doctest.h>
 
+#include <type_traits>
+#include <utility>
+#include <vector>
+
 #include <lockstep/lockstep.hpp>
 
+#include "equivalence.hpp"
 #include "hybrid_check.hpp"
+#include "mlp.hpp"
 #include "test_util.hpp"
 
 using namespace lockstep_test;
@@ -63,6 +69,62 @@ TEST_CASE("hybrid: the mesh's axes (parallel/mesh.hpp)") {
 TEST_CASE("hybrid: a model-parallel degree that does not divide the job is refused") {
   CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{4}, [](auto& ctx) { (void)lockstep::make_mesh(ctx, {.model_parallel = 3}); }),
                        doctest::Contains("model_parallel = 3 does not divide the 4 ranks"), lockstep::config_error);
+}
+
+TEST_CASE_TEMPLATE("hybrid: hierarchical reduction (within nodes - across - within) equals the flat all-reduce", T,
+                   float, double) {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  const auto d = make_data(seed, 211);
+  const double tol = std::is_same_v<T, double> ? 1e-12 : 1e-6;
+  for (auto [ranks, per_node] : {std::pair{4, 2}, {6, 3}, {6, 2}, {4, 4}, {3, 1}}) {
+    CAPTURE(ranks);
+    CAPTURE(per_node);
+    std::vector<std::vector<T>> flat(static_cast<std::size_t>(ranks)), hier(flat.size());
+    std::size_t flat_calls = 0, hier_calls = 0;  // rank 0's collectives on the whole job's communicator
+    for (int pass = 0; pass < 2; ++pass)
+      lockstep::run(lockstep::Threads{ranks}, [&](auto& ctx) {
+        TestMlp<T> m(d.dims, seed + static_cast<std::uint64_t>(ctx.rank()));
+        const lockstep::DataParallelOptions o{.buckets = {.first_bytes = 52 * sizeof(T), .cap_bytes = 97 * sizeof(T)}};
+        const auto body = [&](auto& dp) {
+          for (int s = 0; s < 4; ++s) {
+            std::vector<std::size_t> rows;
+            for (std::size_t i = 0; i < 3; ++i) rows.push_back((static_cast<std::size_t>(s * ranks + ctx.rank()) * 3 + i) % d.samples);
+            auto st = dp.step();
+            m.forward_backward(inputs<T>(d), d.y, rows, st.on_gradient_ready());
+            if (st.finish()) m.sgd(0.2);
+          }
+        };
+        if (pass == 0) {
+          lockstep::DataParallel dp(ctx, m, o);
+          const auto before = ctx.comm().sequence();
+          body(dp);
+          if (ctx.rank() == 0) flat_calls = ctx.comm().sequence() - before;
+          flat[static_cast<std::size_t>(ctx.rank())] = m.flat_values();
+        } else {
+          lockstep::DataParallel dp(ctx, m, o, lockstep::Hierarchical(ctx.comm(), {.ranks_per_node = per_node}));
+          const auto before = ctx.comm().sequence();
+          body(dp);
+          if (ctx.rank() == 0) hier_calls = ctx.comm().sequence() - before;
+          hier[static_cast<std::size_t>(ctx.rank())] = m.flat_values();
+        }
+      });
+    TestMlp<T> init(d.dims, seed);
+    CHECK(max_rel_diff(init.flat_values(), flat[0]) > 1e-3);  // it trained
+    CHECK(hier_calls < flat_calls);  // the buckets went through the node and cross-node communicators
+    for (int r = 0; r < ranks; ++r) {
+      CAPTURE(r);
+      CHECK(hier[static_cast<std::size_t>(r)] == hier[0]);
+      CHECK(max_rel_diff(hier[static_cast<std::size_t>(r)], flat[0]) <= tol);
+    }
+  }
+}
+
+TEST_CASE("hybrid: hierarchical reduction refuses a node size that does not divide the job") {
+  CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{4}, [](auto& ctx) {
+                         (void)lockstep::Hierarchical(ctx.comm(), {.ranks_per_node = 3});
+                       }),
+                       doctest::Contains("ranks_per_node = 3 does not divide the 4 ranks"), lockstep::config_error);
 }
 
 }  // TEST_SUITE

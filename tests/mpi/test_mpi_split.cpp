@@ -1,6 +1,6 @@
 // MpiComm::split (MPI_Comm_split): sub-communicators of uneven sizes pass the conformance
 // suite and are ranked by key; the tensor-parallel MLP of examples/04_hybrid on a mesh of
-// processes equals the unsplit network trained on one rank.
+// processes equals the unsplit network trained on one rank; hierarchical reduction equals flat.
 #include <doctest/doctest.h>
 
 #include <cstdint>
@@ -11,7 +11,9 @@
 #include <lockstep/mpi/run.hpp>
 
 #include "comm_conformance.hpp"
+#include "equivalence.hpp"
 #include "hybrid_check.hpp"
+#include "mlp.hpp"
 #include "mpi_util.hpp"
 
 using namespace lockstep_mpi_test;
@@ -49,6 +51,41 @@ TEST_CASE("hybrid over MPI: replicas x tensor-parallel parts equal the unsplit n
       const auto got = hybrid_rank(ctx, h, seed + 1, parts, 3, 5, 0.1f);
       CHECK(max_rel_diff(got, ref) <= 1e-5);
       CHECK(same_on_all_ranks(got));
+    }
+  });
+}
+
+TEST_CASE("hybrid over MPI: hierarchical reduction equals the flat all-reduce") {
+  lockstep::run(lockstep::Mpi{}, [](lockstep::context<lockstep::MpiComm>& ctx) {
+    const auto seed = shared_seed();
+    CAPTURE(seed);
+    const auto d = make_data(seed, 211);
+    for (int per_node : {1, 2}) {
+      CAPTURE(per_node);
+      std::vector<double> got[2];
+      for (int pass = 0; pass < 2; ++pass) {
+        TestMlp<double> m(d.dims, seed + static_cast<std::uint64_t>(ctx.rank()));
+        const lockstep::DataParallelOptions o{.buckets = {.first_bytes = 52 * 8, .cap_bytes = 97 * 8}};
+        auto body = [&](auto& dp) {
+          for (int s = 0; s < 4; ++s) {
+            std::vector<std::size_t> rows;
+            for (std::size_t i = 0; i < 3; ++i) rows.push_back((static_cast<std::size_t>(s * ctx.size() + ctx.rank()) * 3 + i) % d.samples);
+            auto st = dp.step();
+            m.forward_backward(d.X64, d.y, rows, st.on_gradient_ready());
+            if (st.finish()) m.sgd(0.2);
+          }
+        };
+        if (pass == 0) {
+          lockstep::DataParallel dp(ctx, m, o);
+          body(dp);
+        } else {
+          lockstep::DataParallel dp(ctx, m, o, lockstep::Hierarchical(ctx.comm(), {.ranks_per_node = per_node}));
+          body(dp);
+        }
+        got[pass] = m.flat_values();
+      }
+      CHECK(max_rel_diff(got[1], got[0]) <= 1e-12);
+      CHECK(same_on_all_ranks(got[1]));
     }
   });
 }
