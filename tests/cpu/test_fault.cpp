@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <mutex>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -132,6 +133,30 @@ TEST_CASE("fault_shapes_changed: a rank that rebuilds its model after start is c
         std::string::npos);
   for (int r : {0, 2}) CHECK(msgs[static_cast<std::size_t>(r)].find("because another rank failed: rank 1 failed") != std::string::npos);
   CHECK(secs < 5);
+}
+
+TEST_CASE("fault_straggler: a rank 10x slower is no failure - and is named as the slowest") {
+  const auto seed = lockstep_test::fresh_seed();
+  const data d(seed);
+  std::vector<lockstep::straggler_report> reports(4);
+  lockstep::run(lockstep::Threads{4}, [&](auto& ctx) {
+    Model m(dims, seed);
+    lockstep::DataParallel dp(ctx, m, {.buckets = equal_buckets});
+    const std::vector<std::size_t> rows{0, 1, 2, 3};
+    for (int s = 0; s < 3; ++s) {
+      auto st = dp.step();
+      // The model's time: 20 ms here, 200 ms on rank 3 (a slow device, a busy host).
+      std::this_thread::sleep_for(std::chrono::milliseconds(ctx.rank() == 3 ? 200 : 20));
+      m.forward_backward(d.x, d.y, rows, st.on_gradient_ready());
+      if (st.finish()) m.sgd(0.1);
+    }
+    reports[static_cast<std::size_t>(ctx.rank())] = lockstep::stragglers(dp);
+  });
+  for (const auto& r : reports) {
+    CHECK(r.slowest_rank == 3);
+    CHECK(r.ratio() > 5);
+    CHECK(r.slowest_seconds == reports[0].slowest_seconds);  // every rank the same report
+  }
 }
 
 }  // TEST_SUITE

@@ -6,6 +6,7 @@
 //! order relative to its other collectives. Values are staged through comm.memory(), since a
 //! communicator's buffers may be device memory.
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstddef>
@@ -17,6 +18,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "lockstep/comm/host_collectives.hpp"
 #include "lockstep/core/concepts.hpp"
@@ -135,6 +137,36 @@ class ThroughputMeter {
   bool running_ = false;
   clock::time_point t0_{};
 };
+
+//! Which rank was slowest in the last accumulation cycle, by the host time its model took
+//! (sync_stats::model_seconds): a straggler slows every rank, since each waits for it in the
+//! gradient collectives, and shows here as a ratio well above 1.
+struct straggler_report {
+  int slowest_rank = 0;
+  double slowest_seconds = 0;
+  double median_seconds = 0;  //!< over all ranks (the lower middle one for an even count)
+  double ratio() const noexcept { return median_seconds > 0 ? slowest_seconds / median_seconds : 1.0; }
+};
+
+//! Collective (one all-gather of a double): every rank gets the same report. dp: a DataParallel.
+template <class DP>
+straggler_report stragglers(DP& dp) {
+  auto& comm = dp.comm();
+  const double mine = dp.stats().model_seconds;
+  std::vector<double> all(static_cast<std::size_t>(comm.size()));
+  auto mem = comm.memory();
+  auto send = mem.allocate(sizeof(double)), recv = mem.allocate(sizeof(double) * all.size());
+  mem.upload(send.get(), &mine, sizeof(double));
+  comm.all_gather(send.get(), recv.get(), 1, dtype::f64).wait();
+  mem.download(all.data(), recv.get(), sizeof(double) * all.size());
+  straggler_report r;
+  r.slowest_rank = static_cast<int>(std::max_element(all.begin(), all.end()) - all.begin());
+  r.slowest_seconds = all[static_cast<std::size_t>(r.slowest_rank)];
+  std::vector<double> sorted = all;
+  std::sort(sorted.begin(), sorted.end());
+  r.median_seconds = sorted[(sorted.size() - 1) / 2];
+  return r;
+}
 
 //! How much of n ranks' ideal speed-up a run achieves: total / (n · one_rank), 1.0 = perfect.
 //! Both rates are whole-job samples per second (one rank alone; n ranks together).

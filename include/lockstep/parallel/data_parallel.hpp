@@ -27,6 +27,7 @@
 //! around the loop — see join.hpp.
 
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -219,7 +220,8 @@ class DataParallel {
     if (joining_ && sync) prescale = join_prescale(join_agree(micro_ + 1));
     reducer_.begin_micro(sync, prescale);
     open_ = true;
-    if (trace_) step_t0_ = trace_->now();
+    step_t0_ = detail::trace_log::clock::now();
+    comm_at_step_ = reducer_.stats().comm_seconds;
     ++reducer_.stats().micro_steps;
     return step_handle(this, sync);
   }
@@ -290,10 +292,14 @@ class DataParallel {
     return {};
   }
 
-  // LOCKSTEP_TRACE: the model's part of the step, lockstep's (finish) and the whole.
+  // The model's time (sync_stats::model_seconds); LOCKSTEP_TRACE: the model's part of the
+  // step, lockstep's (finish) and the whole.
   step_result finish_step(bool sync, const std::function<void(std::span<const param_slice>)>& on_bucket) {
+    const auto t0 = detail::trace_log::clock::now();
+    // Less the time backward spent in collectives (waiting for the other ranks, on host comms).
+    cycle_model_ += std::chrono::duration<double>(t0 - step_t0_).count() - (reducer_.stats().comm_seconds - comm_at_step_);
+    if (sync) reducer_.stats().model_seconds = std::exchange(cycle_model_, 0.0);
     if (!trace_) return finish_inner(sync, on_bucket);
-    const auto t0 = trace_->now();
     trace_->span(sync ? "forward + backward" : "forward + backward (accumulating)", detail::trace_log::host, step_t0_, t0);
     const auto r = finish_inner(sync, on_bucket);
     trace_->span("finish", detail::trace_log::host, t0, trace_->now());
@@ -460,7 +466,9 @@ class DataParallel {
   int join_active_ = 0;             // contributing ranks at the latest agreement
   std::shared_ptr<void> join_buf_;  // the agreement's buffer, in comm's memory space
   std::unique_ptr<detail::trace_log> trace_ = detail::trace_log::from_env(comm_.rank());  // LOCKSTEP_TRACE
-  detail::trace_log::clock::time_point step_t0_{};
+  detail::trace_log::clock::time_point step_t0_{};  // the current micro-step's step()
+  double cycle_model_ = 0;                           // model time in this cycle so far
+  double comm_at_step_ = 0;                          // sync_stats::comm_seconds at step()
 };
 
 // Deduction from the context, so that one body compiles for every communicator run(Auto) can

@@ -41,6 +41,10 @@ struct sync_stats {
   std::size_t bucket_count = 0;       //!< buckets in the current plan (all element types)
   std::size_t arena_bytes = 0;        //!< gradient arena size (all element types)
   std::size_t shard_bytes = 0;        //!< sharded: this rank's shard of the arena (optimizer's share)
+  //! Host time of the model's part of the last accumulation cycle: step() to finish(), less
+  //! the time spent in collectives meanwhile, summed over its micro-steps (on GPUs, the time to
+  //! launch the work). stragglers() compares it across ranks.
+  double model_seconds = 0;
   bool zero_copy = false;             //!< the model's gradients live in the arena
   bool rebuilt = false;               //!< the plan was reordered after the first step
 };
