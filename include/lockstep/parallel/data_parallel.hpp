@@ -292,8 +292,7 @@ class DataParallel {
     return {};
   }
 
-  // The model's time (sync_stats::model_seconds); LOCKSTEP_TRACE: the model's part of the
-  // step, lockstep's (finish) and the whole.
+  // The model's time (sync_stats::model_seconds); LOCKSTEP_TRACE: model, finish, whole step.
   step_result finish_step(bool sync, const std::function<void(std::span<const param_slice>)>& on_bucket) {
     const auto t0 = detail::trace_log::clock::now();
     // Less the time backward spent in collectives (waiting for the other ranks, on host comms).
@@ -399,7 +398,8 @@ class DataParallel {
   // before its agreement), the agreement, the bucket all-reduces (arrival order replayed)
   // and the loss scaler's found-inf flag. nullopt once no rank contributes any more.
   std::optional<step_result> join_step() {
-    if (trace_) step_t0_ = trace_->now();
+    step_t0_ = detail::trace_log::clock::now();
+    comm_at_step_ = reducer_.stats().comm_seconds;
     const bool partial = in_cycle_ && micro_ > 0;
     if (!partial) reducer_.apply_pending_plan();
     if (!partial && opts_.broadcast_buffers && comm_.size() > 1) detail::broadcast_values(comm_, buffers_);
