@@ -159,4 +159,23 @@ TEST_CASE("fault_straggler: a rank 10x slower is no failure - and is named as th
   }
 }
 
+TEST_CASE("fault_gradients_unbound: a gradient taken out of the arena (zero_grad set_to_none) is named") {
+  const auto seed = lockstep_test::fresh_seed();
+  const data d(seed);
+  double secs = 0;
+  std::vector<float> own(64, 0.0f);
+  const auto msgs = messages_of(2, [&](auto& ctx) {
+    Model m(dims, seed);
+    lockstep::DataParallel dp(ctx, m, {.buckets = equal_buckets});
+    train(m, dp, 2, d.x, d.y);
+    if (ctx.rank() == 0) m.bind_gradient(2, own.data());  // as if .grad had been reset and reallocated
+    train(m, dp, 2, d.x, d.y);
+  }, secs);
+  CAPTURE(msgs[0]);
+  CHECK(msgs[0].find("rank 0: the model changed after DataParallel was built: the gradient of parameter 2 "
+                     "('layer1.weight') no longer is the storage DataParallel gave it") != std::string::npos);
+  CHECK(msgs[0].find("zero_grad(false)") != std::string::npos);
+  CHECK(secs < 5);
+}
+
 }  // TEST_SUITE

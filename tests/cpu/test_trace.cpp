@@ -6,6 +6,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <unistd.h>
 #include <filesystem>
 #include <limits>
 #include <map>
@@ -105,7 +106,7 @@ TEST_CASE("trace: LOCKSTEP_TRACE writes each rank's steps as Chrome-trace JSON")
   REQUIRE(buckets > 2);
   for (int r = 0; r < 3; ++r) {
     CAPTURE(r);
-    const auto file = dir / ("lockstep_trace.rank" + std::to_string(r) + ".json");
+    const auto file = dir / ("lockstep_trace.rank" + std::to_string(r) + ".pid" + std::to_string(::getpid()) + ".json");
     REQUIRE(fs::exists(file));
     std::string process;
     const auto ev = read_trace(file, process);

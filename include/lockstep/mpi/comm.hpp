@@ -316,7 +316,9 @@ class MpiComm {
   }
 
   //! send holds size()·count elements; rank r receives the reduction of every rank's block r.
-  //! recv may equal send (in place) or overlap it anywhere (staged through a copy).
+  //! recv may equal send, be send + rank()·count (in place) or overlap it anywhere: staged
+  //! through a copy (never MPI_IN_PLACE, which all ranks must use or none — and in the in-place
+  //! form only rank 0 would pass recv == send).
   work reduce_scatter(const void* send, void* recv, std::size_t count, dtype t, reduce_op op) {
     const MPI_Datatype mt = detail::mpi_type_of(t);
     work w = begin(collective::reduce_scatter(count, t, op));
@@ -324,15 +326,14 @@ class MpiComm {
     const std::size_t total = bytes * static_cast<std::size_t>(size());
     if (count == 0) return w;
     const bool big = count > s_->max_chunk;
-    const bool in_place = send == recv && !big;
     unsigned char* out = static_cast<unsigned char*>(recv);
-    if (!in_place && detail::overlaps(send, total, recv, bytes)) {
+    if (detail::overlaps(send, total, recv, bytes)) {
       w.staging_.resize(bytes);
       out = w.staging_.data();
     }
     const auto* in = static_cast<const unsigned char*>(send);
     if (!big) {
-      issue(w, MPI_Ireduce_scatter_block(in_place ? MPI_IN_PLACE : send, out, static_cast<int>(count),
+      issue(w, MPI_Ireduce_scatter_block(send, out, static_cast<int>(count),
                                          mt, detail::mpi_op_of(op, t), s_->comm, &next(w)));
     } else {
       // Too large for one int count: one reduction to each rank, in chunks.

@@ -12,6 +12,7 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <bit>
 #include <chrono>
 #include <cmath>
@@ -137,8 +138,10 @@ class TensorBoardWriter {
  public:
   explicit TensorBoardWriter(const std::filesystem::path& dir) {
     const double now = detail::wall_seconds();
+    static std::atomic<int> made{0};  // two writers in one second of one process: distinct files
+    const int n = ++made;
     file_ = dir / ("events.out.tfevents." + std::to_string(static_cast<long long>(now)) + "." + detail::host_name() +
-                   "." + std::to_string(getpid()));
+                   "." + std::to_string(getpid()) + (n > 1 ? "." + std::to_string(n) : ""));
     out_ = detail::open_output(file_, std::ios::binary | std::ios::trunc, "TensorBoardWriter");
     out_ << detail::tf_record(detail::tf_event(now, 0, "brain.Event:2", {}, 0));
     flush();
@@ -168,7 +171,7 @@ class CsvWriter {
     char num[64];
     std::snprintf(num, sizeof num, "%.6f,%lld,", wall_time, static_cast<long long>(step));
     out_ << num;
-    if (tag.find_first_of(",\"\n") == std::string_view::npos) {
+    if (tag.find_first_of(",\"\r\n") == std::string_view::npos) {
       out_ << tag;
     } else {
       out_ << '"';

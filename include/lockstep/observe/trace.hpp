@@ -5,8 +5,10 @@
 //! model's forward and backward in between, every bucket collective from issue to completion
 //! (as the host sees it: for a device communicator, until the compute stream is ordered after
 //! it), the waits in finish(), unscaling and the inf/NaN check, clipping, each per-bucket
-//! callback (the optimizer), and skipped steps; and writes <dir>/lockstep_trace.rank<R>.json
-//! when it is destroyed. Off, each record point costs one pointer test.
+//! callback (the optimizer), and skipped steps; and writes <dir>/lockstep_trace.rank<R>.pid<P>.json
+//! when it is destroyed (R: its rank in DataParallel's communicator, P: the process; a second
+//! DataParallel of the same rank in one process — the parts of a mesh replica — adds .2, .3…).
+//! Off, each record point costs one pointer test.
 
 #include <unistd.h>
 
@@ -14,7 +16,9 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -36,7 +40,7 @@ class trace_log {
     return std::make_unique<trace_log>(std::filesystem::path(*dir), rank);
   }
 
-  trace_log(std::filesystem::path dir, int rank) : dir_(std::move(dir)), rank_(rank) {
+  trace_log(std::filesystem::path dir, int rank) : dir_(std::move(dir)), rank_(rank), serial_(next_serial(rank)) {
     std::error_code ec;
     std::filesystem::create_directories(dir_, ec);
     if (!std::filesystem::is_directory(dir_))
@@ -66,7 +70,10 @@ class trace_log {
   }
 
   const std::filesystem::path& dir() const noexcept { return dir_; }
-  std::filesystem::path file() const { return dir_ / ("lockstep_trace.rank" + std::to_string(rank_) + ".json"); }
+  std::filesystem::path file() const {
+    return dir_ / ("lockstep_trace.rank" + std::to_string(rank_) + ".pid" + std::to_string(::getpid()) +
+                   (serial_ > 1 ? "." + std::to_string(serial_) : "") + ".json");
+  }
 
   //! Writes the JSON (again, whole, if called more than once).
   void write() const {
@@ -119,8 +126,17 @@ class trace_log {
     return o;
   }
 
+  // 1 for the first log of this rank number in this process, then 2, 3...
+  static int next_serial(int rank) {
+    static std::mutex m;
+    static std::map<int, int> made;
+    std::lock_guard lk(m);
+    return ++made[rank];
+  }
+
   std::filesystem::path dir_;
   int rank_;
+  int serial_;
   std::vector<event> events_;
 };
 

@@ -246,14 +246,16 @@ class Optimizer : public detail::rule_options<Rule> {
   //! whole slot, so each slice must start at offset 0 and cover the same count every step.
   void step(std::span<const param_slice> slices, bool skip = false) {
     if (skip) return;
-    for (const auto& sl : slices) {
+    for (const auto& sl : slices) {  // all checked before any is updated
       if (sl.offset != 0)
         throw config_error(std::string(Rule::name) + "::step: a slice of parameter " + std::to_string(sl.param) +
                            " starts at element " + std::to_string(sl.offset) +
                            "; host optimizers step whole slots (a bucket split this parameter: step "
                            "after finish() with step(dp.parameters()), or use ShardedOptimizer's shards)");
-      update(sl.param, segment{sl.value, sl.count}, segment{sl.grad, sl.count}, sl.type);
+      if (sl.param < slots_.size() && slots_[sl.param].has && slots_[sl.param].count != sl.count)
+        checked_slot(sl.param, segment{sl.value, sl.count}, segment{sl.grad, sl.count}, sl.type);  // throws
     }
+    for (const auto& sl : slices) update(sl.param, segment{sl.value, sl.count}, segment{sl.grad, sl.count}, sl.type);
   }
 
   //! Updates a subset: values[k], grads[k] (host memory, element type t) belong to slot

@@ -205,7 +205,7 @@ class DataParallel {
       throw config_error("lockstep: step() called while the previous step is still open; "
                          "call finish() on each step before starting the next");
     if (!in_cycle_) {
-      detail::check_unchanged(reducer_.params(), detail::collect_parameters(model_), comm_.rank());
+      detail::check_unchanged(reducer_.params(), detail::collect_parameters(model_), comm_.rank(), reducer_.zero_copy());
       k_ = acc_.steps();
       if (k_ < 1) throw config_error("lockstep: the accumulation policy returned steps() < 1");
       micro_ = 0;

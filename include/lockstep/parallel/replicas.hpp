@@ -75,8 +75,10 @@ void check_same_tensors(Comm& comm, const std::vector<parameter>& ps, const std:
 //! each the same storage, element type and shape (a rank that rebuilt, resized or reloaded
 //! its model into new tensors would otherwise pair wrong buckets with the other ranks, or
 //! write freed memory). Local, no communication: the rank that changed throws, and the job's
-//! failure handling ends the others. `was`: DataParallel's view (gradients may be arena views).
-inline void check_unchanged(const std::vector<parameter>& was, const std::vector<parameter>& now, int rank) {
+//! failure handling ends the others. `was`: DataParallel's view; `bound`: its gradients are
+//! the model's (zero-copy), which must then stay in place too.
+inline void check_unchanged(const std::vector<parameter>& was, const std::vector<parameter>& now, int rank,
+                            bool bound) {
   const auto what = [](const parameter& p) { return "'" + p.name + "' " + p.shape_string(); };
   std::string why;
   if (now.size() != was.size())
@@ -88,6 +90,13 @@ inline void check_unchanged(const std::vector<parameter>& was, const std::vector
         why = "parameter " + std::to_string(i) + " is " + what(now[i]) +
               (now[i].value != was[i].value ? " in new storage" : "") + ", but DataParallel was built with " +
               what(was[i]);
+  // Bound (zero-copy), the gradients must stay the arena's views: a .grad reset elsewhere
+  // (libtorch 2.x optimizer.zero_grad() sets it to none) would leave lockstep averaging zeros.
+  for (std::size_t i = 0; why.empty() && bound && i < now.size(); ++i)
+    if (now[i].grad != was[i].grad)
+      why = "the gradient of parameter " + std::to_string(i) + " ('" + now[i].name + "') no longer is the storage "
+            "DataParallel gave it (was it reset, e.g. by optimizer.zero_grad() with set_to_none? call zero_grad(false), "
+            "or leave zeroing to DataParallel)";
   if (!why.empty())
     throw mismatch_error("rank " + std::to_string(rank) + ": the model changed after DataParallel was built: " + why +
                          " (rebuild the DataParallel after changing the model, on every rank alike; to load "
