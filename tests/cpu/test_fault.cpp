@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <chrono>
+#include <cmath>
 #include <mutex>
 #include <thread>
 #include <string>
@@ -175,6 +176,36 @@ TEST_CASE("fault_gradients_unbound: a gradient taken out of the arena (zero_grad
   CHECK(msgs[0].find("rank 0: the model changed after DataParallel was built: the gradient of parameter 2 "
                      "('layer1.weight') no longer is the storage DataParallel gave it") != std::string::npos);
   CHECK(msgs[0].find("zero_grad(false)") != std::string::npos);
+  CHECK(secs < 5);
+}
+
+TEST_CASE("fault_nonfinite_forever: a loss that stays NaN on one rank ends every rank after the skip limit") {
+  const auto seed = lockstep_test::fresh_seed();
+  const data d(seed);
+  double secs = 0;
+  int steps_run = 0;
+  const auto msgs = messages_of(3, [&](auto& ctx) {
+    Model m(dims, seed);
+    lockstep::DataParallel dp(ctx, m, {.buckets = equal_buckets},
+                              lockstep::DynamicScale({.init_scale = 1024, .max_consecutive_skips = 5}));
+    const std::vector<std::size_t> rows{0, 1, 2, 3};
+    for (int s = 0; s < 20; ++s) {
+      auto st = dp.step();
+      m.forward_backward(d.x, d.y, rows, [&](std::size_t i) {
+        if (ctx.rank() == 1 && i == 0) static_cast<float*>(m.parameters()[0].grad)[0] = std::nanf("");
+        st.gradient_ready(i);
+      }, st.loss_scale());
+      if (st.finish()) m.sgd(0.1);
+      if (ctx.rank() == 0) steps_run = s + 1;
+    }
+  }, secs);
+  CHECK(steps_run == 4);  // the fifth finish() threw
+  for (const auto& msg : msgs) {
+    CAPTURE(msg);
+    CHECK(msg == msgs[0]);
+    CHECK(msg.find("lockstep::DynamicScale: 5 steps in a row had inf/NaN gradients (the loss scale is now 32") !=
+          std::string::npos);
+  }
   CHECK(secs < 5);
 }
 

@@ -133,6 +133,10 @@ struct DynamicScaleOptions {
   int growth_interval = 2000;        //!< clean steps between growths, >= 1
   double min_scale = 1.0;            //!< floor, > 0
   double max_scale = 16777216.0;     //!< ceiling, 2^24
+  //! This many skipped steps in a row end training with an error on every rank: lowering the
+  //! scale cannot fix a loss that is itself inf/NaN (0: skip forever, as GradScaler does).
+  //! Counted since construction or load_state (not checkpointed). DynamicScale only.
+  int max_consecutive_skips = 1000;
 };
 
 namespace detail {
@@ -144,6 +148,8 @@ inline void validate(const DynamicScaleOptions& o) {
   if (!(o.backoff_factor > 0.0 && o.backoff_factor < 1.0))
     fail("backoff_factor must be in (0, 1), got " + std::to_string(o.backoff_factor));
   if (o.growth_interval < 1) fail("growth_interval must be >= 1, got " + std::to_string(o.growth_interval));
+  if (o.max_consecutive_skips < 0)
+    fail("max_consecutive_skips must be >= 0 (0: no limit), got " + std::to_string(o.max_consecutive_skips));
   require_valid_scale(o.min_scale, "DynamicScaleOptions::min_scale");
   require_valid_scale(o.max_scale, "DynamicScaleOptions::max_scale");
   require_valid_scale(o.init_scale, "DynamicScaleOptions::init_scale");
@@ -186,10 +192,20 @@ class DynamicScale {
     return flag_.unscale_and_agree(comm, groups, 1.0 / scale_);
   }
 
-  void update(bool found_inf) noexcept {
+  //! Throws lockstep::error (on every rank alike: found_inf is agreed) when the step is the
+  //! max_consecutive_skips-th skipped in a row.
+  void update(bool found_inf) {
     counters_.count(found_inf);
+    skips_in_a_row_ = found_inf ? skips_in_a_row_ + 1 : 0;
     if (found_inf) {
       scale_ = std::max(scale_ * opts_.backoff_factor, opts_.min_scale);
+      if (opts_.max_consecutive_skips > 0 && skips_in_a_row_ >= opts_.max_consecutive_skips)
+        throw error("lockstep::DynamicScale: " + std::to_string(skips_in_a_row_) +
+                    " steps in a row had inf/NaN gradients (the loss scale is now " + std::to_string(scale_) +
+                    ", its floor " + std::to_string(opts_.min_scale) +
+                    "): a smaller scale does not help, so the loss or the model produces non-finite values on "
+                    "at least one rank (one is enough to poison the average) — check every rank's inputs and "
+                    "loss. DynamicScaleOptions::max_consecutive_skips sets this limit (0: none)");
     } else if (counters_.good_steps >= opts_.growth_interval) {
       counters_.good_steps = 0;
       scale_ = std::min(scale_ * opts_.growth_factor, opts_.max_scale);
@@ -205,11 +221,13 @@ class DynamicScale {
     detail::require_state_fits(st, opts_, "DynamicScale");
     scale_ = st.scale;
     counters_.load(st);
+    skips_in_a_row_ = 0;
   }
 
  private:
   DynamicScaleOptions opts_;
   double scale_;
+  std::int64_t skips_in_a_row_ = 0;
   detail::scale_counters counters_;
   detail::found_inf_flag flag_;
 };
