@@ -14,16 +14,6 @@
 
 namespace {
 
-lockstep_test::conformance_options split_options() {
-  lockstep_test::conformance_options o;
-  o.seed = lockstep_test::fresh_seed();
-  o.types = {lockstep::dtype::u8, lockstep::dtype::i32, lockstep::dtype::i64, lockstep::dtype::f16,
-             lockstep::dtype::bf16, lockstep::dtype::f32, lockstep::dtype::f64};
-  o.unsupported = {};
-  o.rank_order_sums = true;
-  return o;
-}
-
 // The world ranks of sub's members, in sub's rank order (an all_gather over sub).
 std::vector<std::int64_t> members(lockstep::ThreadComm& sub, int world_rank) {
   std::vector<std::int64_t> all(static_cast<std::size_t>(sub.size()));
@@ -37,7 +27,7 @@ std::vector<std::int64_t> members(lockstep::ThreadComm& sub, int world_rank) {
 TEST_SUITE("cpu") {
 
 TEST_CASE("split: sub-groups of uneven sizes pass the conformance suite - ranked by key") {
-  const auto o = split_options();
+  const auto o = lockstep_test::thread_comm_options(lockstep_test::fresh_seed());
   lockstep::run(lockstep::Threads{5}, [&](auto& ctx) {
     const int r = ctx.rank();
     auto sub = ctx.comm().split(r < 3 ? 0 : 1, -r);  // sizes 3 and 2, ranks in reverse order

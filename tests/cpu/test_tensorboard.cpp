@@ -28,14 +28,10 @@ using key = std::tuple<std::string, std::string, std::int64_t>;  // source, tag,
 
 //! What read_scalars.py prints, by (source, tag, step): the value text.
 std::map<key, std::string> read_back(const fs::path& dir, const fs::path& csv, const fs::path& jsonl) {
-  const std::string cmd = std::string(LOCKSTEP_PYTHON) + " " + LOCKSTEP_READ_SCALARS + " '" + dir.string() + "' '" +
-                          csv.string() + "' '" + jsonl.string() + "' 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  REQUIRE(p != nullptr);
-  std::string text;
-  char buf[4096];
-  while (std::size_t n = std::fread(buf, 1, sizeof buf, p)) text.append(buf, n);
-  const int rc = pclose(p);
+  int rc = 0;
+  const std::string text = lockstep_test::command_output(std::string(LOCKSTEP_PYTHON) + " " + LOCKSTEP_READ_SCALARS + " '" +
+                                                         dir.string() + "' '" + csv.string() + "' '" + jsonl.string() + "'",
+                                                         rc);
   INFO("read_scalars.py printed:\n" << text);
   REQUIRE_MESSAGE(rc == 0, "reading the files back failed (is the Python package tensorboard installed? "
                            "scripts/install_deps.sh installs it)");

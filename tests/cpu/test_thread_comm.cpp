@@ -20,21 +20,8 @@
 
 namespace {
 
-// ThreadComm reduces every element type: u8, i32, i64, f32 and f64 in the type itself (rank
-// order: float sums compared bit for bit), f16 and bf16 in float, rounded once (judged by
-// the suite's tolerance for halves).
-lockstep_test::conformance_options thread_options() {
-  lockstep_test::conformance_options o;
-  o.seed = lockstep_test::fresh_seed();
-  o.types = {lockstep::dtype::u8,  lockstep::dtype::i32, lockstep::dtype::i64, lockstep::dtype::f16,
-             lockstep::dtype::bf16, lockstep::dtype::f32, lockstep::dtype::f64};
-  o.unsupported = {};
-  o.rank_order_sums = true;
-  return o;
-}
-
 void collectives_on(int n) {
-  const auto o = thread_options();
+  const auto o = lockstep_test::thread_comm_options(lockstep_test::fresh_seed());
   lockstep::run(lockstep::Threads{n}, [&](lockstep::context<lockstep::ThreadComm>& ctx) {
     lockstep_test::check_collectives(ctx.comm(), o);
   });
@@ -51,7 +38,7 @@ TEST_CASE("ThreadComm conformance: every collective on 4 ranks") { collectives_o
 
 TEST_CASE("ThreadComm conformance: a collective mismatch is named on every rank instead of hanging") {
   // ThreadComm checks every call: no switch to turn on. Each check wants a fresh group.
-  const auto o = thread_options();
+  const auto o = lockstep_test::thread_comm_options(lockstep_test::fresh_seed());
   lockstep::run(lockstep::Threads{3}, [&](lockstep::context<lockstep::ThreadComm>& ctx) {
     lockstep_test::check_order(ctx.comm(), o);
   });
@@ -63,7 +50,7 @@ TEST_CASE("ThreadComm conformance: a collective mismatch is named on every rank 
 TEST_CASE("ThreadComm conformance: a rank that never arrives times out - naming it") {
   const auto timeout = std::chrono::milliseconds(300);
   auto comms = lockstep::ThreadComm::create_group(3, timeout);
-  const auto o = thread_options();
+  const auto o = lockstep_test::thread_comm_options(lockstep_test::fresh_seed());
   std::vector<lockstep_test::timeout_outcome> seen(3);
   std::vector<std::thread> ranks;
   for (int r = 0; r < 3; ++r)

@@ -31,14 +31,11 @@ struct event {
 };
 
 std::vector<event> read_trace(const fs::path& file, std::string& process) {
-  const std::string cmd = std::string(LOCKSTEP_PYTHON) + " " + LOCKSTEP_READ_TRACE + " '" + file.string() + "' 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  REQUIRE(p != nullptr);
-  std::string text;
-  char buf[4096];
-  while (std::size_t n = std::fread(buf, 1, sizeof buf, p)) text.append(buf, n);
+  int rc = 0;
+  const std::string text =
+      lockstep_test::command_output(std::string(LOCKSTEP_PYTHON) + " " + LOCKSTEP_READ_TRACE + " '" + file.string() + "'", rc);
   INFO(text);
-  REQUIRE(pclose(p) == 0);
+  REQUIRE(rc == 0);
   std::vector<event> out;
   std::istringstream in(text);
   std::string line;

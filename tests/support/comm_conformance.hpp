@@ -69,6 +69,19 @@ struct conformance_options {
   bool shared_clock = true;
 };
 
+//! What ThreadComm (and each group split from one) promises: every element type — u8, i32,
+//! i64, f32 and f64 reduced in the type itself in rank order (float sums compared bit for bit),
+//! f16 and bf16 in float, rounded once (judged by the suite's tolerance for halves).
+inline conformance_options thread_comm_options(std::uint64_t seed) {
+  conformance_options o;
+  o.seed = seed;
+  o.types = {lockstep::dtype::u8,  lockstep::dtype::i32, lockstep::dtype::i64, lockstep::dtype::f16,
+             lockstep::dtype::bf16, lockstep::dtype::f32, lockstep::dtype::f64};
+  o.unsupported = {};
+  o.rank_order_sums = true;
+  return o;
+}
+
 namespace conformance_detail {
 
 using lockstep::dtype;

@@ -3,14 +3,27 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstdint>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include <lockstep/launch/run.hpp>
 
 namespace lockstep_test {
+
+//! Runs a shell command (stderr joined to stdout); returns what it printed, its status in rc.
+inline std::string command_output(const std::string& cmd, int& rc) {
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  REQUIRE_MESSAGE(p != nullptr, "cannot run: " << cmd);
+  std::string text;
+  char buf[4096];
+  while (std::size_t n = std::fread(buf, 1, sizeof buf, p)) text.append(buf, n);
+  rc = pclose(p);
+  return text;
+}
 
 //! Runs body(rank, comm) on n threads over a fresh ThreadComm group; a failing rank aborts
 //! the group so the others stop waiting, and the root cause is rethrown here.

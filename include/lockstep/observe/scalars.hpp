@@ -49,22 +49,27 @@ inline double wall_seconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
-//! Opens `file` for writing (truncating), creating its directory; config_error names the path.
-inline std::ofstream open_output(const std::filesystem::path& file, std::ios::openmode mode, const char* who) {
-  std::error_code ec;
-  if (file.has_parent_path()) std::filesystem::create_directories(file.parent_path(), ec);
-  std::ofstream out(file, mode);
-  if (!out)
-    throw config_error(std::string(who) + ": cannot create '" + file.string() + "': " +
-                       std::strerror(errno) + " (check the directory exists or can be made, and is writable)");
-  return out;
-}
-
-inline void check_written(std::ostream& out, const std::filesystem::path& file, const char* who) {
-  if (!out)
-    throw error(std::string(who) + ": writing '" + file.string() + "' failed: " + std::strerror(errno) +
-                " (disk full or the file was removed?)");
-}
+//! A sink's file: opened for writing (truncated) with its directory made — config_error names
+//! the path — and flushed with a check, so a full disk is an error, not lost scalars.
+struct output_file {
+  output_file(std::filesystem::path f, std::ios::openmode mode, const char* w) : file(std::move(f)), who(w) {
+    std::error_code ec;
+    if (file.has_parent_path()) std::filesystem::create_directories(file.parent_path(), ec);
+    out.open(file, mode);
+    if (!out)
+      throw config_error(std::string(who) + ": cannot create '" + file.string() + "': " + std::strerror(errno) +
+                         " (check the directory exists or can be made, and is writable)");
+  }
+  void flush() {
+    out.flush();
+    if (!out)
+      throw error(std::string(who) + ": writing '" + file.string() + "' failed: " + std::strerror(errno) +
+                  " (disk full or the file was removed?)");
+  }
+  std::filesystem::path file;
+  const char* who;
+  std::ofstream out;
+};
 
 // Protocol-buffer pieces (the wire format: varints, tags, little-endian fixed fields).
 inline void pb_varint(std::string& out, std::uint64_t v) {
@@ -136,91 +141,79 @@ inline std::string host_name() {
 //! Values are stored as float (TensorBoard's simple_value).
 class TensorBoardWriter {
  public:
-  explicit TensorBoardWriter(const std::filesystem::path& dir) {
-    const double now = detail::wall_seconds();
-    static std::atomic<int> made{0};  // two writers in one second of one process: distinct files
-    const int n = ++made;
-    file_ = dir / ("events.out.tfevents." + std::to_string(static_cast<long long>(now)) + "." + detail::host_name() +
-                   "." + std::to_string(getpid()) + (n > 1 ? "." + std::to_string(n) : ""));
-    out_ = detail::open_output(file_, std::ios::binary | std::ios::trunc, "TensorBoardWriter");
-    out_ << detail::tf_record(detail::tf_event(now, 0, "brain.Event:2", {}, 0));
+  explicit TensorBoardWriter(const std::filesystem::path& dir)
+      : now_(detail::wall_seconds()), f_(events_file(dir, now_), std::ios::binary | std::ios::trunc, "TensorBoardWriter") {
+    f_.out << detail::tf_record(detail::tf_event(now_, 0, "brain.Event:2", {}, 0));
     flush();
   }
   void scalar(std::string_view tag, std::int64_t step, double value, double wall_time) {
-    out_ << detail::tf_record(detail::tf_event(wall_time, step, {}, tag, static_cast<float>(value)));
+    f_.out << detail::tf_record(detail::tf_event(wall_time, step, {}, tag, static_cast<float>(value)));
   }
-  void flush() {
-    out_.flush();
-    detail::check_written(out_, file_, "TensorBoardWriter");
-  }
-  const std::filesystem::path& file() const noexcept { return file_; }
+  void flush() { f_.flush(); }
+  const std::filesystem::path& file() const noexcept { return f_.file; }
 
  private:
-  std::filesystem::path file_;
-  std::ofstream out_;
+  static std::filesystem::path events_file(const std::filesystem::path& dir, double now) {
+    static std::atomic<int> made{0};  // two writers in one second of one process: distinct files
+    const int n = ++made;
+    return dir / ("events.out.tfevents." + std::to_string(static_cast<long long>(now)) + "." + detail::host_name() +
+                  "." + std::to_string(getpid()) + (n > 1 ? "." + std::to_string(n) : ""));
+  }
+  double now_;
+  detail::output_file f_;
 };
 
 //! One row per value: wall_time,step,tag,value (the tag quoted when it holds a comma or quote).
 class CsvWriter {
  public:
-  explicit CsvWriter(const std::filesystem::path& file)
-      : file_(file), out_(detail::open_output(file, std::ios::trunc, "CsvWriter")) {
-    out_ << "wall_time,step,tag,value\n";
+  explicit CsvWriter(const std::filesystem::path& file) : f_(file, std::ios::trunc, "CsvWriter") {
+    f_.out << "wall_time,step,tag,value\n";
   }
   void scalar(std::string_view tag, std::int64_t step, double value, double wall_time) {
     char num[64];
     std::snprintf(num, sizeof num, "%.6f,%lld,", wall_time, static_cast<long long>(step));
-    out_ << num;
+    f_.out << num;
     if (tag.find_first_of(",\"\r\n") == std::string_view::npos) {
-      out_ << tag;
+      f_.out << tag;
     } else {
-      out_ << '"';
-      for (char c : tag) out_ << (c == '"' ? "\"\"" : std::string(1, c));
-      out_ << '"';
+      f_.out << '"';
+      for (char c : tag) f_.out << (c == '"' ? "\"\"" : std::string(1, c));
+      f_.out << '"';
     }
     std::snprintf(num, sizeof num, ",%.17g\n", value);
-    out_ << num;
+    f_.out << num;
   }
-  void flush() {
-    out_.flush();
-    detail::check_written(out_, file_, "CsvWriter");
-  }
+  void flush() { f_.flush(); }
 
  private:
-  std::filesystem::path file_;
-  std::ofstream out_;
+  detail::output_file f_;
 };
 
 //! One JSON object per line: {"wall_time":…,"step":…,"tag":"…","value":…}; a non-finite value
 //! (which JSON cannot hold) is written as null.
 class JsonLinesWriter {
  public:
-  explicit JsonLinesWriter(const std::filesystem::path& file)
-      : file_(file), out_(detail::open_output(file, std::ios::trunc, "JsonLinesWriter")) {}
+  explicit JsonLinesWriter(const std::filesystem::path& file) : f_(file, std::ios::trunc, "JsonLinesWriter") {}
   void scalar(std::string_view tag, std::int64_t step, double value, double wall_time) {
     char num[96];
     std::snprintf(num, sizeof num, "{\"wall_time\":%.6f,\"step\":%lld,\"tag\":\"", wall_time, static_cast<long long>(step));
-    out_ << num;
+    f_.out << num;
     for (unsigned char c : tag) {
-      if (c == '"' || c == '\\') out_ << '\\' << c;
+      if (c == '"' || c == '\\') f_.out << '\\' << c;
       else if (c < 0x20) {
         char u[8];
         std::snprintf(u, sizeof u, "\\u%04x", c);
-        out_ << u;
-      } else out_ << c;
+        f_.out << u;
+      } else f_.out << c;
     }
     if (std::isfinite(value)) std::snprintf(num, sizeof num, "\",\"value\":%.17g}\n", value);
     else std::snprintf(num, sizeof num, "\",\"value\":null}\n");
-    out_ << num;
+    f_.out << num;
   }
-  void flush() {
-    out_.flush();
-    detail::check_written(out_, file_, "JsonLinesWriter");
-  }
+  void flush() { f_.flush(); }
 
  private:
-  std::filesystem::path file_;
-  std::ofstream out_;
+  detail::output_file f_;
 };
 
 //! Which files a ScalarLog writes (empty: not that one).
