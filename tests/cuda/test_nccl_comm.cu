@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <exception>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -345,6 +346,102 @@ TEST_SUITE("multigpu") {
     CHECK(released.load());
     waiter.join();
     CHECK(what_of([&] { comms[0].barrier(); }).find("has not completed") != std::string::npos);
+  }
+
+  // split: on 2 GPUs a group of both in reverse order and two groups of one; with 3 or more,
+  // groups of uneven sizes. Every group passes the suite, and the parent still works.
+  TEST_CASE("NcclComm split: sub-groups pass the conformance suite - ranked by key") {
+    LOCKSTEP_REQUIRE_GPUS(2);
+    const int n = lockstep::test::visible_gpus();
+    const auto o = nccl_options();
+    lockstep::run(lockstep::Gpus{first_devices(n)}, [&](lockstep::context<NcclComm>& ctx) {
+      const int r = ctx.rank();
+      auto reversed = ctx.comm().split(7, -r);
+      CHECK(reversed.size() == n);
+      CHECK(reversed.rank() == n - 1 - r);
+      CHECK(reversed.device() == ctx.device());
+      CHECK(reversed.compute_stream() == ctx.comm().compute_stream());
+      const int half = (n + 1) / 2;  // sizes ceil(n/2) and floor(n/2)
+      auto sub = ctx.comm().split(r < half ? 0 : 1, r);
+      CHECK(sub.size() == (r < half ? half : n - half));
+      CHECK(sub.rank() == (r < half ? r : r - half));
+      // Which world ranks are in my group, in its order (an all_gather over it).
+      std::vector<std::int64_t> who(static_cast<std::size_t>(reversed.size()));
+      auto buf = reversed.memory().allocate(sizeof(std::int64_t) * who.size());
+      const std::int64_t me = r;
+      reversed.memory().upload(static_cast<std::int64_t*>(buf.get()) + reversed.rank(), &me, sizeof me);
+      reversed.all_gather(static_cast<std::int64_t*>(buf.get()) + reversed.rank(), buf.get(), 1, dtype::i64).wait();
+      reversed.memory().download(who.data(), buf.get(), sizeof(std::int64_t) * who.size());
+      for (int i = 0; i < n; ++i) CHECK(who[static_cast<std::size_t>(i)] == n - 1 - i);
+      lockstep_test::check_collectives(sub, o);
+      lockstep_test::check_collectives(reversed, o);
+      lockstep_test::check_collectives(ctx.comm(), o);
+      CHECK_THROWS_WITH_AS((void)ctx.comm().split(-1, 0), doctest::Contains("colour -1 is negative"),
+                           lockstep::config_error);
+    });
+  }
+
+  // A sub-group's collectives are numbered and checked on their own, and labels are compared:
+  // two ranks that pair different buckets of the same size are told apart, both named.
+  TEST_CASE("NcclComm split: LOCKSTEP_DEBUG=1 names both labels of a mismatch in a sub-group") {
+    LOCKSTEP_REQUIRE_GPUS(2);
+    std::random_device rd;
+    const std::size_t count = 1 + rd() % 5000;
+    with_order_check(2, [&](lockstep::context<NcclComm>& ctx) {
+      auto sub = ctx.comm().split(0, ctx.rank());
+      auto buf = sub.memory().allocate(count * sizeof(float));
+      sub.label_next("bucket 1: same on both");
+      sub.all_reduce(buf.get(), buf.get(), count, dtype::f32, reduce_op::sum).wait();
+      sub.label_next("bucket " + std::to_string(2 + ctx.rank()) + ": differs");
+      const std::string why = what_of([&] { sub.all_reduce(buf.get(), buf.get(), count, dtype::f32, reduce_op::sum); });
+      CAPTURE(why);
+      CHECK(why.find("all_reduce #1 of " + std::to_string(count) + " f32 (sum) for bucket 2: differs") != std::string::npos);
+      CHECK(why.find("rank 1 called all_reduce #1 of " + std::to_string(count) + " f32 (sum) for bucket 3: differs") !=
+            std::string::npos);
+      CHECK(why.find("in split 0 (colour 0)") != std::string::npos);
+      // The parent's own numbering is untouched by the sub-group's calls.
+      ctx.comm().label_next("parent");
+      ctx.comm().all_reduce(buf.get(), buf.get(), count, dtype::f32, reduce_op::sum).wait();
+    });
+  }
+
+  // The watchdog holds the rank's first communicator: its overdue() must see a sub-group's
+  // stuck collective (label and group named) and its abort() must release the waiter there.
+  TEST_CASE("NcclComm split: the parent's overdue() and abort() reach a sub-group") {
+    LOCKSTEP_REQUIRE_GPUS(2);
+    using namespace std::chrono_literals;
+    auto comms = NcclComm::create_local(first_devices(2));
+    for (auto& c : comms) c.track_collectives();
+    std::vector<std::optional<NcclComm>> subs(2);  // made concurrently, one per rank thread
+    on_ranks(2, [&](int r) { subs[static_cast<std::size_t>(r)].emplace(comms[static_cast<std::size_t>(r)].split(0, -r)); });
+    std::random_device rd;
+    const std::size_t n = 1 + rd() % 100000;
+    auto buf = subs[0]->memory().allocate(n * sizeof(float));
+    subs[0]->label_next("bucket 5: " + std::to_string(n) + " f32 at 0");
+    auto w = subs[0]->all_reduce(buf.get(), buf.get(), n, dtype::f32, reduce_op::sum);  // rank 1 never joins
+    std::this_thread::sleep_for(400ms);
+    CHECK_FALSE(w.query());
+    const auto why = comms[0].overdue(300ms);
+    REQUIRE(why.has_value());
+    CAPTURE(*why);
+    CHECK(why->find("rank 0 (rank 1 of split 0 (colour 0)): all_reduce #0 of " + std::to_string(n) +
+                    " f32 (sum) for bucket 5: " + std::to_string(n) + " f32 at 0 has not completed") != std::string::npos);
+    std::atomic<bool> released{false};
+    std::thread waiter([&] {
+      try {
+        w.synchronize();
+      } catch (const std::exception&) {
+      }
+      released = true;
+    });
+    comms[0].abort(*why);  // the parent: the sub-group goes with it
+    comms[1].abort("test: the peer of an aborted rank");
+    for (int i = 0; i < 2000 && !released; ++i) std::this_thread::sleep_for(10ms);
+    CHECK(released.load());
+    waiter.join();
+    CHECK(subs[0]->aborted());
+    CHECK(subs[1]->aborted());
+    CHECK(what_of([&] { subs[0]->barrier(); }).find("has not completed") != std::string::npos);
   }
 
   TEST_CASE("NcclComm on all visible GPUs: conformance - every collective matches the reference") {

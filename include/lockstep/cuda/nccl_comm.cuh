@@ -59,6 +59,7 @@
 #include "lockstep/core/env.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/reduce_op.hpp"
+#include "lockstep/cuda/detail/nccl_state.cuh"
 #include "lockstep/cuda/detail/nccl_work.cuh"
 #include "lockstep/cuda/error.cuh"
 // The grad_ops of its memory space come with it: a DataParallel over NcclComm with a loss
@@ -221,138 +222,100 @@ class NcclComm {
     live("barrier");  // an abort() while we waited turns into aborted_error here
   }
 
-  //! Throws nccl_error if NCCL has recorded an asynchronous failure on this communicator
-  //! (e.g. a peer's network connection broke). Cheap; meant for watchdogs and error paths.
+  //! Throws nccl_error if NCCL has recorded an asynchronous failure on this communicator or
+  //! on one split from the same (e.g. a peer's network connection broke). Cheap; meant for
+  //! watchdogs and error paths.
   void check_async_error() const {
     if (!s_) return;
-    std::lock_guard lk(s_->abort_m);  // not while abort() frees the communicator
-    if (s_->released.load()) return;  // aborted (or destroyed): nothing left to ask
-    ncclResult_t r = ncclSuccess;
-    LOCKSTEP_TRY_NCCL(ncclCommGetAsyncError(s_->comm, &r));
-    if (r != ncclSuccess && r != ncclInProgress)
-      throw nccl_error(detail::call_failure("ncclCommGetAsyncError", __FILE__, __LINE__,
-                                            "rank " + std::to_string(s_->rank) + ": " +
-                                                detail::describe_nccl(r)));
+    for (const auto& m : s_->family->live()) {
+      std::lock_guard lk(m->abort_m);  // not while abort() frees the communicator
+      if (m->released.load()) continue;  // aborted (or destroyed): nothing left to ask
+      ncclResult_t r = ncclSuccess;
+      LOCKSTEP_TRY_NCCL(ncclCommGetAsyncError(m->comm, &r));
+      if (r != ncclSuccess && r != ncclInProgress)
+        throw nccl_error(detail::call_failure("ncclCommGetAsyncError", __FILE__, __LINE__,
+                                              m->who() + ": " + detail::describe_nccl(r)));
+    }
   }
 
-  //! Stops this rank's communication now (ncclCommAbort): NCCL kernels in flight quit, a
-  //! thread blocked in barrier()/synchronize() is released, and every later call throws
-  //! aborted_error carrying `reason`. Safe from any thread; idempotent; never throws.
+  //! Stops this rank's communication now (ncclCommAbort), on this communicator and on every
+  //! one split from the same (a failure in one group ends the job): NCCL kernels in flight
+  //! quit, a thread blocked in barrier()/synchronize() is released, and every later call
+  //! throws aborted_error carrying `reason`. Safe from any thread; idempotent; never throws.
   void abort(std::string_view reason = "aborted") noexcept {
     if (!s_) return;
-    if (s_->released.exchange(true)) return;
+    std::vector<std::shared_ptr<state>> all;
     try {
-      s_->abort_reason.assign(reason);
+      all = s_->family->live();
     } catch (...) {
     }
-    s_->aborted.store(true, std::memory_order_release);
-    detail::device_guard g(s_->device, std::nothrow);
-    std::lock_guard lk(s_->abort_m);
-    const ncclResult_t r = ncclCommAbort(s_->comm);
-    if (r != ncclSuccess)
-      std::fprintf(stderr, "lockstep: ncclCommAbort on rank %d failed: %s\n", s_->rank,
-                   ncclGetErrorString(r));
+    if (std::find(all.begin(), all.end(), s_) == all.end()) detail::nccl_abort(*s_, reason);
+    for (const auto& m : all) detail::nccl_abort(*m, reason);
   }
   bool aborted() const noexcept { return s_ && s_->aborted.load(std::memory_order_acquire); }
 
   //! From now on remember when each collective was issued, so that overdue() can tell a
   //! collective that never completes (a peer died, hangs, or issued something else) from
   //! one that is merely slow. Costs one event record per collective. Collectives captured
-  //! into a CUDA graph are not tracked.
-  void track_collectives() { live("track_collectives").tracking = true; }
+  //! into a CUDA graph are not tracked. Applies to the communicators split from this one too.
+  void track_collectives() {
+    live("track_collectives");
+    for (const auto& m : s_->family->live()) m->tracking = true;
+  }
 
   //! With track_collectives(): a description of the oldest collective still running after
-  //! `limit`, else nothing. Safe to call from another thread (a watchdog) while this rank
-  //! issues collectives.
+  //! `limit` on this communicator or one split from the same, else nothing. Safe to call
+  //! from another thread (a watchdog) while this rank issues collectives.
   std::optional<std::string> overdue(std::chrono::milliseconds limit) const {
-    if (!s_ || s_->aborted.load(std::memory_order_acquire)) return std::nullopt;
-    state& s = *s_;
-    detail::device_guard g(s.device, std::nothrow);
-    // A query from this (watchdog) thread must not invalidate a graph capture the rank's own
-    // thread may be running in cudaStreamCaptureModeGlobal: relaxed mode for its duration.
-    struct relaxed_capture {
-      cudaStreamCaptureMode old = cudaStreamCaptureModeRelaxed;
-      relaxed_capture() { (void)cudaThreadExchangeStreamCaptureMode(&old); }
-      ~relaxed_capture() { (void)cudaThreadExchangeStreamCaptureMode(&old); }
-    } relaxed;
-    std::lock_guard lk(s.track_m);
-    while (!s.pending.empty()) {
-      const cudaError_t q = cudaEventQuery(s.pending.front().event);
-      if (q == cudaErrorNotReady) break;
-      if (q != cudaSuccess)
-        return "rank " + std::to_string(s.rank) + ": the GPU failed: " + cudaGetErrorString(q);
-      s.spare.push_back(s.pending.front().event);
-      s.pending.pop_front();
+    if (!s_) return std::nullopt;
+    for (const auto& m : s_->family->live())
+      if (auto why = detail::nccl_overdue(*m, limit)) return why;
+    return std::nullopt;
+  }
+
+  //! Labels the next collective (e.g. "bucket 3: 64 f32 at 192"): shown in overdue() and in
+  //! LOCKSTEP_DEBUG=1's mismatch messages, and compared there. DataParallel labels its buckets.
+  void label_next(std::string label) { live("label_next").next_label = std::move(label); }
+
+  //! A communicator over the ranks that pass the same colour (≥ 0), ordered by key (ties: by
+  //! rank here), by ncclCommSplit — collective over this group, every rank calls it. The new
+  //! one is on the same device and orders on the same compute stream (so the model's kernels
+  //! and both groups' collectives stay in order); it numbers and (LOCKSTEP_DEBUG=1) checks
+  //! its collectives on its own, and shares this one's failure handling: abort(), overdue()
+  //! and check_async_error() of either reach both. It keeps this communicator alive.
+  NcclComm split(int color, int key) {
+    state& s = live("split");
+    if (color < 0)
+      throw config_error("NcclComm::split: colour " + std::to_string(color) +
+                         " is negative; give every rank a colour >= 0 (ranks of one colour form a group)");
+    const std::string name = (s.group_name.empty() ? "" : s.group_name + " / ") + "split " +
+                             std::to_string(s.splits++) + " (colour " + std::to_string(color) + ")";
+    detail::device_guard g(s.device);
+    ncclComm_t sub = nullptr;
+    LOCKSTEP_TRY_NCCL(ncclCommSplit(s.comm, color, key, &sub, nullptr));
+    if (sub == nullptr)
+      throw nccl_error("NcclComm::split: ncclCommSplit gave no communicator for colour " + std::to_string(color));
+    int r = -1, n = -1;
+    const ncclResult_t qr = ncclCommUserRank(sub, &r);
+    const ncclResult_t qn = qr == ncclSuccess ? ncclCommCount(sub, &n) : qr;
+    if (qn != ncclSuccess) {
+      detail::nccl_destroy(sub, s.device);
+      throw nccl_error("NcclComm::split: the new communicator does not say its rank and size: " +
+                       detail::describe_nccl(qn));
     }
-    if (s.pending.empty()) return std::nullopt;
-    const auto& p = s.pending.front();
-    const auto age = std::chrono::steady_clock::now() - p.issued;
-    if (age < limit) return std::nullopt;
-    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(age).count();
-    return "rank " + std::to_string(s.rank) + ": " + p.what.describe() + " has not completed " + std::to_string(ms / 1000) +
-           "." + std::to_string(ms % 1000 / 100) +
-           " s after it was issued: a peer never issued it (it died, hangs, or called a different "
-           "collective; LOCKSTEP_DEBUG=1 checks the order)";
+    return NcclComm(adopt_tag{}, sub, r, n, s.device, s_, name);
   }
 
  private:
   struct adopt_tag {};
 
-  struct state {
-    ncclComm_t comm = nullptr;
-    int rank = 0;
-    int size = 0;
-    int device = 0;
-    cudaStream_t comm_stream = nullptr;
-    cudaStream_t own_compute = nullptr;
-    cudaStream_t compute = nullptr;
-    cudaEvent_t ready = nullptr;  // "compute work so far", re-recorded by each collective
-    int* barrier_buf = nullptr;
-    std::shared_ptr<detail::event_pool> events;
-    std::atomic<bool> released{false};  // the comm was destroyed or aborted: exactly once
-    std::mutex abort_m;                 // ncclCommAbort vs a watchdog's ncclCommGetAsyncError
-    std::atomic<bool> aborted{false};   // set after abort_reason is written
-    std::string abort_reason;
-    // LOCKSTEP_DEBUG=1: every collective is preceded by an all-gather of its description.
-    bool check_order = false;
-    std::uint64_t calls = 0;  // collectives called so far: the "#n" of messages
-    std::int64_t* debug_buf = nullptr;  // size × collective::encoded_size int64 on the device
-    // track_collectives(): markers of collectives in flight, oldest first.
-    struct tracked {
-      cudaEvent_t event;
-      std::chrono::steady_clock::time_point issued;
-      collective what;
-    };
-    bool tracking = false;
-    std::mutex track_m;
-    std::deque<tracked> pending;
-    std::vector<cudaEvent_t> spare;
+  using state = detail::nccl_state;
 
-    state() = default;
-    state(const state&) = delete;
-    state& operator=(const state&) = delete;
-    ~state() {
-      detail::device_guard g(device, std::nothrow);
-      if (comm != nullptr && !released.exchange(true)) {
-        const ncclResult_t r = ncclCommDestroy(comm);
-        if (r != ncclSuccess)
-          std::fprintf(stderr, "lockstep: ncclCommDestroy on rank %d failed: %s\n", rank,
-                       ncclGetErrorString(r));
-      }
-      if (barrier_buf != nullptr) (void)cudaFree(barrier_buf);
-      if (debug_buf != nullptr) (void)cudaFree(debug_buf);
-      if (ready != nullptr) (void)cudaEventDestroy(ready);
-      for (const auto& p : pending) (void)cudaEventDestroy(p.event);
-      for (cudaEvent_t e : spare) (void)cudaEventDestroy(e);
-      // Streams with queued work are released once it completes (cudaStreamDestroy).
-      if (comm_stream != nullptr) (void)cudaStreamDestroy(comm_stream);
-      if (own_compute != nullptr) (void)cudaStreamDestroy(own_compute);
-    }
-  };
-
-  NcclComm(adopt_tag, ncclComm_t c, int rank, int world, int device) {
+  // `parent`: the communicator this one was split from (nullptr: a rank's first one).
+  NcclComm(adopt_tag, ncclComm_t c, int rank, int world, int device, const std::shared_ptr<state>& parent = {},
+           std::string group_name = {}) {
     try {
-      s_ = std::make_unique<state>();
+      s_ = std::make_shared<state>();
     } catch (...) {
       detail::nccl_destroy(c, device);
       throw;
@@ -362,6 +325,9 @@ class NcclComm {
     s.rank = rank;
     s.size = world;
     s.device = device;
+    s.parent = parent;
+    s.group_name = std::move(group_name);
+    s.family = parent ? parent->family : std::make_shared<detail::nccl_family>();
     detail::device_guard g(device);
     // Trust, but verify: the rank/size/device NCCL holds must be the ones we report.
     int nccl_rank = -1, nccl_size = -1, nccl_device = -1;
@@ -376,18 +342,24 @@ class NcclComm {
     int least = 0, greatest = 0;
     LOCKSTEP_TRY_CUDA(cudaDeviceGetStreamPriorityRange(&least, &greatest));
     LOCKSTEP_TRY_CUDA(cudaStreamCreateWithPriority(&s.comm_stream, cudaStreamNonBlocking, greatest));
-    LOCKSTEP_TRY_CUDA(cudaStreamCreateWithFlags(&s.own_compute, cudaStreamNonBlocking));
-    s.compute = s.own_compute;
+    if (parent) {
+      s.compute = parent->compute;  // the model's kernels and both groups' collectives stay ordered
+      s.tracking = parent->tracking;
+    } else {
+      LOCKSTEP_TRY_CUDA(cudaStreamCreateWithFlags(&s.own_compute, cudaStreamNonBlocking));
+      s.compute = s.own_compute;
+    }
     LOCKSTEP_TRY_CUDA(cudaEventCreateWithFlags(&s.ready, cudaEventDisableTiming));
     s.events = std::make_shared<detail::event_pool>(device);
     LOCKSTEP_TRY_CUDA(cudaMalloc(reinterpret_cast<void**>(&s.barrier_buf), sizeof(int)));
     if (const auto dbg = detail::env("LOCKSTEP_DEBUG"); dbg && *dbg != "0") {
       s.check_order = true;
       LOCKSTEP_TRY_CUDA(cudaMalloc(reinterpret_cast<void**>(&s.debug_buf),
-                                   sizeof(std::int64_t) * collective::encoded_size * static_cast<std::size_t>(world)));
+                                   sizeof(std::int64_t) * detail::order_words * static_cast<std::size_t>(world)));
     }
-    LOCKSTEP_TRY_CUDA(cudaMemsetAsync(s.barrier_buf, 0, sizeof(int), s.compute));
-    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s.compute));
+    LOCKSTEP_TRY_CUDA(cudaMemsetAsync(s.barrier_buf, 0, sizeof(int), s.comm_stream));
+    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s.comm_stream));
+    s.family->add(s_);
   }
 
   state& live(const char* what) const {
@@ -413,10 +385,11 @@ class NcclComm {
   // silently wrong sum. Costs a tiny all-gather and a host sync per collective.
   static collective check_order(state& s, collective c) {
     c.seq = s.calls++;
+    c.label = std::exchange(s.next_label, {});
     if (!s.check_order) return c;
     detail::device_guard g(s.device);
-    constexpr std::size_t k = collective::encoded_size;
-    const auto mine = c.encode();
+    constexpr std::size_t k = detail::order_words;
+    const auto mine = detail::encode_order(c);
     std::int64_t* slot = s.debug_buf + k * static_cast<std::size_t>(s.rank);
     LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(slot, mine.data(), sizeof mine, cudaMemcpyHostToDevice, s.comm_stream));
     LOCKSTEP_TRY_NCCL(ncclAllGather(slot, s.debug_buf, k, ncclInt64, s.comm, s.comm_stream));
@@ -424,7 +397,10 @@ class NcclComm {
     LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(all.data(), s.debug_buf, all.size() * sizeof(std::int64_t),
                                       cudaMemcpyDeviceToHost, s.comm_stream));
     LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s.comm_stream));
-    check_same_collective(all, s.size, "found by LOCKSTEP_DEBUG=1");
+    const auto calls = detail::decode_order(all, s.size);
+    check_same_collective(std::span<const collective>(calls),
+                          s.group_name.empty() ? "found by LOCKSTEP_DEBUG=1"
+                                               : "in " + s.group_name + ", found by LOCKSTEP_DEBUG=1");
     return c;
   }
 
@@ -442,33 +418,11 @@ class NcclComm {
     work w(s.events, s.events->acquire(), s.compute);  // gives the event back if we throw below
     call(s.comm_stream);
     LOCKSTEP_TRY_CUDA(cudaEventRecord(w.event(), s.comm_stream));
-    if (s.tracking) track(s, c);
+    if (s.tracking) detail::nccl_track(s, c);
     return w;
   }
 
-  // track_collectives(): a marker event after each collective, with its issue time. Not
-  // while the stream is being captured into a graph (a marker would join the capture).
-  static void track(state& s, const collective& c) {
-    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
-    LOCKSTEP_TRY_CUDA(cudaStreamIsCapturing(s.comm_stream, &cap));
-    if (cap != cudaStreamCaptureStatusNone) return;
-    std::lock_guard lk(s.track_m);
-    cudaEvent_t e = nullptr;
-    if (!s.spare.empty()) {
-      e = s.spare.back();
-      s.spare.pop_back();
-    } else {
-      LOCKSTEP_TRY_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    }
-    const cudaError_t r = cudaEventRecord(e, s.comm_stream);
-    if (r != cudaSuccess) {
-      s.spare.push_back(e);
-      detail::check_cuda(r, "cudaEventRecord(marker, comm_stream)", __FILE__, __LINE__);
-    }
-    s.pending.push_back({e, std::chrono::steady_clock::now(), c});
-  }
-
-  std::unique_ptr<state> s_;
+  std::shared_ptr<state> s_;
 };
 
 static_assert(communicator<NcclComm>);
