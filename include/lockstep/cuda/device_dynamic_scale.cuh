@@ -30,6 +30,14 @@
 //! loss_scale_state. Every rank feeds the same all-reduced flag to the same update, so every
 //! rank's state stays identical.
 //!
+//! Skip limit: DynamicScaleOptions::max_consecutive_skips holds here too. The update kernel counts
+//! the skipped steps in a row and, at the limit, writes the count into a word of pinned host
+//! memory mapped for the device; unscale_and_check reads that word (no synchronisation) and
+//! throws lockstep::error — so the error comes a step or two after the limit, as the host runs
+//! ahead of the device, and also with a CUDA-graph-captured step (whose next replay is not
+//! called through here: check stalled_steps() between replays). Every rank's count is the same
+//! (the flag is agreed); a rank that throws first aborts the others, which end with its cause.
+//!
 //! These synchronise with the device and are meant for logging and checkpoints, not for every
 //! step: scale() and state() (download), load_state() and attach() (upload), and copying an
 //! attached scaler (a copy starts with the state, downloaded, and no device allocation of its
@@ -84,13 +92,14 @@ class DeviceDynamicScale {
     return *this;
   }
   DeviceDynamicScale(DeviceDynamicScale&& o) noexcept
-      : opts_(o.opts_), host_(o.host_), buf_(std::move(o.buf_)), mem_(o.mem_),
+      : opts_(o.opts_), host_(o.host_), buf_(std::move(o.buf_)), stalled_(std::move(o.stalled_)), mem_(o.mem_),
         owner_(std::exchange(o.owner_, nullptr)) {}
   DeviceDynamicScale& operator=(DeviceDynamicScale&& o) noexcept {
     if (this != &o) {
       opts_ = o.opts_;
       host_ = o.host_;
       buf_ = std::move(o.buf_);
+      stalled_ = std::move(o.stalled_);
       mem_ = o.mem_;
       owner_ = std::exchange(o.owner_, nullptr);
     }
@@ -114,6 +123,8 @@ class DeviceDynamicScale {
     auto buf = mem.allocate(sizeof(cuda::kernels::device_scale_state));
     const auto dev = cuda::kernels::make_device_scale_state(st);
     mem.upload(buf.get(), &dev, sizeof dev);
+    if (!stalled_ && opts_.max_consecutive_skips > 0) stalled_ = detail::mapped_word();
+    if (stalled_) *stalled_ = 0;
     buf_ = std::move(buf);
     mem_ = mem;
     owner_ = &comm;
@@ -131,6 +142,10 @@ class DeviceDynamicScale {
   bool unscale_and_check(C& comm, std::span<const grad_group> groups) {
     detail::require_floating(groups, "DeviceDynamicScale::unscale_and_check");
     attach(comm);
+    if (const std::int64_t n = stalled_steps(); n > 0)
+      throw error("lockstep::DeviceDynamicScale: " + std::to_string(n) +
+                  " steps in a row had inf/NaN gradients (the loss scale backed off each time, to no less "
+                  "than its floor " + std::to_string(opts_.min_scale) + ")" + detail::stalled_advice);
     detail::device_guard g(mem_.device());
     auto* st = state_ptr();
     const cudaStream_t s = mem_.stream();
@@ -140,8 +155,14 @@ class DeviceDynamicScale {
     // Stream ordered: the compute stream waits for the all-reduce, the host does not.
     if (comm.size() > 1)
       comm.all_reduce(&st->found_inf, &st->found_inf, 1, dtype::i32, reduce_op::max).wait();
-    cuda::kernels::update_scale(st, opts_, s);
+    cuda::kernels::update_scale(st, opts_, s, stalled_ ? detail::device_view(stalled_.get()) : nullptr);
     return false;
+  }
+
+  //! The skipped steps in a row at which the device reached max_consecutive_skips, or 0 (not
+  //! yet, or no limit). Reads host memory the device writes: no synchronisation; it may lag.
+  std::int64_t stalled_steps() const noexcept {
+    return stalled_ ? *static_cast<volatile const std::int64_t*>(stalled_.get()) : 0;
   }
 
   //! Nothing to do: unscale_and_check already updated the state on the device.
@@ -163,6 +184,7 @@ class DeviceDynamicScale {
     if (buf_) {
       const auto dev = cuda::kernels::make_device_scale_state(st);
       mem_.upload(buf_.get(), &dev, sizeof dev);
+      if (stalled_) *stalled_ = 0;
     }
     host_ = st;
   }
@@ -185,12 +207,14 @@ class DeviceDynamicScale {
   }
   void release() noexcept {
     buf_.reset();
+    stalled_.reset();
     owner_ = nullptr;
   }
 
   DynamicScaleOptions opts_;
   loss_scale_state host_;      // the state while not attached
   std::shared_ptr<void> buf_;  // one cuda::kernels::device_scale_state
+  std::shared_ptr<std::int64_t> stalled_;  // mapped pinned host word: see stalled_steps()
   CudaMemory mem_{0, nullptr};
   const void* owner_ = nullptr;
 };

@@ -10,6 +10,7 @@
 //! so it may be used from any host thread.
 
 #include <cstddef>
+#include <cstdint>
 #include <cstdio>
 #include <memory>
 #include <new>
@@ -63,6 +64,22 @@ class device_guard {
   bool restore_ = false;
   bool ok_ = true;
 };
+
+//! One zeroed int64 of pinned host memory that kernels may write (mapped), freed when the last
+//! owner goes: a flag the device raises and the host reads without synchronising.
+inline std::shared_ptr<std::int64_t> mapped_word() {
+  void* p = nullptr;
+  LOCKSTEP_TRY_CUDA(cudaHostAlloc(&p, sizeof(std::int64_t), cudaHostAllocMapped | cudaHostAllocPortable));
+  *static_cast<volatile std::int64_t*>(p) = 0;
+  return std::shared_ptr<std::int64_t>(static_cast<std::int64_t*>(p), [](std::int64_t* q) { (void)cudaFreeHost(q); });
+}
+
+//! The device's address of mapped pinned host memory (the same address under unified addressing).
+inline std::int64_t* device_view(std::int64_t* host) {
+  void* d = nullptr;
+  LOCKSTEP_TRY_CUDA(cudaHostGetDevicePointer(&d, host, 0));
+  return static_cast<std::int64_t*>(d);
+}
 
 }  // namespace detail
 

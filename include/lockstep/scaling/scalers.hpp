@@ -140,6 +140,12 @@ struct DynamicScaleOptions {
 };
 
 namespace detail {
+//! What the skip-limit error of DynamicScale and DeviceDynamicScale says after the numbers.
+inline constexpr const char* stalled_advice =
+    ": a smaller scale does not help, so the loss or the model produces non-finite values on at least one "
+    "rank (one is enough to poison the average) — check every rank's inputs and loss. "
+    "DynamicScaleOptions::max_consecutive_skips sets this limit (0: none)";
+
 //! Throws config_error naming the first bad DynamicScaleOptions field.
 inline void validate(const DynamicScaleOptions& o) {
   auto fail = [](const std::string& what) { throw config_error("DynamicScaleOptions: " + what); };
@@ -203,9 +209,7 @@ class DynamicScale {
         throw error("lockstep::DynamicScale: " + std::to_string(skips_in_a_row_) +
                     " steps in a row had inf/NaN gradients (the loss scale is now " + std::to_string(scale_) +
                     ", its floor " + std::to_string(opts_.min_scale) +
-                    "): a smaller scale does not help, so the loss or the model produces non-finite values on "
-                    "at least one rank (one is enough to poison the average) — check every rank's inputs and "
-                    "loss. DynamicScaleOptions::max_consecutive_skips sets this limit (0: none)");
+                    ")" + detail::stalled_advice);
     } else if (counters_.good_steps >= opts_.growth_interval) {
       counters_.good_steps = 0;
       scale_ = std::min(scale_ * opts_.growth_factor, opts_.max_scale);
