@@ -577,9 +577,12 @@ struct dp_config {
   bool capture = false;    // capture step `warmup` in a CUDA graph, replay it twice
   bool zero_copy = true;
   lockstep::BucketPolicy buckets{};
+  double clip = 0;         // DataParallelOptions::max_grad_norm (the reference clips alike)
 };
 
-template <class Scaler>
+// Sharded: DataParallel with ShardedOptimizer, FusedSgd over dp.shard_parameters() stepping in
+// finish(on_shard) — the same numbers as unsharded, with 1/N of the optimizer state.
+template <class Scaler, bool Sharded = false>
 void check_dp_scaled(const dp_config& c) {
   constexpr bool on_device = std::is_same_v<Scaler, lockstep::DeviceDynamicScale>;
   const auto seed = fresh_seed();
@@ -594,7 +597,7 @@ void check_dp_scaled(const dp_config& c) {
   const lockstep::SgdOptions sgd{.lr = 0.05, .momentum = 0.9, .dampening = 0.0, .weight_decay = 1e-3};
   CAPTURE(seed); CAPTURE(c.gpus); CAPTURE(c.per_bucket); CAPTURE(c.capture); CAPTURE(c.zero_copy);
   CAPTURE(c.buckets.cap_bytes); CAPTURE(on_device); CAPTURE(inf_step); CAPTURE(inf_rank); CAPTURE(inf_param);
-  CAPTURE(so.init_scale);
+  CAPTURE(so.init_scale); CAPTURE(Sharded); CAPTURE(c.clip);
 
   const std::size_t samples = 2048;
   const int batch = 16;
@@ -614,6 +617,15 @@ void check_dp_scaled(const dp_config& c) {
     std::vector<std::size_t> rows(global);
     for (std::size_t i = 0; i < global; ++i) rows[i] = (s * global + i) % samples;
     ref.forward_backward(X, y, rows, [](std::size_t) {});
+    if (c.clip > 0 && s != inf_step) {  // torch.nn.utils.clip_grad_norm_'s rule, in double
+      double sq = 0;
+      for (auto& p : ref.parameters())
+        for (float g : std::span(static_cast<const float*>(p.grad), p.numel())) sq += double(g) * g;
+      const double coef = c.clip / (std::sqrt(sq) + 1e-6);
+      if (coef < 1)
+        for (auto& p : ref.parameters())
+          for (float& g : std::span(static_cast<float*>(p.grad), p.numel())) g = static_cast<float>(g * coef);
+    }
     ref_opt.step(ref.parameters(), s == inf_step);
     ref_scale.update(s == inf_step);
     want_states.push_back(ref_scale.state());
@@ -632,7 +644,12 @@ void check_dp_scaled(const dp_config& c) {
     cudaStream_t s = ctx.comm().compute_stream();
     TestMlp<float> init(dims, seed + 1 + rank * 7919);  // differs per rank: rank 0's is broadcast
     GpuMlp m(dims, split_params(init), s);
-    lockstep::DataParallel dp(ctx, m, {.buckets = c.buckets, .zero_copy = c.zero_copy}, Scaler(so));
+    using DP = std::conditional_t<Sharded,
+                                  lockstep::DataParallel<GpuMlp, lockstep::NcclComm, lockstep::EveryStep, Scaler,
+                                                         lockstep::ShardedOptimizer>,
+                                  lockstep::DataParallel<GpuMlp, lockstep::NcclComm, lockstep::EveryStep, Scaler>>;
+    DP dp(ctx, m, {.buckets = c.buckets, .zero_copy = c.zero_copy, .max_grad_norm = c.clip}, lockstep::EveryStep{},
+          Scaler(so));
     const float* d_scale = nullptr;
     const int* d_flag = nullptr;
     if constexpr (on_device) {
@@ -640,7 +657,26 @@ void check_dp_scaled(const dp_config& c) {
       d_scale = dp.scaler().device_scale();
       d_flag = dp.scaler().device_found_inf();
     }
-    lockstep::cuda::FusedSgd opt(sgd, dp.parameters(), ctx.device());
+    const auto& stepped = [&]() -> const std::vector<lockstep::parameter>& {
+      if constexpr (Sharded) return dp.shard_parameters();
+      else return dp.parameters();
+    }();
+    lockstep::cuda::FusedSgd opt(sgd, stepped, ctx.device());
+    if (rank == 0) {  // optimizer state per GPU: 1/N of the unsharded (momentum, 4 bytes each)
+      std::size_t P = 0;
+      for (const auto& p : dp.parameters()) P += p.numel();
+      const std::size_t N = devices.size(), shard = Sharded ? (P + N - 1) / N : P;
+      std::size_t elements = 0;
+      for (const auto& p : stepped) elements += p.numel();
+      if (elements != shard)
+        problems[rank].push_back("the optimizer steps " + std::to_string(elements) + " elements, expected " +
+                                 std::to_string(shard));
+      if (opt.state_bytes() > shard * 4 + 4096)
+        problems[rank].push_back("optimizer state " + std::to_string(opt.state_bytes()) + " bytes for " +
+                                 std::to_string(shard) + " elements");
+      MESSAGE("optimizer state on GPU 0: " << opt.state_bytes() << " bytes for " << elements << " of " << P
+                                           << " parameters");
+    }
     float* dX = nullptr;
     int *dy = nullptr, *drows = nullptr;
     LOCKSTEP_TRY_CUDA(cudaMalloc(&dX, X.size() * sizeof(float)));
@@ -825,11 +861,62 @@ TEST_CASE("DeviceDynamicScale: host mirror - load_state - copies - one clean and
   }
 }
 
+// The skip limit on the device: the update kernel counts skipped steps in a row and raises a
+// mapped host word at the limit; the next unscale_and_check throws. A clean step resets the count.
+TEST_CASE("DeviceDynamicScale: max_consecutive_skips stops training - a clean step resets the count") {
+  LOCKSTEP_REQUIRE_GPUS(1);
+  auto comms = lockstep::NcclComm::create_local({0});
+  LOCKSTEP_TRY_CUDA(cudaSetDevice(0));
+  std::mt19937_64 rng(fresh_seed());
+  const int limit = 2 + static_cast<int>(rng() % 5);
+  CAPTURE(limit);
+  lockstep::DeviceDynamicScale sc({.init_scale = 65536.0, .max_consecutive_skips = limit});
+  DevBuf g(64 * sizeof(float));
+  std::vector<float> h = random_vector<float>(64, rng, -4, 4);
+  const segment seg{g.p, 64};
+  const grad_group grp{dtype::f32, std::span<const segment>(&seg, 1)};
+  const auto one = [&](bool bad) {
+    auto v = h;
+    if (bad) v[rng() % 64] = (rng() % 2) ? INFINITY : NAN;
+    upload(g.p, v);
+    (void)sc.unscale_and_check(comms[0], std::span<const grad_group>(&grp, 1));
+    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(comms[0].compute_stream()));
+  };
+  for (int i = 0; i < limit - 1; ++i) one(true);
+  one(false);  // the run of skips ends one short of the limit
+  for (int i = 0; i < limit - 1; ++i) one(true);
+  CHECK(sc.stalled_steps() == 0);
+  CHECK(sc.state().skipped_steps == 2 * (limit - 1));
+  one(true);  // the limit-th in a row: the device raises the word...
+  CHECK(sc.stalled_steps() == limit);
+  // ...and the next call says so, naming the count, the floor and the option.
+  CHECK_THROWS_WITH_AS(one(true),
+                       doctest::Contains(("DeviceDynamicScale: " + std::to_string(limit) +
+                                          " steps in a row had inf/NaN gradients").c_str()),
+                       lockstep::error);
+  CHECK_THROWS_WITH_AS(one(false), doctest::Contains("max_consecutive_skips sets this limit"), lockstep::error);
+  sc.load_state(sc.state());  // a restored state starts counting again
+  CHECK(sc.stalled_steps() == 0);
+  CHECK_NOTHROW(one(true));
+  lockstep::DeviceDynamicScale unlimited({.init_scale = 65536.0, .max_consecutive_skips = 0});
+  for (int i = 0; i < 3 * limit; ++i) {
+    upload(g.p, std::vector<float>(64, NAN));
+    CHECK_NOTHROW((void)unlimited.unscale_and_check(comms[0], std::span<const grad_group>(&grp, 1)));
+  }
+  CHECK(unlimited.stalled_steps() == 0);
+}
+
 TEST_CASE("DataParallel + DeviceDynamicScale + FusedSgd on 1 GPU == CPU reference - a step captured in a CUDA graph") {
   LOCKSTEP_REQUIRE_GPUS(1);
   check_dp_scaled<lockstep::DeviceDynamicScale>({.gpus = 1, .capture = true});
   check_dp_scaled<lockstep::DeviceDynamicScale>({.gpus = 1, .per_bucket = false});
   check_dp_scaled<lockstep::DynamicScale>({.gpus = 1});
+}
+
+TEST_CASE("sharded on 1 GPU: FusedSgd over the shards == CPU reference - device scaling - clipping") {
+  LOCKSTEP_REQUIRE_GPUS(1);
+  check_dp_scaled<lockstep::DeviceDynamicScale, true>({.gpus = 1});
+  check_dp_scaled<lockstep::DynamicScale, true>({.gpus = 1, .clip = 0.5});
 }
 }
 
@@ -842,11 +929,24 @@ TEST_CASE("DataParallel + DeviceDynamicScale + FusedSgd: 2 GPUs - inf on one GPU
   check_dp_scaled<lockstep::DeviceDynamicScale>({.gpus = 2, .per_bucket = false, .zero_copy = false});
   check_dp_scaled<lockstep::DynamicScale>({.gpus = 2, .buckets = {.first_bytes = 1000, .cap_bytes = 3000}});
 }
+// ShardedOptimizer on GPUs: reduce-scatter as backward goes, FusedSgd updates this GPU's
+// shard, all-gather; an inf on one GPU skips the step on all; clipping sums the shards' squares.
+TEST_CASE("sharded on 2 GPUs: FusedSgd over the shards == CPU reference - inf on one GPU - clipping - graph") {
+  LOCKSTEP_REQUIRE_GPUS(2);
+  check_dp_scaled<lockstep::DeviceDynamicScale, true>({.gpus = 2, .buckets = {.first_bytes = 1000, .cap_bytes = 3000}});
+  check_dp_scaled<lockstep::DeviceDynamicScale, true>({.gpus = 2, .zero_copy = false});
+  check_dp_scaled<lockstep::DynamicScale, true>({.gpus = 2, .buckets = {.first_bytes = 1000, .cap_bytes = 3000}, .clip = 0.5});
+  check_dp_scaled<lockstep::DeviceDynamicScale, true>({.gpus = 2, .clip = 0.5});
+  check_dp_scaled<lockstep::DeviceDynamicScale, true>({.gpus = 2, .capture = true});
+}
+
 TEST_CASE("DataParallel + DeviceDynamicScale + FusedSgd: 4 GPUs") {
   LOCKSTEP_REQUIRE_GPUS(4);
   check_dp_scaled<lockstep::DeviceDynamicScale>(
       {.gpus = 4, .capture = true, .buckets = {.first_bytes = 1000, .cap_bytes = 5000}});
   check_dp_scaled<lockstep::DeviceDynamicScale>({.gpus = 4, .per_bucket = false, .zero_copy = false});
   check_dp_scaled<lockstep::DynamicScale>({.gpus = 4});
+  check_dp_scaled<lockstep::DeviceDynamicScale, true>({.gpus = 4, .buckets = {.first_bytes = 1000, .cap_bytes = 5000}});
+  check_dp_scaled<lockstep::DynamicScale, true>({.gpus = 4, .clip = 0.5});
 }
 }

@@ -1,7 +1,9 @@
-// Runs a command (an mpirun job) and passes only if it fails — non-zero exit status, its
-// output containing an expected message — within a time limit (a hang is killed by ctest's
-// TIMEOUT and fails too).
-//   mpi_expect_failure <max seconds> <expected text> <command> [args...]
+// Runs a command (an mpirun or lockstep-run job) and passes only if it fails — non-zero exit
+// status, its output containing the expected messages — within a time limit (a hang is
+// killed by ctest's TIMEOUT and fails too).
+//   expect_failure <max seconds> <expected> <command> [args...]
+// <expected>: texts separated by " && ", each of which must appear; "N*text" must appear at
+// least N times (e.g. once per rank).
 #include <sys/wait.h>
 
 #include <chrono>
@@ -11,7 +13,7 @@
 
 int main(int argc, char** argv) {
   if (argc < 4) {
-    std::fprintf(stderr, "usage: %s <max seconds> <expected text> <command> [args...]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s <max seconds> <expected> <command> [args...]\n", argv[0]);
     return 2;
   }
   const double limit = std::strtod(argv[1], nullptr);
@@ -43,9 +45,24 @@ int main(int argc, char** argv) {
     std::printf("FAIL: the job exited with status 0; it should have failed\n");
     ok = false;
   }
-  if (out.find(expected) == std::string::npos) {
-    std::printf("FAIL: the output lacks '%s'\n", expected.c_str());
-    ok = false;
+  for (std::size_t from = 0; from <= expected.size();) {
+    std::size_t to = expected.find(" && ", from);
+    if (to == std::string::npos) to = expected.size();
+    std::string want = expected.substr(from, to - from);
+    from = to + 4;
+    if (want.empty()) continue;
+    int times = 1;
+    if (const auto star = want.find('*'); star != std::string::npos && star > 0 &&
+                                          want.find_first_not_of("0123456789") == star) {
+      times = std::atoi(want.substr(0, star).c_str());
+      want = want.substr(star + 1);
+    }
+    int found = 0;
+    for (std::size_t at = out.find(want); at != std::string::npos; at = out.find(want, at + want.size())) ++found;
+    if (found < times) {
+      std::printf("FAIL: the output has '%s' %d times, expected at least %d\n", want.c_str(), found, times);
+      ok = false;
+    }
   }
   if (!(secs < limit)) {
     std::printf("FAIL: the job took %.1f s, more than %.1f s\n", secs, limit);

@@ -169,6 +169,15 @@ void run(Processes mode, Body&& body) {
     LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(ctx.comm().compute_stream()));
     LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(ctx.comm().comm_stream()));
   } catch (const std::exception& e) {
+    // Released by a peer's failure (the watchdog aborted us): that is the cause, not whatever
+    // the aborted NCCL or CUDA call said here — every rank ends naming the same one.
+    if (const auto peer = dog->failure()) {
+      std::fprintf(stderr, "lockstep: rank %d stopped: %s (here: %s)\n", info.rank, peer->c_str(), e.what());
+      std::fflush(stderr);
+      ctx.comm().abort(*peer);
+      dog->stop();
+      throw aborted_error("rank " + std::to_string(info.rank) + " stopped: " + *peer + " (here: " + e.what() + ")");
+    }
     std::fprintf(stderr, "lockstep: rank %d failed: %s\n", info.rank, e.what());
     std::fflush(stderr);
     dog->report("rank " + std::to_string(info.rank) + " failed: " + e.what());
