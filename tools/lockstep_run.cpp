@@ -69,7 +69,9 @@ options:
 Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT,
 and LOCKSTEP_RANK, LOCKSTEP_LOCAL_RANK, LOCKSTEP_WORLD_SIZE, LOCKSTEP_LOCAL_WORLD_SIZE,
 LOCKSTEP_MASTER_ADDR, LOCKSTEP_MASTER_PORT, LOCKSTEP_JOB_TOKEN, LOCKSTEP_LAUNCHER=lockstep-run;
-the rest of the environment (NCCL_NVLS_ENABLE included) is passed on unchanged.
+the rest of the environment (NCCL_NVLS_ENABLE included) is passed on unchanged. The job token is
+drawn afresh (16 random bytes) for every launch and is the run's id: lockstep's store refuses a
+process of an earlier launch that still reaches the same --master-port.
 Output lines are prefixed "[RANK] " (stdout to stdout, stderr to stderr).
 
 interactive: `lockstep-run PROGRAM [ARGS...]` with no option, stdin a terminal, asks how to run
@@ -257,6 +259,8 @@ int free_port() {
   return port;
 }
 
+// One token per launch: lockstep's store takes it for the run id, so a rank left over from an
+// earlier launch on the same port is refused rather than mixed in (docs/reliability.md, 6).
 std::optional<std::string> job_token() {
   unsigned char bytes[16];
   int fd = ::open("/dev/urandom", O_RDONLY | O_CLOEXEC);

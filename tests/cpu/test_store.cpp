@@ -3,7 +3,8 @@
 // FileStore, as fork()ed processes; expected values are regenerated from the seed, never
 // read back from the store under test. Plus: TcpStore's token check, malformed and
 // oversized frames, late servers, a server that goes away; the wire parser on random
-// frames cut at random points; the server engine without sockets. Every wait is bounded.
+// frames cut at random points; the server engine without sockets, its hello of another run
+// included (the fault cases of a stale rendezvous: test_fault_store.cpp). Every wait is bounded.
 #include <doctest/doctest.h>
 
 #include <arpa/inet.h>
@@ -267,9 +268,9 @@ struct raw_client {
   }
 };
 
-std::vector<std::byte> hello_frame(const std::string& token) {
+std::vector<std::byte> hello_frame(const std::string& token, std::uint64_t joined = 0) {
   std::vector<std::byte> b;
-  wire::encode(b, wire::op::hello, wire::protocol_version, {}, lockstep::bytes_of(token));
+  wire::encode(b, wire::op::hello, wire::protocol_version, {}, wire::encode_hello(joined, token));
   return b;
 }
 
@@ -811,6 +812,97 @@ TEST_CASE("wire: the server engine parks waits - wakes them - and times them out
   CHECK(d.has_value());
   CHECK(f.has_value());
   CHECK_FALSE(e.open("g", t).has_value());
+}
+
+TEST_CASE("wire: a hello of another run or for a gone store is refused naming both runs - the same run is admitted") {
+  using eng = wire::store_engine;
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  std::mt19937_64 rng(seed);
+  const std::string ours = random_token(rng);
+  std::string theirs = random_token(rng);
+  const std::uint64_t instance = rng() | 1;
+  eng e(ours, lockstep::store_limits{}, 16, 1s, instance);
+  CHECK(e.instance() == instance);
+  CHECK(e.run_id() == lockstep::run_id_of(ours));
+  auto t = eng::clock::time_point{} + 1000h;
+  //! One hello on a fresh connection: its single reply, and whether the server then closes it.
+  auto hello = [&](std::span<const std::byte> frame, bool& closes) {
+    auto id = e.open("10.0.0.7:4242", t);
+    REQUIRE(id);
+    e.receive(*id, frame, t);
+    auto r = take_replies(e, *id, t);
+    REQUIRE(r.size() == 1);
+    closes = e.should_close(*id);
+    if (closes) e.close(*id);
+    return r[0];
+  };
+  bool closes = false;
+  auto is_other_run = [](const wire::frame& f) {
+    return f.type == wire::op::err && f.arg == static_cast<std::int64_t>(wire::err_code::other_run);
+  };
+  // The same run, first connection and reconnection to this store: admitted, told the instance.
+  for (std::uint64_t joined : {std::uint64_t{0}, instance}) {
+    const auto ok = hello(hello_frame(ours, joined), closes);
+    CHECK(ok.type == wire::op::ok);
+    CHECK_FALSE(closes);
+    const auto w = wire::decode_welcome(ok.value);
+    REQUIRE(w.has_value());
+    CHECK(w->instance == instance);
+  }
+  // Another run: refused, both runs named by their ids, neither token printed.
+  auto r = hello(hello_frame(theirs), closes);
+  CHECK(is_other_run(r));
+  CHECK(closes);
+  std::string m = lockstep::string_of(r.value);
+  CHECK_MESSAGE(m == "the store at this address belongs to run " + lockstep::run_id_of(ours) +
+                         ", this process is of run " + lockstep::run_id_of(theirs), m);
+  CHECK(m.find(ours) == std::string::npos);
+  CHECK(m.find(theirs) == std::string::npos);
+  // No token (an unnamed run) against a named store.
+  r = hello(hello_frame(""), closes);
+  CHECK(is_other_run(r));
+  CHECK(lockstep::string_of(r.value).find("an unnamed run (no job token)") != std::string::npos);
+  // Left over: this run's token, but it joined another store at this address.
+  std::uint64_t old = rng();
+  if (old == 0 || old == instance) old = instance + 1;
+  r = hello(hello_frame(ours, old), closes);
+  CHECK(is_other_run(r));
+  CHECK(closes);
+  m = lockstep::string_of(r.value);
+  CHECK_MESSAGE(m == "this process joined store " + wire::instance_text(old) + " at this address, which is gone; store " +
+                         wire::instance_text(instance) + " of run " + lockstep::run_id_of(ours) +
+                         " listens there now (this process is of run " + lockstep::run_id_of(ours) + ")",
+                m);
+  // A hello too short to hold its instance, and one of another protocol version.
+  std::vector<std::byte> f;
+  wire::encode(f, wire::op::hello, wire::protocol_version, {}, lockstep::bytes_of("abc"));
+  r = hello(f, closes);
+  CHECK(r.arg == static_cast<std::int64_t>(wire::err_code::malformed));
+  CHECK(closes);
+  f.clear();
+  wire::encode(f, wire::op::hello, wire::protocol_version - 1, {}, lockstep::bytes_of(ours));
+  r = hello(f, closes);
+  CHECK(r.arg == static_cast<std::int64_t>(wire::err_code::bad_token));
+  CHECK(lockstep::string_of(r.value).find("protocol version") != std::string::npos);
+  // The server's log names the peer and both runs.
+  const auto log = e.take_log();
+  bool named_other = false, named_left_over = false;
+  for (const auto& line : log) {
+    named_other = named_other || line == "refused the connection from 10.0.0.7:4242: it is of run " +
+                                             lockstep::run_id_of(theirs) + ", this store belongs to run " +
+                                             lockstep::run_id_of(ours) +
+                                             " (a process of an earlier run, or of another job, reached this "
+                                             "port). This run goes on";
+    named_left_over = named_left_over || line.find("a process left over from an earlier run (run " +
+                                                   lockstep::run_id_of(ours) + ") reconnected") != std::string::npos;
+  }
+  CHECK(named_other);
+  CHECK(named_left_over);
+  // Run ids: 8 hex digits, "" without a token, equal for equal tokens.
+  CHECK(lockstep::run_id_of("").empty());
+  CHECK(lockstep::run_id_of(ours).size() == 8);
+  CHECK(lockstep::run_id_of(ours) == lockstep::run_id_of(std::string(ours)));
 }
 
 TEST_CASE("wire: a watched connection that closes or goes silent sets its key once - unwatch cancels") {

@@ -10,7 +10,10 @@
 //        driven by a small program (raw bytes, well-formed frames — random bytes rarely
 //        pass the CRC —, clock steps, closes, drains). Oracles: every reply stream parses
 //        as replies; the limits on held bytes and connections hold; the engine never
-//        throws.
+//        throws. The handshake: a connection whose first bytes are a hello of this protocol
+//        gets exactly one reply to it — `ok` with the server's instance when the token is the
+//        run's and the joined instance is 0 or the server's, else one `err` other_run and
+//        nothing after it.
 // Built with -DLOCKSTEP_FUZZ_WRITE_SEEDS it is instead a program that writes a seed corpus.
 
 #include <algorithm>
@@ -100,14 +103,33 @@ void fuzz_parser(reader r) {
   }
 }
 
+constexpr std::uint64_t engine_instance = 0x0123456789abcdefull;
+
 //! The client's side of one connection: everything the server sent must parse as replies.
+//! `expect`: what the first reply must be (the connection began with a hello of this
+//! protocol): -1 nothing known, 0 admitted, 1 refused as of another run.
 struct client_view {
   wire::frame_parser parser{true, lockstep::store_limits{}};
+  bool fresh = true;  // nothing was fed to this connection yet
+  int expect = -1;
+  int frames = 0;
   void receive(std::span<const std::byte> in) {
     while (!in.empty()) {
       in = in.subspan(parser.feed(in));
       if (parser.status() == wire::frame_parser::state::failed) broken("the server wrote a malformed reply");
-      if (parser.status() == wire::frame_parser::state::ready) (void)parser.take();
+      if (parser.status() == wire::frame_parser::state::ready) check(parser.take());
+    }
+  }
+  void check(const wire::frame& f) {
+    ++frames;
+    if (expect == 1 && frames > 1) broken("a refused hello's connection got a second reply");
+    if (expect == -1 || frames != 1) return;
+    if (expect == 0) {
+      const auto w = wire::decode_welcome(f.value);
+      if (f.type != wire::op::ok || !w || w->instance != engine_instance)
+        broken("a hello of this run was not admitted with the server's instance");
+    } else if (f.type != wire::op::err || f.arg != static_cast<std::int64_t>(wire::err_code::other_run)) {
+      broken("a hello of another run, or for a store that is gone, was not refused as such");
     }
   }
 };
@@ -116,7 +138,7 @@ void fuzz_engine(reader r) {
   using eng = wire::store_engine;
   const auto lim = small_limits();
   const std::string token = "tok";
-  eng e(token, lim, 3, std::chrono::milliseconds(100));
+  eng e(token, lim, 3, std::chrono::milliseconds(100), engine_instance);
   auto now = eng::clock::time_point{} + std::chrono::hours(1);
   std::optional<eng::conn_id> conns[4];
   client_view views[4];
@@ -131,6 +153,8 @@ void fuzz_engine(reader r) {
   };
   auto feed = [&](eng::conn_id id, std::span<const std::byte> bytes) {
     if (!e.wants_read(id)) return;  // the socket loop reads only then
+    for (int i = 0; i < 4; ++i)
+      if (conns[i] == id && !bytes.empty()) views[i].fresh = false;
     e.receive(id, bytes, now);
   };
   int steps = 0;
@@ -157,9 +181,27 @@ void fuzz_engine(reader r) {
         }
         std::vector<std::byte> frame;
         const std::int64_t arg = static_cast<std::int64_t>(r.byte()) * 7 - (kind & 0x40 ? 300 : 0);
-        switch (kind % 9) {
-          case 0: wire::encode(frame, wire::op::hello, wire::protocol_version, {}, lockstep::bytes_of(token)); break;
-          case 1: wire::encode(frame, wire::op::hello, arg, {}, r.take(r.byte() % 8)); break;
+        switch (kind % 10) {
+          case 0:
+            wire::encode(frame, wire::op::hello, wire::protocol_version, {}, wire::encode_hello(0, token));
+            if (id && views[who % 4].fresh) views[who % 4].expect = 0;
+            break;
+          case 1: wire::encode(frame, wire::op::hello, arg, {}, r.take(r.byte() % 16)); break;  // any version, any value
+          case 9: {  // the handshake of this protocol: which run, which store it joined
+            const std::uint8_t pick = r.byte();
+            std::uint64_t joined = 0;
+            if (pick & 1) joined = engine_instance;
+            if (pick & 2) {
+              const auto b = r.take(8);
+              for (std::size_t i = 0; i < b.size(); ++i) joined |= static_cast<std::uint64_t>(b[i]) << (8 * i);
+            }
+            std::string tok = token;
+            if (pick & 4) tok = lockstep::string_of(r.take(r.byte() % 12));  // maybe empty, maybe "tok"
+            wire::encode(frame, wire::op::hello, wire::protocol_version, {}, wire::encode_hello(joined, tok));
+            const bool admitted = tok == token && (joined == 0 || joined == engine_instance);
+            if (id && views[who % 4].fresh) views[who % 4].expect = admitted ? 0 : 1;
+            break;
+          }
           case 2: {
             const auto v = r.take(r.byte() * 3);
             wire::encode(frame, wire::op::set, (kind >> 3) & 1, key, v);  // flag 1: only if absent
@@ -176,7 +218,7 @@ void fuzz_engine(reader r) {
             std::vector<std::string> keys;
             const int n = 1 + r.byte() % 10;
             for (int i = 0; i < n; ++i) keys.push_back("k" + std::to_string(r.byte() % 6));
-            wire::encode(frame, kind % 9 == 5 ? wire::op::wait : wire::op::check, arg, {},
+            wire::encode(frame, kind % 10 == 5 ? wire::op::wait : wire::op::check, arg, {},
                          wire::encode_key_list(keys));
             break;
           }
@@ -259,7 +301,7 @@ int main(int argc, char** argv) {
   };
   {  // parser seeds: request streams and reply streams
     std::vector<std::byte> s = bytes({0, 0, 13});
-    wire::encode(s, wire::op::hello, wire::protocol_version, {}, lockstep::bytes_of("tok"));
+    wire::encode(s, wire::op::hello, wire::protocol_version, {}, wire::encode_hello(0x1234, "tok"));
     wire::encode(s, wire::op::set, 0, "key", lockstep::bytes_of("value"));
     wire::encode(s, wire::op::get, 1000, "key", {});
     wire::encode(s, wire::op::add, -5, "ctr", {});
@@ -270,7 +312,8 @@ int main(int argc, char** argv) {
     wire::encode(s, wire::op::unwatch, 0, {}, {});
     seeds.push_back(s);
     std::vector<std::byte> r = bytes({0, 1, 5});
-    wire::encode(r, wire::op::ok, 1, {}, wire::encode_limits(small_limits()));
+    wire::encode(r, wire::op::ok, wire::protocol_version, {}, wire::encode_welcome(small_limits(), engine_instance));
+    wire::encode(r, wire::op::err, 8, {}, lockstep::bytes_of("the store at this address belongs to run 1a2b3c4d"));
     wire::encode(r, wire::op::ok, 0, {}, lockstep::bytes_of("payload"));
     wire::encode(r, wire::op::err, 4, {}, lockstep::bytes_of("1 of 1 key(s) never set: 'x'"));
     seeds.push_back(r);
@@ -294,6 +337,11 @@ int main(int argc, char** argv) {
   seeds.push_back(bytes({1, 0x02, 0, 0, 0, 0, 0x02, 7, 1, 50, 3, 'r', 'a', 'n', 'k', 0, 0x04, 100,
                          0x12, 0, 0, 0, 0, 0x12, 7, 1, 0, 2, 'r', '2', 'x', 0, 0x16,
                          0x22, 0, 0, 0, 0, 0x22, 7, 1, 9, 0, 'q', 0, 0x22, 8, 0, 0, 0, 0x26}));
+  // the handshake: this run's hello, a reconnection to this store, another run's token, a
+  // reconnection to a store that is gone (the fourth connection is over the cap of 3)
+  seeds.push_back(bytes({1, 0x02, 0, 0, 0, 0, 0x12, 9, 0, 0, 1, 0, 0x22, 9, 0, 0, 4, 3, 't', 'o', 'x', 5,
+                         0x32, 9, 0, 0, 2, 1, 2, 3, 4, 5, 6, 7, 8, 0, 0x05, 255, 0x15, 255, 0x25, 255, 0x35, 255,
+                         0x26, 0x42, 9, 0, 0, 3, 9, 9, 9, 9, 9, 9, 9, 9, 7, 0x45, 255}));
   fs::create_directories(argv[1]);
   for (std::size_t i = 0; i < seeds.size(); ++i) {
     std::ofstream f(fs::path(argv[1]) / ("seed" + std::to_string(i)), std::ios::binary);

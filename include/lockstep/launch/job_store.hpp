@@ -13,7 +13,8 @@
 namespace lockstep {
 
 //! A TcpStore that rank 0 hosts at the launcher's master_addr:master_port and every rank
-//! joins with the job token.
+//! joins with the job token, which is also the run id: a process of another run that reaches
+//! the port is refused, naming both runs (docs/reliability.md, scenario 6).
 inline TcpStore job_store(const launch_info& info, std::chrono::milliseconds timeout = detail::default_timeout(),
                           store_limits limits = {}) {
   if (info.world > 1 && (info.master_addr.empty() || info.master_port == 0))

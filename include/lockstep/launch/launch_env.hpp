@@ -18,8 +18,12 @@
 //!      SLURM_JOB_NODELIST / SLURM_NODELIST and the port 15000 + (16·job id + step id) mod
 //!      17000, unless LOCKSTEP_MASTER_* / MASTER_* say otherwise.
 //! Job token (the TCP store admits only processes that present it): LOCKSTEP_JOB_TOKEN,
-//! else TORCHELASTIC_RUN_ID (torchrun's --rdzv-id), else for Slurm "slurm-<job>.<step>".
-//! Only LOCKSTEP_JOB_TOKEN can be a secret; the others only keep two jobs apart.
+//! else TORCHELASTIC_RUN_ID (torchrun's --rdzv-id), else for Slurm "slurm-<job>.<step>", else
+//! for Open MPI "openmpi-<PMIX_NAMESPACE>" (a new one per mpirun). Only LOCKSTEP_JOB_TOKEN can
+//! be a secret; the others only keep two jobs apart. The token is also the run id
+//! (lockstep::run_id_of): a process of another run is refused by the store, so a new run never
+//! mixes with a stale one (docs/reliability.md, scenario 6). lockstep-run draws a fresh random
+//! token per launch; torchrun's is "none" unless --rdzv-id or --standalone is given.
 
 #include <charconv>
 #include <cstdint>
@@ -44,7 +48,7 @@ struct launch_info {
   std::string master_addr;   //!< host of the rank-0 store; empty when unknown
   int master_port = 0;       //!< its port; 0 when unknown
   std::string launcher;      //!< "lockstep-run", "torchrun", "openmpi", "slurm" or "explicit"
-  std::string job_token;     //!< shared by the job's processes; may be empty
+  std::string job_token;     //!< shared by the job's processes, and its run id (run_id_of); may be empty
 };
 
 //! Values given in code; each set field beats every environment variable.
@@ -245,10 +249,14 @@ inline std::optional<launch_partial> launch_from_torchrun() {
 }
 
 inline std::optional<launch_partial> launch_from_openmpi() {
-  return launch_from_vars("openmpi",
-                          {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                           "OMPI_COMM_WORLD_LOCAL_SIZE"},
-                          2, true);
+  auto p = launch_from_vars("openmpi",
+                            {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                             "OMPI_COMM_WORLD_LOCAL_SIZE"},
+                            2, true);
+  // mpirun names each job's PMIx namespace afresh: a run id that no earlier run shares.
+  if (p && !p->job_token)
+    if (auto ns = env("PMIX_NAMESPACE"); ns && !ns->empty()) p->job_token = "openmpi-" + *ns;
+  return p;
 }
 
 //! MPICH and Intel MPI (Hydra's process manager; also Slurm's PMI-2): PMI_RANK, PMI_SIZE,

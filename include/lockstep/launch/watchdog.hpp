@@ -4,7 +4,7 @@
 //!
 //! Each process runs one Watchdog: a thread with its own connection to the job's TcpStore
 //! (the one rank 0 hosts). The connection `watch`es the key "lockstep/failed" (see
-//! detail/store_protocol.hpp): the store server sets it to "rank R left: ..." when the
+//! store/detail/wire.hpp): the store server sets it to "rank R left: ..." when the
 //! connection of rank R closes before a clean stop() — R was killed or exited early — and to
 //! "rank R stopped responding: ..." when R sent no heartbeat for `timeout`. Every `period`
 //! the thread sends a heartbeat that also reads the key, runs the caller's `poll` (e.g.

@@ -12,6 +12,11 @@
 //!   Each process remembers how far it has summed, so n adds cost O(n) overall.
 //! - Keys map to file names byte by byte ([A-Za-z0-9_-] kept, others as %XX) in pieces of
 //!   64 key bytes per path component, so any key up to the limit has a valid path.
+//! - One run per directory: the file `run` records the run id (run_id_of the job token given;
+//!   empty: an unnamed run), created atomically (link) by the first process. A process of
+//!   another run is refused with a config_error naming both, so a new run never reads an old
+//!   run's keys (an NCCL id, barrier counts) nor shares a directory with a stale process.
+//!   Two unnamed runs cannot be told apart: pass the launcher's job token.
 //! The directory is not removed afterwards; give each job its own (e.g. with the job id).
 //! POSIX only.
 
@@ -40,22 +45,25 @@ namespace lockstep {
 
 class FileStore {
  public:
-  //! dir: created if missing (with parents). world: the number of processes.
+  //! dir: created if missing (with parents). world: the number of processes. job_token:
+  //! the run's (launch_info::job_token); the directory serves only that run.
   FileStore(std::string dir, int world, std::chrono::milliseconds timeout = detail::default_timeout(),
-            store_limits limits = {})
-      : dir_(std::move(dir)), world_(world), timeout_(timeout), limits_(limits) {
+            store_limits limits = {}, std::string_view job_token = {})
+      : dir_(std::move(dir)), world_(world), timeout_(timeout), limits_(limits), run_(run_id_of(job_token)) {
     if (world < 1) throw config_error(who() + ": world is " + std::to_string(world) + "; give at least 1");
     if (timeout.count() <= 0) throw config_error(who() + ": the timeout must be positive");
     if (dir_.empty()) throw config_error("FileStore: empty directory name; give a directory all ranks can see");
     while (dir_.size() > 1 && dir_.back() == '/') dir_.pop_back();
-    make_dirs(dir_ + "/values");
-    make_dirs(dir_ + "/counters");
     std::random_device rd;
     char host[256] = {};
     ::gethostname(host, sizeof host - 1);
     unique_ = std::string(host) + "." + std::to_string(::getpid()) + "." + std::to_string(rd());
     for (char& c : unique_)
       if (c == '/' || c == '\0') c = '_';
+    make_dirs(dir_);
+    claim_run();
+    make_dirs(dir_ + "/values");
+    make_dirs(dir_ + "/counters");
   }
 
   void set(std::string_view key, std::span<const std::byte> value) {
@@ -157,6 +165,8 @@ class FileStore {
   int world() const noexcept { return world_; }
   std::chrono::milliseconds timeout() const noexcept { return timeout_; }
   const std::string& directory() const noexcept { return dir_; }
+  //! The run this directory serves (run_id_of the job token; "" when unnamed).
+  const std::string& run_id() const noexcept { return run_; }
   const store_limits& limits() const noexcept { return limits_; }
 
  private:
@@ -174,6 +184,30 @@ class FileStore {
   static void sleep_until_next(std::chrono::milliseconds backoff, clock::time_point deadline) {
     const auto now = clock::now();
     if (now < deadline) std::this_thread::sleep_for(std::min<clock::duration>(backoff, deadline - now));
+  }
+
+  //! Records this run in <dir>/run, or checks the record there: a link() of a complete
+  //! file, so exactly one process creates it and every other reads it whole.
+  void claim_run() {
+    const std::string record = dir_ + "/run";
+    const std::string tmp = temp_name(record);
+    write_file(tmp, bytes_of(run_));
+    const bool created = ::link(tmp.c_str(), record.c_str()) == 0;
+    const int e = errno;
+    ::unlink(tmp.c_str());
+    if (created) return;
+    if (e != EEXIST) throw error(who() + ": cannot create " + record + ": " + std::strerror(e));
+    std::vector<std::byte> text;
+    if (!read_value(record, "run", text, 64))  // a run id is 8 bytes
+      throw error(who() + ": " + record + " vanished while this process read it; is another program cleaning it?");
+    const std::string theirs = string_of(text);
+    if (theirs == run_) return;
+    throw config_error(who() + ": the directory holds the store of " + detail::run_label(theirs) +
+                       " but this process is of " + detail::run_label(run_) +
+                       ". A store directory serves one run: another run's keys (an NCCL id, barrier counts) must "
+                       "not be read by this one, and a process of that run may still write there. Give this run "
+                       "a directory of its own (e.g. named after the job id), or remove " + dir_ +
+                       " once no process of " + detail::run_label(theirs) + " runs");
   }
 
   void make_dirs(const std::string& path) const {
@@ -240,6 +274,10 @@ class FileStore {
 
   //! Reads path whole; false when it does not exist (yet).
   bool read_value(const std::string& path, std::string_view key, std::vector<std::byte>& out) const {
+    return read_value(path, key, out, limits_.max_value_bytes);
+  }
+  bool read_value(const std::string& path, std::string_view key, std::vector<std::byte>& out,
+                  std::size_t max_bytes) const {
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
       if (errno == ENOENT || errno == ENOTDIR) return false;
@@ -257,10 +295,10 @@ class FileStore {
       }
       if (n == 0) break;
       out.insert(out.end(), buf, buf + n);
-      if (out.size() > limits_.max_value_bytes) {
+      if (out.size() > max_bytes) {
         ::close(fd);
         throw error(who() + ": the file of key " + detail::printable_key(key) + " holds more than " +
-                    std::to_string(limits_.max_value_bytes) + " bytes; was it written by something else?");
+                    std::to_string(max_bytes) + " bytes; was it written by something else?");
       }
     }
     ::close(fd);
@@ -308,6 +346,7 @@ class FileStore {
   int world_;
   std::chrono::milliseconds timeout_;
   store_limits limits_;
+  std::string run_;
   std::string unique_;
   std::atomic<std::uint64_t> seq_{0};
   std::mutex m_;

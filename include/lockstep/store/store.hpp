@@ -25,6 +25,7 @@
 
 #include "lockstep/core/env.hpp"
 #include "lockstep/core/error.hpp"
+#include "lockstep/detail/checksum.hpp"
 
 namespace lockstep {
 
@@ -83,7 +84,30 @@ inline std::string string_of(std::span<const std::byte> b) {
   return {reinterpret_cast<const char*>(b.data()), b.size()};
 }
 
+//! The run id of a job token: 8 hex digits that name the run in messages and in a
+//! FileStore's directory; "" for no token (an unnamed run). The job token is the run id
+//! (launch_info::job_token: LOCKSTEP_JOB_TOKEN, torchrun's run id, Slurm's job and step,
+//! Open MPI's job); this is a short fingerprint of it (32 bits of FNV-1a), so a secret token
+//! is never printed or written, while two runs' ids differ but for a 1 in 4 billion chance.
+inline std::string run_id_of(std::string_view job_token) {
+  if (job_token.empty()) return {};
+  detail::fnv1a64 h;
+  static constexpr std::string_view domain = "lockstep run id:";
+  h.update(domain.data(), domain.size());
+  h.update(job_token.data(), job_token.size());
+  static constexpr char hex[] = "0123456789abcdef";
+  const auto v = static_cast<std::uint32_t>(h.value() >> 32);
+  std::string out(8, '0');
+  for (int i = 0; i < 8; ++i) out[static_cast<std::size_t>(i)] = hex[(v >> (28 - 4 * i)) & 15];
+  return out;
+}
+
 namespace detail {
+
+//! "run 1a2b3c4d", or "an unnamed run (no job token)", from a run id (run_id_of).
+inline std::string run_label(std::string_view run_id) {
+  return run_id.empty() ? std::string("an unnamed run (no job token)") : "run " + std::string(run_id);
+}
 
 //! A key as it appears in messages: printable, escaped, shortened.
 inline std::string printable_key(std::string_view key) {

@@ -6,6 +6,12 @@
 //! malformed frame, and the server keeps serving the others. Wire format and server state
 //! machine: store/detail/wire.hpp and engine.hpp. Linux (accept4, SOCK_NONBLOCK, MSG_NOSIGNAL);
 //! IPv4, host names resolved with getaddrinfo.
+//!
+//! Generations never mix: the job token is the run id (run_id_of names it in messages), so a
+//! process of another run — an earlier run still alive at this address, or one that outlived
+//! its own store — is refused at its hello, both sides saying which runs met. A client that
+//! reconnects (after a lost reply) presents the store instance it joined; a new store at the
+//! same address refuses it even when the two runs share a token (docs/reliability.md, 6).
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -140,6 +146,8 @@ class TcpStore {
   const std::string& host() const noexcept { return host_; }
   //! The limits in force: this process's, lowered to the server's.
   const store_limits& limits() const noexcept { return limits_; }
+  //! This run's id (run_id_of the job token; "" when there is none).
+  std::string run_id() const { return run_id_of(token_); }
 
  private:
   using clock = std::chrono::steady_clock;
@@ -216,27 +224,51 @@ class TcpStore {
     parser_ = detail::wire::frame_parser(true, limits_);
     rx_.clear();
     std::vector<std::byte> buf;
-    detail::wire::encode(buf, op::hello, detail::wire::protocol_version, {}, bytes_of(token_));
+    detail::wire::encode(buf, op::hello, detail::wire::protocol_version, {},
+                         detail::wire::encode_hello(joined_, token_));
     send_all(buf, deadline, "hello");
     auto f = receive(deadline, "hello");
     if (f.type == op::err) {
       detail::close_fd(fd_);
-      if (f.arg == static_cast<std::int64_t>(detail::wire::err_code::busy))
+      const auto code = static_cast<detail::wire::err_code>(f.arg);
+      if (code == detail::wire::err_code::busy)
         throw config_error(who() + " rejected this process: " + string_of(f.value) +
                            "; open fewer TcpStore clients per process, or is another job using this port?");
+      if (code == detail::wire::err_code::other_run) refused_as_other_run(string_of(f.value));
       throw config_error(who() + " rejected this process: " + string_of(f.value) +
-                         ". Every rank of one job must present the same job token (LOCKSTEP_JOB_TOKEN); "
-                         "a different job may be using this port");
+                         "; is a program of another lockstep version, or another program, using this port?");
     }
-    auto lim = detail::wire::decode_limits(f.value);
-    if (!lim) {
+    auto w = detail::wire::decode_welcome(f.value);
+    if (!w) {
       detail::close_fd(fd_);
       throw error(who() + ": the server's hello reply is malformed; is another program listening on this port?");
     }
-    limits_.max_key_bytes = std::min(limits_.max_key_bytes, lim->max_key_bytes);
-    limits_.max_value_bytes = std::min(limits_.max_value_bytes, lim->max_value_bytes);
-    limits_.max_wait_keys = std::min(limits_.max_wait_keys, lim->max_wait_keys);
-    parser_.set_limits(*lim);
+    if (joined_ != 0 && w->instance != joined_) {  // the server checks this too
+      detail::close_fd(fd_);
+      refused_as_other_run("this process joined store " + detail::wire::instance_text(joined_) +
+                           " at this address, which is gone; store " + detail::wire::instance_text(w->instance) +
+                           " listens there now");
+    }
+    joined_ = w->instance;
+    limits_.max_key_bytes = std::min(limits_.max_key_bytes, w->limits.max_key_bytes);
+    limits_.max_value_bytes = std::min(limits_.max_value_bytes, w->limits.max_value_bytes);
+    limits_.max_wait_keys = std::min(limits_.max_wait_keys, w->limits.max_wait_keys);
+    parser_.set_limits(w->limits);
+  }
+
+  //! The server said this process is of another run (`why`, naming both). On a first
+  //! connection the store's host is the stranger; on a reconnection, this process is.
+  [[noreturn]] void refused_as_other_run(const std::string& why) const {
+    const std::string at = host_ + ":" + std::to_string(port_);
+    if (joined_ != 0)
+      throw aborted_error(who() + " refused this process: " + why +
+                          ". The rank 0 that hosted this process's store exited and another run now listens at " +
+                          at + ": this process is left over from that earlier run and must not join the new one; "
+                          "stop it");
+    throw config_error(who() + " refused this process: " + why + ". A process of another run listens at " + at +
+                       ": an earlier run still alive, or another job. Stop it (on that host, `ss -ltnp 'sport = :" +
+                       std::to_string(port_) + "'` names it) or give this run another MASTER_PORT; if both are "
+                       "meant to be one run, give every rank the same job token (LOCKSTEP_JOB_TOKEN)");
   }
 
   [[noreturn]] void lost(const std::string& what) {
@@ -326,6 +358,7 @@ class TcpStore {
   std::unique_ptr<detail::tcp_store_server> server_;
   std::mutex m_;
   int fd_ = -1;
+  std::uint64_t joined_ = 0;  // the store instance this client joined (0: not yet)
   detail::wire::frame_parser parser_;
   std::vector<std::byte> rx_;
 };

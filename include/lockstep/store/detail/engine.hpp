@@ -33,9 +33,16 @@ class store_engine {
   using clock = std::chrono::steady_clock;
   using conn_id = std::uint64_t;
 
+  //! token: the job token, which is the run id. instance: this server's random non-zero
+  //! number (0 is taken as 1), which a client presents when it reconnects.
   store_engine(std::string token, store_limits lim, std::size_t max_connections,
-               std::chrono::milliseconds auth_timeout)
-      : token_(std::move(token)), lim_(lim), max_conns_(max_connections), auth_timeout_(auth_timeout) {}
+               std::chrono::milliseconds auth_timeout, std::uint64_t instance = 1)
+      : token_(std::move(token)), run_(run_id_of(token_)), lim_(lim), max_conns_(max_connections),
+        auth_timeout_(auth_timeout), instance_(instance == 0 ? 1 : instance) {}
+
+  std::uint64_t instance() const noexcept { return instance_; }
+  //! run_id_of(the job token).
+  const std::string& run_id() const noexcept { return run_; }
 
   //! A new connection from `peer` (for logs); nullopt when max_connections are open.
   std::optional<conn_id> open(std::string peer, clock::time_point now) {
@@ -207,13 +214,8 @@ class store_engine {
         reply_err(c, err_code::bad_token, "protocol version " + std::to_string(f.arg) + " is not " +
                                               std::to_string(protocol_version) + "; use the same lockstep on every rank");
         c.closing = true;
-      } else if (!token_equal(f.value, token_)) {
-        log_.push_back("rejected the connection from " + c.peer + ": wrong job token");
-        reply_err(c, err_code::bad_token, "wrong job token");
-        c.closing = true;
       } else {
-        c.authed = true;
-        reply_ok(c, protocol_version, encode_limits(lim_));
+        hello(c, f);
       }
       return;
     }
@@ -269,6 +271,50 @@ class store_engine {
         c.closing = true;
         return;
     }
+  }
+
+  //! A hello of this protocol version: admitted, or refused as of another run.
+  void hello(conn& c, const frame& f) {
+    std::uint64_t joined = 0;
+    std::span<const std::byte> token;
+    if (!decode_hello(f.value, joined, token)) {
+      log_.push_back("rejected the connection from " + c.peer + ": malformed hello");
+      reply_err(c, err_code::malformed, "malformed hello (shorter than its 8-byte store instance)");
+      c.closing = true;
+      return;
+    }
+    const bool same_token = token_equal(token, token_);
+    const std::string theirs = label_of(token, same_token);
+    const std::string ours = run_label(run_);
+    if (joined != 0 && joined != instance_) {
+      // Its store is gone and this is a new one at the same address: it is left over.
+      log_.push_back("refused the connection from " + c.peer + ": a process left over from an earlier run (" +
+                     theirs + ") reconnected; it joined store " + instance_text(joined) +
+                     " at this address, this is store " + instance_text(instance_) + " of " + ours +
+                     ". This run goes on");
+      reply_err(c, err_code::other_run,
+                "this process joined store " + instance_text(joined) + " at this address, which is gone; store " +
+                    instance_text(instance_) + " of " + ours + " listens there now (this process is of " + theirs + ")");
+      c.closing = true;
+    } else if (!same_token) {
+      log_.push_back("refused the connection from " + c.peer + ": it is of " + theirs + ", this store belongs to " +
+                     ours + " (a process of an earlier run, or of another job, reached this port). This run goes on");
+      reply_err(c, err_code::other_run,
+                "the store at this address belongs to " + ours + ", this process is of " + theirs);
+      c.closing = true;
+    } else {
+      c.authed = true;
+      reply_ok(c, protocol_version, encode_welcome(lim_, instance_));
+    }
+  }
+
+  //! How a presented token is named: its run id, and when that equals ours though the
+  //! tokens differ (1 in 4 billion), says so.
+  std::string label_of(std::span<const std::byte> token, bool same_token) const {
+    const std::string id = run_id_of(std::string_view(reinterpret_cast<const char*>(token.data()), token.size()));
+    std::string label = run_label(id);
+    if (!same_token && id == run_) label += " (the same run id, but another job token)";
+    return label;
   }
 
   void park(conn& c, conn_id id, bool is_get, std::int64_t timeout_ms, clock::time_point now) {
@@ -345,9 +391,11 @@ class store_engine {
   }
 
   std::string token_;
+  std::string run_;
   store_limits lim_;
   std::size_t max_conns_;
   std::chrono::milliseconds auth_timeout_;
+  std::uint64_t instance_;
   conn_id next_id_ = 1;
   std::unordered_map<conn_id, conn> conns_;
   std::map<std::string, std::vector<std::byte>, std::less<>> values_;

@@ -19,6 +19,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -39,7 +40,7 @@ class tcp_store_server {
  public:
   tcp_store_server(bool loopback_only, int port, std::string token, const store_limits& lim,
                    std::size_t max_connections, std::chrono::milliseconds auth_timeout)
-      : engine_(std::move(token), lim, max_connections, auth_timeout) {
+      : engine_(std::move(token), lim, max_connections, auth_timeout, fresh_instance()) {
     listen_fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (listen_fd_ < 0) throw error("TcpStore: socket() failed: " + errno_text(errno));
     int one = 1;
@@ -52,7 +53,8 @@ class tcp_store_server {
       const int e = errno;
       close_fd(listen_fd_);
       throw config_error("TcpStore: cannot listen on port " + std::to_string(port) + ": " + errno_text(e) +
-                         (e == EADDRINUSE ? " (another job, or an earlier run of this one, holds it; "
+                         (e == EADDRINUSE ? " (another job, or an earlier run of this one, holds it: stop it (on this "
+                                            "host, `ss -ltnp 'sport = :" + std::to_string(port) + "'` names it) or "
                                             "choose another MASTER_PORT)"
                                           : ""));
     }
@@ -94,9 +96,21 @@ class tcp_store_server {
   }
 
   int port() const noexcept { return port_; }
+  //! This server's random instance: a client that reconnects must present it.
+  std::uint64_t instance() const noexcept { return engine_.instance(); }
 
  private:
   using clock = std::chrono::steady_clock;
+
+  //! A random non-zero number per server, so that a new store at an old address is told
+  //! from the one a client joined, even when both runs have the same (or no) job token.
+  static std::uint64_t fresh_instance() {
+    std::random_device rd;
+    std::uint64_t v = 0;
+    while (v == 0) v = (static_cast<std::uint64_t>(rd()) << 32) ^ rd() ^
+                       static_cast<std::uint64_t>(clock::now().time_since_epoch().count());
+    return v;
+  }
 
   void loop() noexcept {
     try {

@@ -16,6 +16,15 @@
 //! The first request must be `hello` carrying the job token; anything else, a wrong token
 //! or a malformed frame gets one `err` reply and the connection is closed.
 //!
+//! Runs (protocol 3): the job token is the run id, so generations never mix. A hello's
+//! value is u64 `joined` — the instance of the store this client was connected to before (0:
+//! none; a client reconnects after a lost reply) — then the token. Every server draws a random
+//! non-zero instance when it starts; its hello reply (`ok`) carries the limits (three u64) and
+//! that instance. A hello with another run's token, or with a `joined` that is not this
+//! server's instance (the client's store is gone and this is a new one at the same address:
+//! the client is left over from an earlier run), gets `err` other_run naming both runs (by
+//! run_id_of, never the token) and the connection is closed.
+//!
 //! Liveness (protocol 2): a connection may `watch` a key. From then on the server sets that
 //! key (unless some value is there already: the first failure wins) when the connection
 //! closes without an `unwatch` first — the process died — or, when a heartbeat limit was
@@ -45,16 +54,18 @@ namespace lockstep::detail::wire {
 
 inline constexpr std::byte magic0{'L'};
 inline constexpr std::byte magic1{'S'};
-inline constexpr std::int64_t protocol_version = 2;
+inline constexpr std::int64_t protocol_version = 3;
 inline constexpr std::size_t header_bytes = 20;
 inline constexpr std::size_t trailer_bytes = 4;
 inline constexpr std::size_t max_token_bytes = 256;
+inline constexpr std::size_t max_hello_bytes = 8 + max_token_bytes;  //!< joined instance + token
+inline constexpr std::size_t welcome_bytes = 32;                     //!< limits + instance
 inline constexpr std::size_t max_message_bytes = 4096;  //!< err reply text
 //! Upper bound on any size a server may announce, so a client never trusts a huge one.
 inline constexpr std::size_t max_announced_value = std::size_t{1} << 30;
 
 enum class op : std::uint8_t {
-  hello = 1,  //!< value: job token; arg: protocol version
+  hello = 1,  //!< value: u64 joined instance (0: none), job token; arg: protocol version
   set = 2,    //!< key, value
   get = 3,    //!< key; arg: timeout ms. Answered once the key exists or at the timeout
   add = 4,    //!< key; arg: delta
@@ -62,18 +73,19 @@ enum class op : std::uint8_t {
   check = 6,  //!< value: key list
   watch = 7,  //!< key: set on failure; value: who (1..max_message bytes); arg: heartbeat limit ms (0: none)
   unwatch = 8,  //!< no key, no value: a clean leave, the watch no longer fires
-  ok = 0x81,  //!< reply. get: value; add: arg = new total; check: arg = 0/1; hello: limits
+  ok = 0x81,  //!< reply. get: value; add: arg = new total; check: arg = 0/1; hello: limits + instance
   err = 0x82  //!< reply. arg: err_code; value: message text
 };
 
 enum class err_code : std::int64_t {
   malformed = 1,  //!< not a valid frame or request; the connection is closed
-  bad_token = 2,  //!< hello missing or wrong job token / version; closed
+  bad_token = 2,  //!< no hello first, or another protocol version; closed
   too_large = 3,  //!< the value or key list exceeds the server's limits
   timeout = 4,    //!< get/wait deadline passed; value lists what was missing
   full = 5,       //!< the store holds max_total_bytes already
   overflow = 6,   //!< add would overflow int64
-  busy = 7        //!< the server has max_connections open; closed
+  busy = 7,       //!< the server has max_connections open; closed
+  other_run = 8   //!< hello of another run (token), or for a store that is gone (joined); closed
 };
 
 inline bool is_request(op o) { return o >= op::hello && o <= op::unwatch; }
@@ -162,6 +174,48 @@ inline std::optional<store_limits> decode_limits(std::span<const std::byte> v) {
   return lim;
 }
 
+//! A hello's value: the instance this client joined before (0: none), then the token.
+inline std::vector<std::byte> encode_hello(std::uint64_t joined, std::string_view token) {
+  std::vector<std::byte> v(8 + token.size());
+  store_le(v.data(), joined);
+  std::copy(token.begin(), token.end(), reinterpret_cast<char*>(v.data() + 8));
+  return v;
+}
+//! Strict inverse of encode_hello; false when the value is too short to hold `joined`.
+inline bool decode_hello(std::span<const std::byte> v, std::uint64_t& joined, std::span<const std::byte>& token) {
+  if (v.size() < 8 || v.size() > max_hello_bytes) return false;
+  joined = load_le<std::uint64_t>(v.data());
+  token = v.subspan(8);
+  return true;
+}
+
+//! The hello reply's value: the server's limits, then its instance (non-zero).
+inline std::vector<std::byte> encode_welcome(const store_limits& lim, std::uint64_t instance) {
+  auto v = encode_limits(lim);
+  v.resize(welcome_bytes);
+  store_le(v.data() + 24, instance);
+  return v;
+}
+struct welcome {
+  store_limits limits;
+  std::uint64_t instance = 0;
+};
+inline std::optional<welcome> decode_welcome(std::span<const std::byte> v) {
+  if (v.size() != welcome_bytes) return std::nullopt;
+  auto lim = decode_limits(v.first(24));
+  const auto instance = load_le<std::uint64_t>(v.data() + 24);
+  if (!lim || instance == 0) return std::nullopt;
+  return welcome{*lim, instance};
+}
+
+//! An instance as it appears in messages: 16 hex digits.
+inline std::string instance_text(std::uint64_t instance) {
+  static constexpr char hex[] = "0123456789abcdef";
+  std::string out(16, '0');
+  for (int i = 0; i < 16; ++i) out[static_cast<std::size_t>(i)] = hex[(instance >> (60 - 4 * i)) & 15];
+  return out;
+}
+
 //! Compares a presented token with the expected one in time that does not depend on
 //! where they differ.
 inline bool token_equal(std::span<const std::byte> given, std::string_view expected) noexcept {
@@ -243,11 +297,11 @@ class frame_parser {
       return fail(0, "key length out of bounds"), false;
     std::size_t max_value = 0;
     switch (type) {
-      case op::hello: max_value = max_token_bytes; break;
+      case op::hello: max_value = max_hello_bytes; break;
       case op::set: max_value = lim_.max_value_bytes; break;
       case op::wait:
       case op::check: max_value = lim_.max_value_bytes; break;
-      case op::ok: max_value = std::max<std::size_t>(lim_.max_value_bytes, 24); break;
+      case op::ok: max_value = std::max<std::size_t>(lim_.max_value_bytes, welcome_bytes); break;
       case op::err:
       case op::watch: max_value = max_message_bytes; break;
       default: max_value = 0; break;
