@@ -9,6 +9,9 @@
 #               parameter checksum); a truncated checkpoint is refused.
 # gpu_resume:   the same on every visible GPU (--device gpu); the GPU checkpoint also
 #               resumes on one CPU rank (with a warning). Skipped where no GPU is visible.
+# gpu_inputs:   --input prefetch, sync and device on every visible GPU end with the same
+#               parameters bit for bit (the batches are the same floats whichever way they
+#               come in), and each run names its input mode. Skipped where no GPU is visible.
 # tensorboard:  --logdir: TensorBoard's reader (READER, run with PYTHON) finds train/loss and
 #               train/lr at every step and test/accuracy at every epoch, equal to the CSV.
 # Prints "SKIPPED: ..." (ctest's SKIP_REGULAR_EXPRESSION) when a check needs the real data
@@ -164,6 +167,34 @@ elseif(MODE STREQUAL "resume" OR MODE STREQUAL "gpu_resume")
   endif()
   expect_failure(no_checkpoint 1 "cannot open checkpoint '[^']*absent\\.lsck'"
                  ${common} --resume "${WORK}/absent.lsck")
+elseif(MODE STREQUAL "gpu_inputs")
+  set(first "")
+  foreach(input prefetch sync device)
+    run_example(--smoke --device gpu --input ${input})
+    if(rc STREQUAL "77")
+      message(STATUS "SKIPPED: Fashion-MNIST is not installed (${err})")
+      return()
+    endif()
+    if(err MATCHES "no GPU is visible|built without CUDA")
+      message(STATUS "SKIPPED: ${err}")
+      return()
+    endif()
+    if(NOT rc STREQUAL "0" OR NOT out MATCHES "final: [^\n]*fnv1a (0x[0-9a-f]+) \\(identical on all ranks\\)")
+      message(FATAL_ERROR "--input ${input} failed (${rc}):\n${out}\n${err}")
+    endif()
+    set(sum "${CMAKE_MATCH_1}")
+    if(NOT out MATCHES "input: ${input} [^\n]*ms per step")
+      message(FATAL_ERROR "--input ${input} printed no 'input: ${input} ...' line:\n${out}")
+    endif()
+    if(first STREQUAL "")
+      set(first "${sum}")
+    elseif(NOT sum STREQUAL first)
+      message(FATAL_ERROR "--input ${input} ended with parameters ${sum}, --input prefetch with ${first}:\n${out}")
+    endif()
+    string(REGEX MATCH "input: [^\n]*" line "${out}")
+    message(STATUS "${line}")
+  endforeach()
+  message(STATUS "gpu_inputs: ok, parameters ${first} with every input mode")
 elseif(MODE STREQUAL "tensorboard")
   run_example(--device cpu --ranks 2 --smoke --logdir "${WORK}/logs")
   if(rc STREQUAL "77")

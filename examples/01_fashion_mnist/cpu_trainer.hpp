@@ -28,7 +28,7 @@ class CpuTrainer {
     sgd_.emplace(lockstep::SgdOptions{.lr = lr, .momentum = momentum});
   }
   void set_lr(double lr) { sgd_->set_lr(lr); }
-  void begin_epoch(std::span<const std::size_t>) { loss_sum_ = 0; }
+  void begin_epoch(std::span<const std::size_t>, std::span<const std::span<const std::size_t>>) { loss_sum_ = 0; }
 
   template <class Hook>
   void forward_backward(std::span<const std::size_t> batch, Hook&& ready) {

@@ -6,15 +6,17 @@
 //   model()                        the model DataParallel wraps (host or device parameters)
 //   attach(params, lr, momentum)   make the optimizer, once DataParallel owns the gradients
 //   set_lr(lr)
-//   begin_epoch(indices)           this rank's sample order for the epoch (sampler.indices())
-//   forward_backward(batch, hook)  one micro-batch (a span into those indices); adds the
-//                                  gradient of the batch's mean loss, calls hook(i) per
-//                                  final gradient, adds the batch's summed loss to loss_sum()
+//   begin_epoch(indices, batches)  this rank's sample order for the epoch (sampler.indices())
+//                                  and the batches still to come (spans into it), in order
+//   forward_backward(batch, hook)  the next of those batches; adds the gradient of the
+//                                  batch's mean loss, calls hook(i) per final gradient, adds
+//                                  the batch's summed loss to loss_sum()
 //   finish(step)                   step.finish() and the optimizer step
 //   loss_sum()                     summed per-sample loss since begin_epoch()
 //   synchronize()                  wait for queued device work (for timing)
 //   count_correct(lo, hi)          correct predictions on test images [lo, hi)
 //   save_optimizer(bytes) / load_optimizer(bytes)   lockstep::Sgd's checkpoint layout
+//   input_summary()                (optional) how batches reach the device, for the log
 //
 // Because both devices run this same loop, they see the same samples in the same order,
 // the same schedule and the same global-batch semantics, and train to the same accuracy.
@@ -50,6 +52,13 @@ inline constexpr std::size_t base_batch = 128;  // --lr is the rate for this glo
 
 enum class device_kind { automatic, cpu, gpu };
 
+// How a GPU rank's batches reach its device (--input); the CPU gathers in the step.
+enum class input_kind {
+  prefetch,  // gathered on the host ahead of time, copied on a copy stream (lockstep::Prefetcher)
+  sync,      // gathered and copied in the step, after the GPU finished the previous one
+  device,    // the training set on the device, batches gathered there by a kernel
+};
+
 struct options {
   std::filesystem::path data = "/usr/share/datasets/fashion-mnist";
   device_kind device = device_kind::automatic;
@@ -69,6 +78,7 @@ struct options {
   std::size_t bucket_kib = 0;  // 0: lockstep's default buckets (1 MiB first, 25 MiB cap)
   bool smoke = false;
   bool check = false;  // compare the GPU model with the CPU model before training
+  input_kind input = input_kind::prefetch;
 };
 
 inline constexpr const char* usage =
@@ -104,7 +114,14 @@ inline constexpr const char* usage =
     "  --logdir DIR        write TensorBoard scalars (train/loss and train/lr per step; test\n"
     "                      accuracy, samples/s, lockstep/* per epoch) and DIR/scalars.csv\n"
     "  --bucket-kib K      gradient buckets of K KiB (default: lockstep's 1 MiB first bucket,\n"
-    "                      which holds this whole 0.9 MiB model)\n";
+    "                      which holds this whole 0.9 MiB model)\n"
+    "  --input MODE        (GPU) how batches reach the device: prefetch (default): gathered on\n"
+    "                      the host by a helper thread into pinned memory and copied on a copy\n"
+    "                      stream while the previous step computes (lockstep::Prefetcher);\n"
+    "                      sync: gathered and copied within the step, after the GPU finished\n"
+    "                      the previous one; device: the training set copied to each GPU\n"
+    "                      once, batches gathered there by a kernel\n"
+    "  --no-prefetch       the same as --input sync\n";
 
 struct usage_error : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -170,6 +187,13 @@ inline options parse(int argc, char** argv) {
     else if (a == "--progress") o.progress = parse_number<double>(a, value());
     else if (a == "--logdir") o.logdir = value();
     else if (a == "--bucket-kib") o.bucket_kib = parse_number<std::size_t>(a, value());
+    else if (a == "--input") {
+      const std::string m = value();
+      if (m == "prefetch") o.input = input_kind::prefetch;
+      else if (m == "sync") o.input = input_kind::sync;
+      else if (m == "device") o.input = input_kind::device;
+      else throw usage_error("--input expects prefetch, sync or device, got '" + m + "'");
+    } else if (a == "--no-prefetch") o.input = input_kind::sync;
     else throw usage_error("unknown option '" + a + "'");
   }
   if (o.smoke) {  // explicit options win, whatever their order
@@ -227,18 +251,24 @@ inline void make_table(dataset& d) {
   for (int v = 0; v < 256; ++v) d.table[static_cast<std::size_t>(v)] = static_cast<float>((v / 255.0 - mean) / stdev);
 }
 
-// Rows `rows` of the split as normalised floats.
-inline void gather(const split& s, std::span<const std::size_t> rows, const float* table,
-                   std::vector<float>& x, std::vector<std::uint8_t>& y) {
+// Rows `rows` of the split as normalised floats into x (rows × 784), their labels into y.
+inline void gather_into(const split& s, std::span<const std::size_t> rows, const float* table, float* x,
+                        std::uint8_t* y) {
   constexpr std::size_t P = image_pixels;
-  x.resize(rows.size() * P);
-  y.resize(rows.size());
   for (std::size_t r = 0; r < rows.size(); ++r) {
     const std::uint8_t* src = s.pixels.data() + rows[r] * P;
-    float* dst = x.data() + r * P;
+    float* dst = x + r * P;
     for (std::size_t k = 0; k < P; ++k) dst[k] = table[src[k]];
     y[r] = s.labels[rows[r]];
   }
+}
+
+// Rows `rows` of the split as normalised floats.
+inline void gather(const split& s, std::span<const std::size_t> rows, const float* table,
+                   std::vector<float>& x, std::vector<std::uint8_t>& y) {
+  x.resize(rows.size() * image_pixels);
+  y.resize(rows.size());
+  gather_into(s, rows, table, x.data(), y.data());
 }
 
 // What a checkpoint records about the run, to warn when a resume changes it.
@@ -383,13 +413,17 @@ void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
   const int first_epoch = static_cast<int>(sampler.epoch());
   int last_epoch = epochs;
   if (opt.stop_after > 0) last_epoch = std::min(last_epoch, opt.stop_after);
+  // Rank 0's training time per step, the run's first epoch left out (warm-up) when it has more.
+  double timed_s = 0;
+  std::size_t timed_steps = 0;
   // The sampler carries the epoch (and, in a resumed run, the position within it); the
   // (seed, epoch) pair decides the order.
   for (; sampler.epoch() < static_cast<std::uint64_t>(last_epoch); sampler.set_epoch(sampler.epoch() + 1)) {
     const int epoch = static_cast<int>(sampler.epoch());
     // --- train ---
     const auto batches = sampler.batches(plan.per_rank);
-    trainer.begin_epoch(std::span<const std::size_t>(sampler.indices()));
+    trainer.begin_epoch(std::span<const std::size_t>(sampler.indices()),
+                        std::span<const std::span<const std::size_t>>(batches));
     lockstep::ThroughputMeter meter;
     meter.start();
     const auto t0 = std::chrono::steady_clock::now();
@@ -425,6 +459,10 @@ void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
     trainer.synchronize();  // device work queued by the loop counts in the epoch's time
     meter.stop(static_cast<std::int64_t>(seen));
     const double train_s = seconds_since(t0);
+    if (epoch > first_epoch || last_epoch - first_epoch == 1) {
+      timed_s += train_s;
+      timed_steps += batches.size();
+    }
 
     // --- evaluate: rank r takes test[r·N/R, (r+1)·N/R), each sample exactly once ---
     const auto te = std::chrono::steady_clock::now();
@@ -470,6 +508,16 @@ void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
       });
     }
     if (ctx.is_root()) result.epochs_run = epoch + 1;
+  }
+
+  if constexpr (requires { trainer.input_summary(); }) {
+    if (ctx.is_root() && timed_steps > 0) {
+      char line[512];
+      std::snprintf(line, sizeof line, "input: %s | %.3f ms per step (rank 0%s)", trainer.input_summary().c_str(),
+                    1e3 * timed_s / static_cast<double>(timed_steps),
+                    last_epoch - first_epoch > 1 ? ", first epoch left out" : "");
+      log(line);
+    }
   }
 
   if (ctx.is_root() && ctx.size() > 1 && dp.stats().syncs > 0) {

@@ -20,6 +20,7 @@
 #include <lockstep/cuda/fused_optimizer.cuh>
 #include <lockstep/cuda/memory.cuh>
 #include <lockstep/cuda/nccl_comm.cuh>
+#include <lockstep/cuda/prefetch.cuh>
 #include <lockstep/cuda/run_gpus.cuh>
 #include <lockstep/cuda/run_processes.cuh>
 #include <lockstep/data/seeding.hpp>
@@ -36,6 +37,9 @@ namespace fmnist {
 namespace {
 
 constexpr std::size_t eval_rows = 1000;  // test images per forward pass
+// A batch of n samples as the host makes it for the device: n × 784 normalised floats, then
+// the n labels.
+constexpr std::size_t sample_bytes = image_pixels * sizeof(float) + 1;
 
 // A device copy of `count` elements at `src` (blocking).
 template <class T>
@@ -57,15 +61,25 @@ struct device_split {
   const std::uint8_t* y() const { return static_cast<const std::uint8_t*>(labels.get()); }
 };
 
-// One GPU rank's side of the training loop (see fashion_mnist.hpp): the data set on the
-// device (copied once), gpu::Mlp, batches gathered on the device from this epoch's indices
-// (uploaded once per epoch, so a step needs no host synchronisation), the loss summed on the
-// device, and lockstep::cuda::FusedSgd stepping each bucket as soon as it is averaged.
+// One GPU rank's side of the training loop (see fashion_mnist.hpp): gpu::Mlp, the loss summed
+// on the device, lockstep::cuda::FusedSgd stepping each bucket as soon as it is averaged, and
+// the batches brought in as --input says:
+//  - prefetch: a lockstep::Prefetcher gathers each batch on a helper thread into pinned
+//    memory (fmnist::gather_into, the CPU path's own gather) and copies it on its copy stream
+//    while the previous steps compute; the step makes the compute stream wait for the copy,
+//    and nothing synchronises the host;
+//  - sync: the step gathers into pageable memory and uploads it (CudaMemory::upload: after
+//    the GPU finished everything queued, then a blocking copy) — the loop without prefetch;
+//  - device: the training set is copied to the device once; each epoch's indices are
+//    uploaded once and a kernel gathers each batch (bit for bit the host's floats).
+// The test set stays on the device in every mode (evaluation gathers it with the kernel).
 class GpuTrainer {
  public:
-  GpuTrainer(int device, cudaStream_t stream, const dataset& data, std::uint64_t seed, std::size_t per_rank)
-      : mem_(device, stream),
-        train_(mem_, data.train),
+  GpuTrainer(int device, cudaStream_t stream, const dataset& data, std::uint64_t seed, std::size_t per_rank,
+             input_kind input)
+      : data_(data),
+        input_(input),
+        mem_(device, stream),
         test_(mem_, data.test),
         table_(to_device(mem_, data.table.data(), data.table.size())),
         rows_(std::max(per_rank, eval_rows)) {
@@ -74,6 +88,14 @@ class GpuTrainer {
     x_ = mem_.allocate(rows_ * image_pixels * sizeof(float));
     y_ = mem_.allocate(rows_);
     acc_ = mem_.allocate(sizeof(double) + sizeof(unsigned long long));
+    switch (input_) {
+      case input_kind::device: train_.emplace(mem_, data.train); break;
+      case input_kind::sync:
+        staged_.resize(per_rank * sample_bytes);
+        staged_dev_ = mem_.allocate(staged_.size());
+        break;
+      case input_kind::prefetch: prefetch_.emplace(device, stream, per_rank * sample_bytes); break;
+    }
   }
 
   gpu::Mlp& model() { return *model_; }
@@ -83,15 +105,31 @@ class GpuTrainer {
   }
   void set_lr(double lr) { sgd_->set_lr(lr); }
 
-  void begin_epoch(std::span<const std::size_t> indices) {
+  void begin_epoch(std::span<const std::size_t> indices, std::span<const std::span<const std::size_t>> batches) {
     indices_ = indices;
-    std::vector<int> host(indices.begin(), indices.end());
-    if (host.size() > idx_capacity_) {
-      idx_ = mem_.allocate(host.size() * sizeof(int));
-      idx_capacity_ = host.size();
-    }
-    mem_.upload(idx_.get(), host.data(), host.size() * sizeof(int));
     mem_.zero(loss_acc(), sizeof(double));
+    if (input_ == input_kind::device) {
+      std::vector<int> host(indices.begin(), indices.end());
+      if (host.size() > idx_capacity_) {
+        idx_ = mem_.allocate(host.size() * sizeof(int));
+        idx_capacity_ = host.size();
+      }
+      mem_.upload(idx_.get(), host.data(), host.size() * sizeof(int));
+    } else if (input_ == input_kind::prefetch) {
+      // The producer reads its own copy of the epoch's rows: the sampler's may change or go
+      // (an exception unwinding train_rank) while a helper thread still gathers.
+      prefetch_->stop();
+      rows_of_epoch_.assign(indices.begin(), indices.end());
+      batch_at_.clear();
+      for (const auto b : batches) batch_at_.push_back({static_cast<std::size_t>(b.data() - indices.data()), b.size()});
+      prefetch_->start(batch_at_.size(), [this](std::size_t i, std::span<std::byte> host) {
+        const auto [at, n] = batch_at_[i];
+        auto* x = reinterpret_cast<float*>(host.data());
+        auto* y = reinterpret_cast<std::uint8_t*>(host.data() + n * image_pixels * sizeof(float));
+        gather_into(data_.train, std::span<const std::size_t>(rows_of_epoch_).subspan(at, n), data_.table.data(), x, y);
+        return n * sample_bytes;
+      });
+    }
   }
 
   template <class Hook>
@@ -99,10 +137,32 @@ class GpuTrainer {
     const auto at = batch.data() - indices_.data();
     if (at < 0 || static_cast<std::size_t>(at) + batch.size() > indices_.size())
       throw lockstep::config_error("GpuTrainer: the batch is not a part of this epoch's indices");
-    const int n = static_cast<int>(batch.size());
-    gpu::gather_rows(train_.px(), train_.y(), static_cast<const int*>(idx_.get()) + at, 0, table(), x(), y(), n,
-                     mem_.stream());
-    model_->forward_backward(x(), y(), batch.size(), loss_acc(), ready);
+    const std::size_t n = batch.size();
+    const float* x = this->x();
+    const std::uint8_t* y = this->y();
+    switch (input_) {
+      case input_kind::device:
+        gpu::gather_rows(train_->px(), train_->y(), static_cast<const int*>(idx_.get()) + at, 0, table(), this->x(),
+                         this->y(), static_cast<int>(n), mem_.stream());
+        break;
+      case input_kind::sync: {
+        auto* hx = reinterpret_cast<float*>(staged_.data());
+        gather_into(data_.train, batch, data_.table.data(), hx, reinterpret_cast<std::uint8_t*>(hx + n * image_pixels));
+        mem_.upload(staged_dev_.get(), staged_.data(), n * sample_bytes);  // waits for the GPU, then copies
+        x = static_cast<const float*>(staged_dev_.get());
+        y = reinterpret_cast<const std::uint8_t*>(x + n * image_pixels);
+        break;
+      }
+      case input_kind::prefetch: {
+        const lockstep::prefetched_batch b = prefetch_->next();  // the compute stream waits for its copy
+        if (batch_at_[b.index].at != static_cast<std::size_t>(at) || batch_at_[b.index].n != n)
+          throw lockstep::config_error("GpuTrainer: batches must be trained in the order begin_epoch() was given");
+        x = b.as<const float>();
+        y = b.as<const std::uint8_t>(n * image_pixels * sizeof(float));
+        break;
+      }
+    }
+    model_->forward_backward(x, y, n, loss_acc(), ready);
   }
 
   template <class Step>
@@ -136,7 +196,28 @@ class GpuTrainer {
   //! The optimizer (serializable: it goes into checkpoints as a section).
   lockstep::cuda::FusedSgd& optimizer() { return *sgd_; }
 
+  //! How the batches reached the device (the log's "input:" line).
+  std::string input_summary() const {
+    char s[256];
+    switch (input_) {
+      case input_kind::prefetch:
+        std::snprintf(s, sizeof s,
+                      "prefetch (lockstep::Prefetcher, %zu slots of %.0f KiB pinned, 1 helper thread; "
+                      "next() waited %.3f s in all)",
+                      prefetch_->slots(), static_cast<double>(prefetch_->slot_bytes()) / 1024.0,
+                      prefetch_->wait_seconds());
+        return s;
+      case input_kind::sync: return "sync (gathered and copied within each step)";
+      case input_kind::device: return "device (training set on the GPU, batches gathered by a kernel)";
+    }
+    return "";
+  }
+
  private:
+  struct batch_span {
+    std::size_t at, n;  // offset into the epoch's indices, and size
+  };
+
   const float* table() const { return static_cast<const float*>(table_.get()); }
   float* x() const { return static_cast<float*>(x_.get()); }
   std::uint8_t* y() const { return static_cast<std::uint8_t*>(y_.get()); }
@@ -145,8 +226,11 @@ class GpuTrainer {
     return reinterpret_cast<unsigned long long*>(static_cast<char*>(acc_.get()) + sizeof(double));
   }
 
+  const dataset& data_;
+  input_kind input_;
   lockstep::CudaMemory mem_;
-  device_split train_, test_;
+  std::optional<device_split> train_;  // --input device only
+  device_split test_;
   std::shared_ptr<void> table_;
   std::size_t rows_;
   std::optional<gpu::Mlp> model_;
@@ -154,6 +238,11 @@ class GpuTrainer {
   std::shared_ptr<void> x_, y_, acc_, idx_;
   std::size_t idx_capacity_ = 0;
   std::span<const std::size_t> indices_;
+  std::vector<std::byte> staged_;    // --input sync: the batch on the host ...
+  std::shared_ptr<void> staged_dev_;  // ... and on the device
+  std::vector<std::size_t> rows_of_epoch_;  // --input prefetch: what the producer reads;
+  std::vector<batch_span> batch_at_;        // declared before prefetch_, which outlives
+  std::optional<lockstep::Prefetcher> prefetch_;  // neither (its helper threads read them)
 };
 
 // ‖a − b‖ / ‖b‖ (b: the reference).
@@ -289,7 +378,7 @@ bool check_gpu_model(int device, const dataset& data, const options& opt) {
 void train_on_gpus(const std::vector<int>& devices, const options& opt, const training_plan& plan,
                    const dataset& data, final_result& result) {
   lockstep::run(lockstep::Gpus{devices}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
-    GpuTrainer trainer(ctx.device(), ctx.comm().compute_stream(), data, opt.seed, plan.per_rank);
+    GpuTrainer trainer(ctx.device(), ctx.comm().compute_stream(), data, opt.seed, plan.per_rank, opt.input);
     train_rank(ctx, trainer, opt, plan, data, result);
   });
 }
@@ -303,7 +392,7 @@ void train_as_gpu_process(const options& opt, const dataset& data,
     lockstep::all_reduce_scalars(ctx.comm(), std::span<std::int64_t>(&hosts, 1), lockstep::reduce_op::sum);
     me = process_rank{ctx.rank(), ctx.size(), static_cast<long long>(hosts), ctx.device()};
     const training_plan plan = start(me);
-    GpuTrainer trainer(ctx.device(), ctx.comm().compute_stream(), data, opt.seed, plan.per_rank);
+    GpuTrainer trainer(ctx.device(), ctx.comm().compute_stream(), data, opt.seed, plan.per_rank, opt.input);
     train_rank(ctx, trainer, opt, plan, data, result);
   });
   // [end snippet]

@@ -5,12 +5,15 @@
 //   cmake -S . -B build && cmake --build build --target fashion_mnist    # CUDA when nvcc is found
 //   ./build/examples/01_fashion_mnist/fashion_mnist --epochs 5           # every GPU, else CPU threads
 //   ./build/examples/01_fashion_mnist/fashion_mnist --device gpu --gpus 2 --check
+//   ./build/examples/01_fashion_mnist/fashion_mnist --device gpu --no-prefetch   # input in the step
 //   ./build/examples/01_fashion_mnist/fashion_mnist --device cpu --ranks 2
 //   ./build/examples/01_fashion_mnist/fashion_mnist --checkpoint run.lsck --stop-after 2
 //   ./build/examples/01_fashion_mnist/fashion_mnist --resume run.lsck          # epochs 3..5
 //
 // What it shows: the data set is loaded once and shared read-only by every rank (on GPUs,
-// each rank copies it once to its own device); each rank builds the same model
+// a lockstep::Prefetcher per rank gathers its batches on a helper thread into pinned memory
+// and copies them ahead on a copy stream while the previous steps compute; --input sync
+// or device for the other ways in); each rank builds the same model
 // (lockstep::model_seed), wraps it in lockstep::DataParallel (zero-copy gradients through
 // bind_gradient, buckets reduced as backward reports gradients ready), reads its own shard
 // through lockstep::DistributedSampler, and steps SGD with momentum after finish()

@@ -15,6 +15,7 @@
 #include "lockstep/cuda/kernels/permutation.cuh"
 #include "lockstep/cuda/memory.cuh"
 #include "lockstep/cuda/nccl_comm.cuh"
+#include "lockstep/cuda/prefetch.cuh"
 #include "lockstep/cuda/run_gpus.cuh"
 #include "lockstep/cuda/run_processes.cuh"
 #include "lockstep/lockstep.hpp"
