@@ -28,6 +28,7 @@
 #include "lockstep/launch/launch_env.hpp"
 #include "lockstep/launch/run.hpp"
 #include "lockstep/launch/watchdog.hpp"
+#include "lockstep/observe/gpu_monitor.hpp"
 #include "lockstep/observe/metrics.hpp"
 #include "lockstep/observe/scalars.hpp"
 #include "lockstep/optim/adamw.hpp"
