@@ -1,5 +1,5 @@
-// lockstep example 04: data parallelism × tensor parallelism on CPU ranks. The job's ranks form
-// a mesh of replicas × parts (lockstep::make_mesh); each replica's middle block is split over
+// lockstep example 04: data parallelism × tensor parallelism on CPU ranks. run(Hybrid{...})
+// makes the job's ranks a mesh of replicas × parts; each replica's middle block is split over
 // its parts (tp_mlp.hpp), DataParallel averages the gradients over the replicas, and every
 // replica reads its own batches (DistributedSampler over the data axis). Fashion-MNIST.
 //
@@ -67,15 +67,16 @@ int main(int argc, char** argv) {
     fmnist::make_table(data);
     const hybrid::dims d{fmnist::image_pixels, 128, 256, fmnist::classes};
     const auto t0 = std::chrono::steady_clock::now();
-    lockstep::run(lockstep::Threads{a.ranks}, [&](auto& ctx) {
-      auto mesh = lockstep::make_mesh(ctx, {.model_parallel = a.parts});
-      using Comm = std::remove_cvref_t<decltype(ctx.comm())>;
+    const lockstep::Hybrid mode{.model_parallel = a.parts, .inner = lockstep::Threads{a.ranks}};
+    lockstep::run(mode, [&](auto& mesh) {
+      auto& world = mesh.world();  // the whole job: all replicas' parts
+      using Comm = std::remove_cvref_t<decltype(mesh.model)>;
       hybrid::TpMlp<Comm> model(d, mesh.part(), mesh.parts(), &mesh.model, 2026);
       lockstep::DataParallel dp(mesh.data, model);
       lockstep::DistributedSampler sampler(data.train.size, mesh.data, {.seed = 7});
-      const bool root = ctx.rank() == 0;
+      const bool root = world.is_root();
       if (root)
-        std::printf("hybrid: %d ranks = %d replicas x %d tensor-parallel parts, batch %zu per replica\n", ctx.size(),
+        std::printf("hybrid: %d ranks = %d replicas x %d tensor-parallel parts, batch %zu per replica\n", world.size(),
                     mesh.replicas(), mesh.parts(), a.batch);
       std::vector<float> x;
       std::vector<std::uint8_t> y;
@@ -100,8 +101,8 @@ int main(int argc, char** argv) {
       const auto whole = model.gathered_values();
       std::uint64_t h = 1469598103934665603ull;
       for (float v : whole) h = (h ^ std::bit_cast<std::uint32_t>(v)) * 1099511628211ull;
-      std::vector<std::uint64_t> hashes(static_cast<std::size_t>(ctx.size()));
-      ctx.comm().all_gather(&h, hashes.data(), 1, lockstep::dtype::i64);
+      std::vector<std::uint64_t> hashes(static_cast<std::size_t>(world.size()));
+      world.comm().all_gather(&h, hashes.data(), 1, lockstep::dtype::i64);
       bool same = true;
       for (auto v : hashes) same = same && v == hashes[0];
       if (root)

@@ -83,3 +83,29 @@ void fused_lion(const std::vector<lockstep::parameter>& params, cudaStream_t str
   lockstep::cuda::FusedOptimizer<LionRule> opt({.lr = 1e-4}, params);
   opt.step_all(params, stream, found_inf);
 }
+
+//! A tensor-parallel model on the device (declared only): its layers all-reduce on the model axis.
+struct TpGpuModel {
+  TpGpuModel(int part, int parts, lockstep::NcclComm& model_axis);
+  std::vector<lockstep::parameter> parameters();
+};
+
+void hybrid_snippet() {
+  // [snippet docs/hybrid.md#3]
+  // one process driving 4 GPUs: 2 replicas × 2 parts (or Processes{} under a launcher)
+  lockstep::run(lockstep::Hybrid{.model_parallel = 2, .inner = lockstep::Gpus{}}, [&](auto& mesh) {
+    TpGpuModel model(mesh.part(), mesh.parts(), mesh.model);  // its all-reduces on mesh.model
+    lockstep::DataParallel dp(mesh.data, model);
+  });
+  // [end snippet]
+  lockstep::run(lockstep::Hybrid{.model_parallel = 2, .inner = lockstep::Processes{}}, [&](auto& mesh) {
+    TpGpuModel model(mesh.part(), mesh.parts(), mesh.model);
+    lockstep::DataParallel dp(mesh.data, model);
+  });
+  // Hybrid{} in a CUDA translation unit: the body is instantiated for every mode Auto can pick.
+  lockstep::run(lockstep::Hybrid{}, [&](auto& mesh) {
+    GpuModel model;
+    lockstep::DataParallel dp(mesh.data, model);
+    (void)mesh.world().size();
+  });
+}

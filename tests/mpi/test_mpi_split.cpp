@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include <lockstep/lockstep.hpp>
@@ -87,6 +88,26 @@ TEST_CASE("hybrid over MPI: hierarchical reduction equals the flat all-reduce") 
       CHECK(max_rel_diff(got[1], got[0]) <= 1e-12);
       CHECK(same_on_all_ranks(got[1]));
     }
+  });
+}
+
+TEST_CASE("hybrid over MPI: run(Hybrid) over Mpi - each process's replica and part - the two axes' reductions") {
+  const int parts = 2;  // np 2: 1 replica × 2 parts; np 4: 2 × 2
+  lockstep::run(lockstep::Hybrid{.model_parallel = parts, .inner = lockstep::Mpi{}}, [&](auto& mesh) {
+    static_assert(std::is_same_v<std::remove_cvref_t<decltype(mesh)>, lockstep::Mesh<lockstep::MpiComm>>);
+    const int r = mesh.world().rank(), n = mesh.world().size();
+    CHECK(mesh.replica() == r / parts);
+    CHECK(mesh.part() == r % parts);
+    CHECK(mesh.replicas() == n / parts);
+    CHECK(mesh.parts() == parts);
+    double v = r + 1;  // data axis: ranks part, part + parts, ... averaged
+    mesh.data.comm().all_reduce(&v, &v, 1, lockstep::dtype::f64, lockstep::reduce_op::avg).wait();
+    double avg = 0;
+    for (int k = 0; k < n / parts; ++k) avg += k * parts + r % parts + 1;
+    CHECK(v == doctest::Approx(avg / (n / parts)));
+    double w = r + 1;  // model axis: one replica's ranks summed
+    mesh.model.all_reduce(&w, &w, 1, lockstep::dtype::f64, lockstep::reduce_op::sum).wait();
+    CHECK(w == (r / parts) * parts * 2 + 3);  // (2k+1) + (2k+2)
   });
 }
 

@@ -43,6 +43,7 @@ struct environment {
   int nccl_version = 0;                //!< e.g. 22805 for 2.28.5; 0 when unknown
   std::optional<std::vector<int>> devices;  //!< LOCKSTEP_DEVICES="0,2": the GPUs to use
   std::optional<launch_info> launcher;      //!< set when a launcher started this process
+  std::optional<int> model_parallel;   //!< LOCKSTEP_MODEL_PARALLEL, when set: ranks per model replica
 };
 
 namespace detail {
@@ -64,6 +65,18 @@ inline std::vector<int> parse_device_list(const std::string& text, const char* w
   }
   if (out.empty()) throw config_error(std::string(what) + " is empty; list device ids like 0,1");
   return out;
+}
+
+//! LOCKSTEP_MODEL_PARALLEL=M: the ranks that hold one model replica's parts, for run(Hybrid{})
+//! when the code gives no degree (lockstep/run.hpp, docs/hybrid.md); nullopt when unset.
+inline std::optional<int> model_parallel_from_env() {
+  auto m = env_long("LOCKSTEP_MODEL_PARALLEL");
+  if (!m) return std::nullopt;
+  if (*m < 1 || *m > 4096)
+    throw config_error("LOCKSTEP_MODEL_PARALLEL=" + std::to_string(*m) +
+                       " is out of range: give the number of ranks per model replica, from 1 to 4096 "
+                       "(a divisor of the job's size)");
+  return static_cast<int>(*m);
 }
 }  // namespace detail
 
@@ -116,6 +129,7 @@ inline environment detect() {
                          " is out of range: give a number of CPU ranks from 1 to 4096");
     e.cpu_ranks = static_cast<int>(*n);
   }
+  e.model_parallel = detail::model_parallel_from_env();
   return e;
 }
 

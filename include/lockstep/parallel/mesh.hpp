@@ -21,6 +21,9 @@
 //! Megatron's f/g operators do), so nothing more is needed; a replicated parameter whose
 //! gradient is only partial on each part (sequence parallelism) must be summed over the model
 //! axis by the model before it reports the gradient ready. docs/hybrid.md.
+//!
+//! run(Hybrid{.model_parallel = M, .inner = mode}, body) (lockstep/run.hpp) builds the mesh
+//! itself and hands the body a Mesh<Comm>&.
 
 #include <string>
 #include <utility>
@@ -36,15 +39,25 @@ struct MeshOptions {
 };
 
 template <class Comm>
-struct Mesh {
+class Mesh {
+ public:
+  Mesh(context<Comm> data_axis, Comm model_axis, context<Comm>& job)
+      : data(std::move(data_axis)), model(std::move(model_axis)), world_(&job) {}
+
   context<Comm> data;  //!< over the ranks holding the same part: DataParallel, the sampler
   Comm model;          //!< over the ranks holding one replica's parts: the model's collectives
+  //! The whole job's context the axes were split from (all N ranks: job-wide checks, rank 0's
+  //! printing). make_mesh's ctx: it must outlive the mesh (run(Hybrid) keeps it so).
+  context<Comm>& world() const noexcept { return *world_; }
   //! Which replica this rank belongs to (its rank on the data axis), of replicas().
   int replica() const { return data.rank(); }
   int replicas() const { return data.size(); }
   //! Which part of the model this rank holds (its rank on the model axis), of parts().
   int part() const { return model.rank(); }
   int parts() const { return model.size(); }
+
+ private:
+  context<Comm>* world_;
 };
 
 //! Splits ctx's communicator into the two axes (collective over it).
@@ -58,7 +71,7 @@ Mesh<Comm> make_mesh(context<Comm>& ctx, MeshOptions o) {
   const int r = ctx.rank();
   Comm model = ctx.comm().split(r / m, r);
   Comm data = ctx.comm().split(r % m, r);
-  return Mesh<Comm>{context<Comm>(std::move(data), ctx.local_rank(), ctx.device()), std::move(model)};
+  return Mesh<Comm>(context<Comm>(std::move(data), ctx.local_rank(), ctx.device()), std::move(model), ctx);
 }
 
 }  // namespace lockstep
