@@ -235,14 +235,18 @@ void bench_a(const std::vector<shape>& shapes, int ngpu, int iters, const char* 
 // with no gradient final yet (e.g. GPT-2's tied lm_head), then per tensor (reverse
 // registration order) bwd_us[i] of compute and its gradient reported; finish() with a
 // per-bucket SGD update (which overlaps the buckets still in flight).
-template <class T>
+// Sharded: ShardedOptimizer (reduce-scatter per unit, the SGD on this GPU's shard, all-gather).
+template <class T, bool Sharded = false>
 double train_step_time(const std::vector<shape>& shapes, int ngpu, int iters, double head_us,
                        const std::vector<double>& fwd_us, const std::vector<double>& bwd_us,
                        lockstep::BucketPolicy buckets = {}) {
   return timed(ngpu, 5, iters, [&](auto& ctx, cudaStream_t s) {
     auto m = std::make_shared<ShapesModel<T>>(shapes, 5u, s);
-    auto dp = std::make_shared<lockstep::DataParallel<ShapesModel<T>, lockstep::NcclComm>>(
-        ctx, *m, lockstep::DataParallelOptions{.buckets = buckets});
+    using DP = std::conditional_t<Sharded,
+                                  lockstep::DataParallel<ShapesModel<T>, lockstep::NcclComm, lockstep::EveryStep,
+                                                         lockstep::NoScaling, lockstep::ShardedOptimizer>,
+                                  lockstep::DataParallel<ShapesModel<T>, lockstep::NcclComm>>;
+    auto dp = std::make_shared<DP>(ctx, *m, lockstep::DataParallelOptions{.buckets = buckets});
     const std::size_t n = shapes.size();
     auto body = [=, &fwd_us, &bwd_us] {
       auto step = dp->step();
@@ -276,7 +280,7 @@ int main(int argc, char** argv) {
       else if (a == "--gpus" && i + 1 < argc) max_gpus = std::stoi(argv[++i]);
       else if (a == "--only" && i + 1 < argc) only = argv[++i];
       else {
-        std::fprintf(stderr, "usage: bench_sync [--shapes FILE] [--iters N] [--gpus N] [--only abc]\n");
+        std::fprintf(stderr, "usage: bench_sync [--shapes FILE] [--iters N] [--gpus N] [--only abcs]\n");
         return 2;
       }
     }
@@ -364,6 +368,17 @@ int main(int argc, char** argv) {
               std::printf("c  %s %d GPU  cap %3zu MiB  step %7.3f ms  (flat all-reduce alone %6.3f ms)\n", tn, g, cap_mib,
                           t, flat);
           }
+          // s. The same step with ShardedOptimizer (issue 13's schedule: the all-gather after
+          // each unit's update, the optimizer on 1/N of the parameters).
+          if (wanted('s'))
+            for (std::size_t cap_mib : {std::size_t{25}, std::size_t{64}}) {
+              lockstep::BucketPolicy bp{.first_bytes = std::size_t{1} << 20, .cap_bytes = cap_mib << 20};
+              double t = pass == 0 ? train_step_time<float, true>(mlp, g, iters, 0, fwd, bwd, bp)
+                                   : train_step_time<__nv_bfloat16, true>(mlp, g, iters, 0, fwd, bwd, bp);
+              if (g_print)
+                std::printf("s  %s %d GPU  cap %3zu MiB  sharded step %7.3f ms  (1 GPU %6.3f ms, flat all-reduce alone "
+                            "%6.3f ms)\n", tn, g, cap_mib, t, one, flat);
+            }
         }
       }
     }

@@ -250,7 +250,9 @@ class NcclComm {
     } catch (...) {
     }
     if (std::find(all.begin(), all.end(), s_) == all.end()) detail::nccl_abort(*s_, reason);
-    for (const auto& m : all) detail::nccl_abort(*m, reason);
+    // Newest first: a sub-group's kernel stuck on this device would keep the parent's abort
+    // (which frees memory, and so waits for the device) from returning.
+    for (auto m = all.rbegin(); m != all.rend(); ++m) detail::nccl_abort(**m, reason);
   }
   bool aborted() const noexcept { return s_ && s_->aborted.load(std::memory_order_acquire); }
 
