@@ -48,6 +48,7 @@
 #include "lockstep/core/dtype.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/parameter.hpp"
+#include "lockstep/core/progress.hpp"
 #include "lockstep/detail/checksum.hpp"
 
 namespace lockstep {
@@ -117,8 +118,11 @@ std::uint64_t parameter_fingerprint(R&& params) {
 }
 
 class Checkpoint;
-inline Checkpoint load_checkpoint(const std::filesystem::path& path);
-inline void save_checkpoint(const std::filesystem::path& path, const Checkpoint& ck);
+//! progress: lines on a save or load that takes long (docs/observe.md, "Progress on long
+//! phases"); every process that loads prints its own: in a job, pass {.enabled = rank == 0}.
+inline Checkpoint load_checkpoint(const std::filesystem::path& path, const progress_options& progress = {});
+inline void save_checkpoint(const std::filesystem::path& path, const Checkpoint& ck,
+                            const progress_options& progress = {});
 
 // ---------------------------------------------------------------------------------------
 //! Checkpoint — an in-memory bundle of parameters, meta counters and named sections.
@@ -312,8 +316,9 @@ class Checkpoint {
       throw config_error("Checkpoint: section '" + name + "' was added twice; names must be unique");
   }
 
-  friend Checkpoint load_checkpoint(const std::filesystem::path& path);
-  friend void save_checkpoint(const std::filesystem::path& path, const Checkpoint& ck);
+  friend Checkpoint load_checkpoint(const std::filesystem::path& path, const progress_options& progress);
+  friend void save_checkpoint(const std::filesystem::path& path, const Checkpoint& ck,
+                              const progress_options& progress);
 
   //! Calls sink(ptr, bytes) for each piece of the payload, in order (see docs/checkpoint.md).
   template <class Sink>

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <bit>
 #include <cerrno>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -24,6 +25,7 @@
 #include "lockstep/checkpoint/checkpoint.hpp"
 #include "lockstep/core/codec.hpp"
 #include "lockstep/core/error.hpp"
+#include "lockstep/core/progress.hpp"
 #include "lockstep/detail/byte_io.hpp"
 #include "lockstep/detail/checksum.hpp"
 #include "lockstep/version.hpp"
@@ -95,14 +97,18 @@ struct unique_fd {
 //! Writes `ck` to `path` atomically: a temporary file in the same directory is written,
 //! fsync'ed and renamed over `path`, then the directory is fsync'ed. On any failure the
 //! temporary file is removed and a previous file at `path` is left as it was; throws
-//! checkpoint_error saying what failed and what to do. (POSIX only.)
-inline void save_checkpoint(const std::filesystem::path& path, const Checkpoint& ck) {
+//! checkpoint_error saying what failed and what to do. (POSIX only.) A save that runs past
+//! progress.first (default 2 s) reports bytes written and rate, then every progress.every
+//! (5 s), and closes with the total.
+inline void save_checkpoint(const std::filesystem::path& path, const Checkpoint& ck,
+                            const progress_options& progress) {
   namespace fs = std::filesystem;
   const std::string target = path.string();
   if (!path.has_filename())
     throw checkpoint_error("cannot save checkpoint '" + target +
                            "': the path names a directory, not a file; add a file name");
   const fs::path dir = path.has_parent_path() ? path.parent_path() : fs::path(".");
+  detail::progress meter(progress, std::chrono::seconds(2), std::chrono::seconds(5));
   static std::atomic<std::uint64_t> counter{0};
   const std::string tmp = target + ".tmp-" + std::to_string(::getpid()) + "-" +
                           std::to_string(counter.fetch_add(1));
@@ -137,10 +143,19 @@ inline void save_checkpoint(const std::filesystem::path& path, const Checkpoint&
     }
   } guard{tmp, fd};
 
+  // The file's size, for the progress lines: the payload's pieces counted without their bytes.
+  std::uint64_t file_bytes = detail::checkpoint_header_bytes, written = 0;
+  if (meter.enabled()) {
+    auto count = [&](const void*, std::size_t n) { file_bytes += n; };
+    ck.emit_payload(count);
+  }
+  const std::string subject = "checkpoint '" + target + "'";
+
   auto write_all = [&](const void* p, std::size_t n, off_t at, bool positioned) {
     const auto* c = static_cast<const char*>(p);
     while (n > 0) {
-      const std::size_t chunk = std::min<std::size_t>(n, std::size_t{1} << 30);
+      // 64 MiB at a time, so a slow disk still gets a progress line every few seconds.
+      const std::size_t chunk = std::min<std::size_t>(n, std::size_t{64} << 20);
       const ssize_t k = positioned ? ::pwrite(fd.fd, c, chunk, at) : ::write(fd.fd, c, chunk);
       if (k < 0) {
         if (errno == EINTR) continue;
@@ -150,6 +165,9 @@ inline void save_checkpoint(const std::filesystem::path& path, const Checkpoint&
       c += k;
       at += k;
       n -= static_cast<std::size_t>(k);
+      if (!positioned) written += static_cast<std::uint64_t>(k);
+      if (meter.due())
+        meter.report("lockstep: saving " + subject + ": " + detail::transfer_text(written, file_bytes, meter.seconds()));
     }
   };
 
@@ -189,6 +207,9 @@ inline void save_checkpoint(const std::filesystem::path& path, const Checkpoint&
   h.encode(header);
   write_all(header, sizeof header, 0, true);
 
+  if (meter.due() || meter.reported())  // fsync may take long on its own: say what happens
+    meter.report("lockstep: saving " + subject + ": " + detail::bytes_text(static_cast<double>(written)) +
+                 " written, syncing it to disk");
   if (::fsync(fd.fd) != 0) {
     const int e = errno;
     throw fail("fsync of '" + tmp + "' failed: " + detail::file_errno_text(e), io_todo(e));
@@ -216,13 +237,16 @@ inline void save_checkpoint(const std::filesystem::path& path, const Checkpoint&
                            " (after a power loss the previous file may reappear; check the "
                            "file system)");
   }
+  meter.finish("lockstep: saved " + subject + ": " + detail::transfer_done_text(written, meter.seconds()));
 }
 
 // ---------------------------------------------------------------------------------------
 //! Reads `path` and verifies it completely (magic, format version, header checksum,
 //! length, payload CRC-32, structure, fingerprint) before returning; nothing is applied to
-//! any model. Throws checkpoint_error naming the path, the problem and what to do.
-inline Checkpoint load_checkpoint(const std::filesystem::path& path) {
+//! any model. Throws checkpoint_error naming the path, the problem and what to do. A load
+//! that runs past progress.first (default 2 s) reports bytes read and rate, then every
+//! progress.every (5 s), and closes with the total.
+inline Checkpoint load_checkpoint(const std::filesystem::path& path, const progress_options& progress) {
   const std::string name = path.string();
   const std::string subject = "checkpoint '" + name + "'";
   const std::string use_other =
@@ -244,21 +268,29 @@ inline Checkpoint load_checkpoint(const std::filesystem::path& path) {
     throw checkpoint_error(subject + " is not a regular file; check the path");
   const auto size = static_cast<std::size_t>(st.st_size);
   auto data = std::shared_ptr<std::byte[]>(new std::byte[size == 0 ? 1 : size]);
+  constexpr std::size_t H = detail::checkpoint_header_bytes;
+  detail::progress meter(progress, std::chrono::seconds(2), std::chrono::seconds(5));
+  // The CRC-32 of everything after the header, taken while the bytes are fresh from read():
+  // once the checks below found the payload to be exactly that, it is the payload's CRC.
+  detail::crc32 running;
   std::size_t got = 0;
   while (got < size) {
-    const ssize_t k = ::read(fd.fd, data.get() + got, std::min<std::size_t>(size - got, std::size_t{1} << 30));
+    // 64 MiB at a time, so a slow disk still gets a progress line every few seconds.
+    const ssize_t k = ::read(fd.fd, data.get() + got, std::min<std::size_t>(size - got, std::size_t{64} << 20));
     if (k < 0 && errno == EINTR) continue;
     if (k < 0) {
       const int e = errno;
       throw checkpoint_error("reading " + subject + " failed: " + detail::file_errno_text(e));
     }
     if (k == 0) break;  // shrank while we read: the checks below report it
-    got += static_cast<std::size_t>(k);
+    const std::size_t end = got + static_cast<std::size_t>(k), from = std::max(got, H);
+    if (end > from) running.update(data.get() + from, end - from);
+    got = end;
+    if (meter.due()) meter.report("lockstep: loading " + subject + ": " + detail::transfer_text(got, size, meter.seconds()));
   }
   fd.reset();
   const std::byte* b = data.get();
   const std::size_t n = got;
-  constexpr std::size_t H = detail::checkpoint_header_bytes;
 
   // Magic (or as much of it as there is), then truncation of the header.
   const std::size_t magic_seen = std::min<std::size_t>(n, 8);
@@ -306,7 +338,7 @@ inline Checkpoint load_checkpoint(const std::filesystem::path& path) {
     throw checkpoint_error(subject + " has " + std::to_string(n - H - h.payload_bytes) +
                            " unexpected bytes after its payload: " + use_other);
   const std::span<const std::byte> payload(b + H, static_cast<std::size_t>(h.payload_bytes));
-  const std::uint32_t crc = detail::crc32_of(payload.data(), payload.size());
+  const std::uint32_t crc = running.value();  // payload == bytes [H, n), checked just above
   if (crc != h.payload_crc) {
     char msg[64];
     std::snprintf(msg, sizeof msg, "CRC-32 0x%08x, header records 0x%08x", crc, h.payload_crc);
@@ -360,6 +392,7 @@ inline Checkpoint load_checkpoint(const std::filesystem::path& path) {
     throw checkpoint_error(subject + ": the parameter fingerprint in the header does not match "
                            "its parameter table (a writer bug): use an earlier checkpoint");
   ck.owners_.push_back(std::shared_ptr<const void>(data, data.get()));
+  meter.finish("lockstep: loaded " + subject + ": " + detail::transfer_done_text(n, meter.seconds()));
   return ck;
 }
 

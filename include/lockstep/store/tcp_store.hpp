@@ -34,10 +34,13 @@
 #include <string_view>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "lockstep/core/env.hpp"
 #include "lockstep/core/error.hpp"
+#include "lockstep/core/progress.hpp"
+#include "lockstep/store/detail/arrivals.hpp"
 #include "lockstep/store/detail/socket.hpp"
 #include "lockstep/store/detail/tcp_server.hpp"
 #include "lockstep/store/detail/wire.hpp"
@@ -77,6 +80,12 @@ class TcpStore {
 
   TcpStore(const TcpStore&) = delete;
   TcpStore& operator=(const TcpStore&) = delete;
+  //! For factories (job_store). The source must not be in use; it is left without a
+  //! connection or server.
+  TcpStore(TcpStore&& o) noexcept
+      : host_(std::move(o.host_)), connect_host_(std::move(o.connect_host_)), port_(o.port_), world_(o.world_),
+        token_(std::move(o.token_)), timeout_(o.timeout_), limits_(o.limits_), server_(std::move(o.server_)),
+        fd_(std::exchange(o.fd_, -1)), joined_(o.joined_), parser_(std::move(o.parser_)), rx_(std::move(o.rx_)) {}
 
   //! Closes the connection; the server stops (its clients' next requests fail), so rank 0
   //! should pass a barrier first when others may still use the store. Never throws.
@@ -133,6 +142,31 @@ class TcpStore {
   }
   //! A clean leave: the watch set by watch() no longer fires.
   void unwatch() { request(detail::wire::op::unwatch, 0, {}, {}, "unwatch", timeout_); }
+
+  //! The start-up rendezvous: this process is `rank` of the world and reached the store
+  //! (sets detail::arrival_key(rank)). The host's report_arrivals() waits for these.
+  void announce(int rank) {
+    if (rank < 0 || rank >= world_)
+      throw config_error(who() + ": announce(" + std::to_string(rank) + "): a rank of the world of " +
+                         std::to_string(world_) + " is 0.." + std::to_string(world_ - 1));
+    static constexpr std::byte one[1] = {std::byte{1}};
+    set(detail::arrival_key(rank), one);
+  }
+
+  //! Host only (is_server): until every rank of the world announce()d itself, the server
+  //! thread reports which have not — "lockstep: waiting for ranks 3, 7 (2 of 8 missing) for
+  //! 15 s at host:port", first after 5 s, then every 10 s (progress_options), and "lockstep:
+  //! all 8 ranks arrived after 23 s at host:port" if it reported. Nothing when every rank
+  //! arrives in time, or with LOCKSTEP_PROGRESS=0. Does not wait. job_store() calls both.
+  void report_arrivals(const progress_options& opt = {}) {
+    if (!server_)
+      throw config_error(who() + ": report_arrivals() is for the process that hosts the store (rank 0, "
+                         "is_server = true); the other ranks call announce(rank)");
+    detail::progress p(opt, std::chrono::seconds(5), std::chrono::seconds(10));
+    if (!p.enabled()) return;
+    server_->watch_arrivals(
+        detail::arrival_watch(world_, host_ + ":" + std::to_string(port_), std::move(p)));
+  }
 
   std::int64_t add(std::string_view key, std::int64_t delta) {
     detail::check_store_key(key, limits_, "TcpStore");

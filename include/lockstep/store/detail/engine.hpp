@@ -41,6 +41,8 @@ class store_engine {
         auth_timeout_(auth_timeout), instance_(instance == 0 ? 1 : instance) {}
 
   std::uint64_t instance() const noexcept { return instance_; }
+  //! Whether a value (not a counter) is stored under key.
+  bool has(std::string_view key) const { return values_.find(key) != values_.end(); }
   //! run_id_of(the job token).
   const std::string& run_id() const noexcept { return run_; }
 

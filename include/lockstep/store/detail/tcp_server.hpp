@@ -19,6 +19,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string>
 #include <string_view>
@@ -27,6 +28,7 @@
 #include <vector>
 
 #include "lockstep/core/error.hpp"
+#include "lockstep/store/detail/arrivals.hpp"
 #include "lockstep/store/detail/engine.hpp"
 #include "lockstep/store/detail/socket.hpp"
 #include "lockstep/store/detail/wire.hpp"
@@ -99,6 +101,17 @@ class tcp_store_server {
   //! This server's random instance: a client that reconnects must present it.
   std::uint64_t instance() const noexcept { return engine_.instance(); }
 
+  //! From now on, until every rank has set its arrival key, the server thread reports the
+  //! missing ones (arrivals.hpp). Replaces an earlier watch.
+  void watch_arrivals(arrival_watch w) {
+    {
+      std::lock_guard lk(arrivals_m_);
+      arrivals_.emplace(std::move(w));
+    }
+    const char b = 1;
+    [[maybe_unused]] auto n = ::write(wake_write_, &b, 1);  // recompute the poll timeout
+  }
+
  private:
   using clock = std::chrono::steady_clock;
 
@@ -139,11 +152,17 @@ class tcp_store_server {
       }
       int wait_ms = 1000;
       if (auto d = engine_.next_deadline()) wait_ms = std::min(wait_ms, poll_ms(*d));
+      if (auto d = poll_arrivals()) wait_ms = std::min(wait_ms, poll_ms(*d));
       const int rc = ::poll(pfds.data(), pfds.size(), wait_ms);
       if (rc < 0 && errno != EINTR) throw error("poll() failed: " + errno_text(errno));
       const auto now = clock::now();
       if (rc > 0) {
-        if (pfds[0].revents) break;
+        if (pfds[0].revents) {  // stop, or a new arrival watch
+          char drain[64];
+          while (::read(wake_read_, drain, sizeof drain) > 0) {
+          }
+          if (stop_.load()) break;
+        }
         if (pfds[1].revents & POLLIN) accept_all(now);
         for (std::size_t i = 2; i < pfds.size(); ++i) {
           const auto id = ids[i];
@@ -170,6 +189,20 @@ class tcp_store_server {
       for (const auto& line : engine_.take_log()) std::fprintf(stderr, "lockstep TcpStore server: %s\n", line.c_str());
     }
     linger();
+  }
+
+  //! Runs the arrival watch, if any; when it next wants to run. A failing report (a sink
+  //! that throws) ends the watch, never the server.
+  std::optional<clock::time_point> poll_arrivals() {
+    std::lock_guard lk(arrivals_m_);
+    if (!arrivals_) return std::nullopt;
+    try {
+      if (!arrivals_->poll([&](const std::string& key) { return engine_.has(key); })) return arrivals_->next_check();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "lockstep TcpStore server: stopped reporting missing ranks: %s\n", e.what());
+    }
+    arrivals_.reset();
+    return std::nullopt;
   }
 
   //! On shutdown, replies already decided (e.g. the last barrier's) still go out: up to 1 s.
@@ -244,6 +277,8 @@ class tcp_store_server {
   int listen_fd_ = -1, wake_read_ = -1, wake_write_ = -1;
   int port_ = 0;
   std::atomic<bool> stop_{false};
+  std::mutex arrivals_m_;  // the watch is set by the store's owner, run by the server thread
+  std::optional<arrival_watch> arrivals_;
   std::thread thread_;
 };
 
