@@ -3,6 +3,12 @@
 // bucket) — docs/reliability.md lists them with what PyTorch DDP does in the same case.
 #include <doctest/doctest.h>
 
+#include <span>
+
+#include <type_traits>
+
+#include <random>
+
 #include <chrono>
 #include <cmath>
 #include <mutex>
@@ -179,34 +185,61 @@ TEST_CASE("fault_gradients_unbound: a gradient taken out of the arena (zero_grad
   CHECK(secs < 5);
 }
 
-TEST_CASE("fault_nonfinite_forever: a loss that stays NaN on one rank ends every rank after the skip limit") {
+// Rank `bad` (from step `from` on, except the clean step `clean`) reports a NaN gradient; the
+// skip limit (5) ends every rank, naming the rank whose own gradients were non-finite.
+template <bool Sharded>
+void check_nonfinite_forever(int bad, int from, int clean, int want_steps, const std::string& want_scale,
+                             const std::string& want_origin) {
   const auto seed = lockstep_test::fresh_seed();
+  CAPTURE(seed); CAPTURE(bad); CAPTURE(from); CAPTURE(clean); CAPTURE(Sharded);
   const data d(seed);
   double secs = 0;
   int steps_run = 0;
   const auto msgs = messages_of(3, [&](auto& ctx) {
+    using Comm = std::remove_cvref_t<decltype(ctx.comm())>;
+    using Scale = lockstep::DynamicScale;
+    using DP = std::conditional_t<Sharded,
+                                  lockstep::DataParallel<Model, Comm, lockstep::EveryStep, Scale, lockstep::ShardedOptimizer>,
+                                  lockstep::DataParallel<Model, Comm, lockstep::EveryStep, Scale>>;
     Model m(dims, seed);
-    lockstep::DataParallel dp(ctx, m, {.buckets = equal_buckets},
-                              lockstep::DynamicScale({.init_scale = 1024, .max_consecutive_skips = 5}));
+    DP dp(ctx, m, {.buckets = equal_buckets}, lockstep::EveryStep{}, Scale({.init_scale = 1024, .max_consecutive_skips = 5}));
+    lockstep::Sgd opt({.lr = 0.1});
     const std::vector<std::size_t> rows{0, 1, 2, 3};
-    for (int s = 0; s < 20; ++s) {
+    for (int s = 0; s < 30; ++s) {
       auto st = dp.step();
+      const bool poison = ctx.rank() == bad && s >= from && s != clean;
       m.forward_backward(d.x, d.y, rows, [&](std::size_t i) {
-        if (ctx.rank() == 1 && i == 0) static_cast<float*>(m.parameters()[0].grad)[0] = std::nanf("");
+        if (poison && i == 2) static_cast<float*>(m.parameters()[2].grad)[3] = std::nanf("");
         st.gradient_ready(i);
       }, st.loss_scale());
-      if (st.finish()) m.sgd(0.1);
+      if constexpr (Sharded) (void)st.finish([&](std::span<const lockstep::param_slice> sl) { opt.step(sl); });
+      else if (st.finish()) m.sgd(0.1);
       if (ctx.rank() == 0) steps_run = s + 1;
     }
   }, secs);
-  CHECK(steps_run == 4);  // the fifth finish() threw
+  CHECK(steps_run == want_steps);  // the next finish() threw
   for (const auto& msg : msgs) {
     CAPTURE(msg);
     CHECK(msg == msgs[0]);
-    CHECK(msg.find("lockstep::DynamicScale: 5 steps in a row had inf/NaN gradients (the loss scale is now 32") !=
-          std::string::npos);
+    CHECK(msg.find("lockstep::DynamicScale: 5 steps in a row had inf/NaN gradients (the loss scale is now " +
+                   want_scale) != std::string::npos);
+    CHECK(msg.find(want_origin) != std::string::npos);
   }
   CHECK(secs < 5);
+}
+
+TEST_CASE("fault_nonfinite_forever: a loss that stays NaN on one rank ends every rank after the skip limit") {
+  std::mt19937_64 rng(lockstep_test::fresh_seed());
+  const int bad = static_cast<int>(rng() % 3);
+  const std::string origin = "the non-finite values came from rank " + std::to_string(bad) +
+                             ": its own gradients held inf/NaN before averaging (first seen in optimizer step 2,";
+  check_nonfinite_forever<false>(bad, 0, -1, 4, "32.0", origin);
+  check_nonfinite_forever<true>(bad, 0, -1, 4, "32.0", origin);
+  // Skips from step 3 on, a clean step 5, then for good: the run that ends it starts at step 6
+  // (its first checked step is the 8th optimizer step); step 4's finding is forgotten.
+  const std::string later = "came from rank " + std::to_string(bad) + ": its own gradients held inf/NaN before "
+                            "averaging (first seen in optimizer step 8,";
+  check_nonfinite_forever<false>(bad, 3, 5, 10, "8.0", later);  // 1024 / 2^2, then / 2^5
 }
 
 }  // TEST_SUITE

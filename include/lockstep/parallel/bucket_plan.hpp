@@ -18,8 +18,10 @@
 #include <string>
 #include <vector>
 
+#include "lockstep/core/concepts.hpp"
 #include "lockstep/core/dtype.hpp"
 #include "lockstep/core/error.hpp"
+#include "lockstep/core/parameter.hpp"
 #include "lockstep/parallel/policies.hpp"
 
 namespace lockstep::detail {
@@ -36,6 +38,26 @@ struct bucket {
   std::size_t begin = 0, end = 0;  //!< arena element range [begin, end)
   std::vector<slice> slices;
   std::size_t elements() const { return end - begin; }
+
+  //! The slices as the optimizer sees them (values and gradients where `ps` hold them), in out.
+  std::span<const param_slice> slices_in(std::span<const parameter> ps, std::vector<param_slice>& out) const {
+    out.clear();
+    for (const auto& s : slices) {
+      const auto& p = ps[s.param];
+      const std::size_t es = size_of(p.type);
+      out.push_back({s.param, s.param_offset, s.count, p.type, static_cast<char*>(p.value) + s.param_offset * es,
+                     static_cast<char*>(p.grad) + s.param_offset * es});
+    }
+    return out;
+  }
+  //! The slices' gradients where `ps` hold them (the model's own buffers before binding).
+  std::vector<segment> segments_in(std::span<const parameter> ps) const {
+    std::vector<segment> segs;
+    segs.reserve(slices.size());
+    for (const auto& s : slices)
+      segs.push_back({static_cast<char*>(ps[s.param].grad) + s.param_offset * size_of(ps[s.param].type), s.count});
+    return segs;
+  }
 };
 
 //! Buckets [first, last) reduced by one collective. Consecutive buckets that hold nothing but

@@ -174,13 +174,13 @@ class DataParallel {
   template <class... Args>
     requires(argument_v<Args> && ...) && (!detail::starts_with_options_v<Args...>)
   explicit DataParallel(std::type_identity_t<Comm>& comm, Model& model, Args&&... args)
-      : DataParallel(built, comm, model, take<DataParallelOptions>(args...), take<accumulation_type>(args...),
-                     take<scaler_type>(args...), take<hook_type>(args...)) {}
+      : DataParallel(built, comm, model, detail::take_arg<DataParallelOptions>(args...), detail::take_arg<accumulation_type>(args...),
+                     detail::take_arg<scaler_type>(args...), detail::take_arg<hook_type>(args...)) {}
   template <class... Args>
     requires(argument_v<Args> && ...)
   DataParallel(std::type_identity_t<Comm>& comm, Model& model, const DataParallelOptions& opts, Args&&... args)
-      : DataParallel(built, comm, model, opts, take<accumulation_type>(args...), take<scaler_type>(args...),
-                     take<hook_type>(args...)) {
+      : DataParallel(built, comm, model, opts, detail::take_arg<accumulation_type>(args...), detail::take_arg<scaler_type>(args...),
+                     detail::take_arg<hook_type>(args...)) {
     static_assert(((detail::is_options_v<Args> ? 1 : 0) + ... + 0) == 0,
                   "lockstep::DataParallel: DataParallelOptions is given twice");
   }
@@ -335,7 +335,10 @@ class DataParallel {
       detail::trace_scope t(trace_.get(), "unscale + inf/NaN check", detail::trace_log::host);
       found_inf = scaler_.unscale_and_check(comm_, reducer_.grad_groups());
     }
-    scaler_.update(found_inf);
+    // After a skipped step, who had inf/NaN before averaging (nonfinite.hpp), for the error.
+    origin_.settle(comm_, static_cast<std::int64_t>(reducer_.stats().syncs));
+    origin_.name_in([&] { scaler_.update(found_inf); }, found_inf);
+    reducer_.check_local_nonfinite(origin_.arm(found_inf));
     r.applied = !found_inf;
     if constexpr (device_scaler<scaler_type>) r.device_found_inf = scaler_.device_found_inf();
     if (r.applied && opts_.max_grad_norm > 0) {
@@ -436,20 +439,6 @@ class DataParallel {
     reducer_.set_trace(trace_.get());
   }
 
-  //! The argument of type T among args (at most one), else T{}.
-  template <class T, class... Args>
-  static T take(Args&&... args) {
-    static_assert(((std::is_same_v<std::remove_cvref_t<Args>, T> ? 1 : 0) + ... + 0) <= 1,
-                  "lockstep::DataParallel: a policy or DataParallelOptions is given twice");
-    T out{};
-    (
-        [&](auto&& a) {
-          if constexpr (std::is_same_v<std::remove_cvref_t<decltype(a)>, T>) out = a;
-        }(args),
-        ...);
-    return out;
-  }
-
   Comm& comm_;
   Model& model_;
   DataParallelOptions opts_;
@@ -465,6 +454,7 @@ class DataParallel {
   bool joining_ = false;            // a Join scope is open on this rank
   int join_active_ = 0;             // contributing ranks at the latest agreement
   std::shared_ptr<void> join_buf_;  // the agreement's buffer, in comm's memory space
+  detail::nonfinite_origin<Comm> origin_;  // after a skip: whose gradients were non-finite
   std::unique_ptr<detail::trace_log> trace_ = detail::trace_log::from_env(comm_.rank());  // LOCKSTEP_TRACE
   detail::trace_log::clock::time_point step_t0_{};  // the current micro-step's step()
   double cycle_model_ = 0;                           // model time in this cycle so far

@@ -22,6 +22,7 @@
 #include "lockstep/core/grad_group.hpp"
 #include "lockstep/parallel/bucket_hook.hpp"
 #include "lockstep/parallel/bucket_plan.hpp"
+#include "lockstep/parallel/nonfinite.hpp"
 #include "lockstep/parallel/policies.hpp"
 #include "lockstep/parallel/shards.hpp"
 #include "lockstep/observe/trace.hpp"
@@ -160,7 +161,7 @@ class reducer {
           if (trace_) trace_collective(g, b, t0);
         }
         if (!zero_copy() && !bk.slices.empty()) {
-          auto segs = segments_of(bk);
+          auto segs = bk.segments_in(params_);
           comm_.memory().unpack(g.arena_at(bk.begin), segs, g.plan.type);
         }
         if (on_bucket) hand_over(on_bucket, bk, b, slices);
@@ -179,6 +180,10 @@ class reducer {
   //! arena, gradient in the gradient arena), in launch order; slice k handed to the
   //! optimizer names parameter k of this list. Empty when not sharded.
   const std::vector<parameter>& shard_parameters() const noexcept { return shards_.parameters(); }
+
+  //! From the next launch on, check each unit's local gradients for inf/NaN before its
+  //! collective (nonfinite.hpp); nullptr stops it.
+  void check_local_nonfinite(nonfinite_origin<Comm>* c) noexcept { local_check_ = c; }
 
   //! LOCKSTEP_TRACE (observe/trace.hpp): record each bucket collective and callback in t.
   void set_trace(trace_log* t) noexcept { trace_ = t; }
@@ -256,30 +261,8 @@ class reducer {
   void hand_over(const std::function<void(std::span<const param_slice>)>& fn, const bucket& bk, std::size_t b,
                  std::vector<param_slice>& tmp) const {
     const auto t0 = std::chrono::steady_clock::now();
-    fn(slices_of(bk, tmp));
+    fn(bk.slices_in(params_, tmp));
     if (trace_) trace_->span("bucket " + std::to_string(b) + " callback", trace_log::optimizer, t0, trace_->now());
-  }
-
-  std::span<const param_slice> slices_of(const bucket& bk, std::vector<param_slice>& out) const {
-    out.clear();
-    for (const auto& s : bk.slices) {
-      const auto& p = params_[s.param];
-      const std::size_t es = size_of(p.type);
-      out.push_back({s.param, s.param_offset, s.count, p.type,
-                     static_cast<char*>(p.value) + s.param_offset * es,
-                     static_cast<char*>(p.grad) + s.param_offset * es});
-    }
-    return out;
-  }
-
-  std::vector<segment> segments_of(const bucket& bk) const {
-    std::vector<segment> segs;
-    segs.reserve(bk.slices.size());
-    for (const auto& s : bk.slices) {
-      const auto& p = params_[s.param];
-      segs.push_back({static_cast<char*>(p.grad) + s.param_offset * size_of(p.type), s.count});
-    }
-    return segs;
   }
 
   // Parameter i's gradient is final: on a syncing micro-step, launch what became complete.
@@ -322,11 +305,12 @@ class reducer {
     } else {
       std::vector<segment> segs;
       for (std::size_t b = first; b < last; ++b) {
-        auto more = segments_of(g.plan.buckets[b]);
+        auto more = g.plan.buckets[b].segments_in(params_);
         segs.insert(segs.end(), more.begin(), more.end());
       }
       mem.pack(segs, buf, g.plan.type, prescale_);
     }
+    if (local_check_) local_check_->check(comm_, buf, end - begin, g.plan.type);  // nonfinite.hpp
     if (sharded_) {
       shards_.reduce_scatter(static_cast<std::size_t>(&g - groups_.data()), first, buf, end - begin,
                              stats_.comm_seconds);
@@ -490,6 +474,7 @@ class reducer {
   bool bound_ = false;  // the model's gradients live in the arena
   bool sharded_ = false;
   trace_log* trace_ = nullptr;  // LOCKSTEP_TRACE, else null
+  nonfinite_origin<Comm>* local_check_ = nullptr;  // armed after a skipped step
   shard_set<Comm> shards_;  // sharded: the shards, the value arena, their collectives
   bool sync_ = false;
   double prescale_ = 1.0;
