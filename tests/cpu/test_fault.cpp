@@ -228,6 +228,42 @@ void check_nonfinite_forever(int bad, int from, int clean, int want_steps, const
   CHECK(secs < 5);
 }
 
+// A scaler whose update throws something other than the skip limit's lockstep::error (here a
+// timeout_error) while a finding is pending: the exception keeps its type and its text.
+struct ScaleThatTimesOut : lockstep::DynamicScale {
+  using lockstep::DynamicScale::DynamicScale;
+  int skips = 0;
+  void update(bool found_inf) {
+    lockstep::DynamicScale::update(found_inf);
+    if (found_inf && ++skips == 3) throw lockstep::timeout_error("test: the scaler's peer timed out");
+  }
+};
+
+TEST_CASE("fault_nonfinite_forever: another error from the scaler keeps its type and text") {
+  const auto seed = lockstep_test::fresh_seed();
+  const data d(seed);
+  std::string what;
+  try {
+    lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
+      Model m(dims, seed);
+      lockstep::DataParallel dp(ctx, m, {.buckets = equal_buckets},
+                                ScaleThatTimesOut({.init_scale = 1024, .max_consecutive_skips = 50}));
+      const std::vector<std::size_t> rows{0, 1, 2, 3};
+      for (int s = 0; s < 10; ++s) {
+        auto st = dp.step();
+        m.forward_backward(d.x, d.y, rows, [&](std::size_t i) {
+          if (ctx.rank() == 1 && i == 1) static_cast<float*>(m.parameters()[1].grad)[0] = std::nanf("");
+          st.gradient_ready(i);
+        }, st.loss_scale());
+        if (st.finish()) m.sgd(0.1);
+      }
+    });
+  } catch (const lockstep::timeout_error& e) {
+    what = e.what();
+  }
+  CHECK(what == "test: the scaler's peer timed out");  // not turned into a plain error, nothing appended
+}
+
 TEST_CASE("fault_nonfinite_forever: a loss that stays NaN on one rank ends every rank after the skip limit") {
   std::mt19937_64 rng(lockstep_test::fresh_seed());
   const int bad = static_cast<int>(rng() % 3);

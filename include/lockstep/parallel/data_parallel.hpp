@@ -336,9 +336,9 @@ class DataParallel {
       found_inf = scaler_.unscale_and_check(comm_, reducer_.grad_groups());
     }
     // After a skipped step, who had inf/NaN before averaging (nonfinite.hpp), for the error.
-    origin_.settle(comm_, static_cast<std::int64_t>(reducer_.stats().syncs));
+    origin_.settle(comm_, [&] { return scaler_.state().steps + 1; });  // this step's number
+    reducer_.check_local_nonfinite(origin_.arm(found_inf && detail::has_skip_limit(scaler_)));
     origin_.name_in([&] { scaler_.update(found_inf); }, found_inf);
-    reducer_.check_local_nonfinite(origin_.arm(found_inf));
     r.applied = !found_inf;
     if constexpr (device_scaler<scaler_type>) r.device_found_inf = scaler_.device_found_inf();
     if (r.applied && opts_.max_grad_norm > 0) {

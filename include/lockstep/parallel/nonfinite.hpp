@@ -12,6 +12,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <typeinfo>
 #include <utility>
 #include <vector>
 
@@ -24,6 +25,14 @@
 #include "lockstep/scaling/loss_scaler.hpp"  // memory_of_t
 
 namespace lockstep::detail {
+
+//! Whether scaler s stops after a number of skipped steps in a row (DynamicScale's
+//! max_consecutive_skips > 0): only then is a finding ever reported, so only then is it sought.
+template <class S>
+bool has_skip_limit(const S& s) {
+  if constexpr (requires { s.options().max_consecutive_skips; }) return s.options().max_consecutive_skips > 0;
+  else return false;
+}
 
 template <class Comm>
 class nonfinite_origin {
@@ -66,13 +75,16 @@ class nonfinite_origin {
   //! every rank, as found_inf is.
   nonfinite_origin* arm(bool found_inf) {
     armed_ = supported && found_inf;
+    raised_ = false;  // the next check zeroes the flag first
     return armed_ ? this : nullptr;
   }
 
-  //! Collective when the step was checked (every rank alike): records the first finding.
-  void settle(Comm& comm, std::int64_t step) {
+  //! Collective when the step was checked (every rank alike): records the first finding;
+  //! step() gives this step's number (asked only then: a device scaler's state synchronises).
+  template <class StepNumber>
+  void settle(Comm& comm, StepNumber&& step) {
     if (!std::exchange(armed_, false)) return;
-    if (auto ranks = agree(comm); !ranks.empty() && first_.empty()) first_ = describe(ranks, step);
+    if (auto ranks = agree(comm); !ranks.empty() && first_.empty()) first_ = describe(ranks, step());
   }
 
   //! Runs the scaler's update; a skip-limit error it throws gets the finding appended. A clean
@@ -82,13 +94,16 @@ class nonfinite_origin {
     try {
       update();
     } catch (const error& e) {
-      if (first_.empty()) throw;
-      throw error(std::string(e.what()) + "; " + first_);
+      // Only the scalers' own lockstep::error (the skip limit) is decorated; a subclass
+      // (aborted_error, timeout_error, ...) keeps its type.
+      if (first_.empty() || typeid(e) != typeid(error)) throw;
+      throw error(std::string(e.what()) + "; " + std::exchange(first_, {}));
     }
     if (!found_inf) first_.clear();
   }
 
-  //! "rank 2" / "ranks 1, 3": the origin as the error names it.
+  //! "rank 2" / "ranks 1, 3": the origin as the error names it (ranks of DataParallel's
+  //! communicator: under a mesh, the data axis).
   static std::string describe(const std::vector<int>& ranks, std::int64_t step) {
     std::string s = ranks.size() == 1 ? "rank " : "ranks ";
     for (std::size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
