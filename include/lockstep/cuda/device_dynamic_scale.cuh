@@ -36,7 +36,9 @@
 //! throws lockstep::error — so the error comes a step or two after the limit, as the host runs
 //! ahead of the device, and also with a CUDA-graph-captured step (whose next replay is not
 //! called through here: check stalled_steps() between replays). Every rank's count is the same
-//! (the flag is agreed); a rank that throws first aborts the others, which end with its cause.
+//! (the flag is agreed); under lockstep's launchers (run(Gpus), run(Processes)) a rank that
+//! throws first aborts the others, which end with its cause — with hand-made communicators,
+//! abort them yourself, or the others wait in their next collective.
 //!
 //! These synchronise with the device and are meant for logging and checkpoints, not for every
 //! step: scale() and state() (download), load_state() and attach() (upload), and copying an
