@@ -68,18 +68,7 @@ std::string read_text(const std::string& path) {
   return ss.str();
 }
 
-struct temp_dir {
-  std::string path;
-  temp_dir() {
-    char tmpl[] = "/tmp/lockstep_fault_store_XXXXXX";
-    REQUIRE(::mkdtemp(tmpl) != nullptr);
-    path = tmpl;
-  }
-  ~temp_dir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-  }
-};
+using lockstep_test::temp_dir;
 
 //! A forked process: body's return value is its exit status, its stderr goes to a file.
 struct child {
@@ -196,7 +185,7 @@ TEST_CASE("fault_stale_rendezvous_other_run_refused: a new run meeting an earlie
   const auto nccl_id = random_bytes(rng, 128);
   const int port = lockstep_test::free_port();
   const std::string p = std::to_string(port);
-  temp_dir dir;
+  temp_dir dir("lockstep_fault_store");
   int go[2], ready[2];
   REQUIRE(::pipe(go) == 0);
   REQUIRE(::pipe(ready) == 0);
@@ -389,7 +378,7 @@ TEST_CASE("fault_stale_store_reused: a FileStore directory of an earlier run is 
   std::mt19937_64 rng(seed);
   const std::string token_old = random_token(rng), token_new = random_token(rng);
   const auto nccl_id = random_bytes(rng, 1 + rng() % 256);
-  temp_dir dir;
+  temp_dir dir("lockstep_fault_store");
   const std::string path = dir.path + "/rdzv";
   {
     FileStore earlier(path, 2, 2s, {}, token_old);
@@ -436,7 +425,7 @@ TEST_CASE("fault_stale_store_two_runs_race: processes of two runs starting on on
   std::mt19937_64 rng(seed);
   const std::string tokens[2] = {random_token(rng), random_token(rng)};
   const int per_run = 2 + static_cast<int>(rng() % 3);
-  temp_dir dir;
+  temp_dir dir("lockstep_fault_store");
   const std::string path = dir.path + "/shared";
   std::vector<child> kids;
   const auto t0 = clk::now();
@@ -476,7 +465,7 @@ TEST_CASE("fault_stale_rendezvous_mpi_runs_named: every mpirun job has a run id 
   const auto seed = lockstep_test::fresh_seed();
   CAPTURE(seed);
   std::mt19937_64 rng(seed);
-  temp_dir dir;
+  temp_dir dir("lockstep_fault_store");
   const std::string ns = std::to_string(rng() % 4000000000u);
   int to_parent[2];
   REQUIRE(::pipe(to_parent) == 0);

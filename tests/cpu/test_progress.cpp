@@ -26,6 +26,7 @@
 #include <unistd.h>
 
 #include "net_util.hpp"
+#include "test_util.hpp"
 
 using namespace std::chrono_literals;
 namespace fs = std::filesystem;
@@ -116,18 +117,7 @@ lockstep::Checkpoint big_checkpoint(std::size_t bytes, std::vector<float>& stora
   return ck;
 }
 
-struct temp_dir {
-  fs::path path;
-  temp_dir() {
-    char tmpl[] = "/tmp/lockstep_progress_XXXXXX";
-    REQUIRE(::mkdtemp(tmpl) != nullptr);
-    path = tmpl;
-  }
-  ~temp_dir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
+using lockstep_test::temp_dir;
 
 }  // namespace
 
@@ -282,10 +272,10 @@ TEST_CASE("progress of a fast rendezvous prints nothing") {
 
 TEST_CASE("progress of checkpoint save and load with a low threshold") {
   scoped_env quiet("LOCKSTEP_PROGRESS", nullptr);
-  temp_dir dir;
+  temp_dir dir("lockstep_progress");
   std::vector<float> storage;
   const auto ck = big_checkpoint(std::size_t{6} << 20, storage);
-  const fs::path file = dir.path / "big.lsck";
+  const fs::path file = fs::path(dir.path) / "big.lsck";
   lines saved, loaded;
   lockstep::save_checkpoint(file, ck, saved.options(0ms, 1ms));
   const auto back = lockstep::load_checkpoint(file, loaded.options(0ms, 1ms));
@@ -311,10 +301,10 @@ TEST_CASE("progress of checkpoint save and load with a low threshold") {
 
 TEST_CASE("progress of a fast checkpoint save and load prints nothing") {
   scoped_env quiet("LOCKSTEP_PROGRESS", nullptr);
-  temp_dir dir;
+  temp_dir dir("lockstep_progress");
   std::vector<float> storage;
   const auto ck = big_checkpoint(std::size_t{1} << 20, storage);
-  const fs::path file = dir.path / "small.lsck";
+  const fs::path file = fs::path(dir.path) / "small.lsck";
   lines out;
   stderr_capture err;
   lockstep::save_checkpoint(file, ck, out.options());
@@ -332,9 +322,9 @@ TEST_CASE("progress of a fast checkpoint save and load prints nothing") {
 
 TEST_CASE("progress options of the docs") {
   scoped_env quiet("LOCKSTEP_PROGRESS", nullptr);
-  temp_dir dir;
+  temp_dir dir("lockstep_progress");
   std::vector<float> storage;
-  const fs::path path = dir.path / "docs.lsck";
+  const fs::path path = fs::path(dir.path) / "docs.lsck";
   lockstep::save_checkpoint(path, big_checkpoint(4096, storage));
   const auto info = job(0, 1, 0);
   stderr_capture err;

@@ -221,18 +221,7 @@ void reap(std::vector<pid_t> pids, std::chrono::seconds limit) {
 //! A port free right now on loopback (for a server that starts after its clients).
 using lockstep_test::free_port;
 
-struct temp_dir {
-  std::string path;
-  temp_dir() {
-    char tmpl[] = "/tmp/lockstep_store_test_XXXXXX";
-    REQUIRE(::mkdtemp(tmpl) != nullptr);
-    path = tmpl;
-  }
-  ~temp_dir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-  }
-};
+using lockstep_test::temp_dir;
 
 //! A raw client socket, for speaking the protocol badly on purpose.
 struct raw_client {
@@ -347,7 +336,7 @@ TEST_CASE("stores refuse oversized values and keys before sending") {
   big.pop_back();
   h.set("k", big);
   CHECK(h.get("k") == big);
-  temp_dir d;
+  temp_dir d("lockstep_store_test");
   FileStore f(d.path, 1, 1s, lim);
   big.push_back(std::byte{1});
   CHECK_THROWS_WITH_AS(f.set("k", big), doctest::Contains("max_value_bytes"), lockstep::config_error);
@@ -608,7 +597,7 @@ TEST_CASE("FileStore: scenario on threads and on forked processes") {
   const auto seed = fresh_seed();
   CAPTURE(seed);
   {
-    temp_dir d;
+    temp_dir d("lockstep_store_test");
     scenario_cfg cfg{3, seed, 1 << 20, 300ms};
     run_threads(cfg.world, [&](int r) {
       FileStore s(d.path + "/store", cfg.world, 20s);  // each rank its own object, one directory
@@ -616,7 +605,7 @@ TEST_CASE("FileStore: scenario on threads and on forked processes") {
       scenario(s, quick, r, cfg);
     });
   }
-  temp_dir d;
+  temp_dir d("lockstep_store_test");
   scenario_cfg cfg{4, seed + 1, 1 << 20, 300ms};
   auto body = [&](int r) {
     FileStore s(d.path + "/store", cfg.world, 20s);
@@ -635,7 +624,7 @@ TEST_CASE("FileStore: scenario on threads and on forked processes") {
 TEST_CASE("FileStore: counters under contention from processes") {
   const auto seed = fresh_seed();
   CAPTURE(seed);
-  temp_dir d;
+  temp_dir d("lockstep_store_test");
   constexpr int procs = 4, adds = 50;
   auto body = [&](int r) {
     FileStore s(d.path, procs, 20s);
@@ -658,7 +647,7 @@ TEST_CASE("FileStore: awkward keys map to distinct files") {
   const auto seed = fresh_seed();
   CAPTURE(seed);
   std::mt19937_64 rng(seed);
-  temp_dir d;
+  temp_dir d("lockstep_store_test");
   FileStore s(d.path, 1, 2s);
   HashStore ref(1, 2s);  // the reference
   std::vector<std::string> keys = {"a", "a.v", "a.d", "a%2E", "../x", "/abs", ".", "..", std::string("nul\0in", 6),

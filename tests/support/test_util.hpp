@@ -5,14 +5,33 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdint>
+#include <cstdlib>
+#include <filesystem>
 #include <limits>
 #include <random>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include <lockstep/launch/run.hpp>
 
 namespace lockstep_test {
+
+//! A fresh directory under /tmp (mkdtemp), removed with everything in it at scope exit.
+struct temp_dir {
+  std::string path;
+  explicit temp_dir(const std::string& prefix = "lockstep_test") {
+    std::string tmpl = "/tmp/" + prefix + "_XXXXXX";
+    REQUIRE(::mkdtemp(tmpl.data()) != nullptr);
+    path = tmpl;
+  }
+  ~temp_dir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+  temp_dir(const temp_dir&) = delete;
+  temp_dir& operator=(const temp_dir&) = delete;
+};
 
 //! Runs a shell command (stderr joined to stdout); returns what it printed, its status in rc.
 inline std::string command_output(const std::string& cmd, int& rc) {
