@@ -325,15 +325,19 @@ int main(int argc, char** argv) try {
 #if LOCKSTEP_BENCH_TUNING
   {  // DeviceDynamicScale's update alone: one thread, latency-bound (no bandwidth to compare)
     ls::cuda::kernels::device_scale_state* st = nullptr;
+    int* votes = nullptr;  // the agreed found-inf flag and one rank's own flag, zero: clean steps
     LOCKSTEP_TRY_CUDA(cudaMalloc(&st, sizeof *st));
+    LOCKSTEP_TRY_CUDA(cudaMalloc(&votes, 2 * sizeof(int)));
+    LOCKSTEP_TRY_CUDA(cudaMemset(votes, 0, 2 * sizeof(int)));
     const auto init = ls::cuda::kernels::make_device_scale_state(ls::DynamicScale().state());
     LOCKSTEP_TRY_CUDA(cudaMemcpy(st, &init, sizeof init, cudaMemcpyHostToDevice));
     const cudaStream_t s = comms[0].compute_stream();
     rows.push_back({"loss-scale update (DeviceDynamicScale, 1 thread)", "-", "", 0, median_ms(runs, s, [&](int) {
-                      ls::cuda::kernels::update_scale(st, ls::DynamicScaleOptions{}, s);
+                      ls::cuda::kernels::update_scale(st, ls::DynamicScaleOptions{}, votes, 1, s);
                     })});
     LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s));
     LOCKSTEP_TRY_CUDA(cudaFree(st));
+    LOCKSTEP_TRY_CUDA(cudaFree(votes));
   }
 #endif
 

@@ -786,6 +786,88 @@ void check_dp_scaled(const dp_config& c) {
 
 }  // namespace
 
+// DeviceDynamicScale names the rank whose own gradients were non-finite, as DynamicScale does:
+// one rank (drawn) poisons a gradient in every step from a drawn step on; DataParallel, once the
+// host sees skips in a row, checks each rank's gradients into the scaler's found-inf vote, and
+// the skip-limit error (thrown on every rank) names that rank and the step that found it. The
+// host waits for the device every `log_every` steps (a loop that logs its loss), so it sees the
+// skips that late: the limit must leave it time to (with a limit of 3 and no waiting at all, the
+// limit would be reached before any rank checked, and the error could name no rank).
+void check_device_origin(int gpus, int log_every) {
+  const auto seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  const int bad = static_cast<int>(rng() % static_cast<unsigned>(gpus));
+  const int first_bad = static_cast<int>(rng() % 4);
+  const int limit = (log_every == 1 ? 3 : 2 * log_every + 5) + static_cast<int>(rng() % 4);
+  CAPTURE(seed); CAPTURE(gpus); CAPTURE(bad); CAPTURE(first_bad); CAPTURE(limit); CAPTURE(log_every);
+  const std::vector<int> dims{19, 32, 10};
+  const int batch = 8;
+  const std::size_t samples = 256;
+  auto X = random_vector<float>(samples * dims[0], rng, -2, 2);
+  std::vector<int> y(samples);
+  for (auto& v : y) v = static_cast<int>(rng() % 10);
+  std::vector<int> devices(static_cast<std::size_t>(gpus));
+  for (int i = 0; i < gpus; ++i) devices[static_cast<std::size_t>(i)] = i;
+  std::vector<std::string> seen(devices.size());  // what ended each rank
+  std::vector<int> steps(devices.size(), 0);
+  const auto body = [&](lockstep::context<lockstep::NcclComm>& ctx) {
+    const auto rank = static_cast<std::size_t>(ctx.rank());
+    cudaStream_t s = ctx.comm().compute_stream();
+    TestMlp<float> init(dims, seed + 1);
+    GpuMlp m(dims, split_params(init), s);
+    lockstep::DataParallel<GpuMlp, lockstep::NcclComm, lockstep::EveryStep, lockstep::DeviceDynamicScale> dp(
+        ctx, m, {.buckets = {.first_bytes = 512, .cap_bytes = 1024}}, lockstep::EveryStep{},
+        lockstep::DeviceDynamicScale({.init_scale = 256.0, .max_consecutive_skips = limit}));
+    dp.scaler().attach(dp.comm());
+    DevBuf dX(X.size() * sizeof(float)), dy(y.size() * sizeof(int)), drows(batch * sizeof(int));
+    upload(static_cast<float*>(dX.p), X);
+    LOCKSTEP_TRY_CUDA(cudaMemcpy(dy.p, y.data(), y.size() * sizeof(int), cudaMemcpyHostToDevice));
+    std::vector<int> rows(batch);
+    for (int i = 0; i < batch; ++i) rows[static_cast<std::size_t>(i)] = static_cast<int>((rank * batch + i) % samples);
+    LOCKSTEP_TRY_CUDA(cudaMemcpy(drows.p, rows.data(), rows.size() * sizeof(int), cudaMemcpyHostToDevice));
+    try {
+      for (int k = 0; k < 400; ++k) {
+        auto st = dp.step();
+        const auto params = dp.parameters();
+        auto hook = st.on_gradient_ready();
+        m.forward_backward(static_cast<float*>(dX.p), static_cast<int*>(dy.p), static_cast<int*>(drows.p), batch,
+                           [&](std::size_t i) {
+                             if (static_cast<int>(rank) == bad && k >= first_bad && i == 1) {
+                               kern::poison<<<1, 1, 0, s>>>(static_cast<float*>(params[i].grad), NAN);
+                               LOCKSTEP_CHECK_LAUNCH();
+                             }
+                             hook(i);
+                           });
+        (void)st.finish();
+        if ((k + 1) % log_every == 0) LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s));
+        steps[rank] = k + 1;
+      }
+    } catch (const std::exception& e) {
+      seen[rank] = e.what();
+      throw;
+    }
+  };
+  const std::string stop = std::to_string(limit) + " steps in a row had inf/NaN gradients";
+  const std::string origin = "the non-finite values came from rank " + std::to_string(bad) + ": its own gradients";
+  std::string thrown;
+  try {
+    lockstep::run(lockstep::Gpus{devices}, body);
+  } catch (const std::exception& e) {
+    thrown = e.what();
+  }
+  CAPTURE(thrown);
+  CHECK(thrown.find(stop) != std::string::npos);
+  CHECK(thrown.find(origin) != std::string::npos);
+  // Every rank stopped within a few steps of the limit (the host runs ahead of the device);
+  // a rank that threw on its own gives the same cause.
+  for (std::size_t r = 0; r < devices.size(); ++r) {
+    CAPTURE(r); CAPTURE(seen[r]);
+    CHECK(steps[r] >= first_bad + limit);
+    CHECK(steps[r] <= first_bad + limit + 2 * log_every + 2);
+    if (seen[r].find("DeviceDynamicScale") != std::string::npos) CHECK(seen[r].find(origin) != std::string::npos);
+  }
+}
+
 TEST_SUITE("gpu") {
 TEST_CASE("grad_ops<CudaMemory> == host grad_ops: unscale + flag - sum of squares - clamp (f32 f64 f16 bf16)") {
   LOCKSTEP_REQUIRE_GPUS(1);
@@ -895,6 +977,11 @@ TEST_CASE("DeviceDynamicScale: max_consecutive_skips stops training - a clean st
                                           " steps in a row had inf/NaN gradients").c_str()),
                        lockstep::error);
   CHECK_THROWS_WITH_AS(one(false), doctest::Contains("max_consecutive_skips sets this limit"), lockstep::error);
+  try {  // no DataParallel checked the ranks' own gradients: the error names no rank
+    one(true);
+  } catch (const lockstep::error& e) {
+    CHECK(std::string(e.what()).find("came from rank") == std::string::npos);
+  }
   sc.load_state(sc.state());  // a restored state starts counting again
   CHECK(sc.stalled_steps() == 0);
   CHECK_NOTHROW(one(true));
@@ -913,6 +1000,12 @@ TEST_CASE("DataParallel + DeviceDynamicScale + FusedSgd on 1 GPU == CPU referenc
   check_dp_scaled<lockstep::DynamicScale>({.gpus = 1});
 }
 
+TEST_CASE("DeviceDynamicScale names the rank whose gradients were non-finite: 1 GPU") {
+  LOCKSTEP_REQUIRE_GPUS(1);
+  check_device_origin(1, 1);
+  check_device_origin(1, 10);
+}
+
 TEST_CASE("sharded on 1 GPU: FusedSgd over the shards == CPU reference - device scaling - clipping") {
   LOCKSTEP_REQUIRE_GPUS(1);
   check_dp_scaled<lockstep::DeviceDynamicScale, true>({.gpus = 1});
@@ -928,6 +1021,11 @@ TEST_CASE("DataParallel + DeviceDynamicScale + FusedSgd: 2 GPUs - inf on one GPU
       {.gpus = 2, .capture = true, .buckets = {.first_bytes = 1000, .cap_bytes = 3000}});
   check_dp_scaled<lockstep::DeviceDynamicScale>({.gpus = 2, .per_bucket = false, .zero_copy = false});
   check_dp_scaled<lockstep::DynamicScale>({.gpus = 2, .buckets = {.first_bytes = 1000, .cap_bytes = 3000}});
+}
+TEST_CASE("DeviceDynamicScale names the rank whose gradients were non-finite: 2 GPUs") {
+  LOCKSTEP_REQUIRE_GPUS(2);
+  check_device_origin(2, 1);
+  check_device_origin(2, 10);
 }
 // ShardedOptimizer on GPUs: reduce-scatter as backward goes, FusedSgd updates this GPU's
 // shard, all-gather; an inf on one GPU skips the step on all; clipping sums the shards' squares.

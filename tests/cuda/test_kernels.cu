@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -436,16 +437,16 @@ TEST_CASE("kernels: update_scale is DynamicScale::update on the device") {
     lockstep::DynamicScale host(o);
     DevBuf d_state(sizeof(kk::device_scale_state));
     d_state.upload_value(kk::make_device_scale_state(host.state()));
+    DevBuf d_votes(2 * sizeof(int));  // the agreed flag, then one rank's own flag (see the watch test)
     std::bernoulli_distribution coin(0.3);
     for (int step = 0; step < 300; ++step) {
       CAPTURE(step);
       // clean runs (growth to the ceiling), inf runs (backoff to the floor), then random
       const int found = step < 80 ? 0 : step < 160 ? 1 : (coin(rng) ? 1 : 0);
-      auto st = d_state.value<kk::device_scale_state>();
-      st.found_inf = found;
-      d_state.upload_value(st);
-      kk::update_scale(d_state.as<kk::device_scale_state>(), o, s.s);
+      d_votes.upload_value(std::array<int, 2>{found, found});
+      kk::update_scale(d_state.as<kk::device_scale_state>(), o, d_votes.as<int>(), 1, s.s);
       s.sync();
+      REQUIRE(d_votes.value<std::array<int, 2>>()[1] == 0);  // the rank's own flag is consumed
       host.update(found != 0);
       const auto dev = d_state.value<kk::device_scale_state>();
       const auto want = host.state();
@@ -455,8 +456,74 @@ TEST_CASE("kernels: update_scale is DynamicScale::update on the device") {
       REQUIRE(dev.steps == want.steps);
       REQUIRE(dev.inv_scale == 1.0 / want.scale);
       REQUIRE(dev.scale_f32 == static_cast<float>(want.scale));
+      REQUIRE(dev.found_inf == found);  // the agreed vote, for the optimizers
     }
   }
+}
+
+// The skip watch (mapped host memory the host reads without waiting): the first step of a run
+// of skips whose votes name ranks is recorded (count, ranks, step), a clean step forgets it, and
+// at max_consecutive_skips the count is raised and the watch freezes for the error message.
+TEST_CASE("kernels: update_scale skip watch records the ranks that voted - clean steps forget - frozen at the limit") {
+  LOCKSTEP_REQUIRE_GPUS(1);
+  const auto seed = fresh_seed();
+  INFO("seed = ", seed);
+  std::mt19937_64 rng(seed);
+  Stream s;
+  namespace kk = lockstep::cuda::kernels;
+  const int world = 2 + static_cast<int>(rng() % 70);  // ranks past 63 are counted, not listed
+  const int limit = 4;
+  CAPTURE(world);
+  const lockstep::DynamicScaleOptions o{.init_scale = 1024, .max_consecutive_skips = limit};
+  DevBuf d_state(sizeof(kk::device_scale_state));
+  d_state.upload_value(kk::make_device_scale_state(lockstep::DynamicScale(o).state()));
+  DevBuf d_votes((1 + static_cast<std::size_t>(world)) * sizeof(int));
+  kk::skip_watch* w = nullptr;
+  LOCKSTEP_TRY_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&w), sizeof *w, cudaHostAllocMapped));
+  *w = {};
+  kk::skip_watch* dw = nullptr;
+  LOCKSTEP_TRY_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dw), w, 0));
+  std::int64_t step = 0;
+  const auto one = [&](int found, std::vector<int> ranks) {
+    std::vector<int> v(1 + static_cast<std::size_t>(world), 0);
+    v[0] = found;
+    for (int r : ranks) v[1 + static_cast<std::size_t>(r)] = 1;
+    LOCKSTEP_TRY_CUDA(cudaMemcpy(d_votes.p, v.data(), v.size() * sizeof(int), cudaMemcpyHostToDevice));
+    kk::update_scale(d_state.as<kk::device_scale_state>(), o, d_votes.as<int>(), world, s.s, dw);
+    s.sync();
+    ++step;
+    std::vector<int> after(v.size());
+    LOCKSTEP_TRY_CUDA(cudaMemcpy(after.data(), d_votes.p, after.size() * sizeof(int), cudaMemcpyDeviceToHost));
+    for (std::size_t r = 1; r < after.size(); ++r) REQUIRE(after[r] == 0);  // consumed
+  };
+  const int a = static_cast<int>(rng() % static_cast<unsigned>(world));
+  const int b = static_cast<int>((static_cast<unsigned>(a) + 1 + rng() % static_cast<unsigned>(world - 1)) % static_cast<unsigned>(world));
+  CAPTURE(a); CAPTURE(b);
+  one(1, {});  // a skip nobody checked: nothing recorded
+  CHECK(w->in_a_row == 1);
+  CHECK(w->origin_step == 0);
+  one(1, {a});  // found: rank a, step 2
+  CHECK(w->origin_step == 2);
+  CHECK(w->origin_ranks == 1);
+  CHECK(w->origin_mask == (a < 64 ? std::uint64_t{1} << a : 0));
+  one(1, {b});  // the first finding stays
+  CHECK(w->origin_step == 2);
+  CHECK(w->origin_mask == (a < 64 ? std::uint64_t{1} << a : 0));
+  one(0, {});  // a clean step ends the run
+  CHECK(w->in_a_row == 0);
+  CHECK(w->origin_step == 0);
+  CHECK(w->stalled == 0);
+  one(1, {a, b});  // steps 5..8: limit 4
+  CHECK(w->origin_step == 5);
+  CHECK(w->origin_ranks == 2);
+  CHECK(w->origin_mask == ((a < 64 ? std::uint64_t{1} << a : 0) | (b < 64 ? std::uint64_t{1} << b : 0)));
+  for (int i = 0; i < limit - 1; ++i) one(1, {});
+  CHECK(w->stalled == limit);
+  one(0, {});  // frozen: the host still reads the cause
+  CHECK(w->stalled == limit);
+  CHECK(w->origin_step == 5);
+  CHECK(d_state.value<kk::device_scale_state>().steps == step);
+  LOCKSTEP_TRY_CUDA(cudaFreeHost(w));
 }
 
 TEST_CASE("kernels: device_permutation is a seeded permutation") {

@@ -36,7 +36,11 @@
 //! throws lockstep::error — so the error comes a step or two after the limit, as the host runs
 //! ahead of the device, and also with a CUDA-graph-captured step (whose next replay is not
 //! called through here: check stalled_steps() between replays). Every rank's count is the same
-//! (the flag is agreed); under lockstep's launchers (run(Gpus), run(Processes)) a rank that
+//! (the flag is agreed). The error names the rank whose own gradients were non-finite, as
+//! DynamicScale's does: while the host's (lagging) view shows skips in a row, DataParallel
+//! checks each rank's local gradients before averaging into that rank's slot of the found-inf
+//! vote (device_vote), which is all-reduced with the flag — no extra collective, no host sync —
+//! and the update kernel records the first finding of the run for the message. Under lockstep's launchers (run(Gpus), run(Processes)) a rank that
 //! throws first aborts the others, which end with its cause — with hand-made communicators,
 //! abort them yourself, or the others wait in their next collective.
 //!
@@ -55,6 +59,7 @@
 #include <span>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "lockstep/core/concepts.hpp"
 #include "lockstep/core/error.hpp"
@@ -94,16 +99,17 @@ class DeviceDynamicScale {
     return *this;
   }
   DeviceDynamicScale(DeviceDynamicScale&& o) noexcept
-      : opts_(o.opts_), host_(o.host_), buf_(std::move(o.buf_)), stalled_(std::move(o.stalled_)), mem_(o.mem_),
-        owner_(std::exchange(o.owner_, nullptr)) {}
+      : opts_(o.opts_), host_(o.host_), buf_(std::move(o.buf_)), watch_(std::move(o.watch_)), mem_(o.mem_),
+        owner_(std::exchange(o.owner_, nullptr)), world_(o.world_) {}
   DeviceDynamicScale& operator=(DeviceDynamicScale&& o) noexcept {
     if (this != &o) {
       opts_ = o.opts_;
       host_ = o.host_;
       buf_ = std::move(o.buf_);
-      stalled_ = std::move(o.stalled_);
+      watch_ = std::move(o.watch_);
       mem_ = o.mem_;
       owner_ = std::exchange(o.owner_, nullptr);
+      world_ = o.world_;
     }
     return *this;
   }
@@ -122,14 +128,17 @@ class DeviceDynamicScale {
     }
     const loss_scale_state st = state();
     CudaMemory mem = comm.memory();
-    auto buf = mem.allocate(sizeof(cuda::kernels::device_scale_state));
+    // The state, then the votes: [found-inf, rank 0's own flag, ..., rank N-1's] (zeroed).
+    const int world = comm.size();
+    auto buf = mem.allocate(sizeof(cuda::kernels::device_scale_state) + sizeof(int) * (1 + static_cast<std::size_t>(world)));
     const auto dev = cuda::kernels::make_device_scale_state(st);
     mem.upload(buf.get(), &dev, sizeof dev);
-    if (!stalled_ && opts_.max_consecutive_skips > 0) stalled_ = detail::mapped_word();
-    if (stalled_) *stalled_ = 0;
+    if (!watch_ && opts_.max_consecutive_skips > 0) watch_ = new_watch(mem.device());
+    if (watch_) clear_watch();
     buf_ = std::move(buf);
     mem_ = mem;
     owner_ = &comm;
+    world_ = world;
   }
   bool attached() const noexcept { return static_cast<bool>(buf_); }
 
@@ -147,24 +156,34 @@ class DeviceDynamicScale {
     if (const std::int64_t n = stalled_steps(); n > 0)
       throw error("lockstep::DeviceDynamicScale: " + std::to_string(n) +
                   " steps in a row had inf/NaN gradients (the loss scale backed off each time, to no less "
-                  "than its floor " + std::to_string(opts_.min_scale) + ")" + detail::stalled_advice);
+                  "than its floor " + std::to_string(opts_.min_scale) + ")" + detail::stalled_advice + origin());
     detail::device_guard g(mem_.device());
     auto* st = state_ptr();
+    int* votes = votes_ptr();
     const cudaStream_t s = mem_.stream();
-    LOCKSTEP_TRY_CUDA(cudaMemsetAsync(&st->found_inf, 0, sizeof(std::int32_t), s));
-    for (const auto& grp : groups)
-      cuda::kernels::unscale(grp.segments, grp.type, 1.0, &st->inv_scale, &st->found_inf, nullptr, s);
+    LOCKSTEP_TRY_CUDA(cudaMemsetAsync(votes, 0, sizeof(int), s));  // the ranks' own flags are the update's
+    for (const auto& grp : groups) cuda::kernels::unscale(grp.segments, grp.type, 1.0, &st->inv_scale, votes, nullptr, s);
     // Stream ordered: the compute stream waits for the all-reduce, the host does not.
-    if (comm.size() > 1)
-      comm.all_reduce(&st->found_inf, &st->found_inf, 1, dtype::i32, reduce_op::max).wait();
-    cuda::kernels::update_scale(st, opts_, s, stalled_ ? detail::device_view(stalled_.get()) : nullptr);
+    if (comm.size() > 1) comm.all_reduce(votes, votes, 1 + static_cast<std::size_t>(world_), dtype::i32, reduce_op::max).wait();
+    cuda::kernels::update_scale(st, opts_, votes, world_, s, watch_ ? device_watch() : nullptr);
     return false;
+  }
+
+  //! Whether the host's view of the device shows skipped steps in a row (lagging, no
+  //! synchronisation; false without a skip limit). DataParallel then checks this rank's own
+  //! gradients into device_vote(rank) (parallel/nonfinite.hpp).
+  bool skipping() const noexcept { return watch_ && watch_field(&cuda::kernels::skip_watch::in_a_row) > 0; }
+  //! Rank r's slot of the found-inf vote (device memory, int32): raised when r's own
+  //! gradients held inf/NaN before averaging; the update names such ranks in the skip-limit error.
+  int* device_vote(int r) const {
+    if (r < 0 || r >= world_) throw config_error("DeviceDynamicScale::device_vote: rank " + std::to_string(r) + " of " + std::to_string(world_));
+    return votes_ptr() + 1 + r;
   }
 
   //! The skipped steps in a row at which the device reached max_consecutive_skips, or 0 (not
   //! yet, or no limit). Reads host memory the device writes: no synchronisation; it may lag.
   std::int64_t stalled_steps() const noexcept {
-    return stalled_ ? *static_cast<volatile const std::int64_t*>(stalled_.get()) : 0;
+    return watch_ ? watch_field(&cuda::kernels::skip_watch::stalled) : 0;
   }
 
   //! Nothing to do: unscale_and_check already updated the state on the device.
@@ -186,7 +205,7 @@ class DeviceDynamicScale {
     if (buf_) {
       const auto dev = cuda::kernels::make_device_scale_state(st);
       mem_.upload(buf_.get(), &dev, sizeof dev);
-      if (stalled_) *stalled_ = 0;
+      if (watch_) clear_watch();
     }
     host_ = st;
   }
@@ -207,18 +226,55 @@ class DeviceDynamicScale {
                          "run one unscale_and_check)");
     return static_cast<cuda::kernels::device_scale_state*>(buf_.get());
   }
+  int* votes_ptr() const {
+    return reinterpret_cast<int*>(reinterpret_cast<char*>(state_ptr()) + sizeof(cuda::kernels::device_scale_state));
+  }
+
+  // The skip watch (cuda::kernels::skip_watch) lives in mapped pinned host memory: the host
+  // reads it with volatile loads, never waiting for the device.
+  using watch_t = cuda::kernels::skip_watch;
+  static constexpr std::size_t watch_words = (sizeof(watch_t) + sizeof(std::int64_t) - 1) / sizeof(std::int64_t);
+  static std::shared_ptr<std::int64_t> new_watch(int device) { return detail::mapped_word(device, watch_words); }
+  volatile watch_t* host_watch() const noexcept { return reinterpret_cast<volatile watch_t*>(watch_.get()); }
+  watch_t* device_watch() const { return reinterpret_cast<watch_t*>(detail::device_view(watch_.get())); }
+  template <class T>
+  T watch_field(T watch_t::*field) const noexcept {
+    return host_watch()->*field;
+  }
+  void clear_watch() noexcept {
+    volatile watch_t* w = host_watch();
+    w->stalled = 0;
+    w->in_a_row = 0;
+    w->origin_step = 0;
+    w->origin_ranks = 0;
+    w->origin_mask = 0;
+  }
+  //! "; the non-finite values came from rank R: ..." when the device found the ranks, else "".
+  std::string origin() const {
+    const volatile watch_t* w = host_watch();
+    const std::int64_t step = w->origin_step;  // written last by the device
+    if (step == 0) return {};
+    std::vector<int> ranks;
+    const std::uint64_t mask = w->origin_mask;
+    for (int r = 0; r < 64 && r < world_; ++r)
+      if (mask >> r & 1U) ranks.push_back(r);
+    const auto total = static_cast<std::size_t>(w->origin_ranks);
+    return "; " + detail::origin_text(ranks, total > ranks.size() ? total - ranks.size() : 0, step,
+                                      "checked rank by rank on the device once the host saw skips in a row");
+  }
   void release() noexcept {
     buf_.reset();
-    stalled_.reset();
+    watch_.reset();
     owner_ = nullptr;
   }
 
   DynamicScaleOptions opts_;
   loss_scale_state host_;      // the state while not attached
   std::shared_ptr<void> buf_;  // one cuda::kernels::device_scale_state
-  std::shared_ptr<std::int64_t> stalled_;  // mapped pinned host word: see stalled_steps()
+  std::shared_ptr<std::int64_t> watch_;  // a cuda::kernels::skip_watch in mapped pinned host memory
   CudaMemory mem_{0, nullptr};
   const void* owner_ = nullptr;
+  int world_ = 1;
 };
 static_assert(loss_scaler<DeviceDynamicScale> && device_scaler<DeviceDynamicScale>);
 

@@ -65,12 +65,14 @@ class device_guard {
   bool ok_ = true;
 };
 
-//! One zeroed int64 of pinned host memory that kernels may write (mapped), freed when the last
-//! owner goes: a flag the device raises and the host reads without synchronising.
-inline std::shared_ptr<std::int64_t> mapped_word() {
+//! `words` zeroed int64s of pinned host memory that kernels of `device` may write (mapped), freed
+//! when the last owner goes: flags the device raises and the host reads without synchronising.
+//! Allocated with `device` current, so no context is created on another GPU.
+inline std::shared_ptr<std::int64_t> mapped_word(int device, std::size_t words = 1) {
+  device_guard g(device);
   void* p = nullptr;
-  LOCKSTEP_TRY_CUDA(cudaHostAlloc(&p, sizeof(std::int64_t), cudaHostAllocMapped | cudaHostAllocPortable));
-  *static_cast<volatile std::int64_t*>(p) = 0;
+  LOCKSTEP_TRY_CUDA(cudaHostAlloc(&p, words * sizeof(std::int64_t), cudaHostAllocMapped | cudaHostAllocPortable));
+  for (std::size_t i = 0; i < words; ++i) static_cast<volatile std::int64_t*>(p)[i] = 0;
   return std::shared_ptr<std::int64_t>(static_cast<std::int64_t*>(p), [](std::int64_t* q) { (void)cudaFreeHost(q); });
 }
 

@@ -337,7 +337,7 @@ class DataParallel {
     }
     // After a skipped step, who had inf/NaN before averaging (nonfinite.hpp), for the error.
     origin_.settle(comm_, [&] { return scaler_.state().steps + 1; });  // this step's number
-    reducer_.check_local_nonfinite(origin_.arm(found_inf && detail::has_skip_limit(scaler_)));
+    reducer_.check_local_nonfinite(origin_.arm_for(scaler_, found_inf, comm_.rank()));
     origin_.name_in([&] { scaler_.update(found_inf); }, found_inf);
     r.applied = !found_inf;
     if constexpr (device_scaler<scaler_type>) r.device_found_inf = scaler_.device_found_inf();

@@ -6,7 +6,10 @@
 //! before the unit's collective (one extra read pass over the gradients, on such steps only;
 //! x · 1 leaves them unchanged), and after the collectives the ranks agree (one small
 //! all-reduce) on who had non-finite values. The first finding of a run of skipped steps is
-//! what the skip-limit error names. A step after a clean one costs nothing.
+//! what the skip-limit error names. A step after a clean one costs nothing. With
+//! DeviceDynamicScale (no host sync, so no host-side skip decision) each rank arms itself from
+//! the scaler's lagging view of skips in a row and flags into the scaler's found-inf vote,
+//! which the device update turns into the finding (see arm_for).
 
 #include <cstdint>
 #include <memory>
@@ -23,6 +26,7 @@
 #include "lockstep/core/grad_group.hpp"
 #include "lockstep/core/reduce_op.hpp"
 #include "lockstep/scaling/loss_scaler.hpp"  // memory_of_t
+#include "lockstep/scaling/scalers.hpp"      // origin_text
 
 namespace lockstep::detail {
 
@@ -44,13 +48,17 @@ class nonfinite_origin {
   void check(Comm& comm, void* data, std::size_t count, dtype t) {
     if constexpr (supported) {
       auto mem = comm.memory();
+      const segment seg{data, count};
+      const grad_group g{t, std::span<const segment>(&seg, 1)};
+      if (target_ != nullptr) {  // the device scaler zeroes its votes itself
+        grad_ops<memory_of_t<Comm>>::unscale_and_flag(mem, std::span<const grad_group>(&g, 1), 1.0, target_);
+        return;
+      }
       if (!flag_) flag_ = mem.allocate(sizeof(std::int32_t));
       if (!raised_) {
         mem.zero(flag_.get(), sizeof(std::int32_t));
         raised_ = true;
       }
-      const segment seg{data, count};
-      const grad_group g{t, std::span<const segment>(&seg, 1)};
       grad_ops<memory_of_t<Comm>>::unscale_and_flag(mem, std::span<const grad_group>(&g, 1), 1.0, flag_.get());
     }
   }
@@ -62,7 +70,7 @@ class nonfinite_origin {
     if (raised_) comm.memory().download(&mine, flag_.get(), sizeof mine);
     raised_ = false;
     std::vector<std::int64_t> all(static_cast<std::size_t>(comm.size()), 0);
-    all[static_cast<std::size_t>(comm.rank())] = mine != 0 ? 1 : 0;
+    if (const auto r = static_cast<std::size_t>(comm.rank()); r < all.size()) all[r] = mine != 0 ? 1 : 0;
     if (comm.size() > 1) host_all_reduce(comm, std::span<std::int64_t>(all), reduce_op::sum);
     std::vector<int> ranks;
     for (std::size_t r = 0; r < all.size(); ++r)
@@ -105,11 +113,26 @@ class nonfinite_origin {
   //! "rank 2" / "ranks 1, 3": the origin as the error names it (ranks of DataParallel's
   //! communicator: under a mesh, the data axis).
   static std::string describe(const std::vector<int>& ranks, std::int64_t step) {
-    std::string s = ranks.size() == 1 ? "rank " : "ranks ";
-    for (std::size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
-    return "the non-finite values came from " + s + ": " + (ranks.size() == 1 ? "its" : "their") +
-           " own gradients held inf/NaN before averaging (first seen in optimizer step " + std::to_string(step) +
-           ", the step after the first skip is checked rank by rank)";
+    return origin_text(ranks, 0, step, "the step after the first skip is checked rank by rank");
+  }
+
+  //! After this step's scaler work: arms the next step's check (returns this for the reducer)
+  //! or not (nullptr). Host scalers: when this step is skipped (agreed on every rank, as
+  //! found_inf is), the ranks then agreeing in settle(). A device scaler (DeviceDynamicScale,
+  //! whose host never learns of a skip) offers device_vote(rank): each rank arms itself while
+  //! the scaler's lagging host view shows skips in a row, and its local flag goes into the
+  //! scaler's own all-reduced found-inf vote, which the scaler's device update turns into the
+  //! finding — no collective here, so ranks may arm a step apart without harm.
+  template <class Scaler>
+  nonfinite_origin* arm_for(Scaler& scaler, bool found_inf, int rank) {
+    if constexpr (requires { scaler.device_vote(rank); }) {
+      armed_ = raised_ = false;
+      target_ = supported && has_skip_limit(scaler) && scaler.skipping() ? scaler.device_vote(rank) : nullptr;
+      return target_ != nullptr ? this : nullptr;
+    } else {
+      target_ = nullptr;
+      return arm(found_inf && has_skip_limit(scaler));
+    }
   }
 
  private:
@@ -117,6 +140,7 @@ class nonfinite_origin {
   bool raised_ = false;         // flag_ zeroed and written this step
   bool armed_ = false;          // this step's units are checked
   std::string first_;           // the first finding of the current run of skipped steps
+  int* target_ = nullptr;       // a device scaler's vote for this rank (device memory), or null
 };
 
 }  // namespace lockstep::detail

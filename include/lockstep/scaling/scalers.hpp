@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "lockstep/core/concepts.hpp"
 #include "lockstep/core/error.hpp"
@@ -145,6 +146,20 @@ inline constexpr const char* stalled_advice =
     ": a smaller scale does not help, so the loss or the model produces non-finite values on at least one "
     "rank (one is enough to poison the average) — check every rank's inputs and loss. "
     "DynamicScaleOptions::max_consecutive_skips sets this limit (0: none)";
+
+//! What the skip-limit error appends when lockstep found whose gradients were non-finite
+//! before averaging (parallel/nonfinite.hpp; DeviceDynamicScale on the device): "rank 2" /
+//! "ranks 1, 3" (of DataParallel's communicator; `more` ranks beyond those listed), the step
+//! that found it, and how it was looked for (`how`).
+inline std::string origin_text(const std::vector<int>& ranks, std::size_t more, std::int64_t step, const char* how) {
+  const std::size_t n = ranks.size() + more;
+  std::string s = n == 1 ? "rank " : "ranks ";
+  for (std::size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+  if (more > 0) s += " and " + std::to_string(more) + " more";
+  return "the non-finite values came from " + s + ": " + (n == 1 ? "its" : "their") +
+         " own gradients held inf/NaN before averaging (first seen in optimizer step " + std::to_string(step) + ", " +
+         how + ")";
+}
 
 //! Throws config_error naming the first bad DynamicScaleOptions field.
 inline void validate(const DynamicScaleOptions& o) {
