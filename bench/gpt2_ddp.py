@@ -11,6 +11,8 @@ static_graph=True, fused AdamW. One GPU: no DDP.
   python3 bench/gpt2_ddp.py --data DIR                      # one GPU
   torchrun --nproc-per-node 4 bench/gpt2_ddp.py --data DIR  # DDP on 4
 Prints one line: "bench: ddp gpus=N step_ms=... tokens_per_s=... peak_gib=... loss_first=... loss_last=..."
+--profile TRACE.json writes a Chrome trace (torch.profiler) of the three steps after the warm-up
+(rank 0), for bench/kernel_profile.py to set beside examples/03_gpt2_torch's --profile trace.
 """
 import argparse
 import math
@@ -88,6 +90,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--profile", default="", help="Chrome trace of steps [warmup, warmup + 3) on rank 0")
     a = ap.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -105,7 +108,16 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
     rng = np.random.default_rng([a.seed, rank])
     times, losses = [], []
+    profiled = 3
+    if a.profile and a.steps < a.warmup + profiled:
+        raise SystemExit(f"--profile records steps {a.warmup}..{a.warmup + profiled - 1}: give --steps >= {a.warmup + profiled}")
+    prof = None
     for step in range(a.steps):
+        if a.profile and rank == 0 and step == a.warmup:
+            torch.cuda.synchronize(dev)
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                      torch.profiler.ProfilerActivity.CUDA])
+            prof.__enter__()
         t0 = time.perf_counter()
         starts = rng.integers(0, len(text) - a.seq - 1, size=a.batch)
         rows = torch.from_numpy(np.stack([text[s:s + a.seq + 1] for s in starts]).astype(np.int64))
@@ -118,6 +130,10 @@ def main():
         opt.zero_grad()
         torch.cuda.synchronize(dev)
         times.append((time.perf_counter() - t0) * 1e3)
+        if prof is not None and step + 1 == a.warmup + profiled:
+            prof.__exit__(None, None, None)
+            prof.export_chrome_trace(a.profile)
+            prof = None
         if step in (0, a.steps - 1):
             losses.append(loss.item())
     timed = sorted(times[a.warmup:])

@@ -10,16 +10,19 @@
 // AdamW of lockstep stepping each bucket as soon as it is averaged. On CPU ranks:
 // torch::optim::AdamW on the averaged gradients. Rank 0 prints the loss and tokens/s;
 // --bench prints one line "bench: ..." with the median step time, tokens/s and peak memory
-// (bench/gpt2_torch.sh runs it beside PyTorch DDP, bench/gpt2_ddp.py).
+// (bench/gpt2_torch.sh runs it beside PyTorch DDP, bench/gpt2_ddp.py); --profile FILE writes
+// a Chrome trace (libtorch's Kineto profiler) of three steps after the warm-up, for
+// bench/kernel_profile.py to set beside the same trace of bench/gpt2_ddp.py.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <optional>
-#include <span>
 #include <mutex>
+#include <optional>
+#include <set>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -36,6 +39,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 
 #include <lockstep/cuda.cuh>
 #else
@@ -51,16 +55,20 @@ struct options {
   std::string data = "/usr/share/games/fortunes";
   std::string config = "small";
   std::string device = "auto";
+  std::string profile;  // a Chrome trace of steps [warmup, warmup + 3) (GPUs)
   std::int64_t batch = 8, seq = 1024, steps = 300, warmup = 5, log_every = 25;
   double lr = 6e-4;
   std::uint64_t seed = 42;
   bool bench = false;
 };
 
+constexpr std::int64_t profiled_steps = 3;
+
 [[noreturn]] void usage(int rc) {
   std::printf(
       "usage: gpt2_torch [--data DIR|FILE] [--config small|tiny] [--device auto|cpu] [--batch B]\n"
       "                  [--seq T] [--steps N] [--warmup N] [--lr X] [--seed S] [--log-every N] [--bench]\n"
+      "                  [--profile TRACE.json]\n"
       "  batch: sequences per rank and step; on GPUs: all local GPUs, or one per process under a launcher\n");
   std::exit(rc);
 }
@@ -87,6 +95,7 @@ options parse(int argc, char** argv) {
     else if (a == "--lr") o.lr = std::stod(next());
     else if (a == "--seed") o.seed = std::stoull(next());
     else if (a == "--bench") o.bench = true;
+    else if (a == "--profile") o.profile = next();
     else if (a == "--help" || a == "-h") usage(0);
     else {
       std::fprintf(stderr, "gpt2_torch: unknown argument %s\n", a.c_str());
@@ -95,6 +104,12 @@ options parse(int argc, char** argv) {
   }
   if (o.config != "small" && o.config != "tiny") usage(2);
   if (o.batch < 1 || o.seq < 2 || o.steps < 1 || o.warmup < 0 || o.warmup >= o.steps) usage(2);
+  if (!o.profile.empty() && o.steps < o.warmup + profiled_steps) {
+    std::fprintf(stderr, "gpt2_torch: --profile records steps %lld to %lld: give --steps of at least %lld\n",
+                 static_cast<long long>(o.warmup), static_cast<long long>(o.warmup + profiled_steps - 1),
+                 static_cast<long long>(o.warmup + profiled_steps));
+    usage(2);
+  }
   return o;
 }
 
@@ -106,6 +121,22 @@ gpt2::Config config_of(const options& o) {
 }
 
 std::mutex init_mutex;  // the model is built under one seed, one rank at a time
+
+#if GPT2_GPU
+// libtorch's Kineto profiler (CUPTI): every kernel, copy and memset of the process, whichever
+// thread queued it, so one rank's thread starting it records every GPU of the process.
+void start_profile() {
+  namespace impl = torch::profiler::impl;
+  const impl::ProfilerConfig config(impl::ProfilerState::KINETO);
+  const std::set<impl::ActivityType> activities{impl::ActivityType::CPU, impl::ActivityType::CUDA};
+  torch::autograd::profiler::prepareProfiler(config, activities);
+  torch::autograd::profiler::enableProfiler(config, activities);
+}
+void stop_profile(const std::string& path) {
+  torch::autograd::profiler::disableProfiler()->save(path);
+  std::printf("gpt2_torch: wrote the trace of %lld steps to %s\n", static_cast<long long>(profiled_steps), path.c_str());
+}
+#endif
 
 template <class Comm>
 constexpr bool on_gpu() {
@@ -190,7 +221,14 @@ int main(int argc, char** argv) {
     std::vector<double> step_ms;
     auto t_log = clock::now();
     double first_loss = 0, last_loss = 0;
+    const bool profiling = gpu && !opt.profile.empty() && ctx.is_root();
     for (std::int64_t s = 0; s < opt.steps; ++s) {
+#if GPT2_GPU
+      if (profiling && s == opt.warmup) {
+        sync();
+        start_profile();
+      }
+#endif
       const auto t0 = clock::now();
       auto rows = text.batch(opt.batch, opt.seq, opt.seed, s, ctx.rank()).to(dev, /*non_blocking=*/true);
       auto x = rows.narrow(1, 0, opt.seq), y = rows.narrow(1, 1, opt.seq);
@@ -209,8 +247,11 @@ int main(int argc, char** argv) {
         cpu_opt->step();
       }
       const bool log = s % opt.log_every == 0 || s + 1 == opt.steps;  // the same on every rank
-      if (opt.bench || log) sync();
+      if (opt.bench || log || profiling) sync();
       step_ms.push_back(std::chrono::duration<double, std::milli>(clock::now() - t0).count());
+#if GPT2_GPU
+      if (profiling && s + 1 == opt.warmup + profiled_steps) stop_profile(opt.profile);
+#endif
       if (log) {
         const double l = lockstep::mean_across_ranks(ctx.comm(), loss.template item<double>());
         if (s == 0) first_loss = l;
