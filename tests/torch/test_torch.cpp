@@ -16,39 +16,11 @@
 
 #include "../../examples/03_gpt2_torch/gpt2.hpp"
 #include "test_util.hpp"
-
-// libtorch builds with glog (Debian's) define CHECK as an abort that doctest never sees.
-#undef CHECK
-#define CHECK DOCTEST_CHECK
+#include "torch_test_util.hpp"
 
 namespace {
 
-//! ‖a−b‖/‖b‖ over all parameters of two modules (b the reference).
-double rel_diff(torch::nn::Module& a, torch::nn::Module& b) {
-  auto pa = a.parameters(), pb = b.parameters();
-  REQUIRE(pa.size() == pb.size());
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < pa.size(); ++i) {
-    auto x = pa[i].detach().to(torch::kDouble), y = pb[i].detach().to(torch::kDouble);
-    num += (x - y).pow(2).sum().item<double>();
-    den += y.pow(2).sum().item<double>();
-  }
-  return std::sqrt(num) / std::max(std::sqrt(den), 1e-300);
-}
-
-gpt2::Config tiny() { return gpt2::Config{.vocab = 61, .context = 16, .layers = 2, .heads = 2, .width = 24}; }
-
-//! Random token ids [rows, T+1]: inputs are [:, :T], targets [:, 1:].
-torch::Tensor tokens(std::int64_t rows, const gpt2::Config& c, std::uint64_t seed) {
-  torch::manual_seed(seed);
-  return torch::randint(c.vocab, {rows, c.context + 1}, torch::kLong);
-}
-
-void copy_parameters(torch::nn::Module& to, torch::nn::Module& from) {
-  torch::NoGradGuard g;
-  auto a = to.parameters(), b = from.parameters();
-  for (std::size_t i = 0; i < a.size(); ++i) a[i].copy_(b[i]);
-}
+using namespace lockstep_test;
 
 struct TwoHeadsImpl : torch::nn::Module {
   TwoHeadsImpl()
@@ -111,14 +83,20 @@ TEST_CASE("TorchModule: docs/torch.md's loop leaves every rank with the same par
   CHECK_FALSE(torch::equal(nets[0]->parameters()[0], before));
 }
 
-TEST_CASE("TorchModule: 3 CPU ranks x batch B == 1 rank x batch 3B after 4 AdamW steps (tiny GPT-2)") {
+// N CPU ranks, each taking `micro` micro-batches of B sequences per optimizer step (the
+// gradients accumulated over them, averaged by DataParallel), against one rank taking
+// all N * micro * B sequences: at once when micro is 1, else the same micro-batches, one
+// backward each (the same arithmetic per sequence: a batch of 1 and a batch of 6 round
+// differently, which AdamW's normalisation lifts to 1e-4 after a few steps).
+void check_equivalence(int ranks, int B, int micro) {
   torch::set_num_threads(1);
   const auto seed = lockstep_test::fresh_seed();
-  CAPTURE(seed);
+  CAPTURE(seed); CAPTURE(ranks); CAPTURE(B); CAPTURE(micro);
   const auto c = tiny();
-  constexpr int ranks = 3, B = 2, steps = 4;
+  constexpr int steps = 4;
+  const int per_rank = B * micro;
   // One batch for every step: the loss must go down (the model learns it by heart).
-  const auto batch = tokens(ranks * B, c, seed + 1);
+  const auto batch = tokens(ranks * per_rank, c, seed + 1);
   std::vector<torch::Tensor> data(steps, batch);
 
   torch::manual_seed(seed);
@@ -135,30 +113,40 @@ TEST_CASE("TorchModule: 3 CPU ranks x batch B == 1 rank x batch 3B after 4 AdamW
   std::vector<double> ref_loss;
   for (int s = 0; s < steps; ++s) {
     ref_opt.zero_grad();
-    auto x = data[s].narrow(1, 0, c.context), y = data[s].narrow(1, 1, c.context);
-    auto loss = reference->loss(x, y);
-    loss.backward();
+    const int chunk = micro == 1 ? ranks * per_rank : B, chunks = ranks * per_rank / chunk;
+    double loss_sum = 0;
+    for (int k = 0; k < chunks; ++k) {
+      auto rows = data[s].narrow(0, k * chunk, chunk);
+      auto loss = reference->loss(rows.narrow(1, 0, c.context), rows.narrow(1, 1, c.context));
+      (loss / chunks).backward();
+      loss_sum += loss.item<double>() / chunks;
+    }
     ref_opt.step();
-    ref_loss.push_back(loss.item<double>());
+    ref_loss.push_back(loss_sum);
   }
 
   std::vector<double> mean_loss(steps, 0.0);
-  std::vector<int> bound(ranks, 0);
+  std::vector<int> bound(static_cast<std::size_t>(ranks), 0);
   lockstep::run(lockstep::Threads{ranks}, [&](auto& ctx) {
     gpt2::Gpt& model = replicas[static_cast<std::size_t>(ctx.rank())];
     lockstep::TorchModule tm(model);
-    lockstep::DataParallel dp(ctx, tm);
+    lockstep::DataParallel dp(ctx, tm, {}, lockstep::Accumulate<>(micro));
     torch::optim::AdamW opt(tm.tensors(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
     for (int s = 0; s < steps; ++s) {
-      auto rows = data[s].narrow(0, ctx.rank() * B, B);
-      auto x = rows.narrow(1, 0, c.context), y = rows.narrow(1, 1, c.context);
-      auto step = dp.step();
-      auto loss = model->loss(x, y);
-      tm.backward(loss, step.on_gradient_ready());
-      const auto r = step.finish();
-      REQUIRE(r.applied);
+      double loss_sum = 0;
+      for (int m = 0; m < micro; ++m) {
+        auto rows = data[s].narrow(0, ctx.rank() * per_rank + m * B, B);
+        auto x = rows.narrow(1, 0, c.context), y = rows.narrow(1, 1, c.context);
+        auto step = dp.step();
+        auto loss = model->loss(x, y);
+        tm.backward(loss, step.on_gradient_ready());  // averaged over the micro-batches by DataParallel
+        const auto r = step.finish();
+        REQUIRE(r.synced == (m + 1 == micro));
+        if (r.synced) REQUIRE(r.applied);
+        loss_sum += loss.template item<double>() / micro;
+      }
       opt.step();  // torch::optim on lockstep-averaged gradients
-      mean_loss[static_cast<std::size_t>(s)] = lockstep::mean_across_ranks(ctx.comm(), loss.template item<double>());
+      mean_loss[static_cast<std::size_t>(s)] = lockstep::mean_across_ranks(ctx.comm(), loss_sum);
     }
     // Zero copy from the second step on: .grad is a view of the arena.
     const auto ps = dp.parameters();
@@ -177,6 +165,16 @@ TEST_CASE("TorchModule: 3 CPU ranks x batch B == 1 rank x batch 3B after 4 AdamW
     // DataParallel is gone: the gradients are the module's own again, with the last values.
     for (auto& p : replicas[r]->parameters()) CHECK(std::isfinite(p.grad().sum().item<double>()));
   }
+}
+
+TEST_CASE("TorchModule: 3 CPU ranks x batch B == 1 rank x batch 3B after 4 AdamW steps (tiny GPT-2)") {
+  check_equivalence(3, 2, 1);
+}
+
+// Accumulation: autograd hands each micro-batch's gradient to the hook, which adds it into the
+// arena (module.hpp) — the second micro-batch must add to the first, not replace it.
+TEST_CASE("TorchModule: 2 CPU ranks x 3 accumulated micro-batches == 1 rank x the whole batch (tiny GPT-2)") {
+  check_equivalence(2, 1, 3);
 }
 
 TEST_CASE("TorchModule: a branch used on some ranks only and one used on none") {

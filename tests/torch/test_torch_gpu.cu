@@ -1,0 +1,274 @@
+// lockstep::TorchModule on GPUs (NcclComm, one thread per GPU, libtorch's current stream set to
+// lockstep's compute stream): the tiny GPT-2 trained on N GPUs x batch B equals one GPU x batch
+// N·B (fp32, lockstep's FusedAdamW per bucket and torch::optim::AdamW on the averaged .grad),
+// and one GPU equals plain libtorch on the CPU; fp16 autocast with DeviceDynamicScale learns,
+// and an inf on one GPU skips that step on every GPU. Built where libtorch has CUDA.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <ATen/autocast_mode.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/torch.h>
+#include <torch/version.h>
+
+#include <lockstep/cuda.cuh>
+#include <lockstep/lockstep.hpp>
+#include <lockstep/torch.hpp>
+
+#include "gpu_test_util.cuh"
+#include "test_util.hpp"
+#include "torch_test_util.hpp"
+
+namespace {
+
+using namespace lockstep_test;
+
+constexpr double lr = 1e-3, wd = 0.1;
+
+void set_autocast(at::ScalarType t, bool on) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+  at::autocast::set_autocast_enabled(at::kCUDA, on);
+  at::autocast::set_autocast_dtype(at::kCUDA, t);
+#else
+  at::autocast::set_enabled(on);
+  at::autocast::set_autocast_gpu_dtype(t);
+#endif
+}
+
+std::vector<int> first_gpus(int n) {
+  std::vector<int> d(static_cast<std::size_t>(n));
+  for (int i = 0; i < n; ++i) d[static_cast<std::size_t>(i)] = i;
+  return d;
+}
+
+struct trained {
+  std::vector<std::vector<torch::Tensor>> params;  // per rank, on the CPU
+  std::vector<double> loss;                        // mean over ranks, per step
+  std::vector<std::string> problems;               // seen on the rank threads
+};
+
+// `gpus` GPUs, B sequences each per step, from rank 0's copy of `init`; fp32 (no autocast, no
+// TF32), AdamW by lockstep's FusedAdamW per bucket (fused) or torch::optim::AdamW.
+trained train_fp32(int gpus, int B, int steps, const torch::Tensor& data, gpt2::Gpt init, bool fused) {
+  const auto c = tiny();
+  trained out;
+  out.params.resize(static_cast<std::size_t>(gpus));
+  out.loss.assign(static_cast<std::size_t>(steps), 0.0);
+  std::mutex m;
+  lockstep::run(lockstep::Gpus{first_gpus(gpus)}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
+    const auto rank = static_cast<std::size_t>(ctx.rank());
+    const auto dev = static_cast<c10::DeviceIndex>(ctx.device());
+    const cudaStream_t s = ctx.comm().compute_stream();
+    c10::cuda::CUDAGuard device_guard(dev);
+    c10::cuda::CUDAStreamGuard stream_guard(c10::cuda::getStreamFromExternal(s, dev));
+    gpt2::Gpt model(nullptr);
+    {
+      std::lock_guard<std::mutex> lock(m);
+      torch::manual_seed(1000 + rank);  // every rank different: DataParallel broadcasts rank 0's
+      model = gpt2::Gpt(c);
+      if (rank == 0) copy_parameters(*model, *init);
+    }
+    model->to(torch::Device(torch::kCUDA, dev));
+    lockstep::TorchModule tm(model);
+    lockstep::DataParallel dp(ctx, tm, {.buckets = {.first_bytes = 4096, .cap_bytes = 16384}});
+    std::optional<lockstep::cuda::FusedAdamW> fopt;
+    std::optional<torch::optim::AdamW> topt;
+    if (fused)
+      fopt.emplace(lockstep::AdamWOptions{.lr = lr, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = wd},
+                   dp.parameters(), ctx.device());
+    else
+      topt.emplace(tm.tensors(), torch::optim::AdamWOptions(lr).betas({0.9, 0.999}).eps(1e-8).weight_decay(wd));
+    for (int k = 0; k < steps; ++k) {
+      auto rows = data.narrow(0, static_cast<std::int64_t>(rank) * B, B).to(torch::Device(torch::kCUDA, dev));
+      auto step = dp.step();
+      auto loss = model->loss(rows.narrow(1, 0, c.context), rows.narrow(1, 1, c.context));
+      tm.backward(loss, step.on_gradient_ready());
+      if (fused) {
+        if (!step.finish([&](std::span<const lockstep::param_slice> b) { fopt->step(b, s); })) {
+          std::lock_guard<std::mutex> lock(m);
+          out.problems.push_back("rank " + std::to_string(rank) + ": a step was not applied");
+        }
+      } else if (step.finish()) {
+        topt->step();
+      } else {
+        std::lock_guard<std::mutex> lock(m);
+        out.problems.push_back("rank " + std::to_string(rank) + ": a step was not applied");
+      }
+      const double l = lockstep::mean_across_ranks(ctx.comm(), loss.item<double>());
+      if (rank == 0) out.loss[static_cast<std::size_t>(k)] = l;
+    }
+    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s));
+    for (auto& p : model->parameters()) out.params[rank].push_back(p.detach().cpu());
+  });
+  return out;
+}
+
+double rel_diff(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  REQUIRE(a.size() == b.size());
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    auto x = a[i].to(torch::kDouble), y = b[i].to(torch::kDouble);
+    num += (x - y).pow(2).sum().item<double>();
+    den += y.pow(2).sum().item<double>();
+  }
+  return std::sqrt(num) / std::max(std::sqrt(den), 1e-300);
+}
+
+// N GPUs x B == 1 GPU x N·B (≤ 1e-5), every GPU the same bit for bit; 1 GPU == libtorch on the
+// CPU (≤ 1e-4: cuBLAS and the CPU's GEMMs round differently, and AdamW's normalisation lifts
+// that); the loss goes down (one batch, learned by heart).
+void check_fp32(int gpus, bool fused) {
+  torch::set_num_threads(1);
+  at::globalContext().setAllowTF32CuBLAS(false);
+  const auto seed = fresh_seed();
+  CAPTURE(seed); CAPTURE(gpus); CAPTURE(fused);
+  const auto c = tiny();
+  const int B = 2, steps = 5;
+  const auto data = tokens(gpus * B, c, seed + 1);
+  torch::manual_seed(seed);
+  gpt2::Gpt init(c);
+
+  gpt2::Gpt cpu(c);  // the CPU reference: plain libtorch, the whole batch
+  copy_parameters(*cpu, *init);
+  torch::optim::AdamW cpu_opt(cpu->parameters(), torch::optim::AdamWOptions(lr).betas({0.9, 0.999}).eps(1e-8).weight_decay(wd));
+  for (int k = 0; k < steps; ++k) {
+    cpu_opt.zero_grad();
+    cpu->loss(data.narrow(1, 0, c.context), data.narrow(1, 1, c.context)).backward();
+    cpu_opt.step();
+  }
+  std::vector<torch::Tensor> want;
+  for (auto& p : cpu->parameters()) want.push_back(p.detach());
+
+  const auto one = train_fp32(1, gpus * B, steps, data, init, fused);
+  const auto many = gpus > 1 ? train_fp32(gpus, B, steps, data, init, fused) : one;
+  for (const auto* t : {&one, &many}) {
+    for (const auto& p : t->problems) FAIL_CHECK(p);
+    CHECK(t->loss.back() < t->loss.front());
+  }
+  const double d_cpu = rel_diff(one.params[0], want);
+  MESSAGE("1 GPU vs libtorch on the CPU: relative difference " << d_cpu);
+  CHECK(d_cpu <= 1e-4);
+  for (int r = 0; r < gpus; ++r) {
+    CAPTURE(r);
+    const double d = rel_diff(many.params[static_cast<std::size_t>(r)], one.params[0]);
+    MESSAGE(gpus << " GPUs, rank " << r << " vs 1 GPU with the whole batch: relative difference " << d);
+    CHECK(d <= 1e-5);
+    CHECK(rel_diff(many.params[static_cast<std::size_t>(r)], many.params[0]) == 0.0);
+  }
+}
+
+// fp16 autocast, the loss multiplied by DeviceDynamicScale's device scale, FusedAdamW reading
+// its device flag: the loss goes down; at a drawn step one drawn GPU's loss is multiplied by
+// inf, and that step changes no parameter on any GPU (the scale backs off once: one skip).
+void check_fp16_device_scaling(int gpus) {
+  const auto seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  const int steps = 30, inf_step = 3 + static_cast<int>(rng() % 20);
+  const int inf_rank = static_cast<int>(rng() % static_cast<unsigned>(gpus));
+  CAPTURE(seed); CAPTURE(gpus); CAPTURE(inf_step); CAPTURE(inf_rank);
+  const auto c = tiny();
+  const int B = 4;
+  const auto data = tokens(gpus * B, c, seed + 1);
+  std::vector<std::string> problems;
+  std::vector<double> loss(steps, 0.0);
+  std::vector<lockstep::loss_scale_state> states(static_cast<std::size_t>(gpus));
+  std::mutex m;
+  lockstep::run(lockstep::Gpus{first_gpus(gpus)}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
+    const auto rank = static_cast<int>(ctx.rank());
+    const auto dev = static_cast<c10::DeviceIndex>(ctx.device());
+    const cudaStream_t s = ctx.comm().compute_stream();
+    c10::cuda::CUDAGuard device_guard(dev);
+    c10::cuda::CUDAStreamGuard stream_guard(c10::cuda::getStreamFromExternal(s, dev));
+    gpt2::Gpt model(nullptr);
+    {
+      std::lock_guard<std::mutex> lock(m);
+      torch::manual_seed(seed);
+      model = gpt2::Gpt(c);
+    }
+    model->to(torch::Device(torch::kCUDA, dev));
+    lockstep::TorchModule tm(model);
+    lockstep::DataParallel<lockstep::TorchModule, lockstep::NcclComm, lockstep::EveryStep, lockstep::DeviceDynamicScale> dp(
+        ctx, tm, {}, lockstep::EveryStep{}, lockstep::DeviceDynamicScale({.init_scale = 1024.0}));
+    dp.scaler().attach(dp.comm());
+    const auto fopts = torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA, dev);
+    const auto scale = torch::from_blob(const_cast<float*>(dp.scaler().device_scale()), {}, fopts);
+    const int* found = dp.scaler().device_found_inf();
+    lockstep::cuda::FusedAdamW opt({.lr = 3e-3, .weight_decay = wd}, dp.parameters(), ctx.device());
+    set_autocast(at::kHalf, true);
+    for (int k = 0; k < steps; ++k) {
+      auto rows = data.narrow(0, rank * B, B).to(torch::Device(torch::kCUDA, dev));
+      auto step = dp.step();
+      auto l = model->loss(rows.narrow(1, 0, c.context), rows.narrow(1, 1, c.context));
+      auto scaled = l * scale;
+      if (k == inf_step && rank == inf_rank) scaled = scaled * std::numeric_limits<float>::infinity();
+      std::vector<torch::Tensor> before;
+      if (k == inf_step)
+        for (auto& p : model->parameters()) before.push_back(p.detach().clone());
+      tm.backward(scaled, step.on_gradient_ready());
+      at::autocast::clear_cache();
+      (void)step.finish([&](std::span<const lockstep::param_slice> b) { opt.step(b, s, found); });
+      if (k == inf_step) {
+        auto ps = model->parameters();
+        for (std::size_t i = 0; i < ps.size(); ++i)
+          if (!torch::equal(ps[i].detach(), before[i])) {
+            std::lock_guard<std::mutex> lock(m);
+            problems.push_back("rank " + std::to_string(rank) + ": parameter " + std::to_string(i) +
+                               " changed in the skipped step");
+          }
+      }
+      const double mean = lockstep::mean_across_ranks(ctx.comm(), l.item<double>());
+      if (rank == 0) loss[static_cast<std::size_t>(k)] = mean;
+    }
+    set_autocast(at::kHalf, false);
+    states[static_cast<std::size_t>(rank)] = dp.scaler().state();
+  });
+  for (const auto& p : problems) FAIL_CHECK(p);
+  MESSAGE("fp16 on " << gpus << " GPU(s): loss " << loss.front() << " -> " << loss.back());
+  CHECK(loss.back() < 0.9 * loss.front());
+  for (const auto& st : states) {
+    CHECK(st.skipped_steps == 1);
+    CHECK(st.steps == steps);
+    CHECK(st == states[0]);
+  }
+}
+
+}  // namespace
+
+TEST_SUITE("gpu") {
+TEST_CASE("TorchModule on 1 GPU == libtorch on the CPU: tiny GPT-2 fp32 - FusedAdamW and torch::optim::AdamW") {
+  LOCKSTEP_REQUIRE_GPUS(1);
+  check_fp32(1, true);
+  check_fp32(1, false);
+}
+TEST_CASE("TorchModule fp16 autocast + DeviceDynamicScale on 1 GPU: learns - an inf step is skipped") {
+  LOCKSTEP_REQUIRE_GPUS(1);
+  check_fp16_device_scaling(1);
+}
+}
+
+TEST_SUITE("multigpu") {
+TEST_CASE("TorchModule on 2 GPUs x B == 1 GPU x 2B == libtorch on the CPU: tiny GPT-2 fp32") {
+  LOCKSTEP_REQUIRE_GPUS(2);
+  check_fp32(2, true);
+  check_fp32(2, false);
+}
+TEST_CASE("TorchModule fp16 autocast + DeviceDynamicScale on 2 GPUs: an inf on one GPU skips the step on both") {
+  LOCKSTEP_REQUIRE_GPUS(2);
+  check_fp16_device_scaling(2);
+}
+TEST_CASE("TorchModule on 4 GPUs x B == 1 GPU x 4B == libtorch on the CPU: tiny GPT-2 fp32") {
+  LOCKSTEP_REQUIRE_GPUS(4);
+  check_fp32(4, true);
+  check_fp16_device_scaling(4);
+}
+}
