@@ -21,6 +21,15 @@ struct Config {
   std::int64_t width = 768;
 };
 
+//! x · Wᵀ + b through at::linear, the op Python's nn.Linear calls. torch::nn::Linear's C++
+//! forward (F::linear) multiplies and then adds the bias in place when x has more than two
+//! dimensions: under autocast that add mixes the bf16 product with the fp32 bias in an
+//! unvectorised kernel — 3.0 ms of a 30 ms GPT-2 small step on an H200 (bench/RESULTS.md,
+//! session 6). at::linear casts the bias too and fuses the add into the matrix product.
+inline torch::Tensor linear(const torch::nn::Linear& l, const torch::Tensor& x) {
+  return at::linear(x, l->weight, l->bias);
+}
+
 struct BlockImpl : torch::nn::Module {
   explicit BlockImpl(const Config& c)
       : heads(c.heads),
@@ -39,7 +48,7 @@ struct BlockImpl : torch::nn::Module {
 
   torch::Tensor forward(const torch::Tensor& x) {
     const auto B = x.size(0), T = x.size(1), C = x.size(2), D = C / heads;
-    auto parts = qkv(ln1(x)).split(C, 2);
+    auto parts = linear(qkv, ln1(x)).split(C, 2);
     auto q = parts[0].view({B, T, heads, D}).transpose(1, 2);
     auto k = parts[1].view({B, T, heads, D}).transpose(1, 2);
     auto v = parts[2].view({B, T, heads, D}).transpose(1, 2);
@@ -51,8 +60,8 @@ struct BlockImpl : torch::nn::Module {
     att = torch::softmax(att.masked_fill(mask, -std::numeric_limits<float>::infinity()), -1);
     auto y = torch::matmul(att, v);
 #endif
-    auto h = x + proj(y.transpose(1, 2).contiguous().view({B, T, C}));
-    return h + out(torch::gelu(fc(ln2(h)), "tanh"));
+    auto h = x + linear(proj, y.transpose(1, 2).contiguous().view({B, T, C}));
+    return h + linear(out, torch::gelu(linear(fc, ln2(h)), "tanh"));
   }
 
   std::int64_t heads;
@@ -84,7 +93,7 @@ struct GptImpl : torch::nn::Module {
     auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
     auto x = wte(idx) + wpe(pos);
     for (auto& b : *blocks) x = b->as<Block>()->forward(x);
-    return head(ln_f(x));
+    return linear(head, ln_f(x));
   }
 
   //! Mean cross-entropy of predicting targets [B, T] from idx [B, T].
