@@ -180,7 +180,7 @@ void check_fp16_device_scaling(int gpus) {
   const int B = 4;
   const auto data = tokens(gpus * B, c, seed + 1);
   std::vector<std::string> problems;
-  std::vector<double> loss(steps, 0.0);
+  std::vector<double> mean_loss(steps, 0.0);
   std::vector<lockstep::loss_scale_state> states(static_cast<std::size_t>(gpus));
   std::mutex m;
   lockstep::run(lockstep::Gpus{first_gpus(gpus)}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
@@ -197,26 +197,33 @@ void check_fp16_device_scaling(int gpus) {
     }
     model->to(torch::Device(torch::kCUDA, dev));
     lockstep::TorchModule tm(model);
+    set_autocast(at::kHalf, true);
+    // [snippet docs/torch.md#2]
     lockstep::DataParallel<lockstep::TorchModule, lockstep::NcclComm, lockstep::EveryStep, lockstep::DeviceDynamicScale> dp(
         ctx, tm, {}, lockstep::EveryStep{}, lockstep::DeviceDynamicScale({.init_scale = 1024.0}));
-    dp.scaler().attach(dp.comm());
+    dp.scaler().attach(dp.comm());  // the scale lives on the GPU from here on
     const auto fopts = torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA, dev);
     const auto scale = torch::from_blob(const_cast<float*>(dp.scaler().device_scale()), {}, fopts);
     const int* found = dp.scaler().device_found_inf();
     lockstep::cuda::FusedAdamW opt({.lr = 3e-3, .weight_decay = wd}, dp.parameters(), ctx.device());
-    set_autocast(at::kHalf, true);
+    // [end snippet]
     for (int k = 0; k < steps; ++k) {
       auto rows = data.narrow(0, rank * B, B).to(torch::Device(torch::kCUDA, dev));
+      // [snippet docs/torch.md#2]
+      // every step (rows: this rank's batch on its GPU):
       auto step = dp.step();
-      auto l = model->loss(rows.narrow(1, 0, c.context), rows.narrow(1, 1, c.context));
-      auto scaled = l * scale;
+      auto loss = model->loss(rows.narrow(1, 0, c.context), rows.narrow(1, 1, c.context));
+      auto scaled = loss * scale;
+      // [end snippet]
       if (k == inf_step && rank == inf_rank) scaled = scaled * std::numeric_limits<float>::infinity();
       std::vector<torch::Tensor> before;
       if (k == inf_step)
         for (auto& p : model->parameters()) before.push_back(p.detach().clone());
+      // [snippet docs/torch.md#2]
       tm.backward(scaled, step.on_gradient_ready());
       at::autocast::clear_cache();
-      (void)step.finish([&](std::span<const lockstep::param_slice> b) { opt.step(b, s, found); });
+      (void)step.finish([&](std::span<const lockstep::param_slice> b) { opt.step(b, s, found); });  // skipped on inf/NaN
+      // [end snippet]
       if (k == inf_step) {
         auto ps = model->parameters();
         for (std::size_t i = 0; i < ps.size(); ++i)
@@ -226,15 +233,15 @@ void check_fp16_device_scaling(int gpus) {
                                " changed in the skipped step");
           }
       }
-      const double mean = lockstep::mean_across_ranks(ctx.comm(), l.item<double>());
-      if (rank == 0) loss[static_cast<std::size_t>(k)] = mean;
+      const double mean = lockstep::mean_across_ranks(ctx.comm(), loss.item<double>());
+      if (rank == 0) mean_loss[static_cast<std::size_t>(k)] = mean;
     }
     set_autocast(at::kHalf, false);
     states[static_cast<std::size_t>(rank)] = dp.scaler().state();
   });
   for (const auto& p : problems) FAIL_CHECK(p);
-  MESSAGE("fp16 on " << gpus << " GPU(s): loss " << loss.front() << " -> " << loss.back());
-  CHECK(loss.back() < 0.9 * loss.front());
+  MESSAGE("fp16 on " << gpus << " GPU(s): loss " << mean_loss.front() << " -> " << mean_loss.back());
+  CHECK(mean_loss.back() < 0.9 * mean_loss.front());
   for (const auto& st : states) {
     CHECK(st.skipped_steps == 1);
     CHECK(st.steps == steps);
