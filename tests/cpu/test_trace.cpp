@@ -8,16 +8,14 @@
 #include <cstdlib>
 #include <unistd.h>
 #include <filesystem>
-#include <limits>
 #include <map>
-#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include <lockstep/lockstep.hpp>
 
-#include "mlp.hpp"
+#include "observed_run.hpp"
 #include "test_util.hpp"
 
 namespace fs = std::filesystem;
@@ -76,28 +74,13 @@ TEST_CASE("trace: LOCKSTEP_TRACE writes each rank's steps as Chrome-trace JSON")
   const int steps = 4, bad_step = 2;
   std::size_t buckets = 0;
   lockstep::run(lockstep::Threads{3}, [&](auto& ctx) {
-    lockstep_test::TestMlp<float> m({7, 16, 9, 3}, seed);
-    const lockstep::BucketPolicy small{.first_bytes = 128, .cap_bytes = 256, .rebuild_after_first_step = false};
-    lockstep::DataParallel dp(ctx, m, {.buckets = small, .max_grad_norm = 0.5}, lockstep::DynamicScale({.init_scale = 64}));
     lockstep::Sgd opt({.lr = 0.05});
-    std::mt19937_64 rng(seed + static_cast<std::uint64_t>(ctx.rank()));
-    const auto x = lockstep_test::random_vector<float>(8 * 7, rng);
-    const std::vector<int> y{0, 1, 2, 0, 1, 2, 0, 1};
-    const std::vector<std::size_t> rows{0, 1, 2, 3, 4, 5, 6, 7};
-    for (int s = 0; s < steps; ++s) {
-      auto st = dp.step();
-      m.forward_backward(x, y, rows, [&](std::size_t i) {
-        if (s == bad_step && ctx.rank() == 1 && i == 0)
-          static_cast<float*>(m.parameters()[0].grad)[0] = std::numeric_limits<float>::quiet_NaN();
-        st.gradient_ready(i);
-      }, st.loss_scale());
-      (void)st.finish([&](std::span<const lockstep::param_slice> sl) {
-        for (const auto& p : sl) opt.step_segments(std::vector<std::size_t>{p.param * 1000 + p.offset},
-                                                   std::vector<lockstep::segment>{{p.value, p.count}},
-                                                   std::vector<lockstep::segment>{{p.grad, p.count}}, p.type);
-      });
-    }
-    if (ctx.rank() == 0) buckets = dp.stats().bucket_count;
+    const auto n = lockstep_test::observed_run(ctx, seed, steps, bad_step, [&](std::span<const lockstep::param_slice> sl) {
+      for (const auto& p : sl) opt.step_segments(std::vector<std::size_t>{p.param * 1000 + p.offset},
+                                                 std::vector<lockstep::segment>{{p.value, p.count}},
+                                                 std::vector<lockstep::segment>{{p.grad, p.count}}, p.type);
+    });
+    if (ctx.rank() == 0) buckets = n;
   });
   ::unsetenv("LOCKSTEP_TRACE");
   REQUIRE(buckets > 2);

@@ -24,6 +24,7 @@
 
 #include "lockstep/core/env.hpp"
 #include "lockstep/core/error.hpp"
+#include "lockstep/observe/nvtx.hpp"
 
 namespace lockstep::detail {
 
@@ -141,10 +142,11 @@ class trace_log {
 };
 
 //! A span from construction to destruction, recorded when the log is not null.
+//! A span of the trace (when tracing) and an NVTX range of the same name (nvtx.hpp), always.
 class trace_scope {
  public:
   trace_scope(trace_log* log, const char* name, trace_log::track t)
-      : log_(log), name_(name), t_(t), t0_(log ? log->now() : trace_log::clock::time_point{}) {}
+      : nvtx_(name), log_(log), name_(name), t_(t), t0_(log ? log->now() : trace_log::clock::time_point{}) {}
   trace_scope(const trace_scope&) = delete;
   trace_scope& operator=(const trace_scope&) = delete;
   ~trace_scope() {
@@ -152,6 +154,7 @@ class trace_scope {
   }
 
  private:
+  nvtx_range nvtx_;
   trace_log* log_;
   const char* name_;
   trace_log::track t_;

@@ -44,6 +44,7 @@
 #include "lockstep/core/context.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/grad_group.hpp"
+#include "lockstep/observe/nvtx.hpp"
 #include "lockstep/parallel/bucket_hook.hpp"
 #include "lockstep/parallel/replicas.hpp"
 #include "lockstep/parallel/join.hpp"
@@ -220,6 +221,8 @@ class DataParallel {
     if (joining_ && sync) prescale = join_prescale(join_agree(micro_ + 1));
     reducer_.begin_micro(sync, prescale);
     open_ = true;
+    nvtx_step_ = detail::nvtx_start("step");  // NVTX (observe/nvtx.hpp): ended in finish()
+    nvtx_model_ = detail::nvtx_start(sync ? "forward + backward" : "forward + backward (accumulating)");
     step_t0_ = detail::trace_log::clock::now();
     comm_at_step_ = reducer_.stats().comm_seconds;
     ++reducer_.stats().micro_steps;
@@ -295,6 +298,9 @@ class DataParallel {
   // The model's time (sync_stats::model_seconds); LOCKSTEP_TRACE: model, finish, whole step.
   step_result finish_step(bool sync, const std::function<void(std::span<const param_slice>)>& on_bucket) {
     const auto t0 = detail::trace_log::clock::now();
+    detail::nvtx_end(std::exchange(nvtx_model_, 0));
+    const detail::nvtx_range nvtx("finish");
+    const struct step_end { std::uint64_t id; ~step_end() { detail::nvtx_end(id); } } step_over{std::exchange(nvtx_step_, 0)};
     // Less the time backward spent in collectives (waiting for the other ranks, on host comms).
     cycle_model_ += std::chrono::duration<double>(t0 - step_t0_).count() - (reducer_.stats().comm_seconds - comm_at_step_);
     if (sync) reducer_.stats().model_seconds = std::exchange(cycle_model_, 0.0);
@@ -457,6 +463,7 @@ class DataParallel {
   detail::nonfinite_origin<Comm> origin_;  // after a skip: whose gradients were non-finite
   std::unique_ptr<detail::trace_log> trace_ = detail::trace_log::from_env(comm_.rank());  // LOCKSTEP_TRACE
   detail::trace_log::clock::time_point step_t0_{};  // the current micro-step's step()
+  std::uint64_t nvtx_step_ = 0, nvtx_model_ = 0;     // NVTX ranges of the open micro-step
   double cycle_model_ = 0;                           // model time in this cycle so far
   double comm_at_step_ = 0;                          // sync_stats::comm_seconds at step()
 };

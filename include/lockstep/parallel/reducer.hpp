@@ -156,6 +156,7 @@ class reducer {
         const auto& bk = g.plan.buckets[b];
         if (g.works[b]) {
           auto t0 = std::chrono::steady_clock::now();
+          const nvtx_range nvtx("wait for bucket", static_cast<std::int64_t>(b));
           g.works[b]->wait();
           stats_.comm_seconds += seconds_since(t0);
           if (trace_) trace_collective(g, b, t0);
@@ -261,6 +262,7 @@ class reducer {
   void hand_over(const std::function<void(std::span<const param_slice>)>& fn, const bucket& bk, std::size_t b,
                  std::vector<param_slice>& tmp) const {
     const auto t0 = std::chrono::steady_clock::now();
+    const nvtx_range nvtx("bucket callback", static_cast<std::int64_t>(b));
     fn(bk.slices_in(params_, tmp));
     if (trace_) trace_->span("bucket " + std::to_string(b) + " callback", trace_log::optimizer, t0, trace_->now());
   }
@@ -327,6 +329,7 @@ class reducer {
   void reduce(group& g, std::size_t slot, void* buf, std::size_t count) {
     if (comm_.size() == 1 || count == 0) return;
     auto t0 = std::chrono::steady_clock::now();
+    const nvtx_range nvtx("collective issued", static_cast<std::int64_t>(slot));
     label_next_collective(comm_, [&] { return bucket_label(g.plan, slot, count); });
     g.works[slot].emplace(hook_.reduce(comm_, buf, count, g.plan.type));
     label_next_collective(comm_, [] { return std::string{}; });  // a hook that did not use it
