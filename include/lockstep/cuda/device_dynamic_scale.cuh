@@ -40,9 +40,10 @@
 //! DynamicScale's does: while the host's (lagging) view shows skips in a row, DataParallel
 //! checks each rank's local gradients before averaging into that rank's slot of the found-inf
 //! vote (device_vote), which is all-reduced with the flag — no extra collective, no host sync —
-//! and the update kernel records the first finding of the run for the message. Under lockstep's launchers (run(Gpus), run(Processes)) a rank that
-//! throws first aborts the others, which end with its cause — with hand-made communicators,
-//! abort them yourself, or the others wait in their next collective.
+//! and the update kernel records the first finding of the run for the message. Under
+//! lockstep's launchers (run(Gpus), run(Processes)) a rank that throws first aborts the others,
+//! which end with its cause — with hand-made communicators, abort them yourself, or the others
+//! wait in their next collective.
 //!
 //! These synchronise with the device and are meant for logging and checkpoints, not for every
 //! step: scale() and state() (download), load_state() and attach() (upload), and copying an

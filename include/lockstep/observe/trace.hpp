@@ -141,8 +141,8 @@ class trace_log {
   std::vector<event> events_;
 };
 
-//! A span from construction to destruction, recorded when the log is not null.
-//! A span of the trace (when tracing) and an NVTX range of the same name (nvtx.hpp), always.
+//! From construction to destruction: a span of the trace when the log is not null, and an
+//! NVTX range of the same name (nvtx.hpp) always.
 class trace_scope {
  public:
   trace_scope(trace_log* log, const char* name, trace_log::track t)
