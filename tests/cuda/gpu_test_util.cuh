@@ -1,6 +1,6 @@
 #pragma once
-//! Helpers for GPU tests: how many GPUs are visible, a visible skip when too few, and an
-//! independent reader of optimizer checkpoints.
+//! Helpers for GPU tests: how many GPUs are visible, a visible skip when too few, an owned
+//! CUDA stream, and an independent reader of optimizer checkpoints.
 
 #include <doctest/doctest.h>
 
@@ -15,6 +15,7 @@
 #include <cuda_runtime_api.h>
 
 #include "lockstep/core/dtype.hpp"
+#include "lockstep/cuda/error.cuh"
 
 namespace lockstep::test {
 
@@ -38,6 +39,16 @@ inline const char* gpu_query_error() {
   (void)cudaGetLastError();
   return cudaGetErrorName(e);
 }
+
+//! A non-blocking stream of the current device, destroyed with the object.
+struct Stream {
+  cudaStream_t s = nullptr;
+  Stream() { LOCKSTEP_TRY_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
+  ~Stream() { (void)cudaStreamDestroy(s); }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  void sync() const { LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s)); }  // also surfaces kernel faults
+};
 
 //! An independent reader of the optimizers' checkpoint layout (optim/optimizer.hpp, sgd.hpp,
 //! adamw.hpp) plus the masters section of the fused optimizers (cuda/detail/fused_state.cuh).

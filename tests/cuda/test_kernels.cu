@@ -101,14 +101,7 @@ struct DevBuf {
   T value() const { return download<T>(1)[0]; }
 };
 
-struct Stream {
-  cudaStream_t s = nullptr;
-  Stream() { LOCKSTEP_TRY_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
-  ~Stream() { (void)cudaStreamDestroy(s); }
-  Stream(const Stream&) = delete;
-  Stream& operator=(const Stream&) = delete;
-  void sync() const { LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s)); }  // also surfaces kernel faults
-};
+using lockstep::test::Stream;
 
 // ---- layouts: tensors at random (unaligned) element offsets in one arena ---------------
 struct Layout {

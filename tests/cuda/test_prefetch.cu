@@ -44,13 +44,7 @@ double seconds_since(clock_type::time_point t0) {
   return std::chrono::duration<double>(clock_type::now() - t0).count();
 }
 
-struct Stream {
-  cudaStream_t s = nullptr;
-  Stream() { LOCKSTEP_TRY_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
-  ~Stream() { (void)cudaStreamDestroy(s); }
-  Stream(const Stream&) = delete;
-  Stream& operator=(const Stream&) = delete;
-};
+using lockstep::test::Stream;
 
 struct DevBuf {
   void* p = nullptr;

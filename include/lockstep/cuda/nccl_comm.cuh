@@ -21,7 +21,7 @@
 //! Failures. Calls that fail throw cuda_error / nccl_error naming the call, file:line and
 //! NCCL's or CUDA's reason; misuse (bad root, unknown device) throws config_error. After a
 //! rank fails, call abort() on every communicator of the group before destroying them:
-//! destroying a communicator whose peers stopped may wait for them forever.
+//! destroying a communicator whose peers stopped waits for them up to LOCKSTEP_TIMEOUT.
 //!
 //! Example (one process, all its GPUs):
 //! \code
@@ -126,7 +126,9 @@ class NcclComm {
   NcclComm& operator=(NcclComm&&) noexcept = default;
   NcclComm(const NcclComm&) = delete;
   NcclComm& operator=(const NcclComm&) = delete;
-  //! ncclCommDestroy (unless aborted), then the streams and events. Never throws.
+  //! ncclCommDestroy (unless aborted), then the streams and events. Never throws. A collective
+  //! still running is waited for, at most LOCKSTEP_TIMEOUT; then, or if the family was aborted
+  //! meanwhile, ncclCommAbort ends it (a peer that never issues it would hold ncclCommDestroy).
   ~NcclComm() = default;
 
   // --------------------------------------------------------------------------------------
@@ -134,14 +136,19 @@ class NcclComm {
   int size() const noexcept { return s_ ? s_->size : 0; }
   int device() const noexcept { return s_ ? s_->device : -1; }
   cudaStream_t comm_stream() const noexcept { return s_ ? s_->comm_stream : nullptr; }
-  cudaStream_t compute_stream() const noexcept { return s_ ? s_->compute : nullptr; }
+  cudaStream_t compute_stream() const noexcept { return s_ ? s_->compute_stream() : nullptr; }
   //! The raw NCCL communicator, for calls lockstep does not wrap. Stays owned by this object.
   ncclComm_t raw() const noexcept { return s_ ? s_->comm : nullptr; }
 
   //! Use `stream` (a stream of device(); nullptr = the legacy default stream) as the compute
   //! stream from now on: collectives wait for the work queued on it, and work::wait() and
-  //! memory() order on it. The stream must outlive its use here.
-  void set_compute_stream(cudaStream_t stream) { live("set_compute_stream").compute = stream; }
+  //! memory() order on it. The stream must outlive its use here. Communicators split from this
+  //! one follow it, unless they were given their own.
+  void set_compute_stream(cudaStream_t stream) {
+    state& s = live("set_compute_stream");
+    s.compute = stream;
+    s.follows_parent = false;
+  }
 
   //! Device memory operations, ordered on the compute stream.
   CudaMemory memory() const noexcept { return CudaMemory(device(), compute_stream()); }
@@ -246,7 +253,9 @@ class NcclComm {
     if (!s_) return;
     std::vector<std::shared_ptr<state>> all;
     try {
-      all = s_->family->live();
+      // Marks the family as well: a split() racing this abort is aborted as it joins (and
+      // throws aborted_error) instead of being left running, unreachable.
+      all = s_->family->abort_all(reason);
     } catch (...) {
     }
     if (std::find(all.begin(), all.end(), s_) == all.end()) detail::nccl_abort(*s_, reason);
@@ -281,10 +290,14 @@ class NcclComm {
 
   //! A communicator over the ranks that pass the same colour (≥ 0), ordered by key (ties: by
   //! rank here), by ncclCommSplit — collective over this group, every rank calls it. The new
-  //! one is on the same device and orders on the same compute stream (so the model's kernels
-  //! and both groups' collectives stay in order); it numbers and (LOCKSTEP_DEBUG=1) checks
-  //! its collectives on its own, and shares this one's failure handling: abort(), overdue()
-  //! and check_async_error() of either reach both. It keeps this communicator alive.
+  //! one is on the same device and orders on this one's compute stream, also one set later by
+  //! set_compute_stream() here (so the model's kernels and both groups' collectives stay in
+  //! order), until its own set_compute_stream() gives it another. It numbers and
+  //! (LOCKSTEP_DEBUG=1) checks its collectives on its own, and shares this one's failure
+  //! handling: abort(), overdue() and check_async_error() of either reach both; a split that
+  //! an abort() overtakes throws aborted_error. It keeps this communicator alive.
+  //! Its first collective connects its peers (NCCL_RUNTIME_CONNECT=1, NCCL's default) inside
+  //! the host call, which waits for them there; overdue() names it meanwhile.
   NcclComm split(int color, int key) {
     state& s = live("split");
     if (color < 0)
@@ -345,7 +358,7 @@ class NcclComm {
     LOCKSTEP_TRY_CUDA(cudaDeviceGetStreamPriorityRange(&least, &greatest));
     LOCKSTEP_TRY_CUDA(cudaStreamCreateWithPriority(&s.comm_stream, cudaStreamNonBlocking, greatest));
     if (parent) {
-      s.compute = parent->compute;  // the model's kernels and both groups' collectives stay ordered
+      s.follows_parent = true;  // the model's kernels and both groups' collectives stay ordered
       s.tracking = parent->tracking;
     } else {
       LOCKSTEP_TRY_CUDA(cudaStreamCreateWithFlags(&s.own_compute, cudaStreamNonBlocking));
@@ -361,7 +374,11 @@ class NcclComm {
     }
     LOCKSTEP_TRY_CUDA(cudaMemsetAsync(s.barrier_buf, 0, sizeof(int), s.comm_stream));
     LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s.comm_stream));
-    s.family->add(s_);
+    if (const auto why = s.family->add(s_)) {  // abort() overtook the split: end what it missed
+      detail::nccl_abort(s, *why);
+      throw aborted_error("NcclComm::split: " + s.who() + " was aborted while it was made (" + *why +
+                          "); create a new communicator to continue");
+    }
   }
 
   state& live(const char* what) const {
@@ -394,7 +411,11 @@ class NcclComm {
     const auto mine = detail::encode_order(c);
     std::int64_t* slot = s.debug_buf + k * static_cast<std::size_t>(s.rank);
     LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(slot, mine.data(), sizeof mine, cudaMemcpyHostToDevice, s.comm_stream));
+    // A collective of its own that a missing peer stalls (this thread then waits below):
+    // overdue() names it, and `c`, like any other.
+    detail::nccl_marker mark(s, c, true);
     LOCKSTEP_TRY_NCCL(ncclAllGather(slot, s.debug_buf, k, ncclInt64, s.comm, s.comm_stream));
+    mark.done();
     std::vector<std::int64_t> all(k * static_cast<std::size_t>(s.size));
     LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(all.data(), s.debug_buf, all.size() * sizeof(std::int64_t),
                                       cudaMemcpyDeviceToHost, s.comm_stream));
@@ -415,12 +436,15 @@ class NcclComm {
   template <class Call>
   work issue(state& s, const collective& c, Call&& call) {
     detail::device_guard g(s.device);
-    LOCKSTEP_TRY_CUDA(cudaEventRecord(s.ready, s.compute));
+    const cudaStream_t compute = s.compute_stream();
+    LOCKSTEP_TRY_CUDA(cudaEventRecord(s.ready, compute));
     LOCKSTEP_TRY_CUDA(cudaStreamWaitEvent(s.comm_stream, s.ready, 0));
-    work w(s.events, s.events->acquire(), s.compute);  // gives the event back if we throw below
+    work w(s.events, s.events->acquire(), compute);  // gives the event back if we throw below
+    // Marked before the call, which may block inside NCCL (nccl_marker); completed after.
+    detail::nccl_marker mark(s, c);
     call(s.comm_stream);
     LOCKSTEP_TRY_CUDA(cudaEventRecord(w.event(), s.comm_stream));
-    if (s.tracking) detail::nccl_track(s, c);
+    mark.done();
     return w;
   }
 

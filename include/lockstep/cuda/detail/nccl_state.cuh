@@ -21,9 +21,11 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "lockstep/comm/collective.hpp"
+#include "lockstep/core/env.hpp"
 #include "lockstep/cuda/detail/nccl_work.cuh"
 #include "lockstep/cuda/error.cuh"
 #include "lockstep/cuda/memory.cuh"
@@ -33,20 +35,51 @@ namespace lockstep::detail {
 struct nccl_state;
 
 //! A rank's communicators: the first one and those split from it (weakly held: a destroyed
-//! sub-communicator drops out).
+//! sub-communicator drops out). Once aborted, the family stays aborted: a member that joins
+//! later (a split racing abort()) is told so by add() and must abort itself.
 struct nccl_family {
   std::mutex m;
   std::vector<std::weak_ptr<nccl_state>> members;
+  bool aborted = false;      // under m
+  std::string abort_reason;  // under m
 
-  void add(const std::shared_ptr<nccl_state>& s) {
+  //! Why the family was aborted, if it was: then `s` joined too late and must be aborted.
+  std::optional<std::string> add(const std::shared_ptr<nccl_state>& s) {
     std::lock_guard lk(m);
     std::erase_if(members, [](const auto& w) { return w.expired(); });
     members.push_back(s);
+    if (aborted) return abort_reason;
+    return std::nullopt;
   }
   //! The live members, oldest first (the rank's first communicator leads).
   std::vector<std::shared_ptr<nccl_state>> live() {
     std::lock_guard lk(m);
+    return live_locked();
+  }
+  //! Marks the family aborted and returns the members to abort, under one lock: a member
+  //! added concurrently is either among them or told by add().
+  std::vector<std::shared_ptr<nccl_state>> abort_all(std::string_view reason) {
+    std::lock_guard lk(m);
+    if (!aborted) {
+      aborted = true;
+      try {
+        abort_reason.assign(reason);
+      } catch (...) {
+      }
+    }
+    return live_locked();
+  }
+  bool was_aborted() {
+    std::lock_guard lk(m);
+    return aborted;
+  }
+
+ private:
+  std::vector<std::shared_ptr<nccl_state>> live_locked() {
+    // Reserved first, so nothing throws once a member is locked: a last owner dropped here
+    // would run ~nccl_state, which takes m again.
     std::vector<std::shared_ptr<nccl_state>> out;
+    out.reserve(members.size());
     for (const auto& w : members)
       if (auto s = w.lock()) out.push_back(std::move(s));
     return out;
@@ -60,7 +93,10 @@ struct nccl_state {
   int device = 0;
   cudaStream_t comm_stream = nullptr;
   cudaStream_t own_compute = nullptr;
-  cudaStream_t compute = nullptr;
+  cudaStream_t compute = nullptr;  // unused while follows_parent
+  //! A sub-communicator orders on its parent's compute stream, including one the parent is
+  //! given later, until set_compute_stream() gives it its own.
+  bool follows_parent = false;
   cudaEvent_t ready = nullptr;  // "compute work so far", re-recorded by each collective
   int* barrier_buf = nullptr;
   std::shared_ptr<event_pool> events;
@@ -78,11 +114,14 @@ struct nccl_state {
   std::uint64_t splits = 0;  // split() calls so far, for sub-communicators' names
   std::int64_t* debug_buf = nullptr;  // size × order_words int64 on the device
   std::string next_label;             // label_next(): the next collective's label
-  // track_collectives(): markers of collectives in flight, oldest first.
+  // track_collectives(): markers of collectives in flight, oldest first. Only the last one
+  // may be unrecorded: its NCCL call has not returned yet (nccl_marker).
   struct tracked {
     cudaEvent_t event;
+    bool recorded;
     std::chrono::steady_clock::time_point issued;
     collective what;
+    bool order_check;  // LOCKSTEP_DEBUG=1's all-gather before `what`, not `what` itself
   };
   bool tracking = false;
   std::mutex track_m;
@@ -95,9 +134,11 @@ struct nccl_state {
   ~nccl_state() {
     device_guard g(device, std::nothrow);
     if (comm != nullptr && !released.exchange(true)) {
-      const ncclResult_t r = ncclCommDestroy(comm);
+      const bool destroy = drained();
+      const ncclResult_t r = destroy ? ncclCommDestroy(comm) : ncclCommAbort(comm);
       if (r != ncclSuccess)
-        std::fprintf(stderr, "lockstep: ncclCommDestroy on rank %d failed: %s\n", rank, ncclGetErrorString(r));
+        std::fprintf(stderr, "lockstep: %s on rank %d failed: %s\n", destroy ? "ncclCommDestroy" : "ncclCommAbort",
+                     rank, ncclGetErrorString(r));
     }
     if (barrier_buf != nullptr) (void)cudaFree(barrier_buf);
     if (debug_buf != nullptr) (void)cudaFree(debug_buf);
@@ -113,6 +154,46 @@ struct nccl_state {
   std::string who() const {
     if (group_name.empty() || !parent) return "rank " + std::to_string(rank);
     return parent->who() + " (rank " + std::to_string(rank) + " of " + group_name + ")";
+  }
+
+  cudaStream_t compute_stream() const noexcept {
+    return follows_parent && parent ? parent->compute_stream() : compute;
+  }
+
+ private:
+  // Whether ncclCommDestroy may end the communicator. It waits for every collective in
+  // flight, and a communicator being destroyed has left its family, so abort() no longer
+  // reaches it: one whose peer never comes would hold this thread for ever. So wait here for
+  // the communication stream, at most LOCKSTEP_TIMEOUT (a wait on other ranks), and say no
+  // (ncclCommAbort) once the family is aborted, NCCL reports an error, or the time is up.
+  // Collectives still running are not killed early: their results may yet be read.
+  bool drained() const noexcept {
+    if (family && family->was_aborted()) return false;
+    if (comm_stream == nullptr) return true;  // nothing was issued
+    std::chrono::milliseconds limit{60000};
+    try {
+      limit = default_timeout();
+    } catch (...) {  // a malformed LOCKSTEP_TIMEOUT was reported where it was first read
+    }
+    const auto start = std::chrono::steady_clock::now();
+    for (auto pause = std::chrono::milliseconds(1);; pause = std::min(2 * pause, std::chrono::milliseconds(50))) {
+      const cudaError_t q = cudaStreamQuery(comm_stream);
+      if (q != cudaErrorNotReady) return q == cudaSuccess;  // a failed device: abort, do not wait
+      ncclResult_t r = ncclSuccess;
+      if (ncclCommGetAsyncError(comm, &r) != ncclSuccess || (r != ncclSuccess && r != ncclInProgress)) return false;
+      if (family && family->was_aborted()) return false;
+      if (std::chrono::steady_clock::now() - start >= limit) {
+        try {
+          std::fprintf(stderr,
+                       "lockstep: %s: a collective was still running %lld s after its communicator was destroyed "
+                       "(a peer never issued it?); aborting it (ncclCommAbort) instead of waiting for ever\n",
+                       who().c_str(), static_cast<long long>(limit.count() / 1000));
+        } catch (...) {
+        }
+        return false;
+      }
+      std::this_thread::sleep_for(pause);
+    }
   }
 };
 
@@ -177,7 +258,7 @@ inline std::optional<std::string> nccl_overdue(nccl_state& s, std::chrono::milli
     ~relaxed_capture() { (void)cudaThreadExchangeStreamCaptureMode(&old); }
   } relaxed;
   std::lock_guard lk(s.track_m);
-  while (!s.pending.empty()) {
+  while (!s.pending.empty() && s.pending.front().recorded) {
     const cudaError_t q = cudaEventQuery(s.pending.front().event);
     if (q == cudaErrorNotReady) break;
     if (q != cudaSuccess) return s.who() + ": the GPU failed: " + cudaGetErrorString(q);
@@ -189,32 +270,80 @@ inline std::optional<std::string> nccl_overdue(nccl_state& s, std::chrono::milli
   const auto age = std::chrono::steady_clock::now() - p.issued;
   if (age < limit) return std::nullopt;
   const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(age).count();
-  return s.who() + ": " + p.what.describe() + " has not completed " + std::to_string(ms / 1000) + "." +
-         std::to_string(ms % 1000 / 100) +
-         " s after it was issued: a peer never issued it (it died, hangs, or called a different "
+  return s.who() + ": " + (p.order_check ? "the order check (LOCKSTEP_DEBUG=1) of " : "") + p.what.describe() +
+         " has not completed " + std::to_string(ms / 1000) + "." + std::to_string(ms % 1000 / 100) +
+         " s after it was issued" +
+         (p.recorded ? "" : " (its NCCL call has not returned: NCCL may be waiting there to connect to a peer)") +
+         ": a peer never issued it (it died, hangs, or called a different "
          "collective; LOCKSTEP_DEBUG=1 checks the order)";
 }
 
-// track_collectives(): a marker event after each collective, with its issue time. Not
-// while the stream is being captured into a graph (a marker would join the capture).
-inline void nccl_track(nccl_state& s, const collective& c) {
-  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
-  LOCKSTEP_TRY_CUDA(cudaStreamIsCapturing(s.comm_stream, &cap));
-  if (cap != cudaStreamCaptureStatusNone) return;
-  std::lock_guard lk(s.track_m);
-  cudaEvent_t e = nullptr;
-  if (!s.spare.empty()) {
-    e = s.spare.back();
-    s.spare.pop_back();
-  } else {
-    LOCKSTEP_TRY_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+//! track_collectives(): the marker of one NCCL call. It is pushed, with its issue time,
+//! *before* the call: NCCL may block inside it (connecting a communicator's peers at its first
+//! collective, NCCL_RUNTIME_CONNECT) waiting for a peer that never comes, and overdue() must
+//! see that as it sees a kernel that waits. done() records its event after the call; a call
+//! that throws takes the marker back. None while the stream is being captured into a graph
+//! (a marker would join the capture). The caller has made s.device current.
+class nccl_marker {
+ public:
+  nccl_marker(nccl_state& s, const collective& c, bool order_check = false) {
+    if (!s.tracking) return;
+    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    LOCKSTEP_TRY_CUDA(cudaStreamIsCapturing(s.comm_stream, &cap));
+    if (cap != cudaStreamCaptureStatusNone) return;
+    std::lock_guard lk(s.track_m);
+    cudaEvent_t e = nullptr;
+    if (!s.spare.empty()) {
+      e = s.spare.back();
+      s.spare.pop_back();
+    } else {
+      LOCKSTEP_TRY_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    }
+    try {
+      s.pending.push_back({e, false, std::chrono::steady_clock::now(), c, order_check});
+    } catch (...) {
+      (void)cudaEventDestroy(e);
+      throw;
+    }
+    s_ = &s;
   }
-  const cudaError_t r = cudaEventRecord(e, s.comm_stream);
-  if (r != cudaSuccess) {
-    s.spare.push_back(e);
-    check_cuda(r, "cudaEventRecord(marker, comm_stream)", __FILE__, __LINE__);
+  nccl_marker(const nccl_marker&) = delete;
+  nccl_marker& operator=(const nccl_marker&) = delete;
+  ~nccl_marker() {
+    if (s_ == nullptr) return;
+    std::lock_guard lk(s_->track_m);
+    take_back();
   }
-  s.pending.push_back({e, std::chrono::steady_clock::now(), c});
-}
+
+  //! The call returned: the marker completes when the stream gets past it.
+  void done() {
+    if (s_ == nullptr) return;
+    std::lock_guard lk(s_->track_m);
+    // Ours is the last: one thread issues on a communicator, and overdue() pops only
+    // recorded markers from the front.
+    auto& p = s_->pending.back();
+    const cudaError_t r = cudaEventRecord(p.event, s_->comm_stream);
+    if (r != cudaSuccess) {
+      take_back();
+      check_cuda(r, "cudaEventRecord(marker, comm_stream)", __FILE__, __LINE__);
+    }
+    p.recorded = true;
+    s_ = nullptr;
+  }
+
+ private:
+  void take_back() noexcept {  // under track_m
+    const cudaEvent_t e = s_->pending.back().event;
+    s_->pending.pop_back();
+    try {
+      s_->spare.push_back(e);
+    } catch (...) {
+      (void)cudaEventDestroy(e);
+    }
+    s_ = nullptr;
+  }
+
+  nccl_state* s_ = nullptr;  // null: no marker pushed, or it is done
+};
 
 }  // namespace lockstep::detail
