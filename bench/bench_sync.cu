@@ -4,7 +4,10 @@
 //     same bytes on the same communicator;
 //  b. overlap: a synthetic GPT-2-small step (per-tensor backward time ∝ its size, ≈26 ms in
 //     all) at N GPUs vs 1 GPU: exposed communication = step(N) − step(1);
-//  c. comm-bound MLP: 8 × 4096² (134M) with small per-layer compute (≈2.5 ms at 1 GPU).
+//  c. comm-bound MLP: 8 × 4096² (134M) with small per-layer compute (≈2.5 ms at 1 GPU);
+//  s. (with c) the same MLP step with ShardedOptimizer;
+//  h. Hierarchical reduction (nodes of --node-size ranks) vs the flat all-reduce (not in the
+//     default set: run it under scripts/two_node_sim.sh and on one node).
 // Compute is simulated by kernels that hold every SM for a set time (so NCCL competes for
 // SMs as it would with real GEMMs). Timings: CUDA events on each rank's compute stream,
 // median over --iters steps after warm-up; a step's time is the slowest rank's.
@@ -231,6 +234,52 @@ void bench_a(const std::vector<shape>& shapes, int ngpu, int iters, const char* 
               tname, ngpu, total * sizeof(T) / 1e6, flat, fused, flat / fused, buckets, flat / buckets);
 }
 
+// h. Hierarchical reduction (nodes of `node` consecutive ranks) against the flat all-reduce of
+// the same bytes, on the same communicator: GPT-2's gradients as one buffer, and lockstep's
+// bucket-by-bucket sync (as in a) with the Hierarchical hook vs the default one.
+template <class T>
+void bench_h(const std::vector<shape>& shapes, int ngpu, int iters, const char* tname, int node) {
+  if (ngpu % node != 0 || ngpu == 1) return;  // node == ngpu: one node, Hierarchical is the flat all-reduce
+  std::size_t total = 0;
+  for (auto& s : shapes) total += s.numel();
+  const double flat = flat_time<T>(total, ngpu, iters);
+  const double hier = timed(ngpu, 5, iters, [&](auto& ctx, cudaStream_t s) {
+    T* buf = nullptr;
+    LOCKSTEP_TRY_CUDA(cudaMalloc(&buf, total * sizeof(T)));
+    fill_kernel<<<1024, 256, 0, s>>>(buf, total, 7u);
+    auto h = std::make_shared<lockstep::Hierarchical<lockstep::NcclComm>>(ctx.comm(),
+                                                                           lockstep::HierarchicalOptions{.ranks_per_node = node});
+    auto* comm = &ctx.comm();
+    return std::pair{nothing(), std::function<void()>([=] { h->reduce(*comm, buf, total, dt<T>()).wait(); })};
+  });
+  auto per_bucket = [&](bool hierarchical) {
+    return timed(ngpu, 5, iters, [&, hierarchical](auto& ctx, cudaStream_t s) {
+      auto m = std::make_shared<ShapesModel<T>>(shapes, 11u, s);
+      using Hook = lockstep::Hierarchical<lockstep::NcclComm>;
+      auto hook = hierarchical ? Hook(ctx.comm(), {.ranks_per_node = node}) : Hook();
+      auto dp = std::make_shared<lockstep::DataParallel<ShapesModel<T>, lockstep::NcclComm, Hook>>(ctx, *m, std::move(hook));
+      using handle = typename decltype(dp)::element_type::step_handle;
+      auto step = std::make_shared<std::optional<handle>>();
+      const std::size_t n = shapes.size();
+      auto pre = [=] {
+        step->emplace(dp->step());
+        m->write_grads(s, 3u);
+      };
+      auto body = [=] {
+        for (std::size_t i = n; i-- > 0;) (*step)->gradient_ready(i);
+        (*step)->finish();
+        step->reset();
+      };
+      return std::pair{std::function<void()>(pre), std::function<void()>(body)};
+    });
+  };
+  const double dp_flat = per_bucket(false), dp_hier = per_bucket(true);
+  if (g_print)
+    std::printf("h  %-4s %d GPU  nodes of %d  %6.1f MB  one buffer: flat %8.3f ms  hierarchical %8.3f ms (flat/hier %.3f)  "
+                "per-bucket sync: flat %8.3f ms  hierarchical %8.3f ms (%.3f)\n",
+                tname, ngpu, node, total * sizeof(T) / 1e6, flat, hier, flat / hier, dp_flat, dp_hier, dp_flat / dp_hier);
+}
+
 // b/c. A synthetic training step: forward (fwd_us per layer); backward: `head_us` of compute
 // with no gradient final yet (e.g. GPT-2's tied lm_head), then per tensor (reverse
 // registration order) bwd_us[i] of compute and its gradient reported; finish() with a
@@ -271,7 +320,7 @@ double train_step_time(const std::vector<shape>& shapes, int ngpu, int iters, do
 int main(int argc, char** argv) {
   try {
     std::string shapes_path = "bench/data/gpt2_124m_shapes.txt";
-    int iters = 30, max_gpus = 0;
+    int iters = 30, max_gpus = 0, node = 2;
     std::string only = "abc";  // which benchmarks: a slow (socket) network wants fewer
     for (int i = 1; i < argc; ++i) {
       std::string a = argv[i];
@@ -279,8 +328,9 @@ int main(int argc, char** argv) {
       else if (a == "--iters" && i + 1 < argc) iters = std::stoi(argv[++i]);
       else if (a == "--gpus" && i + 1 < argc) max_gpus = std::stoi(argv[++i]);
       else if (a == "--only" && i + 1 < argc) only = argv[++i];
+      else if (a == "--node-size" && i + 1 < argc) node = std::stoi(argv[++i]);
       else {
-        std::fprintf(stderr, "usage: bench_sync [--shapes FILE] [--iters N] [--gpus N] [--only abcs]\n");
+        std::fprintf(stderr, "usage: bench_sync [--shapes FILE] [--iters N] [--gpus N] [--only abcsh] [--node-size L]\n");
         return 2;
       }
     }
@@ -297,6 +347,8 @@ int main(int argc, char** argv) {
     // All benchmarks for the given GPU counts (in Distributed mode: the launcher's world).
     auto all = [&](const std::vector<int>& counts) {
 
+    if (wanted('h'))
+      for (int g : counts) { bench_h<float>(gpt2, g, iters, "fp32", node); bench_h<__nv_bfloat16>(gpt2, g, iters, "bf16", node); }
     if (wanted('a'))
       for (int g : counts) if (g > 1) { bench_a<float>(gpt2, g, iters, "fp32"); bench_a<__nv_bfloat16>(gpt2, g, iters, "bf16"); }
 
