@@ -4,6 +4,7 @@
 //! kernels, grad_ops on device memory, DeviceDynamicScale and the fused optimizers. Include it
 //! from a CUDA translation unit (.cu); run(Auto) then also picks the GPUs.
 
+#include "lockstep/cuda/bf16_wire.cuh"
 #include "lockstep/cuda/device_dynamic_scale.cuh"
 #include "lockstep/cuda/error.cuh"
 #include "lockstep/cuda/fused_optimizer.cuh"

@@ -412,6 +412,46 @@ TEST_CASE("join with two element types: a shadowing rank replays the launch orde
   }
 }
 
+TEST_CASE_TEMPLATE("join with ShardedOptimizer: a rank out of data still steps its shard - equals the plain loop", T,
+                   float, double) {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  const double lr = 0.2, tol = std::is_same_v<T, double> ? 1e-12 : 1e-5;
+  const auto d = make_data(seed);
+  for (int n : {2, 3, 4}) {
+    CAPTURE(n);
+    join_config c = uneven(n);
+    c.buckets = {.first_bytes = 4 * sizeof(T) * 7, .cap_bytes = 4 * sizeof(T) * 19};  // tensors over several shards
+    if (n == 4) c.batches[1] = 0;  // a rank with no batch at all
+    const auto ref = reference<T>(d, c, seed + 1, lr);
+    std::vector<std::vector<T>> got(static_cast<std::size_t>(n));
+    std::vector<std::size_t> shadow(got.size());
+    lockstep::run(lockstep::Threads{n}, [&](auto& ctx) {
+      const auto ri = static_cast<std::size_t>(ctx.rank());
+      TestMlp<T> m(d.dims, seed + 1 + ri * 7919);
+      lockstep::DataParallel<TestMlp<T>, lockstep::ThreadComm, lockstep::ShardedOptimizer> dp(ctx, m, {.buckets = c.buckets});
+      lockstep::Sgd opt({.lr = lr});
+      const auto on_shard = [&](std::span<const lockstep::param_slice> s) { opt.step(s); };
+      auto join = dp.join([](lockstep::step_result r) { CHECK(r.synced); }, on_shard);
+      for (int j = 0; j < c.batches[ri]; ++j) {
+        auto step = dp.step();
+        auto rows = rows_of(d, c, ctx.rank(), j);
+        m.forward_backward(inputs<T>(d), d.y, rows, step.on_gradient_ready());
+        (void)step.finish(on_shard);
+      }
+      shadow[ri] = join.leave();
+      got[ri] = m.flat_values();
+    });
+    for (int r = 0; r < n; ++r) {
+      CAPTURE(r);
+      const auto ri = static_cast<std::size_t>(r);
+      CHECK(max_rel_diff(got[ri], ref) <= tol);
+      CHECK(got[ri] == got[0]);
+      CHECK(shadow[ri] == static_cast<std::size_t>(c.cycles() - c.batches[ri]));
+    }
+  }
+}
+
 TEST_CASE("without a join scope uneven batches fail loudly instead of silently") {
   const auto seed = fresh_seed();
   CAPTURE(seed);

@@ -160,6 +160,65 @@ TEST_CASE_TEMPLATE("sharded: a checkpoint of the sharded state resumes bit for b
   CHECK(resumed.final_scale == whole.final_scale);
 }
 
+TEST_CASE_TEMPLATE("sharded gather_in_forward: the all-gather waited for in the next forward equals the unsharded run", T,
+                   float, double) {
+  std::mt19937_64 rng(fresh_seed());
+  for (int n : {1, 2, 3, 4}) {
+    config c;
+    c.ranks = n;
+    c.gather_in_forward = true;
+    check_sharded_equals_unsharded<T, true>(c);
+    check_sharded_equals_unsharded<T, false>(c);
+    c.buckets = {.first_bytes = 4 * sizeof(T) * 7, .cap_bytes = 4 * sizeof(T) * 19};  // tensors over several units
+    c.accumulate = 2;
+    check_sharded_equals_unsharded<T, true>(c);
+    config inf = c;
+    inf.inf_step = 2;
+    inf.inf_at = std::uniform_int_distribution<std::size_t>(0, 13 * 17 - 1)(rng);
+    check_sharded_equals_unsharded<T, true>(inf);
+    config clip = c;
+    clip.max_norm = 0.05;
+    check_sharded_equals_unsharded<T, true>(clip);
+  }
+}
+
+TEST_CASE("sharded gather_in_forward: finish() leaves the parameters to the next forward - which must wait for them") {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  const auto d = make_data(seed, 64);
+  using Model = TestMlp<float>;
+  using DP = lockstep::DataParallel<Model, lockstep::ThreadComm, lockstep::ShardedOptimizer>;
+  lockstep::run(lockstep::Threads{3}, [&](auto& ctx) {
+    Model m(d.dims, seed);
+    DP dp(ctx, m, {.buckets = {.first_bytes = 300, .cap_bytes = 700}, .gather_in_forward = true});
+    lockstep::Sgd opt({.lr = 0.1});
+    std::vector<std::size_t> rows{static_cast<std::size_t>(ctx.rank()), 7};
+    auto step = dp.step();
+    m.forward_backward(d.X32, d.y, rows, step.on_gradient_ready());
+    const auto before = m.flat_values();
+    (void)step.finish([&](std::span<const lockstep::param_slice> s) { opt.step(s); });
+    CHECK(m.flat_values() == before);  // nothing unpacked yet: deferred to the forward
+    dp.wait_parameters(0);
+    const auto one = m.flat_values();
+    CHECK(one != before);               // parameter 0's units are in
+    dp.wait_all_parameters();
+    const auto after = m.flat_values();
+    CHECK(after != one);                // and the rest followed
+    auto second = dp.step();  // every parameter waited for: accepted
+    m.forward_backward(d.X32, d.y, rows, second.on_gradient_ready());
+    (void)second.finish([&](std::span<const lockstep::param_slice> s) { opt.step(s); });
+    // A forward that skips the wait: its first gradient is refused, naming what to call.
+    auto next = dp.step();
+    CHECK_THROWS_WITH_AS(m.forward_backward(d.X32, d.y, rows, [&](std::size_t i) { next.gradient_ready(i); }),
+                         doctest::Contains("call dp.wait_parameters(i) first"), lockstep::config_error);
+  });
+  CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
+                         Model m(d.dims, seed);
+                         lockstep::DataParallel<Model, lockstep::ThreadComm> dp(ctx, m, {.gather_in_forward = true});
+                       }),
+                       doctest::Contains("gather_in_forward needs ShardedOptimizer"), lockstep::config_error);
+}
+
 TEST_CASE("sharded: wrong use is refused with what to do") {
   const auto seed = fresh_seed();
   const auto d = make_data(seed, 64);
@@ -182,7 +241,7 @@ TEST_CASE("sharded: wrong use is refused with what to do") {
                            DP dp(ctx, m);
                            auto j = dp.join([](lockstep::step_result) {});
                          }),
-                         doctest::Contains("not supported with ShardedOptimizer"), lockstep::config_error);
+                         doctest::Contains("pass the optimizer's shard step too"), lockstep::config_error);
   }
   SUBCASE("a negative max_grad_norm") {
     CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {

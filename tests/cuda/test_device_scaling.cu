@@ -578,6 +578,7 @@ struct dp_config {
   bool zero_copy = true;
   lockstep::BucketPolicy buckets{};
   double clip = 0;         // DataParallelOptions::max_grad_norm (the reference clips alike)
+  bool gather_in_forward = false;  // sharded: each parameter waited for just before the forward
 };
 
 // Sharded: DataParallel with ShardedOptimizer, FusedSgd over dp.shard_parameters() stepping in
@@ -597,7 +598,7 @@ void check_dp_scaled(const dp_config& c) {
   const lockstep::SgdOptions sgd{.lr = 0.05, .momentum = 0.9, .dampening = 0.0, .weight_decay = 1e-3};
   CAPTURE(seed); CAPTURE(c.gpus); CAPTURE(c.per_bucket); CAPTURE(c.capture); CAPTURE(c.zero_copy);
   CAPTURE(c.buckets.cap_bytes); CAPTURE(on_device); CAPTURE(inf_step); CAPTURE(inf_rank); CAPTURE(inf_param);
-  CAPTURE(so.init_scale); CAPTURE(Sharded); CAPTURE(c.clip);
+  CAPTURE(so.init_scale); CAPTURE(Sharded); CAPTURE(c.clip); CAPTURE(c.gather_in_forward);
 
   const std::size_t samples = 2048;
   const int batch = 16;
@@ -648,8 +649,9 @@ void check_dp_scaled(const dp_config& c) {
                                   lockstep::DataParallel<GpuMlp, lockstep::NcclComm, lockstep::EveryStep, Scaler,
                                                          lockstep::ShardedOptimizer>,
                                   lockstep::DataParallel<GpuMlp, lockstep::NcclComm, lockstep::EveryStep, Scaler>>;
-    DP dp(ctx, m, {.buckets = c.buckets, .zero_copy = c.zero_copy, .max_grad_norm = c.clip}, lockstep::EveryStep{},
-          Scaler(so));
+    DP dp(ctx, m,
+          {.buckets = c.buckets, .zero_copy = c.zero_copy, .max_grad_norm = c.clip, .gather_in_forward = c.gather_in_forward},
+          lockstep::EveryStep{}, Scaler(so));
     const float* d_scale = nullptr;
     const int* d_flag = nullptr;
     if constexpr (on_device) {
@@ -699,6 +701,8 @@ void check_dp_scaled(const dp_config& c) {
       const auto params = dp.parameters();  // the arena's gradient pointers (rebound after step 0)
       const float h_scale = on_device ? 1.0f : static_cast<float>(step.loss_scale());
       auto hook = step.on_gradient_ready();
+      if (c.gather_in_forward)  // a layer-by-layer forward would wait for each layer's parameters
+        for (std::size_t i = 0; i < params.size(); ++i) dp.wait_parameters(i);
       // The loss-scale multiply the loss kernel would do (exact: the scale is a power of two),
       // and the planted inf, right before each gradient is reported final.
       m.forward_backward(dX, dy, drows, batch, [&](std::size_t i) {
@@ -731,6 +735,7 @@ void check_dp_scaled(const dp_config& c) {
     cudaGraphExec_t exec = nullptr;
     for (int st = 0; st < steps; ++st) {
       upload_rows(st);
+      if (c.gather_in_forward && st == inf_step) dp.wait_all_parameters();  // read on the host
       const auto before = st == inf_step ? m.flat_values() : std::vector<float>{};
       if (!c.capture || st < warmup) {
         one_step(st);
@@ -756,10 +761,12 @@ void check_dp_scaled(const dp_config& c) {
       } else {
         one_step(st);
       }
+      if (c.gather_in_forward && st == inf_step) dp.wait_all_parameters();
       if (st == inf_step) unchanged_at_inf[rank] = m.flat_values() == before ? 1 : 0;
       states[rank].push_back(dp.scaler().state());  // synchronises: outside the step
     }
     if (exec) LOCKSTEP_TRY_CUDA(cudaGraphExecDestroy(exec));
+    dp.wait_all_parameters();
     got[rank] = m.flat_values();
     cudaFree(dX); cudaFree(dy); cudaFree(drows);
   });
@@ -1029,13 +1036,16 @@ TEST_CASE("DeviceDynamicScale names the rank whose gradients were non-finite: 2 
 }
 // ShardedOptimizer on GPUs: reduce-scatter as backward goes, FusedSgd updates this GPU's
 // shard, all-gather; an inf on one GPU skips the step on all; clipping sums the shards' squares.
-TEST_CASE("sharded on 2 GPUs: FusedSgd over the shards == CPU reference - inf on one GPU - clipping - graph") {
+TEST_CASE("sharded on 2 GPUs: FusedSgd over the shards == CPU reference - inf on one GPU - clipping - graph - gather in forward") {
   LOCKSTEP_REQUIRE_GPUS(2);
   check_dp_scaled<lockstep::DeviceDynamicScale, true>({.gpus = 2, .buckets = {.first_bytes = 1000, .cap_bytes = 3000}});
   check_dp_scaled<lockstep::DeviceDynamicScale, true>({.gpus = 2, .zero_copy = false});
   check_dp_scaled<lockstep::DynamicScale, true>({.gpus = 2, .buckets = {.first_bytes = 1000, .cap_bytes = 3000}, .clip = 0.5});
   check_dp_scaled<lockstep::DeviceDynamicScale, true>({.gpus = 2, .clip = 0.5});
   check_dp_scaled<lockstep::DeviceDynamicScale, true>({.gpus = 2, .capture = true});
+  check_dp_scaled<lockstep::DeviceDynamicScale, true>({.gpus = 2, .gather_in_forward = true});
+  check_dp_scaled<lockstep::DynamicScale, true>(
+      {.gpus = 2, .buckets = {.first_bytes = 1000, .cap_bytes = 3000}, .clip = 0.5, .gather_in_forward = true});
 }
 
 TEST_CASE("DataParallel + DeviceDynamicScale + FusedSgd: 4 GPUs") {
@@ -1045,6 +1055,8 @@ TEST_CASE("DataParallel + DeviceDynamicScale + FusedSgd: 4 GPUs") {
   check_dp_scaled<lockstep::DeviceDynamicScale>({.gpus = 4, .per_bucket = false, .zero_copy = false});
   check_dp_scaled<lockstep::DynamicScale>({.gpus = 4});
   check_dp_scaled<lockstep::DeviceDynamicScale, true>({.gpus = 4, .buckets = {.first_bytes = 1000, .cap_bytes = 5000}});
+  check_dp_scaled<lockstep::DeviceDynamicScale, true>(
+      {.gpus = 4, .buckets = {.first_bytes = 1000, .cap_bytes = 5000}, .gather_in_forward = true});
   check_dp_scaled<lockstep::DynamicScale, true>({.gpus = 4, .clip = 0.5});
 }
 }

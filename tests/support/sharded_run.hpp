@@ -27,6 +27,7 @@ struct sharded_config {
   int inf_step = -1;     // this step's gradients get an inf on the last rank
   std::size_t inf_at = 0;
   int first_step = 0;    // resume: the step the loop starts at
+  bool gather_in_forward = false;  // sharded: each parameter waited for just before the forward
 };
 
 struct sharded_outcome {
@@ -50,7 +51,8 @@ void train_rank(Ctx& ctx, const dataset& d, const sharded_config& c, std::uint64
   using Comm = std::remove_cvref_t<decltype(ctx.comm())>;
   using Model = TestMlp<T, Bindable>;
   Model m(d.dims, init_seed + static_cast<std::uint64_t>(ctx.rank()) * 7919);
-  const lockstep::DataParallelOptions o{.buckets = c.buckets, .max_grad_norm = c.max_norm};
+  const bool deferred = Sharded && c.gather_in_forward;
+  const lockstep::DataParallelOptions o{.buckets = c.buckets, .max_grad_norm = c.max_norm, .gather_in_forward = deferred};
   using DP = std::conditional_t<
       Sharded,
       lockstep::DataParallel<Model, Comm, lockstep::Accumulate<>, Scale, lockstep::ShardedOptimizer>,
@@ -70,6 +72,8 @@ void train_rank(Ctx& ctx, const dataset& d, const sharded_config& c, std::uint64
       // The inf goes in before parameter 0's gradient is reported final (and reduced).
       const bool inject = s == c.inf_step && ctx.rank() == c.ranks - 1 && step.synchronizes();
       const auto poison = [&] { static_cast<T*>(m.parameters()[0].grad)[c.inf_at] = std::numeric_limits<T>::infinity(); };
+      if (deferred)  // what a layer-by-layer forward does, here all before TestMlp's forward
+        for (std::size_t i = 0; i < m.parameters().size(); ++i) p.wait_parameters(i);
       m.forward_backward(inputs<T>(d), d.y, rows, [&](std::size_t i) {
         if (inject && i == 0) poison();
         if (c.hooks) step.gradient_ready(i);
@@ -87,6 +91,7 @@ void train_rank(Ctx& ctx, const dataset& d, const sharded_config& c, std::uint64
     }
     if constexpr (!std::is_same_v<Hold, std::nullptr_t>) hold(ctx, p, opt, s);
   }
+  if (deferred) p.wait_all_parameters();
   std::vector<double> v;
   for (auto x : m.flat_values()) v.push_back(static_cast<double>(x));
   out.values[static_cast<std::size_t>(ctx.rank())] = std::move(v);

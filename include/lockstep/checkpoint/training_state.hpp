@@ -83,6 +83,7 @@ void restore_parameters(const Checkpoint& ck, R&& params, Ops&& ops) {
 // ---------------------------------------------------------------------------------------
 template <class DP>
 void add_training_state(Checkpoint& ck, DP& dp) {
+  dp.wait_all_parameters();  // gather_in_forward: the values still in flight
   ck.add_parameters(dp.parameters(), dp.comm().memory());
   ck.add_value("lockstep.loss_scale", dp.scaler().state());
   const auto plan = dp.plan_state();
@@ -94,6 +95,7 @@ void add_training_state(Checkpoint& ck, DP& dp) {
 //! adopted first, changes no values).
 template <class DP>
 void restore_training_state(const Checkpoint& ck, DP& dp) {
+  dp.wait_all_parameters();  // gather_in_forward: nothing in flight overwrites what is restored
   loss_scale_state st{};
   ck.restore_value("lockstep.loss_scale", st);
   const auto bytes = ck.blob("lockstep.plan");

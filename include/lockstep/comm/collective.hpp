@@ -19,7 +19,7 @@
 
 namespace lockstep {
 
-enum class collective_kind : std::uint8_t { all_reduce, broadcast, all_gather, reduce_scatter, barrier };
+enum class collective_kind : std::uint8_t { all_reduce, broadcast, all_gather, reduce_scatter, barrier, all_to_all };
 
 inline constexpr const char* name_of(collective_kind k) {
   switch (k) {
@@ -28,6 +28,7 @@ inline constexpr const char* name_of(collective_kind k) {
     case collective_kind::all_gather: return "all_gather";
     case collective_kind::reduce_scatter: return "reduce_scatter";
     case collective_kind::barrier: return "barrier";
+    case collective_kind::all_to_all: return "all_to_all";
   }
   return "?";
 }
@@ -50,6 +51,7 @@ struct collective {
   static collective reduce_scatter(std::size_t n, dtype t, reduce_op o) {
     return {collective_kind::reduce_scatter, n, t, o, 0, 0};
   }
+  static collective all_to_all(std::size_t n, dtype t) { return {collective_kind::all_to_all, n, t, reduce_op::sum, 0, 0}; }
   static collective barrier() { return {}; }
 
   //! "all_reduce #12 of 1048576 f32 (avg)", "broadcast #0 of 10 f64 from root 1", "barrier #3".

@@ -200,6 +200,35 @@ class NcclComm {
     });
   }
 
+  //! Block j of send (count elements each, size() blocks) goes to rank j; block i of recv comes
+  //! from rank i. Not in place. (NcclComm only: the bf16 wire's transport.)
+  work all_to_all(const void* send, void* recv, std::size_t count, dtype t) {
+    state& s = live("all_to_all");
+    const collective c = check_order(s, collective::all_to_all(count, t));
+    if (count == 0) return {};
+    require(send, "send", "all_to_all");
+    require(recv, "recv", "all_to_all");
+    const ncclDataType_t nt = to_nccl(t);
+    return issue(s, c, [&](cudaStream_t cs) { LOCKSTEP_TRY_NCCL(ncclAlltoAll(send, recv, count, nt, s.comm, cs)); });
+  }
+
+  //! Queues f(stream) on the communication stream: after every collective issued so far and
+  //! the compute stream's work queued so far, before the next collective. The work orders the
+  //! compute stream after it, like a collective's. For kernels between collectives (the bf16
+  //! wire's casts and sums) that must not hold the compute stream.
+  template <class F>
+  work enqueue(F&& f) {
+    state& s = live("enqueue");
+    detail::device_guard g(s.device);
+    const cudaStream_t compute = s.compute_stream();
+    LOCKSTEP_TRY_CUDA(cudaEventRecord(s.ready, compute));
+    LOCKSTEP_TRY_CUDA(cudaStreamWaitEvent(s.comm_stream, s.ready, 0));
+    work w(s.events, s.events->acquire(), compute);
+    f(s.comm_stream);
+    LOCKSTEP_TRY_CUDA(cudaEventRecord(w.event(), s.comm_stream));
+    return w;
+  }
+
   //! recv (count elements) ← op over ranks of block rank() of send (size()·count elements).
   //! In place when recv == send + rank()·count.
   work reduce_scatter(const void* send, void* recv, std::size_t count, dtype t, reduce_op op) {

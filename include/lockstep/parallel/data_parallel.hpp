@@ -16,8 +16,8 @@
 //!
 //! Policies (any order, each at most once): an accumulation_policy (EveryStep default,
 //! Accumulate<K>, Accumulate<> with K at run time), a loss_scaler (NoScaling default,
-//! StaticScale, DynamicScale), a bucket_hook (AllReduceMean default; bucket_hook.hpp) and
-//! ShardedOptimizer (policies.hpp; not with a bucket_hook). With a scaler, multiply the loss
+//! StaticScale, DynamicScale), a bucket_hook (AllReduceMean default, Hierarchical, Bf16Wire;
+//! bucket_hook.hpp) and ShardedOptimizer (policies.hpp). With a scaler, multiply the loss
 //! by step.loss_scale() before backward; finish() unscales the averaged gradients, checks them
 //! for inf/NaN (agreed across ranks) and reports applied = false when the optimizer must skip
 //! the step. With DataParallelOptions::max_grad_norm it also clips them.
@@ -102,8 +102,6 @@ class DataParallel {
                 "lockstep::DataParallel: the loss scaler cannot unscale this communicator's "
                 "gradients (it needs unscale_and_check(Comm&, span<const grad_group>))");
 
-  class step_handle;
-
   //! One micro-step: created by step(), ended by finish().
   class step_handle {
    public:
@@ -137,8 +135,8 @@ class DataParallel {
     //! As finish(), calling on_bucket(slices) for each bucket as soon as it is averaged
     //! (e.g. an optimizer updating those parameters while later buckets are in flight).
     //! Sharded (the only form there): the slices are this rank's shards (one slice of
-    //! shard_parameters() per call), and each is all-gathered into the parameters as soon as
-    //! on_bucket returns; every rank's parameters are updated when finish returns.
+    //! shard_parameters() per call), each all-gathered into the parameters after on_bucket
+    //! (by the time finish returns, or, gather_in_forward, as the next forward waits for it).
     step_result finish(const std::function<void(std::span<const param_slice>)>& on_bucket) {
       if (!dp_) throw config_error("lockstep: finish() called twice on one step");
       auto* dp = std::exchange(dp_, nullptr);
@@ -233,12 +231,10 @@ class DataParallel {
   //! of its loop; a rank that runs out of batches, on leaving the scope, keeps taking part in
   //! the others' gradient averages (contributing zeros) and calls on_shadow_step(result) for
   //! each such step, with the averaged gradients in place, to apply the same optimizer update.
-  [[nodiscard]] Join<DataParallel> join(std::function<void(step_result)> on_shadow_step) {
-    if constexpr (sharded)
-      throw config_error("lockstep: DataParallel::join is not supported with ShardedOptimizer yet (a "
-                         "shadow step would need the optimizer inside it); give every rank the same "
-                         "number of batches (e.g. DistributedSampler with drop_last)");
-    return Join<DataParallel>(*this, std::move(on_shadow_step));
+  //! Sharded: on_shard (the optimizer's shard step) as well.
+  [[nodiscard]] Join<DataParallel> join(std::function<void(step_result)> on_shadow_step,
+                                        std::function<void(std::span<const param_slice>)> on_shard = {}) {
+    return Join<DataParallel>(*this, std::move(on_shadow_step), std::move(on_shard));
   }
 
   //! The accumulation policy (e.g. to set K at run time with Accumulate<>: takes effect
@@ -258,6 +254,9 @@ class DataParallel {
   {
     return reducer_.shard_parameters();
   }
+  //! gather_in_forward: before the forward uses parameter i (its units gathered, unpacked); all.
+  void wait_parameters(std::size_t i) { reducer_.wait_parameters(i); }
+  void wait_all_parameters() { reducer_.wait_all_parameters(); }
   //! Sharded: a fingerprint of the shard layout (see save_sharded / load_sharded).
   std::uint64_t shard_layout() const
     requires sharded
@@ -406,7 +405,7 @@ class DataParallel {
   // their order: a pending plan rebuild's check (they apply it when their cycle starts,
   // before its agreement), the agreement, the bucket all-reduces (arrival order replayed)
   // and the loss scaler's found-inf flag. nullopt once no rank contributes any more.
-  std::optional<step_result> join_step() {
+  std::optional<step_result> join_step(const std::function<void(std::span<const param_slice>)>& on_shard) {
     step_t0_ = detail::trace_log::clock::now();
     comm_at_step_ = reducer_.stats().comm_seconds;
     const bool partial = in_cycle_ && micro_ > 0;
@@ -421,7 +420,7 @@ class DataParallel {
     }
     reducer_.begin_micro(true, join_prescale(agreed));
     reducer_.replay_arrivals();
-    return finish_step(true, nullptr);
+    return finish_step(true, on_shard);
   }
 
   struct built_t {};
@@ -436,6 +435,7 @@ class DataParallel {
     if (!(opts_.max_grad_norm >= 0))
       throw config_error("DataParallelOptions::max_grad_norm must be >= 0 (0: no clipping), got " +
                          std::to_string(opts_.max_grad_norm));
+    reducer_.set_gather_in_forward(opts_.gather_in_forward);
     if (comm_.size() > 1 && !buffers_.empty()) {
       detail::check_same_tensors(comm_, buffers_, "buffer");
       if (opts.broadcast_parameters) detail::broadcast_values(comm_, buffers_);

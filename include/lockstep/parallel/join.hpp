@@ -36,9 +36,11 @@
 #include <cstddef>
 #include <exception>
 #include <functional>
+#include <span>
 #include <utility>
 
 #include "lockstep/core/error.hpp"
+#include "lockstep/core/parameter.hpp"
 #include "lockstep/parallel/step.hpp"
 
 namespace lockstep {
@@ -47,11 +49,19 @@ template <class DP>
 class Join {
  public:
   using shadow_fn = std::function<void(step_result)>;
+  using shard_fn = std::function<void(std::span<const param_slice>)>;
 
-  //! Enters the scope (no communication). Use between steps; scopes do not nest.
-  Join(DP& dp, shadow_fn on_shadow_step)
-      : dp_(dp), on_shadow_step_(std::move(on_shadow_step)),
+  //! Enters the scope (no communication). Use between steps; scopes do not nest. With
+  //! ShardedOptimizer, on_shard is the optimizer's shard step (what the stepping ranks pass to
+  //! finish): a rank out of data still updates its shard of every parameter in each shadow step.
+  Join(DP& dp, shadow_fn on_shadow_step, shard_fn on_shard = {})
+      : dp_(dp), on_shadow_step_(std::move(on_shadow_step)), on_shard_(std::move(on_shard)),
         uncaught_(std::uncaught_exceptions()) {
+    if (DP::sharded != static_cast<bool>(on_shard_))
+      throw config_error(DP::sharded ? "lockstep::Join with ShardedOptimizer: pass the optimizer's shard step too, "
+                                       "dp.join(on_shadow_step, [&](std::span<const lockstep::param_slice> s) { "
+                                       "opt.step(s); }): each rank updates its own shard, with data or without"
+                                     : "lockstep::Join: on_shard is for ShardedOptimizer; this DataParallel is not sharded");
     if (!on_shadow_step_)
       throw config_error("lockstep::Join: on_shadow_step is empty; pass the optimizer update "
                          "the stepping ranks apply (e.g. [&](lockstep::step_result r) { if (r) "
@@ -94,7 +104,7 @@ class Join {
       DP& dp;
       ~close_scope() { dp.joining_ = false; }
     } close{dp_};
-    while (auto r = dp_.join_step()) {
+    while (auto r = dp_.join_step(on_shard_)) {
       ++shadow_steps_;
       on_shadow_step_(*r);
     }
@@ -110,6 +120,7 @@ class Join {
  private:
   DP& dp_;
   shadow_fn on_shadow_step_;
+  shard_fn on_shard_;
   int uncaught_ = 0;
   bool done_ = false;
   std::size_t shadow_steps_ = 0;

@@ -95,6 +95,12 @@ struct DataParallelOptions {
   //! clip_grad_norm_) before any per-bucket callback, and reports the norm in
   //! step_result::grad_norm; sharded, the norm is summed over the shards. 0: off.
   double max_grad_norm = 0;
+  //! ShardedOptimizer only: the all-gather of the updated shards is waited for in the next
+  //! forward, bucket by bucket, instead of in finish(). The model calls
+  //! DataParallel::wait_parameters(i) before the forward uses parameter i (a gradient for a
+  //! parameter never waited for is an error), and wait_all_parameters() before reading the
+  //! parameters outside a forward (evaluation; checkpoints do it themselves). docs/sharding.md.
+  bool gather_in_forward = false;
 };
 
 namespace detail {
@@ -129,13 +135,13 @@ struct policy_set {
   static_assert(detail::count_v<is_hook, Policies...> <= 1, "lockstep::DataParallel: give at most one bucket_hook");
   static_assert(detail::count_v<detail::is_sharding, Policies...> <= 1,
                 "lockstep::DataParallel: give ShardedOptimizer at most once");
-  static_assert(detail::count_v<detail::is_sharding, Policies...> == 0 || detail::count_v<is_hook, Policies...> == 0,
-                "lockstep::DataParallel: ShardedOptimizer reduce-scatters every bucket itself; it "
-                "cannot be combined with a bucket_hook");
-
   using accumulation = pick_t<is_accumulation_policy, EveryStep, Policies...>;
   using scaler = pick_t<is_loss_scaler, NoScaling, Policies...>;
   using hook = pick_t<is_hook, AllReduceMean, Policies...>;
+  static_assert(detail::count_v<detail::is_sharding, Policies...> == 0 || detail::count_v<is_hook, Policies...> == 0 ||
+                    requires(hook& h, Comm& c, void* p, std::size_t n, dtype t) { h.reduce_scatter(c, p, p, n, t); },
+                "lockstep::DataParallel: ShardedOptimizer reduce-scatters every bucket itself; it combines "
+                "only with a bucket_hook that has reduce_scatter(comm, data, mine, per, dtype) (Bf16Wire)");
   static constexpr bool sharded = count_v<is_sharding, Policies...> > 0;
 };
 //! The argument of type T among args (at most one), else T{}: DataParallel's constructors

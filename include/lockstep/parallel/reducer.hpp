@@ -115,18 +115,20 @@ class reducer {
       throw config_error("parameter " + std::to_string(i) + " ('" + params_[i].name +
                          "') was reported ready twice in one step; report each gradient once, "
                          "when it is final");
+    if (sharded_ && shards_.deferred() && shards_.pending(i))
+      throw config_error("parameter " + std::to_string(i) + " ('" + params_[i].name + "') got a gradient, but its values "
+                         "were not waited for in this forward (gather_in_forward): call dp.wait_parameters(i) first");
     ready_[i] = true;
     if (!observed_) arrivals_.push_back(i);
     if (sync_) sync_arrivals_.push_back(i);
     count_ready(i);
   }
 
-  //! Join (join.hpp): a rank without data shadows a syncing micro-step. It reports its
-  //! (zero) gradients in the order its last real syncing step saw them — else, once settled,
-  //! in the plan's order (rank 0's observed arrival order) — so that it launches the same
-  //! units in the same order as the ranks whose backward reports them. With one element
-  //! type any order launches the same sequence; with several, the interleaving of the
-  //! types' launches follows the arrival order. Nothing is recorded as an observation.
+  //! Join (join.hpp): a rank without data shadows a syncing micro-step, reporting its (zero)
+  //! gradients in the order its last real syncing step saw them — else, once settled, the
+  //! plan's (rank 0's arrivals) — so it launches the same units in the same order as the
+  //! ranks whose backward reports them (with several element types, the interleaving of the
+  //! types' launches follows that order). Nothing is recorded as an observation.
   void replay_arrivals() {
     const std::vector<std::size_t>* order = nullptr;
     if (!last_sync_arrivals_.empty()) order = &last_sync_arrivals_;
@@ -175,6 +177,14 @@ class reducer {
   //! Sharded, after finish(nullptr): fn (the optimizer) steps each shard; all are gathered.
   void update_shards(const std::function<void(std::span<const param_slice>)>& fn) {
     shards_.update_all(fn, stats_.comm_seconds);
+  }
+
+  void wait_parameters(std::size_t i) { if (sharded_) shards_.wait_parameters(i, stats_.comm_seconds); }  // shards.hpp
+  void wait_all_parameters() { shards_.complete_all(); }
+  void set_gather_in_forward(bool on) {
+    if (on && !sharded_)
+      throw config_error("DataParallelOptions::gather_in_forward needs ShardedOptimizer (it defers the shards' all-gather)");
+    shards_.set_deferred(on);
   }
 
   //! Sharded: this rank's shard of every launch unit as a parameter (value in the value
@@ -314,8 +324,10 @@ class reducer {
     }
     if (local_check_) local_check_->check(comm_, buf, end - begin, g.plan.type);  // nonfinite.hpp
     if (sharded_) {
-      shards_.reduce_scatter(static_cast<std::size_t>(&g - groups_.data()), first, buf, end - begin,
-                             stats_.comm_seconds);
+      shards_.reduce_scatter(static_cast<std::size_t>(&g - groups_.data()), first, buf, end - begin, stats_.comm_seconds,
+                             [&](void* b, void* mine, std::size_t per, dtype t) {
+                               return hook_reduce_scatter(hook_, comm_, b, mine, per, t);
+                             });
       ++stats_.buckets_reduced;
       stats_.bytes_reduced += (end - begin) * size_of(g.plan.type);
     } else {

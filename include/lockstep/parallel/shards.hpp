@@ -20,6 +20,7 @@
 
 #include "lockstep/comm/collective.hpp"
 #include "lockstep/core/concepts.hpp"
+#include "lockstep/core/error.hpp"
 #include "lockstep/core/parameter.hpp"
 #include "lockstep/core/reduce_op.hpp"
 #include "lockstep/parallel/bucket_plan.hpp"
@@ -42,9 +43,11 @@ class shard_set {
   //! plans[g] cut arena g; params: the model's parameters (values are packed from them).
   void build(std::span<const bucket_plan* const> plans, std::span<void* const> arenas,
              const std::vector<parameter>& params) {
+    complete_all();  // a rebuild must not drop values still in flight
     groups_.clear();
     params_.clear();
     slices_.clear();
+    units_of_.assign(params.size(), {});
     bytes_ = 0;
     const auto n = static_cast<std::size_t>(comm_.size()), r = static_cast<std::size_t>(comm_.rank());
     auto mem = comm_.memory();
@@ -56,6 +59,7 @@ class shard_set {
       g.values = mem.allocate(plan.total * es);
       g.scatters.resize(plan.buckets.size());
       g.gathers.resize(plan.units.size());
+      g.pending.assign(plan.units.size(), 0);
       char* grads = static_cast<char*>(arenas[gi]);
       for (const auto& unit : plan.units) {
         shard sh;
@@ -65,6 +69,8 @@ class shard_set {
         const std::size_t lo = sh.begin + r * sh.count, hi = lo + sh.count;
         for (std::size_t b = unit.first; b < unit.last; ++b)
           for (const auto& s : plan.buckets[b].slices) {
+            auto& of = units_of_[s.param];
+            if (of.empty() || of.back() != std::pair{gi, g.shards.size()}) of.emplace_back(gi, g.shards.size());
             char* v = static_cast<char*>(params[s.param].value);
             sh.all.push_back({v + s.param_offset * es, s.count});
             const std::size_t a = std::max(lo, s.arena_offset), e = std::min(hi, s.arena_offset + s.count);
@@ -106,24 +112,57 @@ class shard_set {
     return h;
   }
 
-  //! The syncing step begins: nothing in flight.
+  //! The syncing step begins: no reduce-scatter in flight (all-gathers deferred to the
+  //! forward stay pending).
   void begin() {
-    for (auto& g : groups_) {
+    for (auto& g : groups_)
       for (auto& w : g.scatters) w.reset();
-      for (auto& w : g.gathers) w.reset();
-    }
+  }
+
+  //! Gather in forward (DataParallelOptions::gather_in_forward): finish() issues the
+  //! all-gathers in forward order (the last launch unit, the model's first layers, first) and
+  //! returns without waiting for them; wait_parameters(i) then orders the compute stream after
+  //! the units holding parameter i and unpacks them, just before the forward uses it.
+  void set_deferred(bool on) {
+    if (!on) complete_all();
+    deferred_ = on;
+  }
+  bool deferred() const noexcept { return deferred_; }
+
+  //! Parameter i's values are current (its units' all-gathers waited for and unpacked).
+  void wait_parameters(std::size_t i, double& seconds) {
+    if (i >= units_of_.size())
+      throw config_error("wait_parameters: parameter index " + std::to_string(i) + ", but the model has " +
+                         std::to_string(units_of_.size()) + " parameters");
+    for (const auto& [g, u] : units_of_[i]) complete(g, u, seconds);
+  }
+  //! Whether parameter i still waits for an all-gather.
+  bool pending(std::size_t i) const {
+    for (const auto& [g, u] : units_of_.at(i))
+      if (groups_[g].pending[u]) return true;
+    return false;
+  }
+  //! Every deferred all-gather waited for and unpacked (before reading all parameters:
+  //! evaluation, checkpoints, the end of training).
+  void complete_all() {
+    double ignored = 0;
+    for (std::size_t g = 0; g < groups_.size(); ++g)
+      for (std::size_t u = 0; u < groups_[g].shards.size(); ++u) complete(g, u, ignored);
   }
 
   //! Reduce-scatters the unit of group g starting at bucket `first`: count elements at buf
-  //! (already prescaled); rank r keeps the mean of block r in place.
-  void reduce_scatter(std::size_t g, std::size_t first, void* buf, std::size_t count, double& seconds) {
+  //! (already prescaled); rank r keeps the mean of block r in place, through
+  //! scatter(buf, mine, per, type) (the bucket hook's: hook_reduce_scatter).
+  template <class Scatter>
+  void reduce_scatter(std::size_t g, std::size_t first, void* buf, std::size_t count, double& seconds,
+                      Scatter&& scatter) {
     if (comm_.size() == 1 || count == 0) return;
     const auto t = groups_[g].plan->type;
     const std::size_t per = count / static_cast<std::size_t>(comm_.size());
     void* mine = static_cast<char*>(buf) + static_cast<std::size_t>(comm_.rank()) * per * size_of(t);
     const auto t0 = std::chrono::steady_clock::now();
     label_next_collective(comm_, [&] { return bucket_label(*groups_[g].plan, first, count, "reduce-scatter of bucket "); });
-    groups_[g].scatters[first].emplace(comm_.reduce_scatter(buf, mine, per, t, reduce_op::avg));
+    groups_[g].scatters[first].emplace(scatter(buf, mine, per, t));
     seconds += seconds_since(t0);
   }
 
@@ -134,7 +173,7 @@ class shard_set {
       group& g = groups_[gi];
       for (std::size_t u = 0; u < g.shards.size(); ++u) {
         wait(g.scatters[g.plan->units[u].first], seconds);
-        if (fn) update(g, u, fn, seconds);
+        if (fn) update(gi, u, fn, seconds);
       }
     }
     if (fn) gather(seconds);
@@ -142,8 +181,8 @@ class shard_set {
 
   //! Hands every unit's shard to fn (the optimizer) and gathers everything.
   void update_all(const step_fn& fn, double& seconds) {
-    for (auto& g : groups_)
-      for (std::size_t u = 0; u < g.shards.size(); ++u) update(g, u, fn, seconds);
+    for (std::size_t gi = 0; gi < groups_.size(); ++gi)
+      for (std::size_t u = 0; u < groups_[gi].shards.size(); ++u) update(gi, u, fn, seconds);
     gather(seconds);
   }
 
@@ -162,6 +201,7 @@ class shard_set {
     std::vector<segment> grads;    // the gradient shards
     std::vector<std::optional<work_type>> scatters;  // by the unit's first bucket
     std::vector<std::optional<work_type>> gathers;   // by unit
+    std::vector<char> pending;                       // by unit: gathered, not yet unpacked
     void* values_at(std::size_t elem) const {
       return static_cast<char*>(values.get()) + elem * size_of(plan->type);
     }
@@ -176,13 +216,22 @@ class shard_set {
   }
 
   // Packs this rank's block of unit u from the parameters into the value arena, hands it to
-  // fn with its gradient shard, and issues the unit's all-gather (in place).
-  void update(group& g, std::size_t u, const step_fn& fn, double& seconds) {
+  // fn with its gradient shard, and issues the unit's all-gather (in place) — deferred, the
+  // all-gathers go out in gather(), in forward order.
+  void update(std::size_t gi, std::size_t u, const step_fn& fn, double& seconds) {
+    complete(gi, u, seconds);  // the parameters must hold last step's values before the pack
+    group& g = groups_[gi];
     const shard& sh = g.shards[u];
     const std::size_t mine = sh.begin + static_cast<std::size_t>(comm_.rank()) * sh.count;
     comm_.memory().pack(sh.mine, g.values_at(mine), g.plan->type, 1.0);
     fn(std::span<const param_slice>(&slices_[sh.index], 1));
+    if (!deferred_) issue_gather(g, u, seconds);
+  }
+
+  void issue_gather(group& g, std::size_t u, double& seconds) {
     if (comm_.size() == 1) return;
+    const shard& sh = g.shards[u];
+    const std::size_t mine = sh.begin + static_cast<std::size_t>(comm_.rank()) * sh.count;
     const auto t0 = std::chrono::steady_clock::now();
     label_next_collective(comm_, [&] {
       return bucket_label(*g.plan, g.plan->units[u].first, sh.count * static_cast<std::size_t>(comm_.size()),
@@ -192,8 +241,17 @@ class shard_set {
     seconds += seconds_since(t0);
   }
 
-  // Waits for every unit's all-gather and unpacks the values into the parameters.
+  // Waits for every unit's all-gather and unpacks the values into the parameters; deferred,
+  // issues them in forward order and leaves them pending.
   void gather(double& seconds) {
+    if (deferred_) {
+      for (std::size_t gi = groups_.size(); gi-- > 0;)
+        for (std::size_t u = groups_[gi].shards.size(); u-- > 0;) {
+          issue_gather(groups_[gi], u, seconds);
+          groups_[gi].pending[u] = 1;
+        }
+      return;
+    }
     auto mem = comm_.memory();
     for (auto& g : groups_)
       for (std::size_t u = 0; u < g.shards.size(); ++u) {
@@ -202,10 +260,21 @@ class shard_set {
       }
   }
 
+  // A deferred unit: wait for its all-gather, unpack it into the parameters.
+  void complete(std::size_t gi, std::size_t u, double& seconds) {
+    group& g = groups_[gi];
+    if (!g.pending[u]) return;
+    wait(g.gathers[u], seconds);
+    comm_.memory().unpack(g.values_at(g.shards[u].begin), g.shards[u].all, g.plan->type);
+    g.pending[u] = 0;
+  }
+
   Comm& comm_;
   std::vector<group> groups_;
   std::vector<parameter> params_;    // this rank's shard of each unit
   std::vector<param_slice> slices_;  // the same, as the optimizer's slices
+  std::vector<std::vector<std::pair<std::size_t, std::size_t>>> units_of_;  // parameter → (group, unit)s
+  bool deferred_ = false;
   std::size_t bytes_ = 0;
 };
 

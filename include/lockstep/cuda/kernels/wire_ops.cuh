@@ -1,0 +1,141 @@
+#pragma once
+//! The kernels of the bf16 wire (cuda/bf16_wire.cuh): fp32 gradients rounded to bf16 for the
+//! network, the mean of N ranks' bf16 blocks accumulated in fp32, and bf16 widened back. Each
+//! is one streaming pass; 8 elements per thread and 16-byte accesses where the pointers allow
+//! (buckets start 16-byte aligned), one element per thread otherwise. Every call queues work on
+//! stream `s` and checks the launch.
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "lockstep/cuda/error.cuh"
+
+namespace lockstep::cuda::kernels {
+
+namespace wire_detail {
+
+constexpr int threads = 256;
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
+
+inline unsigned blocks_for(std::size_t items) {
+  const std::size_t b = (items + threads - 1) / threads;
+  return static_cast<unsigned>(std::clamp<std::size_t>(b, 1, 8192));  // grid-stride beyond
+}
+
+__device__ inline uint4 pack8(const float (&v)[8]) {
+  uint4 out;
+  auto* h = reinterpret_cast<__nv_bfloat162*>(&out);
+  for (int k = 0; k < 4; ++k) h[k] = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
+  return out;
+}
+__device__ inline void unpack8(const uint4& in, float (&v)[8]) {
+  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&in);
+  for (int k = 0; k < 4; ++k) {
+    const float2 f = __bfloat1622float2(h[k]);
+    v[2 * k] = f.x;
+    v[2 * k + 1] = f.y;
+  }
+}
+
+// dst[i] = bf16(src[i] · scale); groups of 8 when vec, else one by one.
+__global__ void to_bf16(const float* __restrict__ src, __nv_bfloat16* __restrict__ dst, std::size_t n, float scale,
+                        bool vec) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (vec) {
+    for (; i < n / 8; i += stride) {
+      const float4 a = reinterpret_cast<const float4*>(src)[2 * i], b = reinterpret_cast<const float4*>(src)[2 * i + 1];
+      const float v[8] = {a.x * scale, a.y * scale, a.z * scale, a.w * scale,
+                          b.x * scale, b.y * scale, b.z * scale, b.w * scale};
+      reinterpret_cast<uint4*>(dst)[i] = pack8(v);
+    }
+    i = n / 8 * 8 + static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  }
+  for (; i < n; i += stride) dst[i] = __float2bfloat16_rn(src[i] * scale);
+}
+
+// dst[i] = float(src[i]).
+__global__ void from_bf16(const __nv_bfloat16* __restrict__ src, float* __restrict__ dst, std::size_t n, bool vec) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (vec) {
+    for (; i < n / 8; i += stride) {
+      float v[8];
+      unpack8(reinterpret_cast<const uint4*>(src)[i], v);
+      reinterpret_cast<float4*>(dst)[2 * i] = make_float4(v[0], v[1], v[2], v[3]);
+      reinterpret_cast<float4*>(dst)[2 * i + 1] = make_float4(v[4], v[5], v[6], v[7]);
+    }
+    i = n / 8 * 8 + static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  }
+  for (; i < n; i += stride) dst[i] = __bfloat162float(src[i]);
+}
+
+// m = (Σ_k blocks[k·per + i]) · inv_n in fp32, k = 0..ranks-1 in rank order (the same order on
+// every rank); out32[i] = m (when not null), out16[i] = bf16(m) (when not null).
+__global__ void mean_blocks(const __nv_bfloat16* __restrict__ blocks, int ranks, std::size_t per, float inv_n,
+                            float* __restrict__ out32, __nv_bfloat16* __restrict__ out16, bool vec) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (vec) {
+    for (; i < per / 8; i += stride) {
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, v[8];
+      for (int k = 0; k < ranks; ++k) {
+        unpack8(reinterpret_cast<const uint4*>(blocks + static_cast<std::size_t>(k) * per)[i], v);
+        for (int e = 0; e < 8; ++e) acc[e] += v[e];
+      }
+      for (int e = 0; e < 8; ++e) acc[e] *= inv_n;
+      if (out32) {
+        reinterpret_cast<float4*>(out32)[2 * i] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+        reinterpret_cast<float4*>(out32)[2 * i + 1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+      }
+      if (out16) reinterpret_cast<uint4*>(out16)[i] = pack8(acc);
+    }
+    i = per / 8 * 8 + static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  }
+  for (; i < per; i += stride) {
+    float acc = 0;
+    for (int k = 0; k < ranks; ++k) acc += __bfloat162float(blocks[static_cast<std::size_t>(k) * per + i]);
+    acc *= inv_n;
+    if (out32) out32[i] = acc;
+    if (out16) out16[i] = __float2bfloat16_rn(acc);
+  }
+}
+
+}  // namespace wire_detail
+
+//! dst[0..n) ← bf16(src · scale), round to nearest even.
+inline void to_bf16(const float* src, void* dst, std::size_t n, float scale, cudaStream_t s) {
+  if (n == 0) return;
+  const bool vec = wire_detail::aligned16(src) && wire_detail::aligned16(dst);
+  wire_detail::to_bf16<<<wire_detail::blocks_for(vec ? n / 8 : n), wire_detail::threads, 0, s>>>(
+      src, static_cast<__nv_bfloat16*>(dst), n, scale, vec);
+  LOCKSTEP_CHECK_LAUNCH();
+}
+
+//! dst[0..n) ← float(src), exact.
+inline void from_bf16(const void* src, float* dst, std::size_t n, cudaStream_t s) {
+  if (n == 0) return;
+  const bool vec = wire_detail::aligned16(src) && wire_detail::aligned16(dst);
+  wire_detail::from_bf16<<<wire_detail::blocks_for(vec ? n / 8 : n), wire_detail::threads, 0, s>>>(
+      static_cast<const __nv_bfloat16*>(src), dst, n, vec);
+  LOCKSTEP_CHECK_LAUNCH();
+}
+
+//! The fp32 mean of `ranks` bf16 blocks of `per` elements laid end to end at `blocks`, summed
+//! in rank order: into out32 (fp32, may be null) and out16 (rounded to bf16, may be null).
+inline void mean_blocks(const void* blocks, int ranks, std::size_t per, float* out32, void* out16, cudaStream_t s) {
+  if (per == 0) return;
+  const bool vec = (per % 8 == 0) && wire_detail::aligned16(blocks) && (!out32 || wire_detail::aligned16(out32)) &&
+                   (!out16 || wire_detail::aligned16(out16));
+  wire_detail::mean_blocks<<<wire_detail::blocks_for(vec ? per / 8 : per), wire_detail::threads, 0, s>>>(
+      static_cast<const __nv_bfloat16*>(blocks), ranks, per, 1.0f / static_cast<float>(ranks), out32,
+      static_cast<__nv_bfloat16*>(out16), vec);
+  LOCKSTEP_CHECK_LAUNCH();
+}
+
+}  // namespace lockstep::cuda::kernels
