@@ -479,6 +479,41 @@ TEST_CASE("snippets: stores and the watchdog (store.hpp + watchdog.hpp + docs/la
   }
 }
 
+TEST_CASE("snippets: gather_in_forward and Bf16Wire (docs/sharding.md)") {
+  const std::uint64_t seed = lockstep_test::fresh_seed();
+  CAPTURE(seed);
+  const auto my_batches = snippet_env::batches(3);
+  lockstep::run(lockstep::Threads{3}, [&](auto& ctx) {
+    Mlp model(seed + static_cast<std::uint64_t>(ctx.rank()));
+    // [snippet docs/sharding.md#3]
+    lockstep::DataParallel dp(ctx, model, {.gather_in_forward = true}, lockstep::ShardedOptimizer{});
+    lockstep::Sgd opt({.lr = 0.1});
+    for (auto& batch : my_batches) {
+      auto step = dp.step();
+      dp.wait_parameters(0);  // before the forward reads parameter 0 (in a real model: layer by layer)
+      model.backward(Batch(batch), step.on_gradient_ready());
+      step.finish([&](std::span<const lockstep::param_slice> s) { opt.step(s); });
+    }
+    dp.wait_all_parameters();  // before reading the weights outside a forward
+    // [end snippet]
+    CHECK(same_on_every_rank(ctx.comm(), values_of(model)));
+  });
+  lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
+    Mlp model(seed);
+    // [snippet docs/sharding.md#4]
+    lockstep::DataParallel dp(ctx, model, {.gather_in_forward = true}, lockstep::Bf16Wire{},
+                              lockstep::ShardedOptimizer{});
+    // [end snippet]
+    lockstep::Sgd opt({.lr = 0.1});
+    auto step = dp.step();
+    dp.wait_parameters(0);
+    model.backward(Batch(my_batches[static_cast<std::size_t>(ctx.rank())]), step.on_gradient_ready());
+    step.finish([&](std::span<const lockstep::param_slice> s) { opt.step(s); });
+    dp.wait_all_parameters();
+    CHECK(same_on_every_rank(ctx.comm(), values_of(model)));
+  });
+}
+
 TEST_CASE("snippets: ShardedOptimizer (checkpoint/sharded.hpp + docs/sharding.md)") {
   const std::uint64_t seed = lockstep_test::fresh_seed();
   CAPTURE(seed);
