@@ -24,20 +24,21 @@ for p in "${packages[@]}"; do
   fi
 done
 
-# Python readers the tests use: TensorBoard's own (tests whose name contains "tensorboard"
-# read lockstep's event files with it), into the python3 on PATH.
+# Python packages the tests use, into the python3 on PATH: TensorBoard's own reader (tests whose
+# name contains "tensorboard" read lockstep's event files with it) and matplotlib
+# (scripts/render_trace.py draws a trace with it; the test render_trace.cpu_ranks).
 python_deps() {
-  if python3 -c 'import tensorboard' 2>/dev/null; then return 0; fi
+  if python3 -c 'import tensorboard, matplotlib' 2>/dev/null; then return 0; fi
   if [[ $(id -u) -ne 0 ]]; then
-    echo "install_deps: missing the Python package tensorboard: run  python3 -m pip install tensorboard" >&2
+    echo "install_deps: missing the Python package tensorboard or matplotlib: run  python3 -m pip install tensorboard matplotlib" >&2
     return 1
   fi
-  echo "install_deps: installing the Python package tensorboard"
+  echo "install_deps: installing the Python packages tensorboard and matplotlib"
   if ! python3 -m pip --version >/dev/null 2>&1; then
     apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3-pip
   fi
-  python3 -m pip install --quiet tensorboard 2>/dev/null ||
-    python3 -m pip install --quiet --break-system-packages tensorboard  # Debian's own python3
+  python3 -m pip install --quiet tensorboard matplotlib 2>/dev/null ||
+    python3 -m pip install --quiet --break-system-packages tensorboard matplotlib  # Debian's own python3
 }
 
 if [[ ${#missing[@]} -eq 0 ]]; then
