@@ -3,7 +3,9 @@
 // pre-LayerNorm blocks (causal self-attention, GELU MLP of 4× width), a final LayerNorm and an
 // untied output head. GPT-2 small is the default config (vocabulary padded to 50304); the
 // tests use a tiny one. Used by the example (main.cpp), the benchmark (bench/bench_gpt2_torch)
-// and the torch adapter's tests; bench/gpt2_ddp.py is the same model in PyTorch.
+// and the torch adapter's tests; bench/gpt2_ddp.py is the same model in PyTorch. The modules
+// are torch::nn::Cloneable (reset() builds them) so that libtorch's own
+// torch::nn::parallel::data_parallel can replicate them (bench/gpt2_data_parallel.cpp).
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -30,16 +32,20 @@ inline torch::Tensor linear(const torch::nn::Linear& l, const torch::Tensor& x) 
   return at::linear(x, l->weight, l->bias);
 }
 
-struct BlockImpl : torch::nn::Module {
-  explicit BlockImpl(const Config& c)
-      : heads(c.heads),
-        ln1(register_module("ln_1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.width})))),
-        qkv(register_module("attn_qkv", torch::nn::Linear(c.width, 3 * c.width))),
-        proj(register_module("attn_proj", torch::nn::Linear(c.width, c.width))),
-        ln2(register_module("ln_2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.width})))),
-        fc(register_module("mlp_fc", torch::nn::Linear(c.width, 4 * c.width))),
-        out(register_module("mlp_proj", torch::nn::Linear(4 * c.width, c.width))) {
-    // GPT-2's initialisation: N(0, 0.02), residual projections scaled by 1/√(2·layers).
+struct BlockImpl : torch::nn::Cloneable<BlockImpl> {
+  explicit BlockImpl(const Config& c) : config(c), heads(c.heads) { reset(); }
+
+  //! Registers the submodules and gives them GPT-2's initialisation: N(0, 0.02), residual
+  //! projections scaled by 1/√(2·layers). Cloneable's pattern: clone() (and so
+  //! torch::nn::parallel::data_parallel's replicas) calls it on a copy, then copies the weights.
+  void reset() override {
+    const Config& c = config;
+    ln1 = register_module("ln_1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.width})));
+    qkv = register_module("attn_qkv", torch::nn::Linear(c.width, 3 * c.width));
+    proj = register_module("attn_proj", torch::nn::Linear(c.width, c.width));
+    ln2 = register_module("ln_2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.width})));
+    fc = register_module("mlp_fc", torch::nn::Linear(c.width, 4 * c.width));
+    out = register_module("mlp_proj", torch::nn::Linear(4 * c.width, c.width));
     const double residual = 0.02 / std::sqrt(2.0 * static_cast<double>(c.layers));
     torch::NoGradGuard no_grad;
     for (auto* l : {&qkv, &fc}) (*l)->weight.normal_(0.0, 0.02), (*l)->bias.zero_();
@@ -64,22 +70,26 @@ struct BlockImpl : torch::nn::Module {
     return h + linear(out, torch::gelu(linear(fc, ln2(h)), "tanh"));
   }
 
+  Config config;
   std::int64_t heads;
-  torch::nn::LayerNorm ln1;
-  torch::nn::Linear qkv, proj;
-  torch::nn::LayerNorm ln2;
-  torch::nn::Linear fc, out;
+  torch::nn::LayerNorm ln1{nullptr};
+  torch::nn::Linear qkv{nullptr}, proj{nullptr};
+  torch::nn::LayerNorm ln2{nullptr};
+  torch::nn::Linear fc{nullptr}, out{nullptr};
 };
 TORCH_MODULE(Block);
 
-struct GptImpl : torch::nn::Module {
-  explicit GptImpl(const Config& c)
-      : config(c),
-        wte(register_module("wte", torch::nn::Embedding(c.vocab, c.width))),
-        wpe(register_module("wpe", torch::nn::Embedding(c.context, c.width))),
-        blocks(register_module("h", torch::nn::ModuleList())),
-        ln_f(register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.width})))),
-        head(register_module("lm_head", torch::nn::Linear(torch::nn::LinearOptions(c.width, c.vocab).bias(false)))) {
+struct GptImpl : torch::nn::Cloneable<GptImpl> {
+  explicit GptImpl(const Config& c) : config(c) { reset(); }
+
+  //! Registers the submodules (the blocks under "h") and initialises them; see BlockImpl::reset.
+  void reset() override {
+    const Config& c = config;
+    wte = register_module("wte", torch::nn::Embedding(c.vocab, c.width));
+    wpe = register_module("wpe", torch::nn::Embedding(c.context, c.width));
+    blocks = register_module("h", torch::nn::ModuleList());
+    ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.width})));
+    head = register_module("lm_head", torch::nn::Linear(torch::nn::LinearOptions(c.width, c.vocab).bias(false)));
     for (std::int64_t i = 0; i < c.layers; ++i) blocks->push_back(Block(c));
     torch::NoGradGuard no_grad;
     wte->weight.normal_(0.0, 0.02);
@@ -104,10 +114,10 @@ struct GptImpl : torch::nn::Module {
   }
 
   Config config;
-  torch::nn::Embedding wte, wpe;
-  torch::nn::ModuleList blocks;
-  torch::nn::LayerNorm ln_f;
-  torch::nn::Linear head;
+  torch::nn::Embedding wte{nullptr}, wpe{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+  torch::nn::LayerNorm ln_f{nullptr};
+  torch::nn::Linear head{nullptr};
 };
 TORCH_MODULE(Gpt);
 

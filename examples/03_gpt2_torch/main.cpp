@@ -46,7 +46,7 @@
 #define GPT2_GPU 0
 #endif
 
-#include "gpt2.hpp"
+#include "bench_common.hpp"  // with gpt2.hpp
 #include "text_data.hpp"
 
 namespace {
@@ -56,6 +56,7 @@ struct options {
   std::string config = "small";
   std::string device = "auto";
   std::string profile;  // a Chrome trace of steps [warmup, warmup + 3) (GPUs)
+  std::string wire = "fp32";  // gradients on the wire: fp32, or bf16 (lockstep::Bf16Wire)
   std::int64_t batch = 8, seq = 1024, steps = 300, warmup = 5, log_every = 25;
   double lr = 6e-4;
   std::uint64_t seed = 42;
@@ -68,7 +69,7 @@ constexpr std::int64_t profiled_steps = 3;
   std::printf(
       "usage: gpt2_torch [--data DIR|FILE] [--config small|tiny] [--device auto|cpu] [--batch B]\n"
       "                  [--seq T] [--steps N] [--warmup N] [--lr X] [--seed S] [--log-every N] [--bench]\n"
-      "                  [--profile TRACE.json]\n"
+      "                  [--profile TRACE.json] [--wire fp32|bf16]\n"
       "  batch: sequences per rank and step; on GPUs: all local GPUs, or one per process under a launcher\n");
   std::exit(rc);
 }
@@ -95,6 +96,7 @@ options parse(int argc, char** argv) {
     else if (a == "--lr") o.lr = std::stod(next());
     else if (a == "--seed") o.seed = std::stoull(next());
     else if (a == "--bench") o.bench = true;
+    else if (a == "--wire") o.wire = next();
     else if (a == "--profile") o.profile = next();
     else if (a == "--help" || a == "-h") usage(0);
     else {
@@ -103,6 +105,10 @@ options parse(int argc, char** argv) {
     }
   }
   if (o.config != "small" && o.config != "tiny") usage(2);
+  if (o.wire != "fp32" && o.wire != "bf16") {
+    std::fprintf(stderr, "gpt2_torch: --wire %s: say fp32 or bf16\n", o.wire.c_str());
+    usage(2);
+  }
   if (o.batch < 1 || o.seq < 2 || o.steps < 1 || o.warmup < 0 || o.warmup >= o.steps) usage(2);
   if (!o.profile.empty() && o.steps < o.warmup + profiled_steps) {
     std::fprintf(stderr, "gpt2_torch: --profile records steps %lld to %lld: give --steps of at least %lld\n",
@@ -111,13 +117,6 @@ options parse(int argc, char** argv) {
     usage(2);
   }
   return o;
-}
-
-gpt2::Config config_of(const options& o) {
-  gpt2::Config c;
-  if (o.config == "tiny") c = gpt2::Config{.vocab = 256, .context = 64, .layers = 2, .heads = 2, .width = 64};
-  c.context = std::max(c.context, o.seq);
-  return c;
 }
 
 std::mutex init_mutex;  // the model is built under one seed, one rank at a time
@@ -158,7 +157,7 @@ int main(int argc, char** argv) {
   }
   const gpt2::TextData text(opt.data);
   bool learned = true;
-  const gpt2::Config cfg = config_of(opt);
+  const gpt2::Config cfg = gpt2::config_named(opt.config, opt.seq);
   if (opt.device == "cpu") setenv("CUDA_VISIBLE_DEVICES", "", 1);  // run(Auto) then picks CPU ranks
 
   try {
@@ -173,13 +172,7 @@ int main(int argc, char** argv) {
       device_guard.emplace(static_cast<c10::DeviceIndex>(ctx.device()));
       stream_guard.emplace(c10::cuda::getStreamFromExternal(ctx.comm().compute_stream(),
                                                             static_cast<c10::DeviceIndex>(ctx.device())));
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
-      at::autocast::set_autocast_enabled(at::kCUDA, true);
-      at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
-#else
-      at::autocast::set_enabled(true);
-      at::autocast::set_autocast_gpu_dtype(at::kBFloat16);
-#endif
+      gpt2::set_cuda_bf16_autocast(true);
     }
 #endif
     const torch::Device dev = gpu ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(ctx.device()))
@@ -192,7 +185,7 @@ int main(int argc, char** argv) {
     }
     model->to(dev);
     lockstep::TorchModule tm(model);
-    lockstep::DataParallel dp(ctx, tm);
+    lockstep::DataParallel dp(ctx, tm, lockstep::Bf16Wire(opt.wire == "bf16"));
 
     std::int64_t params = 0;
     for (const auto& p : tm.tensors()) params += p.numel();
@@ -267,9 +260,7 @@ int main(int argc, char** argv) {
       }
     }
     if (opt.bench) {
-      std::vector<double> timed(step_ms.begin() + opt.warmup, step_ms.end());
-      std::sort(timed.begin(), timed.end());
-      const double median = timed[timed.size() / 2];
+      const double median = gpt2::median_after_warmup(step_ms, opt.warmup);
       double peak_gib = 0;
 #if GPT2_GPU
       if constexpr (gpu) {
@@ -287,9 +278,8 @@ int main(int argc, char** argv) {
       double peak = peak_gib;
       lockstep::detail::host_all_reduce(ctx.comm(), std::span<double>(&peak, 1), lockstep::reduce_op::max);
       if (ctx.is_root())
-        std::printf("bench: lockstep gpus=%d step_ms=%.2f tokens_per_s=%.0f peak_gib=%.2f loss_first=%.3f loss_last=%.3f\n",
-                    ctx.size(), worst, static_cast<double>(opt.batch * opt.seq * ctx.size()) / (worst / 1e3), peak,
-                    first_loss, last_loss);
+        gpt2::print_bench_line(opt.wire == "bf16" ? "lockstep-bf16wire" : "lockstep", ctx.size(), worst,
+                               opt.batch * opt.seq * ctx.size(), peak, first_loss, last_loss);
     } else if (ctx.is_root()) {
       std::printf("gpt2_torch: loss %.3f -> %.3f over %lld steps\n", first_loss, last_loss,
                   static_cast<long long>(opt.steps));
