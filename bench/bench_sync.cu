@@ -6,6 +6,7 @@
 //     all) at N GPUs vs 1 GPU: exposed communication = step(N) − step(1);
 //  c. comm-bound MLP: 8 × 4096² (134M) with small per-layer compute (≈2.5 ms at 1 GPU);
 //  s. (with c) the same MLP step with ShardedOptimizer;
+//  w. (with c) the fp32 MLP step with gradients in bf16 on the wire (Bf16Wire), plain and sharded;
 //  h. Hierarchical reduction (nodes of --node-size ranks) vs the flat all-reduce (not in the
 //     default set: run it under scripts/two_node_sim.sh and on one node).
 // Compute is simulated by kernels that hold every SM for a set time (so NCCL competes for
@@ -28,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include <lockstep/cuda/bf16_wire.cuh>
 #include <lockstep/cuda/run_gpus.cuh>
 #include <lockstep/cuda/run_processes.cuh>
 #include <lockstep/lockstep.hpp>
@@ -140,6 +142,11 @@ double median(std::vector<double> v) {
 lockstep::context<lockstep::NcclComm>* g_process_ctx = nullptr;
 bool g_print = true;
 
+// Chained (g_chained): the steps run back to back with no barrier between them, and a step's
+// time is the span of all of them over their number — what a training loop sees when a step's
+// communication overlaps the next step's start (ShardedOptimizer's gather in forward).
+bool g_chained = false;
+
 template <class Setup>
 double timed(int ngpu, int warm, int iters, Setup&& setup) {
   std::vector<std::vector<double>> per_rank(static_cast<std::size_t>(g_process_ctx ? 1 : ngpu));
@@ -149,6 +156,21 @@ double timed(int ngpu, int warm, int iters, Setup&& setup) {
     cudaEvent_t a, b;
     LOCKSTEP_TRY_CUDA(cudaEventCreate(&a));
     LOCKSTEP_TRY_CUDA(cudaEventCreate(&b));
+    if (g_chained) {
+      for (int i = 0; i < warm; ++i) pre(), body();
+      ctx.comm().barrier();
+      LOCKSTEP_TRY_CUDA(cudaEventRecord(a, s));
+      for (int i = 0; i < iters; ++i) pre(), body();
+      ctx.comm().barrier();  // the last step's communication included
+      LOCKSTEP_TRY_CUDA(cudaEventRecord(b, s));
+      LOCKSTEP_TRY_CUDA(cudaEventSynchronize(b));
+      float ms = 0;
+      LOCKSTEP_TRY_CUDA(cudaEventElapsedTime(&ms, a, b));
+      mine.assign(1, ms / iters);
+      cudaEventDestroy(a);
+      cudaEventDestroy(b);
+      return;
+    }
     for (int i = 0; i < warm + iters; ++i) {
       pre();
       ctx.comm().barrier();
@@ -285,21 +307,29 @@ void bench_h(const std::vector<shape>& shapes, int ngpu, int iters, const char* 
 // registration order) bwd_us[i] of compute and its gradient reported; finish() with a
 // per-bucket SGD update (which overlaps the buckets still in flight).
 // Sharded: ShardedOptimizer (reduce-scatter per unit, the SGD on this GPU's shard, all-gather).
-template <class T, bool Sharded = false>
+// Deferred: gather_in_forward — the forward waits for each layer's parameters (params_per_layer
+// of them, in order) just before its compute.
+template <class T, bool Sharded = false, bool Wire = false, bool Deferred = false>
 double train_step_time(const std::vector<shape>& shapes, int ngpu, int iters, double head_us,
                        const std::vector<double>& fwd_us, const std::vector<double>& bwd_us,
                        lockstep::BucketPolicy buckets = {}) {
   return timed(ngpu, 5, iters, [&](auto& ctx, cudaStream_t s) {
     auto m = std::make_shared<ShapesModel<T>>(shapes, 5u, s);
-    using DP = std::conditional_t<Sharded,
-                                  lockstep::DataParallel<ShapesModel<T>, lockstep::NcclComm, lockstep::EveryStep,
-                                                         lockstep::NoScaling, lockstep::ShardedOptimizer>,
-                                  lockstep::DataParallel<ShapesModel<T>, lockstep::NcclComm>>;
-    auto dp = std::make_shared<DP>(ctx, *m, lockstep::DataParallelOptions{.buckets = buckets});
-    const std::size_t n = shapes.size();
+    using M = ShapesModel<T>;
+    using C = lockstep::NcclComm;
+    using Plain = std::conditional_t<Sharded, lockstep::DataParallel<M, C, lockstep::ShardedOptimizer>, lockstep::DataParallel<M, C>>;
+    using Wired = std::conditional_t<Sharded, lockstep::DataParallel<M, C, lockstep::Bf16Wire, lockstep::ShardedOptimizer>,
+                                     lockstep::DataParallel<M, C, lockstep::Bf16Wire>>;
+    using DP = std::conditional_t<Wire, Wired, Plain>;
+    auto dp = std::make_shared<DP>(ctx, *m, lockstep::DataParallelOptions{.buckets = buckets, .gather_in_forward = Deferred});
+    const std::size_t n = shapes.size(), per_layer = n / fwd_us.size();
     auto body = [=, &fwd_us, &bwd_us] {
       auto step = dp->step();
-      for (double us : fwd_us) compute(us, s);
+      for (std::size_t l = 0; l < fwd_us.size(); ++l) {
+        if constexpr (Deferred)
+          for (std::size_t i = l * per_layer; i < (l + 1) * per_layer && i < n; ++i) dp->wait_parameters(i);
+        compute(fwd_us[l], s);
+      }
       compute(head_us, s);
       for (std::size_t i = n; i-- > 0;) {
         compute(bwd_us[i], s);
@@ -330,7 +360,7 @@ int main(int argc, char** argv) {
       else if (a == "--only" && i + 1 < argc) only = argv[++i];
       else if (a == "--node-size" && i + 1 < argc) node = std::stoi(argv[++i]);
       else {
-        std::fprintf(stderr, "usage: bench_sync [--shapes FILE] [--iters N] [--gpus N] [--only abcsh] [--node-size L]\n");
+        std::fprintf(stderr, "usage: bench_sync [--shapes FILE] [--iters N] [--gpus N] [--only abcswh] [--node-size L]\n");
         return 2;
       }
     }
@@ -420,6 +450,20 @@ int main(int argc, char** argv) {
               std::printf("c  %s %d GPU  cap %3zu MiB  step %7.3f ms  (flat all-reduce alone %6.3f ms)\n", tn, g, cap_mib,
                           t, flat);
           }
+          // w. fp32 gradients in bf16 on the wire (Bf16Wire), plain and sharded.
+          if (wanted('w') && pass == 0)
+            for (std::size_t cap_mib : {std::size_t{25}, std::size_t{64}}) {
+              lockstep::BucketPolicy bp{.first_bytes = std::size_t{1} << 20, .cap_bytes = cap_mib << 20};
+              g_chained = true;
+              const double t = train_step_time<float, false, true>(mlp, g, iters, 0, fwd, bwd, bp);
+              const double ts = train_step_time<float, true, true>(mlp, g, iters, 0, fwd, bwd, bp);
+              const double tsd = train_step_time<float, true, true, true>(mlp, g, iters, 0, fwd, bwd, bp);
+              g_chained = false;
+              if (g_print)
+                std::printf("w  fp32 %d GPU  cap %3zu MiB  chained steps: bf16 wire %7.3f ms  sharded + bf16 wire %7.3f ms  "
+                            "+ gather in forward %7.3f ms  (1 GPU %6.3f ms, flat fp32 all-reduce alone %6.3f ms)\n",
+                            g, cap_mib, t, ts, tsd, one, flat);
+            }
           // s. The same step with ShardedOptimizer (issue 13's schedule: the all-gather after
           // each unit's update, the optimizer on 1/N of the parameters).
           if (wanted('s'))
@@ -427,9 +471,18 @@ int main(int argc, char** argv) {
               lockstep::BucketPolicy bp{.first_bytes = std::size_t{1} << 20, .cap_bytes = cap_mib << 20};
               double t = pass == 0 ? train_step_time<float, true>(mlp, g, iters, 0, fwd, bwd, bp)
                                    : train_step_time<__nv_bfloat16, true>(mlp, g, iters, 0, fwd, bwd, bp);
+              g_chained = true;  // the same three, steps back to back (the gather's overlap is across steps)
+              double tp = pass == 0 ? train_step_time<float>(mlp, g, iters, 0, fwd, bwd, bp)
+                                    : train_step_time<__nv_bfloat16>(mlp, g, iters, 0, fwd, bwd, bp);
+              double tc = pass == 0 ? train_step_time<float, true>(mlp, g, iters, 0, fwd, bwd, bp)
+                                    : train_step_time<__nv_bfloat16, true>(mlp, g, iters, 0, fwd, bwd, bp);
+              double td = pass == 0 ? train_step_time<float, true, false, true>(mlp, g, iters, 0, fwd, bwd, bp)
+                                    : train_step_time<__nv_bfloat16, true, false, true>(mlp, g, iters, 0, fwd, bwd, bp);
+              g_chained = false;
               if (g_print)
-                std::printf("s  %s %d GPU  cap %3zu MiB  sharded step %7.3f ms  (1 GPU %6.3f ms, flat all-reduce alone "
-                            "%6.3f ms)\n", tn, g, cap_mib, t, one, flat);
+                std::printf("s  %s %d GPU  cap %3zu MiB  sharded step %7.3f ms;  chained steps: plain %7.3f  sharded %7.3f  "
+                            "gather in forward %7.3f ms  (1 GPU %6.3f ms, flat all-reduce alone %6.3f ms)\n",
+                            tn, g, cap_mib, t, tp, tc, td, one, flat);
             }
         }
       }
