@@ -76,6 +76,7 @@ struct options {
   int stop_after = 0;  // 0: run all epochs
   double progress = 1.0;
   std::size_t bucket_kib = 0;  // 0: lockstep's default buckets (1 MiB first, 25 MiB cap)
+  bool wire_bf16 = false;      // --wire bf16: lockstep::Bf16Wire (CPU ranks)
   bool smoke = false;
   bool check = false;  // compare the GPU model with the CPU model before training
   input_kind input = input_kind::prefetch;
@@ -115,6 +116,8 @@ inline constexpr const char* usage =
     "                      accuracy, samples/s, lockstep/* per epoch) and DIR/scalars.csv\n"
     "  --bucket-kib K      gradient buckets of K KiB (default: lockstep's 1 MiB first bucket,\n"
     "                      which holds this whole 0.9 MiB model)\n"
+    "  --wire W            (CPU ranks) gradients on the wire: fp32 (default), or bf16: each\n"
+    "                      rank's rounded to bf16 and summed in fp32, as lockstep::Bf16Wire does\n"
     "  --input MODE        (GPU) how batches reach the device: prefetch (default): gathered on\n"
     "                      the host by a helper thread into pinned memory and copied on a copy\n"
     "                      stream while the previous step computes (lockstep::Prefetcher);\n"
@@ -187,6 +190,11 @@ inline options parse(int argc, char** argv) {
     else if (a == "--progress") o.progress = parse_number<double>(a, value());
     else if (a == "--logdir") o.logdir = value();
     else if (a == "--bucket-kib") o.bucket_kib = parse_number<std::size_t>(a, value());
+    else if (a == "--wire") {
+      const std::string w = value();
+      if (w != "fp32" && w != "bf16") throw usage_error("--wire expects fp32 or bf16, got '" + w + "'");
+      o.wire_bf16 = w == "bf16";
+    }
     else if (a == "--input") {
       const std::string m = value();
       if (m == "prefetch") o.input = input_kind::prefetch;
@@ -378,7 +386,18 @@ void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
   auto& model = trainer.model();
   lockstep::DataParallelOptions dp_opts;  // zero_copy (bind_gradient) is on by default
   if (opt.bucket_kib > 0) dp_opts.buckets.first_bytes = dp_opts.buckets.cap_bytes = opt.bucket_kib << 10;
-  lockstep::DataParallel dp(ctx, model, dp_opts);  // checks shapes, broadcasts rank 0's
+  // --wire bf16 on CPU ranks: each rank's gradients rounded to bf16, summed in fp32 — the numbers
+  // lockstep::Bf16Wire gives over NCCL (bit for bit, tests/cuda/test_bf16_wire.cu), for
+  // comparing accuracy with the fp32 wire. The GPU path keeps the plain all-reduce here.
+  using Comm = std::remove_cvref_t<decltype(comm)>;
+  constexpr bool host_comm = !requires(Comm& c) { c.comm_stream(); };
+  if (opt.wire_bf16 && !host_comm)
+    throw lockstep::config_error("--wire bf16 is for CPU ranks in this example (on GPUs see examples/03_gpt2_torch --wire)");
+  auto hook = [&] {
+    if constexpr (host_comm) return lockstep::Bf16Wire(opt.wire_bf16);
+    else return lockstep::AllReduceMean{};
+  }();
+  lockstep::DataParallel dp(ctx, model, dp_opts, hook);  // checks shapes, broadcasts rank 0's
   trainer.attach(dp.parameters(), plan.peak_lr, opt.momentum);
   lockstep::DistributedSampler<> sampler(data.train.size, ctx, {.seed = opt.seed});
   // Rank 0 writes the scalars; with --logdir unset every call below returns at once.
