@@ -146,6 +146,8 @@ inline void write_probe(std::ostream& out, const probe& p) {
 //! of t = α + x/β in relative error, α ≥ 0. A rank count not probed takes the nearest probed
 //! one, p, with the bandwidth part scaled by the bus-bandwidth factor: α + (t_p − α)·k(G)/k(p),
 //! k(n) = 2(n−1)/n (same α and bus bandwidth; true for rings within one host, not across).
+//! A probed rank count's α is capped by the α of every larger probed count (a ring's latency
+//! grows with its length).
 class comm_curve {
  public:
   explicit comm_curve(const probe& p) {
@@ -160,6 +162,9 @@ class comm_curve {
     if (lines_.empty()) throw config_error("comm_curve: the probe has no points; measure one (lockstep-info --estimate)");
     for (auto& l : lines_) fit(l);
     std::sort(lines_.begin(), lines_.end(), [](const line& a, const line& b) { return a.ranks < b.ranks; });
+    // A ring's latency grows with its length: fewer ranks take at most the latency fitted for
+    // more (which a probe reaching small sizes pins down; large sizes alone leave it loose).
+    for (std::size_t i = lines_.size(); i-- > 1;) lines_[i - 1].alpha = std::min(lines_[i - 1].alpha, lines_[i].alpha);
   }
 
   static double bus_factor(int ranks) { return 2.0 * (ranks - 1) / ranks; }
