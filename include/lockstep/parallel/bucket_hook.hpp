@@ -55,8 +55,8 @@ struct AllReduceMean {
 //! r·L … r·L+L−1 form a node (launchers number ranks node by node; the launcher's count is
 //! `detect_launcher()->local_world`). A tail the node size does not divide goes through one flat
 //! all-reduce. With L = 1 or one node (L = the job's size) it is the flat all-reduce, since the
-//! three steps cost more than one on a single node (measured: 0.78× on 4 × H200 with L = 2). Default-constructed (no nodes given): the flat
-//! all-reduce, as AllReduceMean. The three steps run one after the other: on host
+//! three steps cost more than one on a single node (measured: 0.78× on 4 × H200 with L = 2).
+//! Default-constructed (no nodes given): the flat all-reduce, as AllReduceMean. The three steps run one after the other: on host
 //! communicators the call returns when the first two are done; on NCCL each step's stream waits
 //! for the one before, and the call returns at once.
 //! \code

@@ -146,8 +146,7 @@ class shard_set {
   //! evaluation, checkpoints, the end of training).
   void complete_all() {
     double ignored = 0;
-    for (std::size_t g = 0; g < groups_.size(); ++g)
-      for (std::size_t u = 0; u < groups_[g].shards.size(); ++u) complete(g, u, ignored);
+    complete_all(ignored);
   }
 
   //! Reduce-scatters the unit of group g starting at bucket `first`: count elements at buf
@@ -201,7 +200,7 @@ class shard_set {
     std::vector<segment> grads;    // the gradient shards
     std::vector<std::optional<work_type>> scatters;  // by the unit's first bucket
     std::vector<std::optional<work_type>> gathers;   // by unit
-    std::vector<char> pending;                       // by unit: gathered, not yet unpacked
+    std::vector<char> pending;                       // by unit: all-gather issued, not yet unpacked
     void* values_at(std::size_t elem) const {
       return static_cast<char*>(values.get()) + elem * size_of(plan->type);
     }
@@ -228,7 +227,9 @@ class shard_set {
     if (!deferred_) issue_gather(g, u, seconds);
   }
 
+  // Issues unit u's all-gather; the unit is pending (to unpack) until complete().
   void issue_gather(group& g, std::size_t u, double& seconds) {
+    g.pending[u] = 1;
     if (comm_.size() == 1) return;
     const shard& sh = g.shards[u];
     const std::size_t mine = sh.begin + static_cast<std::size_t>(comm_.rank()) * sh.count;
@@ -244,23 +245,17 @@ class shard_set {
   // Waits for every unit's all-gather and unpacks the values into the parameters; deferred,
   // issues them in forward order and leaves them pending.
   void gather(double& seconds) {
-    if (deferred_) {
-      for (std::size_t gi = groups_.size(); gi-- > 0;)
-        for (std::size_t u = groups_[gi].shards.size(); u-- > 0;) {
-          issue_gather(groups_[gi], u, seconds);
-          groups_[gi].pending[u] = 1;
-        }
-      return;
-    }
-    auto mem = comm_.memory();
-    for (auto& g : groups_)
-      for (std::size_t u = 0; u < g.shards.size(); ++u) {
-        wait(g.gathers[u], seconds);
-        mem.unpack(g.values_at(g.shards[u].begin), g.shards[u].all, g.plan->type);
-      }
+    if (!deferred_) return complete_all(seconds);
+    for (std::size_t gi = groups_.size(); gi-- > 0;)
+      for (std::size_t u = groups_[gi].shards.size(); u-- > 0;) issue_gather(groups_[gi], u, seconds);
   }
 
-  // A deferred unit: wait for its all-gather, unpack it into the parameters.
+  void complete_all(double& seconds) {
+    for (std::size_t gi = 0; gi < groups_.size(); ++gi)
+      for (std::size_t u = 0; u < groups_[gi].shards.size(); ++u) complete(gi, u, seconds);
+  }
+
+  // A pending unit: wait for its all-gather, unpack it into the parameters.
   void complete(std::size_t gi, std::size_t u, double& seconds) {
     group& g = groups_[gi];
     if (!g.pending[u]) return;
