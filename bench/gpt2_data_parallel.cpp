@@ -44,12 +44,8 @@
 
 namespace {
 
-struct options {
-  std::string data = "/usr/share/games/fortunes";
-  std::string config = "small";
-  std::int64_t batch = 8, seq = 1024, steps = 300, warmup = 5, gpus = 0, threads = 0;
-  double lr = 6e-4;
-  std::uint64_t seed = 42;
+struct options : gpt2::run_options {
+  std::int64_t gpus = 0, threads = 0;
 };
 
 [[noreturn]] void usage(int rc) {
@@ -72,15 +68,8 @@ options parse(int argc, char** argv) {
       }
       return argv[++i];
     };
-    if (a == "--data") o.data = next();
-    else if (a == "--config") o.config = next();
-    else if (a == "--batch") o.batch = std::stoll(next());
-    else if (a == "--seq") o.seq = std::stoll(next());
-    else if (a == "--steps") o.steps = std::stoll(next());
-    else if (a == "--warmup") o.warmup = std::stoll(next());
-    else if (a == "--lr") o.lr = std::stod(next());
-    else if (a == "--seed") o.seed = std::stoull(next());
-    else if (a == "--gpus") o.gpus = std::stoll(next());
+    if (o.take(a, next)) continue;
+    if (a == "--gpus") o.gpus = std::stoll(next());
     else if (a == "--threads") o.threads = std::stoll(next());
     else if (a == "--bench") {}  // always: accepted for the example's command lines
     else if (a == "--help" || a == "-h") usage(0);
@@ -89,9 +78,7 @@ options parse(int argc, char** argv) {
       usage(2);
     }
   }
-  if (o.config != "small" && o.config != "tiny") usage(2);
-  if (o.batch < 1 || o.seq < 2 || o.steps < 1 || o.warmup < 0 || o.warmup >= o.steps || o.gpus < 0 || o.threads < 0)
-    usage(2);
+  if (!o.valid() || o.gpus < 0 || o.threads < 0) usage(2);
   return o;
 }
 

@@ -25,6 +25,35 @@ inline Config config_named(const std::string& name, std::int64_t seq) {
   return c;
 }
 
+//! The options both programs take: the text, the model, the batch per rank, the schedule.
+struct run_options {
+  std::string data = "/usr/share/games/fortunes";
+  std::string config = "small";
+  std::int64_t batch = 8, seq = 1024, steps = 300, warmup = 5;
+  double lr = 6e-4;
+  std::uint64_t seed = 42;
+
+  //! Takes option a (its value from next()) if it is one of these; false if it is not.
+  template <class Next>
+  bool take(const std::string& a, Next&& next) {
+    if (a == "--data") data = next();
+    else if (a == "--config") config = next();
+    else if (a == "--batch") batch = std::stoll(next());
+    else if (a == "--seq") seq = std::stoll(next());
+    else if (a == "--steps") steps = std::stoll(next());
+    else if (a == "--warmup") warmup = std::stoll(next());
+    else if (a == "--lr") lr = std::stod(next());
+    else if (a == "--seed") seed = std::stoull(next());
+    else return false;
+    return true;
+  }
+  //! A known config, batch ≥ 1, seq ≥ 2, steps ≥ 1 and 0 ≤ warmup < steps.
+  bool valid() const {
+    return (config == "small" || config == "tiny") && batch >= 1 && seq >= 2 && steps >= 1 && warmup >= 0 &&
+           warmup < steps;
+  }
+};
+
 //! Median of step_ms[warmup:] (of an even count the upper middle); step_ms holds more than
 //! warmup steps.
 inline double median_after_warmup(const std::vector<double>& step_ms, std::int64_t warmup) {

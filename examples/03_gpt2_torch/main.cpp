@@ -51,15 +51,11 @@
 
 namespace {
 
-struct options {
-  std::string data = "/usr/share/games/fortunes";
-  std::string config = "small";
+struct options : gpt2::run_options {
   std::string device = "auto";
   std::string profile;  // a Chrome trace of steps [warmup, warmup + 3) (GPUs)
   std::string wire = "fp32";  // gradients on the wire: fp32, or bf16 (lockstep::Bf16Wire)
-  std::int64_t batch = 8, seq = 1024, steps = 300, warmup = 5, log_every = 25;
-  double lr = 6e-4;
-  std::uint64_t seed = 42;
+  std::int64_t log_every = 25;
   bool bench = false;
 };
 
@@ -85,16 +81,9 @@ options parse(int argc, char** argv) {
       }
       return argv[++i];
     };
-    if (a == "--data") o.data = next();
-    else if (a == "--config") o.config = next();
-    else if (a == "--device") o.device = next();
-    else if (a == "--batch") o.batch = std::stoll(next());
-    else if (a == "--seq") o.seq = std::stoll(next());
-    else if (a == "--steps") o.steps = std::stoll(next());
-    else if (a == "--warmup") o.warmup = std::stoll(next());
+    if (o.take(a, next)) continue;
+    if (a == "--device") o.device = next();
     else if (a == "--log-every") o.log_every = std::stoll(next());
-    else if (a == "--lr") o.lr = std::stod(next());
-    else if (a == "--seed") o.seed = std::stoull(next());
     else if (a == "--bench") o.bench = true;
     else if (a == "--wire") o.wire = next();
     else if (a == "--profile") o.profile = next();
@@ -104,12 +93,11 @@ options parse(int argc, char** argv) {
       usage(2);
     }
   }
-  if (o.config != "small" && o.config != "tiny") usage(2);
+  if (!o.valid()) usage(2);
   if (o.wire != "fp32" && o.wire != "bf16") {
     std::fprintf(stderr, "gpt2_torch: --wire %s: say fp32 or bf16\n", o.wire.c_str());
     usage(2);
   }
-  if (o.batch < 1 || o.seq < 2 || o.steps < 1 || o.warmup < 0 || o.warmup >= o.steps) usage(2);
   if (!o.profile.empty() && o.steps < o.warmup + profiled_steps) {
     std::fprintf(stderr, "gpt2_torch: --profile records steps %lld to %lld: give --steps of at least %lld\n",
                  static_cast<long long>(o.warmup), static_cast<long long>(o.warmup + profiled_steps - 1),
