@@ -151,6 +151,36 @@ inline void gather_rows(const std::uint8_t* px, const std::uint8_t* labels, cons
   LOCKSTEP_CHECK_LAUNCH();
 }
 
+//! A cuBLAS handle's deleter (for a std::unique_ptr): destroys it on its device.
+struct blas_deleter {
+  int device;
+  void operator()(cublasHandle_t h) const noexcept {
+    lockstep::detail::device_guard g(device, std::nothrow);
+    (void)cublasDestroy(h);
+  }
+};
+
+//! A non-blocking CUDA stream on `device`, destroyed with its owner.
+struct stream_owner {
+  cudaStream_t s = nullptr;
+  explicit stream_owner(int device) {
+    lockstep::detail::device_guard g(device);
+    LOCKSTEP_TRY_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  }
+  ~stream_owner() { (void)cudaStreamDestroy(s); }
+  stream_owner(const stream_owner&) = delete;
+  stream_owner& operator=(const stream_owner&) = delete;
+};
+
+//! n as an int, or config_error (naming `model`) unless a model sized for max_rows rows takes
+//! a batch of n rows (1..max_rows).
+inline int checked_rows(std::size_t n, std::size_t max_rows, const char* model) {
+  if (n == 0 || n > max_rows)
+    throw lockstep::config_error(std::string(model) + ": a batch of " + std::to_string(n) +
+                                 " rows; this model was sized for 1.." + std::to_string(max_rows));
+  return static_cast<int>(n);
+}
+
 class Mlp {
  public:
   static constexpr auto dims = fmnist::Mlp::dims;
@@ -233,7 +263,7 @@ class Mlp {
   template <class Ready>
   void forward_backward(const float* x, const std::uint8_t* y, std::size_t n, double* loss_acc, Ready&& ready) {
     lockstep::detail::device_guard g(mem_.device());
-    const int rows = checked_rows(n);
+    const int rows = checked_rows(n, max_rows_, "gpu::Mlp");
     const cudaStream_t s = mem_.stream();
     forward(x, rows);
     auto* row_loss = static_cast<double*>(loss_mem_.get());
@@ -276,7 +306,7 @@ class Mlp {
   //! Adds to *count (device) how many of the n rows of x are classified as their label.
   void count_correct(const float* x, const std::uint8_t* y, std::size_t n, unsigned long long* count) {
     lockstep::detail::device_guard g(mem_.device());
-    const int rows = checked_rows(n);
+    const int rows = checked_rows(n, max_rows_, "gpu::Mlp");
     forward(x, rows);
     kernels::count_correct<<<kernels::blocks(n), kernels::threads, 0, mem_.stream()>>>(act_[layers], y, rows, count);
     LOCKSTEP_CHECK_LAUNCH();
@@ -285,21 +315,6 @@ class Mlp {
   std::size_t max_rows() const noexcept { return max_rows_; }
 
  private:
-  struct blas_deleter {
-    int device;
-    void operator()(cublasHandle_t h) const noexcept {
-      lockstep::detail::device_guard g(device, std::nothrow);
-      (void)cublasDestroy(h);
-    }
-  };
-
-  int checked_rows(std::size_t n) const {
-    if (n == 0 || n > max_rows_)
-      throw lockstep::config_error("gpu::Mlp: a batch of " + std::to_string(n) + " rows; this model was sized for 1.." +
-                                   std::to_string(max_rows_));
-    return static_cast<int>(n);
-  }
-
   // act_[l+1] = relu(act_[l] · W_l + b_l) (no ReLU on the logits); act_[0] is x itself.
   void forward(const float* x, int rows) {
     const float one = 1.0f, zero = 0.0f;

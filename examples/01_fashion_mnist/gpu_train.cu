@@ -264,24 +264,13 @@ void track(double& worst, std::string& where, double d, const std::string& name)
   }
 }
 
-struct stream_owner {
-  cudaStream_t s = nullptr;
-  explicit stream_owner(int device) {
-    lockstep::detail::device_guard g(device);
-    LOCKSTEP_TRY_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  }
-  ~stream_owner() { (void)cudaStreamDestroy(s); }
-  stream_owner(const stream_owner&) = delete;
-  stream_owner& operator=(const stream_owner&) = delete;
-};
-
 }  // namespace
 
 bool check_gpu_model(int device, const dataset& data, const options& opt) {
   constexpr double tolerance = 1e-4;
   constexpr int steps = 2;  // the second one uses the momentum buffers the first one made
   lockstep::detail::device_guard g(device);
-  stream_owner stream(device);
+  gpu::stream_owner stream(device);
   bool ok = true;
   {
     const lockstep::CudaMemory mem(device, stream.s);

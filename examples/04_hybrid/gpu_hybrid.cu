@@ -78,17 +78,6 @@ std::string worst(const std::vector<double>& d, const std::vector<whole_paramete
   return layout[i].name;
 }
 
-struct stream_owner {
-  cudaStream_t s = nullptr;
-  explicit stream_owner(int device) {
-    lockstep::detail::device_guard g(device);
-    LOCKSTEP_TRY_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  }
-  ~stream_owner() { (void)cudaStreamDestroy(s); }
-  stream_owner(const stream_owner&) = delete;
-  stream_owner& operator=(const stream_owner&) = delete;
-};
-
 }  // namespace
 
 int visible_gpus() {
@@ -212,7 +201,7 @@ int check_equivalence(const options& o) {
   // The reference on GPU 0: GpuTpMlp unsplit (no communicator), the global batch.
   std::vector<float> one_gpu;
   {
-    stream_owner stream(0);
+    fmnist::gpu::stream_owner stream(0);
     const lockstep::CudaMemory mem(0, stream.s);
     GpuTpMlp m(d, 0, 1, nullptr, seed, mem, G);
     lockstep::cuda::FusedSgd sgd(sgd_options, m.parameters(), 0);

@@ -95,7 +95,7 @@ class GpuTpMlp {
     loss_mem_ = mem_.allocate(rows_ * sizeof(double));
     cublasHandle_t h = nullptr;
     FMNIST_TRY_CUBLAS(cublasCreate(&h));
-    blas_ = decltype(blas_)(h, blas_deleter{mem_.device()});
+    blas_ = decltype(blas_)(h, fmnist::gpu::blas_deleter{mem_.device()});
     FMNIST_TRY_CUBLAS(cublasSetStream(h, mem_.stream()));
     FMNIST_TRY_CUBLAS(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH));  // fp32, no TF32 rounding
   }
@@ -126,7 +126,7 @@ class GpuTpMlp {
   void forward_backward(const float* x, const std::uint8_t* y, std::size_t n, double* loss_acc, Ready&& ready) {
     namespace k = fmnist::gpu::kernels;
     lockstep::detail::device_guard g(mem_.device());
-    const int rows = checked_rows(n);
+    const int rows = fmnist::gpu::checked_rows(n, rows_, "GpuTpMlp");
     const cudaStream_t s = mem_.stream();
     const std::size_t W = width(), C = classes(), I = static_cast<std::size_t>(d_.in);
     forward(x, rows);
@@ -159,7 +159,7 @@ class GpuTpMlp {
   void count_correct(const float* x, const std::uint8_t* y, std::size_t n, unsigned long long* correct) {
     namespace k = fmnist::gpu::kernels;
     lockstep::detail::device_guard g(mem_.device());
-    const int rows = checked_rows(n);
+    const int rows = fmnist::gpu::checked_rows(n, rows_, "GpuTpMlp");
     forward(x, rows);
     k::count_correct<<<k::blocks(n), k::threads, 0, mem_.stream()>>>(z4_, y, rows, correct);
     LOCKSTEP_CHECK_LAUNCH();
@@ -189,23 +189,8 @@ class GpuTpMlp {
   std::size_t max_rows() const noexcept { return rows_; }
 
  private:
-  struct blas_deleter {
-    int device;
-    void operator()(cublasHandle_t h) const noexcept {
-      lockstep::detail::device_guard g(device, std::nothrow);
-      (void)cublasDestroy(h);
-    }
-  };
-
   std::size_t width() const { return static_cast<std::size_t>(d_.width); }
   std::size_t classes() const { return static_cast<std::size_t>(d_.classes); }
-
-  int checked_rows(std::size_t n) const {
-    if (n == 0 || n > rows_)
-      throw lockstep::config_error("GpuTpMlp: a batch of " + std::to_string(n) + " rows; this model was sized for 1.." +
-                                   std::to_string(rows_));
-    return static_cast<int>(n);
-  }
 
   // The activations of `rows` rows; g's all-reduce is the only communication.
   void forward(const float* x, int rows) {
@@ -290,7 +275,7 @@ class GpuTpMlp {
   std::shared_ptr<void> values_mem_, grads_mem_, act_mem_, loss_mem_;
   float *a1_ = nullptr, *a2_ = nullptr, *a3_ = nullptr, *z4_ = nullptr;  // activations (a3: z3 first)
   float *d4_ = nullptr, *d3_ = nullptr, *d2_ = nullptr, *d1_ = nullptr;  // their gradients
-  std::unique_ptr<std::remove_pointer_t<cublasHandle_t>, blas_deleter> blas_;
+  std::unique_ptr<std::remove_pointer_t<cublasHandle_t>, fmnist::gpu::blas_deleter> blas_;
 };
 
 }  // namespace hybrid

@@ -62,13 +62,7 @@ struct DevBuf {
   T* as() const { return static_cast<T*>(p); }
 };
 
-struct Stream {
-  cudaStream_t s = nullptr;
-  Stream() { LOCKSTEP_TRY_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
-  ~Stream() { (void)cudaStreamDestroy(s); }
-  Stream(const Stream&) = delete;
-  Stream& operator=(const Stream&) = delete;
-};
+using lockstep::test::Stream;
 
 // A pageable cudaMemcpy to the device may return before its DMA lands, and the kernels run on
 // non-blocking streams: wait for the device before they read.

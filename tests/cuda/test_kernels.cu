@@ -159,17 +159,22 @@ constexpr dtype dt() {
 
 }  // namespace
 
+// The start of a randomised test on one GPU: skips the test case where none is visible, then
+// declares `seed` (fresh; INFO reports it with any failure), `rng` seeded with it and a stream `s`.
+#define SEEDED_GPU_TEST()           \
+  LOCKSTEP_REQUIRE_GPUS(1);         \
+  const auto seed = fresh_seed();   \
+  INFO("seed = ", seed);            \
+  std::mt19937_64 rng(seed);        \
+  Stream s
+
 TEST_SUITE("gpu") {
 
 TEST_CASE_TEMPLATE("kernels: pack - unpack and scale match the host", T, float, double, __half,
                    __nv_bfloat16) {
-  LOCKSTEP_REQUIRE_GPUS(1);
   using H = host_el<T>;
   using A = typename H::acc;
-  const auto seed = fresh_seed();
-  INFO("seed = ", seed);
-  std::mt19937_64 rng(seed);
-  Stream s;
+  SEEDED_GPU_TEST();
   for (int variant = 0; variant < 2; ++variant) {
     CAPTURE(variant);
     const Layout L = variant == 0 ? make_layout(rng, kManySmall, kSpecial, true)
@@ -229,11 +234,7 @@ TEST_CASE_TEMPLATE("kernels: pack - unpack and scale match the host", T, float, 
 }
 
 TEST_CASE("kernels: pack and unpack copy any element type exactly") {
-  LOCKSTEP_REQUIRE_GPUS(1);
-  const auto seed = fresh_seed();
-  INFO("seed = ", seed);
-  std::mt19937_64 rng(seed);
-  Stream s;
+  SEEDED_GPU_TEST();
   const Layout L = make_layout(rng, 1300, kSpecial, true);
   for (dtype t : {dtype::u8, dtype::i32, dtype::i64, dtype::f16}) {
     CAPTURE(lockstep::name_of(t));
@@ -270,13 +271,9 @@ TEST_CASE("kernels: pack and unpack copy any element type exactly") {
 
 TEST_CASE_TEMPLATE("kernels: unscale multiplies in place - flags inf/NaN results - sums squares per chunk", T, float,
                    double, __half, __nv_bfloat16) {
-  LOCKSTEP_REQUIRE_GPUS(1);
   using H = host_el<T>;
   using A = typename H::acc;
-  const auto seed = fresh_seed();
-  INFO("seed = ", seed);
-  std::mt19937_64 rng(seed);
-  Stream s;
+  SEEDED_GPU_TEST();
   const double rel = std::is_same_v<T, double> ? 1e-12 : 1e-5;
   DevBuf d_factor(sizeof(double)), d_found(sizeof(int));
   for (int variant = 0; variant < 2; ++variant) {
@@ -368,13 +365,9 @@ TEST_CASE_TEMPLATE("kernels: unscale multiplies in place - flags inf/NaN results
 
 TEST_CASE_TEMPLATE("kernels: sum_of_squares over groups is the host's - clip_grad_norm on device scales by its rule",
                    T, float, double, __half, __nv_bfloat16) {
-  LOCKSTEP_REQUIRE_GPUS(1);
   using H = host_el<T>;
   using A = typename H::acc;
-  const auto seed = fresh_seed();
-  INFO("seed = ", seed);
-  std::mt19937_64 rng(seed);
-  Stream s;
+  SEEDED_GPU_TEST();
   const double rel = std::is_same_v<T, double> ? 1e-12 : 1e-6;
   const Layout L = make_layout(rng, kManySmall, kSpecial, true);
   const auto g0 = random_values<T>(rng, L.span, 1.0);
@@ -415,11 +408,7 @@ TEST_CASE_TEMPLATE("kernels: sum_of_squares over groups is the host's - clip_gra
 }
 
 TEST_CASE("kernels: update_scale is DynamicScale::update on the device") {
-  LOCKSTEP_REQUIRE_GPUS(1);
-  const auto seed = fresh_seed();
-  INFO("seed = ", seed);
-  std::mt19937_64 rng(seed);
-  Stream s;
+  SEEDED_GPU_TEST();
   namespace kk = lockstep::cuda::kernels;
   for (lockstep::DynamicScaleOptions o :
        {lockstep::DynamicScaleOptions{.init_scale = 1024, .growth_interval = 3, .min_scale = 1, .max_scale = 65536},
@@ -458,11 +447,7 @@ TEST_CASE("kernels: update_scale is DynamicScale::update on the device") {
 // of skips whose votes name ranks is recorded (count, ranks, step), a clean step forgets it, and
 // at max_consecutive_skips the count is raised and the watch freezes for the error message.
 TEST_CASE("kernels: update_scale skip watch records the ranks that voted - clean steps forget - frozen at the limit") {
-  LOCKSTEP_REQUIRE_GPUS(1);
-  const auto seed = fresh_seed();
-  INFO("seed = ", seed);
-  std::mt19937_64 rng(seed);
-  Stream s;
+  SEEDED_GPU_TEST();
   namespace kk = lockstep::cuda::kernels;
   const int world = 2 + static_cast<int>(rng() % 70);  // ranks past 63 are counted, not listed
   const int limit = 4;
