@@ -56,6 +56,8 @@ void check_sharded_equals_unsharded(const config& c) {
   }
   if (c.max_norm == 0) CHECK(sharded.values[0] == plain.values[0]);  // same sums, same updates
   CHECK(sharded.applied == plain.applied);
+  CHECK(sharded.values_bound == Bindable);  // a model offering bind_value trains in the shards' arena
+  CHECK(!plain.values_bound);
   CHECK(sharded.final_scale == plain.final_scale);
   for (std::size_t s = 0; s < plain.norms.size(); ++s) {
     if (std::isnan(plain.norms[s])) CHECK(std::isnan(sharded.norms[s]));
@@ -186,7 +188,7 @@ TEST_CASE("sharded gather_in_forward: finish() leaves the parameters to the next
   const auto seed = fresh_seed();
   CAPTURE(seed);
   const auto d = make_data(seed, 64);
-  using Model = TestMlp<float>;
+  using Model = TestMlp<float, false>;  // values unbound: what the wait unpacks is visible
   using DP = lockstep::DataParallel<Model, lockstep::ThreadComm, lockstep::ShardedOptimizer>;
   lockstep::run(lockstep::Threads{3}, [&](auto& ctx) {
     Model m(d.dims, seed);
@@ -217,6 +219,47 @@ TEST_CASE("sharded gather_in_forward: finish() leaves the parameters to the next
                          lockstep::DataParallel<Model, lockstep::ThreadComm> dp(ctx, m, {.gather_in_forward = true});
                        }),
                        doctest::Contains("gather_in_forward needs ShardedOptimizer"), lockstep::config_error);
+}
+
+TEST_CASE("sharded: bound values - the model trains in the shards' arena and gets its values back at the end") {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  const auto d = make_data(seed, 64);
+  using Model = TestMlp<float>;
+  using DP = lockstep::DataParallel<Model, lockstep::ThreadComm, lockstep::ShardedOptimizer>;
+  lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
+    Model m(d.dims, seed);
+    const auto own = m.parameters();
+    std::vector<float> trained;
+    {
+      DP dp(ctx, m, {.buckets = {.first_bytes = 300, .cap_bytes = 700}});
+      CHECK(dp.stats().values_bound);
+      for (std::size_t i = 0; i < own.size(); ++i) {
+        CAPTURE(i);
+        CHECK(m.parameters()[i].value != own[i].value);  // moved into lockstep's storage
+        CHECK(dp.parameters()[i].value == m.parameters()[i].value);
+      }
+      CHECK(m.flat_values() != std::vector<float>{});
+      lockstep::Sgd opt({.lr = 0.1});
+      std::vector<std::size_t> rows{static_cast<std::size_t>(ctx.rank()), 5};
+      auto step = dp.step();
+      m.forward_backward(d.X32, d.y, rows, step.on_gradient_ready());
+      (void)step.finish([&](std::span<const lockstep::param_slice> s) { opt.step(s); });
+      trained = m.flat_values();
+    }
+    for (std::size_t i = 0; i < own.size(); ++i) CHECK(m.parameters()[i].value == own[i].value);  // its own again
+    CHECK(m.flat_values() == trained);  // holding the trained values
+  });
+  struct Ignoring : Model {  // takes the values but keeps using its own storage
+    using Model::Model;
+    void bind_value(std::size_t, void*) {}
+    void unbind_values() {}
+  };
+  CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
+                         Ignoring m(d.dims, seed);
+                         lockstep::DataParallel<Ignoring, lockstep::ThreadComm, lockstep::ShardedOptimizer> dp(ctx, m);
+                       }),
+                       doctest::Contains("model.bind_value(5, storage) did not take effect"), lockstep::config_error);
 }
 
 TEST_CASE("sharded: wrong use is refused with what to do") {

@@ -83,6 +83,7 @@ class GpuMlp {
         LOCKSTEP_TRY_CUDA(cudaMemcpy(v, host_values[2 * l + which].data(), n * sizeof(float), cudaMemcpyHostToDevice));
         LOCKSTEP_TRY_CUDA(cudaMemset(g, 0, n * sizeof(float)));
         vals_.push_back(v);
+        own_vals_.push_back(v);
         own_grads_.push_back(g);
         grads_.push_back(g);
         sizes_.push_back(n);
@@ -93,7 +94,7 @@ class GpuMlp {
     LOCKSTEP_TRY_CUDA(cudaDeviceSynchronize());
   }
   ~GpuMlp() {
-    for (auto p : vals_) cudaFree(p);
+    for (auto p : own_vals_) cudaFree(p);
     for (auto p : own_grads_) cudaFree(p);
   }
   std::vector<lockstep::parameter> parameters() {
@@ -105,6 +106,18 @@ class GpuMlp {
     return ps;
   }
   void bind_gradient(std::size_t i, void* p) { grads_[i] = static_cast<float*>(p); }
+  // Sharded (lockstep::model (e)): the values move into lockstep's arena, copied on the stream.
+  void bind_value(std::size_t i, void* p) {
+    LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(p, vals_.at(i), sizes_[i] * sizeof(float), cudaMemcpyDeviceToDevice, s_));
+    vals_[i] = static_cast<float*>(p);
+  }
+  void unbind_values() {
+    for (std::size_t i = 0; i < vals_.size(); ++i) {
+      LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(own_vals_[i], vals_[i], sizes_[i] * sizeof(float), cudaMemcpyDeviceToDevice, s_));
+      vals_[i] = own_vals_[i];
+    }
+    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s_));  // before lockstep frees its arena
+  }
 
   // X: device samples × dims[0]; y: device labels; rows: device row indices (B of them).
   template <class Hook>
@@ -167,7 +180,7 @@ class GpuMlp {
   }
   std::vector<int> dims_;
   cudaStream_t s_;
-  std::vector<float*> vals_, grads_, own_grads_;
+  std::vector<float*> vals_, grads_, own_vals_, own_grads_;
   std::vector<std::size_t> sizes_;
   std::vector<std::pair<float*, std::size_t>> scratch_;
 };

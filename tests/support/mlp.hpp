@@ -2,6 +2,7 @@
 // A real model for tests: a ReLU MLP with softmax cross-entropy, written plainly.
 // Gradients are *added* (the lockstep::model contract); the backward reports each
 // gradient as final, last layer first, when a hook is given.
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <random>
@@ -19,7 +20,7 @@ class TestMlp {
   TestMlp(std::vector<int> dims, std::uint64_t seed) : dims_(std::move(dims)) {
     std::mt19937_64 rng(seed);
     const std::size_t L = dims_.size() - 1;
-    w_.resize(L); b_.resize(L); gw_.resize(L); gb_.resize(L); gwp_.resize(L); gbp_.resize(L);
+    w_.resize(L); b_.resize(L); gw_.resize(L); gb_.resize(L); wp_.resize(L); bp_.resize(L); gwp_.resize(L); gbp_.resize(L);
     for (std::size_t l = 0; l < L; ++l) {
       const int in = dims_[l], out = dims_[l + 1];
       std::normal_distribution<double> nd(0.0, std::sqrt(2.0 / in));
@@ -29,6 +30,8 @@ class TestMlp {
       for (auto& x : b_[l]) x = static_cast<T>(0.1 * nd(rng));
       gw_[l].assign(w_[l].size(), T(0));
       gb_[l].assign(b_[l].size(), T(0));
+      wp_[l] = w_[l].data();
+      bp_[l] = b_[l].data();
       gwp_[l] = gw_[l].data();
       gbp_[l] = gb_[l].data();
     }
@@ -37,9 +40,9 @@ class TestMlp {
   std::vector<lockstep::parameter> parameters() {
     std::vector<lockstep::parameter> ps;
     for (std::size_t l = 0; l < w_.size(); ++l) {
-      ps.push_back(lockstep::param<T>("layer" + std::to_string(l) + ".weight", w_[l].data(), gwp_[l],
+      ps.push_back(lockstep::param<T>("layer" + std::to_string(l) + ".weight", wp_[l], gwp_[l],
                                       {dims_[l + 1], dims_[l]}));
-      ps.push_back(lockstep::param<T>("layer" + std::to_string(l) + ".bias", b_[l].data(), gbp_[l],
+      ps.push_back(lockstep::param<T>("layer" + std::to_string(l) + ".bias", bp_[l], gbp_[l],
                                       {dims_[l + 1]}));
     }
     return ps;
@@ -50,6 +53,25 @@ class TestMlp {
   {
     if (i % 2 == 0) gwp_[i / 2] = static_cast<T*>(p);
     else gbp_[i / 2] = static_cast<T*>(p);
+  }
+  //! Sharded (lockstep::model (e)): the values move into lockstep's storage, copied.
+  void bind_value(std::size_t i, void* p)
+    requires Bindable
+  {
+    T*& v = i % 2 == 0 ? wp_[i / 2] : bp_[i / 2];
+    const std::size_t n = i % 2 == 0 ? w_[i / 2].size() : b_[i / 2].size();
+    std::copy(v, v + n, static_cast<T*>(p));
+    v = static_cast<T*>(p);
+  }
+  void unbind_values()
+    requires Bindable
+  {
+    for (std::size_t l = 0; l < w_.size(); ++l) {
+      std::copy(wp_[l], wp_[l] + w_[l].size(), w_[l].begin());
+      std::copy(bp_[l], bp_[l] + b_[l].size(), b_[l].begin());
+      wp_[l] = w_[l].data();
+      bp_[l] = b_[l].data();
+    }
   }
 
   //! Mean cross-entropy over the rows `rows` of X (row-major, dims[0] wide); adds the
@@ -67,8 +89,8 @@ class TestMlp {
       act[l + 1].assign(B * out, T(0));
       for (std::size_t r = 0; r < B; ++r)
         for (int o = 0; o < out; ++o) {
-          T s = b_[l][o];
-          for (int i = 0; i < in; ++i) s += w_[l][o * in + i] * act[l][r * in + i];
+          T s = bp_[l][o];
+          for (int i = 0; i < in; ++i) s += wp_[l][o * in + i] * act[l][r * in + i];
           act[l + 1][r * out + o] = (l + 1 < L && s < T(0)) ? T(0) : s;
         }
     }
@@ -97,7 +119,7 @@ class TestMlp {
           gb[o] += d;
           for (int i = 0; i < in; ++i) {
             gw[o * in + i] += d * act[l][r * in + i];
-            prev[r * in + i] += w_[l][o * in + i] * d;
+            prev[r * in + i] += wp_[l][o * in + i] * d;
           }
         }
       hook(2 * l);
@@ -111,8 +133,8 @@ class TestMlp {
 
   void sgd(double lr) {
     for (std::size_t l = 0; l < w_.size(); ++l) {
-      for (std::size_t k = 0; k < w_[l].size(); ++k) w_[l][k] -= static_cast<T>(lr) * gwp_[l][k];
-      for (std::size_t k = 0; k < b_[l].size(); ++k) b_[l][k] -= static_cast<T>(lr) * gbp_[l][k];
+      for (std::size_t k = 0; k < w_[l].size(); ++k) wp_[l][k] -= static_cast<T>(lr) * gwp_[l][k];
+      for (std::size_t k = 0; k < b_[l].size(); ++k) bp_[l][k] -= static_cast<T>(lr) * gbp_[l][k];
     }
   }
   void zero_grad() {
@@ -125,8 +147,8 @@ class TestMlp {
   std::vector<T> flat_values() const {
     std::vector<T> v;
     for (std::size_t l = 0; l < w_.size(); ++l) {
-      v.insert(v.end(), w_[l].begin(), w_[l].end());
-      v.insert(v.end(), b_[l].begin(), b_[l].end());
+      v.insert(v.end(), wp_[l], wp_[l] + w_[l].size());
+      v.insert(v.end(), bp_[l], bp_[l] + b_[l].size());
     }
     return v;
   }
@@ -142,8 +164,8 @@ class TestMlp {
 
  private:
   std::vector<int> dims_;
-  std::vector<std::vector<T>> w_, b_, gw_, gb_;
-  std::vector<T*> gwp_, gbp_;
+  std::vector<std::vector<T>> w_, b_, gw_, gb_;  // own storage
+  std::vector<T*> wp_, bp_, gwp_, gbp_;         // what is used: own, or lockstep's once bound
 };
 
 }  // namespace lockstep_test

@@ -37,6 +37,7 @@ struct sharded_outcome {
   double final_scale = 0;
   std::size_t state_elements = 0;           // rank 0: optimizer state per buffer
   std::size_t shard_bytes = 0;
+  bool values_bound = false;                // rank 0: the model's values live in the shards' arena
 };
 
 using Scale = lockstep::DynamicScale;
@@ -99,6 +100,7 @@ void train_rank(Ctx& ctx, const dataset& d, const sharded_config& c, std::uint64
     out.final_scale = p.scaler().scale();
     for (std::size_t i = 0; i < opt.slot_count(); ++i) out.state_elements += opt.template state<T>(i, 0).size();
     out.shard_bytes = p.stats().shard_bytes;
+    out.values_bound = p.stats().values_bound;
   }
 }
 

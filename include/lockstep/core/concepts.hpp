@@ -46,6 +46,15 @@ struct segment {
 //!      rank 0's at construction and, on request, every cycle. Checked by `buffer_model`.
 //!  (d) `m.unbind_gradients()`: with (a), the model takes its gradients back into storage of
 //!      its own; DataParallel calls it when it is destroyed, before the arena is freed.
+//!  (e) `m.bind_value(i, void* storage)`: with ShardedOptimizer, lockstep gives parameter i
+//!      storage for its values inside the arena its shards are all-gathered into; the model
+//!      copies its current values there (stream-ordered on the compute stream for device
+//!      memory) and uses that storage from then on (`parameters()[i].value == storage`), so
+//!      the all-gather lands in the parameters themselves: no pack before the optimizer, no
+//!      unpack after the gather. Called once per parameter, at construction, with (a)'s
+//!      zero_copy switch. Checked by `value_binding_model`.
+//!  (f) `m.unbind_values()`: with (e), the model copies its values back into storage of its
+//!      own; DataParallel calls it when it is destroyed, before the arena is freed.
 //!
 //! Example:
 //! \code
@@ -78,6 +87,12 @@ concept buffer_model = model<M> && requires(M& m) {
 
 template <class M>
 concept gradient_unbinding_model = gradient_binding_model<M> && requires(M& m) { m.unbind_gradients(); };
+
+template <class M>
+concept value_binding_model = model<M> && requires(M& m, std::size_t i, void* p) {
+  m.bind_value(i, p);
+  m.unbind_values();
+};
 
 // ---------------------------------------------------------------------------------------
 //! lockstep::work — a handle to a collective that may still be in flight.

@@ -45,6 +45,7 @@
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/grad_group.hpp"
 #include "lockstep/observe/nvtx.hpp"
+#include "lockstep/parallel/binding.hpp"
 #include "lockstep/parallel/bucket_hook.hpp"
 #include "lockstep/parallel/replicas.hpp"
 #include "lockstep/parallel/join.hpp"
@@ -186,17 +187,8 @@ class DataParallel {
 
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;
-  //! A model holding views of the gradient arena gets its gradients back (model (d)).
-  ~DataParallel() {
-    if constexpr (gradient_unbinding_model<Model>) {
-      if (reducer_.zero_copy()) {
-        try {
-          model_.unbind_gradients();
-        } catch (...) {  // a destructor must not throw; the model keeps the (dead) views
-        }
-      }
-    }
-  }
+  //! A model holding views of the arenas gets its values and gradients back (model (d), (f)).
+  ~DataParallel() { detail::release_model(model_, reducer_); }
 
   //! Begins a micro-step. The accumulation policy decides whether it synchronises.
   [[nodiscard]] step_handle step() {
@@ -283,15 +275,6 @@ class DataParallel {
       if (opts.broadcast_parameters) detail::broadcast_values(comm, ps);
     }
     return ps;
-  }
-
-  static typename detail::reducer<Comm>::bind_fn binder(Model& model, const DataParallelOptions& opts) {
-    if constexpr (gradient_binding_model<Model>) {
-      if (opts.zero_copy) return [&model](std::size_t i, void* p) { model.bind_gradient(i, p); };
-    }
-    (void)model;
-    (void)opts;
-    return {};
   }
 
   // The model's time (sync_stats::model_seconds); LOCKSTEP_TRACE: model, finish, whole step.
@@ -429,8 +412,9 @@ class DataParallel {
                scaler_type scaler, hook_type hook)
       : comm_(comm), model_(model), opts_(opts), acc_(std::move(acc)), scaler_(std::move(scaler)),
         hook_(std::move(hook)),
-        reducer_(comm, hook_, initial_parameters(comm, model, opts), opts.buckets, binder(model, opts),
-                 [&model] { return detail::collect_parameters(model); }, sharded),
+        reducer_(comm, hook_, initial_parameters(comm, model, opts), opts.buckets, detail::gradient_binder(model, opts),
+                 [&model] { return detail::collect_parameters(model); }, sharded,
+                 detail::value_binder(model, opts, sharded)),
         buffers_(detail::collect_buffers(model)) {
     if (!(opts_.max_grad_norm >= 0))
       throw config_error("DataParallelOptions::max_grad_norm must be >= 0 (0: no clipping), got " +

@@ -81,6 +81,7 @@ struct DataParallelOptions {
   //! Let lockstep own the gradients (model.bind_gradient) when the model offers it: once the
   //! layout is final (see lockstep::model (a)); DataParallel::parameters() then returns the
   //! arena pointers. Before that, and with this off, buckets are packed from the model's own.
+  //! With ShardedOptimizer it also lets lockstep own the values (model.bind_value, (e)).
   bool zero_copy = true;
   //! Copy rank 0's parameter values (and buffers, see lockstep::model (c)) to every rank at
   //! construction.

@@ -20,6 +20,7 @@
 #include "lockstep/core/concepts.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/grad_group.hpp"
+#include "lockstep/parallel/binding.hpp"
 #include "lockstep/parallel/bucket_hook.hpp"
 #include "lockstep/parallel/bucket_plan.hpp"
 #include "lockstep/parallel/nonfinite.hpp"
@@ -42,16 +43,16 @@ class reducer {
   //! step), else when the rebuild from the first step's arrival order (or a layout loaded
   //! from a checkpoint) takes effect — until then the gradients stay in the model's own
   //! buffers and buckets are packed. So storage a model or optimizer caches from bind never
-  //! goes stale.
-  using bind_fn = std::function<void(std::size_t, void*)>;
+  //! goes stale. (binding.hpp)
   using refresh_fn = std::function<std::vector<parameter>()>;
 
   //! sharded: reduce-scatter instead of all-reduce (see the file comment); the layout is then
-  //! fixed at construction (policy.rebuild_after_first_step is ignored).
+  //! fixed at construction (policy.rebuild_after_first_step is ignored). bind_value (sharded):
+  //! the parameters' values move into the arena the shards are all-gathered into (model (e)).
   reducer(Comm& comm, Hook& hook, std::vector<parameter> params, BucketPolicy policy, bind_fn bind,
-          refresh_fn refresh, bool sharded = false)
+          refresh_fn refresh, bool sharded = false, bind_fn bind_value = {})
       : comm_(comm), hook_(hook), params_(std::move(params)), policy_(policy), bind_(std::move(bind)),
-        refresh_(std::move(refresh)), sharded_(sharded), shards_(comm) {
+        refresh_(std::move(refresh)), sharded_(sharded), shards_(comm, std::move(bind_value)) {
     if (sharded_) policy_.rebuild_after_first_step = false;
     // Initial order: reverse registration order (backward produces the last layer first).
     std::vector<std::size_t> order;
@@ -201,6 +202,8 @@ class reducer {
 
   //! Whether the model's gradients live in the arena now (after the binding, see bind_fn).
   bool zero_copy() const { return bound_; }
+  //! Sharded: whether the model's values live in the shards' value arena (model (e)).
+  bool values_bound() const { return shards_.values_bound(); }
 
   //! Sharded: a fingerprint of the shard layout (ranks, element types, unit sizes), so that
   //! optimizer state saved from shards is loaded only into the same layout.
@@ -413,20 +416,13 @@ class reducer {
       for (std::size_t k = 0; k < groups_[gi].plan.order.size(); ++k)
         where_[groups_[gi].plan.order[k]] = gradient_locator{gi, k};
     if (zero_copy()) {
-      for (auto& g : groups_)
-        for (std::size_t k = 0; k < g.plan.order.size(); ++k)
-          bind_(g.plan.order[k], g.arena_at(g.plan.offset[k]));
-      auto fresh = refresh_();
+      std::vector<binding> given;
       for (auto& g : groups_)
         for (std::size_t k = 0; k < g.plan.order.size(); ++k) {
-          const auto i = g.plan.order[k];
-          if (i >= fresh.size() || fresh[i].grad != g.arena_at(g.plan.offset[k]))
-            throw config_error("model.bind_gradient(" + std::to_string(i) +
-                               ", storage) did not take effect: parameters()[" +
-                               std::to_string(i) + "].grad does not point at the storage "
-                               "lockstep gave it (bind_gradient must make the model use it)");
+          given.emplace_back(g.plan.order[k], g.arena_at(g.plan.offset[k]));
+          bind_(given.back().first, given.back().second);
         }
-      params_ = std::move(fresh);
+      params_ = checked_binding(refresh_(), given, &parameter::grad, "bind_gradient");
     }
     stats_.zero_copy = zero_copy();
     if (sharded_) {
@@ -436,8 +432,10 @@ class reducer {
         plans.push_back(&g.plan);
         arenas.push_back(g.arena.get());
       }
-      shards_.build(plans, arenas, params_);
+      if (shards_.build(plans, arenas, params_))  // the values moved into the shards' arena
+        params_ = checked_binding(refresh_(), shards_.value_bindings(), &parameter::value, "bind_value");
       stats_.shard_bytes = shards_.bytes();
+      stats_.values_bound = shards_.values_bound();
     }
     grad_groups_.clear();
     for (std::size_t gi = 0; gi < groups_.size(); ++gi) {

@@ -5,6 +5,9 @@
 //! reduce-scatter (mean) as soon as backward completes it, and after the optimizer has stepped
 //! the shard, the all-gather of the unit's values, unpacked into the model's parameters.
 //! The plan must be dense and cut so that every unit's length is a multiple of size().
+//! With a value binder (lockstep::model (e)) the model's parameters live in the value arena
+//! itself: the optimizer steps them in place and the all-gather lands in them (no pack, no
+//! unpack).
 
 #include <algorithm>
 #include <chrono>
@@ -23,6 +26,7 @@
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/parameter.hpp"
 #include "lockstep/core/reduce_op.hpp"
+#include "lockstep/parallel/binding.hpp"
 #include "lockstep/parallel/bucket_plan.hpp"
 
 namespace lockstep::detail {
@@ -37,14 +41,18 @@ class shard_set {
   using work_type = decltype(std::declval<Comm&>().all_gather(nullptr, nullptr, std::size_t{}, dtype::f32));
   using step_fn = std::function<void(std::span<const param_slice>)>;
 
-  explicit shard_set(Comm& comm) : comm_(comm) {}
+  explicit shard_set(Comm& comm, bind_fn bind_value = {}) : comm_(comm), bind_value_(std::move(bind_value)) {}
 
   //! Lays out the shards of every group (one per element type, in the reducer's order):
   //! plans[g] cut arena g; params: the model's parameters (values are packed from them).
-  void build(std::span<const bucket_plan* const> plans, std::span<void* const> arenas,
+  //! With a value binder, each parameter moves into the value arena (bind_value(i, storage),
+  //! value_bindings()); returns whether it did (then re-read the parameters).
+  bool build(std::span<const bucket_plan* const> plans, std::span<void* const> arenas,
              const std::vector<parameter>& params) {
     complete_all();  // a rebuild must not drop values still in flight
+    const auto old = std::move(groups_);  // the values a binding copies from stay alive until it has
     groups_.clear();
+    bindings_.clear();
     params_.clear();
     slices_.clear();
     units_of_.assign(params.size(), {});
@@ -88,8 +96,19 @@ class shard_set {
         bytes_ += sh.count * es;
         g.shards.push_back(std::move(sh));
       }
+      if (bind_value_)
+        for (std::size_t k = 0; k < plan.order.size(); ++k) {
+          bindings_.emplace_back(plan.order[k], g.values_at(plan.offset[k]));
+          bind_value_(bindings_.back().first, bindings_.back().second);
+        }
     }
+    return values_bound();
   }
+
+  //! Whether the model's values live in the value arena (a value binder was given).
+  bool values_bound() const noexcept { return static_cast<bool>(bind_value_); }
+  //! What build() bound: (parameter index, its storage in the value arena).
+  std::span<const binding> value_bindings() const noexcept { return bindings_; }
 
   //! This rank's shard of every launch unit, in launch order (the optimizer's parameters).
   const std::vector<parameter>& parameters() const noexcept { return params_; }
@@ -222,7 +241,7 @@ class shard_set {
     group& g = groups_[gi];
     const shard& sh = g.shards[u];
     const std::size_t mine = sh.begin + static_cast<std::size_t>(comm_.rank()) * sh.count;
-    comm_.memory().pack(sh.mine, g.values_at(mine), g.plan->type, 1.0);
+    if (!values_bound()) comm_.memory().pack(sh.mine, g.values_at(mine), g.plan->type, 1.0);
     fn(std::span<const param_slice>(&slices_[sh.index], 1));
     if (!deferred_) issue_gather(g, u, seconds);
   }
@@ -260,11 +279,13 @@ class shard_set {
     group& g = groups_[gi];
     if (!g.pending[u]) return;
     wait(g.gathers[u], seconds);
-    comm_.memory().unpack(g.values_at(g.shards[u].begin), g.shards[u].all, g.plan->type);
+    if (!values_bound()) comm_.memory().unpack(g.values_at(g.shards[u].begin), g.shards[u].all, g.plan->type);
     g.pending[u] = 0;
   }
 
   Comm& comm_;
+  bind_fn bind_value_;            // model (e), or empty: values packed and unpacked
+  std::vector<binding> bindings_;  // what build() bound
   std::vector<group> groups_;
   std::vector<parameter> params_;    // this rank's shard of each unit
   std::vector<param_slice> slices_;  // the same, as the optimizer's slices

@@ -46,6 +46,7 @@ struct sync_stats {
   //! launch the work). stragglers() compares it across ranks.
   double model_seconds = 0;
   bool zero_copy = false;             //!< the model's gradients live in the arena
+  bool values_bound = false;          //!< sharded: its values live in the shards' arena (model (e))
   bool rebuilt = false;               //!< the plan was reordered after the first step
 };
 

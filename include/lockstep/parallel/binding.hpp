@@ -1,0 +1,74 @@
+#pragma once
+//! Lending storage to the model (lockstep::model (a), (d), (e), (f)): the functions that bind
+//! a parameter's gradient or values into lockstep's arenas, the check that a binding took
+//! effect, and the hand-back when DataParallel goes away.
+
+#include <cstddef>
+#include <functional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "lockstep/core/concepts.hpp"
+#include "lockstep/core/error.hpp"
+#include "lockstep/core/parameter.hpp"
+#include "lockstep/parallel/policies.hpp"
+
+namespace lockstep::detail {
+
+//! bind(i, storage): parameter i takes storage (its gradient, or its values) from now on.
+using bind_fn = std::function<void(std::size_t, void*)>;
+//! (parameter index, the storage it was given)
+using binding = std::pair<std::size_t, void*>;
+
+//! The model's gradient binder, if it has one and zero_copy is on; else empty.
+template <class Model>
+bind_fn gradient_binder(Model& model, const DataParallelOptions& opts) {
+  if constexpr (gradient_binding_model<Model>) {
+    if (opts.zero_copy) return [&model](std::size_t i, void* p) { model.bind_gradient(i, p); };
+  }
+  (void)model;
+  (void)opts;
+  return {};
+}
+
+//! The model's value binder (sharded only), if it has one and zero_copy is on; else empty.
+template <class Model>
+bind_fn value_binder(Model& model, const DataParallelOptions& opts, bool sharded) {
+  if constexpr (value_binding_model<Model>) {
+    if (opts.zero_copy && sharded) return [&model](std::size_t i, void* p) { model.bind_value(i, p); };
+  }
+  (void)model;
+  (void)opts;
+  (void)sharded;
+  return {};
+}
+
+//! fresh (the model's parameters re-read after binding), checked: every (i, storage) in given
+//! is now what parameters()[i].*field points at — else the binder (named fn) did not take effect.
+inline std::vector<parameter> checked_binding(std::vector<parameter> fresh, std::span<const binding> given,
+                                              void* parameter::*field, const char* fn) {
+  for (const auto& [i, storage] : given)
+    if (i >= fresh.size() || fresh[i].*field != storage)
+      throw config_error(std::string("model.") + fn + "(" + std::to_string(i) + ", storage) did not take effect: parameters()[" +
+                         std::to_string(i) + "]." + (field == &parameter::grad ? "grad" : "value") +
+                         " does not point at the storage lockstep gave it (" + fn + " must make the model use it)");
+  return fresh;
+}
+
+//! DataParallel's end: every deferred all-gather waited for, then the model takes back its
+//! values and its gradients (in that order) while the arenas still exist. Never throws.
+template <class Model, class Reducer>
+void release_model(Model& model, Reducer& reducer) noexcept {
+  try {
+    reducer.wait_all_parameters();
+    if constexpr (value_binding_model<Model>)
+      if (reducer.values_bound()) model.unbind_values();
+    if constexpr (gradient_unbinding_model<Model>)
+      if (reducer.zero_copy()) model.unbind_gradients();
+  } catch (...) {  // a destructor must not throw; the model keeps the (dead) views
+  }
+}
+
+}  // namespace lockstep::detail
