@@ -8,12 +8,18 @@
 // torch::nn::parallel::data_parallel can replicate them (bench/gpt2_data_parallel.cpp).
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <string>
 
 #include <torch/torch.h>
 
 namespace gpt2 {
+
+//! Called with each submodule just before the forward uses its parameters (the embeddings, each
+//! block, the final LayerNorm and the head, in that order): where a sharded run waits for the
+//! all-gather of those parameters (lockstep::DataParallel::wait_parameters).
+using before_fn = std::function<void(torch::nn::Module&)>;
 
 struct Config {
   std::int64_t vocab = 50304;  // GPT-2's 50257, padded to a multiple of 128
@@ -97,18 +103,23 @@ struct GptImpl : torch::nn::Cloneable<GptImpl> {
     head->weight.normal_(0.0, 0.02);
   }
 
-  //! Logits [B, T, vocab] of token ids idx [B, T] (int64).
-  torch::Tensor forward(const torch::Tensor& idx) {
+  //! Logits [B, T, vocab] of token ids idx [B, T] (int64); before: see before_fn.
+  torch::Tensor forward(const torch::Tensor& idx, const before_fn& before = {}) {
     const auto T = idx.size(1);
     auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
+    if (before) before(*wte), before(*wpe);
     auto x = wte(idx) + wpe(pos);
-    for (auto& b : *blocks) x = b->as<Block>()->forward(x);
+    for (auto& b : *blocks) {
+      if (before) before(*b);
+      x = b->as<Block>()->forward(x);
+    }
+    if (before) before(*ln_f), before(*head);
     return linear(head, ln_f(x));
   }
 
   //! Mean cross-entropy of predicting targets [B, T] from idx [B, T].
-  torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets) {
-    auto logits = forward(idx);
+  torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets, const before_fn& before = {}) {
+    auto logits = forward(idx, before);
     return torch::nn::functional::cross_entropy(logits.view({-1, logits.size(-1)}).to(torch::kFloat),
                                                 targets.reshape({-1}));
   }

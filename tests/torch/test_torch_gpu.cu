@@ -1,7 +1,8 @@
 // lockstep::TorchModule on GPUs (NcclComm, one thread per GPU, libtorch's current stream set to
 // lockstep's compute stream): the tiny GPT-2 trained on N GPUs x batch B equals one GPU x batch
-// N·B (fp32, lockstep's FusedAdamW per bucket and torch::optim::AdamW on the averaged .grad),
-// and one GPU equals plain libtorch on the CPU; fp16 autocast with DeviceDynamicScale learns,
+// N·B (fp32, lockstep's FusedAdamW per bucket, torch::optim::AdamW on the averaged .grad, and
+// ShardedOptimizer: FusedAdamW over the shards, the values bound into the shards' arena and
+// waited for block by block in the forward), and one GPU equals plain libtorch on the CPU; fp16 autocast with DeviceDynamicScale learns,
 // and an inf on one GPU skips that step on every GPU. Built where libtorch has CUDA.
 #include <doctest/doctest.h>
 
@@ -51,6 +52,10 @@ std::vector<int> first_gpus(int n) {
   return d;
 }
 
+// How the optimizer steps: lockstep's FusedAdamW per bucket, torch::optim::AdamW after finish(),
+// or sharded (FusedAdamW over dp.shard_parameters(), gather_in_forward).
+enum class how { fused, torch_optim, sharded };
+
 struct trained {
   std::vector<std::vector<torch::Tensor>> params;  // per rank, on the CPU
   std::vector<double> loss;                        // mean over ranks, per step
@@ -58,8 +63,8 @@ struct trained {
 };
 
 // `gpus` GPUs, B sequences each per step, from rank 0's copy of `init`; fp32 (no autocast, no
-// TF32), AdamW by lockstep's FusedAdamW per bucket (fused) or torch::optim::AdamW.
-trained train_fp32(int gpus, int B, int steps, const torch::Tensor& data, gpt2::Gpt init, bool fused) {
+// TF32), AdamW as `mode` says.
+trained train_fp32(int gpus, int B, int steps, const torch::Tensor& data, gpt2::Gpt init, how mode) {
   const auto c = tiny();
   trained out;
   out.params.resize(static_cast<std::size_t>(gpus));
@@ -80,33 +85,47 @@ trained train_fp32(int gpus, int B, int steps, const torch::Tensor& data, gpt2::
     }
     model->to(torch::Device(torch::kCUDA, dev));
     lockstep::TorchModule tm(model);
-    lockstep::DataParallel dp(ctx, tm, {.buckets = {.first_bytes = 4096, .cap_bytes = 16384}});
-    std::optional<lockstep::cuda::FusedAdamW> fopt;
-    std::optional<torch::optim::AdamW> topt;
-    if (fused)
-      fopt.emplace(lockstep::AdamWOptions{.lr = lr, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = wd},
-                   dp.parameters(), ctx.device());
-    else
-      topt.emplace(tm.tensors(), torch::optim::AdamWOptions(lr).betas({0.9, 0.999}).eps(1e-8).weight_decay(wd));
-    for (int k = 0; k < steps; ++k) {
-      auto rows = data.narrow(0, static_cast<std::int64_t>(rank) * B, B).to(torch::Device(torch::kCUDA, dev));
-      auto step = dp.step();
-      auto loss = model->loss(rows.narrow(1, 0, c.context), rows.narrow(1, 1, c.context));
-      tm.backward(loss, step.on_gradient_ready());
-      if (fused) {
-        if (!step.finish([&](std::span<const lockstep::param_slice> b) { fopt->step(b, s); })) {
-          std::lock_guard<std::mutex> lock(m);
-          out.problems.push_back("rank " + std::to_string(rank) + ": a step was not applied");
-        }
-      } else if (step.finish()) {
-        topt->step();
-      } else {
-        std::lock_guard<std::mutex> lock(m);
-        out.problems.push_back("rank " + std::to_string(rank) + ": a step was not applied");
+    const lockstep::DataParallelOptions o{.buckets = {.first_bytes = 4096, .cap_bytes = 16384},
+                                          .gather_in_forward = mode == how::sharded};
+    const lockstep::AdamWOptions ao{.lr = lr, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = wd};
+    const auto problem = [&](const std::string& what) {
+      std::lock_guard<std::mutex> lock(m);
+      out.problems.push_back("rank " + std::to_string(rank) + ": " + what);
+    };
+    // before: each submodule's wait (sharded); finish(step): the step's end, true if applied.
+    const auto loop = [&](auto& dp, const gpt2::before_fn& before, auto&& finish) {
+      for (int k = 0; k < steps; ++k) {
+        auto rows = data.narrow(0, static_cast<std::int64_t>(rank) * B, B).to(torch::Device(torch::kCUDA, dev));
+        auto step = dp.step();
+        auto loss = model->loss(rows.narrow(1, 0, c.context), rows.narrow(1, 1, c.context), before);
+        tm.backward(loss, step.on_gradient_ready());
+        if (!finish(step)) problem("a step was not applied");
+        const double l = lockstep::mean_across_ranks(ctx.comm(), loss.item<double>());
+        if (rank == 0) out.loss[static_cast<std::size_t>(k)] = l;
       }
-      const double l = lockstep::mean_across_ranks(ctx.comm(), loss.item<double>());
-      if (rank == 0) out.loss[static_cast<std::size_t>(k)] = l;
+    };
+    if (mode == how::sharded) {
+      lockstep::DataParallel dp(ctx, tm, o, lockstep::ShardedOptimizer{});
+      lockstep::cuda::FusedAdamW opt(ao, dp.shard_parameters(), ctx.device());
+      loop(dp, [&](torch::nn::Module& sub) { for (auto i : tm.indices_of(sub)) dp.wait_parameters(i); },
+           [&](auto& step) { return step.finish([&](std::span<const lockstep::param_slice> b) { opt.step(b, s); }); });
+      if (!dp.stats().values_bound) problem("the parameters were not bound into the shards' arena");
+      if (tm.tensors()[0].data_ptr() != dp.parameters()[0].value) problem("parameter 0 is not a view of the arena");
+    } else {
+      lockstep::DataParallel dp(ctx, tm, o);
+      if (mode == how::fused) {
+        lockstep::cuda::FusedAdamW opt(ao, dp.parameters(), ctx.device());
+        loop(dp, {}, [&](auto& step) { return step.finish([&](std::span<const lockstep::param_slice> b) { opt.step(b, s); }); });
+      } else {
+        torch::optim::AdamW opt(tm.tensors(), torch::optim::AdamWOptions(lr).betas({0.9, 0.999}).eps(1e-8).weight_decay(wd));
+        loop(dp, {}, [&](auto& step) {
+          const bool applied = static_cast<bool>(step.finish());
+          if (applied) opt.step();
+          return applied;
+        });
+      }
     }
+    // The DataParallel is gone: the module holds its parameters (and, sharded, its values) itself.
     LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s));
     for (auto& p : model->parameters()) out.params[rank].push_back(p.detach().cpu());
   });
@@ -127,11 +146,11 @@ double rel_diff(const std::vector<torch::Tensor>& a, const std::vector<torch::Te
 // N GPUs x B == 1 GPU x N·B (≤ 1e-5), every GPU the same bit for bit; 1 GPU == libtorch on the
 // CPU (≤ 1e-4: cuBLAS and the CPU's GEMMs round differently, and AdamW's normalisation lifts
 // that); the loss goes down (one batch, learned by heart).
-void check_fp32(int gpus, bool fused) {
+void check_fp32(int gpus, how mode) {
   torch::set_num_threads(1);
   at::globalContext().setAllowTF32CuBLAS(false);
   const auto seed = fresh_seed();
-  CAPTURE(seed); CAPTURE(gpus); CAPTURE(fused);
+  CAPTURE(seed); CAPTURE(gpus); CAPTURE(static_cast<int>(mode));
   const auto c = tiny();
   const int B = 2, steps = 5;
   const auto data = tokens(gpus * B, c, seed + 1);
@@ -149,8 +168,8 @@ void check_fp32(int gpus, bool fused) {
   std::vector<torch::Tensor> want;
   for (auto& p : cpu->parameters()) want.push_back(p.detach());
 
-  const auto one = train_fp32(1, gpus * B, steps, data, init, fused);
-  const auto many = gpus > 1 ? train_fp32(gpus, B, steps, data, init, fused) : one;
+  const auto one = train_fp32(1, gpus * B, steps, data, init, mode);
+  const auto many = gpus > 1 ? train_fp32(gpus, B, steps, data, init, mode) : one;
   for (const auto* t : {&one, &many}) {
     for (const auto& p : t->problems) FAIL_CHECK(p);
     CHECK(t->loss.back() < t->loss.front());
@@ -252,10 +271,11 @@ void check_fp16_device_scaling(int gpus) {
 }  // namespace
 
 TEST_SUITE("gpu") {
-TEST_CASE("TorchModule on 1 GPU == libtorch on the CPU: tiny GPT-2 fp32 - FusedAdamW and torch::optim::AdamW") {
+TEST_CASE("TorchModule on 1 GPU == libtorch on the CPU: tiny GPT-2 fp32 - FusedAdamW - torch::optim::AdamW - sharded") {
   LOCKSTEP_REQUIRE_GPUS(1);
-  check_fp32(1, true);
-  check_fp32(1, false);
+  check_fp32(1, how::fused);
+  check_fp32(1, how::torch_optim);
+  check_fp32(1, how::sharded);
 }
 TEST_CASE("TorchModule fp16 autocast + DeviceDynamicScale on 1 GPU: learns - an inf step is skipped") {
   LOCKSTEP_REQUIRE_GPUS(1);
@@ -264,18 +284,20 @@ TEST_CASE("TorchModule fp16 autocast + DeviceDynamicScale on 1 GPU: learns - an 
 }
 
 TEST_SUITE("multigpu") {
-TEST_CASE("TorchModule on 2 GPUs x B == 1 GPU x 2B == libtorch on the CPU: tiny GPT-2 fp32") {
+TEST_CASE("TorchModule on 2 GPUs x B == 1 GPU x 2B == libtorch on the CPU: tiny GPT-2 fp32 - sharded too") {
   LOCKSTEP_REQUIRE_GPUS(2);
-  check_fp32(2, true);
-  check_fp32(2, false);
+  check_fp32(2, how::fused);
+  check_fp32(2, how::torch_optim);
+  check_fp32(2, how::sharded);
 }
 TEST_CASE("TorchModule fp16 autocast + DeviceDynamicScale on 2 GPUs: an inf on one GPU skips the step on both") {
   LOCKSTEP_REQUIRE_GPUS(2);
   check_fp16_device_scaling(2);
 }
-TEST_CASE("TorchModule on 4 GPUs x B == 1 GPU x 4B == libtorch on the CPU: tiny GPT-2 fp32") {
+TEST_CASE("TorchModule on 4 GPUs x B == 1 GPU x 4B == libtorch on the CPU: tiny GPT-2 fp32 - sharded too") {
   LOCKSTEP_REQUIRE_GPUS(4);
-  check_fp32(4, true);
+  check_fp32(4, how::fused);
+  check_fp32(4, how::sharded);
   check_fp16_device_scaling(4);
 }
 }

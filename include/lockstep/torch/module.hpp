@@ -23,6 +23,13 @@
 //!    step (DDP's broadcast_buffers).
 //!  - unbind_gradients(): `.grad` becomes the module's own copy again; DataParallel calls it
 //!    when it is destroyed, so the module never keeps a view of freed arena memory.
+//!  - bind_value(i, storage) (ShardedOptimizer): the parameter's data becomes a view of the
+//!    arena its shards are all-gathered into (`set_data`, as Megatron's parameter buffer), so
+//!    the optimizer steps it in place and the all-gather lands in it; unbind_values() gives
+//!    it storage of its own again. The tensor object stays the same (autograd's accumulator,
+//!    its hooks and torch::optim's references hold).
+//!  - indices_of(submodule): its parameters' positions in parameters(), for
+//!    DataParallel::wait_parameters before the forward uses them (gather_in_forward).
 //!
 //! Hooks fire on autograd's threads (for CUDA tensors, the device's worker thread) while the
 //! thread that called backward waits; DataParallel is used by one thread at a time, as always.
@@ -188,6 +195,28 @@ class TorchModule {
   //! `.grad` becomes the module's own storage again (a copy of the arena's values).
   void unbind_gradients() {
     for (auto& p : params_) p.mutable_grad() = p.grad().clone(at::MemoryFormat::Contiguous);
+  }
+  //! The parameter's data becomes a view of `storage`, holding its current values (copied on
+  //! libtorch's current stream: make it lockstep's compute stream, see docs/torch.md).
+  void bind_value(std::size_t i, void* storage) {
+    at::Tensor& p = params_.at(i);
+    at::Tensor view = torch::from_blob(storage, p.sizes(), p.options().requires_grad(false));
+    view.copy_(p.detach());
+    p.set_data(view);
+  }
+  //! Every parameter's data becomes storage of its own again (a copy of the arena's values).
+  void unbind_values() {
+    for (auto& p : params_) p.set_data(p.detach().clone(at::MemoryFormat::Contiguous));
+  }
+  //! The positions in parameters() of the trained parameters of `sub` (the wrapped module or
+  //! one of its submodules, recursively), e.g. to wait for them before a layer's forward:
+  //! `for (auto i : tm.indices_of(*block)) dp.wait_parameters(i);`
+  std::vector<std::size_t> indices_of(const torch::nn::Module& sub) const {
+    std::vector<std::size_t> out;
+    for (const auto& t : sub.parameters(/*recurse=*/true))
+      for (std::size_t i = 0; i < params_.size(); ++i)
+        if (params_[i].unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) out.push_back(i);
+    return out;
   }
   //! Buffers as value-only views (grad null), for broadcasts.
   std::vector<parameter> buffers() const {
