@@ -8,7 +8,9 @@
 //
 // On GPUs: bf16 autocast, lockstep's compute stream as libtorch's current stream, the fused
 // AdamW of lockstep stepping each bucket as soon as it is averaged. On CPU ranks:
-// torch::optim::AdamW on the averaged gradients. Rank 0 prints the loss and tokens/s;
+// torch::optim::AdamW on the averaged gradients. --shard: ShardedOptimizer (each rank's AdamW
+// steps 1/N of the parameters, kept in lockstep's arena) with the all-gather waited for block
+// by block in the next forward (gather_in_forward); on CPU ranks lockstep's host AdamW. Rank 0 prints the loss and tokens/s;
 // --bench prints one line "bench: ..." with the median step time, tokens/s and peak memory
 // (bench/gpt2_torch.sh runs it beside PyTorch DDP, bench/gpt2_ddp.py); --profile FILE writes
 // a Chrome trace (libtorch's Kineto profiler) of three steps after the warm-up, for
@@ -57,6 +59,7 @@ struct options : gpt2::run_options {
   std::string wire = "fp32";  // gradients on the wire: fp32, or bf16 (lockstep::Bf16Wire)
   std::int64_t log_every = 25;
   bool bench = false;
+  bool shard = false;  // ShardedOptimizer + gather_in_forward
 };
 
 constexpr std::int64_t profiled_steps = 3;
@@ -65,7 +68,7 @@ constexpr std::int64_t profiled_steps = 3;
   std::printf(
       "usage: gpt2_torch [--data DIR|FILE] [--config small|tiny] [--device auto|cpu] [--batch B]\n"
       "                  [--seq T] [--steps N] [--warmup N] [--lr X] [--seed S] [--log-every N] [--bench]\n"
-      "                  [--profile TRACE.json] [--wire fp32|bf16]\n"
+      "                  [--profile TRACE.json] [--wire fp32|bf16] [--shard]\n"
       "  batch: sequences per rank and step; on GPUs: all local GPUs, or one per process under a launcher\n");
   std::exit(rc);
 }
@@ -85,6 +88,7 @@ options parse(int argc, char** argv) {
     if (a == "--device") o.device = next();
     else if (a == "--log-every") o.log_every = std::stoll(next());
     else if (a == "--bench") o.bench = true;
+    else if (a == "--shard") o.shard = true;
     else if (a == "--wire") o.wire = next();
     else if (a == "--profile") o.profile = next();
     else if (a == "--help" || a == "-h") usage(0);
@@ -173,106 +177,126 @@ int main(int argc, char** argv) {
     }
     model->to(dev);
     lockstep::TorchModule tm(model);
-    lockstep::DataParallel dp(ctx, tm, lockstep::Bf16Wire(opt.wire == "bf16"));
+    const lockstep::DataParallelOptions dp_options{.gather_in_forward = opt.shard};
+    const lockstep::Bf16Wire wire(opt.wire == "bf16");
+    // One body for both: ShardedOptimizer is a policy, so the DataParallel's type differs.
+    auto train = [&](auto& dp) {
+      constexpr bool sharded = std::remove_cvref_t<decltype(dp)>::sharded;
 
-    std::int64_t params = 0;
-    for (const auto& p : tm.tensors()) params += p.numel();
-    if (ctx.is_root())
-      std::printf("gpt2_torch: %lld parameters, %d rank(s) on %s, %lld x %lld tokens per rank and step, %zu bytes of text\n",
-                  static_cast<long long>(params), ctx.size(), gpu ? "GPUs" : "CPU", static_cast<long long>(opt.batch),
-                  static_cast<long long>(opt.seq), text.size());
+      std::int64_t params = 0;
+      for (const auto& p : tm.tensors()) params += p.numel();
+      if (ctx.is_root())
+        std::printf("gpt2_torch: %lld parameters, %d rank(s) on %s, %lld x %lld tokens per rank and step, %zu bytes of text\n",
+                    static_cast<long long>(params), ctx.size(), gpu ? "GPUs" : "CPU", static_cast<long long>(opt.batch),
+                    static_cast<long long>(opt.seq), text.size());
 
+      const lockstep::AdamWOptions adamw{.lr = opt.lr, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1};
+      // Sharded, the optimizers step this rank's shards, and the forward waits for each block's
+      // all-gather just before using it.
+      const std::vector<lockstep::parameter>* stepped = &dp.parameters();
+      if constexpr (sharded) stepped = &dp.shard_parameters();
+      gpt2::before_fn before;
+      if constexpr (sharded) before = [&](torch::nn::Module& sub) { for (auto i : tm.indices_of(sub)) dp.wait_parameters(i); };
 #if GPT2_GPU
-    using fused = lockstep::cuda::FusedAdamW;
-    std::optional<fused> gpu_opt;
-    if constexpr (gpu)
-      gpu_opt.emplace(lockstep::AdamWOptions{.lr = opt.lr, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1},
-                      dp.parameters(), ctx.device());
+      using fused = lockstep::cuda::FusedAdamW;
+      std::optional<fused> gpu_opt;
+      if constexpr (gpu) gpu_opt.emplace(adamw, *stepped, ctx.device());
 #endif
-    std::optional<torch::optim::AdamW> cpu_opt;
-    if constexpr (!gpu)
-      cpu_opt.emplace(tm.tensors(), torch::optim::AdamWOptions(opt.lr).betas({0.9, 0.95}).weight_decay(0.1));
+      std::optional<torch::optim::AdamW> cpu_opt;  // unsharded on CPU ranks: torch::optim on the averaged .grad
+      std::optional<lockstep::AdamW> host_opt;     // sharded on CPU ranks: lockstep's, on the shards
+      if constexpr (!gpu && !sharded)
+        cpu_opt.emplace(tm.tensors(), torch::optim::AdamWOptions(opt.lr).betas({0.9, 0.95}).weight_decay(0.1));
+      if constexpr (!gpu && sharded) host_opt.emplace(adamw);
 
-    auto sync = [&] {
+      auto sync = [&] {
 #if GPT2_GPU
-      if constexpr (gpu) LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(ctx.comm().compute_stream()));
+        if constexpr (gpu) LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(ctx.comm().compute_stream()));
 #endif
-    };
-    using clock = std::chrono::steady_clock;
-    std::vector<double> step_ms;
-    auto t_log = clock::now();
-    double first_loss = 0, last_loss = 0;
-    const bool profiling = gpu && !opt.profile.empty() && ctx.is_root();
-    for (std::int64_t s = 0; s < opt.steps; ++s) {
+      };
+      using clock = std::chrono::steady_clock;
+      std::vector<double> step_ms;
+      auto t_log = clock::now();
+      double first_loss = 0, last_loss = 0;
+      const bool profiling = gpu && !opt.profile.empty() && ctx.is_root();
+      for (std::int64_t s = 0; s < opt.steps; ++s) {
 #if GPT2_GPU
-      if (profiling && s == opt.warmup) {
-        sync();
-        start_profile();
-      }
+        if (profiling && s == opt.warmup) {
+          sync();
+          start_profile();
+        }
 #endif
-      const auto t0 = clock::now();
-      auto rows = text.batch(opt.batch, opt.seq, opt.seed, s, ctx.rank()).to(dev, /*non_blocking=*/true);
-      auto x = rows.narrow(1, 0, opt.seq), y = rows.narrow(1, 1, opt.seq);
-      auto step = dp.step();
-      auto loss = model->loss(x, y);
-      tm.backward(loss, step.on_gradient_ready());
+        const auto t0 = clock::now();
+        auto rows = text.batch(opt.batch, opt.seq, opt.seed, s, ctx.rank()).to(dev, /*non_blocking=*/true);
+        auto x = rows.narrow(1, 0, opt.seq), y = rows.narrow(1, 1, opt.seq);
+        auto step = dp.step();
+        auto loss = model->loss(x, y, before);
+        tm.backward(loss, step.on_gradient_ready());
 #if GPT2_GPU
-      if constexpr (gpu) {
-        at::autocast::clear_cache();
-        cudaStream_t stream = ctx.comm().compute_stream();
-        step.finish([&](std::span<const lockstep::param_slice> b) { gpu_opt->step(b, stream, nullptr); });
-      }
+        if constexpr (gpu) {
+          at::autocast::clear_cache();
+          cudaStream_t stream = ctx.comm().compute_stream();
+          step.finish([&](std::span<const lockstep::param_slice> b) { gpu_opt->step(b, stream, nullptr); });
+        }
 #endif
-      if constexpr (!gpu) {
-        step.finish();
-        cpu_opt->step();
-      }
-      const bool log = s % opt.log_every == 0 || s + 1 == opt.steps;  // the same on every rank
-      if (opt.bench || log || profiling) sync();
-      step_ms.push_back(std::chrono::duration<double, std::milli>(clock::now() - t0).count());
+        if constexpr (!gpu && sharded) step.finish([&](std::span<const lockstep::param_slice> b) { host_opt->step(b); });
+        if constexpr (!gpu && !sharded) {
+          step.finish();
+          cpu_opt->step();
+        }
+        const bool log = s % opt.log_every == 0 || s + 1 == opt.steps;  // the same on every rank
+        if (opt.bench || log || profiling) sync();
+        step_ms.push_back(std::chrono::duration<double, std::milli>(clock::now() - t0).count());
 #if GPT2_GPU
-      if (profiling && s + 1 == opt.warmup + profiled_steps) stop_profile(opt.profile);
+        if (profiling && s + 1 == opt.warmup + profiled_steps) stop_profile(opt.profile);
 #endif
-      if (log) {
-        const double l = lockstep::mean_across_ranks(ctx.comm(), loss.template item<double>());
-        if (s == 0) first_loss = l;
-        last_loss = l;
-        if (ctx.is_root()) {
-          const double secs = std::chrono::duration<double>(clock::now() - t_log).count();
-          const double steps_done = s == 0 ? 1.0 : static_cast<double>(std::min<std::int64_t>(opt.log_every, s));
-          std::printf("step %5lld  loss %.4f  %.0f tokens/s\n", static_cast<long long>(s), l,
-                      steps_done * static_cast<double>(opt.batch * opt.seq * ctx.size()) / secs);
-          std::fflush(stdout);
-          t_log = clock::now();
+        if (log) {
+          const double l = lockstep::mean_across_ranks(ctx.comm(), loss.template item<double>());
+          if (s == 0) first_loss = l;
+          last_loss = l;
+          if (ctx.is_root()) {
+            const double secs = std::chrono::duration<double>(clock::now() - t_log).count();
+            const double steps_done = s == 0 ? 1.0 : static_cast<double>(std::min<std::int64_t>(opt.log_every, s));
+            std::printf("step %5lld  loss %.4f  %.0f tokens/s\n", static_cast<long long>(s), l,
+                        steps_done * static_cast<double>(opt.batch * opt.seq * ctx.size()) / secs);
+            std::fflush(stdout);
+            t_log = clock::now();
+          }
         }
       }
-    }
-    if (opt.bench) {
-      const double median = gpt2::median_after_warmup(step_ms, opt.warmup);
-      double peak_gib = 0;
+      if (opt.bench) {
+        const double median = gpt2::median_after_warmup(step_ms, opt.warmup);
+        double peak_gib = 0;
 #if GPT2_GPU
-      if constexpr (gpu) {
-        // libtorch's allocator (activations, weights) plus what lockstep allocated itself:
-        // the gradient arena and the optimizer's state.
-        const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(ctx.device()));
-        double arena = 0;
-        for (const auto& p : dp.parameters()) arena += static_cast<double>(p.bytes());
-        peak_gib = (static_cast<double>(stats.allocated_bytes[0].peak) + arena +
-                    static_cast<double>(gpu_opt->state_bytes())) / (1 << 30);
-      }
+        if constexpr (gpu) {
+          // libtorch's allocator (activations, weights) plus what lockstep allocated itself:
+          // the gradient arena, sharded the value arena the weights moved into, and the
+          // optimizer's state.
+          const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(ctx.device()));
+          const double arenas = static_cast<double>(dp.stats().arena_bytes) * (sharded ? 2 : 1);
+          peak_gib = (static_cast<double>(stats.allocated_bytes[0].peak) + arenas +
+                      static_cast<double>(gpu_opt->state_bytes())) / (1 << 30);
+        }
 #endif
-      double worst = median;
-      lockstep::detail::host_all_reduce(ctx.comm(), std::span<double>(&worst, 1), lockstep::reduce_op::max);
-      double peak = peak_gib;
-      lockstep::detail::host_all_reduce(ctx.comm(), std::span<double>(&peak, 1), lockstep::reduce_op::max);
-      if (ctx.is_root())
-        gpt2::print_bench_line(opt.wire == "bf16" ? "lockstep-bf16wire" : "lockstep", ctx.size(), worst,
-                               opt.batch * opt.seq * ctx.size(), peak, first_loss, last_loss);
-    } else if (ctx.is_root()) {
-      std::printf("gpt2_torch: loss %.3f -> %.3f over %lld steps\n", first_loss, last_loss,
-                  static_cast<long long>(opt.steps));
+        double worst = median;
+        lockstep::detail::host_all_reduce(ctx.comm(), std::span<double>(&worst, 1), lockstep::reduce_op::max);
+        double peak = peak_gib;
+        lockstep::detail::host_all_reduce(ctx.comm(), std::span<double>(&peak, 1), lockstep::reduce_op::max);
+        if (ctx.is_root())
+          gpt2::print_bench_line(std::string("lockstep") + (opt.wire == "bf16" ? "-bf16wire" : "") + (sharded ? "-sharded" : ""), ctx.size(), worst,
+                                 opt.batch * opt.seq * ctx.size(), peak, first_loss, last_loss);
+      } else if (ctx.is_root()) {
+        std::printf("gpt2_torch: loss %.3f -> %.3f over %lld steps\n", first_loss, last_loss,
+                    static_cast<long long>(opt.steps));
+      }
+      if (ctx.is_root()) learned = last_loss < first_loss;
+    };
+    if (opt.shard) {
+      lockstep::DataParallel dp(ctx, tm, dp_options, wire, lockstep::ShardedOptimizer{});
+      train(dp);
+    } else {
+      lockstep::DataParallel dp(ctx, tm, dp_options, wire);
+      train(dp);
     }
-    if (ctx.is_root()) learned = last_loss < first_loss;
   });
   } catch (const std::exception& e) {
     std::fprintf(stderr, "gpt2_torch: %s\n", e.what());
