@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <limits>
+#include <random>
 #include <type_traits>
 
 #include <lockstep/lockstep.hpp>
@@ -162,6 +163,137 @@ TEST_CASE_TEMPLATE("sharded: a checkpoint of the sharded state resumes bit for b
   CHECK(resumed.final_scale == whole.final_scale);
 }
 
+// Resharding: state saved by 4 ranks resumes on 1, 2 and 3 ranks (the same global batch of 12
+// rows per step, split otherwise) and on 4 ranks with other bucket sizes (another shard
+// layout): each rank cuts its new shards from the saved ones through their shard maps. The
+// run ends where the uninterrupted 4-rank run ends, up to the rounding of sums split otherwise.
+TEST_CASE_TEMPLATE("sharded: a checkpoint saved on 4 ranks resumes on 1 - 2 - 3 ranks and on other buckets", T, float, double) {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  const auto d = make_data(seed, 211);
+  config c;
+  c.ranks = 4;
+  c.batch = 3;
+  c.steps = 6;
+  c.buckets = {.first_bytes = 300, .cap_bytes = 700};
+  const int at = 3;
+  lockstep::Checkpoint saved;
+  const auto whole = train<T, true, true>(d, c, seed + 1, [&](auto& ctx, auto& dp, auto& opt, int s) {
+    if (s != at - 1) return;
+    auto state = lockstep::gather_sharded(dp, opt);
+    if (ctx.rank() == 0) {
+      lockstep::Checkpoint ck;
+      lockstep::add_training_state(ck, dp);
+      ck.add_blob("optimizer", std::move(state));
+      saved = ck;
+    }
+  });
+  const double tol = std::is_same_v<T, double> ? 1e-12 : 2e-6;
+  struct target {
+    int ranks;
+    std::size_t batch;
+    lockstep::BucketPolicy buckets;
+  };
+  for (const target t : {target{1, 12, c.buckets}, target{2, 6, c.buckets}, target{3, 4, c.buckets},
+                         target{4, 3, {.first_bytes = 200, .cap_bytes = 1500}}}) {
+    CAPTURE(t.ranks); CAPTURE(t.buckets.cap_bytes);
+    config rest = c;
+    rest.ranks = t.ranks;
+    rest.batch = t.batch;
+    rest.buckets = t.buckets;
+    rest.first_step = at;
+    std::size_t saved_state = 0;
+    const auto resumed = train<T, true, true>(d, rest, seed + 99, nullptr, [&](auto& dp, auto& opt) {
+      lockstep::restore_training_state(saved, dp);
+      lockstep::load_sharded(dp, opt, saved.blob("optimizer"));
+      if (dp.rank() == 0) saved_state = opt.slot_count();
+    });
+    CHECK(saved_state > 0);  // the state was loaded, not started afresh
+    for (int r = 0; r < t.ranks; ++r) {
+      CAPTURE(r);
+      CHECK(resumed.values[static_cast<std::size_t>(r)] == resumed.values[0]);
+      CHECK(max_rel_diff(resumed.values[static_cast<std::size_t>(r)], whole.values[0]) <= tol);
+    }
+    CHECK(resumed.final_scale == whole.final_scale);
+  }
+  // Started afresh instead (no optimizer state): AdamW's moments from zero end elsewhere.
+  config rest = c;
+  rest.ranks = 2;
+  rest.batch = 6;
+  rest.first_step = at;
+  const auto fresh = train<T, true, true>(d, rest, seed + 99, nullptr,
+                                          [&](auto& dp, auto&) { lockstep::restore_training_state(saved, dp); });
+  CHECK(max_rel_diff(fresh.values[0], whole.values[0]) > 100 * tol);
+}
+
+// The cut itself, on a state written by hand in the optimizer checkpoint layout (AdamW with
+// fp32 masters, as cuda::FusedAdamW writes for bf16 parameters): two saved ranks — rank 0's
+// shard holds parameter 0's elements [0, 3) and a padding element, rank 1's parameter 0's
+// [3, 5) and parameter 1's [0, 2) — become one rank's shard of 8 (5 + 2 + padding). Moments
+// and masters must follow their elements; padding gets zeros.
+TEST_CASE("sharded: resharding moves moments and fp32 masters with their elements - padding gets zeros") {
+  using lockstep::detail::shard_segment;
+  using Rule = lockstep::AdamWRule;
+  std::mt19937_64 rng(fresh_seed());
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  const lockstep::AdamWOptions o{.lr = 0.01, .weight_decay = 0.05};
+  // one saved rank: one slot of n elements, 2 moments and masters, stepped 7 times
+  const auto blob = [&](std::size_t n, std::vector<float> (&arr)[3]) {
+    lockstep::byte_writer w;
+    w.write_bytes(Rule::magic_with_masters, 8);
+    lockstep::detail::save_options<Rule>(w, o);
+    w.write(std::uint64_t{1});
+    lockstep::detail::put_slot_header(w, {true, lockstep::dtype::f32, n, 7}, Rule::saves_step);
+    for (auto& a : arr) {
+      a.resize(n);
+      for (auto& x : a) x = u(rng);
+    }
+    w.write_elements(std::span<const float>(arr[0]));
+    w.write_elements(std::span<const float>(arr[1]));
+    w.write(std::uint64_t{1});  // masters: slot 0
+    w.write(std::uint64_t{0});
+    w.write(static_cast<std::uint64_t>(n));
+    w.write_elements(std::span<const float>(arr[2]));
+    return std::move(w).release();
+  };
+  std::vector<float> a[3], b[3];  // moment 1, moment 2, masters of saved ranks 0 and 1
+  const auto bytes0 = blob(4, a), bytes1 = blob(4, b);
+  std::vector<lockstep::detail::saved_optimizer> saved{
+      lockstep::detail::index_saved_optimizer<Rule>(bytes0, "rank 0"),
+      lockstep::detail::index_saved_optimizer<Rule>(bytes1, "rank 1")};
+  std::vector<std::vector<std::vector<shard_segment>>> maps{{{{0, 0, 3, 0}}}, {{{0, 3, 2, 0}, {1, 0, 2, 2}}}};
+  const std::vector<std::vector<shard_segment>> mine{{{0, 0, 5, 0}, {1, 0, 2, 5}}};
+  const std::vector<std::size_t> counts{8};
+  const auto out = lockstep::detail::reshard_optimizer_state<Rule>(saved, maps, mine, counts);
+  // Expected, element by element, from the hand-made inputs.
+  std::vector<float> want[3];
+  for (int k = 0; k < 3; ++k)
+    want[k] = {a[k][0], a[k][1], a[k][2], b[k][0], b[k][1], b[k][2], b[k][3], 0.0f};
+  lockstep::byte_reader r(out, "resharded");
+  r.expect_magic(std::string_view(Rule::magic_with_masters, 8), "reshard");
+  CHECK(lockstep::detail::load_options<Rule>(r).lr == o.lr);
+  REQUIRE(r.read<std::uint64_t>() == 1);
+  const auto h = lockstep::detail::get_slot_header(r, 0, Rule::saves_step, true);
+  CHECK(h.has);
+  CHECK(h.count == 8);
+  CHECK(h.step == 7);
+  std::vector<float> got(8);
+  for (int k = 0; k < 2; ++k) {
+    r.read_elements(std::span<float>(got));
+    CHECK(got == want[k]);
+  }
+  REQUIRE(r.read<std::uint64_t>() == 1);
+  CHECK(r.read<std::uint64_t>() == 0);
+  CHECK(r.read<std::uint64_t>() == 8);
+  r.read_elements(std::span<float>(got));
+  CHECK(got == want[2]);
+  r.expect_end();
+  // A saved state that does not cover what the new shard needs is refused.
+  const std::vector<std::vector<shard_segment>> more{{{0, 0, 6, 0}}};
+  CHECK_THROWS_WITH_AS(lockstep::detail::reshard_optimizer_state<Rule>(saved, maps, more, counts),
+                       doctest::Contains("covers 5 of the 6 elements of parameter 0"), lockstep::checkpoint_error);
+}
+
 TEST_CASE_TEMPLATE("sharded gather_in_forward: the all-gather waited for in the next forward equals the unsharded run", T,
                    float, double) {
   std::mt19937_64 rng(fresh_seed());
@@ -293,7 +425,7 @@ TEST_CASE("sharded: wrong use is refused with what to do") {
                          }),
                          doctest::Contains("max_grad_norm"), lockstep::config_error);
   }
-  SUBCASE("state saved by another number of ranks, or damaged, is not loaded") {
+  SUBCASE("damaged state or another model's is not loaded") {
     std::vector<std::byte> two;
     lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
       Model m(d.dims, seed);
@@ -306,13 +438,15 @@ TEST_CASE("sharded: wrong use is refused with what to do") {
       auto st = lockstep::gather_sharded(dp, opt);
       if (ctx.rank() == 0) two = st;
     });
+    auto other_dims = d.dims;
+    other_dims[1] += 1;
     CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{3}, [&](auto& ctx) {
-                           Model m(d.dims, seed);
+                           Model m(other_dims, seed);
                            DP dp(ctx, m);
                            lockstep::AdamW opt({.lr = 0.01});
                            lockstep::load_sharded(dp, opt, two);
                          }),
-                         doctest::Contains("saved by 2 ranks, but this job has 3"), lockstep::checkpoint_error);
+                         doctest::Contains("saved from another model"), lockstep::checkpoint_error);
     auto cut = two;
     cut.resize(cut.size() - 5);
     lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {

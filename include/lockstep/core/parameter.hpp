@@ -58,6 +58,15 @@ struct parameter {
   }
 };
 
+namespace detail {
+//! count elements of parameter `param` from `param_offset` on sit at `slot_offset` in a shard
+//! (the rest of a shard is padding): how a ShardedOptimizer shard maps onto the model, for
+//! resharding checkpoints (checkpoint/reshard.hpp).
+struct shard_segment {
+  std::size_t param = 0, param_offset = 0, count = 0, slot_offset = 0;
+};
+}  // namespace detail
+
 //! One parameter's part of a reduced bucket, handed to per-bucket callbacks
 //! (e.g. an optimizer that updates each bucket as soon as it is averaged).
 struct param_slice {

@@ -246,6 +246,13 @@ class DataParallel {
   {
     return reducer_.shard_parameters();
   }
+  //! Sharded: per shard parameter, which elements of the model's parameters it holds
+  //! (checkpoint/sharded.hpp reshards the optimizer state onto another world size with it).
+  std::span<const std::vector<detail::shard_segment>> shard_map() const
+    requires sharded
+  {
+    return reducer_.shard_map();
+  }
   //! gather_in_forward: before the forward uses parameter i (its units gathered, unpacked); all.
   void wait_parameters(std::size_t i) { reducer_.wait_parameters(i); }
   void wait_all_parameters() { reducer_.wait_all_parameters(); }

@@ -192,6 +192,7 @@ class reducer {
   //! arena, gradient in the gradient arena), in launch order; slice k handed to the
   //! optimizer names parameter k of this list. Empty when not sharded.
   const std::vector<parameter>& shard_parameters() const noexcept { return shards_.parameters(); }
+  std::span<const std::vector<shard_segment>> shard_map() const noexcept { return shards_.map(); }
 
   //! From the next launch on, check each unit's local gradients for inf/NaN before its
   //! collective (nonfinite.hpp); nullptr stops it.

@@ -54,6 +54,7 @@ class shard_set {
     groups_.clear();
     bindings_.clear();
     params_.clear();
+    map_.clear();
     slices_.clear();
     units_of_.assign(params.size(), {});
     bytes_ = 0;
@@ -75,6 +76,7 @@ class shard_set {
         const std::size_t len = plan.buckets[unit.last - 1].end - sh.begin;
         sh.count = len / n;
         const std::size_t lo = sh.begin + r * sh.count, hi = lo + sh.count;
+        auto& seg = map_.emplace_back();
         for (std::size_t b = unit.first; b < unit.last; ++b)
           for (const auto& s : plan.buckets[b].slices) {
             auto& of = units_of_[s.param];
@@ -82,7 +84,10 @@ class shard_set {
             char* v = static_cast<char*>(params[s.param].value);
             sh.all.push_back({v + s.param_offset * es, s.count});
             const std::size_t a = std::max(lo, s.arena_offset), e = std::min(hi, s.arena_offset + s.count);
-            if (a < e) sh.mine.push_back({v + (s.param_offset + (a - s.arena_offset)) * es, e - a});
+            if (a < e) {
+              sh.mine.push_back({v + (s.param_offset + (a - s.arena_offset)) * es, e - a});
+              seg.push_back({s.param, s.param_offset + (a - s.arena_offset), e - a, a - lo});
+            }
           }
         sh.index = params_.size();
         void* value = g.values_at(lo);
@@ -114,6 +119,8 @@ class shard_set {
   const std::vector<parameter>& parameters() const noexcept { return params_; }
   //! The gradient shards of group g, for unscaling, checks and clipping.
   std::span<const segment> grads(std::size_t g) const { return groups_[g].grads; }
+  //! Per shard (parameters() order): the model's elements it holds.
+  std::span<const std::vector<shard_segment>> map() const noexcept { return map_; }
   //! Bytes of the gradient arena this rank's shards cover.
   std::size_t bytes() const noexcept { return bytes_; }
 
@@ -289,6 +296,7 @@ class shard_set {
   std::vector<group> groups_;
   std::vector<parameter> params_;    // this rank's shard of each unit
   std::vector<param_slice> slices_;  // the same, as the optimizer's slices
+  std::vector<std::vector<shard_segment>> map_;  // the same, as the model's elements
   std::vector<std::vector<std::pair<std::size_t, std::size_t>>> units_of_;  // parameter → (group, unit)s
   bool deferred_ = false;
   std::size_t bytes_ = 0;
