@@ -195,8 +195,10 @@ int main(int argc, char** argv) {
       // all-gather just before using it.
       const std::vector<lockstep::parameter>* stepped = &dp.parameters();
       if constexpr (sharded) stepped = &dp.shard_parameters();
+      // [snippet docs/sharding.md#6]
       gpt2::before_fn before;
       if constexpr (sharded) before = [&](torch::nn::Module& sub) { for (auto i : tm.indices_of(sub)) dp.wait_parameters(i); };
+      // [end snippet]
 #if GPT2_GPU
       using fused = lockstep::cuda::FusedAdamW;
       std::optional<fused> gpu_opt;
@@ -229,7 +231,9 @@ int main(int argc, char** argv) {
         auto rows = text.batch(opt.batch, opt.seq, opt.seed, s, ctx.rank()).to(dev, /*non_blocking=*/true);
         auto x = rows.narrow(1, 0, opt.seq), y = rows.narrow(1, 1, opt.seq);
         auto step = dp.step();
+        // [snippet docs/sharding.md#6]
         auto loss = model->loss(x, y, before);
+        // [end snippet]
         tm.backward(loss, step.on_gradient_ready());
 #if GPT2_GPU
         if constexpr (gpu) {

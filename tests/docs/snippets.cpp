@@ -514,6 +514,48 @@ TEST_CASE("snippets: gather_in_forward and Bf16Wire (docs/sharding.md)") {
   });
 }
 
+// [snippet docs/sharding.md#5]
+struct Linear {  // values and gradients reached through pointers it can repoint
+  std::vector<float> w = std::vector<float>(6, 0.5f), gw = std::vector<float>(6);
+  float* wp = w.data();
+  float* gp = gw.data();
+  std::vector<lockstep::parameter> parameters() { return {lockstep::param<float>("w", wp, gp, {2, 3})}; }
+  void bind_gradient(std::size_t, void* p) { gp = static_cast<float*>(p); }
+  void bind_value(std::size_t, void* p) {  // lockstep's storage: copy the values in, use it
+    std::copy_n(wp, w.size(), static_cast<float*>(p));
+    wp = static_cast<float*>(p);
+  }
+  void unbind_values() {  // before lockstep frees it: copy them back, use our own again
+    std::copy_n(wp, w.size(), w.data());
+    wp = w.data();
+  }
+};
+// [end snippet]
+
+TEST_CASE("snippets: a model lending its values to the shards' arena (docs/sharding.md)") {
+  std::mt19937_64 rng(lockstep_test::fresh_seed());
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<std::vector<float>> grads(2, std::vector<float>(6));
+  for (auto& g : grads)
+    for (auto& x : g) x = u(rng);
+  lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
+    Linear m;
+    {
+      lockstep::DataParallel dp(ctx, m, lockstep::ShardedOptimizer{});
+      CHECK(dp.stats().values_bound);
+      CHECK(m.wp != m.w.data());  // the weights live in lockstep's arena now
+      lockstep::Sgd opt({.lr = 0.25});
+      auto step = dp.step();
+      std::copy(grads[ctx.rank()].begin(), grads[ctx.rank()].end(), m.gp);  // "backward"
+      step.gradient_ready(0);
+      step.finish([&](std::span<const lockstep::param_slice> s) { opt.step(s); });
+    }
+    CHECK(m.wp == m.w.data());  // its own storage again, holding the update
+    for (std::size_t i = 0; i < 6; ++i)
+      CHECK(m.w[i] == doctest::Approx(0.5f - 0.25f * (grads[0][i] + grads[1][i]) / 2).epsilon(1e-6));
+  });
+}
+
 TEST_CASE("snippets: ShardedOptimizer (checkpoint/sharded.hpp + docs/sharding.md)") {
   const std::uint64_t seed = lockstep_test::fresh_seed();
   CAPTURE(seed);
