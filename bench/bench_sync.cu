@@ -95,24 +95,26 @@ std::vector<shape> read_shapes(const std::string& path) {
   return out;
 }
 
-// A model of given shapes on one GPU: values and gradients in device memory; zero-copy.
-template <class T>
+// A model of given shapes on one GPU: values and gradients in device memory; zero-copy
+// (gradients, and with BindValues, sharded, the values too: lockstep::model (e)).
+template <class T, bool BindValues = true>
 struct ShapesModel {
   std::vector<shape> shapes;
   std::vector<T*> vals, grads;
-  std::vector<T*> own;
-  ShapesModel(std::vector<shape> s, unsigned seed, cudaStream_t st) : shapes(std::move(s)) {
+  std::vector<T*> own, own_vals;
+  cudaStream_t stream;
+  ShapesModel(std::vector<shape> s, unsigned seed, cudaStream_t st) : shapes(std::move(s)), stream(st) {
     for (auto& sh : shapes) {
       T *v = nullptr, *g = nullptr;
       LOCKSTEP_TRY_CUDA(cudaMalloc(&v, sh.numel() * sizeof(T)));
       LOCKSTEP_TRY_CUDA(cudaMalloc(&g, sh.numel() * sizeof(T)));
       fill_kernel<<<1024, 256, 0, st>>>(v, sh.numel(), seed++);
       LOCKSTEP_CHECK_LAUNCH();
-      vals.push_back(v); grads.push_back(g); own.push_back(g);
+      vals.push_back(v); grads.push_back(g); own.push_back(g); own_vals.push_back(v);
     }
     LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(st));
   }
-  ~ShapesModel() { for (auto p : vals) cudaFree(p); for (auto p : own) cudaFree(p); }
+  ~ShapesModel() { for (auto p : own_vals) cudaFree(p); for (auto p : own) cudaFree(p); }
   std::vector<lockstep::parameter> parameters() {
     std::vector<lockstep::parameter> ps;
     for (std::size_t i = 0; i < shapes.size(); ++i)
@@ -120,6 +122,21 @@ struct ShapesModel {
     return ps;
   }
   void bind_gradient(std::size_t i, void* p) { grads[i] = static_cast<T*>(p); }
+  void bind_value(std::size_t i, void* p)
+    requires BindValues
+  {
+    LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(p, vals[i], shapes[i].numel() * sizeof(T), cudaMemcpyDeviceToDevice, stream));
+    vals[i] = static_cast<T*>(p);
+  }
+  void unbind_values()
+    requires BindValues
+  {
+    for (std::size_t i = 0; i < vals.size(); ++i) {
+      LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(own_vals[i], vals[i], shapes[i].numel() * sizeof(T), cudaMemcpyDeviceToDevice, stream));
+      vals[i] = own_vals[i];
+    }
+    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(stream));
+  }
   // "Backward": writes every gradient (a fill pass, as a real backward writes them).
   void write_grads(cudaStream_t s, unsigned seed) {
     for (std::size_t i = 0; i < shapes.size(); ++i) {
@@ -308,20 +325,24 @@ void bench_h(const std::vector<shape>& shapes, int ngpu, int iters, const char* 
 // per-bucket SGD update (which overlaps the buckets still in flight).
 // Sharded: ShardedOptimizer (reduce-scatter per unit, the SGD on this GPU's shard, all-gather).
 // Deferred: gather_in_forward — the forward waits for each layer's parameters (params_per_layer
-// of them, in order) just before its compute.
-template <class T, bool Sharded = false, bool Wire = false, bool Deferred = false>
+// of them, in order) just before its compute. Bound (sharded): the parameters live in the
+// shards' value arena (no pack before the optimizer, no unpack after the all-gather).
+template <class T, bool Sharded = false, bool Wire = false, bool Deferred = false, bool Bound = true>
 double train_step_time(const std::vector<shape>& shapes, int ngpu, int iters, double head_us,
                        const std::vector<double>& fwd_us, const std::vector<double>& bwd_us,
                        lockstep::BucketPolicy buckets = {}) {
   return timed(ngpu, 5, iters, [&](auto& ctx, cudaStream_t s) {
-    auto m = std::make_shared<ShapesModel<T>>(shapes, 5u, s);
-    using M = ShapesModel<T>;
+    using M = ShapesModel<T, Bound>;
+    auto m = std::make_shared<M>(shapes, 5u, s);
     using C = lockstep::NcclComm;
     using Plain = std::conditional_t<Sharded, lockstep::DataParallel<M, C, lockstep::ShardedOptimizer>, lockstep::DataParallel<M, C>>;
     using Wired = std::conditional_t<Sharded, lockstep::DataParallel<M, C, lockstep::Bf16Wire, lockstep::ShardedOptimizer>,
                                      lockstep::DataParallel<M, C, lockstep::Bf16Wire>>;
     using DP = std::conditional_t<Wire, Wired, Plain>;
-    auto dp = std::make_shared<DP>(ctx, *m, lockstep::DataParallelOptions{.buckets = buckets, .gather_in_forward = Deferred});
+    // The DataParallel hands the model its values back when it goes (unbind_values): it holds
+    // the model, so the model outlives it whatever order the closures release them in.
+    auto dp = std::shared_ptr<DP>(new DP(ctx, *m, lockstep::DataParallelOptions{.buckets = buckets, .gather_in_forward = Deferred}),
+                                  [m](DP* p) { delete p; });
     const std::size_t n = shapes.size(), per_layer = n / fwd_us.size();
     auto body = [=, &fwd_us, &bwd_us] {
       auto step = dp->step();
@@ -478,11 +499,17 @@ int main(int argc, char** argv) {
                                     : train_step_time<__nv_bfloat16, true>(mlp, g, iters, 0, fwd, bwd, bp);
               double td = pass == 0 ? train_step_time<float, true, false, true>(mlp, g, iters, 0, fwd, bwd, bp)
                                     : train_step_time<__nv_bfloat16, true, false, true>(mlp, g, iters, 0, fwd, bwd, bp);
+              double tu = pass == 0 ? train_step_time<float, true, false, true, false>(mlp, g, iters, 0, fwd, bwd, bp)
+                                    : train_step_time<__nv_bfloat16, true, false, true, false>(mlp, g, iters, 0, fwd, bwd, bp);
+              // bound again, after the packed run: a difference that follows the order is not the binding's
+              double td2 = pass == 0 ? train_step_time<float, true, false, true>(mlp, g, iters, 0, fwd, bwd, bp)
+                                     : train_step_time<__nv_bfloat16, true, false, true>(mlp, g, iters, 0, fwd, bwd, bp);
               g_chained = false;
               if (g_print)
                 std::printf("s  %s %d GPU  cap %3zu MiB  sharded step %7.3f ms;  chained steps: plain %7.3f  sharded %7.3f  "
-                            "gather in forward %7.3f ms  (1 GPU %6.3f ms, flat all-reduce alone %6.3f ms)\n",
-                            tn, g, cap_mib, t, tp, tc, td, one, flat);
+                            "gather in forward %7.3f ms  (values packed, not bound: %7.3f ms; bound again %7.3f ms)  (1 GPU "
+                            "%6.3f ms, flat all-reduce alone %6.3f ms)\n",
+                            tn, g, cap_mib, t, tp, tc, td, tu, td2, one, flat);
             }
         }
       }
