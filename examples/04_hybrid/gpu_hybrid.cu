@@ -160,7 +160,11 @@ void train_on_gpus(const options& o, const fmnist::dataset& data) {
 int check_equivalence(const options& o) {
   constexpr int steps = 5;
   constexpr double split_tolerance = 1e-5;  // the same arithmetic, summed in other orders
-  constexpr double cpu_tolerance = 1e-4;    // another implementation (double softmax, other sums)
+  // Another implementation (double softmax, other sums): rounding differences grow over the
+  // steps, and a pre-activation that lands within rounding of zero takes the other side of a
+  // ReLU in one of them — 1.8e-4 was seen once (one random seed of many, 2026-11-27). A wrong
+  // formula or a missing reduction is off by far more than 1e-3.
+  constexpr double cpu_tolerance = 1e-3;
   const dims d = example_dims();
   const auto layout = whole_layout(d);
   const int replicas = o.gpus / o.parts;
