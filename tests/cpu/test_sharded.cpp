@@ -382,6 +382,14 @@ TEST_CASE("sharded: bound values - the model trains in the shards' arena and get
     for (std::size_t i = 0; i < own.size(); ++i) CHECK(m.parameters()[i].value == own[i].value);  // its own again
     CHECK(m.flat_values() == trained);  // holding the trained values
   });
+  lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {  // bind_values off: packed, as without bind_value
+    Model m(d.dims, seed);
+    const auto own = m.parameters();
+    DP dp(ctx, m, {.bind_values = false});
+    CHECK_FALSE(dp.stats().values_bound);
+    CHECK(dp.stats().zero_copy);  // the gradients still are the arena's
+    CHECK(m.parameters()[0].value == own[0].value);
+  });
   struct Ignoring : Model {  // takes the values but keeps using its own storage
     using Model::Model;
     void bind_value(std::size_t, void*) {}

@@ -33,11 +33,12 @@ bind_fn gradient_binder(Model& model, const DataParallelOptions& opts) {
   return {};
 }
 
-//! The model's value binder (sharded only), if it has one and zero_copy is on; else empty.
+//! The model's value binder (sharded only), if it has one and zero_copy and bind_values are
+//! on; else empty.
 template <class Model>
 bind_fn value_binder(Model& model, const DataParallelOptions& opts, bool sharded) {
   if constexpr (value_binding_model<Model>) {
-    if (opts.zero_copy && sharded) return [&model](std::size_t i, void* p) { model.bind_value(i, p); };
+    if (opts.zero_copy && opts.bind_values && sharded) return [&model](std::size_t i, void* p) { model.bind_value(i, p); };
   }
   (void)model;
   (void)opts;

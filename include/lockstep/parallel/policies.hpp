@@ -81,8 +81,11 @@ struct DataParallelOptions {
   //! Let lockstep own the gradients (model.bind_gradient) when the model offers it: once the
   //! layout is final (see lockstep::model (a)); DataParallel::parameters() then returns the
   //! arena pointers. Before that, and with this off, buckets are packed from the model's own.
-  //! With ShardedOptimizer it also lets lockstep own the values (model.bind_value, (e)).
   bool zero_copy = true;
+  //! With zero_copy and ShardedOptimizer: let lockstep own the values too (model.bind_value,
+  //! lockstep::model (e)) — no pack before the optimizer, no unpack after the all-gather, one
+  //! copy of the weights. Off: they are packed and unpacked (docs/sharding.md has both timed).
+  bool bind_values = true;
   //! Copy rank 0's parameter values (and buffers, see lockstep::model (c)) to every rank at
   //! construction.
   bool broadcast_parameters = true;
