@@ -72,6 +72,22 @@ void check_sharded_equals_unsharded(const config& c) {
   CHECK(sharded.shard_bytes == (P + N - 1) / N * sizeof(T));
 }
 
+// The sharded run of config c, whose training state and sharded optimizer state after step
+// at − 1 go into `saved` (what a checkpoint holds).
+template <class T>
+outcome train_saving(const dataset& d, const config& c, std::uint64_t init_seed, int at, lockstep::Checkpoint& saved) {
+  return train<T, true, true>(d, c, init_seed, [&](auto& ctx, auto& dp, auto& opt, int s) {
+    if (s != at - 1) return;
+    auto state = lockstep::gather_sharded(dp, opt);
+    if (ctx.rank() == 0) {
+      lockstep::Checkpoint ck;
+      lockstep::add_training_state(ck, dp);
+      ck.add_blob("optimizer", std::move(state));
+      saved = ck;
+    }
+  });
+}
+
 }  // namespace
 
 TEST_SUITE("cpu") {
@@ -142,16 +158,7 @@ TEST_CASE_TEMPLATE("sharded: a checkpoint of the sharded state resumes bit for b
   c.buckets = {.first_bytes = 300, .cap_bytes = 700};
   const int at = 3;
   lockstep::Checkpoint saved;
-  const auto whole = train<T, true, true>(d, c, seed + 1, [&](auto& ctx, auto& dp, auto& opt, int s) {
-    if (s != at - 1) return;
-    auto state = lockstep::gather_sharded(dp, opt);
-    if (ctx.rank() == 0) {
-      lockstep::Checkpoint ck;
-      lockstep::add_training_state(ck, dp);
-      ck.add_blob("optimizer", std::move(state));
-      saved = ck;
-    }
-  });
+  const auto whole = train_saving<T>(d, c, seed + 1, at, saved);
   config rest = c;
   rest.first_step = at;
   // Fresh models (other initial values) take everything from the checkpoint.
@@ -178,16 +185,7 @@ TEST_CASE_TEMPLATE("sharded: a checkpoint saved on 4 ranks resumes on 1 - 2 - 3 
   c.buckets = {.first_bytes = 300, .cap_bytes = 700};
   const int at = 3;
   lockstep::Checkpoint saved;
-  const auto whole = train<T, true, true>(d, c, seed + 1, [&](auto& ctx, auto& dp, auto& opt, int s) {
-    if (s != at - 1) return;
-    auto state = lockstep::gather_sharded(dp, opt);
-    if (ctx.rank() == 0) {
-      lockstep::Checkpoint ck;
-      lockstep::add_training_state(ck, dp);
-      ck.add_blob("optimizer", std::move(state));
-      saved = ck;
-    }
-  });
+  const auto whole = train_saving<T>(d, c, seed + 1, at, saved);
   const double tol = std::is_same_v<T, double> ? 1e-12 : 2e-6;
   struct target {
     int ranks;

@@ -26,11 +26,7 @@ namespace lockstep::detail {
 
 //! One rank's saved optimizer state, indexed: where each slot's arrays start in `bytes`.
 struct saved_optimizer {
-  struct slot {
-    bool has = false;
-    dtype type = dtype::f32;
-    std::int64_t step = 0;
-    std::uint64_t count = 0;
+  struct slot : slot_header {         // has, type, count, step as saved
     std::vector<std::size_t> states;  // byte positions of the state arrays
     std::size_t master = 0;           // byte position of its fp32 masters, if has_master
     bool has_master = false;
@@ -60,10 +56,7 @@ saved_optimizer index_saved_optimizer(std::span<const std::byte> bytes, const st
   for (std::uint64_t i = 0; i < n; ++i) {
     const auto h = get_slot_header(r, i, Rule::saves_step, states > 0);
     auto& sl = s.slots.emplace_back();
-    sl.has = h.has;
-    sl.type = h.type;
-    sl.step = h.step;
-    sl.count = h.count;
+    static_cast<slot_header&>(sl) = h;
     if (!h.has) continue;
     const std::size_t es = size_of(h.type);
     for (int k = 0; k < states; ++k) {
