@@ -59,26 +59,14 @@ struct options : gpt2::run_options {
 
 options parse(int argc, char** argv) {
   options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "gpt2_data_parallel: %s needs a value\n", a.c_str());
-        usage(2);
-      }
-      return argv[++i];
-    };
-    if (o.take(a, next)) continue;
+  o.parse(argc, argv, "gpt2_data_parallel", usage, [&o](const std::string& a, auto& next) {
     if (a == "--gpus") o.gpus = std::stoll(next());
     else if (a == "--threads") o.threads = std::stoll(next());
     else if (a == "--bench") {}  // always: accepted for the example's command lines
-    else if (a == "--help" || a == "-h") usage(0);
-    else {
-      std::fprintf(stderr, "gpt2_data_parallel: unknown argument %s\n", a.c_str());
-      usage(2);
-    }
-  }
-  if (!o.valid() || o.gpus < 0 || o.threads < 0) usage(2);
+    else return false;
+    return true;
+  });
+  if (o.gpus < 0 || o.threads < 0) usage(2);
   return o;
 }
 

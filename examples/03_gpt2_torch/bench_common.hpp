@@ -52,6 +52,29 @@ struct run_options {
     return (config == "small" || config == "tiny") && batch >= 1 && seq >= 2 && steps >= 1 && warmup >= 0 &&
            warmup < steps;
   }
+
+  //! Reads argv: these options (take), then the program's own (own(a, next): true if it took
+  //! a); --help or -h calls usage(0); an option without its value, an unknown argument or an
+  //! invalid set (valid()) is named on stderr as `program: ...` and calls usage(2), which must
+  //! not return.
+  template <class Own, class Usage>
+  void parse(int argc, char** argv, const char* program, Usage&& usage, Own&& own) {
+    for (int i = 1; i < argc; ++i) {
+      const std::string a = argv[i];
+      auto next = [&]() -> std::string {
+        if (i + 1 >= argc) {
+          std::fprintf(stderr, "%s: %s needs a value\n", program, a.c_str());
+          usage(2);
+        }
+        return argv[++i];
+      };
+      if (take(a, next) || own(a, next)) continue;
+      if (a == "--help" || a == "-h") usage(0);
+      std::fprintf(stderr, "%s: unknown argument %s\n", program, a.c_str());
+      usage(2);
+    }
+    if (!valid()) usage(2);
+  }
 };
 
 //! Median of step_ms[warmup:] (of an even count the upper middle); step_ms holds more than

@@ -76,16 +76,7 @@ constexpr std::int64_t profiled_steps = 3;
 
 options parse(int argc, char** argv) {
   options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "gpt2_torch: %s needs a value\n", a.c_str());
-        usage(2);
-      }
-      return argv[++i];
-    };
-    if (o.take(a, next)) continue;
+  o.parse(argc, argv, "gpt2_torch", usage, [&o](const std::string& a, auto& next) {
     if (a == "--device") o.device = next();
     else if (a == "--log-every") o.log_every = std::stoll(next());
     else if (a == "--bench") o.bench = true;
@@ -93,13 +84,9 @@ options parse(int argc, char** argv) {
     else if (a == "--pack-values") o.pack_values = true;
     else if (a == "--wire") o.wire = next();
     else if (a == "--profile") o.profile = next();
-    else if (a == "--help" || a == "-h") usage(0);
-    else {
-      std::fprintf(stderr, "gpt2_torch: unknown argument %s\n", a.c_str());
-      usage(2);
-    }
-  }
-  if (!o.valid()) usage(2);
+    else return false;
+    return true;
+  });
   if (o.wire != "fp32" && o.wire != "bf16") {
     std::fprintf(stderr, "gpt2_torch: --wire %s: say fp32 or bf16\n", o.wire.c_str());
     usage(2);
