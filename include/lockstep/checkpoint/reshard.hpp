@@ -117,8 +117,14 @@ std::vector<std::byte> reshard_optimizer_state(std::span<const saved_optimizer> 
   const auto slot_of = [&](const piece& p) -> const saved_optimizer::slot* {
     return p.slot < saved[p.rank].slots.size() ? &saved[p.rank].slots[p.slot] : nullptr;  // none: never stepped
   };
-  // Calls f(saved slot, its element, new element, n) for every run of elements of new slot j.
-  const auto for_each_run = [&](std::size_t j, auto&& f) {
+  // A run: n elements of new slot j, from element `from` of a saved rank's slot (nullptr: that
+  // slot was never stepped) to element `to`.
+  struct run {
+    const saved_optimizer::slot* slot;
+    std::size_t rank, from, to, n;
+  };
+  const auto runs_of = [&](std::size_t j) {
+    std::vector<run> runs;
     for (const auto& g : mine[j]) {
       std::size_t covered = 0;
       if (g.param < pieces.size())
@@ -126,7 +132,7 @@ std::vector<std::byte> reshard_optimizer_state(std::span<const saved_optimizer> 
           const std::size_t a = std::max(g.param_offset, p.seg.param_offset);
           const std::size_t e = std::min(g.param_offset + g.count, p.seg.param_offset + p.seg.count);
           if (a >= e) continue;
-          f(slot_of(p), p.seg.slot_offset + (a - p.seg.param_offset), g.slot_offset + (a - g.param_offset), e - a, p.rank);
+          runs.push_back({slot_of(p), p.rank, p.seg.slot_offset + (a - p.seg.param_offset), g.slot_offset + (a - g.param_offset), e - a});
           covered += e - a;
         }
       if (covered != g.count)
@@ -134,6 +140,13 @@ std::vector<std::byte> reshard_optimizer_state(std::span<const saved_optimizer> 
              " elements of parameter " + std::to_string(g.param) + " this rank needs from offset " +
              std::to_string(g.param_offset) + " (saved from another model?)");
     }
+    return runs;
+  };
+  // Copies each run's elements (es bytes each) into out (zeros where no run lands) from its
+  // saved rank's bytes, from the array its slot keeps at position at(slot).
+  const auto cut = [&](const std::vector<run>& runs, std::size_t es, auto&& at, std::vector<std::byte>& out) {
+    for (const auto& r : runs)
+      std::memcpy(out.data() + r.to * es, saved[r.rank].bytes.data() + at(*r.slot) + r.from * es, r.n * es);
   };
   std::size_t n_states = 0;  // state arrays per stepped slot (the same options: the same everywhere)
   for (const auto& s : saved)
@@ -146,17 +159,21 @@ std::vector<std::byte> reshard_optimizer_state(std::span<const saved_optimizer> 
   w.write(static_cast<std::uint64_t>(mine.size()));
   std::vector<std::pair<std::size_t, std::vector<std::byte>>> masters;  // (new slot, fp32 values)
   for (std::size_t j = 0; j < mine.size(); ++j) {
+    const auto runs = runs_of(j);
     // The new slot has state if its elements' saved slots have; they must agree on the step.
     int with = 0, without = 0, with_master = 0;
     slot_header h;
-    for_each_run(j, [&](const saved_optimizer::slot* s, std::size_t, std::size_t, std::size_t, std::size_t rank) {
-      if (!s || !s->has) return void(++without);
-      if (with++ == 0) h.step = s->step, h.type = s->type;
-      else if (s->step != h.step || s->type != h.type)
-        fail("rank " + std::to_string(rank) + "'s state of a parameter was stepped " + std::to_string(s->step) +
+    for (const auto& r : runs) {
+      if (!r.slot || !r.slot->has) {
+        ++without;
+        continue;
+      }
+      if (with++ == 0) h.step = r.slot->step, h.type = r.slot->type;
+      else if (r.slot->step != h.step || r.slot->type != h.type)
+        fail("rank " + std::to_string(r.rank) + "'s state of a parameter was stepped " + std::to_string(r.slot->step) +
              " times, another's " + std::to_string(h.step));
-      with_master += s->has_master ? 1 : 0;
-    });
+      with_master += r.slot->has_master ? 1 : 0;
+    }
     if (with && without) fail("new shard " + std::to_string(j) + " mixes stepped and never stepped parameters");
     h.has = with > 0;
     h.count = h.has ? counts[j] : 0;
@@ -165,18 +182,14 @@ std::vector<std::byte> reshard_optimizer_state(std::span<const saved_optimizer> 
     const std::size_t es = size_of(h.type);
     for (std::size_t k = 0; k < n_states; ++k) {
       std::vector<std::byte> out(counts[j] * es, std::byte{0});
-      for_each_run(j, [&](const saved_optimizer::slot* s, std::size_t from, std::size_t to, std::size_t n, std::size_t rank) {
-        std::memcpy(out.data() + to * es, saved[rank].bytes.data() + s->states[k] + from * es, n * es);
-      });
+      cut(runs, es, [k](const saved_optimizer::slot& sl) { return sl.states[k]; }, out);
       w.write_bytes(out.data(), out.size());
     }
-    if (with_master == with && with_master > 0) {
-      auto& m = masters.emplace_back(j, std::vector<std::byte>(counts[j] * 4, std::byte{0}));
-      for_each_run(j, [&](const saved_optimizer::slot* s, std::size_t from, std::size_t to, std::size_t n, std::size_t rank) {
-        std::memcpy(m.second.data() + to * 4, saved[rank].bytes.data() + s->master + from * 4, n * 4);
-      });
-    } else if (with_master > 0) {
+    if (with_master > 0 && with_master != with)
       fail("new shard " + std::to_string(j) + " mixes parameters with and without fp32 masters");
+    if (with_master > 0) {
+      auto& m = masters.emplace_back(j, std::vector<std::byte>(counts[j] * 4, std::byte{0}));
+      cut(runs, 4, [](const saved_optimizer::slot& sl) { return sl.master; }, m.second);
     }
   }
   if (first.masters) {
