@@ -60,6 +60,7 @@
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/reduce_op.hpp"
 #include "lockstep/cuda/detail/nccl_state.cuh"
+#include "lockstep/cuda/detail/nccl_window.cuh"
 #include "lockstep/cuda/detail/nccl_work.cuh"
 #include "lockstep/cuda/error.cuh"
 // The grad_ops of its memory space come with it: a DataParallel over NcclComm with a loss
@@ -160,7 +161,7 @@ class NcclComm {
   //! recv[i] = op over ranks of send[i]; send == recv is in place. avg is NCCL's ncclAvg.
   work all_reduce(const void* send, void* recv, std::size_t count, dtype t, reduce_op op) {
     state& s = live("all_reduce");
-    const collective c = check_order(s, collective::all_reduce(count, t, op));
+    const collective c = detail::nccl_check_order(s, collective::all_reduce(count, t, op));
     if (count == 0) return {};
     require(send, "send", "all_reduce");
     require(recv, "recv", "all_reduce");
@@ -177,7 +178,7 @@ class NcclComm {
     if (root < 0 || root >= s.size)
       throw config_error("NcclComm::broadcast: root " + std::to_string(root) +
                          " is not a rank of this group of " + std::to_string(s.size));
-    const collective c = check_order(s, collective::broadcast(count, t, root));
+    const collective c = detail::nccl_check_order(s, collective::broadcast(count, t, root));
     if (count == 0) return {};
     require(buf, "buf", "broadcast");
     const ncclDataType_t nt = to_nccl(t);
@@ -190,7 +191,7 @@ class NcclComm {
   //! send == recv + rank()·count.
   work all_gather(const void* send, void* recv, std::size_t count, dtype t) {
     state& s = live("all_gather");
-    const collective c = check_order(s, collective::all_gather(count, t));
+    const collective c = detail::nccl_check_order(s, collective::all_gather(count, t));
     if (count == 0) return {};
     require(send, "send", "all_gather");
     require(recv, "recv", "all_gather");
@@ -204,7 +205,7 @@ class NcclComm {
   //! from rank i. Not in place. (NcclComm only: the bf16 wire's transport.)
   work all_to_all(const void* send, void* recv, std::size_t count, dtype t) {
     state& s = live("all_to_all");
-    const collective c = check_order(s, collective::all_to_all(count, t));
+    const collective c = detail::nccl_check_order(s, collective::all_to_all(count, t));
     if (count == 0) return {};
     require(send, "send", "all_to_all");
     require(recv, "recv", "all_to_all");
@@ -233,7 +234,7 @@ class NcclComm {
   //! In place when recv == send + rank()·count.
   work reduce_scatter(const void* send, void* recv, std::size_t count, dtype t, reduce_op op) {
     state& s = live("reduce_scatter");
-    const collective c = check_order(s, collective::reduce_scatter(count, t, op));
+    const collective c = detail::nccl_check_order(s, collective::reduce_scatter(count, t, op));
     if (count == 0) return {};
     require(send, "send", "reduce_scatter");
     require(recv, "recv", "reduce_scatter");
@@ -250,7 +251,7 @@ class NcclComm {
     state& s = live("barrier");
     // An all-reduce of one int underneath, numbered and checked as a barrier (so that the
     // order check tells it from a user's one-element sum).
-    const collective c = check_order(s, collective::barrier());
+    const collective c = detail::nccl_check_order(s, collective::barrier());
     work w = issue(s, c, [&](cudaStream_t cs) {
       LOCKSTEP_TRY_NCCL(ncclAllReduce(s.barrier_buf, s.barrier_buf, 1, ncclInt32, ncclSum, s.comm, cs));
     });
@@ -327,28 +328,27 @@ class NcclComm {
   //! an abort() overtakes throws aborted_error. It keeps this communicator alive.
   //! Its first collective connects its peers (NCCL_RUNTIME_CONNECT=1, NCCL's default) inside
   //! the host call, which waits for them there; overdue() names it meanwhile.
-  NcclComm split(int color, int key) {
-    state& s = live("split");
-    if (color < 0)
-      throw config_error("NcclComm::split: colour " + std::to_string(color) +
-                         " is negative; give every rank a colour >= 0 (ranks of one colour form a group)");
-    const std::string name = (s.group_name.empty() ? "" : s.group_name + " / ") + "split " +
-                             std::to_string(s.splits++) + " (colour " + std::to_string(color) + ")";
-    detail::device_guard g(s.device);
-    ncclComm_t sub = nullptr;
-    LOCKSTEP_TRY_NCCL(ncclCommSplit(s.comm, color, key, &sub, nullptr));
-    if (sub == nullptr)
-      throw nccl_error("NcclComm::split: ncclCommSplit gave no communicator for colour " + std::to_string(color));
-    int r = -1, n = -1;
-    const ncclResult_t qr = ncclCommUserRank(sub, &r);
-    const ncclResult_t qn = qr == ncclSuccess ? ncclCommCount(sub, &n) : qr;
-    if (qn != ncclSuccess) {
-      detail::nccl_destroy(sub, s.device);
-      throw nccl_error("NcclComm::split: the new communicator does not say its rank and size: " +
-                       detail::describe_nccl(qn));
-    }
-    return NcclComm(adopt_tag{}, sub, r, n, s.device, s_, name);
+  NcclComm split(int color, int key) { return split_with(color, key, nullptr, "split"); }
+
+#if LOCKSTEP_NCCL_COPY_ENGINE
+  //! The same ranks in a new communicator (a split, so collective) with NCCL's zero-CTA
+  //! policy: its all-gathers in place into allocate_window() memory run on the GPUs' copy
+  //! engines instead of SMs, so they overlap the model's kernels without slowing them
+  //! (ShardedOptimizer's gathers use it: DataParallelOptions::copy_engine_gather).
+  NcclComm copy_engine_group() {
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.CTAPolicy = NCCL_CTA_POLICY_ZERO;
+    return split_with(0, rank(), &config, "copy_engine_group");
   }
+  //! `bytes` of zeroed device memory registered as a symmetric window of this communicator
+  //! (collective: same size, same order on every rank); .second: whether NCCL registered it
+  //! (it declines where the GPUs cannot map each other's memory). Freed with the pointer.
+  std::pair<std::shared_ptr<void>, bool> allocate_window(std::size_t bytes) {
+    bool registered = false;
+    auto p = detail::nccl_window(s_, bytes, live("allocate_window").compute_stream(), registered);
+    return {std::move(p), registered};
+  }
+#endif
 
  private:
   struct adopt_tag {};
@@ -410,6 +410,30 @@ class NcclComm {
     }
   }
 
+  NcclComm split_with(int color, int key, ncclConfig_t* config, const char* what) {
+    state& s = live(what);
+    if (color < 0)
+      throw config_error("NcclComm::split: colour " + std::to_string(color) +
+                         " is negative; give every rank a colour >= 0 (ranks of one colour form a group)");
+    const std::string name = (s.group_name.empty() ? "" : s.group_name + " / ") + "split " +
+                             std::to_string(s.splits++) + " (colour " + std::to_string(color) + ")";
+    detail::device_guard g(s.device);
+    ncclComm_t sub = nullptr;
+    LOCKSTEP_TRY_NCCL(ncclCommSplit(s.comm, color, key, &sub, config));
+    if (sub == nullptr)
+      throw nccl_error(std::string("NcclComm::") + what + ": ncclCommSplit gave no communicator for colour " +
+                       std::to_string(color));
+    int r = -1, n = -1;
+    const ncclResult_t qr = ncclCommUserRank(sub, &r);
+    const ncclResult_t qn = qr == ncclSuccess ? ncclCommCount(sub, &n) : qr;
+    if (qn != ncclSuccess) {
+      detail::nccl_destroy(sub, s.device);
+      throw nccl_error(std::string("NcclComm::") + what + ": the new communicator does not say its rank and size: " +
+                       detail::describe_nccl(qn));
+    }
+    return NcclComm(adopt_tag{}, sub, r, n, s.device, s_, name);
+  }
+
   state& live(const char* what) const {
     if (!s_) throw config_error(std::string("NcclComm::") + what + ": this communicator was moved from");
     if (s_->aborted.load(std::memory_order_acquire))
@@ -424,36 +448,6 @@ class NcclComm {
   // 2^20 + 3 elements).
   static ncclRedOp_t reduction(const state& s, reduce_op op) {
     return s.size == 1 && op == reduce_op::avg ? ncclSum : to_nccl(op);
-  }
-
-  // Numbers the call (every collective call, zero-length ones too: the "#n" of messages) and,
-  // with LOCKSTEP_DEBUG=1, exchanges every rank's descriptor before the collective and
-  // compares it with rank 0's, so a rank that skipped a collective or called a different one
-  // fails with a mismatch_error naming both calls, on every rank — instead of a hang or a
-  // silently wrong sum. Costs a tiny all-gather and a host sync per collective.
-  static collective check_order(state& s, collective c) {
-    c.seq = s.calls++;
-    c.label = std::exchange(s.next_label, {});
-    if (!s.check_order) return c;
-    detail::device_guard g(s.device);
-    constexpr std::size_t k = detail::order_words;
-    const auto mine = detail::encode_order(c);
-    std::int64_t* slot = s.debug_buf + k * static_cast<std::size_t>(s.rank);
-    LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(slot, mine.data(), sizeof mine, cudaMemcpyHostToDevice, s.comm_stream));
-    // A collective of its own that a missing peer stalls (this thread then waits below):
-    // overdue() names it, and `c`, like any other.
-    detail::nccl_marker mark(s, c, true);
-    LOCKSTEP_TRY_NCCL(ncclAllGather(slot, s.debug_buf, k, ncclInt64, s.comm, s.comm_stream));
-    mark.done();
-    std::vector<std::int64_t> all(k * static_cast<std::size_t>(s.size));
-    LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(all.data(), s.debug_buf, all.size() * sizeof(std::int64_t),
-                                      cudaMemcpyDeviceToHost, s.comm_stream));
-    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s.comm_stream));
-    const auto calls = detail::decode_order(all, s.size);
-    check_same_collective(std::span<const collective>(calls),
-                          s.group_name.empty() ? "found by LOCKSTEP_DEBUG=1"
-                                               : "in " + s.group_name + ", found by LOCKSTEP_DEBUG=1");
-    return c;
   }
 
   static void require(const void* p, const char* name, const char* what) {

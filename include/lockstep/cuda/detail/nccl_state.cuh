@@ -22,6 +22,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "lockstep/comm/collective.hpp"
@@ -345,5 +346,35 @@ class nccl_marker {
 
   nccl_state* s_ = nullptr;  // null: no marker pushed, or it is done
 };
+
+// Numbers the call (every collective call, zero-length ones too: the "#n" of messages) and,
+// with LOCKSTEP_DEBUG=1, exchanges every rank's descriptor before the collective and
+// compares it with rank 0's, so a rank that skipped a collective or called a different one
+// fails with a mismatch_error naming both calls, on every rank — instead of a hang or a
+// silently wrong sum. Costs a tiny all-gather and a host sync per collective.
+inline collective nccl_check_order(nccl_state& s, collective c) {
+  c.seq = s.calls++;
+  c.label = std::exchange(s.next_label, {});
+  if (!s.check_order) return c;
+  device_guard g(s.device);
+  constexpr std::size_t k = order_words;
+  const auto mine = encode_order(c);
+  std::int64_t* slot = s.debug_buf + k * static_cast<std::size_t>(s.rank);
+  LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(slot, mine.data(), sizeof mine, cudaMemcpyHostToDevice, s.comm_stream));
+  // A collective of its own that a missing peer stalls (this thread then waits below):
+  // overdue() names it, and `c`, like any other.
+  nccl_marker mark(s, c, true);
+  LOCKSTEP_TRY_NCCL(ncclAllGather(slot, s.debug_buf, k, ncclInt64, s.comm, s.comm_stream));
+  mark.done();
+  std::vector<std::int64_t> all(k * static_cast<std::size_t>(s.size));
+  LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(all.data(), s.debug_buf, all.size() * sizeof(std::int64_t),
+                                    cudaMemcpyDeviceToHost, s.comm_stream));
+  LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s.comm_stream));
+  const auto calls = decode_order(all, s.size);
+  check_same_collective(std::span<const collective>(calls),
+                        s.group_name.empty() ? "found by LOCKSTEP_DEBUG=1"
+                                             : "in " + s.group_name + ", found by LOCKSTEP_DEBUG=1");
+  return c;
+}
 
 }  // namespace lockstep::detail
