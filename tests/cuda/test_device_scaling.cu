@@ -573,7 +573,20 @@ struct dp_config {
   lockstep::BucketPolicy buckets{};
   double clip = 0;         // DataParallelOptions::max_grad_norm (the reference clips alike)
   bool gather_in_forward = false;  // sharded: each parameter waited for just before the forward
+  bool copy_engine = true;         // sharded: DataParallelOptions::copy_engine_gather
 };
+
+// Whether NCCL can put the sharded all-gathers on the copy engines here: NCCL >= 2.28 and GPUs
+// that map each other's memory (a symmetric window needs both).
+bool copy_engine_expected(int gpus) {
+  if (!LOCKSTEP_NCCL_COPY_ENGINE || gpus < 2) return false;
+  for (int a = 0; a < gpus; ++a)
+    for (int b = 0; b < gpus; ++b) {
+      int ok = 0;
+      if (a != b && (cudaDeviceCanAccessPeer(&ok, a, b) != cudaSuccess || !ok)) return false;
+    }
+  return true;
+}
 
 // Sharded: DataParallel with ShardedOptimizer, FusedSgd over dp.shard_parameters() stepping in
 // finish(on_shard) — the same numbers as unsharded, with 1/N of the optimizer state.
@@ -593,6 +606,7 @@ void check_dp_scaled(const dp_config& c) {
   CAPTURE(seed); CAPTURE(c.gpus); CAPTURE(c.per_bucket); CAPTURE(c.capture); CAPTURE(c.zero_copy);
   CAPTURE(c.buckets.cap_bytes); CAPTURE(on_device); CAPTURE(inf_step); CAPTURE(inf_rank); CAPTURE(inf_param);
   CAPTURE(so.init_scale); CAPTURE(Sharded); CAPTURE(c.clip); CAPTURE(c.gather_in_forward);
+  CAPTURE(c.copy_engine);
 
   const std::size_t samples = 2048;
   const int batch = 16;
@@ -644,7 +658,11 @@ void check_dp_scaled(const dp_config& c) {
                                                          lockstep::ShardedOptimizer>,
                                   lockstep::DataParallel<GpuMlp, lockstep::NcclComm, lockstep::EveryStep, Scaler>>;
     DP dp(ctx, m,
-          {.buckets = c.buckets, .zero_copy = c.zero_copy, .max_grad_norm = c.clip, .gather_in_forward = c.gather_in_forward},
+          {.buckets = c.buckets,
+           .zero_copy = c.zero_copy,
+           .copy_engine_gather = c.copy_engine,
+           .max_grad_norm = c.clip,
+           .gather_in_forward = c.gather_in_forward},
           lockstep::EveryStep{}, Scaler(so));
     const float* d_scale = nullptr;
     const int* d_flag = nullptr;
@@ -658,6 +676,10 @@ void check_dp_scaled(const dp_config& c) {
       else return dp.parameters();
     }();
     lockstep::cuda::FusedSgd opt(sgd, stepped, ctx.device());
+    if (const bool want_ce = Sharded && c.copy_engine && copy_engine_expected(c.gpus);
+        dp.stats().gathers_by_copy_engine != want_ce)
+      problems[rank].push_back(std::string("the all-gathers ") + (want_ce ? "do not run" : "run") +
+                               " on the copy engines (DataParallelOptions::copy_engine_gather)");
     if (rank == 0) {  // optimizer state per GPU: 1/N of the unsharded (momentum, 4 bytes each)
       std::size_t P = 0;
       for (const auto& p : dp.parameters()) P += p.numel();
@@ -1040,6 +1062,9 @@ TEST_CASE("sharded on 2 GPUs: FusedSgd over the shards == CPU reference - inf on
   check_dp_scaled<lockstep::DeviceDynamicScale, true>({.gpus = 2, .gather_in_forward = true});
   check_dp_scaled<lockstep::DynamicScale, true>(
       {.gpus = 2, .buckets = {.first_bytes = 1000, .cap_bytes = 3000}, .clip = 0.5, .gather_in_forward = true});
+  // the all-gathers on NCCL's SM kernels instead of the copy engines
+  check_dp_scaled<lockstep::DeviceDynamicScale, true>({.gpus = 2, .gather_in_forward = true, .copy_engine = false});
+  check_dp_scaled<lockstep::DeviceDynamicScale, true>({.gpus = 2, .capture = true, .copy_engine = false});
 }
 
 TEST_CASE("DataParallel + DeviceDynamicScale + FusedSgd: 4 GPUs") {
@@ -1052,5 +1077,7 @@ TEST_CASE("DataParallel + DeviceDynamicScale + FusedSgd: 4 GPUs") {
   check_dp_scaled<lockstep::DeviceDynamicScale, true>(
       {.gpus = 4, .buckets = {.first_bytes = 1000, .cap_bytes = 5000}, .gather_in_forward = true});
   check_dp_scaled<lockstep::DynamicScale, true>({.gpus = 4, .clip = 0.5});
+  check_dp_scaled<lockstep::DeviceDynamicScale, true>(
+      {.gpus = 4, .buckets = {.first_bytes = 1000, .cap_bytes = 5000}, .gather_in_forward = true, .copy_engine = false});
 }
 }

@@ -86,6 +86,12 @@ struct DataParallelOptions {
   //! lockstep::model (e)) — no pack before the optimizer, no unpack after the all-gather, one
   //! copy of the weights. Off: they are packed and unpacked (docs/sharding.md has both timed).
   bool bind_values = true;
+  //! With ShardedOptimizer over NcclComm (NCCL ≥ 2.28, more than one GPU): the value arena is
+  //! a symmetric NCCL window and the all-gathers run on a zero-CTA split of the communicator,
+  //! i.e. on the GPUs' copy engines, taking no SMs from the forward they overlap
+  //! (sync_stats::gathers_by_copy_engine says whether NCCL took the window). Other
+  //! communicators ignore it. docs/sharding.md has it timed.
+  bool copy_engine_gather = true;
   //! Copy rank 0's parameter values (and buffers, see lockstep::model (c)) to every rank at
   //! construction.
   bool broadcast_parameters = true;

@@ -47,12 +47,12 @@ class reducer {
   using refresh_fn = std::function<std::vector<parameter>()>;
 
   //! sharded: reduce-scatter instead of all-reduce (see the file comment); the layout is then
-  //! fixed at construction (policy.rebuild_after_first_step is ignored). bind_value (sharded):
-  //! the parameters' values move into the arena the shards are all-gathered into (model (e)).
+  //! fixed at construction (policy.rebuild_after_first_step is ignored). shard_opts (sharded):
+  //! the values' binder (model (e)) and where the all-gathers run (shards.hpp).
   reducer(Comm& comm, Hook& hook, std::vector<parameter> params, BucketPolicy policy, bind_fn bind,
-          refresh_fn refresh, bool sharded = false, bind_fn bind_value = {})
+          refresh_fn refresh, bool sharded = false, shard_options shard_opts = {})
       : comm_(comm), hook_(hook), params_(std::move(params)), policy_(policy), bind_(std::move(bind)),
-        refresh_(std::move(refresh)), sharded_(sharded), shards_(comm, std::move(bind_value)) {
+        refresh_(std::move(refresh)), sharded_(sharded), shards_(comm, std::move(shard_opts)) {
     if (sharded_) policy_.rebuild_after_first_step = false;
     // Initial order: reverse registration order (backward produces the last layer first).
     std::vector<std::size_t> order;
@@ -437,6 +437,7 @@ class reducer {
         params_ = checked_binding(refresh_(), shards_.value_bindings(), &parameter::value, "bind_value");
       stats_.shard_bytes = shards_.bytes();
       stats_.values_bound = shards_.values_bound();
+      stats_.gathers_by_copy_engine = shards_.gathers_by_copy_engine();
     }
     grad_groups_.clear();
     for (std::size_t gi = 0; gi < groups_.size(); ++gi) {

@@ -7,7 +7,9 @@
 //! The plan must be dense and cut so that every unit's length is a multiple of size().
 //! With a value binder (lockstep::model (e)) the model's parameters live in the value arena
 //! itself: the optimizer steps them in place and the all-gather lands in them (no pack, no
-//! unpack).
+//! unpack). With copy_engine_gather on a communicator that offers it (NcclComm on NCCL ≥
+//! 2.28), the value arena is a symmetric window of a zero-CTA split of the communicator, and
+//! the all-gathers run there, on the GPUs' copy engines: they take no SMs from the forward.
 
 #include <algorithm>
 #include <chrono>
@@ -35,13 +37,21 @@ inline double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+//! How the shards treat the model's values: bind_value, model (e), or empty (packed and
+//! unpacked); copy_engine_gather, DataParallelOptions::copy_engine_gather.
+struct shard_options {
+  bind_fn bind_value;
+  bool copy_engine_gather = false;
+};
+
 template <class Comm>
 class shard_set {
  public:
   using work_type = decltype(std::declval<Comm&>().all_gather(nullptr, nullptr, std::size_t{}, dtype::f32));
   using step_fn = std::function<void(std::span<const param_slice>)>;
 
-  explicit shard_set(Comm& comm, bind_fn bind_value = {}) : comm_(comm), bind_value_(std::move(bind_value)) {}
+  explicit shard_set(Comm& comm, shard_options opts = {})
+      : comm_(comm), bind_value_(std::move(opts.bind_value)), copy_engine_(opts.copy_engine_gather) {}
 
   //! Lays out the shards of every group (one per element type, in the reducer's order):
   //! plans[g] cut arena g; params: the model's parameters (values are packed from them).
@@ -59,13 +69,12 @@ class shard_set {
     units_of_.assign(params.size(), {});
     bytes_ = 0;
     const auto n = static_cast<std::size_t>(comm_.size()), r = static_cast<std::size_t>(comm_.rank());
-    auto mem = comm_.memory();
     for (std::size_t gi = 0; gi < plans.size(); ++gi) {
       const bucket_plan& plan = *plans[gi];
       const std::size_t es = size_of(plan.type);
       group& g = groups_.emplace_back();
       g.plan = &plan;
-      g.values = mem.allocate(plan.total * es);
+      g.values = allocate_values(g, plan.total * es);
       g.scatters.resize(plan.buckets.size());
       g.gathers.resize(plan.units.size());
       g.pending.assign(plan.units.size(), 0);
@@ -114,6 +123,11 @@ class shard_set {
   bool values_bound() const noexcept { return static_cast<bool>(bind_value_); }
   //! What build() bound: (parameter index, its storage in the value arena).
   std::span<const binding> value_bindings() const noexcept { return bindings_; }
+
+  //! Whether the all-gathers run on the copy engines (see the file comment).
+  bool gathers_by_copy_engine() const noexcept {
+    return std::any_of(groups_.begin(), groups_.end(), [](const group& g) { return g.by_engine; });
+  }
 
   //! This rank's shard of every launch unit, in launch order (the optimizer's parameters).
   const std::vector<parameter>& parameters() const noexcept { return params_; }
@@ -227,10 +241,29 @@ class shard_set {
     std::vector<std::optional<work_type>> scatters;  // by the unit's first bucket
     std::vector<std::optional<work_type>> gathers;   // by unit
     std::vector<char> pending;                       // by unit: all-gather issued, not yet unpacked
+    bool by_engine = false;                          // values: a window of engine_ (gathered there)
     void* values_at(std::size_t elem) const {
       return static_cast<char*>(values.get()) + elem * size_of(plan->type);
     }
   };
+
+  // Group g's value arena: a symmetric window of the zero-CTA split when asked for and
+  // offered (every rank takes the same branch: the plans and options agree), else plain.
+  std::shared_ptr<void> allocate_values(group& g, std::size_t bytes) {
+    if constexpr (requires(Comm& c) {
+                    c.copy_engine_group();
+                    c.allocate_window(bytes);
+                  }) {
+      if (copy_engine_ && comm_.size() > 1) {
+        if (!engine_) engine_ = std::make_unique<Comm>(comm_.copy_engine_group());
+        auto [p, registered] = engine_->allocate_window(bytes);
+        g.by_engine = registered;
+        return std::move(p);
+      }
+    }
+    return comm_.memory().allocate(bytes);
+  }
+  Comm& gatherer(const group& g) { return g.by_engine ? *engine_ : comm_; }
 
   static void wait(std::optional<work_type>& w, double& seconds) {
     if (!w) return;
@@ -260,11 +293,11 @@ class shard_set {
     const shard& sh = g.shards[u];
     const std::size_t mine = sh.begin + static_cast<std::size_t>(comm_.rank()) * sh.count;
     const auto t0 = std::chrono::steady_clock::now();
-    label_next_collective(comm_, [&] {
+    label_next_collective(gatherer(g), [&] {
       return bucket_label(*g.plan, g.plan->units[u].first, sh.count * static_cast<std::size_t>(comm_.size()),
                           "all-gather of bucket ");
     });
-    g.gathers[u].emplace(comm_.all_gather(g.values_at(mine), g.values_at(sh.begin), sh.count, g.plan->type));
+    g.gathers[u].emplace(gatherer(g).all_gather(g.values_at(mine), g.values_at(sh.begin), sh.count, g.plan->type));
     seconds += seconds_since(t0);
   }
 
@@ -292,6 +325,8 @@ class shard_set {
 
   Comm& comm_;
   bind_fn bind_value_;            // model (e), or empty: values packed and unpacked
+  bool copy_engine_ = false;      // shard_options::copy_engine_gather
+  std::unique_ptr<Comm> engine_;  // the zero-CTA split the gathers run on (outlives groups_)
   std::vector<binding> bindings_;  // what build() bound
   std::vector<group> groups_;
   std::vector<parameter> params_;    // this rank's shard of each unit
