@@ -61,7 +61,7 @@ struct options : gpt2::run_options {
   bool bench = false;
   bool shard = false;  // ShardedOptimizer + gather_in_forward
   bool pack_values = false;  // sharded: DataParallelOptions::bind_values off
-  bool sm_gather = false;    // sharded: DataParallelOptions::copy_engine_gather off
+  bool copy_engine = false;  // sharded: DataParallelOptions::copy_engine_gather on
 };
 
 constexpr std::int64_t profiled_steps = 3;
@@ -70,7 +70,7 @@ constexpr std::int64_t profiled_steps = 3;
   std::printf(
       "usage: gpt2_torch [--data DIR|FILE] [--config small|tiny] [--device auto|cpu] [--batch B]\n"
       "                  [--seq T] [--steps N] [--warmup N] [--lr X] [--seed S] [--log-every N] [--bench]\n"
-      "                  [--profile TRACE.json] [--wire fp32|bf16] [--shard [--pack-values] [--sm-gather]]\n"
+      "                  [--profile TRACE.json] [--wire fp32|bf16] [--shard [--pack-values] [--copy-engine]]\n"
       "  batch: sequences per rank and step; on GPUs: all local GPUs, or one per process under a launcher\n");
   std::exit(rc);
 }
@@ -83,7 +83,7 @@ options parse(int argc, char** argv) {
     else if (a == "--bench") o.bench = true;
     else if (a == "--shard") o.shard = true;
     else if (a == "--pack-values") o.pack_values = true;
-    else if (a == "--sm-gather") o.sm_gather = true;
+    else if (a == "--copy-engine") o.copy_engine = true;
     else if (a == "--wire") o.wire = next();
     else if (a == "--profile") o.profile = next();
     else return false;
@@ -169,7 +169,7 @@ int main(int argc, char** argv) {
     model->to(dev);
     lockstep::TorchModule tm(model);
     const lockstep::DataParallelOptions dp_options{
-        .bind_values = !opt.pack_values, .copy_engine_gather = !opt.sm_gather, .gather_in_forward = opt.shard};
+        .bind_values = !opt.pack_values, .copy_engine_gather = opt.copy_engine, .gather_in_forward = opt.shard};
     const lockstep::Bf16Wire wire(opt.wire == "bf16");
     // One body for both: ShardedOptimizer is a policy, so the DataParallel's type differs.
     auto train = [&](auto& dp) {
@@ -280,7 +280,7 @@ int main(int argc, char** argv) {
         if (ctx.is_root())
           gpt2::print_bench_line(std::string("lockstep") + (opt.wire == "bf16" ? "-bf16wire" : "") + (sharded ? "-sharded" : "") +
                                      (sharded && !dp.stats().values_bound ? "-packed" : "") +
-                                     (gpu && sharded && ctx.size() > 1 && !dp.stats().gathers_by_copy_engine ? "-smgather" : ""),
+                                     (sharded && dp.stats().gathers_by_copy_engine ? "-cegather" : ""),
                                  ctx.size(), worst,
                                  opt.batch * opt.seq * ctx.size(), peak, first_loss, last_loss);
       } else if (ctx.is_root()) {

@@ -676,10 +676,13 @@ void check_dp_scaled(const dp_config& c) {
       else return dp.parameters();
     }();
     lockstep::cuda::FusedSgd opt(sgd, stepped, ctx.device());
-    if (const bool want_ce = Sharded && c.copy_engine && copy_engine_expected(c.gpus);
-        dp.stats().gathers_by_copy_engine != want_ce)
-      problems[rank].push_back(std::string("the all-gathers ") + (want_ce ? "do not run" : "run") +
-                               " on the copy engines (DataParallelOptions::copy_engine_gather)");
+    // Asked for where the GPUs allow it, the window must be taken; not asked for, never. (Asked
+    // for without peer access NCCL may still hand back a local window: not checked.)
+    const bool asked = Sharded && c.copy_engine && c.gpus > 1;
+    if (asked && copy_engine_expected(c.gpus) && !dp.stats().gathers_by_copy_engine)
+      problems[rank].push_back("the all-gathers do not run on the copy engines (copy_engine_gather)");
+    if (!asked && dp.stats().gathers_by_copy_engine)
+      problems[rank].push_back("the all-gathers run on the copy engines, not asked for (copy_engine_gather)");
     if (rank == 0) {  // optimizer state per GPU: 1/N of the unsharded (momentum, 4 bytes each)
       std::size_t P = 0;
       for (const auto& p : dp.parameters()) P += p.numel();

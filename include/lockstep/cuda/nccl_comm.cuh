@@ -334,8 +334,14 @@ class NcclComm {
   //! The same ranks in a new communicator (a split, so collective) with NCCL's zero-CTA
   //! policy: its all-gathers in place into allocate_window() memory run on the GPUs' copy
   //! engines instead of SMs, so they overlap the model's kernels without slowing them
-  //! (ShardedOptimizer's gathers use it: DataParallelOptions::copy_engine_gather).
+  //! (ShardedOptimizer's gathers use it: DataParallelOptions::copy_engine_gather). Such a
+  //! gather waits for its peers with stream memory operations that abort() does not end.
   NcclComm copy_engine_group() {
+    int v = 0;
+    if (ncclGetVersion(&v) != ncclSuccess || v < NCCL_VERSION(2, 28, 0))
+      throw config_error("NcclComm::copy_engine_group: the NCCL loaded at run time is " + std::to_string(v) +
+                         ", the copy-engine all-gather needs 2.28 or later (22800); load a newer libnccl or "
+                         "turn DataParallelOptions::copy_engine_gather off");
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.CTAPolicy = NCCL_CTA_POLICY_ZERO;
     return split_with(0, rank(), &config, "copy_engine_group");

@@ -89,9 +89,12 @@ struct DataParallelOptions {
   //! With ShardedOptimizer over NcclComm (NCCL ≥ 2.28, more than one GPU): the value arena is
   //! a symmetric NCCL window and the all-gathers run on a zero-CTA split of the communicator,
   //! i.e. on the GPUs' copy engines, taking no SMs from the forward they overlap
-  //! (sync_stats::gathers_by_copy_engine says whether NCCL took the window). Other
-  //! communicators ignore it. docs/sharding.md has it timed.
-  bool copy_engine_gather = true;
+  //! (sync_stats::gathers_by_copy_engine says whether the window was taken). Off by default:
+  //! a copy-engine gather waits for its peers with stream memory operations that
+  //! NcclComm::abort() cannot end, so a peer that dies mid-gather leaves this rank's streams
+  //! waiting for good (end the process; the watchdog's abort does not release it). Give every
+  //! rank the same setting. Other communicators ignore it. docs/sharding.md has it timed.
+  bool copy_engine_gather = false;
   //! Copy rank 0's parameter values (and buffers, see lockstep::model (c)) to every rank at
   //! construction.
   bool broadcast_parameters = true;

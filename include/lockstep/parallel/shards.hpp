@@ -116,6 +116,7 @@ class shard_set {
           bind_value_(bindings_.back().first, bindings_.back().second);
         }
     }
+    if (engine_ && !gathers_by_copy_engine()) engine_.reset();  // no window taken: gather on comm_
     return values_bound();
   }
 
@@ -124,7 +125,8 @@ class shard_set {
   //! What build() bound: (parameter index, its storage in the value arena).
   std::span<const binding> value_bindings() const noexcept { return bindings_; }
 
-  //! Whether the all-gathers run on the copy engines (see the file comment).
+  //! Whether the all-gathers go to the zero-CTA split, into a registered window (see the file
+  //! comment); NCCL then runs them on the copy engines where the GPUs allow it.
   bool gathers_by_copy_engine() const noexcept {
     return std::any_of(groups_.begin(), groups_.end(), [](const group& g) { return g.by_engine; });
   }

@@ -47,7 +47,7 @@ struct sync_stats {
   double model_seconds = 0;
   bool zero_copy = false;             //!< the model's gradients live in the arena
   bool values_bound = false;          //!< sharded: its values live in the shards' arena (model (e))
-  bool gathers_by_copy_engine = false;  //!< sharded: the all-gathers run on the copy engines
+  bool gathers_by_copy_engine = false;  //!< sharded: the all-gathers go to a window of the copy-engine split
   bool rebuilt = false;               //!< the plan was reordered after the first step
 };
 

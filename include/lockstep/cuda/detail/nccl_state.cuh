@@ -161,8 +161,7 @@ struct nccl_state {
     return follows_parent && parent ? parent->compute_stream() : compute;
   }
 
- private:
-  // Whether ncclCommDestroy may end the communicator. It waits for every collective in
+  // Whether ncclCommDestroy may end the communicator (also: whether a window's memory may go). It waits for every collective in
   // flight, and a communicator being destroyed has left its family, so abort() no longer
   // reaches it: one whose peer never comes would hold this thread for ever. So wait here for
   // the communication stream, at most LOCKSTEP_TIMEOUT (a wait on other ranks), and say no

@@ -26,16 +26,22 @@ namespace lockstep::detail {
 
 #if LOCKSTEP_NCCL_COPY_ENGINE
 
-//! Deregisters the window and frees the memory. The communicator's state stays alive as
-//! long as the memory does. After an abort the memory is left allocated: a copy of the
-//! failed collective may still be queued against it, and the job is ending anyway.
+//! Deregisters the window and frees the memory; the communicator's state stays alive as long
+//! as the memory does. The memory is left allocated (not freed, not deregistered) when the
+//! communicator was aborted, or when a gather is still running after LOCKSTEP_TIMEOUT
+//! (nccl_state::drained): a copy-engine gather waits for its peers with stream memory
+//! operations that ncclCommAbort does not end, so a copy may still be queued against it.
 struct nccl_window_deleter {
   std::shared_ptr<nccl_state> s;
   ncclWindow_t win = nullptr;
   void operator()(void* p) const noexcept {
     if (s->aborted.load(std::memory_order_acquire) || s->released.load(std::memory_order_acquire)) return;
     device_guard g(s->device, std::nothrow);
-    (void)cudaDeviceSynchronize();  // as cudaFree does: no gather may still write here
+    if (!s->drained()) return;
+    // Kernels on the compute stream (the optimizer, the forward) may still read the values.
+    if (cudaStreamSynchronize(s->compute_stream()) != cudaSuccess) return;
+    std::lock_guard lk(s->abort_m);  // nccl_abort marks `released` before it takes this lock
+    if (s->released.load(std::memory_order_acquire)) return;
     if (win != nullptr) (void)ncclCommWindowDeregister(s->comm, win);
     (void)ncclMemFree(p);
   }
@@ -43,8 +49,9 @@ struct nccl_window_deleter {
 
 //! `bytes` of device memory, zeroed on `stream`, registered as a symmetric window of s's
 //! communicator. Collective: every rank calls it with the same size, in the same order.
-//! `registered` says whether NCCL took the window (it declines where the GPUs cannot map
-//! each other's memory; the memory is then ordinary).
+//! `registered` says whether NCCL returned a window. That the gathers then run on the copy
+//! engines is NCCL's choice: it needs GPUs that map each other's memory (NVLink or PCIe peer
+//! access), CUDA virtual memory and a driver of CUDA 12.5 or later; else it uses its kernels.
 inline std::shared_ptr<void> nccl_window(const std::shared_ptr<nccl_state>& s, std::size_t bytes, cudaStream_t stream,
                                          bool& registered) {
   device_guard g(s->device);
@@ -59,7 +66,11 @@ inline std::shared_ptr<void> nccl_window(const std::shared_ptr<nccl_state>& s, s
                                       "; turn DataParallelOptions::copy_engine_gather off to use cudaMalloc"));
   std::shared_ptr<void> owner(p, nccl_window_deleter{s, nullptr});
   ncclWindow_t win = nullptr;
-  LOCKSTEP_TRY_NCCL(ncclCommWindowRegister(s->comm, p, size, &win, NCCL_WIN_COLL_SYMMETRIC));
+  if (const ncclResult_t rr = ncclCommWindowRegister(s->comm, p, size, &win, NCCL_WIN_COLL_SYMMETRIC); rr != ncclSuccess)
+    throw nccl_error(call_failure("ncclCommWindowRegister", __FILE__, __LINE__,
+                                  describe_nccl(rr) + " while registering " + std::to_string(size) +
+                                      " bytes as a symmetric window on device " + std::to_string(s->device) +
+                                      "; turn DataParallelOptions::copy_engine_gather off to gather without one"));
   std::get_deleter<nccl_window_deleter>(owner)->win = win;
   registered = win != nullptr;
   LOCKSTEP_TRY_CUDA(cudaMemsetAsync(p, 0, size, stream));
