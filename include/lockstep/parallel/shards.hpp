@@ -91,10 +91,11 @@ class shard_set {
             auto& of = units_of_[s.param];
             if (of.empty() || of.back() != std::pair{gi, g.shards.size()}) of.emplace_back(gi, g.shards.size());
             char* v = static_cast<char*>(params[s.param].value);
-            sh.all.push_back({v + s.param_offset * es, s.count});
+            const bool packed = !bind_value_;  // bound, the values are never packed or unpacked
+            if (packed) sh.all.push_back({v + s.param_offset * es, s.count});
             const std::size_t a = std::max(lo, s.arena_offset), e = std::min(hi, s.arena_offset + s.count);
             if (a < e) {
-              sh.mine.push_back({v + (s.param_offset + (a - s.arena_offset)) * es, e - a});
+              if (packed) sh.mine.push_back({v + (s.param_offset + (a - s.arena_offset)) * es, e - a});
               seg.push_back({s.param, s.param_offset + (a - s.arena_offset), e - a, a - lo});
             }
           }
@@ -232,8 +233,8 @@ class shard_set {
     std::size_t begin = 0;      // the unit's first arena element
     std::size_t count = 0;      // elements per rank (the unit's length / size())
     std::size_t index = 0;      // into params_
-    std::vector<segment> mine;  // the model's values in this rank's block
-    std::vector<segment> all;   // the model's values in the whole unit
+    std::vector<segment> mine;  // the model's values in this rank's block (packed only)
+    std::vector<segment> all;   // the model's values in the whole unit (packed only)
   };
   struct group {
     const bucket_plan* plan = nullptr;
