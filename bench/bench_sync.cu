@@ -430,8 +430,8 @@ int main(int argc, char** argv) {
       }
     }
     // c. comm-bound MLP: 8 × (4096×4096 weight + 4096 bias); small per-layer compute; bucket
-    // caps swept (DDP's 25 MiB default first).
-    if (wanted('c')) {
+    // caps swept (DDP's 25 MiB default first). s and w run on the same MLP, with or without c.
+    if (wanted('c') || wanted('s') || wanted('w')) {
       std::vector<shape> mlp;
       for (int l = 0; l < 8; ++l) {
         mlp.push_back({"l" + std::to_string(l) + ".weight", {4096, 4096}});
@@ -454,7 +454,7 @@ int main(int argc, char** argv) {
         for (int g : counts) {
           if (g == 1) continue;
           double flat = pass == 0 ? flat_time<float>(total, g, iters) : flat_time<__nv_bfloat16>(total, g, iters);
-          {
+          if (wanted('c')) {
             // Where the time goes: the same step with no compute at all (communication and
             // optimizer only), default buckets.
             const std::vector<double> none(fwd.size(), 0.0), none_b(bwd.size(), 0.0);
@@ -463,6 +463,7 @@ int main(int argc, char** argv) {
             if (g_print) std::printf("c  %s %d GPU  no compute (sync + SGD only)  step %7.3f ms\n", tn, g, t0);
           }
           for (std::size_t cap_mib : {std::size_t{25}, std::size_t{64}, std::size_t{128}}) {
+            if (!wanted('c')) break;
             lockstep::BucketPolicy bp{.first_bytes = std::size_t{1} << 20, .cap_bytes = cap_mib << 20};
             double t = pass == 0 ? train_step_time<float>(mlp, g, iters, 0, fwd, bwd, bp)
                                  : train_step_time<__nv_bfloat16>(mlp, g, iters, 0, fwd, bwd, bp);
