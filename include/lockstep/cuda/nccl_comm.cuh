@@ -347,12 +347,11 @@ class NcclComm {
     return split_with(0, rank(), &config, "copy_engine_group");
   }
   //! `bytes` of zeroed device memory registered as a symmetric window of this communicator
-  //! (collective: same size, same order on every rank); .second: whether NCCL registered it
-  //! (it declines where the GPUs cannot map each other's memory). Freed with the pointer.
+  //! (collective: same size, same order on every rank); .second: whether NCCL returned a
+  //! window (cuda/detail/nccl_window.cuh says when the copy engines then do the gathers).
+  //! Freed with the pointer.
   std::pair<std::shared_ptr<void>, bool> allocate_window(std::size_t bytes) {
-    bool registered = false;
-    auto p = detail::nccl_window(s_, bytes, live("allocate_window").compute_stream(), registered);
-    return {std::move(p), registered};
+    return detail::nccl_window(s_, bytes, live("allocate_window").compute_stream());
   }
 #endif
 
@@ -419,7 +418,7 @@ class NcclComm {
   NcclComm split_with(int color, int key, ncclConfig_t* config, const char* what) {
     state& s = live(what);
     if (color < 0)
-      throw config_error("NcclComm::split: colour " + std::to_string(color) +
+      throw config_error(std::string("NcclComm::") + what + ": colour " + std::to_string(color) +
                          " is negative; give every rank a colour >= 0 (ranks of one colour form a group)");
     const std::string name = (s.group_name.empty() ? "" : s.group_name + " / ") + "split " +
                              std::to_string(s.splits++) + " (colour " + std::to_string(color) + ")";

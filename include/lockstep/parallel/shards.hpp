@@ -69,6 +69,7 @@ class shard_set {
     units_of_.assign(params.size(), {});
     bytes_ = 0;
     const auto n = static_cast<std::size_t>(comm_.size()), r = static_cast<std::size_t>(comm_.rank());
+    const bool packed = !values_bound();  // bound, the values are never packed or unpacked
     for (std::size_t gi = 0; gi < plans.size(); ++gi) {
       const bucket_plan& plan = *plans[gi];
       const std::size_t es = size_of(plan.type);
@@ -91,7 +92,6 @@ class shard_set {
             auto& of = units_of_[s.param];
             if (of.empty() || of.back() != std::pair{gi, g.shards.size()}) of.emplace_back(gi, g.shards.size());
             char* v = static_cast<char*>(params[s.param].value);
-            const bool packed = !bind_value_;  // bound, the values are never packed or unpacked
             if (packed) sh.all.push_back({v + s.param_offset * es, s.count});
             const std::size_t a = std::max(lo, s.arena_offset), e = std::min(hi, s.arena_offset + s.count);
             if (a < e) {

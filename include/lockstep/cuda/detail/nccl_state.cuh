@@ -161,9 +161,10 @@ struct nccl_state {
     return follows_parent && parent ? parent->compute_stream() : compute;
   }
 
-  // Whether ncclCommDestroy may end the communicator (also: whether a window's memory may go). It waits for every collective in
-  // flight, and a communicator being destroyed has left its family, so abort() no longer
-  // reaches it: one whose peer never comes would hold this thread for ever. So wait here for
+  // Whether ncclCommDestroy may end the communicator (and whether a window's memory may go,
+  // nccl_window.cuh). It waits for every collective in flight, and a communicator being
+  // destroyed has left its family, so abort() no longer reaches it: one whose peer never
+  // comes would hold this thread for ever. So wait here for
   // the communication stream, at most LOCKSTEP_TIMEOUT (a wait on other ranks), and say no
   // (ncclCommAbort) once the family is aborted, NCCL reports an error, or the time is up.
   // Collectives still running are not killed early: their results may yet be read.

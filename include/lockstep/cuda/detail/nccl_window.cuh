@@ -12,6 +12,7 @@
 #include <memory>
 #include <new>
 #include <string>
+#include <utility>
 
 #include "lockstep/cuda/detail/nccl_state.cuh"
 #include "lockstep/cuda/error.cuh"
@@ -49,11 +50,11 @@ struct nccl_window_deleter {
 
 //! `bytes` of device memory, zeroed on `stream`, registered as a symmetric window of s's
 //! communicator. Collective: every rank calls it with the same size, in the same order.
-//! `registered` says whether NCCL returned a window. That the gathers then run on the copy
+//! .second says whether NCCL returned a window. That the gathers then run on the copy
 //! engines is NCCL's choice: it needs GPUs that map each other's memory (NVLink or PCIe peer
 //! access), CUDA virtual memory and a driver of CUDA 12.5 or later; else it uses its kernels.
-inline std::shared_ptr<void> nccl_window(const std::shared_ptr<nccl_state>& s, std::size_t bytes, cudaStream_t stream,
-                                         bool& registered) {
+inline std::pair<std::shared_ptr<void>, bool> nccl_window(const std::shared_ptr<nccl_state>& s, std::size_t bytes,
+                                                          cudaStream_t stream) {
   device_guard g(s->device);
   constexpr std::size_t align = NCCL_WIN_REQUIRED_ALIGNMENT;
   const std::size_t size = (bytes + align - 1) / align * align + (bytes == 0 ? align : 0);
@@ -72,10 +73,9 @@ inline std::shared_ptr<void> nccl_window(const std::shared_ptr<nccl_state>& s, s
                                       " bytes as a symmetric window on device " + std::to_string(s->device) +
                                       "; turn DataParallelOptions::copy_engine_gather off to gather without one"));
   std::get_deleter<nccl_window_deleter>(owner)->win = win;
-  registered = win != nullptr;
   LOCKSTEP_TRY_CUDA(cudaMemsetAsync(p, 0, size, stream));
   LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(stream));
-  return owner;
+  return {std::move(owner), win != nullptr};
 }
 
 #endif
