@@ -231,7 +231,9 @@ class NcclComm {
   }
 
   //! recv (count elements) ← op over ranks of block rank() of send (size()·count elements).
-  //! In place when recv == send + rank()·count.
+  //! In place when recv == send + rank()·count. On a copy_engine_group(), a sum or mean of f32
+  //! or bf16 whose send lies in an allocate_window() runs on the copy engines (an all-to-all
+  //! into a staging window, then a short kernel sums the blocks in fp32, in rank order).
   work reduce_scatter(const void* send, void* recv, std::size_t count, dtype t, reduce_op op) {
     state& s = live("reduce_scatter");
     const collective c = detail::nccl_check_order(s, collective::reduce_scatter(count, t, op));
@@ -240,6 +242,8 @@ class NcclComm {
     require(recv, "recv", "reduce_scatter");
     const ncclDataType_t nt = to_nccl(t);
     const ncclRedOp_t nop = reduction(s, op);
+    if (detail::copy_engine_reducible(s, send, count, t, op))  // cuda/detail/nccl_window.cuh
+      return issue(s, c, [&](cudaStream_t cs) { detail::copy_engine_reduce_scatter(s, send, recv, count, t, op, nt, cs); });
     return issue(s, c, [&](cudaStream_t cs) {
       LOCKSTEP_TRY_NCCL(ncclReduceScatter(send, recv, count, nt, nop, s.comm, cs));
     });
@@ -340,11 +344,13 @@ class NcclComm {
     int v = 0;
     if (ncclGetVersion(&v) != ncclSuccess || v < NCCL_VERSION(2, 28, 0))
       throw config_error("NcclComm::copy_engine_group: the NCCL loaded at run time is " + std::to_string(v) +
-                         ", the copy-engine all-gather needs 2.28 or later (22800); load a newer libnccl or "
-                         "turn DataParallelOptions::copy_engine_gather off");
+                         ", copy-engine collectives need 2.28 or later (22800); load a newer libnccl or "
+                         "turn DataParallelOptions::copy_engine_gather and copy_engine_scatter off");
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.CTAPolicy = NCCL_CTA_POLICY_ZERO;
-    return split_with(0, rank(), &config, "copy_engine_group");
+    NcclComm group = split_with(0, rank(), &config, "copy_engine_group");
+    group.s_->copy_engines = true;
+    return group;
   }
   //! `bytes` of zeroed device memory registered as a symmetric window of this communicator
   //! (collective: same size, same order on every rank); .second: whether NCCL returned a
@@ -354,6 +360,8 @@ class NcclComm {
     return detail::nccl_window(s_, bytes, live("allocate_window").compute_stream());
   }
 #endif
+  //! Whether this is a copy_engine_group() (false without NCCL 2.28).
+  bool copy_engines() const noexcept { return s_ && s_->copy_engines; }
 
  private:
   struct adopt_tag {};

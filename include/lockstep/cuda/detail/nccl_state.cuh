@@ -128,6 +128,19 @@ struct nccl_state {
   std::mutex track_m;
   std::deque<tracked> pending;
   std::vector<cudaEvent_t> spare;
+  // A copy-engine group (NcclComm::copy_engine_group, nccl_window.cuh): the windows of this
+  // communicator, [start, start + bytes), for telling which reduce-scatters the copy engines
+  // can do; and the staging windows those reduce-scatters receive into, the newest last (an
+  // older one may still be read by a reduction in flight: all go with the communicator).
+  bool copy_engines = false;
+  std::mutex windows_m;
+  std::vector<std::pair<std::uintptr_t, std::size_t>> windows;  // under windows_m
+  struct staging_window {
+    void* memory;
+    void* window;  // ncclWindow_t
+    std::size_t bytes;
+  };
+  std::vector<staging_window> staging;
 
   nccl_state() = default;
   nccl_state(const nccl_state&) = delete;
@@ -136,6 +149,7 @@ struct nccl_state {
     device_guard g(device, std::nothrow);
     if (comm != nullptr && !released.exchange(true)) {
       const bool destroy = drained();
+      if (destroy) free_staging();  // else leaked: a copy may still be queued against it
       const ncclResult_t r = destroy ? ncclCommDestroy(comm) : ncclCommAbort(comm);
       if (r != ncclSuccess)
         std::fprintf(stderr, "lockstep: %s on rank %d failed: %s\n", destroy ? "ncclCommDestroy" : "ncclCommAbort",
@@ -149,6 +163,17 @@ struct nccl_state {
     // Streams with queued work are released once it completes (cudaStreamDestroy).
     if (comm_stream != nullptr) (void)cudaStreamDestroy(comm_stream);
     if (own_compute != nullptr) (void)cudaStreamDestroy(own_compute);
+  }
+
+  // Deregisters and frees the staging windows (only once no collective is in flight).
+  void free_staging() noexcept {
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+    for (const auto& w : staging) {
+      (void)ncclCommWindowDeregister(comm, static_cast<ncclWindow_t>(w.window));
+      (void)ncclMemFree(w.memory);
+    }
+#endif
+    staging.clear();
   }
 
   //! "rank 1" or "rank 1 (rank 0 of split 2 (colour 1))": who, in messages.

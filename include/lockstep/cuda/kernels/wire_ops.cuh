@@ -75,9 +75,20 @@ __global__ void from_bf16(const __nv_bfloat16* __restrict__ src, float* __restri
   for (; i < n; i += stride) dst[i] = __bfloat162float(src[i]);
 }
 
-// m = (Σ_k blocks[k·per + i]) · inv_n in fp32, k = 0..ranks-1 in rank order (the same order on
-// every rank); out32[i] = m (when not null), out16[i] = bf16(m) (when not null).
-__global__ void mean_blocks(const __nv_bfloat16* __restrict__ blocks, int ranks, std::size_t per, float inv_n,
+__device__ inline void load8(const __nv_bfloat16* p, std::size_t i, float (&v)[8]) {
+  unpack8(reinterpret_cast<const uint4*>(p)[i], v);
+}
+__device__ inline void load8(const float* p, std::size_t i, float (&v)[8]) {
+  const float4 a = reinterpret_cast<const float4*>(p)[2 * i], b = reinterpret_cast<const float4*>(p)[2 * i + 1];
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+__device__ inline float widen(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ inline float widen(float x) { return x; }
+
+// m = (Σ_k blocks[k·per + i]) · scale in fp32, k = 0..ranks-1 in rank order (the same order on
+// every rank); out32[i] = m (when not null), out16[i] = bf16(m) (when not null). In: bf16 or f32.
+template <class In>
+__global__ void mean_blocks(const In* __restrict__ blocks, int ranks, std::size_t per, float scale,
                             float* __restrict__ out32, __nv_bfloat16* __restrict__ out16, bool vec) {
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -85,10 +96,10 @@ __global__ void mean_blocks(const __nv_bfloat16* __restrict__ blocks, int ranks,
     for (; i < per / 8; i += stride) {
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, v[8];
       for (int k = 0; k < ranks; ++k) {
-        unpack8(reinterpret_cast<const uint4*>(blocks + static_cast<std::size_t>(k) * per)[i], v);
+        load8(blocks + static_cast<std::size_t>(k) * per, i, v);
         for (int e = 0; e < 8; ++e) acc[e] += v[e];
       }
-      for (int e = 0; e < 8; ++e) acc[e] *= inv_n;
+      for (int e = 0; e < 8; ++e) acc[e] *= scale;
       if (out32) {
         reinterpret_cast<float4*>(out32)[2 * i] = make_float4(acc[0], acc[1], acc[2], acc[3]);
         reinterpret_cast<float4*>(out32)[2 * i + 1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
@@ -99,11 +110,21 @@ __global__ void mean_blocks(const __nv_bfloat16* __restrict__ blocks, int ranks,
   }
   for (; i < per; i += stride) {
     float acc = 0;
-    for (int k = 0; k < ranks; ++k) acc += __bfloat162float(blocks[static_cast<std::size_t>(k) * per + i]);
-    acc *= inv_n;
+    for (int k = 0; k < ranks; ++k) acc += widen(blocks[static_cast<std::size_t>(k) * per + i]);
+    acc *= scale;
     if (out32) out32[i] = acc;
     if (out16) out16[i] = __float2bfloat16_rn(acc);
   }
+}
+
+template <class In>
+void launch_mean_blocks(const In* blocks, int ranks, std::size_t per, float scale, float* out32, void* out16,
+                        cudaStream_t s) {
+  if (per == 0) return;
+  const bool vec = (per % 8 == 0) && aligned16(blocks) && (!out32 || aligned16(out32)) && (!out16 || aligned16(out16));
+  mean_blocks<In><<<blocks_for(vec ? per / 8 : per), threads, 0, s>>>(blocks, ranks, per, scale, out32,
+                                                                        static_cast<__nv_bfloat16*>(out16), vec);
+  LOCKSTEP_CHECK_LAUNCH();
 }
 
 }  // namespace wire_detail
@@ -129,13 +150,20 @@ inline void from_bf16(const void* src, float* dst, std::size_t n, cudaStream_t s
 //! The fp32 mean of `ranks` bf16 blocks of `per` elements laid end to end at `blocks`, summed
 //! in rank order: into out32 (fp32, may be null) and out16 (rounded to bf16, may be null).
 inline void mean_blocks(const void* blocks, int ranks, std::size_t per, float* out32, void* out16, cudaStream_t s) {
-  if (per == 0) return;
-  const bool vec = (per % 8 == 0) && wire_detail::aligned16(blocks) && (!out32 || wire_detail::aligned16(out32)) &&
-                   (!out16 || wire_detail::aligned16(out16));
-  wire_detail::mean_blocks<<<wire_detail::blocks_for(vec ? per / 8 : per), wire_detail::threads, 0, s>>>(
-      static_cast<const __nv_bfloat16*>(blocks), ranks, per, 1.0f / static_cast<float>(ranks), out32,
-      static_cast<__nv_bfloat16*>(out16), vec);
-  LOCKSTEP_CHECK_LAUNCH();
+  wire_detail::launch_mean_blocks(static_cast<const __nv_bfloat16*>(blocks), ranks, per,
+                                  1.0f / static_cast<float>(ranks), out32, out16, s);
+}
+
+//! out[0..per) ← scale · Σ_k block k of `ranks` blocks of `per` elements at `blocks`, summed
+//! in fp32 in rank order; blocks and out are both f32 or both bf16 (rounded once, at the end).
+//! The local half of a reduce-scatter done as an all-to-all (NcclComm's copy-engine one).
+inline void sum_blocks(const void* blocks, bool bf16, int ranks, std::size_t per, float scale, void* out,
+                       cudaStream_t s) {
+  if (bf16)
+    wire_detail::launch_mean_blocks(static_cast<const __nv_bfloat16*>(blocks), ranks, per, scale, nullptr, out, s);
+  else
+    wire_detail::launch_mean_blocks(static_cast<const float*>(blocks), ranks, per, scale, static_cast<float*>(out),
+                                    nullptr, s);
 }
 
 }  // namespace lockstep::cuda::kernels
