@@ -3,8 +3,11 @@
 // reduce-scatters of 154 MB (GPT-2's embedding) and 268 MB, each alone and next to back-to-back
 // bf16 GEMMs on another stream (the op's time, and how much it slows the GEMMs), under NCCL's
 // default, efficiency and zero-CTA policies, with cudaMalloc buffers and with a symmetric window
-// (ncclMemAlloc + ncclCommWindowRegister). Raw NCCL and cuBLAS, no lockstep: the mechanism, not
-// the library. NCCL >= 2.28. `bench_gather` (PROBE_ONLY=a..e runs one configuration).
+// (ncclMemAlloc + ncclCommWindowRegister); and a reduce-scatter done as an all-to-all into a
+// staging area plus lockstep's block-sum kernel (what NcclComm's copy-engine group does: with
+// the zero-CTA policy and a window, the all-to-all runs on the copy engines). Raw NCCL and
+// cuBLAS otherwise: the mechanism, not the library. NCCL >= 2.28. `bench_gather` (PROBE_ONLY=a..e
+// runs one configuration).
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -14,6 +17,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
+
+#include "lockstep/cuda/kernels/wire_ops.cuh"
 
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
 
@@ -76,8 +81,9 @@ void teardown(bool symmetric) {
   }
 }
 
-enum op_t { AG_INPLACE, AG_OUT, RS_F32, RS_BF16 };
-const char* names[] = {"all-gather in place", "all-gather out of place", "reduce-scatter f32", "reduce-scatter bf16"};
+enum op_t { AG_INPLACE, AG_OUT, RS_F32, RS_BF16, RS_A2A_F32, RS_A2A_BF16 };
+const char* names[] = {"all-gather in place", "all-gather out of place", "reduce-scatter f32", "reduce-scatter bf16",
+                       "all-to-all + sum f32", "all-to-all + sum bf16"};
 
 void issue(op_t op, size_t bytes) {  // bytes: the full (gathered / scattered) size
   NK(ncclGroupStart());
@@ -93,12 +99,22 @@ void issue(op_t op, size_t bytes) {  // bytes: the full (gathered / scattered) s
     } else if (op == RS_F32) {
       size_t per = bytes / n / 4;
       NK(ncclReduceScatter(base, base + r * per * 4, per, ncclFloat32, ncclSum, R[r].comm, R[r].cs));
-    } else {
+    } else if (op == RS_BF16) {
       size_t per = bytes / n / 2;
       NK(ncclReduceScatter(base, base + r * per * 2, per, ncclBfloat16, ncclSum, R[r].comm, R[r].cs));
+    } else {  // the blocks to a staging area after the data, then this rank's block summed in place
+      const size_t es = op == RS_A2A_F32 ? 4 : 2, per = bytes / n / es;
+      NK(ncclAlltoAll(base, base + bytes, per, es == 4 ? ncclFloat32 : ncclBfloat16, R[r].comm, R[r].cs));
     }
   }
   NK(ncclGroupEnd());
+  if (op == RS_A2A_F32 || op == RS_A2A_BF16)
+    for (int r = 0; r < n; ++r) {
+      CK(cudaSetDevice(r));
+      char* base = static_cast<char*>(R[r].buf);
+      const size_t es = op == RS_A2A_F32 ? 4 : 2, per = bytes / n / es;
+      lockstep::cuda::kernels::sum_blocks(base + bytes, es == 2, n, per, 1.0f, base + r * per * es, R[r].cs);
+    }
 }
 
 void gemms(int k) {
@@ -144,7 +160,7 @@ void run(const char* label, int policy, bool symmetric) {
   tg.start(false); gemms(G); tg.stop(false);
   const float g_alone = tg.ms();
   std::printf("  %d bf16 GEMMs %d^3 alone: %.3f ms\n", G, M, g_alone);
-  for (op_t op : {AG_INPLACE, AG_OUT, RS_F32, RS_BF16})
+  for (op_t op : {AG_INPLACE, AG_OUT, RS_F32, RS_BF16, RS_A2A_F32, RS_A2A_BF16})
     for (size_t mb : {size_t(154), size_t(268)}) {
       const size_t bytes = mb << 20;
       issue(op, bytes);

@@ -164,6 +164,7 @@ bool g_print = true;
 // communication overlaps the next step's start (ShardedOptimizer's gather in forward).
 bool g_chained = false;
 bool g_sm_gather = false;  // sharded: DataParallelOptions::copy_engine_gather off (NCCL's SM kernels gather)
+bool g_ce_scatter = false;  // sharded: DataParallelOptions::copy_engine_scatter on (copy-engine reduce-scatters)
 
 template <class Setup>
 double timed(int ngpu, int warm, int iters, Setup&& setup) {
@@ -343,7 +344,8 @@ double train_step_time(const std::vector<shape>& shapes, int ngpu, int iters, do
     // The DataParallel hands the model its values back when it goes (unbind_values): it holds
     // the model, so the model outlives it whatever order the closures release them in.
     auto dp = std::shared_ptr<DP>(new DP(ctx, *m, lockstep::DataParallelOptions{
-                                      .buckets = buckets, .copy_engine_gather = !g_sm_gather, .gather_in_forward = Deferred}),
+                                      .buckets = buckets, .copy_engine_gather = !g_sm_gather, .copy_engine_scatter = g_ce_scatter,
+                                      .gather_in_forward = Deferred}),
                                   [m](DP* p) { delete p; });
     const std::size_t n = shapes.size(), per_layer = n / fwd_us.size();
     auto body = [=, &fwd_us, &bwd_us] {
@@ -482,13 +484,17 @@ int main(int argc, char** argv) {
               const double t = train_step_time<float, false, true>(mlp, g, iters, 0, fwd, bwd, bp);
               const double ts = train_step_time<float, true, true>(mlp, g, iters, 0, fwd, bwd, bp);
               const double tsd = train_step_time<float, true, true, true>(mlp, g, iters, 0, fwd, bwd, bp);
+              g_ce_scatter = true;
+              const double tss = train_step_time<float, true, true, true>(mlp, g, iters, 0, fwd, bwd, bp);
+              g_ce_scatter = false;
               g_sm_gather = true;
               const double tsm = train_step_time<float, true, true, true>(mlp, g, iters, 0, fwd, bwd, bp);
               g_sm_gather = g_chained = false;
               if (g_print)
                 std::printf("w  fp32 %d GPU  cap %3zu MiB  chained steps: bf16 wire %7.3f ms  sharded + bf16 wire %7.3f ms  "
-                            "+ gather in forward %7.3f ms (gathers on SMs %7.3f ms)  (1 GPU %6.3f ms, flat fp32 all-reduce alone %6.3f ms)\n",
-                            g, cap_mib, t, ts, tsd, tsm, one, flat);
+                            "+ gather in forward %7.3f ms (+ reduce-scatters on copy engines %7.3f ms; gathers on SMs %7.3f ms)  "
+                            "(1 GPU %6.3f ms, flat fp32 all-reduce alone %6.3f ms)\n",
+                            g, cap_mib, t, ts, tsd, tss, tsm, one, flat);
             }
           // s. The same step with ShardedOptimizer (issue 13's schedule: the all-gather after
           // each unit's update, the optimizer on 1/N of the parameters).
@@ -506,15 +512,19 @@ int main(int argc, char** argv) {
                                     : train_step_time<__nv_bfloat16, true, false, true>(mlp, g, iters, 0, fwd, bwd, bp);
               double tu = pass == 0 ? train_step_time<float, true, false, true, false>(mlp, g, iters, 0, fwd, bwd, bp)
                                     : train_step_time<__nv_bfloat16, true, false, true, false>(mlp, g, iters, 0, fwd, bwd, bp);
+              g_ce_scatter = true;  // the reduce-scatters on the copy engines too
+              double tcs = pass == 0 ? train_step_time<float, true, false, true>(mlp, g, iters, 0, fwd, bwd, bp)
+                                     : train_step_time<__nv_bfloat16, true, false, true>(mlp, g, iters, 0, fwd, bwd, bp);
+              g_ce_scatter = false;
               g_sm_gather = true;  // the gathers on NCCL's SM kernels instead of the copy engines
               double tsm = pass == 0 ? train_step_time<float, true, false, true>(mlp, g, iters, 0, fwd, bwd, bp)
                                      : train_step_time<__nv_bfloat16, true, false, true>(mlp, g, iters, 0, fwd, bwd, bp);
               g_sm_gather = g_chained = false;
               if (g_print)
                 std::printf("s  %s %d GPU  cap %3zu MiB  sharded step %7.3f ms;  chained steps: plain %7.3f  sharded %7.3f  "
-                            "gather in forward %7.3f ms  (values packed, not bound: %7.3f ms; gathers on SMs, not copy engines: %7.3f ms)  (1 GPU "
-                            "%6.3f ms, flat all-reduce alone %6.3f ms)\n",
-                            tn, g, cap_mib, t, tp, tc, td, tu, tsm, one, flat);
+                            "gather in forward %7.3f ms  (+ reduce-scatters on copy engines %7.3f ms; values packed, not bound: "
+                            "%7.3f ms; gathers on SMs, not copy engines: %7.3f ms)  (1 GPU %6.3f ms, flat all-reduce alone %6.3f ms)\n",
+                            tn, g, cap_mib, t, tp, tc, td, tcs, tu, tsm, one, flat);
             }
         }
       }

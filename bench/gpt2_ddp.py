@@ -115,8 +115,8 @@ def main():
     for step in range(a.steps):
         if a.profile and rank == 0 and step == a.warmup:
             torch.cuda.synchronize(dev)
-            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                      torch.profiler.ProfilerActivity.CUDA])
+            # GPU activity only, as examples/03_gpt2_torch records (CPU ops would slow the host)
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
             prof.__enter__()
         t0 = time.perf_counter()
         starts = rng.integers(0, len(text) - a.seq - 1, size=a.batch)
@@ -137,13 +137,16 @@ def main():
         if step in (0, a.steps - 1):
             losses.append(loss.item())
     timed = sorted(times[a.warmup:])
-    stats = torch.tensor([timed[len(timed) // 2], torch.cuda.max_memory_allocated(dev) / 2**30], device=dev)
+    free, total = torch.cuda.mem_get_info(dev)  # everything on the GPU: NCCL's buffers, the allocator's cache
+    stats = torch.tensor([timed[len(timed) // 2], torch.cuda.max_memory_allocated(dev) / 2**30, (total - free) / 2**30],
+                         device=dev)
     if world > 1:
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     if rank == 0:
-        ms, peak = stats.tolist()
+        ms, peak, used = stats.tolist()
         print(f"bench: ddp gpus={world} step_ms={ms:.2f} tokens_per_s={a.batch * a.seq * world / (ms / 1e3):.0f} "
               f"peak_gib={peak:.2f} loss_first={losses[0]:.3f} loss_last={losses[-1]:.3f}", flush=True)
+        print(f"bench-memory: ddp device_used_gib={used:.2f} (cudaMemGetInfo at the end, the most of any GPU)", flush=True)
     if world > 1:
         dist.destroy_process_group()
 

@@ -61,7 +61,8 @@ struct options : gpt2::run_options {
   bool bench = false;
   bool shard = false;  // ShardedOptimizer + gather_in_forward
   bool pack_values = false;  // sharded: DataParallelOptions::bind_values off
-  bool copy_engine = false;  // sharded: DataParallelOptions::copy_engine_gather on
+  bool ce_gather = false;   // sharded: DataParallelOptions::copy_engine_gather on
+  bool ce_scatter = false;  // sharded: DataParallelOptions::copy_engine_scatter on
 };
 
 constexpr std::int64_t profiled_steps = 3;
@@ -70,7 +71,7 @@ constexpr std::int64_t profiled_steps = 3;
   std::printf(
       "usage: gpt2_torch [--data DIR|FILE] [--config small|tiny] [--device auto|cpu] [--batch B]\n"
       "                  [--seq T] [--steps N] [--warmup N] [--lr X] [--seed S] [--log-every N] [--bench]\n"
-      "                  [--profile TRACE.json] [--wire fp32|bf16] [--shard [--pack-values] [--copy-engine]]\n"
+      "                  [--profile TRACE.json] [--wire fp32|bf16] [--shard [--pack-values] [--copy-engine[-gather]]]\n"
       "  batch: sequences per rank and step; on GPUs: all local GPUs, or one per process under a launcher\n");
   std::exit(rc);
 }
@@ -83,7 +84,8 @@ options parse(int argc, char** argv) {
     else if (a == "--bench") o.bench = true;
     else if (a == "--shard") o.shard = true;
     else if (a == "--pack-values") o.pack_values = true;
-    else if (a == "--copy-engine") o.copy_engine = true;
+    else if (a == "--copy-engine") o.ce_gather = o.ce_scatter = true;  // the gathers and the reduce-scatters
+    else if (a == "--copy-engine-gather") o.ce_gather = true;
     else if (a == "--wire") o.wire = next();
     else if (a == "--profile") o.profile = next();
     else return false;
@@ -106,11 +108,12 @@ std::mutex init_mutex;  // the model is built under one seed, one rank at a time
 
 #if GPT2_GPU
 // libtorch's Kineto profiler (CUPTI): every kernel, copy and memset of the process, whichever
-// thread queued it, so one rank's thread starting it records every GPU of the process.
+// thread queued it, so one rank's thread starting it records every GPU of the process. GPU
+// activity only: recording every CPU-side operator too would make the host the bottleneck.
 void start_profile() {
   namespace impl = torch::profiler::impl;
   const impl::ProfilerConfig config(impl::ProfilerState::KINETO);
-  const std::set<impl::ActivityType> activities{impl::ActivityType::CPU, impl::ActivityType::CUDA};
+  const std::set<impl::ActivityType> activities{impl::ActivityType::CUDA};
   torch::autograd::profiler::prepareProfiler(config, activities);
   torch::autograd::profiler::enableProfiler(config, activities);
 }
@@ -169,7 +172,10 @@ int main(int argc, char** argv) {
     model->to(dev);
     lockstep::TorchModule tm(model);
     const lockstep::DataParallelOptions dp_options{
-        .bind_values = !opt.pack_values, .copy_engine_gather = opt.copy_engine, .gather_in_forward = opt.shard};
+        .bind_values = !opt.pack_values,
+        .copy_engine_gather = opt.ce_gather,
+        .copy_engine_scatter = opt.ce_scatter,
+        .gather_in_forward = opt.shard};
     const lockstep::Bf16Wire wire(opt.wire == "bf16");
     // One body for both: ShardedOptimizer is a policy, so the DataParallel's type differs.
     auto train = [&](auto& dp) {
@@ -273,16 +279,26 @@ int main(int argc, char** argv) {
                       static_cast<double>(gpu_opt->state_bytes())) / (1 << 30);
         }
 #endif
-        double worst = median;
-        lockstep::detail::host_all_reduce(ctx.comm(), std::span<double>(&worst, 1), lockstep::reduce_op::max);
-        double peak = peak_gib;
-        lockstep::detail::host_all_reduce(ctx.comm(), std::span<double>(&peak, 1), lockstep::reduce_op::max);
+        double used_gib = 0;  // everything on the GPU: NCCL's communicators and windows, libtorch's cache
+#if GPT2_GPU
+        if constexpr (gpu) {
+          std::size_t free = 0, total = 0;
+          LOCKSTEP_TRY_CUDA(cudaMemGetInfo(&free, &total));
+          used_gib = static_cast<double>(total - free) / (1 << 30);
+        }
+#endif
+        double worst[3] = {median, peak_gib, used_gib};
+        lockstep::detail::host_all_reduce(ctx.comm(), std::span<double>(worst), lockstep::reduce_op::max);
+        const double peak = worst[1];
         if (ctx.is_root())
           gpt2::print_bench_line(std::string("lockstep") + (opt.wire == "bf16" ? "-bf16wire" : "") + (sharded ? "-sharded" : "") +
                                      (sharded && !dp.stats().values_bound ? "-packed" : "") +
-                                     (sharded && dp.stats().gathers_by_copy_engine ? "-cegather" : ""),
-                                 ctx.size(), worst,
+                                     (sharded && dp.stats().gathers_by_copy_engine ? "-cegather" : "") +
+                                     (sharded && dp.stats().scatters_by_copy_engine ? "-cescatter" : ""),
+                                 ctx.size(), worst[0],
                                  opt.batch * opt.seq * ctx.size(), peak, first_loss, last_loss);
+        if (ctx.is_root() && gpu)
+          std::printf("bench-memory: device_used_gib=%.2f (cudaMemGetInfo at the end, the most of any GPU)\n", worst[2]);
       } else if (ctx.is_root()) {
         std::printf("gpt2_torch: loss %.3f -> %.3f over %lld steps\n", first_loss, last_loss,
                     static_cast<long long>(opt.steps));

@@ -137,10 +137,12 @@ struct given_grads {
   void bind_gradient(std::size_t i, void* p) { grads[i] = static_cast<float*>(p); }
 };
 
+// copy_engines (sharded): the reduce-scatters' all-to-alls and the all-gathers on the copy
+// engines (DataParallelOptions::copy_engine_scatter/_gather): the same numbers.
 template <bool Sharded>
-void check_data_parallel(int n) {
+void check_data_parallel(int n, bool copy_engines = false) {
   const auto seed = lockstep_test::fresh_seed();
-  CAPTURE(seed); CAPTURE(n); CAPTURE(Sharded);
+  CAPTURE(seed); CAPTURE(n); CAPTURE(Sharded); CAPTURE(copy_engines);
   std::mt19937_64 rng(seed);
   const std::vector<std::size_t> sizes{4096, 37, 1000, 5, 20000, 333};
   std::vector<std::vector<std::vector<float>>> x(sizes.size());  // [param][rank][element]
@@ -155,7 +157,10 @@ void check_data_parallel(int n) {
                                   lockstep::DataParallel<given_grads, lockstep::NcclComm, lockstep::Bf16Wire,
                                                          lockstep::ShardedOptimizer>,
                                   lockstep::DataParallel<given_grads, lockstep::NcclComm, lockstep::Bf16Wire>>;
-    DP dp(ctx, m, {.buckets = {.first_bytes = 4000, .cap_bytes = 30000}});
+    DP dp(ctx, m,
+          {.buckets = {.first_bytes = 4000, .cap_bytes = 30000},
+           .copy_engine_gather = copy_engines,
+           .copy_engine_scatter = copy_engines});
     const auto& stepped = [&]() -> const std::vector<lockstep::parameter>& {
       if constexpr (Sharded) return dp.shard_parameters();
       else return dp.parameters();
@@ -217,19 +222,21 @@ TEST_CASE("bf16 wire on 1 GPU: the hook is the identity - sharded and not") {
 }
 
 TEST_SUITE("multigpu") {
-TEST_CASE("bf16 wire on 2 GPUs: fp32 sum of bf16 values - tails - unaligned - DataParallel - sharded") {
+TEST_CASE("bf16 wire on 2 GPUs: fp32 sum of bf16 values - tails - unaligned - DataParallel - sharded - copy engines") {
   LOCKSTEP_REQUIRE_GPUS(2);
   check_hook(2, 8 * 2 * 1234, 0, 8 * 300);
   check_hook(2, 8 * 2 * 1234 + 1, 1, 5);
   check_hook(2, 1, 0, 3);
   check_data_parallel<false>(2);
   check_data_parallel<true>(2);
+  check_data_parallel<true>(2, true);
 }
-TEST_CASE("bf16 wire on 4 GPUs: fp32 sum of bf16 values - tails - DataParallel - sharded") {
+TEST_CASE("bf16 wire on 4 GPUs: fp32 sum of bf16 values - tails - DataParallel - sharded - copy engines") {
   LOCKSTEP_REQUIRE_GPUS(4);
   check_hook(4, 8 * 4 * 5000 + 3, 0, 8 * 1000);
   check_hook(4, 4 * 999, 1, 13);
   check_data_parallel<false>(4);
   check_data_parallel<true>(4);
+  check_data_parallel<true>(4, true);
 }
 }

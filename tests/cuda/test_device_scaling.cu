@@ -574,6 +574,7 @@ struct dp_config {
   double clip = 0;         // DataParallelOptions::max_grad_norm (the reference clips alike)
   bool gather_in_forward = false;  // sharded: each parameter waited for just before the forward
   bool copy_engine = true;         // sharded: DataParallelOptions::copy_engine_gather
+  bool copy_scatter = true;        // sharded: DataParallelOptions::copy_engine_scatter
 };
 
 // Whether NCCL can put the sharded all-gathers on the copy engines here: NCCL >= 2.28 and GPUs
@@ -606,7 +607,7 @@ void check_dp_scaled(const dp_config& c) {
   CAPTURE(seed); CAPTURE(c.gpus); CAPTURE(c.per_bucket); CAPTURE(c.capture); CAPTURE(c.zero_copy);
   CAPTURE(c.buckets.cap_bytes); CAPTURE(on_device); CAPTURE(inf_step); CAPTURE(inf_rank); CAPTURE(inf_param);
   CAPTURE(so.init_scale); CAPTURE(Sharded); CAPTURE(c.clip); CAPTURE(c.gather_in_forward);
-  CAPTURE(c.copy_engine);
+  CAPTURE(c.copy_engine); CAPTURE(c.copy_scatter);
 
   const std::size_t samples = 2048;
   const int batch = 16;
@@ -661,6 +662,7 @@ void check_dp_scaled(const dp_config& c) {
           {.buckets = c.buckets,
            .zero_copy = c.zero_copy,
            .copy_engine_gather = c.copy_engine,
+           .copy_engine_scatter = c.copy_scatter,
            .max_grad_norm = c.clip,
            .gather_in_forward = c.gather_in_forward},
           lockstep::EveryStep{}, Scaler(so));
@@ -683,6 +685,11 @@ void check_dp_scaled(const dp_config& c) {
       problems[rank].push_back("the all-gathers do not run on the copy engines (copy_engine_gather)");
     if (!asked && dp.stats().gathers_by_copy_engine)
       problems[rank].push_back("the all-gathers run on the copy engines, not asked for (copy_engine_gather)");
+    const bool asked_scatter = Sharded && c.copy_scatter && c.gpus > 1;
+    if (asked_scatter && copy_engine_expected(c.gpus) && !dp.stats().scatters_by_copy_engine)
+      problems[rank].push_back("the reduce-scatters do not run on the copy engines (copy_engine_scatter)");
+    if (!asked_scatter && dp.stats().scatters_by_copy_engine)
+      problems[rank].push_back("the reduce-scatters run on the copy engines, not asked for (copy_engine_scatter)");
     if (rank == 0) {  // optimizer state per GPU: 1/N of the unsharded (momentum, 4 bytes each)
       std::size_t P = 0;
       for (const auto& p : dp.parameters()) P += p.numel();
@@ -1065,9 +1072,12 @@ TEST_CASE("sharded on 2 GPUs: FusedSgd over the shards == CPU reference - inf on
   check_dp_scaled<lockstep::DeviceDynamicScale, true>({.gpus = 2, .gather_in_forward = true});
   check_dp_scaled<lockstep::DynamicScale, true>(
       {.gpus = 2, .buckets = {.first_bytes = 1000, .cap_bytes = 3000}, .clip = 0.5, .gather_in_forward = true});
-  // the all-gathers on NCCL's SM kernels instead of the copy engines
-  check_dp_scaled<lockstep::DeviceDynamicScale, true>({.gpus = 2, .gather_in_forward = true, .copy_engine = false});
-  check_dp_scaled<lockstep::DeviceDynamicScale, true>({.gpus = 2, .capture = true, .copy_engine = false});
+  // the collectives on NCCL's SM kernels instead of the copy engines, or only one kind there
+  check_dp_scaled<lockstep::DeviceDynamicScale, true>(
+      {.gpus = 2, .gather_in_forward = true, .copy_engine = false, .copy_scatter = false});
+  check_dp_scaled<lockstep::DeviceDynamicScale, true>({.gpus = 2, .capture = true, .copy_engine = false, .copy_scatter = false});
+  check_dp_scaled<lockstep::DynamicScale, true>({.gpus = 2, .clip = 0.5, .gather_in_forward = true, .copy_engine = false});
+  check_dp_scaled<lockstep::DeviceDynamicScale, true>({.gpus = 2, .gather_in_forward = true, .copy_scatter = false});
 }
 
 TEST_CASE("DataParallel + DeviceDynamicScale + FusedSgd: 4 GPUs") {
@@ -1080,7 +1090,12 @@ TEST_CASE("DataParallel + DeviceDynamicScale + FusedSgd: 4 GPUs") {
   check_dp_scaled<lockstep::DeviceDynamicScale, true>(
       {.gpus = 4, .buckets = {.first_bytes = 1000, .cap_bytes = 5000}, .gather_in_forward = true});
   check_dp_scaled<lockstep::DynamicScale, true>({.gpus = 4, .clip = 0.5});
+  check_dp_scaled<lockstep::DeviceDynamicScale, true>({.gpus = 4,
+                                                       .buckets = {.first_bytes = 1000, .cap_bytes = 5000},
+                                                       .gather_in_forward = true,
+                                                       .copy_engine = false,
+                                                       .copy_scatter = false});
   check_dp_scaled<lockstep::DeviceDynamicScale, true>(
-      {.gpus = 4, .buckets = {.first_bytes = 1000, .cap_bytes = 5000}, .gather_in_forward = true, .copy_engine = false});
+      {.gpus = 4, .capture = true, .buckets = {.first_bytes = 1000, .cap_bytes = 5000}, .copy_engine = false});
 }
 }

@@ -13,6 +13,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 
 #include "lockstep/core/dtype.hpp"
 #include "lockstep/core/reduce_op.hpp"
@@ -22,6 +23,21 @@
 
 namespace lockstep {
 
+namespace detail {
+//! Where the wire's staging lives: on a copy-engine group (ShardedOptimizer's with
+//! DataParallelOptions::copy_engine_scatter) in windows, so that its all-to-all runs on the
+//! copy engines; else plain device memory.
+struct wire_memory {
+  NcclComm& comm;
+  std::shared_ptr<void> allocate(std::size_t bytes) const {
+#if LOCKSTEP_NCCL_COPY_ENGINE
+    if (comm.copy_engines() && comm.size() > 1) return comm.allocate_window(bytes).first;
+#endif
+    return comm.memory().allocate(bytes);
+  }
+};
+}  // namespace detail
+
 //! data (count fp32, device) ← the mean over ranks, bf16 on the wire, fp32 sum, rounded to bf16.
 inline NcclComm::work bf16_wire_all_reduce(NcclComm& comm, wire_staging& st, void* data, std::size_t count) {
   const std::size_t n = static_cast<std::size_t>(comm.size()), per = count / n, main = per * n;
@@ -29,7 +45,7 @@ inline NcclComm::work bf16_wire_all_reduce(NcclComm& comm, wire_staging& st, voi
   if (per == 0) return comm.all_reduce(data, data, count, dtype::f32, reduce_op::avg);
   if (main < count)  // the tail, exact; ordered before the rest on the communication stream
     (void)comm.all_reduce(f + main, f + main, count - main, dtype::f32, reduce_op::avg);
-  auto* send = static_cast<std::uint16_t*>(st.get(comm.memory(), data, 2 * main * sizeof(std::uint16_t)));
+  auto* send = static_cast<std::uint16_t*>(st.get(detail::wire_memory{comm}, data, 2 * main * sizeof(std::uint16_t)));
   auto* recv = send + main;
   std::uint16_t* mine = send + static_cast<std::size_t>(comm.rank()) * per;
   (void)comm.enqueue([&](cudaStream_t s) { cuda::kernels::to_bf16(f, send, main, 1.0f, s); });
@@ -45,7 +61,7 @@ inline NcclComm::work bf16_wire_all_reduce(NcclComm& comm, wire_staging& st, voi
 inline NcclComm::work bf16_wire_reduce_scatter(NcclComm& comm, wire_staging& st, void* data, void* mine,
                                                std::size_t per) {
   const std::size_t total = per * static_cast<std::size_t>(comm.size());
-  auto* send = static_cast<std::uint16_t*>(st.get(comm.memory(), data, 2 * total * sizeof(std::uint16_t)));
+  auto* send = static_cast<std::uint16_t*>(st.get(detail::wire_memory{comm}, data, 2 * total * sizeof(std::uint16_t)));
   auto* recv = send + total;
   (void)comm.enqueue([&](cudaStream_t s) { cuda::kernels::to_bf16(static_cast<const float*>(data), send, total, 1.0f, s); });
   (void)comm.all_to_all(send, recv, per, dtype::bf16);

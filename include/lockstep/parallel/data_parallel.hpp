@@ -421,7 +421,8 @@ class DataParallel {
         hook_(std::move(hook)),
         reducer_(comm, hook_, initial_parameters(comm, model, opts), opts.buckets, detail::gradient_binder(model, opts),
                  [&model] { return detail::collect_parameters(model); }, sharded,
-                 detail::shard_options{detail::value_binder(model, opts, sharded), opts.copy_engine_gather}),
+                 detail::shard_options{detail::value_binder(model, opts, sharded), opts.copy_engine_gather,
+                                       opts.copy_engine_scatter}),
         buffers_(detail::collect_buffers(model)) {
     if (!(opts_.max_grad_norm >= 0))
       throw config_error("DataParallelOptions::max_grad_norm must be >= 0 (0: no clipping), got " +

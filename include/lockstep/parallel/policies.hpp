@@ -93,8 +93,15 @@ struct DataParallelOptions {
   //! a copy-engine gather waits for its peers with stream memory operations that
   //! NcclComm::abort() cannot end, so a peer that dies mid-gather leaves this rank's streams
   //! waiting for good (end the process; the watchdog's abort does not release it). Give every
-  //! rank the same setting. Other communicators ignore it. docs/sharding.md has it timed.
+  //! rank the same setting (checked). Other communicators ignore it. docs/sharding.md has it
+  //! timed.
   bool copy_engine_gather = false;
+  //! The same for the reduce-scatters (ShardedOptimizer, NcclComm, one node): the gradient
+  //! arena is a window of the split too, and each unit's reduce-scatter runs there as an
+  //! all-to-all on the copy engines followed by a short kernel that sums the N blocks (fp32,
+  //! rank order), so backward keeps its SMs (sync_stats::scatters_by_copy_engine). Costs a
+  //! staging window as large as the largest unit. Same caveat, same setting on every rank.
+  bool copy_engine_scatter = false;
   //! Copy rank 0's parameter values (and buffers, see lockstep::model (c)) to every rank at
   //! construction.
   bool broadcast_parameters = true;

@@ -176,9 +176,7 @@ class reducer {
   }
 
   //! Sharded, after finish(nullptr): fn (the optimizer) steps each shard; all are gathered.
-  void update_shards(const std::function<void(std::span<const param_slice>)>& fn) {
-    shards_.update_all(fn, stats_.comm_seconds);
-  }
+  void update_shards(const std::function<void(std::span<const param_slice>)>& fn) { shards_.update_all(fn, stats_.comm_seconds); }
 
   void wait_parameters(std::size_t i) { if (sharded_) shards_.wait_parameters(i, stats_.comm_seconds); }  // shards.hpp
   void wait_all_parameters() { shards_.complete_all(); }
@@ -329,8 +327,8 @@ class reducer {
     if (local_check_) local_check_->check(comm_, buf, end - begin, g.plan.type);  // nonfinite.hpp
     if (sharded_) {
       shards_.reduce_scatter(static_cast<std::size_t>(&g - groups_.data()), first, buf, end - begin, stats_.comm_seconds,
-                             [&](void* b, void* mine, std::size_t per, dtype t) {
-                               return hook_reduce_scatter(hook_, comm_, b, mine, per, t);
+                             [&](Comm& c, void* b, void* mine, std::size_t per, dtype t) {
+                               return hook_reduce_scatter(hook_, c, b, mine, per, t);
                              });
       ++stats_.buckets_reduced;
       stats_.bytes_reduced += (end - begin) * size_of(g.plan.type);
@@ -402,15 +400,15 @@ class reducer {
     stats_.arena_bytes = 0;
     for (auto& [t, idx] : by_type) {
       group g;
-      // Zero-copy arenas align each gradient to 256 bytes (vector loads, cuBLAS); packed
-      // arenas stay dense so one pack per bucket fills them.
-      // Sharded arenas are dense too: a shard's values are packed from the parameters.
+      // Zero-copy arenas align each gradient to 256 bytes (vector loads, cuBLAS); packed and
+      // sharded arenas stay dense (one pack per bucket fills them; shards cut them evenly).
       const std::size_t align = zero_copy() && !sharded_ ? std::max<std::size_t>(1, 256 / size_of(t)) : 1;
       g.plan = make_bucket_plan(t, idx, sizes, policy_, align,
                                 sharded_ ? static_cast<std::size_t>(comm_.size()) : 1);
-      g.arena = mem.allocate(g.plan.total * size_of(t));
+      const std::size_t bytes = g.plan.total * size_of(t);
+      g.arena = sharded_ ? shards_.allocate_gradients(bytes) : mem.allocate(bytes);  // shards: maybe a window
       stats_.bucket_count += g.plan.buckets.size();
-      stats_.arena_bytes += g.plan.total * size_of(t);
+      stats_.arena_bytes += bytes;
       groups_.push_back(std::move(g));
     }
     for (std::size_t gi = 0; gi < groups_.size(); ++gi)
@@ -438,6 +436,7 @@ class reducer {
       stats_.shard_bytes = shards_.bytes();
       stats_.values_bound = shards_.values_bound();
       stats_.gathers_by_copy_engine = shards_.gathers_by_copy_engine();
+      stats_.scatters_by_copy_engine = shards_.scatters_by_copy_engine();
     }
     grad_groups_.clear();
     for (std::size_t gi = 0; gi < groups_.size(); ++gi) {

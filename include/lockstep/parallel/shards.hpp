@@ -10,6 +10,9 @@
 //! unpack). With copy_engine_gather on a communicator that offers it (NcclComm on NCCL ≥
 //! 2.28), the value arena is a symmetric window of a zero-CTA split of the communicator, and
 //! the all-gathers run there, on the GPUs' copy engines: they take no SMs from the forward.
+//! With copy_engine_scatter, so is the gradient arena (allocate_gradients) and the units'
+//! reduce-scatters go to the split too, which does them on the copy engines as well (an
+//! all-to-all, then a short sum kernel): they take no SMs from backward.
 
 #include <algorithm>
 #include <chrono>
@@ -24,6 +27,7 @@
 #include <vector>
 
 #include "lockstep/comm/collective.hpp"
+#include "lockstep/comm/host_collectives.hpp"
 #include "lockstep/core/concepts.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/parameter.hpp"
@@ -38,10 +42,11 @@ inline double seconds_since(std::chrono::steady_clock::time_point t0) {
 }
 
 //! How the shards treat the model's values: bind_value, model (e), or empty (packed and
-//! unpacked); copy_engine_gather, DataParallelOptions::copy_engine_gather.
+//! unpacked); copy_engine_gather/_scatter, DataParallelOptions's.
 struct shard_options {
   bind_fn bind_value;
   bool copy_engine_gather = false;
+  bool copy_engine_scatter = false;
 };
 
 template <class Comm>
@@ -51,7 +56,21 @@ class shard_set {
   using step_fn = std::function<void(std::span<const param_slice>)>;
 
   explicit shard_set(Comm& comm, shard_options opts = {})
-      : comm_(comm), bind_value_(std::move(opts.bind_value)), copy_engine_(opts.copy_engine_gather) {}
+      : comm_(comm), bind_value_(std::move(opts.bind_value)), copy_gather_(opts.copy_engine_gather),
+        copy_scatter_(opts.copy_engine_scatter) {}
+
+  //! The gradient arena of one group, `bytes` (the reducer's; before build()): with
+  //! copy_engine_scatter where offered, a window of the copy-engine split.
+  std::shared_ptr<void> allocate_gradients(std::size_t bytes) {
+    if constexpr (engines_offered) {
+      if (engines_agreed() && copy_scatter_) {  // every rank asks: the check is a collective
+        auto [p, registered] = engine().allocate_window(bytes);
+        grad_windows_.emplace_back(p.get(), registered);
+        return std::move(p);
+      }
+    }
+    return comm_.memory().allocate(bytes);
+  }
 
   //! Lays out the shards of every group (one per element type, in the reducer's order):
   //! plans[g] cut arena g; params: the model's parameters (values are packed from them).
@@ -76,6 +95,8 @@ class shard_set {
       group& g = groups_.emplace_back();
       g.plan = &plan;
       g.values = allocate_values(g, plan.total * es);
+      const std::pair<const void*, bool> window{arenas[gi], true};
+      g.scatter_by_engine = std::find(grad_windows_.begin(), grad_windows_.end(), window) != grad_windows_.end();
       g.scatters.resize(plan.buckets.size());
       g.gathers.resize(plan.units.size());
       g.pending.assign(plan.units.size(), 0);
@@ -117,7 +138,7 @@ class shard_set {
           bind_value_(bindings_.back().first, bindings_.back().second);
         }
     }
-    if (engine_ && !gathers_by_copy_engine()) engine_.reset();  // no window taken: gather on comm_
+    if (engine_ && !gathers_by_copy_engine() && !scatters_by_copy_engine()) engine_.reset();  // no window taken
     return values_bound();
   }
 
@@ -130,6 +151,10 @@ class shard_set {
   //! comment); NCCL then runs them on the copy engines where the GPUs allow it.
   bool gathers_by_copy_engine() const noexcept {
     return std::any_of(groups_.begin(), groups_.end(), [](const group& g) { return g.by_engine; });
+  }
+  //! The same for the reduce-scatters: the gradient arena is a window of the split.
+  bool scatters_by_copy_engine() const noexcept {
+    return std::any_of(groups_.begin(), groups_.end(), [](const group& g) { return g.scatter_by_engine; });
   }
 
   //! This rank's shard of every launch unit, in launch order (the optimizer's parameters).
@@ -194,7 +219,8 @@ class shard_set {
 
   //! Reduce-scatters the unit of group g starting at bucket `first`: count elements at buf
   //! (already prescaled); rank r keeps the mean of block r in place, through
-  //! scatter(buf, mine, per, type) (the bucket hook's: hook_reduce_scatter).
+  //! scatter(comm, buf, mine, per, type) (the bucket hook's: hook_reduce_scatter) on comm_ or,
+  //! scatters_by_copy_engine(), the copy-engine split.
   template <class Scatter>
   void reduce_scatter(std::size_t g, std::size_t first, void* buf, std::size_t count, double& seconds,
                       Scatter&& scatter) {
@@ -204,7 +230,7 @@ class shard_set {
     void* mine = static_cast<char*>(buf) + static_cast<std::size_t>(comm_.rank()) * per * size_of(t);
     const auto t0 = std::chrono::steady_clock::now();
     label_next_collective(comm_, [&] { return bucket_label(*groups_[g].plan, first, count, "reduce-scatter of bucket "); });
-    groups_[g].scatters[first].emplace(scatter(buf, mine, per, t));
+    groups_[g].scatters[first].emplace(scatter(groups_[g].scatter_by_engine ? *engine_ : comm_, buf, mine, per, t));
     seconds += seconds_since(t0);
   }
 
@@ -245,21 +271,23 @@ class shard_set {
     std::vector<std::optional<work_type>> gathers;   // by unit
     std::vector<char> pending;                       // by unit: all-gather issued, not yet unpacked
     bool by_engine = false;                          // values: a window of engine_ (gathered there)
+    bool scatter_by_engine = false;                  // gradients: a window of engine_ (scattered there)
     void* values_at(std::size_t elem) const {
       return static_cast<char*>(values.get()) + elem * size_of(plan->type);
     }
   };
 
+  static constexpr bool engines_offered = requires(Comm& c) {
+    c.copy_engine_group();
+    c.allocate_window(std::size_t{});
+  };
+
   // Group g's value arena: a symmetric window of the zero-CTA split when asked for and
   // offered (every rank takes the same branch: the plans and options agree), else plain.
   std::shared_ptr<void> allocate_values(group& g, std::size_t bytes) {
-    if constexpr (requires(Comm& c) {
-                    c.copy_engine_group();
-                    c.allocate_window(bytes);
-                  }) {
-      if (copy_engine_ && comm_.size() > 1) {
-        if (!engine_) engine_ = std::make_unique<Comm>(comm_.copy_engine_group());
-        auto [p, registered] = engine_->allocate_window(bytes);
+    if constexpr (engines_offered) {
+      if (engines_agreed() && copy_gather_) {
+        auto [p, registered] = engine().allocate_window(bytes);
         g.by_engine = registered;
         return std::move(p);
       }
@@ -267,6 +295,28 @@ class shard_set {
     return comm_.memory().allocate(bytes);
   }
   Comm& gatherer(const group& g) { return g.by_engine ? *engine_ : comm_; }
+  Comm& engine() {
+    if (!engine_) engine_ = std::make_unique<Comm>(comm_.copy_engine_group());
+    return *engine_;
+  }
+
+  // Whether the copy-engine options apply (more than one rank); the first call checks that
+  // every rank passed the same ones (a collective: the first allocation, alike everywhere),
+  // since a rank that splits off the copy-engine group alone would wait there for ever.
+  bool engines_agreed() {
+    if (comm_.size() == 1) return false;
+    if (!agreed_) {
+      const std::int64_t g = copy_gather_, s = copy_scatter_;
+      std::vector<std::int64_t> v{g, s, 1 - g, 1 - s};  // max of x and of 1 − x: both 1 iff ranks differ
+      host_all_reduce(comm_, std::span<std::int64_t>(v), reduce_op::max);
+      if (v[0] + v[2] == 2 || v[1] + v[3] == 2)
+        throw mismatch_error(std::string("ranks passed different DataParallelOptions::") +
+                             (v[0] + v[2] == 2 ? "copy_engine_gather" : "copy_engine_scatter") +
+                             "; give every rank the same setting");
+      agreed_ = true;
+    }
+    return true;
+  }
 
   static void wait(std::optional<work_type>& w, double& seconds) {
     if (!w) return;
@@ -328,8 +378,11 @@ class shard_set {
 
   Comm& comm_;
   bind_fn bind_value_;            // model (e), or empty: values packed and unpacked
-  bool copy_engine_ = false;      // shard_options::copy_engine_gather
-  std::unique_ptr<Comm> engine_;  // the zero-CTA split the gathers run on (outlives groups_)
+  bool copy_gather_ = false;      // shard_options::copy_engine_gather
+  bool copy_scatter_ = false;     // shard_options::copy_engine_scatter
+  bool agreed_ = false;           // engines_agreed() has checked the options across ranks
+  std::unique_ptr<Comm> engine_;  // the zero-CTA split the collectives run on (outlives groups_)
+  std::vector<std::pair<const void*, bool>> grad_windows_;  // allocate_gradients: (arena, window taken)
   std::vector<binding> bindings_;  // what build() bound
   std::vector<group> groups_;
   std::vector<parameter> params_;    // this rank's shard of each unit

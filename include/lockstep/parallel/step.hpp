@@ -48,6 +48,7 @@ struct sync_stats {
   bool zero_copy = false;             //!< the model's gradients live in the arena
   bool values_bound = false;          //!< sharded: its values live in the shards' arena (model (e))
   bool gathers_by_copy_engine = false;  //!< sharded: the all-gathers go to a window of the copy-engine split
+  bool scatters_by_copy_engine = false;  //!< sharded: so do the reduce-scatters (copy_engine_scatter)
   bool rebuilt = false;               //!< the plan was reordered after the first step
 };
 
