@@ -7,6 +7,8 @@
 //  c. comm-bound MLP: 8 × 4096² (134M) with small per-layer compute (≈2.5 ms at 1 GPU);
 //  s. (with c) the same MLP step with ShardedOptimizer;
 //  w. (with c) the fp32 MLP step with gradients in bf16 on the wire (Bf16Wire), plain and sharded;
+//  t. the fastest sharded MLP step with and without its compute (where its time goes; one
+//     configuration, for a profiler);
 //  h. Hierarchical reduction (nodes of --node-size ranks) vs the flat all-reduce (not in the
 //     default set: run it under scripts/two_node_sim.sh and on one node).
 // Compute is simulated by kernels that hold every SM for a set time (so NCCL competes for
@@ -385,7 +387,7 @@ int main(int argc, char** argv) {
       else if (a == "--only" && i + 1 < argc) only = argv[++i];
       else if (a == "--node-size" && i + 1 < argc) node = std::stoi(argv[++i]);
       else {
-        std::fprintf(stderr, "usage: bench_sync [--shapes FILE] [--iters N] [--gpus N] [--only abcswh] [--node-size L]\n");
+        std::fprintf(stderr, "usage: bench_sync [--shapes FILE] [--iters N] [--gpus N] [--only abcswth] [--node-size L]\n");
         return 2;
       }
     }
@@ -433,7 +435,7 @@ int main(int argc, char** argv) {
     }
     // c. comm-bound MLP: 8 × (4096×4096 weight + 4096 bias); small per-layer compute; bucket
     // caps swept (DDP's 25 MiB default first). s and w run on the same MLP, with or without c.
-    if (wanted('c') || wanted('s') || wanted('w')) {
+    if (wanted('c') || wanted('s') || wanted('w') || wanted('t')) {
       std::vector<shape> mlp;
       for (int l = 0; l < 8; ++l) {
         mlp.push_back({"l" + std::to_string(l) + ".weight", {4096, 4096}});
@@ -496,6 +498,26 @@ int main(int argc, char** argv) {
                             "(1 GPU %6.3f ms, flat fp32 all-reduce alone %6.3f ms)\n",
                             g, cap_mib, t, ts, tsd, tss, tsm, one, flat);
             }
+          // t. Where the sharded step's time goes: the fastest schedule (gather in forward, both
+          // copy-engine options, cap 64 MiB, chained) with its compute and with none (only the
+          // collectives and the shard's SGD: the communication floor), beside the compute alone
+          // (1 GPU); one configuration, to run under a profiler (nsys) for a per-stream timeline.
+          if (wanted('t')) {
+            lockstep::BucketPolicy bp{.first_bytes = std::size_t{1} << 20, .cap_bytes = std::size_t{64} << 20};
+            const std::vector<double> none(fwd.size(), 0.0), none_b(bwd.size(), 0.0);
+            g_chained = g_ce_scatter = true;
+            const double full = pass == 0 ? train_step_time<float, true, false, true>(mlp, g, iters, 0, fwd, bwd, bp)
+                                          : train_step_time<__nv_bfloat16, true, false, true>(mlp, g, iters, 0, fwd, bwd, bp);
+            const double bare = pass == 0 ? train_step_time<float, true, false, true>(mlp, g, iters, 0, none, none_b, bp)
+                                          : train_step_time<__nv_bfloat16, true, false, true>(mlp, g, iters, 0, none, none_b, bp);
+            const double wired = pass == 0 ? train_step_time<float, true, true, true>(mlp, g, iters, 0, fwd, bwd, bp) : 0.0;
+            const double wired_bare = pass == 0 ? train_step_time<float, true, true, true>(mlp, g, iters, 0, none, none_b, bp) : 0.0;
+            g_chained = g_ce_scatter = false;
+            if (g_print)
+              std::printf("t  %s %d GPU  cap  64 MiB  sharded, gather in forward, copy engines, chained: step %7.3f ms, "
+                          "the same with no compute %7.3f ms;  + bf16 wire %7.3f ms, no compute %7.3f ms  (1 GPU %6.3f ms)\n",
+                          tn, g, full, bare, wired, wired_bare, one);
+          }
           // s. The same step with ShardedOptimizer (issue 13's schedule: the all-gather after
           // each unit's update, the optimizer on 1/N of the parameters).
           if (wanted('s'))
