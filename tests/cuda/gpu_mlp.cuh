@@ -12,6 +12,8 @@
 #include <lockstep/core/parameter.hpp>
 #include <lockstep/cuda/error.cuh>
 
+#include "mlp.hpp"
+
 namespace lockstep_test {
 
 namespace k {
@@ -67,6 +69,16 @@ __global__ void sgd(float* p, const float* g, int n, float lr) {
 }
 inline int blocks(long n) { return static_cast<int>((n + 127) / 128); }
 }  // namespace k
+
+// The values of the CPU twin's parameters, in parameters() order: GpuMlp's host_values.
+inline std::vector<std::vector<float>> split_params(TestMlp<float>& m) {
+  std::vector<std::vector<float>> out;
+  for (auto& p : m.parameters()) {
+    auto v = p.value_as<float>();
+    out.emplace_back(v.begin(), v.end());
+  }
+  return out;
+}
 
 class GpuMlp {
  public:

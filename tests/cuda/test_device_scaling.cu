@@ -542,15 +542,6 @@ __global__ void mul(float* g, std::size_t n, const float* d_scale, float h_scale
 __global__ void poison(float* g, float v) { *g = v; }
 }  // namespace kern
 
-std::vector<std::vector<float>> split_params(TestMlp<float>& m) {
-  std::vector<std::vector<float>> out;
-  for (auto& p : m.parameters()) {
-    auto v = p.value_as<float>();
-    out.emplace_back(v.begin(), v.end());
-  }
-  return out;
-}
-
 // After the lead's patch, step_result carries the flag; until then it comes from the scaler.
 // (The scaler's pointer is the same every step, so a per-bucket callback, which runs before
 // finish() returns, takes it from there.) `ok` turns false if the two disagree.

@@ -14,15 +14,6 @@ using namespace lockstep_test;
 
 namespace {
 
-std::vector<std::vector<float>> split_params(TestMlp<float>& m) {
-  std::vector<std::vector<float>> out;
-  for (auto& p : m.parameters()) {
-    auto v = p.value_as<float>();
-    out.emplace_back(v.begin(), v.end());
-  }
-  return out;
-}
-
 struct gpu_config {
   int gpus = 2;
   int batch = 16;

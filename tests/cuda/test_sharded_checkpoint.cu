@@ -67,12 +67,7 @@ std::vector<float> flat(const std::vector<std::vector<float>>& v) {
 
 std::vector<std::vector<float>> initial_values(std::uint64_t seed) {
   TestMlp<float> m(dims, seed);
-  std::vector<std::vector<float>> out;
-  for (auto& p : m.parameters()) {
-    auto v = p.value_as<float>();
-    out.emplace_back(v.begin(), v.end());
-  }
-  return out;
+  return lockstep_test::split_params(m);
 }
 
 struct plan {
