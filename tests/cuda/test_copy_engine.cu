@@ -9,6 +9,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -80,6 +81,7 @@ void check_group(int n) {
   std::vector<std::vector<std::vector<float>>> got(static_cast<std::size_t>(n));
   std::vector<std::vector<float>> got_plain(static_cast<std::size_t>(n)), got_gather(static_cast<std::size_t>(n));
   std::vector<int> flags(static_cast<std::size_t>(n), 0);
+  std::vector<std::size_t> staging(static_cast<std::size_t>(n)), staging_after_plain(static_cast<std::size_t>(n));
   lockstep::run(lockstep::Gpus{first_gpus(n)}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
     const auto r = static_cast<std::size_t>(ctx.rank());
     lockstep::NcclComm engine = ctx.comm().copy_engine_group();
@@ -115,6 +117,7 @@ void check_group(int n) {
       }
       got[r].push_back(std::move(back));
     }
+    staging[r] = engine.copy_engine_staging_bytes();  // the copy-engine path ran: it staged
     {  // plain device memory on the same group: NCCL's kernel, the fp32 mean
       lockstep::CudaMemory mem(ctx.device(), cs);
       auto buf = mem.allocate(plain_per * static_cast<std::size_t>(n) * 4);
@@ -124,6 +127,7 @@ void check_group(int n) {
       got_plain[r].resize(plain_per);
       LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(got_plain[r].data(), mine, plain_per * 4, cudaMemcpyDeviceToHost, cs));
       LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(cs));
+      staging_after_plain[r] = engine.copy_engine_staging_bytes();
     }
     {  // the all-gather in place into a window
       auto [win, taken] = engine.allocate_window(gather_per * static_cast<std::size_t>(n) * 4);
@@ -136,9 +140,17 @@ void check_group(int n) {
     }
     LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(cs));
   });
+  // On 2 ranks NCCL's own reduce-scatter gives the same bits, so the staging tells the paths
+  // apart: the copy-engine one staged the largest case (and grew through the smaller ones);
+  // plain memory went to NCCL's kernel and staged nothing.
+  std::size_t largest = 0;
+  for (const auto& k : cases) largest = std::max(largest, k.per * static_cast<std::size_t>(n) * lockstep::size_of(k.t));
   for (int r = 0; r < n; ++r) {
-    CHECK_MESSAGE((flags[static_cast<std::size_t>(r)] & 1) == 1, "copy_engines() is true on the group, false on its parent");
-    CHECK_MESSAGE((flags[static_cast<std::size_t>(r)] & 2) == 0, "NCCL returned no window");
+    const auto ru = static_cast<std::size_t>(r);
+    CHECK_MESSAGE((flags[ru] & 1) == 1, "copy_engines() is true on the group, false on its parent");
+    CHECK_MESSAGE((flags[ru] & 2) == 0, "NCCL returned no window");
+    CHECK(staging[ru] >= largest);
+    CHECK(staging_after_plain[ru] == staging[ru]);
   }
   for (std::size_t c = 0; c < cases.size(); ++c) {
     const rs_case& k = cases[c];

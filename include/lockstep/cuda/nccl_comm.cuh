@@ -233,7 +233,9 @@ class NcclComm {
   //! recv (count elements) ← op over ranks of block rank() of send (size()·count elements).
   //! In place when recv == send + rank()·count. On a copy_engine_group(), a sum or mean of f32
   //! or bf16 whose send lies in an allocate_window() runs on the copy engines (an all-to-all
-  //! into a staging window, then a short kernel sums the blocks in fp32, in rank order).
+  //! into a staging window, then a short kernel sums the blocks in fp32, in rank order): give
+  //! every rank window memory alike (each decides alone; a first use of a larger size registers
+  //! a staging window, a collective, so not inside a graph capture).
   work reduce_scatter(const void* send, void* recv, std::size_t count, dtype t, reduce_op op) {
     state& s = live("reduce_scatter");
     const collective c = detail::nccl_check_order(s, collective::reduce_scatter(count, t, op));
@@ -360,8 +362,9 @@ class NcclComm {
     return detail::nccl_window(s_, bytes, live("allocate_window").compute_stream());
   }
 #endif
-  //! Whether this is a copy_engine_group() (false without NCCL 2.28).
+  //! Whether this is a copy_engine_group() (false without NCCL 2.28); its reduce-scatters' staging bytes.
   bool copy_engines() const noexcept { return s_ && s_->copy_engines; }
+  std::size_t copy_engine_staging_bytes() const noexcept { return s_ ? s_->staging_bytes() : 0; }
 
  private:
   struct adopt_tag {};

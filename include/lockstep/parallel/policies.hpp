@@ -99,8 +99,9 @@ struct DataParallelOptions {
   //! The same for the reduce-scatters (ShardedOptimizer, NcclComm, one node): the gradient
   //! arena is a window of the split too, and each unit's reduce-scatter runs there as an
   //! all-to-all on the copy engines followed by a short kernel that sums the N blocks (fp32,
-  //! rank order), so backward keeps its SMs (sync_stats::scatters_by_copy_engine). Costs a
-  //! staging window as large as the largest unit. Same caveat, same setting on every rank.
+  //! rank order), so backward keeps its SMs (sync_stats::scatters_by_copy_engine: the arena is
+  //! a window). Costs staging windows: the largest unit, plus the smaller sizes the first step
+  //! grew through. Same caveat, same setting on every rank.
   bool copy_engine_scatter = false;
   //! Copy rank 0's parameter values (and buffers, see lockstep::model (c)) to every rank at
   //! construction.

@@ -229,8 +229,9 @@ class shard_set {
     const std::size_t per = count / static_cast<std::size_t>(comm_.size());
     void* mine = static_cast<char*>(buf) + static_cast<std::size_t>(comm_.rank()) * per * size_of(t);
     const auto t0 = std::chrono::steady_clock::now();
-    label_next_collective(comm_, [&] { return bucket_label(*groups_[g].plan, first, count, "reduce-scatter of bucket "); });
-    groups_[g].scatters[first].emplace(scatter(groups_[g].scatter_by_engine ? *engine_ : comm_, buf, mine, per, t));
+    Comm& c = groups_[g].scatter_by_engine ? *engine_ : comm_;
+    label_next_collective(c, [&] { return bucket_label(*groups_[g].plan, first, count, "reduce-scatter of bucket "); });
+    groups_[g].scatters[first].emplace(scatter(c, buf, mine, per, t));
     seconds += seconds_since(t0);
   }
 

@@ -165,6 +165,11 @@ struct nccl_state {
     if (own_compute != nullptr) (void)cudaStreamDestroy(own_compute);
   }
 
+  std::size_t staging_bytes() const noexcept {
+    std::size_t n = 0;
+    for (const auto& w : staging) n += w.bytes;
+    return n;
+  }
   // Deregisters and frees the staging windows (only once no collective is in flight).
   void free_staging() noexcept {
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)

@@ -110,11 +110,13 @@ inline bool in_window(nccl_state& s, const void* p, std::size_t bytes) {
 }
 
 //! Makes s's newest staging window hold at least `bytes` (collective when it grows: every rank
-//! asks for the same sizes in the same order, as their reduce-scatters are the same).
+//! asks for the same sizes in the same order, as their reduce-scatters are the same). A smaller
+//! one it replaces stays until the communicator goes (a sum kernel may still read it), so the
+//! staging held is the sum of the sizes it grew through, not only the largest.
 inline void* reserve_staging(nccl_state& s, std::size_t bytes) {
   if (!s.staging.empty() && s.staging.back().bytes >= bytes) return s.staging.back().memory;
   s.staging.reserve(s.staging.size() + 1);  // nothing throws once the window is taken
-  const auto [p, win] = nccl_window_raw(s, bytes, "DataParallelOptions::copy_engine_scatter");
+  const auto [p, win] = nccl_window_raw(s, bytes, "DataParallelOptions::copy_engine_scatter (or pass plain memory)");
   s.staging.push_back({p, win, bytes});
   return p;
 }
