@@ -42,6 +42,9 @@ struct thread_group;
 struct thread_family {
   std::mutex m;
   std::vector<std::weak_ptr<thread_group>> groups;
+  //! The job's first failure: every group is aborted with it, whoever calls abort() later
+  //! (a rank released by it reports itself failed too), so every rank names the same cause.
+  std::string reason;  // under m; empty until the first abort
   void abort(const std::string& reason);
   void leave(int world_rank);
 };
@@ -59,14 +62,17 @@ struct thread_group {
   std::map<std::pair<std::size_t, std::int64_t>, std::pair<std::shared_ptr<thread_group>, int>> splitting;
 };
 
-inline void thread_family::abort(const std::string& reason) {
+inline void thread_family::abort(const std::string& why) {
   std::vector<std::shared_ptr<thread_group>> live;
+  std::string first;
   {
     std::lock_guard lk(m);
+    if (reason.empty()) reason = why;
+    first = reason;
     for (auto& w : groups)
       if (auto g = w.lock()) live.push_back(std::move(g));
   }
-  for (auto& g : live) g->sync.abort(reason);
+  for (auto& g : live) g->sync.abort(first);
 }
 
 inline void thread_family::leave(int world_rank) {

@@ -4,6 +4,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace lockstep {
 
@@ -32,10 +33,16 @@ class timeout_error : public error {
   using error::error;
 };
 
-//! Another rank failed; this rank stopped waiting for it.
+//! Another rank failed; this rank stopped waiting for it. cause(): that first failure alone
+//! (empty when unknown), so a rank released by it can pass it on unchanged.
 class aborted_error : public error {
  public:
   using error::error;
+  aborted_error(const std::string& what, std::string cause) : error(what), cause_(std::move(cause)) {}
+  const std::string& cause() const noexcept { return cause_; }
+
+ private:
+  std::string cause_;
 };
 
 //! A failed CUDA runtime call (see LOCKSTEP_TRY_CUDA in lockstep/cuda/error.cuh).

@@ -106,7 +106,7 @@ class local_rendezvous {
   }
   void throw_if_aborted(int rank) const {
     if (aborted_)
-      throw aborted_error("rank " + name(rank) + " stopped waiting because another rank failed: " + reason_);
+      throw aborted_error("rank " + name(rank) + " stopped waiting because another rank failed: " + reason_, reason_);
   }
 
   std::string name(int r) const { return std::to_string(names_[static_cast<std::size_t>(r)]); }
