@@ -1,6 +1,6 @@
 // The fault suite's quiet failures over MPI (driven by mpi_expect_failure, which checks the
 // exit status, the message and the time). DataParallel over MpiComm labels each bucket's
-// collective, so with LOCKSTEP_DEBUG=1 the order check names both sides:
+// collective, so the order check (on by default; LOCKSTEP_DEBUG=1: before each call) names both sides:
 //   skip:   rank 1 lets one bucket's all-reduce fall through (equal bucket sizes);
 //   extra:  rank 1 runs a metrics all-reduce the others do not;
 //   shapes: rank 1 rebuilds its model with another shape after two steps (caught locally).

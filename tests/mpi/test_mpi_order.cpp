@@ -1,5 +1,5 @@
-// MpiComm's order check, switched on by LOCKSTEP_DEBUG=1 (set by ctest for this program): the
-// conformance suite's order checks (tests/support/comm_conformance.hpp). Before each collective
+// MpiComm's order check, made immediate by LOCKSTEP_DEBUG=1 (set by ctest for this program): the
+// conformance suite's order checks (tests/support/comm_conformance.hpp), and the deferred one. Before each collective
 // the ranks compare (sequence, kind, count, type, op, root); a rank that calls something else
 // makes every rank throw mismatch_error naming both calls, instead of hanging or mixing buffers.
 #include <doctest/doctest.h>
@@ -36,6 +36,12 @@ TEST_CASE("MpiComm conformance: the order check names both calls on every rank")
   auto comm = lockstep::MpiComm::world();
   lockstep_test::check_order(comm, order_options());
   CHECK(comm.sequence() == 13);
+}
+
+TEST_CASE("MpiComm conformance: the deferred order check (the default) names a bucket paired with another") {
+  auto comm = lockstep::MpiComm::world();
+  comm.set_order_check(lockstep::order_check_mode::deferred);  // this program runs with LOCKSTEP_DEBUG=1
+  lockstep_test::check_order_deferred(comm, order_options());
 }
 
 TEST_CASE("MpiComm conformance: the order check tells a barrier from an all_reduce") {

@@ -719,6 +719,12 @@ std::string mismatch_of(F&& call) {
   }
   return {};
 }
+//! The communicator's count of collectives issued so far (0 where it has none to tell).
+template <class Comm>
+std::uint64_t comm_sequence(const Comm& comm) {
+  if constexpr (requires { comm.sequence(); }) return static_cast<std::uint64_t>(comm.sequence());
+  else return 0;
+}
 template <class T, class Mem>
 std::vector<T> download_as(const Mem& mem, const std::shared_ptr<void>& p, std::size_t n) {
   std::vector<T> v(n);
@@ -824,6 +830,40 @@ void check_order_barrier(Comm& comm, const conformance_options& o) {
   CHECK(has(msg, "rank 0 called all_reduce #0 of 1 i32 (sum) but rank " + std::to_string(odd) + " called barrier #0"));
   comm.all_reduce(v.get(), v.get(), 1, dtype::i32, reduce_op::sum).wait();
   CHECK(download_as<std::int32_t>(mem, v, 1) == std::vector<std::int32_t>{n});
+}
+
+//! The deferred order check (MpiComm and NcclComm by default, comm/order_check.hpp): the last
+//! rank labels its call as another bucket of the same size (same count, type and op, so the
+//! data pair up and complete — what a skipped bucket does); by verify_order() at the latest
+//! every rank throws mismatch_error naming rank 0's call and the last rank's, and from then on
+//! the communicator refuses every call with it. (Run it last on a communicator.) Needs ≥ 2 ranks, label_next and verify_order.
+template <class Comm>
+void check_order_deferred(Comm& comm, const conformance_options& o) {
+  using namespace conformance_detail;
+  using lockstep::dtype;
+  LOCKSTEP_CONFORMANCE_INFO(comm, o);
+  const int n = comm.size(), me = comm.rank(), odd = n - 1;
+  REQUIRE(n >= 2);
+  const auto mem = comm.memory();
+  auto a = mem.allocate(7 * sizeof(float));
+  upload_from(mem, a, std::vector<float>(7, 1.0f));
+  const std::uint64_t first = comm_sequence(comm);
+  comm.label_next("bucket 0: 7 f32 at 0");
+  comm.all_reduce(a.get(), a.get(), 7, dtype::f32, reduce_op::sum).wait();
+  CHECK(mismatch_of([&] { comm.verify_order(); }).empty());  // calls that match pass
+  // Found while the call is waited for (a host communicator polls the seals then) or by
+  // verify_order() at the latest.
+  const std::string msg = mismatch_of([&] {
+    comm.label_next(me == odd ? "bucket 2: 7 f32 at 14" : "bucket 1: 7 f32 at 7");
+    comm.all_reduce(a.get(), a.get(), 7, dtype::f32, reduce_op::sum).wait();
+    comm.verify_order();
+  });
+  CAPTURE(msg);
+  const std::string at = "#" + std::to_string(first + 1) + " of 7 f32 (sum) for bucket ";
+  CHECK(has(msg, "rank 0 called all_reduce " + at + "1: 7 f32 at 7 but rank " + std::to_string(odd) +
+                     " called all_reduce " + at + "2: 7 f32 at 14"));
+  // Found, it stays: no later collective runs on this communicator.
+  CHECK(mismatch_of([&] { comm.all_reduce(a.get(), a.get(), 7, dtype::f32, reduce_op::sum).wait(); }) == msg);
 }
 
 //! What one rank saw in check_timeout.

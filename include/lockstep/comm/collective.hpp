@@ -106,21 +106,18 @@ void label_next_collective(Comm& comm, Make&& make) {
 //! The order check, given every rank's call (labels included): throws mismatch_error naming
 //! rank 0's call and the first rank whose call differs. `how` says who noticed (e.g. "found
 //! by LOCKSTEP_DEBUG=1"). Every rank calls it with the same data, so every rank throws the same.
-inline void check_same_collective(std::span<const collective> all, const std::string& how) {
+//! The message check_same_collective throws, if the calls differ.
+inline std::optional<std::string> collective_mismatch(std::span<const collective> all, const std::string& how) {
   for (std::size_t r = 1; r < all.size(); ++r) {
     if (all[r] == all[0]) continue;
-    throw mismatch_error("ranks called different collectives: rank 0 called " + all[0].describe() + " but rank " +
-                         std::to_string(r) + " called " + all[r].describe() +
-                         " (every rank must issue the same collectives in the same order; " + how + ")");
+    return "ranks called different collectives: rank 0 called " + all[0].describe() + " but rank " +
+           std::to_string(r) + " called " + all[r].describe() +
+           " (every rank must issue the same collectives in the same order; " + how + ")";
   }
+  return std::nullopt;
 }
-
-//! The same given every rank's encoded descriptor (rank r's at r · encoded_size), no labels.
-inline void check_same_collective(std::span<const std::int64_t> all, int ranks, const std::string& how) {
-  constexpr auto k = collective::encoded_size;
-  std::vector<collective> calls;
-  for (int r = 0; r < ranks; ++r) calls.push_back(collective::decode(all.subspan(static_cast<std::size_t>(r) * k).first<k>()));
-  check_same_collective(std::span<const collective>(calls), how);
+inline void check_same_collective(std::span<const collective> all, const std::string& how) {
+  if (auto why = collective_mismatch(all, how)) throw mismatch_error(*why);
 }
 
 }  // namespace lockstep

@@ -163,10 +163,10 @@ class NcclComm {
     state& s = live("all_reduce");
     const collective c = detail::nccl_check_order(s, collective::all_reduce(count, t, op));
     if (count == 0) return {};
-    require(send, "send", "all_reduce");
-    require(recv, "recv", "all_reduce");
+    detail::nccl_require(send, "send", "all_reduce");
+    detail::nccl_require(recv, "recv", "all_reduce");
     const ncclDataType_t nt = to_nccl(t);
-    const ncclRedOp_t nop = reduction(s, op);
+    const ncclRedOp_t nop = detail::nccl_reduction(s, op);
     return issue(s, c, [&](cudaStream_t cs) {
       LOCKSTEP_TRY_NCCL(ncclAllReduce(send, recv, count, nt, nop, s.comm, cs));
     });
@@ -180,7 +180,7 @@ class NcclComm {
                          " is not a rank of this group of " + std::to_string(s.size));
     const collective c = detail::nccl_check_order(s, collective::broadcast(count, t, root));
     if (count == 0) return {};
-    require(buf, "buf", "broadcast");
+    detail::nccl_require(buf, "buf", "broadcast");
     const ncclDataType_t nt = to_nccl(t);
     return issue(s, c, [&](cudaStream_t cs) {
       LOCKSTEP_TRY_NCCL(ncclBroadcast(buf, buf, count, nt, root, s.comm, cs));
@@ -193,8 +193,8 @@ class NcclComm {
     state& s = live("all_gather");
     const collective c = detail::nccl_check_order(s, collective::all_gather(count, t));
     if (count == 0) return {};
-    require(send, "send", "all_gather");
-    require(recv, "recv", "all_gather");
+    detail::nccl_require(send, "send", "all_gather");
+    detail::nccl_require(recv, "recv", "all_gather");
     const ncclDataType_t nt = to_nccl(t);
     return issue(s, c, [&](cudaStream_t cs) {
       LOCKSTEP_TRY_NCCL(ncclAllGather(send, recv, count, nt, s.comm, cs));
@@ -207,8 +207,8 @@ class NcclComm {
     state& s = live("all_to_all");
     const collective c = detail::nccl_check_order(s, collective::all_to_all(count, t));
     if (count == 0) return {};
-    require(send, "send", "all_to_all");
-    require(recv, "recv", "all_to_all");
+    detail::nccl_require(send, "send", "all_to_all");
+    detail::nccl_require(recv, "recv", "all_to_all");
     const ncclDataType_t nt = to_nccl(t);
     return issue(s, c, [&](cudaStream_t cs) { LOCKSTEP_TRY_NCCL(ncclAlltoAll(send, recv, count, nt, s.comm, cs)); });
   }
@@ -240,10 +240,10 @@ class NcclComm {
     state& s = live("reduce_scatter");
     const collective c = detail::nccl_check_order(s, collective::reduce_scatter(count, t, op));
     if (count == 0) return {};
-    require(send, "send", "reduce_scatter");
-    require(recv, "recv", "reduce_scatter");
+    detail::nccl_require(send, "send", "reduce_scatter");
+    detail::nccl_require(recv, "recv", "reduce_scatter");
     const ncclDataType_t nt = to_nccl(t);
-    const ncclRedOp_t nop = reduction(s, op);
+    const ncclRedOp_t nop = detail::nccl_reduction(s, op);
     if (detail::copy_engine_reducible(s, send, count, t, op))  // cuda/detail/nccl_window.cuh
       return issue(s, c, [&](cudaStream_t cs) { detail::copy_engine_reduce_scatter(s, send, recv, count, t, op, nt, cs); });
     return issue(s, c, [&](cudaStream_t cs) {
@@ -269,17 +269,27 @@ class NcclComm {
   //! on one split from the same (e.g. a peer's network connection broke). Cheap; meant for
   //! watchdogs and error paths.
   void check_async_error() const {
-    if (!s_) return;
-    for (const auto& m : s_->family->live()) {
-      std::lock_guard lk(m->abort_m);  // not while abort() frees the communicator
-      if (m->released.load()) continue;  // aborted (or destroyed): nothing left to ask
-      ncclResult_t r = ncclSuccess;
-      LOCKSTEP_TRY_NCCL(ncclCommGetAsyncError(m->comm, &r));
-      if (r != ncclSuccess && r != ncclInProgress)
-        throw nccl_error(detail::call_failure("ncclCommGetAsyncError", __FILE__, __LINE__,
-                                              m->who() + ": " + detail::describe_nccl(r)));
-    }
+    if (s_) detail::nccl_check_async_error(*s_->family);
   }
+
+  //! The order check (comm/order_check.hpp): the first mismatch across ranks the seals compared
+  //! so far show, here or in a split of the same; never blocks, safe from a watchdog's thread.
+  std::optional<std::string> order_failure() const {
+    if (!s_) return std::nullopt;
+    for (const auto& m : s_->family->live())
+      if (auto why = m->seals.poll(detail::nccl_order_how(*m))) return why;
+    return std::nullopt;
+  }
+  //! Waits (up to LOCKSTEP_TIMEOUT) for the order check of every collective issued so far on
+  //! this communicator and throws mismatch_error if any differed across ranks.
+  void verify_order() {
+    state& s = live("verify_order");
+    if (!s.seals.drain(detail::default_timeout()))
+      throw timeout_error("NcclComm::verify_order: " + s.who() + ": the order check of earlier collectives did not "
+                          "complete within LOCKSTEP_TIMEOUT (a peer never issued them)");
+    if (auto why = order_failure()) throw mismatch_error(*why);
+  }
+  order_check_mode order_check() const noexcept { return s_ ? s_->seals.mode() : order_check_mode::off; }
 
   //! Stops this rank's communication now (ncclCommAbort), on this communicator and on every
   //! one split from the same (a failure in one group ends the job): NCCL kernels in flight
@@ -320,8 +330,8 @@ class NcclComm {
     return std::nullopt;
   }
 
-  //! Labels the next collective (e.g. "bucket 3: 64 f32 at 192"): shown in overdue() and in
-  //! LOCKSTEP_DEBUG=1's mismatch messages, and compared there. DataParallel labels its buckets.
+  //! Labels the next collective (e.g. "bucket 3: 64 f32 at 192"): shown in overdue() and in the
+  //! order check's mismatch messages, and compared there. DataParallel labels its buckets.
   void label_next(std::string label) { live("label_next").next_label = std::move(label); }
 
   //! A communicator over the ranks that pass the same colour (≥ 0), ordered by key (ties: by
@@ -352,6 +362,7 @@ class NcclComm {
     config.CTAPolicy = NCCL_CTA_POLICY_ZERO;
     NcclComm group = split_with(0, rank(), &config, "copy_engine_group");
     group.s_->copy_engines = true;
+    group.s_->seals.set_mode(order_check_mode::off);  // zero CTAs: window collectives only
     return group;
   }
   //! `bytes` of zeroed device memory registered as a symmetric window of this communicator
@@ -412,11 +423,7 @@ class NcclComm {
     LOCKSTEP_TRY_CUDA(cudaEventCreateWithFlags(&s.ready, cudaEventDisableTiming));
     s.events = std::make_shared<detail::event_pool>(device);
     LOCKSTEP_TRY_CUDA(cudaMalloc(reinterpret_cast<void**>(&s.barrier_buf), sizeof(int)));
-    if (const auto dbg = detail::env("LOCKSTEP_DEBUG"); dbg && *dbg != "0") {
-      s.check_order = true;
-      LOCKSTEP_TRY_CUDA(cudaMalloc(reinterpret_cast<void**>(&s.debug_buf),
-                                   sizeof(std::int64_t) * detail::order_words * static_cast<std::size_t>(world)));
-    }
+    s.seals.init(world, parent ? parent->seals.mode() : detail::order_check_mode_from_env());  // order check
     LOCKSTEP_TRY_CUDA(cudaMemsetAsync(s.barrier_buf, 0, sizeof(int), s.comm_stream));
     LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s.comm_stream));
     if (const auto why = s.family->add(s_)) {  // abort() overtook the split: end what it missed
@@ -457,19 +464,6 @@ class NcclComm {
                           " was aborted (" + s_->abort_reason +
                           "); create a new communicator to continue");
     return *s_;
-  }
-
-  // On one rank, avg is the identity: send it as sum (a plain copy). NCCL before 2.29.7
-  // leaves the tail of a one-rank avg unwritten (NVIDIA/nccl#1950; seen here with 2.28.9 at
-  // 2^20 + 3 elements).
-  static ncclRedOp_t reduction(const state& s, reduce_op op) {
-    return s.size == 1 && op == reduce_op::avg ? ncclSum : to_nccl(op);
-  }
-
-  static void require(const void* p, const char* name, const char* what) {
-    if (p == nullptr)
-      throw config_error(std::string("NcclComm::") + what + ": " + name +
-                         " is null but count > 0; pass a device buffer");
   }
 
   template <class Call>

@@ -45,10 +45,12 @@ void run(Gpus mode, Body&& body) {
         // Finish this rank's queued work before its communicator goes away.
         LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(ctx.comm().compute_stream()));
         LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(ctx.comm().comm_stream()));
+        ctx.comm().verify_order();  // the last collectives' order check, compared now
       },
-      [&](const std::string&) {
-        // Release ranks blocked in NCCL kernels waiting for the failed one.
-        for (auto& c : ctxs) c.comm().abort("another rank failed");
+      [&](const std::string& why) {
+        // Release ranks blocked in NCCL kernels waiting for the failed one (the first reason
+        // stays: a released rank's report of its own release never replaces it).
+        for (auto& c : ctxs) c.comm().abort(why);
       });
 }
 

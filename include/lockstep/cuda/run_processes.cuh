@@ -143,6 +143,8 @@ void run(Processes mode, Body&& body) {
         store.host(), store.port(), info.rank, info.world, info.job_token,
         [&ctx](const std::string& why) { ctx.comm().abort(why); },
         [&ctx, &self, overdue_after, rank = info.rank]() -> std::optional<std::string> {
+          // Mismatched collectives first: what follows them (a stuck one) is their effect.
+          if (auto why = ctx.comm().order_failure()) return "rank " + std::to_string(rank) + ": " + *why;
           try {
             ctx.comm().check_async_error();
           } catch (const std::exception& e) {
@@ -168,6 +170,7 @@ void run(Processes mode, Body&& body) {
     body(ctx);
     LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(ctx.comm().compute_stream()));
     LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(ctx.comm().comm_stream()));
+    ctx.comm().verify_order();  // the last collectives' order check, compared now
   } catch (const std::exception& e) {
     // Released by a peer's failure (the watchdog aborted us): that is the cause, not whatever
     // the aborted NCCL or CUDA call said here — every rank ends naming the same one.

@@ -13,10 +13,13 @@
 //! later calls throw aborted_error, and MPI may still write into the buffers of collectives
 //! that were in flight. End the job: lockstep::run(Mpi{}, ...) calls MPI_Abort (mpi/run.hpp).
 //!
-//! Order check: with LOCKSTEP_DEBUG=1 (or set_check_order(true)) every collective is preceded
-//! by a small MPI_Allreduce of (sequence number, kind, count, type, op, root); if the ranks
-//! disagree, every rank throws the same mismatch_error naming rank 0's call and the first
-//! rank that differs. Off by default: it costs one extra latency-bound all-reduce per call.
+//! Order check (comm/order_check.hpp), on by default: every collective is preceded by a small
+//! MPI_Iallgather of every rank's description of it (its seal), compared with rank 0's once it
+//! has arrived — while later calls are issued and waits poll, never blocking for it — so a
+//! rank that skipped a collective or called another one is named with both calls on every
+//! rank ("rank 0 called all_reduce #24 … for bucket 3 … but rank 1 called …"); the
+//! communicator then refuses every call. LOCKSTEP_DEBUG=1 (or set_check_order(true)) waits
+//! for each seal before its collective instead; LOCKSTEP_CHECK_ORDER=off turns it off.
 //!
 //! Counts above INT_MAX (MPI counts are int) are split into several calls. avg is a sum
 //! followed by a division by size() (integers: truncating, as ThreadComm). f16/bf16 have no
@@ -38,6 +41,7 @@
 #include <chrono>
 #include <climits>
 #include <cstdint>
+#include <deque>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -51,77 +55,17 @@
 #include <vector>
 
 #include "lockstep/comm/collective.hpp"
+#include "lockstep/comm/order_check.hpp"
 #include "lockstep/core/concepts.hpp"
 #include "lockstep/core/dtype.hpp"
 #include "lockstep/core/env.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/host_memory.hpp"
 #include "lockstep/core/reduce_op.hpp"
+#include "lockstep/mpi/detail/mpi_state.hpp"
 #include "lockstep/mpi/detail/mpi_util.hpp"
 
 namespace lockstep {
-
-namespace detail {
-
-//! What a communicator and its works share: the MPI communicator and whether it broke.
-struct mpi_state {
-  MPI_Comm comm = MPI_COMM_NULL;
-  int rank = 0, size = 1;
-  std::chrono::milliseconds timeout{};
-  bool check_order = false;
-  std::size_t max_chunk = INT_MAX;
-  std::size_t seq = 0;
-  std::string broken;  //!< why it can no longer be used; empty while healthy
-
-  ~mpi_state() {
-    int finalized = 1;
-    MPI_Finalized(&finalized);
-    if (comm != MPI_COMM_NULL && !finalized) MPI_Comm_free(&comm);
-  }
-
-  void live() const {
-    if (!broken.empty())
-      throw aborted_error("MpiComm (rank " + std::to_string(rank) +
-                          "): unusable after an earlier failure: " + broken);
-  }
-
-  //! Polls until every request completed (true) or the deadline passed (false). Spins briefly,
-  //! then yields, then sleeps: ranks often share cores (oversubscribed CPU jobs).
-  bool poll(std::vector<MPI_Request>& reqs, const std::string& what) {
-    if (reqs.empty()) return true;
-    const auto start = std::chrono::steady_clock::now();
-    const auto deadline = start + timeout;
-    for (;;) {
-      int done = 0;
-      int rc = MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE);
-      if (rc != MPI_SUCCESS) {
-        broken = what + " failed: " + mpi_error_string(rc);
-        throw mpi_error(call_failure("MPI_Testall", __FILE__, __LINE__,
-                                     mpi_error_string(rc) + " (in " + what + ")"));
-      }
-      if (done) {
-        reqs.clear();
-        return true;
-      }
-      const auto now = std::chrono::steady_clock::now();
-      if (now >= deadline) return false;
-      if (now - start < std::chrono::microseconds(200)) continue;
-      if (now - start < std::chrono::milliseconds(5)) std::this_thread::yield();
-      else std::this_thread::sleep_for(std::chrono::microseconds(100));
-    }
-  }
-
-  std::string timeout_message(const std::string& what) const {
-    char secs[32];
-    std::snprintf(secs, sizeof secs, "%g", static_cast<double>(timeout.count()) / 1000.0);
-    return "MpiComm (rank " + std::to_string(rank) + "): " + what + " did not complete within " +
-           secs + " s (LOCKSTEP_TIMEOUT): another rank is stuck, has died, or called a different "
-           "collective (LOCKSTEP_DEBUG=1 checks the order of collectives). The communicator "
-           "cannot be used again; end the job (lockstep::run(Mpi{}) calls MPI_Abort).";
-  }
-};
-
-}  // namespace detail
 
 class MpiComm {
  public:
@@ -218,7 +162,7 @@ class MpiComm {
     LOCKSTEP_TRY_MPI(MPI_Comm_rank(s_->comm, &s_->rank));
     LOCKSTEP_TRY_MPI(MPI_Comm_size(s_->comm, &s_->size));
     s_->timeout = timeout;
-    if (auto d = detail::env("LOCKSTEP_DEBUG")) s_->check_order = *d != "0";
+    s_->order = detail::order_check_mode_from_env();
   }
 
   //! All processes of the job (MPI_COMM_WORLD); initialises MPI when nobody did.
@@ -245,8 +189,17 @@ class MpiComm {
   //! the order check and shown in its messages. DataParallel labels its buckets.
   void label_next(std::string label) { next_label_ = std::move(label); }
 
-  //! Checks the order of collectives across ranks before each one (default: LOCKSTEP_DEBUG).
-  void set_check_order(bool on) noexcept { s_->check_order = on; }
+  //! How the order of collectives is checked across ranks (comm/order_check.hpp; default from
+  //! the environment: deferred). set_check_order(true): immediate, as LOCKSTEP_DEBUG=1; false: off.
+  void set_order_check(order_check_mode m) noexcept { s_->order = m; }
+  void set_check_order(bool on) noexcept { s_->order = on ? order_check_mode::immediate : order_check_mode::off; }
+  order_check_mode order_check() const noexcept { return s_->order; }
+  //! Waits (up to the timeout) for the order check of every collective issued so far and
+  //! throws mismatch_error if any differed across ranks; run(Mpi) calls it after the body.
+  void verify_order() {
+    s_->live();
+    s_->check_seals(true);
+  }
   void set_timeout(std::chrono::milliseconds t) noexcept { s_->timeout = t; }
   //! Elements per MPI call (default and maximum INT_MAX, MPI's limit; smaller only to test
   //! the splitting of large collectives).
@@ -377,81 +330,24 @@ class MpiComm {
       ~freer() { MPI_Comm_free(c); }
     } free_sub{&sub};
     MpiComm out(sub, s_->timeout);
-    out.s_->check_order = s_->check_order;
+    out.s_->order = s_->order;
     out.s_->max_chunk = s_->max_chunk;
     return out;
   }
 
  private:
-  // Checks the communicator is healthy, optionally that every rank issues the same call,
-  // and starts a work for it.
+  // Checks the communicator is healthy and the order check's arrived seals, issues this
+  // call's seal, and starts a work for it.
   work begin(collective call) {
     s_->live();
+    s_->check_seals(false);
     call.seq = s_->seq++;
     call.label = std::exchange(next_label_, {});
-    if (s_->check_order) check_order(call);
+    s_->issue_seal(call);
     work w;
     w.state_ = s_;
     w.what_ = call.describe();
     return w;
-  }
-
-  // One all-reduce of (fields, −fields) with MAX gives every field's max and min everywhere:
-  // all ranks see the same verdict, and on a mismatch all of them gather the calls to name
-  // the first rank that differs from rank 0.
-  void check_order(const collective& c) {
-    constexpr int k = static_cast<int>(collective::encoded_size) + 1;  // + the label's hash
-    std::array<std::int64_t, k> mine{};
-    const auto enc = c.encode();
-    std::copy(enc.begin(), enc.end(), mine.begin());
-    mine[k - 1] = c.label_hash();
-    std::int64_t mm[2 * k];
-    for (int i = 0; i < k; ++i) mm[i] = mine[static_cast<std::size_t>(i)], mm[k + i] = -mine[static_cast<std::size_t>(i)];
-    const std::string what = "the order check before " + c.describe();
-    run_now(what, [&](MPI_Request* r) {
-      return MPI_Iallreduce(MPI_IN_PLACE, mm, 2 * k, MPI_INT64_T, MPI_MAX, s_->comm, r);
-    });
-    bool same = true;
-    for (int i = 0; i < k; ++i) same = same && mm[i] == -mm[k + i];
-    if (same) return;
-    std::vector<std::int64_t> all(static_cast<std::size_t>(k * size()));
-    run_now(what, [&](MPI_Request* r) {
-      return MPI_Iallgather(mine.data(), k, MPI_INT64_T, all.data(), k, MPI_INT64_T, s_->comm, r);
-    });
-    // Every rank's call, labels included (their lengths, then their bytes).
-    std::vector<int> lens(static_cast<std::size_t>(size())), at(static_cast<std::size_t>(size()));
-    const int len = static_cast<int>(c.label.size());
-    run_now(what, [&](MPI_Request* r) { return MPI_Iallgather(&len, 1, MPI_INT, lens.data(), 1, MPI_INT, s_->comm, r); });
-    int total = 0;
-    for (std::size_t q = 0; q < lens.size(); ++q) at[q] = std::exchange(total, total + lens[q]);
-    std::string text(static_cast<std::size_t>(total), '\0');
-    run_now(what, [&](MPI_Request* r) {
-      return MPI_Iallgatherv(c.label.data(), len, MPI_CHAR, text.data(), lens.data(), at.data(), MPI_CHAR, s_->comm, r);
-    });
-    std::vector<collective> calls;
-    for (int q = 0; q < size(); ++q) {
-      const auto f = std::span<const std::int64_t>(all).subspan(static_cast<std::size_t>(q * k));
-      calls.push_back(collective::decode(f.first<collective::encoded_size>()));
-      calls.back().label = text.substr(static_cast<std::size_t>(at[static_cast<std::size_t>(q)]),
-                                       static_cast<std::size_t>(lens[static_cast<std::size_t>(q)]));
-    }
-    check_same_collective(std::span<const collective>(calls),
-                          "seen by the LOCKSTEP_DEBUG order check on rank " + std::to_string(rank()));
-  }
-
-  // A small collective started and waited for at once (with the timeout).
-  template <class Start>
-  void run_now(const std::string& what, Start&& start) {
-    std::vector<MPI_Request> reqs(1, MPI_REQUEST_NULL);
-    const int rc = start(reqs.data());
-    if (rc != MPI_SUCCESS) {
-      s_->broken = what + " failed: " + detail::mpi_error_string(rc);
-      throw mpi_error(detail::call_failure(what.c_str(), __FILE__, __LINE__, detail::mpi_error_string(rc)));
-    }
-    if (!s_->poll(reqs, what)) {
-      s_->broken = what + " timed out";
-      throw timeout_error(s_->timeout_message(what));
-    }
   }
 
   template <class F>

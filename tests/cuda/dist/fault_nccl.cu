@@ -1,8 +1,8 @@
 // The fault suite over NCCL (docs/reliability.md): one process per GPU under lockstep-run,
 // driven by expect_failure (exit status, the messages, the time). Each rank catches what ended
 // it and prints "rank R ended: <what>", so the test sees every rank's cause.
-//   skip:      rank 1 lets one bucket's all-reduce fall through (LOCKSTEP_DEBUG=1 names both)
-//   extra:     rank 1 runs a metrics all-reduce the others do not (LOCKSTEP_DEBUG=1)
+//   skip:      rank 1 lets one bucket's all-reduce fall through (the order check names both)
+//   extra:     rank 1 runs a metrics all-reduce the others do not (the order check names both)
 //   shapes:    rank 1 rebuilds its model with another shape after two steps
 //   oom:       rank 1 runs out of GPU memory in the first step
 //   nonfinite: rank 1's gradients hold a NaN every step; DeviceDynamicScale's skip limit (5)

@@ -26,7 +26,9 @@
 #include <vector>
 
 #include "lockstep/comm/collective.hpp"
+#include "lockstep/comm/order_check.hpp"
 #include "lockstep/core/env.hpp"
+#include "lockstep/cuda/detail/nccl_seals.cuh"
 #include "lockstep/cuda/detail/nccl_work.cuh"
 #include "lockstep/cuda/error.cuh"
 #include "lockstep/cuda/memory.cuh"
@@ -109,12 +111,12 @@ struct nccl_state {
   std::mutex abort_m;                 // ncclCommAbort vs a watchdog's ncclCommGetAsyncError
   std::atomic<bool> aborted{false};   // set after abort_reason is written
   std::string abort_reason;
-  // LOCKSTEP_DEBUG=1: every collective is preceded by an all-gather of its description.
-  bool check_order = false;
+  // The order check (comm/order_check.hpp): every collective is preceded by an all-gather of
+  // its description, compared behind the training (or, LOCKSTEP_DEBUG=1, at once).
+  nccl_seals seals;
   std::uint64_t calls = 0;   // collectives called so far: the "#n" of messages
   std::uint64_t splits = 0;  // split() calls so far, for sub-communicators' names
-  std::int64_t* debug_buf = nullptr;  // size × order_words int64 on the device
-  std::string next_label;             // label_next(): the next collective's label
+  std::string next_label;    // label_next(): the next collective's label
   // track_collectives(): markers of collectives in flight, oldest first. Only the last one
   // may be unrecorded: its NCCL call has not returned yet (nccl_marker).
   struct tracked {
@@ -122,7 +124,7 @@ struct nccl_state {
     bool recorded;
     std::chrono::steady_clock::time_point issued;
     collective what;
-    bool order_check;  // LOCKSTEP_DEBUG=1's all-gather before `what`, not `what` itself
+    bool order_check;  // the order check's all-gather before `what`, not `what` itself
   };
   bool tracking = false;
   std::mutex track_m;
@@ -150,13 +152,14 @@ struct nccl_state {
     if (comm != nullptr && !released.exchange(true)) {
       const bool destroy = drained();
       if (destroy) free_staging();  // else leaked: a copy may still be queued against it
+      seals.release(!destroy);
       const ncclResult_t r = destroy ? ncclCommDestroy(comm) : ncclCommAbort(comm);
       if (r != ncclSuccess)
         std::fprintf(stderr, "lockstep: %s on rank %d failed: %s\n", destroy ? "ncclCommDestroy" : "ncclCommAbort",
                      rank, ncclGetErrorString(r));
     }
+    if (comm == nullptr) seals.release(false);  // nothing was issued
     if (barrier_buf != nullptr) (void)cudaFree(barrier_buf);
-    if (debug_buf != nullptr) (void)cudaFree(debug_buf);
     if (ready != nullptr) (void)cudaEventDestroy(ready);
     for (const auto& p : pending) (void)cudaEventDestroy(p.event);
     for (cudaEvent_t e : spare) (void)cudaEventDestroy(e);
@@ -228,39 +231,28 @@ struct nccl_state {
   }
 };
 
-// The order check's words per rank: the descriptor, the label's hash, then the label's text
-// (truncated to label_words·8 − 1 bytes, NUL-padded), so a mismatch names both buckets.
-inline constexpr std::size_t label_words = 16;
-inline constexpr std::size_t order_words = collective::encoded_size + 1 + label_words;
-
-inline std::array<std::int64_t, order_words> encode_order(const collective& c) {
-  std::array<std::int64_t, order_words> w{};
-  const auto e = c.encode();
-  std::copy(e.begin(), e.end(), w.begin());
-  w[collective::encoded_size] = c.label_hash();
-  char text[label_words * 8] = {};
-  std::memcpy(text, c.label.data(), std::min(c.label.size(), sizeof text - 1));
-  std::memcpy(w.data() + collective::encoded_size + 1, text, sizeof text);
-  return w;
+// On one rank, avg is the identity: send it as sum (a plain copy). NCCL before 2.29.7
+// leaves the tail of a one-rank avg unwritten (NVIDIA/nccl#1950; seen here with 2.28.9 at
+// 2^20 + 3 elements).
+inline ncclRedOp_t nccl_reduction(const nccl_state& s, reduce_op op) {
+  return s.size == 1 && op == reduce_op::avg ? ncclSum : to_nccl(op);
 }
 
-//! Every rank's call from the gathered words; a label too long for the words ends in "…#<hash>"
-//! so that two long labels that differ only past the cut still compare different.
-inline std::vector<collective> decode_order(std::span<const std::int64_t> all, int ranks) {
-  std::vector<collective> calls;
-  for (int r = 0; r < ranks; ++r) {
-    const auto w = all.subspan(static_cast<std::size_t>(r) * order_words, order_words);
-    collective c = collective::decode(w.first<collective::encoded_size>());
-    char text[label_words * 8];
-    std::memcpy(text, w.data() + collective::encoded_size + 1, sizeof text);
-    text[sizeof text - 1] = '\0';
-    c.label = text;
-    const std::int64_t hash = w[collective::encoded_size];
-    if (c.label.size() == sizeof text - 1 || (hash != 0 && c.label.empty()))
-      c.label += "…#" + std::to_string(hash);
-    calls.push_back(std::move(c));
+inline void nccl_require(const void* p, const char* name, const char* what) {
+  if (p == nullptr)
+    throw config_error(std::string("NcclComm::") + what + ": " + name + " is null but count > 0; pass a device buffer");
+}
+
+//! Throws nccl_error if NCCL recorded an asynchronous failure on a member of the family.
+inline void nccl_check_async_error(nccl_family& family) {
+  for (const auto& m : family.live()) {
+    std::lock_guard lk(m->abort_m);  // not while abort() frees the communicator
+    if (m->released.load()) continue;  // aborted (or destroyed): nothing left to ask
+    ncclResult_t r = ncclSuccess;
+    LOCKSTEP_TRY_NCCL(ncclCommGetAsyncError(m->comm, &r));
+    if (r != ncclSuccess && r != ncclInProgress)
+      throw nccl_error(call_failure("ncclCommGetAsyncError", __FILE__, __LINE__, m->who() + ": " + describe_nccl(r)));
   }
-  return calls;
 }
 
 //! ncclCommAbort of one communicator, once; the reason is what later calls report.
@@ -283,11 +275,7 @@ inline std::optional<std::string> nccl_overdue(nccl_state& s, std::chrono::milli
   device_guard g(s.device, std::nothrow);
   // A query from this (watchdog) thread must not invalidate a graph capture the rank's own
   // thread may be running in cudaStreamCaptureModeGlobal: relaxed mode for its duration.
-  struct relaxed_capture {
-    cudaStreamCaptureMode old = cudaStreamCaptureModeRelaxed;
-    relaxed_capture() { (void)cudaThreadExchangeStreamCaptureMode(&old); }
-    ~relaxed_capture() { (void)cudaThreadExchangeStreamCaptureMode(&old); }
-  } relaxed;
+  const relaxed_capture relaxed;
   std::lock_guard lk(s.track_m);
   while (!s.pending.empty() && s.pending.front().recorded) {
     const cudaError_t q = cudaEventQuery(s.pending.front().event);
@@ -301,12 +289,11 @@ inline std::optional<std::string> nccl_overdue(nccl_state& s, std::chrono::milli
   const auto age = std::chrono::steady_clock::now() - p.issued;
   if (age < limit) return std::nullopt;
   const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(age).count();
-  return s.who() + ": " + (p.order_check ? "the order check (LOCKSTEP_DEBUG=1) of " : "") + p.what.describe() +
+  return s.who() + ": " + (p.order_check ? "the order check of " : "") + p.what.describe() +
          " has not completed " + std::to_string(ms / 1000) + "." + std::to_string(ms % 1000 / 100) +
          " s after it was issued" +
          (p.recorded ? "" : " (its NCCL call has not returned: NCCL may be waiting there to connect to a peer)") +
-         ": a peer never issued it (it died, hangs, or called a different "
-         "collective; LOCKSTEP_DEBUG=1 checks the order)";
+         ": a peer never issued it (it died, hangs, or called a different collective)";
 }
 
 //! track_collectives(): the marker of one NCCL call. It is pushed, with its issue time,
@@ -377,33 +364,59 @@ class nccl_marker {
   nccl_state* s_ = nullptr;  // null: no marker pushed, or it is done
 };
 
-// Numbers the call (every collective call, zero-length ones too: the "#n" of messages) and,
-// with LOCKSTEP_DEBUG=1, exchanges every rank's descriptor before the collective and
-// compares it with rank 0's, so a rank that skipped a collective or called a different one
-// fails with a mismatch_error naming both calls, on every rank — instead of a hang or a
-// silently wrong sum. Costs a tiny all-gather and a host sync per collective.
+//! The order check's text for a mismatch on s (comm/order_check.hpp).
+inline std::string nccl_order_how(const nccl_state& s) {
+  return order_check_how(s.seals.mode(), s.group_name) + ", seen on " + s.who();
+}
+
+// Numbers the call (every collective call, zero-length ones too: the "#n" of messages) and
+// runs the order check (comm/order_check.hpp): first the comparison of the seals that have
+// arrived (deferred: a mismatch found earlier is thrown from here on), then this call's seal —
+// its words up, the all-gather, every rank's words back, on the communication stream ahead of
+// the collective. Immediate (LOCKSTEP_DEBUG=1): waits for the seal and throws before the
+// collective starts, so a rank that skipped a collective or called another one fails with a
+// mismatch_error naming both calls on every rank, in step. No seal while the stream is being
+// captured into a CUDA graph (every rank captures the same calls; the replays go unchecked).
 inline collective nccl_check_order(nccl_state& s, collective c) {
   c.seq = s.calls++;
   c.label = std::exchange(s.next_label, {});
-  if (!s.check_order) return c;
+  const auto mode = s.seals.mode();
+  if (mode == order_check_mode::off || s.size == 1) return c;  // one rank has nobody to disagree with
   device_guard g(s.device);
+  for (cudaStream_t st : {s.comm_stream, s.compute_stream()}) {  // this rank is capturing a step
+    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    LOCKSTEP_TRY_CUDA(cudaStreamIsCapturing(st, &cap));
+    if (cap != cudaStreamCaptureStatusNone) return c;
+  }
+  const relaxed_capture relaxed;  // another rank's thread may be capturing (run(Gpus))
+  if (auto why = s.seals.poll(nccl_order_how(s))) throw mismatch_error(*why);
   constexpr std::size_t k = order_words;
-  const auto mine = encode_order(c);
-  std::int64_t* slot = s.debug_buf + k * static_cast<std::size_t>(s.rank);
-  LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(slot, mine.data(), sizeof mine, cudaMemcpyHostToDevice, s.comm_stream));
-  // A collective of its own that a missing peer stalls (this thread then waits below):
-  // overdue() names it, and `c`, like any other.
-  nccl_marker mark(s, c, true);
-  LOCKSTEP_TRY_NCCL(ncclAllGather(slot, s.debug_buf, k, ncclInt64, s.comm, s.comm_stream));
-  mark.done();
-  std::vector<std::int64_t> all(k * static_cast<std::size_t>(s.size));
-  LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(all.data(), s.debug_buf, all.size() * sizeof(std::int64_t),
-                                    cudaMemcpyDeviceToHost, s.comm_stream));
-  LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s.comm_stream));
-  const auto calls = decode_order(all, s.size);
-  check_same_collective(std::span<const collective>(calls),
-                        s.group_name.empty() ? "found by LOCKSTEP_DEBUG=1"
-                                             : "in " + s.group_name + ", found by LOCKSTEP_DEBUG=1");
+  auto e = s.seals.take();
+  try {
+    const auto mine = encode_order(c);
+    std::copy(mine.begin(), mine.end(), e.host);
+    std::int64_t* slot = s.seals.gathered() + k * static_cast<std::size_t>(s.rank);
+    LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(slot, e.host, k * sizeof(std::int64_t), cudaMemcpyHostToDevice, s.comm_stream));
+    // A collective of its own that a missing peer stalls: overdue() names it, and `c`.
+    nccl_marker mark(s, c, true);
+    LOCKSTEP_TRY_NCCL(ncclAllGather(slot, s.seals.gathered(), k, ncclInt64, s.comm, s.comm_stream));
+    mark.done();
+    LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(e.host + k, s.seals.gathered(), k * s.seals.ranks() * sizeof(std::int64_t),
+                                      cudaMemcpyDeviceToHost, s.comm_stream));
+    LOCKSTEP_TRY_CUDA(cudaEventRecord(e.done, s.comm_stream));
+  } catch (...) {
+    s.seals.give_back(e);
+    throw;
+  }
+  if (mode == order_check_mode::deferred) {
+    s.seals.push(e);
+    return c;
+  }
+  const cudaError_t r = cudaEventSynchronize(e.done);
+  auto why = r == cudaSuccess ? s.seals.compare(e, nccl_order_how(s)) : std::nullopt;
+  s.seals.give_back(e);
+  check_cuda(r, "cudaEventSynchronize(order check)", __FILE__, __LINE__);
+  if (why) throw mismatch_error(*why);
   return c;
 }
 
