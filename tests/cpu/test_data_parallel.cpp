@@ -81,6 +81,33 @@ TEST_CASE("construction broadcasts rank 0's parameters") {
   for (auto& a : after) CHECK(a == rank0.flat_values());
 }
 
+TEST_CASE("frozen parameters (model (g)) are rank 0's after construction - never reduced - checked for shape") {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  const TestMlpWithFrozen<float> rank0({5, 4, 3}, seed, seed + 100);
+  std::vector<std::vector<float>> after(3);
+  lockstep::run(lockstep::Threads{3}, [&](auto& ctx) {
+    const auto r = static_cast<std::uint64_t>(ctx.rank());
+    TestMlpWithFrozen<float> m({5, 4, 3}, seed + r, seed + 100 + r);  // another table on every rank
+    lockstep::DataParallel dp(ctx, m);
+    CHECK(dp.parameters().size() == 4);  // the table is not among the reduced parameters
+    after[static_cast<std::size_t>(ctx.rank())] = m.table();
+  });
+  for (auto& a : after) CHECK(a == rank0.table());
+  std::string msg;
+  CHECK_THROWS_AS(lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
+                    TestMlpWithFrozen<float> m({5, 4, 3}, 1, 2, ctx.rank() == 1 ? 38 : 37);
+                    try {
+                      lockstep::DataParallel dp(ctx, m);
+                    } catch (const lockstep::mismatch_error& e) {
+                      if (ctx.rank() == 0) msg = e.what();
+                      throw;
+                    }
+                  }),
+                  lockstep::mismatch_error);
+  CHECK(msg.find("frozen parameter 0 is 'table [37] f32' on rank 0 but 'table [38] f32' on rank 1") != std::string::npos);
+}
+
 TEST_CASE("ranks with different models fail on every rank - naming the parameter and both shapes") {
   std::vector<std::string> msgs(3);
   CHECK_THROWS_AS(lockstep::run(lockstep::Threads{3}, [&](auto& ctx) {

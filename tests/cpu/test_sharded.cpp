@@ -465,6 +465,35 @@ TEST_CASE("sharded: wrong use is refused with what to do") {
   }
 }
 
+TEST_CASE("sharded: AllReduceMean named beside ShardedOptimizer is the default hook") {
+  // Spelled out, the default hook compiles (it used to fail a static_assert) and trains the
+  // same bits as when left out.
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  const auto d = make_data(seed, 64);
+  using Model = TestMlp<float>;
+  const auto run = [&]<class... Hook>(std::type_identity<Hook>...) {
+    std::vector<float> out;
+    lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
+      Model m(d.dims, seed);
+      lockstep::DataParallel dp(ctx, m, Hook{}..., lockstep::ShardedOptimizer{});
+      lockstep::AdamW opt({.lr = 0.01});
+      for (int k = 0; k < 3; ++k) {
+        auto step = dp.step();
+        std::vector<std::size_t> rows{static_cast<std::size_t>(2 * k + ctx.rank())};
+        m.forward_backward(d.X32, d.y, rows, step.on_gradient_ready());
+        step.finish([&](std::span<const lockstep::param_slice> s) { opt.step(s); });
+      }
+      if (ctx.rank() == 1) out = m.flat_values();
+    });
+    return out;
+  };
+  const auto plain = run();
+  CHECK(run(std::type_identity<lockstep::AllReduceMean>{}) == plain);
+  TestMlp<float> init(d.dims, seed);
+  CHECK(init.flat_values() != plain);  // it trained
+}
+
 TEST_CASE("max_grad_norm: finish() clips as clip_grad_norm after finish() does - and reports the norm") {
   const auto seed = fresh_seed();
   CAPTURE(seed);

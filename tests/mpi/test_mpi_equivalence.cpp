@@ -118,6 +118,19 @@ TEST_CASE_TEMPLATE("equivalence over MPI: N processes × batch B == 1 rank × ba
   lockstep::run(lockstep::Mpi{}, [](lockstep::context<lockstep::MpiComm>& ctx) { check_all_variants<T>(ctx); });
 }
 
+TEST_CASE("frozen parameters over MPI: rank 0's table on every process after construction") {
+  lockstep::context<lockstep::MpiComm> ctx(lockstep::MpiComm::world(), 0, -1);
+  const auto seed = shared_seed();
+  CAPTURE(seed);
+  const TestMlpWithFrozen<double> rank0({5, 4, 3}, seed, seed + 100);
+  const auto r = static_cast<std::uint64_t>(ctx.rank());
+  TestMlpWithFrozen<double> m({5, 4, 3}, seed + r, seed + 100 + r);
+  if (ctx.size() > 1 && ctx.rank() == 1) REQUIRE(m.table() != rank0.table());
+  lockstep::DataParallel dp(ctx, m);
+  CHECK(m.table() == rank0.table());
+  CHECK(dp.parameters().size() == 4);
+}
+
 TEST_CASE("Accumulate<4> at compile time over MPI matches the reference") {
   lockstep::context<lockstep::MpiComm> ctx(lockstep::MpiComm::world(), 0, -1);
   const auto seed = shared_seed();

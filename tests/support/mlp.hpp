@@ -168,4 +168,24 @@ class TestMlp {
   std::vector<T*> wp_, bp_, gwp_, gbp_;         // what is used: own, or lockstep's once bound
 };
 
+//! TestMlp with a frozen table (lockstep::model (g)): values that are never trained but must
+//! be rank 0's on every rank (a frozen embedding), drawn from table_seed.
+template <class T>
+class TestMlpWithFrozen : public TestMlp<T> {
+ public:
+  TestMlpWithFrozen(std::vector<int> dims, std::uint64_t seed, std::uint64_t table_seed, std::size_t n = 37)
+      : TestMlp<T>(std::move(dims), seed), table_(n) {
+    std::mt19937_64 rng(table_seed);
+    std::uniform_real_distribution<double> u(-1.0, 1.0);
+    for (auto& x : table_) x = static_cast<T>(u(rng));
+  }
+  std::vector<lockstep::parameter> frozen() {
+    return {lockstep::param<T>("table", table_.data(), static_cast<T*>(nullptr), {static_cast<std::int64_t>(table_.size())})};
+  }
+  const std::vector<T>& table() const { return table_; }
+
+ private:
+  std::vector<T> table_;
+};
+
 }  // namespace lockstep_test

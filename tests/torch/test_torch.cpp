@@ -312,13 +312,12 @@ TEST_CASE("TorchModule: buffers are rank 0's at construction and with broadcast_
   const auto seed = lockstep_test::fresh_seed();
   CAPTURE(seed);
   constexpr int ranks = 3;
-  std::vector<torch::nn::Sequential> nets;
-  for (int r = 0; r < ranks; ++r) {
-    torch::manual_seed(seed + static_cast<std::uint64_t>(r));
-    nets.emplace_back(torch::nn::Linear(4, 6), torch::nn::BatchNorm1d(6), torch::nn::Linear(6, 1));
-    nets.back()->train();
-    nets.back()->forward(torch::randn({8, 4}) * (r + 1));  // different running statistics per rank
-  }
+  auto nets = per_rank(ranks, seed, [](int r) {
+    torch::nn::Sequential n(torch::nn::Linear(4, 6), torch::nn::BatchNorm1d(6), torch::nn::Linear(6, 1));
+    n->train();
+    n->forward(torch::randn({8, 4}) * (r + 1));  // different running statistics per rank
+    return n;
+  });
   auto buffers_of = [](torch::nn::Sequential& n) {
     std::vector<torch::Tensor> out;
     for (auto& b : n->buffers()) out.push_back(b.clone());
@@ -351,6 +350,141 @@ TEST_CASE("TorchModule: buffers are rank 0's at construction and with broadcast_
     CHECK(std::equal(root.begin(), root.end(), buffers_of(net)[0].data_ptr<float>()));
     step.finish();
   });
+}
+
+TEST_CASE("TorchModule: frozen parameters are rank 0's at construction and stay out of the reduction") {
+  // A frozen projection initialised differently on every rank (as libtorch's shared random
+  // generator does to layers built inside run(Threads)'s body) must not stay different.
+  torch::set_num_threads(1);
+  const auto seed = lockstep_test::fresh_seed();
+  CAPTURE(seed);
+  constexpr int ranks = 3;
+  auto nets = per_rank(ranks, seed, [](int) {
+    torch::nn::Sequential n(torch::nn::Linear(4, 6), torch::nn::Linear(6, 5), torch::nn::Linear(5, 1));
+    for (auto& p : n[1]->parameters()) p.set_requires_grad(false);  // the frozen middle layer
+    return n;
+  });
+  const auto frozen0 = nets[0][1]->parameters()[0].clone();
+  REQUIRE_FALSE(torch::equal(nets[1][1]->parameters()[0], frozen0));
+  std::vector<std::string> unfrozen(ranks);
+  lockstep::run(lockstep::Threads{ranks}, [&](auto& ctx) {
+    auto& net = nets[static_cast<std::size_t>(ctx.rank())];
+    lockstep::TorchModule tm(net);
+    CHECK(tm.parameters().size() == 4);
+    REQUIRE(tm.frozen().size() == 2);
+    CHECK(tm.frozen()[0].name == "1.weight");
+    lockstep::DataParallel dp(ctx, tm);
+    CHECK(torch::equal(net[1]->parameters()[0], frozen0));  // rank 0's, on every rank
+    torch::optim::SGD opt(tm.tensors(), torch::optim::SGDOptions(0.1));
+    torch::manual_seed(seed + 10 + static_cast<std::uint64_t>(ctx.rank()));
+    const auto x = torch::randn({8, 4});
+    for (int k = 0; k < 2; ++k) {
+      auto step = dp.step();
+      tm.backward(net->forward(x).pow(2).mean(), step.on_gradient_ready());
+      if (step.finish()) opt.step();
+    }
+    CHECK(torch::equal(net[1]->parameters()[0], frozen0));  // never trained
+    // Unfrozen after wrapping: refused at the next step, on the rank that did it.
+    if (ctx.rank() == 2) {
+      net[1]->parameters()[0].set_requires_grad(true);
+      try {
+        auto step = dp.step();
+      } catch (const lockstep::config_error& e) {
+        unfrozen[2] = e.what();
+      }
+    }
+  });
+  CHECK(unfrozen[2].find("parameter '1.weight' was frozen (requires_grad false) when the module was wrapped") !=
+        std::string::npos);
+}
+
+TEST_CASE("TorchModule: ranks with different frozen parameters are told which one differs") {
+  torch::set_num_threads(1);
+  std::vector<torch::nn::Sequential> nets;  // the same trained layers, another frozen head
+  nets.emplace_back(torch::nn::Linear(4, 6), torch::nn::Linear(6, 2), torch::nn::Linear(2, 3));
+  nets.emplace_back(torch::nn::Linear(4, 6), torch::nn::Linear(6, 2), torch::nn::Linear(2, 4));
+  for (auto& n : nets)
+    for (auto& p : n[2]->parameters()) p.set_requires_grad(false);
+  std::string what;
+  try {
+    lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
+      lockstep::TorchModule tm(nets[static_cast<std::size_t>(ctx.rank())]);
+      lockstep::DataParallel dp(ctx, tm);
+    });
+  } catch (const lockstep::mismatch_error& e) {
+    what = e.what();
+  }
+  CAPTURE(what);
+  CHECK(what.find("ranks built different models: frozen parameter 0 is '2.weight [3,2] f32' on rank 0 but "
+                  "'2.weight [4,2] f32' on rank 1") != std::string::npos);
+}
+
+TEST_CASE("TorchModule: channels_last parameters train as contiguous ones - shapes in memory order") {
+  // 2 ranks × 3 images with channels_last conv weights == 1 rank × 6 images, contiguous.
+  torch::set_num_threads(1);
+  const auto seed = lockstep_test::fresh_seed();
+  CAPTURE(seed);
+  torch::manual_seed(seed);
+  const auto make = [] {
+    return torch::nn::Sequential(torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 4, 3)), torch::nn::ReLU(),
+                                 torch::nn::Flatten(), torch::nn::Linear(4 * 3 * 3, 1));
+  };
+  auto proto = make();
+  const auto x = torch::randn({6, 2, 5, 5}).contiguous(at::MemoryFormat::ChannelsLast);
+  const auto y = torch::randn({6, 1});
+  const auto channels_last = [](torch::nn::Sequential& n) {
+    torch::NoGradGuard g;
+    for (auto& p : n->parameters())
+      if (p.dim() == 4) p.set_data(p.contiguous(at::MemoryFormat::ChannelsLast));
+  };
+  auto ref = make();
+  copy_parameters(*ref, *proto);
+  {
+    torch::optim::SGD opt(ref->parameters(), torch::optim::SGDOptions(0.1));
+    for (int k = 0; k < 3; ++k) {
+      opt.zero_grad();
+      torch::mse_loss(ref->forward(x), y).backward();
+      opt.step();
+    }
+  }
+  std::vector<torch::nn::Sequential> nets;
+  for (int r = 0; r < 2; ++r) {
+    nets.push_back(make());
+    copy_parameters(*nets.back(), *proto);
+    channels_last(nets.back());
+  }
+  REQUIRE_FALSE(nets[0]->parameters()[0].is_contiguous());
+  lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
+    auto& net = nets[static_cast<std::size_t>(ctx.rank())];
+    lockstep::TorchModule tm(net);
+    CHECK(tm.parameters()[0].shape == std::vector<std::int64_t>{4, 3, 3, 2});  // [O, H, W, I]
+    lockstep::DataParallel dp(ctx, tm);
+    torch::optim::SGD opt(tm.tensors(), torch::optim::SGDOptions(0.1));
+    const auto mine = torch::arange(3 * ctx.rank(), 3 * ctx.rank() + 3);
+    for (int k = 0; k < 3; ++k) {
+      auto step = dp.step();
+      tm.backward(torch::mse_loss(net->forward(x.index_select(0, mine)), y.index_select(0, mine)),
+                  step.on_gradient_ready());
+      if (step.finish()) opt.step();
+    }
+    CHECK_FALSE(net->parameters()[0].is_contiguous());  // still channels_last, and trained in place
+  });
+  CHECK(rel_diff(*nets[0], *ref) <= 1e-5);
+  CHECK(rel_diff(*nets[1], *ref) <= 1e-5);
+  CHECK(rel_diff(*proto, *ref) > 1e-3);  // it trained
+  // Ranks whose layouts differ are told apart, as models of other shapes.
+  auto other = make();
+  std::string what;
+  try {
+    lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
+      lockstep::TorchModule tm(ctx.rank() == 0 ? nets[0] : other);
+      lockstep::DataParallel dp(ctx, tm);
+    });
+  } catch (const lockstep::mismatch_error& e) {
+    what = e.what();
+  }
+  CAPTURE(what);
+  CHECK(what.find("'0.weight [4,3,3,2] f32' on rank 0 but '0.weight [4,2,3,3] f32' on rank 1") != std::string::npos);
 }
 
 TEST_CASE("TorchModule: bf16 parameters are averaged in float and rounded once") {

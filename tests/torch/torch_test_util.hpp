@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include <torch/torch.h>
 
@@ -36,6 +37,18 @@ inline gpt2::Config tiny() { return gpt2::Config{.vocab = 61, .context = 16, .la
 inline torch::Tensor tokens(std::int64_t rows, const gpt2::Config& c, std::uint64_t seed) {
   torch::manual_seed(seed);
   return torch::randint(c.vocab, {rows, c.context + 1}, torch::kLong);
+}
+
+//! One module per rank, rank r's made by make(r) right after libtorch's generator was seeded
+//! with seed + r: every rank starts from other values (DataParallel must make them rank 0's).
+template <class Make>
+auto per_rank(int ranks, std::uint64_t seed, Make&& make) {
+  std::vector<decltype(make(0))> out;
+  for (int r = 0; r < ranks; ++r) {
+    torch::manual_seed(seed + static_cast<std::uint64_t>(r));
+    out.push_back(make(r));
+  }
+  return out;
 }
 
 inline void copy_parameters(torch::nn::Module& to, torch::nn::Module& from) {

@@ -55,6 +55,11 @@ struct segment {
 //!      zero_copy switch. Checked by `value_binding_model`.
 //!  (f) `m.unbind_values()`: with (e), the model copies its values back into storage of its
 //!      own; DataParallel calls it when it is destroyed, before the arena is freed.
+//!  (g) `m.frozen()`: a range of `lockstep::parameter` (grad null) for parameters that are
+//!      not trained (libtorch's requires_grad == false: a frozen embedding, a LoRA base):
+//!      never reduced, but like trained ones checked across ranks (names, shapes, types) and
+//!      given rank 0's values at construction — PyTorch DDP broadcasts them too. Checked by
+//!      `frozen_model`.
 //!
 //! Example:
 //! \code
@@ -83,6 +88,12 @@ template <class M>
 concept buffer_model = model<M> && requires(M& m) {
   { m.buffers() } -> std::ranges::input_range;
   requires std::convertible_to<std::ranges::range_value_t<decltype(m.buffers())>, parameter>;
+};
+
+template <class M>
+concept frozen_model = model<M> && requires(M& m) {
+  { m.frozen() } -> std::ranges::input_range;
+  requires std::convertible_to<std::ranges::range_value_t<decltype(m.frozen())>, parameter>;
 };
 
 template <class M>

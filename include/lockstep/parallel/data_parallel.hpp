@@ -65,6 +65,11 @@ template <class... As>
 inline constexpr bool starts_with_options_v = false;
 template <class A, class... As>
 inline constexpr bool starts_with_options_v<A, As...> = is_options_v<A>;
+//! `{}` in a policy's place: the positional form of earlier versions (options, accumulation,
+//! scaler, hook, each defaulted with braces), caught to say what replaced it.
+struct braced_policy {};
+template <class...>
+inline constexpr bool positional_form_v = false;
 
 }  // namespace detail
 
@@ -170,6 +175,28 @@ class DataParallel {
   DataParallel(context<Comm>& ctx, Model& model, const DataParallelOptions& opts, Args&&... args)
       : DataParallel(ctx.comm(), model, opts, std::forward<Args>(args)...) {}
 
+  //! The positional form of earlier versions — DataParallel(ctx, model, {}, {}, scaler), braces
+  //! for the policies left at their defaults — is gone: only this message remains of it.
+  template <class... Args>
+  DataParallel(context<Comm>& ctx, Model& model, const DataParallelOptions&, detail::braced_policy, Args&&...)
+      : DataParallel(ctx, model) {
+    static_assert(detail::positional_form_v<Args...>,
+                  "lockstep::DataParallel: `{}` in a policy's place is the old positional form "
+                  "(ctx, model, options, accumulation, scaler, hook). Pass only the policies you "
+                  "choose, as instances in any order after the model (options first if any), e.g. "
+                  "DataParallel(ctx, model, lockstep::DynamicScale()) or "
+                  "DataParallel(ctx, model, {.zero_copy = false}, lockstep::Accumulate<>(4)); "
+                  "leave out what you want at its default");
+  }
+  template <class... Args>
+  DataParallel(context<Comm>& ctx, Model& model, const DataParallelOptions& o, detail::braced_policy,
+               detail::braced_policy, Args&&... args)
+      : DataParallel(ctx, model, o, detail::braced_policy{}, std::forward<Args>(args)...) {}
+  template <class... Args>
+  DataParallel(context<Comm>& ctx, Model& model, const DataParallelOptions& o, detail::braced_policy,
+               detail::braced_policy, detail::braced_policy, Args&&... args)
+      : DataParallel(ctx, model, o, detail::braced_policy{}, std::forward<Args>(args)...) {}
+
   // (std::type_identity_t: the communicator alone never deduces the class; the context does.)
   template <class... Args>
     requires(argument_v<Args> && ...) && (!detail::starts_with_options_v<Args...>)
@@ -202,13 +229,13 @@ class DataParallel {
       micro_ = 0;
       reducer_.begin_cycle();
       in_cycle_ = true;
-      if (opts_.broadcast_buffers && comm_.size() > 1) detail::broadcast_values(comm_, buffers_);
+      if (opts_.broadcast_buffers) broadcast_buffers_(comm_, buffers_);
     }
     const bool sync = micro_ + 1 >= k_;
     double prescale = opts_.average_over_accumulation ? 1.0 / k_ : 1.0;
     // In a Join scope a syncing micro-step first agrees with the other ranks on who
     // contributes (one tiny all-reduce; outside a scope nothing is added).
-    if (joining_ && sync) prescale = join_prescale(join_agree(micro_ + 1));
+    if (joining_ && sync) prescale = Join<DataParallel>::prescale(*this, Join<DataParallel>::agree(*this, micro_ + 1));
     reducer_.begin_micro(sync, prescale);
     open_ = true;
     nvtx_step_ = detail::nvtx_start("step");  // NVTX (observe/nvtx.hpp): ended in finish()
@@ -360,58 +387,8 @@ class DataParallel {
     }
   }
 
-  // --- Join (join.hpp) -------------------------------------------------------------------
+  // --- Join (join.hpp): its agreement and shadow steps work on these members ------------
   friend class Join<DataParallel>;
-
-  // Inside a Join scope every syncing micro-step starts with one all-reduce (sum) of
-  // {micro-batches this rank accumulated in the cycle, 1 if that is > 0}; a rank that ran
-  // out contributes {0, 0}. The sums give the divisor and tell joined ranks whether anybody
-  // still steps. The buffer is kept for the scope's lifetime (no allocation per step).
-  std::array<std::int64_t, 2> join_agree(std::int64_t micro_batches) {
-    std::array<std::int64_t, 2> v{micro_batches, micro_batches > 0 ? 1 : 0};
-    if (comm_.size() > 1) {
-      auto mem = comm_.memory();
-      if (!join_buf_) join_buf_ = mem.allocate(sizeof v);
-      mem.upload(join_buf_.get(), v.data(), sizeof v);
-      comm_.all_reduce(join_buf_.get(), join_buf_.get(), v.size(), dtype::i64, reduce_op::sum)
-          .wait();
-      mem.download(v.data(), join_buf_.get(), sizeof v);
-    }
-    join_active_ = static_cast<int>(v[1]);
-    return v;
-  }
-
-  // The all-reduce's avg divides by size() = N, so a prescale N/M makes the result the mean
-  // over the M micro-batches actually contributed (N/A: over the A contributing ranks, when
-  // average_over_accumulation is off). With every rank in, N/(N·K) rounds to exactly 1/K:
-  // the same numbers as outside a scope.
-  double join_prescale(const std::array<std::int64_t, 2>& agreed) const {
-    const double n = static_cast<double>(comm_.size());
-    return n / static_cast<double>(opts_.average_over_accumulation ? agreed[0] : agreed[1]);
-  }
-
-  // One step of a rank inside Join::leave(). It contributes what it accumulated in an
-  // unfinished cycle, else zeros, to exactly the collectives the stepping ranks issue, in
-  // their order: a pending plan rebuild's check (they apply it when their cycle starts,
-  // before its agreement), the agreement, the bucket all-reduces (arrival order replayed)
-  // and the loss scaler's found-inf flag. nullopt once no rank contributes any more.
-  std::optional<step_result> join_step(const std::function<void(std::span<const param_slice>)>& on_shard) {
-    step_t0_ = detail::trace_log::clock::now();
-    comm_at_step_ = reducer_.stats().comm_seconds;
-    const bool partial = in_cycle_ && micro_ > 0;
-    if (!partial) reducer_.apply_pending_plan();
-    if (!partial && opts_.broadcast_buffers && comm_.size() > 1) detail::broadcast_values(comm_, buffers_);
-    const auto agreed = join_agree(partial ? micro_ : 0);
-    if (agreed[0] == 0) return std::nullopt;
-    if (!partial) {
-      reducer_.begin_cycle();  // zero gradients: this rank adds nothing
-      micro_ = 0;
-      in_cycle_ = true;
-    }
-    reducer_.begin_micro(true, join_prescale(agreed));
-    reducer_.replay_arrivals();
-    return finish_step(true, on_shard);
-  }
 
   struct built_t {};
   static constexpr built_t built{};
@@ -423,14 +400,18 @@ class DataParallel {
                  [&model] { return detail::collect_parameters(model); }, sharded,
                  detail::shard_options{detail::value_binder(model, opts, sharded), opts.copy_engine_gather,
                                        opts.copy_engine_scatter}),
-        buffers_(detail::collect_buffers(model)) {
+        buffers_(detail::collect_buffers(model)), frozen_(detail::collect_frozen(model)) {
     if (!(opts_.max_grad_norm >= 0))
       throw config_error("DataParallelOptions::max_grad_norm must be >= 0 (0: no clipping), got " +
                          std::to_string(opts_.max_grad_norm));
     reducer_.set_gather_in_forward(opts_.gather_in_forward);
+    if (comm_.size() > 1 && !frozen_.empty()) {  // model (g): as the trained ones, never reduced
+      detail::check_same_tensors(comm_, frozen_, "frozen parameter");
+      if (opts.broadcast_parameters) detail::broadcast_values(comm_, frozen_);
+    }
     if (comm_.size() > 1 && !buffers_.empty()) {
       detail::check_same_tensors(comm_, buffers_, "buffer");
-      if (opts.broadcast_parameters) detail::broadcast_values(comm_, buffers_);
+      if (opts.broadcast_parameters) broadcast_buffers_(comm_, buffers_);
     }
     // A device-side scaler's state must exist before the first loss kernel reads it.
     if constexpr (attachable_scaler<scaler_type, Comm>) scaler_.attach(comm_);
@@ -445,6 +426,8 @@ class DataParallel {
   hook_type hook_;
   detail::reducer<Comm, hook_type> reducer_;
   std::vector<parameter> buffers_;  // the model's buffers (model (c)), empty without
+  std::vector<parameter> frozen_;   // its frozen parameters (model (g)), empty without
+  detail::coalesced_broadcast<Comm> broadcast_buffers_;  // buffers: one broadcast per element type
   int k_ = 1;
   int micro_ = 0;
   bool in_cycle_ = false;
@@ -471,6 +454,11 @@ DataParallel(context<Comm>&, Model&, const DataParallelOptions&, Ps&&...)
 template <class Comm, class Model, class P, class... Ps>
   requires(!detail::is_options_v<P>)
 DataParallel(context<Comm>&, Model&, P&&, Ps&&...) -> DataParallel<Model, Comm, std::remove_cvref_t<P>, std::remove_cvref_t<Ps>...>;
+
+// The old positional form with braces (see the constructor that explains it).
+template <class Comm, class Model, class... Ps>
+DataParallel(context<Comm>&, Model&, const DataParallelOptions&, detail::braced_policy, Ps&&...)
+    -> DataParallel<Model, Comm, std::remove_cvref_t<Ps>...>;
 
 //! The same with the policies named as types: `auto dp = make_data_parallel<Accumulate<2>>(ctx, model);`
 //! (instances, in any order, may follow the model as in the constructors).

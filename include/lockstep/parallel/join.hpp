@@ -33,11 +33,17 @@
 //! Every wait is one of the communicator's, with its timeout: a rank that never enters the
 //! scope, or leaves the job, makes the others fail with timeout_error / mismatch_error.
 
+#include <array>
 #include <cstddef>
+#include <cstdint>
 #include <exception>
 #include <functional>
+#include <optional>
 #include <span>
 #include <utility>
+
+#include "lockstep/core/dtype.hpp"
+#include "lockstep/core/reduce_op.hpp"
 
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/parameter.hpp"
@@ -104,7 +110,7 @@ class Join {
       DP& dp;
       ~close_scope() { dp.joining_ = false; }
     } close{dp_};
-    while (auto r = dp_.join_step(on_shard_)) {
+    while (auto r = shadow_step()) {
       ++shadow_steps_;
       on_shadow_step_(*r);
     }
@@ -117,7 +123,57 @@ class Join {
   //! Ranks that contributed data at the latest agreement (0 after the final one).
   int active_ranks() const noexcept { return dp_.join_active_; }
 
+  // Inside a scope every syncing micro-step starts with one all-reduce (sum) of {micro-batches
+  // this rank accumulated in the cycle, 1 if that is > 0}; a rank that ran out contributes
+  // {0, 0}. The sums give the divisor and tell joined ranks whether anybody still steps. The
+  // buffer is kept for the DataParallel's lifetime (no allocation per step).
+  static std::array<std::int64_t, 2> agree(DP& dp, std::int64_t micro_batches) {
+    std::array<std::int64_t, 2> v{micro_batches, micro_batches > 0 ? 1 : 0};
+    if (dp.comm_.size() > 1) {
+      auto mem = dp.comm_.memory();
+      if (!dp.join_buf_) dp.join_buf_ = mem.allocate(sizeof v);
+      mem.upload(dp.join_buf_.get(), v.data(), sizeof v);
+      dp.comm_.all_reduce(dp.join_buf_.get(), dp.join_buf_.get(), v.size(), dtype::i64, reduce_op::sum).wait();
+      mem.download(v.data(), dp.join_buf_.get(), sizeof v);
+    }
+    dp.join_active_ = static_cast<int>(v[1]);
+    return v;
+  }
+
+  // The all-reduce's avg divides by size() = N, so a prescale N/M makes the result the mean
+  // over the M micro-batches actually contributed (N/A: over the A contributing ranks, when
+  // average_over_accumulation is off). With every rank in, N/(N·K) rounds to exactly 1/K:
+  // the same numbers as outside a scope.
+  static double prescale(const DP& dp, const std::array<std::int64_t, 2>& agreed) {
+    const double n = static_cast<double>(dp.comm_.size());
+    return n / static_cast<double>(dp.opts_.average_over_accumulation ? agreed[0] : agreed[1]);
+  }
+
  private:
+  // One step of a rank inside leave(). It contributes what it accumulated in an unfinished
+  // cycle, else zeros, to exactly the collectives the stepping ranks issue, in their order: a
+  // pending plan rebuild's check (they apply it when their cycle starts, before its
+  // agreement), the buffers' broadcast, the agreement, the bucket all-reduces (arrival order
+  // replayed) and the loss scaler's found-inf flag. nullopt once no rank contributes any more.
+  std::optional<step_result> shadow_step() {
+    DP& dp = dp_;
+    dp.step_t0_ = decltype(dp.step_t0_)::clock::now();
+    dp.comm_at_step_ = dp.reducer_.stats().comm_seconds;
+    const bool partial = dp.in_cycle_ && dp.micro_ > 0;
+    if (!partial) dp.reducer_.apply_pending_plan();
+    if (!partial && dp.opts_.broadcast_buffers) dp.broadcast_buffers_(dp.comm_, dp.buffers_);
+    const auto agreed = agree(dp, partial ? dp.micro_ : 0);
+    if (agreed[0] == 0) return std::nullopt;
+    if (!partial) {
+      dp.reducer_.begin_cycle();  // zero gradients: this rank adds nothing
+      dp.micro_ = 0;
+      dp.in_cycle_ = true;
+    }
+    dp.reducer_.begin_micro(true, prescale(dp, agreed));
+    dp.reducer_.replay_arrivals();
+    return dp.finish_step(true, on_shard_);
+  }
+
   DP& dp_;
   shadow_fn on_shadow_step_;
   shard_fn on_shard_;

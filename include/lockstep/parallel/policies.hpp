@@ -103,12 +103,15 @@ struct DataParallelOptions {
   //! a window). Costs staging windows: the largest unit, plus the smaller sizes the first step
   //! grew through. Same caveat, same setting on every rank.
   bool copy_engine_scatter = false;
-  //! Copy rank 0's parameter values (and buffers, see lockstep::model (c)) to every rank at
-  //! construction.
+  //! Copy rank 0's parameter values (trained and frozen, and buffers: lockstep::model (c),
+  //! (g)) to every rank at construction.
   bool broadcast_parameters = true;
   //! Copy rank 0's buffers to every rank at the start of every accumulation cycle, before
-  //! the forward passes (PyTorch DDP's broadcast_buffers, on there by default).
-  bool broadcast_buffers = false;
+  //! the forward passes — PyTorch DDP's broadcast_buffers, on by default as there: BatchNorm
+  //! statistics stay those of rank 0 (one broadcast per element type of buffer; nothing for
+  //! a model without buffers). Off: each rank keeps its own statistics between steps (they
+  //! drift apart with the data each rank sees; evaluate and checkpoint on rank 0 only then).
+  bool broadcast_buffers = true;
   //! true: gradients are the mean over all N·K micro-batches (each micro-batch's loss
   //! being a mean); false: divide by N only, as PyTorch DDP does (then scale the loss by 1/K).
   bool average_over_accumulation = true;
@@ -159,10 +162,14 @@ struct policy_set {
   using accumulation = pick_t<is_accumulation_policy, EveryStep, Policies...>;
   using scaler = pick_t<is_loss_scaler, NoScaling, Policies...>;
   using hook = pick_t<is_hook, AllReduceMean, Policies...>;
+  // AllReduceMean named beside ShardedOptimizer is the default spelled out: its mean becomes
+  // the communicator's reduce-scatter (hook_reduce_scatter).
   static_assert(detail::count_v<detail::is_sharding, Policies...> == 0 || detail::count_v<is_hook, Policies...> == 0 ||
+                    std::is_same_v<hook, AllReduceMean> ||
                     requires(hook& h, Comm& c, void* p, std::size_t n, dtype t) { h.reduce_scatter(c, p, p, n, t); },
                 "lockstep::DataParallel: ShardedOptimizer reduce-scatters every bucket itself; it combines "
-                "only with a bucket_hook that has reduce_scatter(comm, data, mine, per, dtype) (Bf16Wire)");
+                "only with AllReduceMean (the default) or a bucket_hook that has "
+                "reduce_scatter(comm, data, mine, per, dtype) (Bf16Wire)");
   static constexpr bool sharded = count_v<is_sharding, Policies...> > 0;
 };
 //! The argument of type T among args (at most one), else T{}: DataParallel's constructors

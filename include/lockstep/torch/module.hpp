@@ -5,8 +5,12 @@
 //!
 //!  - parameters(): every parameter that requires grad, in named_parameters() order, as a view
 //!    of its data and its `.grad` (f32, f64, f16, bf16; CPU tensors for CPU communicators,
-//!    CUDA tensors on the rank's device for NcclComm). `.grad` is allocated (zeros) here, so
-//!    autograd accumulates into it in place from the first backward on.
+//!    CUDA tensors on the rank's device for NcclComm). `.grad` is allocated (zeros, in the
+//!    parameter's own layout) here, so autograd accumulates into it in place from the first
+//!    backward on. Any dense layout works — contiguous or channels_last (conv nets on tensor
+//!    cores) — and a parameter's shape is given in memory order (sizes sorted by stride:
+//!    [64, 7, 7, 3] for a channels_last [64, 3, 7, 7] weight), so ranks or checkpoints whose
+//!    layouts differ are told apart as models of other shapes.
 //!  - bind_gradient(i, storage): `.grad` becomes a tensor view of lockstep's arena
 //!    (`from_blob`, no copy — DDP's gradient_as_bucket_view), so buckets are reduced in place
 //!    and an optimizer reading `.grad` (torch::optim included) sees the average.
@@ -18,9 +22,15 @@
 //!  - Unused parameters (no gradient this step: a branch not taken) are simply not reported;
 //!    DataParallel reduces their zero gradients with the last buckets in finish(), the same
 //!    on every rank, so nothing needs a graph traversal (DDP's find_unused_parameters).
+//!  - frozen(): parameters with requires_grad == false (a frozen embedding, a LoRA base):
+//!    not reduced, but DataParallel checks them across ranks and broadcasts rank 0's values
+//!    at construction, as DDP does (under run(Threads) the ranks share libtorch's random
+//!    generator, so a randomly initialised frozen layer differs between ranks until then).
+//!    Freezing or unfreezing a parameter after wrapping is refused at the next step: wrap
+//!    the module again.
 //!  - buffers(): BatchNorm statistics and other buffers; DataParallel broadcasts them from
-//!    rank 0 at construction and, with `DataParallelOptions::broadcast_buffers`, at every
-//!    step (DDP's broadcast_buffers).
+//!    rank 0 at construction and, with `DataParallelOptions::broadcast_buffers` (on by
+//!    default, as DDP's), at the start of every accumulation cycle.
 //!  - unbind_gradients(): `.grad` becomes the module's own copy again; DataParallel calls it
 //!    when it is destroyed, so the module never keeps a view of freed arena memory.
 //!  - bind_value(i, storage) (ShardedOptimizer): the parameter's data becomes a view of the
@@ -35,6 +45,7 @@
 //! thread that called backward waits; DataParallel is used by one thread at a time, as always.
 //! Built with libtorch 1.13 (Debian's libtorch-dev, CPU) and 2.x. See docs/torch.md.
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -139,27 +150,29 @@ class TorchModule {
     if (!module_) throw config_error("lockstep::TorchModule: the module is null");
     for (auto& item : module_->named_parameters(/*recurse=*/true)) {
       at::Tensor& p = item.value();
-      if (!p.requires_grad()) continue;  // frozen: not trained, not reduced (as in DDP)
-      if (!p.is_contiguous())
+      if (!p.requires_grad()) {  // frozen: not trained, not reduced; still rank 0's values (as in DDP)
+        frozen_names_.push_back(item.key());
+        frozen_.push_back(value_only(item.key(), p, "frozen parameter"));
+        continue;
+      }
+      if (!p.is_non_overlapping_and_dense())
         throw config_error("lockstep::TorchModule: parameter '" + item.key() +
-                           "' is not contiguous; make it contiguous before wrapping the module");
+                           "' is not dense (a view with gaps or overlaps); make it contiguous (or channels_last) "
+                           "before wrapping the module");
       const dtype t = detail::dtype_of_torch(p.scalar_type(), "parameter '" + item.key() + "'");
       if (!is_floating(t))
         throw config_error("lockstep::TorchModule: parameter '" + item.key() + "' is not floating point");
       at::Tensor& g = p.mutable_grad();
-      if (!g.defined() || !g.is_contiguous() || g.sizes() != p.sizes() || g.scalar_type() != p.scalar_type() ||
+      if (!g.defined() || g.sizes() != p.sizes() || g.strides() != p.strides() || g.scalar_type() != p.scalar_type() ||
           g.device() != p.device())
-        g = torch::zeros_like(p, at::MemoryFormat::Contiguous);
+        g = torch::zeros_like(p, at::MemoryFormat::Preserve);  // the parameter's strides
       names_.push_back(item.key());
       params_.push_back(p);
     }
     for (auto& item : module_->named_buffers(/*recurse=*/true)) {
       if (!item.value().defined() || item.value().numel() == 0) continue;
-      if (!item.value().is_contiguous())
-        throw config_error("lockstep::TorchModule: buffer '" + item.key() + "' is not contiguous");
-      (void)detail::dtype_of_torch(item.value().scalar_type(), "buffer '" + item.key() + "'");
       buffer_names_.push_back(item.key());
-      buffers_.push_back(item.value());
+      buffers_.push_back(value_only(item.key(), item.value(), "buffer"));
     }
     hooks_ = std::make_shared<detail::torch_hook_state>();
     hooks_->fired.assign(params_.size(), 0);
@@ -181,6 +194,7 @@ class TorchModule {
 
   // ---- lockstep::model ------------------------------------------------------------------
   std::vector<parameter> parameters() const {
+    check_frozen_unchanged();
     std::vector<parameter> out;
     out.reserve(params_.size());
     for (std::size_t i = 0; i < params_.size(); ++i) out.push_back(view(names_[i], params_[i], params_[i].grad()));
@@ -188,25 +202,25 @@ class TorchModule {
   }
   void bind_gradient(std::size_t i, void* storage) {
     at::Tensor& p = params_.at(i);
-    at::Tensor view = torch::from_blob(storage, p.sizes(), p.options().requires_grad(false));
+    at::Tensor view = torch::from_blob(storage, p.sizes(), p.strides(), p.options().requires_grad(false));
     view.copy_(p.grad());  // the arena starts with what the module holds
     p.mutable_grad() = view;
   }
   //! `.grad` becomes the module's own storage again (a copy of the arena's values).
   void unbind_gradients() {
-    for (auto& p : params_) p.mutable_grad() = p.grad().clone(at::MemoryFormat::Contiguous);
+    for (auto& p : params_) p.mutable_grad() = p.grad().clone(at::MemoryFormat::Preserve);
   }
   //! The parameter's data becomes a view of `storage`, holding its current values (copied on
   //! libtorch's current stream: make it lockstep's compute stream, see docs/torch.md).
   void bind_value(std::size_t i, void* storage) {
     at::Tensor& p = params_.at(i);
-    at::Tensor view = torch::from_blob(storage, p.sizes(), p.options().requires_grad(false));
+    at::Tensor view = torch::from_blob(storage, p.sizes(), p.strides(), p.options().requires_grad(false));
     view.copy_(p.detach());
     p.set_data(view);
   }
   //! Every parameter's data becomes storage of its own again (a copy of the arena's values).
   void unbind_values() {
-    for (auto& p : params_) p.set_data(p.detach().clone(at::MemoryFormat::Contiguous));
+    for (auto& p : params_) p.set_data(p.detach().clone(at::MemoryFormat::Preserve));
   }
   //! The positions in parameters() of the trained parameters of `sub` (the wrapped module or
   //! one of its submodules, recursively), e.g. to wait for them before a layer's forward:
@@ -216,6 +230,14 @@ class TorchModule {
     for (const auto& t : sub.parameters(/*recurse=*/true))
       for (std::size_t i = 0; i < params_.size(); ++i)
         if (params_[i].unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) out.push_back(i);
+    return out;
+  }
+  //! Frozen parameters (requires_grad == false) as value-only views (grad null): checked and
+  //! broadcast at construction, never reduced (lockstep::model (g)).
+  std::vector<parameter> frozen() const {
+    std::vector<parameter> out;
+    out.reserve(frozen_.size());
+    for (std::size_t i = 0; i < frozen_.size(); ++i) out.push_back(view(frozen_names_[i], frozen_[i], {}));
     return out;
   }
   //! Buffers as value-only views (grad null), for broadcasts.
@@ -244,7 +266,14 @@ class TorchModule {
   static parameter view(const std::string& name, const at::Tensor& t, const at::Tensor& grad) {
     parameter p;
     p.name = name;
-    p.shape.assign(t.sizes().begin(), t.sizes().end());
+    // In memory order: the sizes sorted by stride, largest first (stable, so a contiguous
+    // tensor's shape is its sizes, size-1 dimensions included).
+    std::vector<std::size_t> dims(static_cast<std::size_t>(t.dim()));
+    for (std::size_t d = 0; d < dims.size(); ++d) dims[d] = d;
+    std::stable_sort(dims.begin(), dims.end(), [&](std::size_t a, std::size_t b) {
+      return t.stride(static_cast<std::int64_t>(a)) > t.stride(static_cast<std::int64_t>(b));
+    });
+    for (auto d : dims) p.shape.push_back(t.size(static_cast<std::int64_t>(d)));
     if (p.shape.empty()) p.shape.push_back(1);  // a 0-d parameter is one element
     p.type = detail::dtype_of_torch(t.scalar_type(), "'" + name + "'");
     p.value = t.data_ptr();
@@ -252,9 +281,35 @@ class TorchModule {
     return p;
   }
 
+  // A buffer or frozen parameter: contiguous, of an element type lockstep carries.
+  static const at::Tensor& value_only(const std::string& name, const at::Tensor& t, const char* what) {
+    if (!t.is_non_overlapping_and_dense())
+      throw config_error(std::string("lockstep::TorchModule: ") + what + " '" + name +
+                         "' is not dense (a view with gaps or overlaps); make it contiguous before wrapping the module");
+    (void)detail::dtype_of_torch(t.scalar_type(), std::string(what) + " '" + name + "'");
+    return t;
+  }
+
+  // A parameter frozen or unfrozen after wrapping would be trained without being reduced (or
+  // reduced without a gradient): refuse it where DataParallel re-reads the parameters (every
+  // accumulation cycle), so no step runs on it.
+  void check_frozen_unchanged() const {
+    const auto changed = [](const std::string& name, bool now_trained) {
+      return config_error("lockstep::TorchModule: parameter '" + name + "' was " +
+                          (now_trained ? "frozen (requires_grad false)" : "trained (requires_grad true)") +
+                          " when the module was wrapped and is " + (now_trained ? "trained" : "frozen") +
+                          " now; after changing requires_grad, wrap the module again and build a new "
+                          "DataParallel, on every rank alike");
+    };
+    for (std::size_t i = 0; i < params_.size(); ++i)
+      if (!params_[i].requires_grad()) throw changed(names_[i], false);
+    for (std::size_t i = 0; i < frozen_.size(); ++i)
+      if (frozen_[i].requires_grad()) throw changed(frozen_names_[i], true);
+  }
+
   std::shared_ptr<torch::nn::Module> module_;
-  std::vector<std::string> names_, buffer_names_;
-  std::vector<at::Tensor> params_, buffers_;
+  std::vector<std::string> names_, buffer_names_, frozen_names_;
+  std::vector<at::Tensor> params_, buffers_, frozen_;
   std::shared_ptr<detail::torch_hook_state> hooks_;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
 };
