@@ -1,7 +1,8 @@
 # Consumes lockstep one way from a fresh directory and runs the consumer. Run as a ctest test
 # (see CMakeLists.txt):
-#   cmake -DMODE=subdirectory|fetchcontent|find_package -DLOCKSTEP_SOURCE=<src>
-#         -DWORK_DIR=<dir> [-DGENERATOR=<gen>] [-DCXX_COMPILER=<c++>] -P run_consumer.cmake
+#   cmake -DMODE=subdirectory|fetchcontent|find_package|torch_subdirectory|torch_find_package
+#         -DLOCKSTEP_SOURCE=<src> -DWORK_DIR=<dir> [-DGENERATOR=<gen>] [-DCXX_COMPILER=<c++>]
+#         [-DTORCH_DIR=<dir of TorchConfig.cmake>] -P run_consumer.cmake
 #
 # find_package runs the shell blocks of docs/building.md tagged `<!-- packaging-test: NAME -->`
 # exactly as written (install, consume, tools), so the documented commands are the tested ones.
@@ -130,16 +131,87 @@ if(MODE STREQUAL "find_package")
   return()
 endif()
 
-# --- add_subdirectory / FetchContent of the source tree ---------------------------------
-if(NOT MODE STREQUAL "subdirectory" AND NOT MODE STREQUAL "fetchcontent")
-  fail("unknown MODE '${MODE}'")
-endif()
 set(common_args -DCMAKE_BUILD_TYPE=Release -DLOCKSTEP_ENABLE_CUDA=OFF)
 if(GENERATOR)
   list(APPEND common_args -G ${GENERATOR})
 endif()
 if(CXX_COMPILER)
   list(APPEND common_args -DCMAKE_CXX_COMPILER=${CXX_COMPILER})
+endif()
+
+# configure_must_fail(<what> <regex> <cmake args>...): the configure fails, with exactly one
+# CMake error, whose text (lines joined) matches <regex>.
+function(configure_must_fail what regex)
+  execute_process(COMMAND ${CMAKE_COMMAND} ${ARGN} RESULT_VARIABLE rc
+                  OUTPUT_VARIABLE out ERROR_VARIABLE out)
+  string(REGEX REPLACE "[ \n]+" " " flat "${out}")
+  string(REGEX MATCHALL "CMake Error" errors "${out}")
+  list(LENGTH errors n)
+  if(rc EQUAL 0 OR NOT n EQUAL 1 OR NOT flat MATCHES "${regex}")
+    message("${out}")
+    fail("${what}: expected the configure to fail with one error matching '${regex}' (exit ${rc}, ${n} errors)")
+  endif()
+  message(STATUS "packaging (${MODE}): ${what}: fails as it should")
+endfunction()
+
+# --- lockstep::torch, the consumer never calling find_package(Torch) (label torch) --------
+if(MODE MATCHES "^torch_")
+  set(torch_args -DLOCKSTEP_CONSUMER_TORCH=ON -DLOCKSTEP_ENABLE_MPI=OFF)
+  if(TORCH_DIR)
+    list(APPEND torch_args -DTorch_DIR=${TORCH_DIR})  # a libtorch found through CMAKE_PREFIX_PATH
+  endif()
+  set(no_torch -DCMAKE_DISABLE_FIND_PACKAGE_Torch=ON)
+  set(todo "libtorch-dev.*torch\\.utils\\.cmake_prefix_path")
+  set(consumer_bin ${WORK_DIR}/consumer-build)
+  if(MODE STREQUAL "torch_subdirectory")
+    set(sub_args -DLOCKSTEP_CONSUME=subdirectory -DLOCKSTEP_SOURCE=${LOCKSTEP_SOURCE}
+                 -DCMAKE_DISABLE_FIND_PACKAGE_doctest=ON)
+    # No optimisation (an empty build type): the program runs in a second, while compiling
+    # libtorch's headers is most of this test's time.
+    step("configure consumer" ${CMAKE_COMMAND} -S ${consumer_src} -B ${consumer_bin} ${common_args}
+         ${sub_args} ${torch_args} -DCMAKE_BUILD_TYPE=)
+    step("build my_trainer_torch" ${CMAKE_COMMAND} --build ${consumer_bin} --target my_trainer_torch)
+    step("run my_trainer_torch" ${consumer_bin}/my_trainer_torch)
+    # Without libtorch, linking lockstep::torch gives lockstep's one message saying what to do.
+    configure_must_fail("linking lockstep::torch without libtorch"
+      "lockstep::torch is linked by my_trainer_torch, but libtorch was not found.*${todo}"
+      -S ${consumer_src} -B ${WORK_DIR}/no-torch-build ${common_args} ${sub_args} ${torch_args} ${no_torch})
+  elseif(MODE STREQUAL "torch_find_package")
+    set(prefix ${WORK_DIR}/lockstep-install)
+    set(lockstep_args -DLOCKSTEP_BUILD_TESTS=OFF -DLOCKSTEP_BUILD_EXAMPLES=OFF
+                      -DLOCKSTEP_BUILD_BENCH=OFF -DLOCKSTEP_BUILD_TOOLS=OFF)
+    step("configure lockstep" ${CMAKE_COMMAND} -S ${LOCKSTEP_SOURCE} -B ${WORK_DIR}/lockstep-build
+         ${common_args} ${lockstep_args} ${torch_args} -DLOCKSTEP_ENABLE_TORCH=ON)
+    step("install lockstep" ${CMAKE_COMMAND} --install ${WORK_DIR}/lockstep-build --prefix ${prefix})
+    step("configure consumer" ${CMAKE_COMMAND} -S ${consumer_src} -B ${consumer_bin} ${common_args}
+         ${torch_args} -DCMAKE_PREFIX_PATH=${prefix})
+    step("build my_trainer_torch_package" ${CMAKE_COMMAND} --build ${consumer_bin}
+         --target my_trainer_torch_package)
+    step("run my_trainer_torch_package" ${consumer_bin}/my_trainer_torch_package)
+    # COMPONENTS torch where libtorch cannot be found now, and from a package without the part.
+    configure_must_fail("COMPONENTS torch without libtorch"
+      "lockstep::torch needs libtorch, which was not found.*${todo}"
+      -S ${consumer_src} -B ${WORK_DIR}/no-torch-build ${common_args} ${torch_args}
+      -DCMAKE_PREFIX_PATH=${prefix} ${no_torch})
+    set(prefix_off ${WORK_DIR}/lockstep-install-no-torch)
+    step("configure lockstep without torch" ${CMAKE_COMMAND} -S ${LOCKSTEP_SOURCE}
+         -B ${WORK_DIR}/lockstep-build-no-torch ${common_args} ${lockstep_args} -DLOCKSTEP_ENABLE_MPI=OFF
+         -DLOCKSTEP_ENABLE_TORCH=OFF)
+    step("install lockstep without torch" ${CMAKE_COMMAND} --install ${WORK_DIR}/lockstep-build-no-torch
+         --prefix ${prefix_off})
+    configure_must_fail("COMPONENTS torch from a package without it"
+      "This lockstep was installed without lockstep::torch.*${todo}"
+      -S ${consumer_src} -B ${WORK_DIR}/no-part-build ${common_args} ${torch_args}
+      -DCMAKE_PREFIX_PATH=${prefix_off})
+  else()
+    fail("unknown MODE '${MODE}'")
+  endif()
+  return()
+endif()
+
+# --- add_subdirectory / FetchContent of the source tree ---------------------------------
+if(NOT MODE STREQUAL "subdirectory" AND NOT MODE STREQUAL "fetchcontent")
+  fail("unknown MODE '${MODE}'")
 endif()
 # A subproject must not look for doctest (its tests are off there): make finding it fail.
 set(consumer_bin ${WORK_DIR}/consumer-build)
