@@ -1,17 +1,17 @@
 #pragma once
 // What the programs that train gpt2.hpp's GPT-2 for bench/gpt2_torch.sh share (the example,
 // main.cpp, and libtorch's data_parallel reference, bench/gpt2_data_parallel.cpp): the model
-// configs by name, the median step after the warm-up, the "bench:" line the script greps, and
-// bf16 autocast on the calling thread across libtorch versions.
+// configs by name, GPT-2's options and the "bench:" line the script greps. The pieces that do
+// not depend on the model (the argument loop, the median step after the warm-up, bf16
+// autocast on the calling thread across libtorch versions) are in bench_util.hpp, named here
+// in namespace gpt2 too.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <string>
 #include <vector>
 
-#include <ATen/autocast_mode.h>
-#include <torch/version.h>
-
+#include "bench_util.hpp"
 #include "gpt2.hpp"
 
 namespace gpt2 {
@@ -59,31 +59,13 @@ struct run_options {
   //! not return.
   template <class Own, class Usage>
   void parse(int argc, char** argv, const char* program, Usage&& usage, Own&& own) {
-    for (int i = 1; i < argc; ++i) {
-      const std::string a = argv[i];
-      auto next = [&]() -> std::string {
-        if (i + 1 >= argc) {
-          std::fprintf(stderr, "%s: %s needs a value\n", program, a.c_str());
-          usage(2);
-        }
-        return argv[++i];
-      };
-      if (take(a, next) || own(a, next)) continue;
-      if (a == "--help" || a == "-h") usage(0);
-      std::fprintf(stderr, "%s: unknown argument %s\n", program, a.c_str());
-      usage(2);
-    }
+    lockstep_bench::parse_args(argc, argv, program, usage,
+                               [&](const std::string& a, auto& next) { return take(a, next) || own(a, next); });
     if (!valid()) usage(2);
   }
 };
 
-//! Median of step_ms[warmup:] (of an even count the upper middle); step_ms holds more than
-//! warmup steps.
-inline double median_after_warmup(const std::vector<double>& step_ms, std::int64_t warmup) {
-  std::vector<double> timed(step_ms.begin() + static_cast<std::ptrdiff_t>(warmup), step_ms.end());
-  std::sort(timed.begin(), timed.end());
-  return timed[timed.size() / 2];
-}
+using lockstep_bench::median_after_warmup;
 
 //! "bench: <what> gpus=N step_ms=... tokens_per_s=... peak_gib=... loss_first=... loss_last=...",
 //! the line bench/gpt2_torch.sh greps (bench/gpt2_ddp.py prints the same fields).
@@ -95,47 +77,7 @@ inline void print_bench_line(const std::string& what, int gpus, double step_ms, 
   std::fflush(stdout);
 }
 
-//! Turns CUDA autocast to bf16 on (or off) for the calling thread: autocast's switch and dtype
-//! are per thread (the dtype defaults to fp16 in every new thread).
-inline void set_cuda_bf16_autocast(bool on) {
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
-  at::autocast::set_autocast_enabled(at::kCUDA, on);
-  if (on) at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
-#else
-  at::autocast::set_enabled(on);
-  if (on) at::autocast::set_autocast_gpu_dtype(at::kBFloat16);
-#endif
-}
-
-//! bf16 CUDA autocast on the calling thread for the guard's lifetime; the thread's previous
-//! switch and dtype come back after.
-class CudaBf16Autocast {
- public:
-  CudaBf16Autocast() {
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
-    was_on_ = at::autocast::is_autocast_enabled(at::kCUDA);
-    was_dtype_ = at::autocast::get_autocast_dtype(at::kCUDA);
-#else
-    was_on_ = at::autocast::is_enabled();
-    was_dtype_ = at::autocast::get_autocast_gpu_dtype();
-#endif
-    set_cuda_bf16_autocast(true);
-  }
-  ~CudaBf16Autocast() {
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
-    at::autocast::set_autocast_dtype(at::kCUDA, was_dtype_);
-    at::autocast::set_autocast_enabled(at::kCUDA, was_on_);
-#else
-    at::autocast::set_autocast_gpu_dtype(was_dtype_);
-    at::autocast::set_enabled(was_on_);
-#endif
-  }
-  CudaBf16Autocast(const CudaBf16Autocast&) = delete;
-  CudaBf16Autocast& operator=(const CudaBf16Autocast&) = delete;
-
- private:
-  bool was_on_ = false;
-  at::ScalarType was_dtype_ = at::kHalf;
-};
+using lockstep_bench::CudaBf16Autocast;
+using lockstep_bench::set_cuda_bf16_autocast;
 
 }  // namespace gpt2
