@@ -227,7 +227,8 @@ int main(int argc, char** argv) {
 #endif
         (void)phase;
       };
-      if (opt.memory_trace && gpu) (void)torch::zeros({1}, torch::TensorOptions().device(dev));  // the allocator, as Python's peer
+      // The allocator made before the first mark, as in the Python peer.
+      if (opt.memory_trace && gpu) (void)torch::zeros({1}, torch::TensorOptions().device(dev));
       mark("body start (context, NCCL)");
       resnet::ResNet model(nullptr);
       std::vector<torch::Tensor> images, labels;
@@ -256,7 +257,8 @@ int main(int argc, char** argv) {
         throw std::runtime_error("ResNet-50 has " + std::to_string(params) + " parameters, torchvision's " +
                                  std::to_string(resnet::resnet50_parameters));
       if (ctx.is_root())
-        std::printf("resnet50_torch: %s, %lld parameters, %d rank(s) on %s, %lld images of %lld x %lld per rank and step\n",
+        std::printf("resnet50_torch: %s, %lld parameters, %d rank(s) on %s, %lld images of %lld x %lld "
+                    "per rank and step\n",
                     opt.config.c_str(), static_cast<long long>(params), ctx.size(), gpu ? "GPUs" : "CPU",
                     static_cast<long long>(opt.batch), static_cast<long long>(opt.image),
                     static_cast<long long>(opt.image));
@@ -325,7 +327,8 @@ int main(int argc, char** argv) {
           // What lockstep allocated itself, outside libtorch's allocator: the gradient arena and
           // the optimizer's state (DDP has both in the allocator: buckets and SGD's momentum).
           own = static_cast<double>(dp.stats().arena_bytes) + static_cast<double>(gpu_opt->state_bytes());
-          const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(ctx.device()));
+          const auto index = static_cast<c10::DeviceIndex>(ctx.device());
+          const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
           peak = static_cast<double>(stats.allocated_bytes[0].peak) + own;
           reserved = static_cast<double>(stats.reserved_bytes[0].current) + own;
           std::size_t free = 0, total = 0;

@@ -105,7 +105,8 @@ TEST_CASE("frozen parameters (model (g)) are rank 0's after construction - never
                     }
                   }),
                   lockstep::mismatch_error);
-  CHECK(msg.find("frozen parameter 0 is 'table [37] f32' on rank 0 but 'table [38] f32' on rank 1") != std::string::npos);
+  CHECK(msg.find("frozen parameter 0 is 'table [37] f32' on rank 0 but 'table [38] f32' on rank 1") !=
+        std::string::npos);
 }
 
 TEST_CASE("ranks with different models fail on every rank - naming the parameter and both shapes") {

@@ -92,9 +92,9 @@ TEST_CASE("split: every released rank names the rank that failed first - in ever
     for (int r = 0; r < 8; ++r) {
       if (r == 4) continue;
       INFO("round " << round << ", rank " << r << ": " << seen[static_cast<std::size_t>(r)]);
-      CHECK(seen[static_cast<std::size_t>(r)].starts_with("rank " + std::to_string(r) +
-                                                          " stopped waiting because another rank failed: rank 4 failed: "
-                                                          "deliberate failure on rank 4"));
+      const std::string want = "rank " + std::to_string(r) +
+                               " stopped waiting because another rank failed: rank 4 failed: deliberate failure on rank 4";
+      CHECK(seen[static_cast<std::size_t>(r)].starts_with(want));
     }
   }
 }

@@ -836,7 +836,8 @@ void check_order_barrier(Comm& comm, const conformance_options& o) {
 //! rank labels its call as another bucket of the same size (same count, type and op, so the
 //! data pair up and complete — what a skipped bucket does); by verify_order() at the latest
 //! every rank throws mismatch_error naming rank 0's call and the last rank's, and from then on
-//! the communicator refuses every call with it. (Run it last on a communicator.) Needs ≥ 2 ranks, label_next and verify_order.
+//! the communicator refuses every call with it (so run it last on a communicator). Needs ≥ 2
+//! ranks, label_next and verify_order.
 template <class Comm>
 void check_order_deferred(Comm& comm, const conformance_options& o) {
   using namespace conformance_detail;

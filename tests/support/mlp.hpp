@@ -180,7 +180,8 @@ class TestMlpWithFrozen : public TestMlp<T> {
     for (auto& x : table_) x = static_cast<T>(u(rng));
   }
   std::vector<lockstep::parameter> frozen() {
-    return {lockstep::param<T>("table", table_.data(), static_cast<T*>(nullptr), {static_cast<std::int64_t>(table_.size())})};
+    const auto n = static_cast<std::int64_t>(table_.size());
+    return {lockstep::param<T>("table", table_.data(), static_cast<T*>(nullptr), {n})};
   }
   const std::vector<T>& table() const { return table_; }
 

@@ -285,7 +285,8 @@ class TorchModule {
   static const at::Tensor& value_only(const std::string& name, const at::Tensor& t, const char* what) {
     if (!t.is_non_overlapping_and_dense())
       throw config_error(std::string("lockstep::TorchModule: ") + what + " '" + name +
-                         "' is not dense (a view with gaps or overlaps); make it contiguous before wrapping the module");
+                         "' is not dense (a view with gaps or overlaps); make it contiguous before wrapping "
+                         "the module");
     (void)detail::dtype_of_torch(t.scalar_type(), std::string(what) + " '" + name + "'");
     return t;
   }

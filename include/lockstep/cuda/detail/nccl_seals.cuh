@@ -85,8 +85,8 @@ class nccl_seals {
     }
     const relaxed_capture relaxed;
     entry e;
-    LOCKSTEP_TRY_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&e.host), sizeof(std::int64_t) * order_words * (1 + ranks_),
-                                    cudaHostAllocDefault));
+    const std::size_t bytes = sizeof(std::int64_t) * order_words * (1 + ranks_);
+    LOCKSTEP_TRY_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&e.host), bytes, cudaHostAllocDefault));
     const cudaError_t r = cudaEventCreateWithFlags(&e.done, cudaEventDisableTiming);
     if (r != cudaSuccess) {
       (void)cudaFreeHost(e.host);
