@@ -295,6 +295,59 @@ TEST_CASE("join with DynamicScale: a shadowing rank takes part in the found-inf 
   }
 }
 
+namespace {
+// TestMlp with a buffer (lockstep::model (c)) that each step moves on its own rank, as
+// BatchNorm's running statistics: the value after `steps` own steps from `start`.
+struct MlpWithStats : TestMlp<double> {
+  using TestMlp<double>::TestMlp;
+  std::vector<double> stats = std::vector<double>(5, 0.0);
+  std::vector<lockstep::parameter> buffers() {
+    return {lockstep::param<double>("stats", stats.data(), static_cast<double*>(nullptr), {5})};
+  }
+  void move_stats(int rank) {
+    for (std::size_t i = 0; i < stats.size(); ++i) stats[i] = 0.5 * stats[i] + rank + 1.0 + 0.1 * static_cast<double>(i);
+  }
+};
+}  // namespace
+
+TEST_CASE("join with broadcast_buffers: buffers come from a rank still stepping - and all end alike") {
+  // The last rank has the most batches; rank 0 runs out first. Every cycle must start from the
+  // last rank's buffers (rank 0's are stale once it shadows), and the scope must end with the
+  // last rank's on every rank (DDP's find_common_rank and final sync after join).
+  const auto d = make_data(fresh_seed());
+  for (int n : {2, 3}) {
+    CAPTURE(n);
+    std::vector<std::vector<double>> end(static_cast<std::size_t>(n));
+    lockstep::run(lockstep::Threads{n}, [&](auto& ctx) {
+      const int r = ctx.rank();
+      MlpWithStats m(d.dims, 11);
+      std::fill(m.stats.begin(), m.stats.end(), 100.0 * (r + 1));  // another start on every rank
+      lockstep::DataParallel dp(ctx, m);  // broadcast_buffers: on by default
+      const auto update = [&](lockstep::step_result res) { if (res) m.sgd(0.01); };
+      {
+        auto join = dp.join(update);
+        for (int b = 0; b < 1 + 2 * r; ++b) {  // rank r: 1 + 2r batches
+          auto step = dp.step();
+          const std::vector<std::size_t> rows{static_cast<std::size_t>(3 * r + b)};
+          m.forward_backward(d.X64, d.y, rows, step.on_gradient_ready());
+          update(step.finish());
+          m.move_stats(r);
+        }
+      }
+      end[static_cast<std::size_t>(r)] = m.stats;
+    });
+    // The last rank's own evolution: rank 0's start (construction broadcasts it), then 2n − 1
+    // steps of its own.
+    MlpWithStats last(d.dims, 11);
+    std::fill(last.stats.begin(), last.stats.end(), 100.0);
+    for (int s = 0; s < 2 * n - 1; ++s) last.move_stats(n - 1);
+    for (int r = 0; r < n; ++r) {
+      CAPTURE(r);
+      CHECK(end[static_cast<std::size_t>(r)] == last.stats);
+    }
+  }
+}
+
 TEST_CASE("join with buckets smaller than one tensor (many launch units)") {
   for (int n : {2, 3, 4}) {
     auto c = uneven(n);

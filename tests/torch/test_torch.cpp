@@ -398,6 +398,37 @@ TEST_CASE("TorchModule: frozen parameters are rank 0's at construction and stay 
         std::string::npos);
 }
 
+namespace {
+// A linear layer with a frozen int8 table beside it (a quantized base weight): lockstep does not
+// reduce int8, but broadcasts its bytes.
+struct QuantizedImpl : torch::nn::Module {
+  explicit QuantizedImpl(std::int64_t r)
+      : lin(register_module("lin", torch::nn::Linear(3, 2))),
+        table(register_parameter("table", torch::randint(-100, 100, {4, 5}, torch::kChar) + r, false)) {}
+  torch::nn::Linear lin;
+  torch::Tensor table;
+};
+TORCH_MODULE(Quantized);
+}  // namespace
+
+TEST_CASE("TorchModule: a frozen parameter of a type lockstep does not reduce (int8) is broadcast as bytes") {
+  torch::set_num_threads(1);
+  const auto seed = lockstep_test::fresh_seed();
+  CAPTURE(seed);
+  auto nets = per_rank(3, seed, [](int r) { return Quantized(r); });
+  const auto root = nets[0]->table.clone();
+  REQUIRE_FALSE(torch::equal(nets[2]->table, root));
+  lockstep::run(lockstep::Threads{3}, [&](auto& ctx) {
+    auto& net = nets[static_cast<std::size_t>(ctx.rank())];
+    lockstep::TorchModule tm(net);
+    REQUIRE(tm.frozen().size() == 1);
+    CHECK(tm.frozen()[0].type == lockstep::dtype::u8);
+    CHECK(tm.frozen()[0].shape == std::vector<std::int64_t>{20});  // its bytes
+    lockstep::DataParallel dp(ctx, tm);
+    CHECK(torch::equal(net->table, root));
+  });
+}
+
 TEST_CASE("TorchModule: ranks with different frozen parameters are told which one differs") {
   torch::set_num_threads(1);
   std::vector<torch::nn::Sequential> nets;  // the same trained layers, another frozen head

@@ -103,10 +103,8 @@ void label_next_collective(Comm& comm, Make&& make) {
 }
 }  // namespace detail
 
-//! The order check, given every rank's call (labels included): throws mismatch_error naming
-//! rank 0's call and the first rank whose call differs. `how` says who noticed (e.g. "found
-//! by LOCKSTEP_DEBUG=1"). Every rank calls it with the same data, so every rank throws the same.
-//! The message check_same_collective throws, if the calls differ.
+//! The message check_same_collective throws, if the calls differ: rank 0's call and the first
+//! rank whose call differs; `how` says who noticed (e.g. "found by LOCKSTEP_DEBUG=1").
 inline std::optional<std::string> collective_mismatch(std::span<const collective> all, const std::string& how) {
   for (std::size_t r = 1; r < all.size(); ++r) {
     if (all[r] == all[0]) continue;
@@ -116,6 +114,8 @@ inline std::optional<std::string> collective_mismatch(std::span<const collective
   }
   return std::nullopt;
 }
+//! The order check, given every rank's call (labels included): throws mismatch_error with that
+//! message. Every rank calls it with the same data, so every rank throws the same.
 inline void check_same_collective(std::span<const collective> all, const std::string& how) {
   if (auto why = collective_mismatch(all, how)) throw mismatch_error(*why);
 }

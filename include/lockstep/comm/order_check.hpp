@@ -95,10 +95,27 @@ inline std::vector<collective> decode_order(std::span<const std::int64_t> all, i
 }
 
 //! The mismatch the gathered seals show (every rank's words, rank r's at r · order_words), if
-//! any — the same text on every rank, since every rank gathered the same words.
-inline std::optional<std::string> seal_mismatch(std::span<const std::int64_t> all, int ranks, const std::string& how) {
+//! any — the same text on every rank, since every rank gathered the same words. The words are
+//! compared first; only a mismatch is decoded and described (how(): who found it).
+template <class How>
+std::optional<std::string> seal_mismatch(std::span<const std::int64_t> all, int ranks, How&& how) {
+  const auto mine = all.first(order_words);
+  bool same = true;
+  for (int r = 1; same && r < ranks; ++r)
+    same = std::equal(mine.begin(), mine.end(), all.begin() + static_cast<std::ptrdiff_t>(r * order_words));
+  if (same) return std::nullopt;
   const auto calls = decode_order(all, ranks);
-  return collective_mismatch(std::span<const collective>(calls), how);
+  return collective_mismatch(std::span<const collective>(calls), how());
+}
+
+//! Every rank must run the order check alike (a rank that sends seals pairs them with another's
+//! collectives): the modes of all ranks, off or not, as one flag each; a config_error naming
+//! the variable if they differ. `on` is every rank's (mode != off).
+inline void check_same_order_mode(bool any_on, bool all_on) {
+  if (any_on != all_on)
+    throw config_error("the order check is off on some ranks and on on others (LOCKSTEP_CHECK_ORDER, "
+                       "LOCKSTEP_DEBUG): give every rank the same setting — with mpirun on several hosts, "
+                       "pass the variable with -x");
 }
 
 }  // namespace detail

@@ -276,17 +276,22 @@ class NcclComm {
   //! so far show, here or in a split of the same; never blocks, safe from a watchdog's thread.
   std::optional<std::string> order_failure() const {
     if (!s_) return std::nullopt;
-    for (const auto& m : s_->family->live())
-      if (auto why = m->seals.poll(detail::nccl_order_how(*m))) return why;
+    for (const auto& m : s_->family->live()) {
+      if (m->aborted.load(std::memory_order_acquire)) continue;  // its seals died with it
+      detail::device_guard g(m->device, std::nothrow);             // a watchdog's thread: no context on GPU 0
+      if (auto why = m->seals.poll([&] { return detail::nccl_order_how(*m); })) return why;
+    }
     return std::nullopt;
   }
   //! Waits (up to LOCKSTEP_TIMEOUT) for the order check of every collective issued so far on
   //! this communicator and throws mismatch_error if any differed across ranks.
   void verify_order() {
     state& s = live("verify_order");
+    detail::device_guard g(s.device);
     if (!s.seals.drain(detail::default_timeout()))
       throw timeout_error("NcclComm::verify_order: " + s.who() + ": the order check of earlier collectives did not "
                           "complete within LOCKSTEP_TIMEOUT (a peer never issued them)");
+    live("verify_order");  // aborted meanwhile: that, not what the killed checks left
     if (auto why = order_failure()) throw mismatch_error(*why);
   }
   order_check_mode order_check() const noexcept { return s_ ? s_->seals.mode() : order_check_mode::off; }

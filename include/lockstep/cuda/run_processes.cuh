@@ -31,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "lockstep/comm/order_check.hpp"
 #include "lockstep/core/context.hpp"
 #include "lockstep/core/env.hpp"
 #include "lockstep/core/error.hpp"
@@ -78,13 +79,16 @@ inline int process_device(const launch_info& info) {
 //! Every rank must run the same lockstep with the same world size: compare with rank 0.
 template <class S>
 void check_same_job(S& store, const launch_info& info) {
+  // The order check too: a rank that sends seals pairs them with another's collectives.
+  const bool checks = order_check_mode_from_env() != order_check_mode::off;
   const std::string mine = std::string("lockstep ") + version_string + ", world " + std::to_string(info.world) +
-                           ", launcher " + info.launcher;
+                           ", launcher " + info.launcher + ", order check " + (checks ? "on" : "off");
   store.set("lockstep/hello/" + std::to_string(info.rank), bytes_of(mine));
   const auto root = string_of(store.get("lockstep/hello/0"));
   if (root != mine)
     throw mismatch_error("rank " + std::to_string(info.rank) + " runs '" + mine + "' but rank 0 runs '" + root +
-                         "': start every process of the job from the same build and launcher");
+                         "': start every process of the job from the same build and launcher, with the same "
+                         "LOCKSTEP_CHECK_ORDER / LOCKSTEP_DEBUG");
 }
 
 }  // namespace detail

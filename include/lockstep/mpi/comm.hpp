@@ -163,6 +163,7 @@ class MpiComm {
     LOCKSTEP_TRY_MPI(MPI_Comm_size(s_->comm, &s_->size));
     s_->timeout = timeout;
     s_->order = detail::order_check_mode_from_env();
+    agree_on_order_check();
   }
 
   //! All processes of the job (MPI_COMM_WORLD); initialises MPI when nobody did.
@@ -190,7 +191,9 @@ class MpiComm {
   void label_next(std::string label) { next_label_ = std::move(label); }
 
   //! How the order of collectives is checked across ranks (comm/order_check.hpp; default from
-  //! the environment: deferred). set_check_order(true): immediate, as LOCKSTEP_DEBUG=1; false: off.
+  //! the environment: deferred, the same on every rank, checked at construction). A setter is
+  //! collective in effect: call it on every rank alike, between collectives.
+  //! set_check_order(true): immediate, as LOCKSTEP_DEBUG=1; false: off.
   void set_order_check(order_check_mode m) noexcept { s_->order = m; }
   void set_check_order(bool on) noexcept { s_->order = on ? order_check_mode::immediate : order_check_mode::off; }
   order_check_mode order_check() const noexcept { return s_->order; }
@@ -348,6 +351,17 @@ class MpiComm {
     w.state_ = s_;
     w.what_ = call.describe();
     return w;
+  }
+
+  // Every rank sends seals or none (comm/order_check.hpp): one blocking all-reduce of the
+  // flag, its min and max, at construction — a rank whose environment lacks the variable (mpirun
+  // over several hosts without -x) is named here instead of desynchronising the job later.
+  void agree_on_order_check() {
+    if (size() == 1) return;
+    const int on = s_->order != order_check_mode::off ? 1 : 0;
+    int minmax[2] = {on, -on};
+    LOCKSTEP_TRY_MPI(MPI_Allreduce(MPI_IN_PLACE, minmax, 2, MPI_INT, MPI_MIN, s_->comm));
+    detail::check_same_order_mode(-minmax[1] == 1, minmax[0] == 1);
   }
 
   template <class F>

@@ -229,7 +229,7 @@ class DataParallel {
       micro_ = 0;
       reducer_.begin_cycle();
       in_cycle_ = true;
-      if (opts_.broadcast_buffers) broadcast_buffers_(comm_, buffers_);
+      if (opts_.broadcast_buffers) sync_buffers(/*stepping=*/true);
     }
     const bool sync = micro_ + 1 >= k_;
     double prescale = opts_.average_over_accumulation ? 1.0 / k_ : 1.0;
@@ -387,6 +387,21 @@ class DataParallel {
     }
   }
 
+  // The buffers (model (c)) from one rank to all, at the start of an accumulation cycle
+  // (broadcast_buffers). Outside a Join scope from rank 0. Inside one, from the highest rank
+  // still stepping (one small all-reduce first: rank 0 may have run out of data, its
+  // statistics stale), as DDP's join does; a cycle no rank steps broadcasts nothing. stepping:
+  // this rank contributes data to the cycle (false for a rank shadowing the others).
+  void sync_buffers(bool stepping) {
+    if (comm_.size() == 1 || buffers_.empty()) return;  // the same on every rank: checked at construction
+    int root = 0;
+    if (joining_) {
+      stepped_ = stepping;
+      root = Join<DataParallel>::common_rank(*this, stepping);
+    }
+    if (root >= 0) broadcast_buffers_(comm_, buffers_, root);
+  }
+
   // --- Join (join.hpp): its agreement and shadow steps work on these members ------------
   friend class Join<DataParallel>;
 
@@ -405,13 +420,19 @@ class DataParallel {
       throw config_error("DataParallelOptions::max_grad_norm must be >= 0 (0: no clipping), got " +
                          std::to_string(opts_.max_grad_norm));
     reducer_.set_gather_in_forward(opts_.gather_in_forward);
-    if (comm_.size() > 1 && !frozen_.empty()) {  // model (g): as the trained ones, never reduced
-      detail::check_same_tensors(comm_, frozen_, "frozen parameter");
-      if (opts.broadcast_parameters) detail::broadcast_values(comm_, frozen_);
+    // Checked whenever the model's type has them (not by this rank's count: a rank without
+    // any would skip the collective its peers issue).
+    if constexpr (frozen_model<Model>) {  // model (g): as the trained ones, never reduced
+      if (comm_.size() > 1) {
+        detail::check_same_tensors(comm_, frozen_, "frozen parameter");
+        if (opts.broadcast_parameters) detail::broadcast_values(comm_, frozen_);
+      }
     }
-    if (comm_.size() > 1 && !buffers_.empty()) {
-      detail::check_same_tensors(comm_, buffers_, "buffer");
-      if (opts.broadcast_parameters) broadcast_buffers_(comm_, buffers_);
+    if constexpr (buffer_model<Model>) {
+      if (comm_.size() > 1) {
+        detail::check_same_tensors(comm_, buffers_, "buffer");
+        if (opts.broadcast_parameters) broadcast_buffers_(comm_, buffers_);
+      }
     }
     // A device-side scaler's state must exist before the first loss kernel reads it.
     if constexpr (attachable_scaler<scaler_type, Comm>) scaler_.attach(comm_);
@@ -433,6 +454,7 @@ class DataParallel {
   bool in_cycle_ = false;
   bool open_ = false;
   bool joining_ = false;            // a Join scope is open on this rank
+  bool stepped_ = false;            // in it: this rank contributed to the latest cycle (sync_buffers)
   int join_active_ = 0;             // contributing ranks at the latest agreement
   std::shared_ptr<void> join_buf_;  // the agreement's buffer, in comm's memory space
   detail::nonfinite_origin<Comm> origin_;  // after a skip: whose gradients were non-finite

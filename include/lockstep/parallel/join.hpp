@@ -79,6 +79,7 @@ class Join {
       throw config_error("lockstep::Join: a step is open; enter the scope between steps "
                          "(after finish())");
     dp_.joining_ = true;
+    dp_.stepped_ = false;  // nothing stepped in this scope yet
   }
 
   Join(const Join&) = delete;
@@ -123,6 +124,22 @@ class Join {
   //! Ranks that contributed data at the latest agreement (0 after the final one).
   int active_ranks() const noexcept { return dp_.join_active_; }
 
+ private:
+  friend DP;  // its step() agrees and broadcasts through these
+
+  // The highest rank whose `mine` is true (-1 if none): one all-reduce (max) of rank or -1 —
+  // DDP's _find_common_rank. Whose buffers the cycle starts from, and, when the scope ends,
+  // whose the model ends with.
+  static int common_rank(DP& dp, bool mine) {
+    std::int64_t v = mine ? dp.comm_.rank() : -1;
+    auto mem = dp.comm_.memory();
+    if (!dp.join_buf_) dp.join_buf_ = mem.allocate(2 * sizeof(std::int64_t));
+    mem.upload(dp.join_buf_.get(), &v, sizeof v);
+    dp.comm_.all_reduce(dp.join_buf_.get(), dp.join_buf_.get(), 1, dtype::i64, reduce_op::max).wait();
+    mem.download(&v, dp.join_buf_.get(), sizeof v);
+    return static_cast<int>(v);
+  }
+
   // Inside a scope every syncing micro-step starts with one all-reduce (sum) of {micro-batches
   // this rank accumulated in the cycle, 1 if that is > 0}; a rank that ran out contributes
   // {0, 0}. The sums give the divisor and tell joined ranks whether anybody still steps. The
@@ -149,21 +166,26 @@ class Join {
     return n / static_cast<double>(dp.opts_.average_over_accumulation ? agreed[0] : agreed[1]);
   }
 
- private:
   // One step of a rank inside leave(). It contributes what it accumulated in an unfinished
   // cycle, else zeros, to exactly the collectives the stepping ranks issue, in their order: a
   // pending plan rebuild's check (they apply it when their cycle starts, before its
-  // agreement), the buffers' broadcast, the agreement, the bucket all-reduces (arrival order
-  // replayed) and the loss scaler's found-inf flag. nullopt once no rank contributes any more.
+  // agreement), the buffers' broadcast (from the highest rank still stepping), the agreement,
+  // the bucket all-reduces (arrival order replayed) and the loss scaler's found-inf flag.
+  // nullopt once no rank contributes any more — then every rank takes the buffers of the
+  // highest rank that stepped last (DDP's final sync after join), so the model ends alike.
   std::optional<step_result> shadow_step() {
     DP& dp = dp_;
+    const bool stepped_last = dp.stepped_;
     dp.step_t0_ = decltype(dp.step_t0_)::clock::now();
     dp.comm_at_step_ = dp.reducer_.stats().comm_seconds;
     const bool partial = dp.in_cycle_ && dp.micro_ > 0;
     if (!partial) dp.reducer_.apply_pending_plan();
-    if (!partial && dp.opts_.broadcast_buffers) dp.broadcast_buffers_(dp.comm_, dp.buffers_);
+    if (!partial && dp.opts_.broadcast_buffers) dp.sync_buffers(/*stepping=*/false);
     const auto agreed = agree(dp, partial ? dp.micro_ : 0);
-    if (agreed[0] == 0) return std::nullopt;
+    if (agreed[0] == 0) {
+      if (dp.opts_.broadcast_buffers) dp.sync_buffers(stepped_last);
+      return std::nullopt;
+    }
     if (!partial) {
       dp.reducer_.begin_cycle();  // zero gradients: this rank adds nothing
       dp.micro_ = 0;

@@ -123,14 +123,14 @@ void broadcast_values(Comm& comm, const std::vector<parameter>& ps) {
     if (p.numel()) comm.broadcast(p.value, p.numel(), p.type, 0).wait();
 }
 
-//! Rank 0's values of many small tensors (buffers) to every rank, one broadcast per element
+//! `root`'s values of many small tensors (buffers) to every rank, one broadcast per element
 //! type, as DDP's coalesced broadcasts: packed into a staging buffer (kept for the next call,
 //! in the communicator's memory space), broadcast, unpacked on the other ranks. A ResNet's
 //! hundred and sixty BatchNorm buffers cost two collectives a step, not a hundred and sixty.
 template <class Comm>
 class coalesced_broadcast {
  public:
-  void operator()(Comm& comm, const std::vector<parameter>& ps) {
+  void operator()(Comm& comm, const std::vector<parameter>& ps, int root = 0) {
     if (comm.size() == 1) return;
     std::map<dtype, std::vector<segment>> by_type;
     std::size_t most = 0;
@@ -149,9 +149,9 @@ class coalesced_broadcast {
     for (const auto& [t, segs] : by_type) {
       std::size_t n = 0;
       for (const auto& s : segs) n += s.count;
-      if (comm.rank() == 0) mem.pack(segs, staging_.get(), t, 1.0);
-      comm.broadcast(staging_.get(), n, t, 0).wait();
-      if (comm.rank() != 0) mem.unpack(staging_.get(), segs, t);
+      if (comm.rank() == root) mem.pack(segs, staging_.get(), t, 1.0);
+      comm.broadcast(staging_.get(), n, t, root).wait();
+      if (comm.rank() != root) mem.unpack(staging_.get(), segs, t);
     }
   }
 

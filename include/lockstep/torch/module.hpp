@@ -50,6 +50,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -69,8 +70,8 @@ namespace lockstep {
 
 namespace detail {
 
-//! lockstep's element type of a torch scalar type; what = a name for the message.
-inline dtype dtype_of_torch(c10::ScalarType t, const std::string& what) {
+//! lockstep's element type of a torch scalar type, if it carries it.
+inline std::optional<dtype> carried_dtype(c10::ScalarType t) {
   switch (t) {
     case c10::ScalarType::Float: return dtype::f32;
     case c10::ScalarType::Double: return dtype::f64;
@@ -80,8 +81,13 @@ inline dtype dtype_of_torch(c10::ScalarType t, const std::string& what) {
     case c10::ScalarType::Long: return dtype::i64;
     case c10::ScalarType::Byte:
     case c10::ScalarType::Bool: return dtype::u8;
-    default: break;
+    default: return std::nullopt;
   }
+}
+
+//! The same, or config_error; what = a name for the message.
+inline dtype dtype_of_torch(c10::ScalarType t, const std::string& what) {
+  if (const auto d = carried_dtype(t)) return *d;
   throw config_error("lockstep::TorchModule: " + what + " has torch element type " +
                      std::string(c10::toString(t)) +
                      "; lockstep carries float, double, half, bfloat16, int32, int64, uint8 and bool");
@@ -174,6 +180,7 @@ class TorchModule {
       buffer_names_.push_back(item.key());
       buffers_.push_back(value_only(item.key(), item.value(), "buffer"));
     }
+    check_one_device();
     hooks_ = std::make_shared<detail::torch_hook_state>();
     hooks_->fired.assign(params_.size(), 0);
     for (std::size_t i = 0; i < params_.size(); ++i) {
@@ -237,14 +244,14 @@ class TorchModule {
   std::vector<parameter> frozen() const {
     std::vector<parameter> out;
     out.reserve(frozen_.size());
-    for (std::size_t i = 0; i < frozen_.size(); ++i) out.push_back(view(frozen_names_[i], frozen_[i], {}));
+    for (std::size_t i = 0; i < frozen_.size(); ++i) out.push_back(view(frozen_names_[i], frozen_[i], {}, true));
     return out;
   }
   //! Buffers as value-only views (grad null), for broadcasts.
   std::vector<parameter> buffers() const {
     std::vector<parameter> out;
     out.reserve(buffers_.size());
-    for (std::size_t i = 0; i < buffers_.size(); ++i) out.push_back(view(buffer_names_[i], buffers_[i], {}));
+    for (std::size_t i = 0; i < buffers_.size(); ++i) out.push_back(view(buffer_names_[i], buffers_[i], {}, true));
     return out;
   }
 
@@ -263,17 +270,29 @@ class TorchModule {
   const std::vector<std::string>& names() const noexcept { return names_; }
 
  private:
-  static parameter view(const std::string& name, const at::Tensor& t, const at::Tensor& grad) {
+  // raw: a tensor only broadcast (frozen, buffer) whose element type lockstep does not carry
+  // (int8, fp8, ...) goes as its bytes (u8, shape {bytes}).
+  static parameter view(const std::string& name, const at::Tensor& t, const at::Tensor& grad, bool raw = false) {
     parameter p;
     p.name = name;
-    // In memory order: the sizes sorted by stride, largest first (stable, so a contiguous
-    // tensor's shape is its sizes, size-1 dimensions included).
-    std::vector<std::size_t> dims(static_cast<std::size_t>(t.dim()));
-    for (std::size_t d = 0; d < dims.size(); ++d) dims[d] = d;
-    std::stable_sort(dims.begin(), dims.end(), [&](std::size_t a, std::size_t b) {
-      return t.stride(static_cast<std::int64_t>(a)) > t.stride(static_cast<std::int64_t>(b));
-    });
-    for (auto d : dims) p.shape.push_back(t.size(static_cast<std::int64_t>(d)));
+    if (raw && !detail::carried_dtype(t.scalar_type())) {
+      p.shape.push_back(static_cast<std::int64_t>(t.numel() * t.element_size()));
+      p.type = dtype::u8;
+      p.value = t.data_ptr();
+      return p;
+    }
+    // In memory order: a contiguous tensor's sizes; another layout's dimensions of more than
+    // one element by stride, largest first, then its size-1 ones (which do not move an element),
+    // so that tensors with the same bytes in the same order have the same shape.
+    if (t.is_contiguous()) {
+      p.shape.assign(t.sizes().begin(), t.sizes().end());
+    } else {
+      std::vector<std::int64_t> dims, ones;
+      for (std::int64_t d = 0; d < t.dim(); ++d) (t.size(d) > 1 ? dims : ones).push_back(d);
+      std::stable_sort(dims.begin(), dims.end(), [&](std::int64_t a, std::int64_t b) { return t.stride(a) > t.stride(b); });
+      for (auto d : dims) p.shape.push_back(t.size(d));
+      for (auto d : ones) p.shape.push_back(t.size(d));
+    }
     if (p.shape.empty()) p.shape.push_back(1);  // a 0-d parameter is one element
     p.type = detail::dtype_of_torch(t.scalar_type(), "'" + name + "'");
     p.value = t.data_ptr();
@@ -281,14 +300,36 @@ class TorchModule {
     return p;
   }
 
-  // A buffer or frozen parameter: contiguous, of an element type lockstep carries.
+  // A buffer or frozen parameter: dense (any element type: see view()).
   static const at::Tensor& value_only(const std::string& name, const at::Tensor& t, const char* what) {
     if (!t.is_non_overlapping_and_dense())
       throw config_error(std::string("lockstep::TorchModule: ") + what + " '" + name +
                          "' is not dense (a view with gaps or overlaps); make it contiguous before wrapping "
                          "the module");
-    (void)detail::dtype_of_torch(t.scalar_type(), std::string(what) + " '" + name + "'");
     return t;
+  }
+
+  // Every tensor lockstep moves lives where the communicator's buffers do: one device for all
+  // (a frozen embedding offloaded to the CPU in a GPU job would hand NCCL a host pointer).
+  void check_one_device() const {
+    const at::Tensor* first = nullptr;
+    std::string first_name;
+    const auto check = [&](const std::vector<std::string>& names, const std::vector<at::Tensor>& ts) {
+      for (std::size_t i = 0; i < ts.size(); ++i) {
+        if (!first) {
+          first = &ts[i];
+          first_name = names[i];
+        } else if (ts[i].device() != first->device()) {
+          throw config_error("lockstep::TorchModule: '" + names[i] + "' is on " + ts[i].device().str() + " but '" +
+                             first_name + "' on " + first->device().str() +
+                             "; every parameter, frozen parameter and buffer of a wrapped module must be on the "
+                             "rank's one device (move the module there before wrapping it)");
+        }
+      }
+    };
+    check(names_, params_);
+    check(frozen_names_, frozen_);
+    check(buffer_names_, buffers_);
   }
 
   // A parameter frozen or unfrozen after wrapping would be trained without being reduced (or

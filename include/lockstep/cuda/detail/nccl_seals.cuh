@@ -8,6 +8,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -46,16 +47,18 @@ class nccl_seals {
   nccl_seals() = default;
   nccl_seals(const nccl_seals&) = delete;
   nccl_seals& operator=(const nccl_seals&) = delete;
-  //! The caller has made the device current, and no seal is in flight unless `leak` (an
-  //! aborted communicator: a copy may still be queued against the host words, which stay).
+  //! Frees everything; the caller has made the device current and drained the stream. With
+  //! `leak` (an aborted or stuck communicator) nothing is freed: a copy may still be queued
+  //! against the words, and cudaFree/cudaFreeHost would wait for the device.
   void release(bool leak) noexcept {
     std::lock_guard lk(m_);
-    for (auto& e : spare_) free(e);
-    spare_.clear();
-    if (!leak)
+    if (!leak) {
+      for (auto& e : spare_) free(e);
       for (auto& e : pending_) free(e);
+      if (gathered_ != nullptr) (void)cudaFree(gathered_);
+    }
+    spare_.clear();
     pending_.clear();
-    if (gathered_ != nullptr && !leak) (void)cudaFree(gathered_);
     gathered_ = nullptr;
   }
 
@@ -66,9 +69,9 @@ class nccl_seals {
     if (mode_ != order_check_mode::off)
       LOCKSTEP_TRY_CUDA(cudaMalloc(reinterpret_cast<void**>(&gathered_), sizeof(std::int64_t) * order_words * ranks_));
   }
-  order_check_mode mode() const noexcept { return mode_; }
+  order_check_mode mode() const noexcept { return mode_.load(std::memory_order_relaxed); }
   void set_mode(order_check_mode m) noexcept {  // to immediate or deferred only after init in either
-    if (m == order_check_mode::off || gathered_ != nullptr) mode_ = m;
+    if (m == order_check_mode::off || gathered_ != nullptr) mode_.store(m, std::memory_order_relaxed);
   }
   std::int64_t* gathered() const noexcept { return gathered_; }
   std::size_t ranks() const noexcept { return ranks_; }
@@ -108,8 +111,10 @@ class nccl_seals {
   }
 
   //! Compares the seals that have arrived, oldest first; the first mismatch found (kept: it
-  //! is returned from then on). Never throws; safe from any thread. `how` names the finder.
-  std::optional<std::string> poll(const std::string& how) noexcept {
+  //! is returned from then on). Never throws; safe from any thread. how(): who found it, for
+  //! the message (called on a mismatch only).
+  template <class How>
+  std::optional<std::string> poll(How&& how) noexcept {
     try {
       const relaxed_capture relaxed;
       std::lock_guard lk(m_);
@@ -129,7 +134,8 @@ class nccl_seals {
   }
 
   //! The words of entry e, compared (immediate mode: after its event was waited for).
-  std::optional<std::string> compare(const entry& e, const std::string& how) const {
+  template <class How>
+  std::optional<std::string> compare(const entry& e, How&& how) const {
     return seal_mismatch(std::span<const std::int64_t>(e.host + order_words, order_words * ranks_),
                          static_cast<int>(ranks_), how);
   }
@@ -157,7 +163,7 @@ class nccl_seals {
     e = {};
   }
 
-  order_check_mode mode_ = order_check_mode::off;
+  std::atomic<order_check_mode> mode_{order_check_mode::off};  // read by a watchdog's thread too
   std::size_t ranks_ = 0;
   std::int64_t* gathered_ = nullptr;  // device: ranks_ × order_words, this rank's slot in place
   mutable std::mutex m_;              // the rank's thread and a watchdog

@@ -149,16 +149,19 @@ struct nccl_state {
   nccl_state& operator=(const nccl_state&) = delete;
   ~nccl_state() {
     device_guard g(device, std::nothrow);
+    // The order check's pinned words go after the communicator, and only where nothing can be
+    // stuck (cudaFreeHost waits for the device): after an abort or a timeout they are leaked.
+    bool leak_seals = aborted.load();
     if (comm != nullptr && !released.exchange(true)) {
       const bool destroy = drained();
       if (destroy) free_staging();  // else leaked: a copy may still be queued against it
-      seals.release(!destroy);
       const ncclResult_t r = destroy ? ncclCommDestroy(comm) : ncclCommAbort(comm);
       if (r != ncclSuccess)
         std::fprintf(stderr, "lockstep: %s on rank %d failed: %s\n", destroy ? "ncclCommDestroy" : "ncclCommAbort",
                      rank, ncclGetErrorString(r));
+      leak_seals = leak_seals || !destroy;
     }
-    if (comm == nullptr) seals.release(false);  // nothing was issued
+    seals.release(leak_seals);
     if (barrier_buf != nullptr) (void)cudaFree(barrier_buf);
     if (ready != nullptr) (void)cudaEventDestroy(ready);
     for (const auto& p : pending) (void)cudaEventDestroy(p.event);
@@ -389,7 +392,13 @@ inline collective nccl_check_order(nccl_state& s, collective c) {
     if (cap != cudaStreamCaptureStatusNone) return c;
   }
   const relaxed_capture relaxed;  // another rank's thread may be capturing (run(Gpus))
-  if (auto why = s.seals.poll(nccl_order_how(s))) throw mismatch_error(*why);
+  if (auto why = s.seals.poll([&] { return nccl_order_how(s); })) {
+    // An abort racing this call kills the seals' all-gathers, whose words are then stale: the
+    // abort is what happened.
+    if (s.aborted.load(std::memory_order_acquire))
+      throw aborted_error(s.who() + " was aborted (" + s.abort_reason + "); create a new communicator to continue");
+    throw mismatch_error(*why);
+  }
   constexpr std::size_t k = order_words;
   auto e = s.seals.take();
   try {
@@ -413,7 +422,7 @@ inline collective nccl_check_order(nccl_state& s, collective c) {
     return c;
   }
   const cudaError_t r = cudaEventSynchronize(e.done);
-  auto why = r == cudaSuccess ? s.seals.compare(e, nccl_order_how(s)) : std::nullopt;
+  auto why = r == cudaSuccess ? s.seals.compare(e, [&] { return nccl_order_how(s); }) : std::nullopt;
   s.seals.give_back(e);
   check_cuda(r, "cudaEventSynchronize(order check)", __FILE__, __LINE__);
   if (why) throw mismatch_error(*why);

@@ -44,7 +44,16 @@ struct mpi_state {
   ~mpi_state() {
     int finalized = 1;
     MPI_Finalized(&finalized);
-    // Seals still in flight are left to MPI (their buffers leaked on purpose: MPI may write them).
+    // Seals still in flight: a healthy communicator's complete as soon as the peers' do (they
+    // issued the same), so give them up to 2 s (an MPI request left open makes MPI_Finalize
+    // erroneous); what is left then is left to MPI, its buffers leaked on purpose.
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    while (!finalized && broken.empty() && !seals.empty() && std::chrono::steady_clock::now() < until) {
+      int done = 0;
+      if (MPI_Test(&seals.front().req, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) break;
+      if (done) seals.pop_front();
+      else std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
     for (auto& sl : seals)
       if (sl.req != MPI_REQUEST_NULL) new std::vector<std::int64_t>(std::move(sl.words));
     if (comm != MPI_COMM_NULL && !finalized) MPI_Comm_free(&comm);
@@ -96,8 +105,9 @@ struct mpi_state {
         std::this_thread::yield();
         continue;
       }
-      const auto why = seal_mismatch(std::span<const std::int64_t>(sl.words).subspan(order_words), size,
-                                     order_check_how(order, "") + ", seen on rank " + std::to_string(rank));
+      const auto why = seal_mismatch(std::span<const std::int64_t>(sl.words).subspan(order_words), size, [&] {
+        return order_check_how(order, "") + ", seen on rank " + std::to_string(rank);
+      });
       seals.pop_front();
       if (!why) continue;
       if (order == order_check_mode::deferred) {  // collectives may be in flight on mismatched calls
@@ -141,7 +151,7 @@ struct mpi_state {
         return true;
       }
       const auto now = std::chrono::steady_clock::now();
-      if (found && now - *found >= std::chrono::seconds(1)) throw mismatch_error(mismatch);
+      if (found && (now - *found >= std::chrono::seconds(1) || now >= deadline)) throw mismatch_error(mismatch);
       if (now >= deadline) return false;
       if (now - start < std::chrono::microseconds(200)) continue;
       if (now - start < std::chrono::milliseconds(5)) std::this_thread::yield();
