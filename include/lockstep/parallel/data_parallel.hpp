@@ -235,7 +235,10 @@ class DataParallel {
     double prescale = opts_.average_over_accumulation ? 1.0 / k_ : 1.0;
     // In a Join scope a syncing micro-step first agrees with the other ranks on who
     // contributes (one tiny all-reduce; outside a scope nothing is added).
-    if (joining_ && sync) prescale = Join<DataParallel>::prescale(*this, Join<DataParallel>::agree(*this, micro_ + 1));
+    if (joining_ && sync) {
+      using join = Join<DataParallel>;
+      prescale = join::prescale(*this, join::agree(*this, micro_ + 1));
+    }
     reducer_.begin_micro(sync, prescale);
     open_ = true;
     nvtx_step_ = detail::nvtx_start("step");  // NVTX (observe/nvtx.hpp): ended in finish()
