@@ -47,6 +47,7 @@
 #include "lockstep/observe/nvtx.hpp"
 #include "lockstep/parallel/binding.hpp"
 #include "lockstep/parallel/bucket_hook.hpp"
+#include "lockstep/parallel/detail/arguments.hpp"
 #include "lockstep/parallel/replicas.hpp"
 #include "lockstep/parallel/join.hpp"
 #include "lockstep/parallel/policies.hpp"
@@ -57,21 +58,6 @@
 #include "lockstep/scaling/scalers.hpp"
 
 namespace lockstep {
-
-namespace detail {
-template <class A>
-inline constexpr bool is_options_v = std::is_same_v<std::remove_cvref_t<A>, DataParallelOptions>;
-template <class... As>
-inline constexpr bool starts_with_options_v = false;
-template <class A, class... As>
-inline constexpr bool starts_with_options_v<A, As...> = is_options_v<A>;
-//! `{}` in a policy's place: the positional form of earlier versions (options, accumulation,
-//! scaler, hook, each defaulted with braces), caught to say what replaced it.
-struct braced_policy {};
-template <class...>
-inline constexpr bool positional_form_v = false;
-
-}  // namespace detail
 
 template <class Model, class Comm, class... Policies>
 class DataParallel {

@@ -172,20 +172,6 @@ struct policy_set {
                 "reduce_scatter(comm, data, mine, per, dtype) (Bf16Wire)");
   static constexpr bool sharded = count_v<is_sharding, Policies...> > 0;
 };
-//! The argument of type T among args (at most one), else T{}: DataParallel's constructors
-//! take their options and policies in any order.
-template <class T, class... Args>
-T take_arg(Args&&... args) {
-  static_assert(((std::is_same_v<std::remove_cvref_t<Args>, T> ? 1 : 0) + ... + 0) <= 1,
-                "lockstep::DataParallel: a policy or DataParallelOptions is given twice");
-  T out{};
-  (
-      [&](auto&& a) {
-        if constexpr (std::is_same_v<std::remove_cvref_t<decltype(a)>, T>) out = a;
-      }(args),
-      ...);
-  return out;
-}
 
 }  // namespace detail
 
