@@ -47,6 +47,20 @@ struct Batch {
   torch::Tensor x, y;
 };
 
+// What DataParallel's construction throws (mismatch_error) when rank r of `ranks` wraps pick(r).
+template <class Pick>
+std::string construction_mismatch(int ranks, Pick&& pick) {
+  try {
+    lockstep::run(lockstep::Threads{ranks}, [&](auto& ctx) {
+      lockstep::TorchModule tm(pick(ctx.rank()));
+      lockstep::DataParallel dp(ctx, tm);
+    });
+  } catch (const lockstep::mismatch_error& e) {
+    return e.what();
+  }
+  return {};
+}
+
 // [snippet docs/torch.md#1]
 void train(auto& ctx, Net& net, const std::vector<Batch>& my_batches) {  // once per rank
   lockstep::TorchModule tm(net);                           // DDP(model)
@@ -436,15 +450,7 @@ TEST_CASE("TorchModule: ranks with different frozen parameters are told which on
   nets.emplace_back(torch::nn::Linear(4, 6), torch::nn::Linear(6, 2), torch::nn::Linear(2, 4));
   for (auto& n : nets)
     for (auto& p : n[2]->parameters()) p.set_requires_grad(false);
-  std::string what;
-  try {
-    lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
-      lockstep::TorchModule tm(nets[static_cast<std::size_t>(ctx.rank())]);
-      lockstep::DataParallel dp(ctx, tm);
-    });
-  } catch (const lockstep::mismatch_error& e) {
-    what = e.what();
-  }
+  const std::string what = construction_mismatch(2, [&](int r) -> auto& { return nets[static_cast<std::size_t>(r)]; });
   CAPTURE(what);
   CHECK(what.find("ranks built different models: frozen parameter 0 is '2.weight [3,2] f32' on rank 0 but "
                   "'2.weight [4,2] f32' on rank 1") != std::string::npos);
@@ -505,15 +511,7 @@ TEST_CASE("TorchModule: channels_last parameters train as contiguous ones - shap
   CHECK(rel_diff(*proto, *ref) > 1e-3);  // it trained
   // Ranks whose layouts differ are told apart, as models of other shapes.
   auto other = make();
-  std::string what;
-  try {
-    lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
-      lockstep::TorchModule tm(ctx.rank() == 0 ? nets[0] : other);
-      lockstep::DataParallel dp(ctx, tm);
-    });
-  } catch (const lockstep::mismatch_error& e) {
-    what = e.what();
-  }
+  const std::string what = construction_mismatch(2, [&](int r) -> auto& { return r == 0 ? nets[0] : other; });
   CAPTURE(what);
   CHECK(what.find("'0.weight [4,3,3,2] f32' on rank 0 but '0.weight [4,2,3,3] f32' on rank 1") != std::string::npos);
 }
@@ -563,15 +561,7 @@ TEST_CASE("TorchModule: ranks that built different modules are told which parame
   std::vector<torch::nn::Sequential> nets;
   nets.emplace_back(torch::nn::Linear(4, 6), torch::nn::Linear(6, 2));
   nets.emplace_back(torch::nn::Linear(4, 6), torch::nn::Linear(6, 3));  // rank 1: another head
-  std::string what;
-  try {
-    lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
-      lockstep::TorchModule tm(nets[static_cast<std::size_t>(ctx.rank())]);
-      lockstep::DataParallel dp(ctx, tm);
-    });
-  } catch (const lockstep::mismatch_error& e) {
-    what = e.what();
-  }
+  const std::string what = construction_mismatch(2, [&](int r) -> auto& { return nets[static_cast<std::size_t>(r)]; });
   CAPTURE(what);
   CHECK(what.find("1.weight") != std::string::npos);
   CHECK(what.find("[2,6]") != std::string::npos);
