@@ -26,6 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import torch_memory  # bench/torch_memory.py, beside this script
+
 
 class Block(nn.Module):
     def __init__(self, width, heads, layers):
@@ -91,6 +93,8 @@ def main():
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--profile", default="", help="Chrome trace of steps [warmup, warmup + 3) on rank 0")
+    ap.add_argument("--memory-trace", action="store_true",
+                    help="rank 0 prints the device memory in use after each phase of set-up")
     a = ap.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -100,12 +104,17 @@ def main():
     dev = torch.device("cuda", local)
     if world > 1:
         dist.init_process_group("nccl", device_id=dev)
+    mark = torch_memory.marker(a.memory_trace, dev, rank)  # --memory-trace
+    torch.zeros(1, device=dev)
+    mark("context" + (", NCCL" if world > 1 else ""))
     text = load_text(a.data)
     torch.manual_seed(a.seed)
     model = GPT(context=max(1024, a.seq)).to(dev)
+    mark("model on the device")
     if world > 1:
         model = DDP(model, device_ids=[local], gradient_as_bucket_view=True, static_graph=True)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+    mark("DDP, optimizer")
     rng = np.random.default_rng([a.seed, rank])
     times, losses = [], []
     profiled = 3
@@ -130,12 +139,15 @@ def main():
         opt.zero_grad()
         torch.cuda.synchronize(dev)
         times.append((time.perf_counter() - t0) * 1e3)
+        if step == 0:
+            mark("after step 1")
         if prof is not None and step + 1 == a.warmup + profiled:
             prof.__exit__(None, None, None)
             prof.export_chrome_trace(a.profile)
             prof = None
         if step in (0, a.steps - 1):
             losses.append(loss.item())
+    mark("end")
     timed = sorted(times[a.warmup:])
     free, total = torch.cuda.mem_get_info(dev)  # everything on the GPU: NCCL's buffers, the allocator's cache
     stats = torch.tensor([timed[len(timed) // 2], torch.cuda.max_memory_allocated(dev) / 2**30, (total - free) / 2**30],

@@ -35,6 +35,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import torch_memory  # bench/torch_memory.py, beside this script
+
 RESNET50_PARAMETERS = 25_557_032
 
 
@@ -161,12 +163,7 @@ def main():
     torch.backends.cudnn.benchmark = True
     cfg = CONFIGS[a.config]
 
-    def mark(phase):  # --memory-trace: as resnet50_torch's (cudaMemGetInfo's used, the allocator's reserved)
-        if a.memory_trace and rank == 0:
-            torch.cuda.synchronize(dev)
-            free, total = torch.cuda.mem_get_info(dev)
-            print(f"memory: {phase:<28} used_gib={(total - free) / 2**30:.3f} "
-                  f"torch_reserved_gib={torch.cuda.memory_reserved(dev) / 2**30:.3f}", flush=True)
+    mark = torch_memory.marker(a.memory_trace, dev, rank)  # --memory-trace
 
     torch.zeros(1, device=dev)
     mark("context" + (", NCCL" if world > 1 else ""))

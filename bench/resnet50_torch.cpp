@@ -55,6 +55,8 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <lockstep/cuda.cuh>
+
+#include "bench_memory.hpp"  // examples/03_gpt2_torch: --memory-trace's line
 #else
 #define RESNET_GPU 0
 #endif
@@ -191,6 +193,12 @@ int main(int argc, char** argv) {
   at::globalContext().setBenchmarkCuDNN(true);  // as torch.backends.cudnn.benchmark in the Python peer
 #endif
   bool ok = true;
+#if RESNET_GPU
+  // --memory-trace on one process: libtorch's context on GPU 0 before lockstep's set-up (its
+  // communicator, streams and events), to tell the two apart at the body's first mark.
+  if (opt.memory_trace && !launched && opt.device != "cpu" && torch::cuda::is_available())
+    lockstep_bench::print_device_memory("before lockstep::run", 0);
+#endif
 
   try {
     lockstep::run(lockstep::Auto{}, [&](auto& ctx) {
@@ -213,22 +221,11 @@ int main(int argc, char** argv) {
       // used bytes, everything included, and libtorch's reserved bytes).
       const auto mark = [&](const char* phase) {
 #if RESNET_GPU
-        if constexpr (gpu) {
-          if (!opt.memory_trace || !ctx.is_root()) return;
-          LOCKSTEP_TRY_CUDA(cudaDeviceSynchronize());
-          std::size_t free = 0, total = 0;
-          LOCKSTEP_TRY_CUDA(cudaMemGetInfo(&free, &total));
-          const auto st = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(ctx.device()));
-          std::printf("memory: %-28s used_gib=%.3f torch_reserved_gib=%.3f\n", phase,
-                      static_cast<double>(total - free) / (1 << 30),
-                      static_cast<double>(st.reserved_bytes[0].current) / (1 << 30));
-          std::fflush(stdout);
-        }
+        if constexpr (gpu)
+          if (opt.memory_trace && ctx.is_root()) lockstep_bench::print_device_memory(phase, ctx.device());
 #endif
         (void)phase;
       };
-      // The allocator made before the first mark, as in the Python peer.
-      if (opt.memory_trace && gpu) (void)torch::zeros({1}, torch::TensorOptions().device(dev));
       mark("body start (context, NCCL)");
       resnet::ResNet model(nullptr);
       std::vector<torch::Tensor> images, labels;

@@ -44,6 +44,8 @@
 #include <torch/csrc/autograd/profiler_kineto.h>
 
 #include <lockstep/cuda.cuh>
+
+#include "bench_memory.hpp"
 #else
 #define GPT2_GPU 0
 #endif
@@ -59,6 +61,7 @@ struct options : gpt2::run_options {
   std::string wire = "fp32";  // gradients on the wire: fp32, or bf16 (lockstep::Bf16Wire)
   std::int64_t log_every = 25;
   bool bench = false;
+  bool memory_trace = false;  // rank 0 prints the device memory in use after each phase (GPUs)
   bool shard = false;  // ShardedOptimizer + gather_in_forward
   bool pack_values = false;  // sharded: DataParallelOptions::bind_values off
   bool ce_gather = false;   // sharded: DataParallelOptions::copy_engine_gather on
@@ -71,6 +74,7 @@ constexpr std::int64_t profiled_steps = 3;
   std::printf(
       "usage: gpt2_torch [--data DIR|FILE] [--config small|tiny] [--device auto|cpu] [--batch B]\n"
       "                  [--seq T] [--steps N] [--warmup N] [--lr X] [--seed S] [--log-every N] [--bench]\n"
+      "                  [--memory-trace]\n"
       "                  [--profile TRACE.json] [--wire fp32|bf16] [--shard [--pack-values] [--copy-engine[-gather]]]\n"
       "  batch: sequences per rank and step; on GPUs: all local GPUs, or one per process under a launcher\n");
   std::exit(rc);
@@ -82,6 +86,7 @@ options parse(int argc, char** argv) {
     if (a == "--device") o.device = next();
     else if (a == "--log-every") o.log_every = std::stoll(next());
     else if (a == "--bench") o.bench = true;
+    else if (a == "--memory-trace") o.memory_trace = true;
     else if (a == "--shard") o.shard = true;
     else if (a == "--pack-values") o.pack_values = true;
     else if (a == "--copy-engine") o.ce_gather = o.ce_scatter = true;  // the gathers and the reduce-scatters
@@ -163,6 +168,14 @@ int main(int argc, char** argv) {
 #endif
     const torch::Device dev = gpu ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(ctx.device()))
                                   : torch::Device(torch::kCPU);
+    const auto mark = [&](const char* phase) {  // --memory-trace
+#if GPT2_GPU
+      if constexpr (gpu)
+        if (opt.memory_trace && ctx.is_root()) lockstep_bench::print_device_memory(phase, ctx.device());
+#endif
+      (void)phase;
+    };
+    mark("body start (context, NCCL)");
     gpt2::Gpt model(nullptr);
     {
       std::lock_guard<std::mutex> lock(init_mutex);
@@ -170,7 +183,9 @@ int main(int argc, char** argv) {
       model = gpt2::Gpt(cfg);
     }
     model->to(dev);
+    mark("model on the device");
     lockstep::TorchModule tm(model);
+    mark("TorchModule (its gradients)");
     const lockstep::DataParallelOptions dp_options{
         .bind_values = !opt.pack_values,
         .copy_engine_gather = opt.ce_gather,
@@ -207,6 +222,7 @@ int main(int argc, char** argv) {
       if constexpr (!gpu && !sharded)
         cpu_opt.emplace(tm.tensors(), torch::optim::AdamWOptions(opt.lr).betas({0.9, 0.95}).weight_decay(0.1));
       if constexpr (!gpu && sharded) host_opt.emplace(adamw);
+      mark("DataParallel, optimizer");
 
       auto sync = [&] {
 #if GPT2_GPU
@@ -248,6 +264,7 @@ int main(int argc, char** argv) {
         const bool log = s % opt.log_every == 0 || s + 1 == opt.steps;  // the same on every rank
         if (opt.bench || log || profiling) sync();
         step_ms.push_back(std::chrono::duration<double, std::milli>(clock::now() - t0).count());
+        if (s == 0) mark("after step 1");
 #if GPT2_GPU
         if (profiling && s + 1 == opt.warmup + profiled_steps) stop_profile(opt.profile);
 #endif
@@ -265,6 +282,7 @@ int main(int argc, char** argv) {
           }
         }
       }
+      mark("end");
       if (opt.bench) {
         const double median = gpt2::median_after_warmup(step_ms, opt.warmup);
         double peak_gib = 0;
