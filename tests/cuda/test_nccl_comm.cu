@@ -268,9 +268,13 @@ TEST_SUITE("gpu") {
     LOCKSTEP_REQUIRE_GPUS(1);
     auto comms = NcclComm::create_local({0});
     auto buf = comms[0].memory().allocate(64);
+    ncclComm_t raw = nullptr;  // one GPU's NcclComm has none (raw() is nullptr): a communicator of NCCL's own
+    const int device = 0;
+    LOCKSTEP_TRY_NCCL(ncclCommInitAll(&raw, 1, &device));
+    const std::shared_ptr<ncclComm> owner(raw, [](ncclComm_t c) { (void)ncclCommDestroy(c); });
     auto bad = [&] {  // an element type NCCL does not know: rejected before anything runs
       LOCKSTEP_TRY_NCCL(ncclAllReduce(buf.get(), buf.get(), 1, static_cast<ncclDataType_t>(ncclNumTypes),
-                                      ncclSum, comms[0].raw(), comms[0].comm_stream()));
+                                      ncclSum, raw, comms[0].comm_stream()));
     };
     CHECK_THROWS_AS(bad(), lockstep::nccl_error);
     const std::string msg = what_of(bad);
@@ -366,6 +370,53 @@ TEST_SUITE("gpu") {
   TEST_CASE("NcclComm on 1 GPU: conformance - every collective matches the reference") {
     LOCKSTEP_REQUIRE_GPUS(1);
     conformance_on_gpus(1);
+  }
+
+  // A group of one rank makes no NCCL communicator (NCCL's takes about half a GiB of device
+  // memory on an H100 for nothing to exchange): its collectives are copies, and so are those of
+  // its splits, which pass the conformance suite too (the group itself: conformance_on_gpus(1)).
+  TEST_CASE("NcclComm on 1 GPU: no NCCL communicator - little device memory and splits that work") {
+    LOCKSTEP_REQUIRE_GPUS(1);
+    LOCKSTEP_TRY_CUDA(cudaSetDevice(0));
+    LOCKSTEP_TRY_CUDA(cudaFree(nullptr));  // the context first: it is not the communicator's
+    std::size_t free_before = 0, free_after = 0, total = 0;
+    LOCKSTEP_TRY_CUDA(cudaMemGetInfo(&free_before, &total));
+    auto comms = NcclComm::create_local({0});
+    comms[0].barrier();
+    LOCKSTEP_TRY_CUDA(cudaMemGetInfo(&free_after, &total));
+    const double taken_mib = (static_cast<double>(free_before) - static_cast<double>(free_after)) / (1 << 20);
+    INFO("device memory taken by a one-GPU NcclComm: " << taken_mib << " MiB");
+    CHECK(taken_mib < 64.0);
+    CHECK(comms[0].raw() == nullptr);
+    CHECK(comms[0].size() == 1);
+    auto sub = comms[0].split(3, 0);
+    CHECK(sub.size() == 1);
+    CHECK(sub.rank() == 0);
+    CHECK(sub.raw() == nullptr);
+    CHECK(sub.compute_stream() == comms[0].compute_stream());
+    lockstep_test::check_collectives(sub, nccl_options());
+    CHECK_THROWS_WITH_AS((void)comms[0].split(-2, 0), doctest::Contains("colour -2 is negative"),
+                         lockstep::config_error);
+    // Out of place: recv gets send's random values, on the communication stream, ordered for
+    // the compute stream by the work handle.
+    std::mt19937 rng(std::random_device{}());
+    std::uniform_real_distribution<float> u(-4.f, 4.f);
+    std::vector<float> in(4099), out(in.size());
+    for (auto& x : in) x = u(rng);
+    auto a = comms[0].memory().allocate(in.size() * sizeof(float));
+    auto b = comms[0].memory().allocate(in.size() * sizeof(float));
+    comms[0].memory().upload(a.get(), in.data(), in.size() * sizeof(float));
+    for (const reduce_op op : {reduce_op::sum, reduce_op::avg, reduce_op::max}) {
+      poison(comms[0], b.get(), in.size() * sizeof(float));
+      comms[0].all_reduce(a.get(), b.get(), in.size(), dtype::f32, op).wait();
+      comms[0].memory().download(out.data(), b.get(), out.size() * sizeof(float));
+      CHECK(out == in);
+    }
+    // abort() on a group with no NCCL communicator: later calls say why.
+    comms[0].abort("one-rank abort");
+    CHECK(comms[0].aborted());
+    CHECK(sub.aborted());
+    CHECK(what_of([&] { comms[0].barrier(); }).find("one-rank abort") != std::string::npos);
   }
 }
 

@@ -80,23 +80,8 @@ class NcclComm {
   //! One process driving several local GPUs: element r is rank r, on devices[r]. Hand each
   //! element to its own host thread. Devices must be distinct and visible.
   static std::vector<NcclComm> create_local(std::span<const int> devices) {
-    const int n = static_cast<int>(devices.size());
-    if (n < 1) throw config_error("NcclComm::create_local: the device list is empty; pass one device per rank");
-    const int visible = detail::visible_devices();
-    for (int i = 0; i < n; ++i) {
-      detail::check_device(devices[static_cast<std::size_t>(i)], visible, "NcclComm::create_local");
-      for (int j = 0; j < i; ++j)
-        if (devices[static_cast<std::size_t>(j)] == devices[static_cast<std::size_t>(i)])
-          throw config_error("NcclComm::create_local: device " + std::to_string(devices[static_cast<std::size_t>(i)]) +
-                             " is listed twice (ranks " + std::to_string(j) + " and " + std::to_string(i) +
-                             "); NCCL needs one device per rank");
-    }
-    std::vector<ncclComm_t> raw(static_cast<std::size_t>(n), nullptr);
-    {
-      // ncclCommInitAll switches devices internally; leave the caller's device as it was.
-      detail::device_guard g(devices[0]);
-      LOCKSTEP_TRY_NCCL(ncclCommInitAll(raw.data(), n, devices.data()));
-    }
+    std::vector<ncclComm_t> raw = detail::nccl_init_local(devices);
+    const int n = static_cast<int>(raw.size());
     std::vector<NcclComm> out;
     std::size_t adopted = 0;  // raw[0, adopted) belong to `out` (or were destroyed by it)
     try {
@@ -139,6 +124,8 @@ class NcclComm {
   cudaStream_t comm_stream() const noexcept { return s_ ? s_->comm_stream : nullptr; }
   cudaStream_t compute_stream() const noexcept { return s_ ? s_->compute_stream() : nullptr; }
   //! The raw NCCL communicator, for calls lockstep does not wrap. Stays owned by this object.
+  //! nullptr for a group of one rank from create_local or the constructor: lockstep makes no
+  //! NCCL communicator there (it would hold half a GiB of device buffers for nothing).
   ncclComm_t raw() const noexcept { return s_ ? s_->comm : nullptr; }
 
   //! Use `stream` (a stream of device(); nullptr = the legacy default stream) as the compute
@@ -168,6 +155,7 @@ class NcclComm {
     const ncclDataType_t nt = to_nccl(t);
     const ncclRedOp_t nop = detail::nccl_reduction(s, op);
     return issue(s, c, [&](cudaStream_t cs) {
+      if (!s.comm) return detail::nccl_local(send, recv, count * size_of(t), cs);
       LOCKSTEP_TRY_NCCL(ncclAllReduce(send, recv, count, nt, nop, s.comm, cs));
     });
   }
@@ -183,7 +171,7 @@ class NcclComm {
     detail::nccl_require(buf, "buf", "broadcast");
     const ncclDataType_t nt = to_nccl(t);
     return issue(s, c, [&](cudaStream_t cs) {
-      LOCKSTEP_TRY_NCCL(ncclBroadcast(buf, buf, count, nt, root, s.comm, cs));
+      if (s.comm) LOCKSTEP_TRY_NCCL(ncclBroadcast(buf, buf, count, nt, root, s.comm, cs));
     });
   }
 
@@ -197,6 +185,7 @@ class NcclComm {
     detail::nccl_require(recv, "recv", "all_gather");
     const ncclDataType_t nt = to_nccl(t);
     return issue(s, c, [&](cudaStream_t cs) {
+      if (!s.comm) return detail::nccl_local(send, recv, count * size_of(t), cs);
       LOCKSTEP_TRY_NCCL(ncclAllGather(send, recv, count, nt, s.comm, cs));
     });
   }
@@ -210,7 +199,10 @@ class NcclComm {
     detail::nccl_require(send, "send", "all_to_all");
     detail::nccl_require(recv, "recv", "all_to_all");
     const ncclDataType_t nt = to_nccl(t);
-    return issue(s, c, [&](cudaStream_t cs) { LOCKSTEP_TRY_NCCL(ncclAlltoAll(send, recv, count, nt, s.comm, cs)); });
+    return issue(s, c, [&](cudaStream_t cs) {
+      if (!s.comm) return detail::nccl_local(send, recv, count * size_of(t), cs);
+      LOCKSTEP_TRY_NCCL(ncclAlltoAll(send, recv, count, nt, s.comm, cs));
+    });
   }
 
   //! Queues f(stream) on the communication stream: after every collective issued so far and
@@ -247,6 +239,7 @@ class NcclComm {
     if (detail::copy_engine_reducible(s, send, count, t, op))  // cuda/detail/nccl_window.cuh
       return issue(s, c, [&](cudaStream_t cs) { detail::copy_engine_reduce_scatter(s, send, recv, count, t, op, nt, cs); });
     return issue(s, c, [&](cudaStream_t cs) {
+      if (!s.comm) return detail::nccl_local(send, recv, count * size_of(t), cs);
       LOCKSTEP_TRY_NCCL(ncclReduceScatter(send, recv, count, nt, nop, s.comm, cs));
     });
   }
@@ -259,7 +252,7 @@ class NcclComm {
     // order check tells it from a user's one-element sum).
     const collective c = detail::nccl_check_order(s, collective::barrier());
     work w = issue(s, c, [&](cudaStream_t cs) {
-      LOCKSTEP_TRY_NCCL(ncclAllReduce(s.barrier_buf, s.barrier_buf, 1, ncclInt32, ncclSum, s.comm, cs));
+      if (s.comm) LOCKSTEP_TRY_NCCL(ncclAllReduce(s.barrier_buf, s.barrier_buf, 1, ncclInt32, ncclSum, s.comm, cs));
     });
     w.synchronize();
     live("barrier");  // an abort() while we waited turns into aborted_error here
@@ -406,10 +399,10 @@ class NcclComm {
     s.family = parent ? parent->family : std::make_shared<detail::nccl_family>();
     detail::device_guard g(device);
     // Trust, but verify: the rank/size/device NCCL holds must be the ones we report.
-    int nccl_rank = -1, nccl_size = -1, nccl_device = -1;
-    LOCKSTEP_TRY_NCCL(ncclCommUserRank(c, &nccl_rank));
-    LOCKSTEP_TRY_NCCL(ncclCommCount(c, &nccl_size));
-    LOCKSTEP_TRY_NCCL(ncclCommCuDevice(c, &nccl_device));
+    int nccl_rank = 0, nccl_size = 1, nccl_device = device;  // no NCCL communicator: one rank
+    if (c) LOCKSTEP_TRY_NCCL(ncclCommUserRank(c, &nccl_rank));
+    if (c) LOCKSTEP_TRY_NCCL(ncclCommCount(c, &nccl_size));
+    if (c) LOCKSTEP_TRY_NCCL(ncclCommCuDevice(c, &nccl_device));
     if (nccl_rank != rank || nccl_size != world || nccl_device != device)
       throw nccl_error("NcclComm: NCCL reports rank " + std::to_string(nccl_rank) + " of " +
                        std::to_string(nccl_size) + " on device " + std::to_string(nccl_device) +
@@ -445,6 +438,7 @@ class NcclComm {
                          " is negative; give every rank a colour >= 0 (ranks of one colour form a group)");
     const std::string name = (s.group_name.empty() ? "" : s.group_name + " / ") + "split " +
                              std::to_string(s.splits++) + " (colour " + std::to_string(color) + ")";
+    if (!s.comm) return NcclComm(adopt_tag{}, nullptr, 0, 1, s.device, s_, name);  // one rank: one group
     detail::device_guard g(s.device);
     ncclComm_t sub = nullptr;
     LOCKSTEP_TRY_NCCL(ncclCommSplit(s.comm, color, key, &sub, config));

@@ -90,6 +90,9 @@ struct nccl_family {
 };
 
 struct nccl_state {
+  //! nullptr in a group of one rank: NCCL's communicator would hold about half a GiB of device
+  //! buffers (measured on H100, NCCL 2.28) for collectives with nothing to exchange, so none
+  //! is made and each collective is a copy on the communication stream (nccl_local).
   ncclComm_t comm = nullptr;
   int rank = 0;
   int size = 0;
@@ -217,7 +220,9 @@ struct nccl_state {
       const cudaError_t q = cudaStreamQuery(comm_stream);
       if (q != cudaErrorNotReady) return q == cudaSuccess;  // a failed device: abort, do not wait
       ncclResult_t r = ncclSuccess;
-      if (ncclCommGetAsyncError(comm, &r) != ncclSuccess || (r != ncclSuccess && r != ncclInProgress)) return false;
+      if (comm != nullptr &&
+          (ncclCommGetAsyncError(comm, &r) != ncclSuccess || (r != ncclSuccess && r != ncclInProgress)))
+        return false;
       if (family && family->was_aborted()) return false;
       if (std::chrono::steady_clock::now() - start >= limit) {
         try {
@@ -234,9 +239,16 @@ struct nccl_state {
   }
 };
 
-// On one rank, avg is the identity: send it as sum (a plain copy). NCCL before 2.29.7
-// leaves the tail of a one-rank avg unwritten (NVIDIA/nccl#1950; seen here with 2.28.9 at
-// 2^20 + 3 elements).
+//! A collective of a group of one rank (nccl_state::comm): recv ← send, `bytes` of them, queued
+//! on `stream`; nothing when in place.
+inline void nccl_local(const void* send, void* recv, std::size_t bytes, cudaStream_t stream) {
+  if (send != recv && bytes != 0)
+    LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(recv, send, bytes, cudaMemcpyDeviceToDevice, stream));
+}
+
+// On one rank (a split's group of one has an NCCL communicator), avg is the identity: send it
+// as sum (a plain copy). NCCL before 2.29.7 leaves the tail of a one-rank avg unwritten
+// (NVIDIA/nccl#1950; seen here with 2.28.9 at 2^20 + 3 elements).
 inline ncclRedOp_t nccl_reduction(const nccl_state& s, reduce_op op) {
   return s.size == 1 && op == reduce_op::avg ? ncclSum : to_nccl(op);
 }
@@ -250,7 +262,7 @@ inline void nccl_require(const void* p, const char* name, const char* what) {
 inline void nccl_check_async_error(nccl_family& family) {
   for (const auto& m : family.live()) {
     std::lock_guard lk(m->abort_m);  // not while abort() frees the communicator
-    if (m->released.load()) continue;  // aborted (or destroyed): nothing left to ask
+    if (m->released.load() || m->comm == nullptr) continue;  // aborted, destroyed, or one rank: nothing to ask
     ncclResult_t r = ncclSuccess;
     LOCKSTEP_TRY_NCCL(ncclCommGetAsyncError(m->comm, &r));
     if (r != ncclSuccess && r != ncclInProgress)
@@ -268,6 +280,7 @@ inline void nccl_abort(nccl_state& s, std::string_view reason) noexcept {
   s.aborted.store(true, std::memory_order_release);
   device_guard g(s.device, std::nothrow);
   std::lock_guard lk(s.abort_m);
+  if (s.comm == nullptr) return;  // one rank: its copies end on their own
   const ncclResult_t r = ncclCommAbort(s.comm);
   if (r != ncclSuccess)
     std::fprintf(stderr, "lockstep: ncclCommAbort on rank %d failed: %s\n", s.rank, ncclGetErrorString(r));

@@ -90,6 +90,12 @@ inline std::pair<void*, ncclWindow_t> nccl_window_raw(nccl_state& s, std::size_t
 inline std::pair<std::shared_ptr<void>, bool> nccl_window(const std::shared_ptr<nccl_state>& s, std::size_t bytes,
                                                           cudaStream_t stream) {
   device_guard g(s->device);
+  if (s->comm == nullptr) {  // one rank, no NCCL communicator: plain memory, no window
+    std::shared_ptr<void> owner = CudaMemory(s->device, stream).allocate(bytes == 0 ? 1 : bytes);
+    LOCKSTEP_TRY_CUDA(cudaMemsetAsync(owner.get(), 0, bytes, stream));
+    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(stream));
+    return {std::move(owner), false};
+  }
   const auto [p, win] = nccl_window_raw(*s, bytes, "DataParallelOptions::copy_engine_gather/_scatter");
   std::shared_ptr<void> owner(p, nccl_window_deleter{s, win});  // should this throw, it frees p itself
   if (win != nullptr) {

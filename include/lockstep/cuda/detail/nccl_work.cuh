@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -145,12 +146,37 @@ inline void check_device(int device, int visible, const char* who) {
                        "); check CUDA_VISIBLE_DEVICES");
 }
 
-//! Rank `rank` of `world` on `device` (ncclCommInitRank, which returns once all ranks joined).
+//! One communicator per device of `devices`, rank r on devices[r] (ncclCommInitAll), once the
+//! list is checked; for one device nullptr, which needs no NCCL communicator (nccl_state::comm).
+inline std::vector<ncclComm_t> nccl_init_local(std::span<const int> devices) {
+  const int n = static_cast<int>(devices.size());
+  if (n < 1) throw config_error("NcclComm::create_local: the device list is empty; pass one device per rank");
+  const int visible = visible_devices();
+  for (int i = 0; i < n; ++i) {
+    check_device(devices[static_cast<std::size_t>(i)], visible, "NcclComm::create_local");
+    for (int j = 0; j < i; ++j)
+      if (devices[static_cast<std::size_t>(j)] == devices[static_cast<std::size_t>(i)])
+        throw config_error("NcclComm::create_local: device " + std::to_string(devices[static_cast<std::size_t>(i)]) +
+                           " is listed twice (ranks " + std::to_string(j) + " and " + std::to_string(i) +
+                           "); NCCL needs one device per rank");
+  }
+  std::vector<ncclComm_t> raw(static_cast<std::size_t>(n), nullptr);
+  if (n > 1) {  // one GPU needs no NCCL communicator (detail::nccl_state::comm)
+    // ncclCommInitAll switches devices internally; leave the caller's device as it was.
+    device_guard g(devices[0]);
+    LOCKSTEP_TRY_NCCL(ncclCommInitAll(raw.data(), n, devices.data()));
+  }
+  return raw;
+}
+
+//! Rank `rank` of `world` on `device` (ncclCommInitRank, which returns once all ranks joined);
+//! nullptr for a world of one, which needs no NCCL communicator (nccl_state::comm).
 inline ncclComm_t nccl_init_rank(const ncclUniqueId& id, int rank, int world, int device) {
   if (world < 1 || rank < 0 || rank >= world)
     throw config_error("NcclComm: rank " + std::to_string(rank) + " of " + std::to_string(world) +
                        " is not a valid rank (need 0 <= rank < world, world >= 1)");
   check_device(device, visible_devices(), "NcclComm");
+  if (world == 1) return nullptr;
   device_guard g(device);
   ncclComm_t c = nullptr;
   LOCKSTEP_TRY_NCCL(ncclCommInitRank(&c, world, id, rank));
@@ -158,6 +184,7 @@ inline ncclComm_t nccl_init_rank(const ncclUniqueId& id, int rank, int world, in
 }
 
 inline void nccl_destroy(ncclComm_t c, int device) noexcept {
+  if (c == nullptr) return;
   device_guard g(device, std::nothrow);
   (void)ncclCommDestroy(c);
 }
