@@ -17,6 +17,7 @@
 #include <span>
 #include <string>
 
+#include <cuda.h>  // the driver API's types only (primary_context_active)
 #include <cuda_runtime_api.h>
 
 #include "lockstep/core/concepts.hpp"
@@ -29,9 +30,51 @@ namespace lockstep {
 
 namespace detail {
 
+//! Whether `device`'s primary context is active in this process (the driver's
+//! cuDevicePrimaryCtxGetState, reached through the runtime: no link to libcuda). True when
+//! the driver cannot say.
+inline bool primary_context_active(int device) noexcept {
+  struct driver {
+    CUresult (*get_device)(CUdevice*, int) = nullptr;
+    CUresult (*get_state)(CUdevice, unsigned int*, int*) = nullptr;
+  };
+  static const driver d = [] {
+    driver r;
+    void* get_device = nullptr;
+    void* get_state = nullptr;
+    cudaDriverEntryPointQueryResult q1{}, q2{};
+#if CUDART_VERSION >= 12050
+    const bool found = cudaGetDriverEntryPointByVersion("cuDeviceGet", &get_device, 12000, cudaEnableDefault, &q1) ==
+                           cudaSuccess &&
+                       cudaGetDriverEntryPointByVersion("cuDevicePrimaryCtxGetState", &get_state, 12000,
+                                                        cudaEnableDefault, &q2) == cudaSuccess;
+#else
+    const bool found = cudaGetDriverEntryPoint("cuDeviceGet", &get_device, cudaEnableDefault, &q1) == cudaSuccess &&
+                       cudaGetDriverEntryPoint("cuDevicePrimaryCtxGetState", &get_state, cudaEnableDefault, &q2) ==
+                           cudaSuccess;
+#endif
+    if (found && q1 == cudaDriverEntryPointSuccess && q2 == cudaDriverEntryPointSuccess) {
+      r.get_device = reinterpret_cast<CUresult (*)(CUdevice*, int)>(get_device);
+      r.get_state = reinterpret_cast<CUresult (*)(CUdevice, unsigned int*, int*)>(get_state);
+    }
+    return r;
+  }();
+  CUdevice dev{};
+  unsigned int flags = 0;
+  int active = 0;
+  if (!d.get_device || !d.get_state || d.get_device(&dev, device) != CUDA_SUCCESS ||
+      d.get_state(dev, &flags, &active) != CUDA_SUCCESS)
+    return true;
+  return active != 0;
+}
+
 //! Makes `device` current for a scope and restores the previous device afterwards.
 //! CUDA's current device is per host thread; a thread driving several communicators (or a
-//! user thread that set another device) must not be left on ours.
+//! user thread that set another device) must not be left on ours. The previous device is
+//! restored only where this process has a context on it: since CUDA 12, cudaSetDevice makes
+//! one (about half a GiB on an H100), and a thread that never chose a device "has" device 0 —
+//! a watchdog thread of rank 1 would otherwise leave a context on GPU 0 behind. Such a thread
+//! stays on `device`.
 class device_guard {
  public:
   explicit device_guard(int device) {
@@ -53,7 +96,7 @@ class device_guard {
     }
   }
   ~device_guard() {
-    if (restore_) (void)cudaSetDevice(prev_);
+    if (restore_ && primary_context_active(prev_)) (void)cudaSetDevice(prev_);
   }
   device_guard(const device_guard&) = delete;
   device_guard& operator=(const device_guard&) = delete;

@@ -93,8 +93,9 @@ inline environment detect() {
     (void)cudaGetLastError();
     n = 0;
   }
-  int current = 0;
-  (void)cudaGetDevice(&current);
+  // Nothing here changes the current device, and nothing may set it: since CUDA 12,
+  // cudaSetDevice makes a context (about half a GiB on an H100), so "restoring" device 0 put
+  // one on GPU 0 in every process of a run(Auto) job, rank 1's, 2's and 3's included.
   for (int i = 0; i < n; ++i) {
     cudaDeviceProp prop{};
     if (cudaGetDeviceProperties(&prop, i) != cudaSuccess) continue;
@@ -113,7 +114,6 @@ inline environment detect() {
     e.gpus.push_back(std::move(g));
   }
   (void)cudaGetLastError();
-  if (n > 0) (void)cudaSetDevice(current);
   int v = 0;
   if (ncclGetVersion(&v) == ncclSuccess) e.nccl_version = v;
   if (e.devices)

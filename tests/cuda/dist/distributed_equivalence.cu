@@ -4,9 +4,11 @@
 // machine has fewer GPUs than processes.
 //   distributed_equivalence --uneven   rank 0 runs one step fewer (uneven inputs, no Join):
 //   every process must end within seconds, the others saying that rank 0 left.
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <thread>
 
 #include <lockstep/cuda/run_processes.cuh>
 #include <lockstep/lockstep.hpp>
@@ -21,6 +23,9 @@ using namespace lockstep_test;
 int main(int argc, char** argv) {
   try {
     const bool uneven = argc > 1 && std::string(argv[1]) == "--uneven";
+    // What run(Auto) asks first (the GPUs, their properties and peer access): it must leave
+    // no CUDA context behind on a GPU this process does not use (checked at the end).
+    (void)lockstep::detect();
     const auto info = lockstep::detect_launcher();
     if (!info) {
       std::fprintf(stderr, "distributed_equivalence: start me with lockstep-run or torchrun\n");
@@ -99,6 +104,16 @@ int main(int argc, char** argv) {
                   ctx.rank(), world, ctx.device(), info->launcher.c_str(), err, same ? "yes" : "NO");
       if (!(err <= 1e-5) || !(moved > 1e-3) || !same) ++failures;
       cudaFree(dX); cudaFree(dy); cudaFree(drows);
+      // No CUDA context on another rank's GPU (each takes about half a GiB there): neither
+      // detect() above nor the watchdog's thread, which polls the communicator every 200 ms
+      // (restoring its "previous" device 0 after each poll), may leave one on GPU 0. Wait
+      // for a few polls first.
+      std::this_thread::sleep_for(std::chrono::milliseconds(700));
+      for (int d = 0; d < visible; ++d)
+        if (d != ctx.device() && lockstep::detail::primary_context_active(d)) {
+          std::printf("rank %d (GPU %d) has a CUDA context on GPU %d too\n", ctx.rank(), ctx.device(), d);
+          ++failures;
+        }
     });
     if (failures) {
       std::printf("FAIL\n");
