@@ -5,6 +5,7 @@
 //
 //   lockstep-info            # all visible GPUs
 //   LOCKSTEP_DEVICES=0,1 lockstep-info
+//   lockstep-info --version  # "lockstep 0.2.0"
 //
 // With --estimate it measures the all-reduce time curve across the visible GPUs (NCCL) or CPU
 // ranks (ThreadComm), or reads a saved probe, and predicts the step time, speed-up and scaling
@@ -371,6 +372,10 @@ int estimate_main(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc == 2 && std::string(argv[1]) == "--version") {
+    std::printf("lockstep %s\n", lockstep::version_string);
+    return 0;
+  }
   if (argc > 1) return estimate_main(argc, argv);
   try {
     const auto env = lockstep::detect();
