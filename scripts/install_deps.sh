@@ -14,6 +14,7 @@ packages=(
   clang libclang-rt-14-dev    # the libFuzzer target of the TCP store protocol
   libtorch-dev                # lockstep::torch and its tests (libtorch 1.13, CPU)
   fortunes                    # text for examples/03_gpt2_torch (its CPU test)
+  lintian                     # checks the Debian packages (tests/packaging: packaging_deb)
 )
 
 missing=()
@@ -25,20 +26,22 @@ for p in "${packages[@]}"; do
 done
 
 # Python packages the tests use, into the python3 on PATH: TensorBoard's own reader (tests whose
-# name contains "tensorboard" read lockstep's event files with it) and matplotlib
-# (scripts/render_trace.py draws a trace with it; the test render_trace.cpu_ranks).
+# name contains "tensorboard" read lockstep's event files with it), matplotlib
+# (scripts/render_trace.py draws a trace with it; the test render_trace.cpu_ranks) and Conan 2
+# (the test packaging_conan runs `conan create` on packaging/conan, offline).
 python_deps() {
-  if python3 -c 'import tensorboard, matplotlib' 2>/dev/null; then return 0; fi
+  if python3 -c 'import tensorboard, matplotlib' 2>/dev/null && command -v conan >/dev/null; then return 0; fi
   if [[ $(id -u) -ne 0 ]]; then
-    echo "install_deps: missing the Python package tensorboard or matplotlib: run  python3 -m pip install tensorboard matplotlib" >&2
+    echo "install_deps: missing the Python package tensorboard, matplotlib or conan: run  python3 -m pip install tensorboard matplotlib conan" >&2
     return 1
   fi
-  echo "install_deps: installing the Python packages tensorboard and matplotlib"
+  echo "install_deps: installing the Python packages tensorboard, matplotlib and conan"
   if ! python3 -m pip --version >/dev/null 2>&1; then
     apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3-pip
   fi
-  python3 -m pip install --quiet tensorboard matplotlib 2>/dev/null ||
-    python3 -m pip install --quiet --break-system-packages tensorboard matplotlib  # Debian's own python3
+  python3 -m pip install --quiet tensorboard matplotlib conan 2>/dev/null ||
+    python3 -m pip install --quiet --break-system-packages tensorboard matplotlib conan  # Debian's own python3
+  hash -r  # conan's entry point is new on PATH
 }
 
 if [[ ${#missing[@]} -eq 0 ]]; then

@@ -1,8 +1,11 @@
 # Consumes lockstep one way from a fresh directory and runs the consumer. Run as a ctest test
 # (see CMakeLists.txt):
-#   cmake -DMODE=subdirectory|fetchcontent|find_package|torch_subdirectory|torch_find_package
+#   cmake -DMODE=subdirectory|fetchcontent|find_package|torch_subdirectory|torch_find_package|deb|conan|vcpkg
 #         -DLOCKSTEP_SOURCE=<src> -DWORK_DIR=<dir> [-DGENERATOR=<gen>] [-DCXX_COMPILER=<c++>]
-#         [-DTORCH_DIR=<dir of TorchConfig.cmake>] -P run_consumer.cmake
+#         [-DTORCH_DIR=<dir of TorchConfig.cmake>]
+#         [deb: -DLOCKSTEP_BUILD=<build dir> -DCPACK=<cpack> -DVERSION=<x.y.z> [-DLINTIAN=<lintian>]]
+#         [conan: -DCONAN=<conan>] [vcpkg: -DVERSION=<x.y.z> [-DFEATURES=mpi;...]]
+#         -P run_consumer.cmake
 #
 # find_package runs the shell blocks of docs/building.md tagged `<!-- packaging-test: NAME -->`
 # exactly as written (install, consume, tools), so the documented commands are the tested ones.
@@ -153,6 +156,206 @@ function(configure_must_fail what regex)
   endif()
   message(STATUS "packaging (${MODE}): ${what}: fails as it should")
 endfunction()
+
+# --- the vcpkg overlay port (packaging/vcpkg), without vcpkg -------------------------------
+# vcpkg is not installable offline, so its helpers are stood in for here by what they do to a
+# source tree (vcpkg_check_features: features to -D options; configure and install: the real
+# cmake commands), and the port's own calls run with FEATURES (-DFEATURES=mpi;...). Checked:
+# the options it passes exist and configure, its CONFIG_PATH is where the install put the CMake
+# package, its copyright file exists, the version in vcpkg.json is version.hpp's, and the
+# consumer builds and runs against the install.
+if(MODE STREQUAL "vcpkg")
+  cmake_policy(SET CMP0057 NEW)  # if(IN_LIST), in this script run without cmake_minimum_required
+  set(port ${LOCKSTEP_SOURCE}/packaging/vcpkg/lockstep)
+  file(READ ${port}/vcpkg.json manifest)
+  string(JSON port_version GET "${manifest}" version)
+  if(NOT DEFINED VERSION OR NOT port_version STREQUAL VERSION)
+    fail("packaging/vcpkg/lockstep/vcpkg.json says version ${port_version}, version.hpp ${VERSION}")
+  endif()
+  set(CURRENT_PACKAGES_DIR ${WORK_DIR}/packages)
+  set(port_build ${WORK_DIR}/port-build)
+  macro(vcpkg_check_features)
+    cmake_parse_arguments(_f "" "OUT_FEATURE_OPTIONS" "FEATURES" ${ARGN})
+    set(_opts "")
+    set(_pairs ${_f_FEATURES})
+    while(_pairs)
+      list(POP_FRONT _pairs _feature _option)
+      string(JSON _declared ERROR_VARIABLE _absent GET "${manifest}" features ${_feature})
+      if(_absent)
+        fail("the port maps feature '${_feature}', which vcpkg.json does not declare")
+      endif()
+      if(_feature IN_LIST FEATURES)
+        list(APPEND _opts -D${_option}=ON)
+      else()
+        list(APPEND _opts -D${_option}=OFF)
+      endif()
+    endwhile()
+    set(${_f_OUT_FEATURE_OPTIONS} ${_opts})
+  endmacro()
+  function(vcpkg_cmake_configure)
+    cmake_parse_arguments(_c "" "SOURCE_PATH" "OPTIONS" ${ARGN})
+    if(NOT _c_SOURCE_PATH STREQUAL LOCKSTEP_SOURCE)
+      file(REAL_PATH "${_c_SOURCE_PATH}" _real)
+      file(REAL_PATH "${LOCKSTEP_SOURCE}" _src)
+      if(NOT _real STREQUAL _src)
+        fail("the port's SOURCE_PATH is ${_c_SOURCE_PATH}, not the tree it lives in (${LOCKSTEP_SOURCE})")
+      endif()
+    endif()
+    execute_process(COMMAND ${CMAKE_COMMAND} -S ${_c_SOURCE_PATH} -B ${port_build} ${common_args} ${_c_OPTIONS}
+                            -DCMAKE_INSTALL_PREFIX=${CURRENT_PACKAGES_DIR}
+                    RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+    if(NOT rc EQUAL 0 OR out MATCHES "Manually-specified variables were not used")
+      message("${out}")
+      fail("the port's configure (options: ${_c_OPTIONS}) failed or passed options lockstep does not read")
+    endif()
+    message(STATUS "packaging (${MODE}): port: configure ok (${_c_OPTIONS})")
+  endfunction()
+  function(vcpkg_cmake_install)
+    step("port: install" ${CMAKE_COMMAND} --install ${port_build})
+  endfunction()
+  function(vcpkg_cmake_config_fixup)
+    cmake_parse_arguments(_x "" "CONFIG_PATH" "" ${ARGN})
+    if(NOT EXISTS ${CURRENT_PACKAGES_DIR}/${_x_CONFIG_PATH}/lockstep-config.cmake)
+      fail("the port's CONFIG_PATH ${_x_CONFIG_PATH} holds no lockstep-config.cmake after the install")
+    endif()
+    file(COPY ${CURRENT_PACKAGES_DIR}/${_x_CONFIG_PATH}/ DESTINATION ${WORK_DIR}/config-as-installed)
+  endfunction()
+  function(vcpkg_install_copyright)
+    cmake_parse_arguments(_y "" "" "FILE_LIST" ${ARGN})
+    foreach(f IN LISTS _y_FILE_LIST)
+      if(NOT EXISTS ${f})
+        fail("the port's copyright file ${f} does not exist")
+      endif()
+    endforeach()
+  endfunction()
+  include(${port}/portfile.cmake)
+  # The consumer against the install, before vcpkg would move its config to share/lockstep.
+  file(COPY ${WORK_DIR}/config-as-installed/ DESTINATION ${CURRENT_PACKAGES_DIR}/lib/cmake/lockstep)
+  set(consumer_bin ${WORK_DIR}/consumer-build)
+  step("configure consumer" ${CMAKE_COMMAND} -S ${consumer_src} -B ${consumer_bin} ${common_args}
+       -DCMAKE_PREFIX_PATH=${CURRENT_PACKAGES_DIR})
+  step("build consumer" ${CMAKE_COMMAND} --build ${consumer_bin} --target my_trainer)
+  step("run my_trainer" ${consumer_bin}/my_trainer)
+  if("mpi" IN_LIST FEATURES AND NOT EXISTS ${WORK_DIR}/config-as-installed/lockstepMpiTargets.cmake)
+    fail("the port with feature mpi installed no lockstep::mpi")
+  endif()
+  return()
+endif()
+
+# --- the Conan 2 recipe (packaging/conan), offline --------------------------------------
+# conan create from the source tree with a throw-away CONAN_HOME (no remote is asked: lockstep
+# requires nothing), its test package copied out of the source tree and run.
+if(MODE STREQUAL "conan")
+  if(NOT DEFINED CONAN)
+    fail("pass -DCONAN=<conan>")
+  endif()
+  set(env ${CMAKE_COMMAND} -E env CONAN_HOME=${WORK_DIR}/conan-home)
+  get_filename_component(cmake_dir ${CMAKE_COMMAND} DIRECTORY)
+  list(APPEND env PATH=${cmake_dir}:$ENV{PATH})
+  if(CXX_COMPILER)
+    list(APPEND env CXX=${CXX_COMPILER})
+  endif()
+  step("conan profile detect" ${env} ${CONAN} profile detect)
+  file(COPY ${LOCKSTEP_SOURCE}/packaging/conan/test_package DESTINATION ${WORK_DIR})
+  step("conan create" ${env} ${CONAN} create ${LOCKSTEP_SOURCE}/packaging/conan -s compiler.cppstd=20
+       -tf ${WORK_DIR}/test_package)
+  # A C++ standard below 20 is refused by the recipe, with the reason.
+  execute_process(COMMAND ${env} ${CONAN} create ${LOCKSTEP_SOURCE}/packaging/conan -s compiler.cppstd=17
+                  -tf ${WORK_DIR}/test_package RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+  if(rc EQUAL 0 OR NOT out MATCHES "lower than the required C\\+\\+ standard \\(20\\)")
+    message("${out}")
+    fail("conan create with compiler.cppstd=17 was not refused for the C++ standard (exit ${rc})")
+  endif()
+  return()
+endif()
+
+# --- the Debian packages of lockstep's own build directory (cpack -G DEB) -------------------
+# Made from LOCKSTEP_BUILD (the build directory running this test, tools built) with CPACK;
+# their control fields checked, lintian run on them (LINTIAN, when installed), unpacked into a
+# throw-away root (dpkg-deb -x: no dpkg database, no root) and used from there: the tools run,
+# the consumer builds against <root>/usr (a prefix the package was not made for: relocatable)
+# and runs, and a part whose dependency is missing is named when asked for.
+if(MODE STREQUAL "deb")
+  foreach(var LOCKSTEP_BUILD CPACK VERSION)
+    if(NOT DEFINED ${var})
+      fail("pass -D${var}=...")
+    endif()
+  endforeach()
+  set(out ${WORK_DIR}/packages)
+  step("cpack -G DEB" ${CPACK} -G DEB --config ${LOCKSTEP_BUILD}/CPackConfig.cmake -B ${out})
+  execute_process(COMMAND dpkg --print-architecture OUTPUT_VARIABLE arch OUTPUT_STRIP_TRAILING_WHITESPACE)
+  set(dev ${out}/liblockstep-dev_${VERSION}-1_all.deb)
+  set(tools ${out}/lockstep-tools_${VERSION}-1_${arch}.deb)
+  foreach(deb ${dev} ${tools})
+    if(NOT EXISTS ${deb})
+      file(GLOB made ${out}/*.deb)
+      fail("cpack made no ${deb} (it made: ${made})")
+    endif()
+  endforeach()
+  # field_is(<deb> <field> <regex>): the control field matches.
+  function(field_is deb field regex)
+    execute_process(COMMAND dpkg-deb -f ${deb} ${field} OUTPUT_VARIABLE v OUTPUT_STRIP_TRAILING_WHITESPACE)
+    if(NOT v MATCHES "${regex}")
+      fail("${deb}: ${field} is '${v}', expected to match '${regex}'")
+    endif()
+  endfunction()
+  field_is(${dev} Architecture "^all$")
+  field_is(${dev} Version "^${VERSION}-1$")
+  field_is(${dev} Depends "cmake \\(>= 3\\.25\\)")
+  field_is(${dev} Suggests "libnccl-dev.*libopenmpi-dev.*libtorch-dev")
+  field_is(${tools} Architecture "^${arch}$")
+  field_is(${tools} Depends "libc6.*libstdc\\+\\+6")
+  if(LINTIAN)
+    step("lintian" ${LINTIAN} --fail-on error,warning ${dev} ${tools})
+  else()
+    message(STATUS "packaging (${MODE}): lintian not installed, not run (apt-get install lintian)")
+  endif()
+  set(root ${WORK_DIR}/root)
+  foreach(deb ${dev} ${tools})
+    step("unpack ${deb}" dpkg-deb -x ${deb} ${root})
+  endforeach()
+  execute_process(COMMAND ${root}/usr/bin/lockstep-info --version OUTPUT_VARIABLE said RESULT_VARIABLE rc)
+  if(NOT rc EQUAL 0 OR NOT said STREQUAL "lockstep ${VERSION}\n")
+    fail("the packaged lockstep-info --version said '${said}' (exit ${rc}), expected 'lockstep ${VERSION}'")
+  endif()
+  step("run the packaged lockstep-run --help" ${root}/usr/bin/lockstep-run --help)
+  # Headers, every one, and no header-only install leftovers in the tools package.
+  file(GLOB_RECURSE packaged RELATIVE ${root}/usr/include ${root}/usr/include/*)
+  file(GLOB_RECURSE headers RELATIVE ${LOCKSTEP_SOURCE}/include
+       ${LOCKSTEP_SOURCE}/include/*.hpp ${LOCKSTEP_SOURCE}/include/*.cuh ${LOCKSTEP_SOURCE}/include/*.h)
+  if(NOT packaged STREQUAL headers)
+    list(REMOVE_ITEM headers ${packaged})
+    fail("liblockstep-dev's headers differ from the source tree's (missing: ${headers})")
+  endif()
+  set(consumer_bin ${WORK_DIR}/consumer-build)
+  step("configure consumer" ${CMAKE_COMMAND} -S ${consumer_src} -B ${consumer_bin} ${common_args}
+       -DCMAKE_PREFIX_PATH=${root}/usr)
+  step("build consumer" ${CMAKE_COMMAND} --build ${consumer_bin})
+  step("run my_trainer" ${consumer_bin}/my_trainer)
+  file(GLOB config_dir LIST_DIRECTORIES true ${root}/usr/lib*/cmake/lockstep)
+  foreach(part Cuda Mpi)
+    string(TOLOWER ${part} lower)
+    if(EXISTS ${config_dir}/lockstep${part}Targets.cmake)
+      if(NOT EXISTS ${consumer_bin}/my_trainer_${lower})
+        fail("the package has lockstep::${lower} but the consumer did not build my_trainer_${lower}")
+      endif()
+      step("run my_trainer_${lower}" ${consumer_bin}/my_trainer_${lower})
+    endif()
+  endforeach()
+  # Asked for without its dependency: the part's own message, as one error.
+  if(EXISTS ${config_dir}/lockstepCudaTargets.cmake)
+    configure_must_fail("COMPONENTS cuda without the CUDA toolkit"
+      "lockstep::cuda needs the CUDA toolkit and NCCL, which were not found"
+      -S ${consumer_src} -B ${WORK_DIR}/no-cuda-build ${common_args} -DCMAKE_PREFIX_PATH=${root}/usr
+      -DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON)
+  endif()
+  if(EXISTS ${config_dir}/lockstepMpiTargets.cmake)
+    configure_must_fail("COMPONENTS mpi without MPI" "lockstep::mpi needs MPI with C\\+\\+ support, which was not found"
+      -S ${consumer_src} -B ${WORK_DIR}/no-mpi-build ${common_args} -DCMAKE_PREFIX_PATH=${root}/usr
+      -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON)
+  endif()
+  return()
+endif()
 
 # --- lockstep::torch, the consumer never calling find_package(Torch) (label torch) --------
 if(MODE MATCHES "^torch_")
