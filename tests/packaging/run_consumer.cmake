@@ -3,7 +3,7 @@
 #   cmake -DMODE=subdirectory|fetchcontent|find_package|torch_subdirectory|torch_find_package|deb|conan|vcpkg
 #         -DLOCKSTEP_SOURCE=<src> -DWORK_DIR=<dir> [-DGENERATOR=<gen>] [-DCXX_COMPILER=<c++>]
 #         [-DTORCH_DIR=<dir of TorchConfig.cmake>]
-#         [deb: -DLOCKSTEP_BUILD=<build dir> -DCPACK=<cpack> -DVERSION=<x.y.z> [-DLINTIAN=<lintian>]]
+#         [deb: -DVERSION=<x.y.z> [-DLINTIAN=<lintian>]]
 #         [conan: -DCONAN=<conan>] [vcpkg: -DVERSION=<x.y.z> [-DFEATURES=mpi;...]]
 #         -P run_consumer.cmake
 #
@@ -37,45 +37,48 @@ file(REMOVE_RECURSE ${WORK_DIR})
 file(MAKE_DIRECTORY ${WORK_DIR})
 set(consumer_src ${CMAKE_CURRENT_LIST_DIR}/consumer)
 
+# run_doc_block(<doc> <name>): runs the ```sh block of docs/<doc> tagged
+# `<!-- packaging-test: <name> -->`, as written, with sh in WORK_DIR (where `lockstep` links to
+# the source tree and `my_trainer` to tests/packaging/consumer).
+function(run_doc_block doc name)
+  set(path ${LOCKSTEP_SOURCE}/docs/${doc})
+  file(READ ${path} doc_text)
+  set(tag "<!-- packaging-test: ${name} -->")
+  string(FIND "${doc_text}" "${tag}" at)
+  string(FIND "${doc_text}" "${tag}" last REVERSE)
+  if(at EQUAL -1 OR NOT at EQUAL last)
+    fail("${path} must tag exactly one block with '${tag}'")
+  endif()
+  string(SUBSTRING "${doc_text}" ${at} -1 rest)
+  if(NOT rest MATCHES "^${tag}\n```sh\n([^`]*)```")
+    fail("in ${path}, '${tag}' must be followed by a ```sh block")
+  endif()
+  file(WRITE ${WORK_DIR}/${name}.sh "${CMAKE_MATCH_1}")
+  get_filename_component(cmake_dir ${CMAKE_COMMAND} DIRECTORY)
+  set(env --unset=DESTDIR PATH=${cmake_dir}:$ENV{PATH})
+  if(CXX_COMPILER)
+    list(APPEND env CXX=${CXX_COMPILER})
+  endif()
+  # `sh -ex`: echo each command, stop at the first that fails.
+  string(TIMESTAMP t0 "%s")
+  execute_process(COMMAND ${CMAKE_COMMAND} -E env ${env} sh -ex ${WORK_DIR}/${name}.sh
+                  WORKING_DIRECTORY ${WORK_DIR} RESULT_VARIABLE rc)
+  string(TIMESTAMP t1 "%s")
+  math(EXPR dt "${t1} - ${t0}")
+  if(NOT rc EQUAL 0)
+    fail("the '${name}' commands of docs/${doc} failed (${rc}); they are in ${WORK_DIR}/${name}.sh")
+  endif()
+  message(STATUS "packaging (${MODE}): docs/${doc} '${name}' commands ok (${dt} s)")
+endfunction()
+file(CREATE_LINK ${LOCKSTEP_SOURCE} ${WORK_DIR}/lockstep SYMBOLIC)
+file(CREATE_LINK ${consumer_src} ${WORK_DIR}/my_trainer SYMBOLIC)
+
 if(MODE STREQUAL "find_package")
   # --- the documented commands -----------------------------------------------------------
-  set(doc ${LOCKSTEP_SOURCE}/docs/building.md)
-  file(READ ${doc} doc_text)
-  function(run_doc_block name)
-    set(tag "<!-- packaging-test: ${name} -->")
-    string(FIND "${doc_text}" "${tag}" at)
-    string(FIND "${doc_text}" "${tag}" last REVERSE)
-    if(at EQUAL -1 OR NOT at EQUAL last)
-      fail("${doc} must tag exactly one block with '${tag}'")
-    endif()
-    string(SUBSTRING "${doc_text}" ${at} -1 rest)
-    if(NOT rest MATCHES "^${tag}\n```sh\n([^`]*)```")
-      fail("in ${doc}, '${tag}' must be followed by a ```sh block")
-    endif()
-    file(WRITE ${WORK_DIR}/${name}.sh "${CMAKE_MATCH_1}")
-    get_filename_component(cmake_dir ${CMAKE_COMMAND} DIRECTORY)
-    set(env --unset=DESTDIR PATH=${cmake_dir}:$ENV{PATH})
-    if(CXX_COMPILER)
-      list(APPEND env CXX=${CXX_COMPILER})
-    endif()
-    # `sh -ex`: echo each command, stop at the first that fails.
-    string(TIMESTAMP t0 "%s")
-    execute_process(COMMAND ${CMAKE_COMMAND} -E env ${env} sh -ex ${WORK_DIR}/${name}.sh
-                    WORKING_DIRECTORY ${WORK_DIR} RESULT_VARIABLE rc)
-    string(TIMESTAMP t1 "%s")
-    math(EXPR dt "${t1} - ${t0}")
-    if(NOT rc EQUAL 0)
-      fail("the '${name}' commands of docs/building.md failed (${rc}); they are in ${WORK_DIR}/${name}.sh")
-    endif()
-    message(STATUS "packaging (${MODE}): docs/building.md '${name}' commands ok (${dt} s)")
-  endfunction()
-
-  file(CREATE_LINK ${LOCKSTEP_SOURCE} ${WORK_DIR}/lockstep SYMBOLIC)
-  file(CREATE_LINK ${consumer_src} ${WORK_DIR}/my_trainer SYMBOLIC)
   set(prefix ${WORK_DIR}/lockstep-install)
 
   # 1. Configure and install, with no build.
-  run_doc_block(install)
+  run_doc_block(building.md install)
   foreach(umbrella lockstep.hpp cuda.cuh mpi.hpp version.hpp)
     if(NOT EXISTS ${prefix}/include/lockstep/${umbrella})
       fail("the install lacks include/lockstep/${umbrella}")
@@ -105,7 +108,7 @@ if(MODE STREQUAL "find_package")
   get_filename_component(config_dir "${config}" DIRECTORY)
 
   # 2. A project uses the installed package (find_package + lockstep::lockstep).
-  run_doc_block(consume)
+  run_doc_block(building.md consume)
   # The consumer builds one more program per optional part the package has (see its
   # CMakeLists.txt): each must be there and run, so a broken lockstep::cuda or lockstep::mpi
   # in the installed config fails here instead of being skipped.
@@ -125,7 +128,7 @@ if(MODE STREQUAL "find_package")
   endforeach()
 
   # 3. Build, then install again: now the tools are installed too.
-  run_doc_block(tools)
+  run_doc_block(building.md tools)
   foreach(tool lockstep-run lockstep-info)
     if(NOT EXISTS ${prefix}/bin/${tool})
       fail("installing after a build did not install bin/${tool}")
@@ -269,20 +272,18 @@ if(MODE STREQUAL "conan")
   return()
 endif()
 
-# --- the Debian packages of lockstep's own build directory (cpack -G DEB) -------------------
-# Made from LOCKSTEP_BUILD (the build directory running this test, tools built) with CPACK;
-# their control fields checked, lintian run on them (LINTIAN, when installed), unpacked into a
-# throw-away root (dpkg-deb -x: no dpkg database, no root) and used from there: the tools run,
-# the consumer builds against <root>/usr (a prefix the package was not made for: relocatable)
-# and runs, and a part whose dependency is missing is named when asked for.
+# --- the Debian packages (cpack -G DEB) ----------------------------------------------------
+# Made by the commands of docs/install.md as written (a fresh build directory, the tools built,
+# cpack); their control fields checked, lintian run on them (LINTIAN, when installed), unpacked
+# into a throw-away root (dpkg-deb -x: no dpkg database, no root) and used from there: the tools
+# run, the consumer builds against <root>/usr (a prefix the packages were not made for:
+# relocatable) and runs, and a part whose dependency is missing is named when asked for.
 if(MODE STREQUAL "deb")
-  foreach(var LOCKSTEP_BUILD CPACK VERSION)
-    if(NOT DEFINED ${var})
-      fail("pass -D${var}=...")
-    endif()
-  endforeach()
-  set(out ${WORK_DIR}/packages)
-  step("cpack -G DEB" ${CPACK} -G DEB --config ${LOCKSTEP_BUILD}/CPackConfig.cmake -B ${out})
+  if(NOT DEFINED VERSION)
+    fail("pass -DVERSION=<x.y.z>")
+  endif()
+  run_doc_block(install.md deb)
+  set(out ${WORK_DIR}/lockstep-build)
   execute_process(COMMAND dpkg --print-architecture OUTPUT_VARIABLE arch OUTPUT_STRIP_TRAILING_WHITESPACE)
   set(dev ${out}/liblockstep-dev_${VERSION}-1_all.deb)
   set(tools ${out}/lockstep-tools_${VERSION}-1_${arch}.deb)
