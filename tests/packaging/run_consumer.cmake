@@ -4,7 +4,7 @@
 #         -DLOCKSTEP_SOURCE=<src> -DWORK_DIR=<dir> [-DGENERATOR=<gen>] [-DCXX_COMPILER=<c++>]
 #         [-DTORCH_DIR=<dir of TorchConfig.cmake>]
 #         [deb: -DVERSION=<x.y.z> [-DLINTIAN=<lintian>]]
-#         [conan: -DCONAN=<conan>] [vcpkg: -DVERSION=<x.y.z> [-DFEATURES=mpi;...]]
+#         [vcpkg: -DVERSION=<x.y.z> [-DFEATURES=mpi;...]]
 #         -P run_consumer.cmake
 #
 # find_package runs the shell blocks of docs/building.md tagged `<!-- packaging-test: NAME -->`
@@ -55,7 +55,7 @@ function(run_doc_block doc name)
   endif()
   file(WRITE ${WORK_DIR}/${name}.sh "${CMAKE_MATCH_1}")
   get_filename_component(cmake_dir ${CMAKE_COMMAND} DIRECTORY)
-  set(env --unset=DESTDIR PATH=${cmake_dir}:$ENV{PATH})
+  set(env --unset=DESTDIR PATH=${cmake_dir}:$ENV{PATH} ${doc_env})  # doc_env: the mode's own
   if(CXX_COMPILER)
     list(APPEND env CXX=${CXX_COMPILER})
   endif()
@@ -246,29 +246,25 @@ if(MODE STREQUAL "vcpkg")
 endif()
 
 # --- the Conan 2 recipe (packaging/conan), offline --------------------------------------
-# conan create from the source tree with a throw-away CONAN_HOME (no remote is asked: lockstep
-# requires nothing), its test package copied out of the source tree and run.
+# docs/install.md's commands as written, with a throw-away CONAN_HOME (no remote is asked:
+# lockstep requires nothing), on a copy of the files the recipe exports (conan writes its test
+# package's build into the tree it is given); then a C++ standard below 20 must be refused.
 if(MODE STREQUAL "conan")
-  if(NOT DEFINED CONAN)
-    fail("pass -DCONAN=<conan>")
-  endif()
-  set(env ${CMAKE_COMMAND} -E env CONAN_HOME=${WORK_DIR}/conan-home)
-  get_filename_component(cmake_dir ${CMAKE_COMMAND} DIRECTORY)
-  list(APPEND env PATH=${cmake_dir}:$ENV{PATH})
-  if(CXX_COMPILER)
-    list(APPEND env CXX=${CXX_COMPILER})
-  endif()
-  step("conan profile detect" ${env} ${CONAN} profile detect)
-  file(COPY ${LOCKSTEP_SOURCE}/packaging/conan/test_package DESTINATION ${WORK_DIR})
-  step("conan create" ${env} ${CONAN} create ${LOCKSTEP_SOURCE}/packaging/conan -s compiler.cppstd=20
-       -tf ${WORK_DIR}/test_package)
-  # A C++ standard below 20 is refused by the recipe, with the reason.
-  execute_process(COMMAND ${env} ${CONAN} create ${LOCKSTEP_SOURCE}/packaging/conan -s compiler.cppstd=17
-                  -tf ${WORK_DIR}/test_package RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+  file(REMOVE ${WORK_DIR}/lockstep)
+  foreach(part CMakeLists.txt CHANGELOG.md README.md cmake include tools packaging)
+    file(COPY ${LOCKSTEP_SOURCE}/${part} DESTINATION ${WORK_DIR}/lockstep
+         PATTERN build EXCLUDE PATTERN CMakeUserPresets.json EXCLUDE)
+  endforeach()
+  set(doc_env CONAN_HOME=${WORK_DIR}/conan-home)
+  run_doc_block(install.md conan)
+  execute_process(COMMAND ${CMAKE_COMMAND} -E env ${doc_env} conan create lockstep/packaging/conan
+                          -s compiler.cppstd=17
+                  WORKING_DIRECTORY ${WORK_DIR} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
   if(rc EQUAL 0 OR NOT out MATCHES "lower than the required C\\+\\+ standard \\(20\\)")
     message("${out}")
     fail("conan create with compiler.cppstd=17 was not refused for the C++ standard (exit ${rc})")
   endif()
+  message(STATUS "packaging (${MODE}): compiler.cppstd=17 refused, as it should be")
   return()
 endif()
 
