@@ -30,10 +30,11 @@ set(CPACK_DEBIAN_DEV_PACKAGE_ARCHITECTURE all)
 set(CPACK_DEBIAN_DEV_PACKAGE_SECTION libdevel)
 set(CPACK_DEBIAN_DEV_PACKAGE_DEPENDS "g++ (>= 4:12) | clang (>= 1:14), cmake (>= 3.25)")
 set(CPACK_DEBIAN_DEV_PACKAGE_RECOMMENDS "lockstep-tools")
-set(CPACK_DEBIAN_DEV_PACKAGE_SUGGESTS "nvidia-cuda-toolkit, libnccl-dev, libopenmpi-dev | mpi-default-dev, libtorch-dev")
-set(CPACK_COMPONENT_DEV_DESCRIPTION
-    "data-parallel training for any C++ model, on many GPUs or CPU ranks\n\
-lockstep is a header-only C++20/CUDA template library: one process driving\n\
+set(CPACK_DEBIAN_DEV_PACKAGE_SUGGESTS
+    "nvidia-cuda-toolkit, libnccl-dev, libopenmpi-dev | mpi-default-dev, libtorch-dev")
+# (CPack puts CPACK_PACKAGE_DESCRIPTION_SUMMARY first, as both packages' synopsis.)
+set(CPACK_DEBIAN_DEV_DESCRIPTION
+    "lockstep is a header-only C++20/CUDA template library: one process driving\n\
 every local GPU, or one process per GPU across machines, with gradient\n\
 buckets overlapped with the backward pass, sharded optimizer state, mixed\n\
 precision and a libtorch adapter. This package holds the headers and the\n\
@@ -48,15 +49,16 @@ set(CPACK_DEBIAN_TOOLS_PACKAGE_SECTION devel)
 set(CPACK_DEBIAN_TOOLS_PACKAGE_DEPENDS "libc6 (>= 2.34), libgcc-s1 (>= 3.0), libstdc++6 (>= 12)")
 if(LOCKSTEP_HAS_CUDA)
   set(CPACK_DEBIAN_TOOLS_PACKAGE_RECOMMENDS "libnccl2")
-  set(_lockstep_tools_gpu "\n.\nlockstep-info was built with CUDA ${CMAKE_CUDA_COMPILER_VERSION}; on GPUs it\nneeds NCCL's and the CUDA runtime's shared libraries.")
+  set(_lockstep_tools_gpu "\n.\nlockstep-info was built with CUDA ${CMAKE_CUDA_COMPILER_VERSION}; on GPUs it\n\
+needs NCCL's and the CUDA runtime's shared libraries.")
 else()
   set(_lockstep_tools_gpu "")
 endif()
-set(CPACK_COMPONENT_TOOLS_DESCRIPTION
-    "launcher and setup checker for lockstep training jobs\n\
-lockstep-run starts one process per GPU (a torchrun-style launch) and\n\
-ends the job when a rank fails; lockstep-info checks a machine's GPUs,\n\
-their links and NCCL, and estimates the speed-up of data parallelism.${_lockstep_tools_gpu}")
+set(CPACK_DEBIAN_TOOLS_DESCRIPTION
+    "The launcher and setup checker of lockstep. lockstep-run starts one\n\
+process per GPU (a torchrun-style launch) and ends the job when a rank\n\
+fails; lockstep-info checks a machine's GPUs, their links and NCCL, and\n\
+estimates the speed-up of data parallelism.${_lockstep_tools_gpu}")
 unset(_lockstep_tools_gpu)
 
 # /usr/share/doc/<package>: the copyright statement Debian requires, a Debian changelog, and

@@ -75,7 +75,8 @@ for on in ({"cuda"}, {"mpi"}, {"torch"}, set()):
         want = "ON" if part in on else "OFF"
         got = defined.get(f"LOCKSTEP_ENABLE_{part.upper()}")
         if got != want:
-            failures.append(f"with {sorted(on) or 'no variant'}: LOCKSTEP_ENABLE_{part.upper()} is {got}, expected {want}")
+            which = sorted(on) or "no variant"
+            failures.append(f"with {which}: LOCKSTEP_ENABLE_{part.upper()} is {got}, expected {want}")
 
 if failures:
     print("check_spack: " + "\ncheck_spack: ".join(failures))
