@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import torch_memory  # bench/torch_memory.py, beside this script
+import ddp_peer  # bench/ddp_peer.py, beside this script
 
 
 class Block(nn.Module):
@@ -97,16 +97,8 @@ def main():
                     help="rank 0 prints the device memory in use after each phase of set-up")
     a = ap.parse_args()
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    dev = torch.device("cuda", local)
-    if world > 1:
-        dist.init_process_group("nccl", device_id=dev)
-    mark = torch_memory.marker(a.memory_trace, dev, rank)  # --memory-trace
-    torch.zeros(1, device=dev)
-    mark("context" + (", NCCL" if world > 1 else ""))
+    peer = ddp_peer.start(a.memory_trace)  # torchrun's rank, its GPU, NCCL; --memory-trace's mark
+    world, rank, local, dev, mark = peer.world, peer.rank, peer.local, peer.dev, peer.mark
     text = load_text(a.data)
     torch.manual_seed(a.seed)
     model = GPT(context=max(1024, a.seq)).to(dev)

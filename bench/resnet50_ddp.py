@@ -25,7 +25,6 @@ any GPU. --bucket-cap-mb / --broadcast-buffers, when given, go to DDP and into t
 """
 import argparse
 import math
-import os
 import sys
 import time
 
@@ -35,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import torch_memory  # bench/torch_memory.py, beside this script
+import ddp_peer  # bench/ddp_peer.py, beside this script
 
 RESNET50_PARAMETERS = 25_557_032
 
@@ -153,20 +152,10 @@ def main():
     if not (a.batch >= 1 and a.image >= 32 and a.steps >= 1 and 0 <= a.warmup < a.steps and a.pool >= 1):
         ap.error("give batch >= 1, image >= 32, steps >= 1, 0 <= warmup < steps, pool >= 1")
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    dev = torch.device("cuda", local)
-    if world > 1:
-        dist.init_process_group("nccl", device_id=dev)
+    peer = ddp_peer.start(a.memory_trace)  # torchrun's rank, its GPU, NCCL; --memory-trace's mark
+    world, rank, local, dev, mark = peer.world, peer.rank, peer.local, peer.dev, peer.mark
     torch.backends.cudnn.benchmark = True
     cfg = CONFIGS[a.config]
-
-    mark = torch_memory.marker(a.memory_trace, dev, rank)  # --memory-trace
-
-    torch.zeros(1, device=dev)
-    mark("context" + (", NCCL" if world > 1 else ""))
 
     torch.manual_seed(a.seed)  # the same weights on every rank (DDP broadcasts rank 0's anyway)
     model = ResNet(**cfg)
