@@ -58,7 +58,7 @@ if(LOCKSTEP_HAS_CUDA)
     # CMake < 3.26 does not know nvcc's C++20 mode; ask for it directly.
     target_compile_options(lockstep_cuda INTERFACE $<$<COMPILE_LANGUAGE:CUDA>:-std=c++20>)
   endif()
-  # LOCKSTEP_WITH_NVTX: NVTX ranges around each step (observe/nvtx.hpp; NVTX3 is header-only,
+  # LOCKSTEP_WITH_NVTX: NVTX ranges around each step (observe/detail/nvtx.hpp; NVTX3 is header-only,
   # in the toolkit's include directory, and loads a tool with dlopen only when one is attached).
   target_compile_definitions(lockstep_cuda INTERFACE LOCKSTEP_WITH_CUDA=1 LOCKSTEP_WITH_NVTX=1)
   # Device code in the headers may call constexpr host functions (size_of(dtype) and the like),

@@ -6,7 +6,7 @@ Usage:
                   [--gpu-trace KINETO.json[.gz]]... [--gpu-step K] [--width PX] [--dpi D]
 
 Inputs: the lockstep_trace.rank<R>.pid<P>[.S].json files that LOCKSTEP_TRACE=<dir> makes
-(include/lockstep/observe/trace.hpp), given one by one or as the directory holding them. Every
+(include/lockstep/observe/detail/trace.hpp), given one by one or as the directory holding them. Every
 rank from 0 to the highest one given must be there.
 
 The step: `--step N` is the Nth "step" span of rank 0, counted from 0 in time order (every

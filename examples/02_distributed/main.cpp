@@ -50,8 +50,8 @@
 #include <lockstep/observe/metrics.hpp>
 #include <lockstep/parallel/data_parallel.hpp>
 #if defined(DIST_WITH_MPI)
-#include <lockstep/mpi/comm.hpp>
-#include <lockstep/mpi/run.hpp>
+#include <lockstep/mpi/mpi_comm.hpp>
+#include <lockstep/mpi/run_mpi.hpp>
 #endif
 
 #include "../01_fashion_mnist/cpu_trainer.hpp"

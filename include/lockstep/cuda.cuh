@@ -10,7 +10,7 @@
 #include "lockstep/cuda/fused_optimizer.cuh"
 #include "lockstep/cuda/grad_ops.cuh"
 #include "lockstep/cuda/kernels/engine.cuh"
-#include "lockstep/cuda/kernels/grad_ops.cuh"
+#include "lockstep/cuda/kernels/grad_kernels.cuh"
 #include "lockstep/cuda/kernels/memory_ops.cuh"
 #include "lockstep/cuda/kernels/optimizers.cuh"
 #include "lockstep/cuda/kernels/permutation.cuh"

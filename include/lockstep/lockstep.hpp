@@ -4,12 +4,12 @@
 //! <lockstep/mpi.hpp> (lockstep::mpi). The folders, and what each holds: docs/design.md.
 
 #include "lockstep/checkpoint/checkpoint.hpp"
-#include "lockstep/checkpoint/collective.hpp"
+#include "lockstep/checkpoint/save_rank0.hpp"
 #include "lockstep/checkpoint/file.hpp"
 #include "lockstep/checkpoint/sharded.hpp"
 #include "lockstep/checkpoint/training_state.hpp"
 #include "lockstep/comm/collective.hpp"
-#include "lockstep/comm/host_collectives.hpp"
+#include "lockstep/comm/detail/host_collectives.hpp"
 #include "lockstep/comm/thread_comm.hpp"
 #include "lockstep/core/codec.hpp"
 #include "lockstep/core/concepts.hpp"
@@ -26,7 +26,7 @@
 #include "lockstep/launch/detect.hpp"
 #include "lockstep/launch/job_store.hpp"
 #include "lockstep/launch/launch_env.hpp"
-#include "lockstep/launch/run.hpp"
+#include "lockstep/launch/run_threads.hpp"
 #include "lockstep/launch/watchdog.hpp"
 #include "lockstep/observe/gpu_monitor.hpp"
 #include "lockstep/observe/metrics.hpp"

@@ -4,6 +4,6 @@
 //! processes under mpirun.
 
 #include "lockstep/lockstep.hpp"
-#include "lockstep/mpi/comm.hpp"
-#include "lockstep/mpi/run.hpp"
-#include "lockstep/mpi/store.hpp"
+#include "lockstep/mpi/mpi_comm.hpp"
+#include "lockstep/mpi/run_mpi.hpp"
+#include "lockstep/mpi/mpi_store.hpp"

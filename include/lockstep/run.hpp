@@ -19,7 +19,7 @@
 
 #include "lockstep/core/error.hpp"
 #include "lockstep/launch/detect.hpp"
-#include "lockstep/launch/run.hpp"
+#include "lockstep/launch/run_threads.hpp"
 #include "lockstep/parallel/mesh.hpp"
 
 // In CUDA translation units of a CUDA build, Auto can also pick the local GPUs (one process
@@ -32,7 +32,7 @@
 #define LOCKSTEP_AUTO_HAS_GPUS 0
 #endif
 #if defined(LOCKSTEP_WITH_MPI)
-#include "lockstep/mpi/run.hpp"
+#include "lockstep/mpi/run_mpi.hpp"
 #define LOCKSTEP_AUTO_HAS_MPI 1
 #else
 #define LOCKSTEP_AUTO_HAS_MPI 0

@@ -1,4 +1,4 @@
-// 16-bit floats on the host (core/half.hpp): every bit pattern round-trips, random floats
+// 16-bit floats on the host (core/detail/half.hpp): every bit pattern round-trips, random floats
 // round to the nearest representable value (ties to even) by brute force against a decoder
 // written here independently, and HostMemory scales and packs halves through float.
 #include <doctest/doctest.h>
@@ -10,7 +10,7 @@
 #include <random>
 #include <vector>
 
-#include <lockstep/core/half.hpp>
+#include <lockstep/core/detail/half.hpp>
 #include <lockstep/core/host_memory.hpp>
 
 #include "test_util.hpp"

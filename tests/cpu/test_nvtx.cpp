@@ -1,4 +1,4 @@
-// NVTX ranges (observe/nvtx.hpp) as a tool sees them: tests/support/nvtx_injection.cpp is
+// NVTX ranges (observe/detail/nvtx.hpp) as a tool sees them: tests/support/nvtx_injection.cpp is
 // loaded by NVTX itself, as Nsight Systems' library would be (NVTX_INJECTION64_PATH), and
 // records every range of the "lockstep" domain. Three CPU ranks, small buckets, loss scaling
 // with a skipped step, clipping and per-bucket callbacks: each rank's thread shows every step

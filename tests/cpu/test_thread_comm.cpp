@@ -13,7 +13,7 @@
 #include <vector>
 
 #include <lockstep/comm/thread_comm.hpp>
-#include <lockstep/launch/run.hpp>
+#include <lockstep/launch/run_threads.hpp>
 
 #include "comm_conformance.hpp"
 #include "test_util.hpp"

@@ -8,9 +8,9 @@
 #include <vector>
 
 #include <lockstep/lockstep.hpp>
-#include <lockstep/mpi/comm.hpp>
-#include <lockstep/mpi/run.hpp>
-#include <lockstep/mpi/store.hpp>
+#include <lockstep/mpi/mpi_comm.hpp>
+#include <lockstep/mpi/run_mpi.hpp>
+#include <lockstep/mpi/mpi_store.hpp>
 
 #include "snippet_env.hpp"
 
@@ -34,11 +34,11 @@ struct RecordingSgd {
 
 TEST_SUITE("mpi") {
 
-TEST_CASE("snippets: run(Mpi) with DataParallel (mpi/run.hpp, docs/mpi.md)") {
+TEST_CASE("snippets: run(Mpi) with DataParallel (mpi/run_mpi.hpp, docs/mpi.md)") {
   std::uint64_t seed = lockstep_test::fresh_seed();  // rank 0's model wins: seeds may differ
   const auto my_batches = snippet_env::batches(3);
   RecordingSgd optimizer;
-  // [snippet include/lockstep/mpi/run.hpp#1]
+  // [snippet include/lockstep/mpi/run_mpi.hpp#1]
   // mpirun -np 4 ./train
   lockstep::run(lockstep::Mpi{}, [&](lockstep::context<lockstep::MpiComm>& ctx) {
     Mlp model(seed);
@@ -80,7 +80,7 @@ TEST_CASE("snippets: run(Mpi) with DataParallel (mpi/run.hpp, docs/mpi.md)") {
   CHECK(same_on_every_rank(world, optimizer.last));
 }
 
-TEST_CASE("snippets: MpiComm and MpiStore (mpi/comm.hpp, mpi/store.hpp)") {
+TEST_CASE("snippets: MpiComm and MpiStore (mpi/mpi_comm.hpp, mpi/mpi_store.hpp)") {
   std::mt19937_64 rng(lockstep_test::fresh_seed());  // differs per rank
   std::vector<std::int64_t> count{static_cast<std::int64_t>(1 + rng() % 1000)};
   {
@@ -88,7 +88,7 @@ TEST_CASE("snippets: MpiComm and MpiStore (mpi/comm.hpp, mpi/store.hpp)") {
     lockstep::detail::host_broadcast(world, count, 0);  // the same n on every rank
   }
   const auto n = static_cast<std::size_t>(count[0]);
-  // [snippet include/lockstep/mpi/comm.hpp#1]
+  // [snippet include/lockstep/mpi/mpi_comm.hpp#1]
   auto comm = lockstep::MpiComm::world();          // MPI_Init_thread if not yet done
   std::vector<float> g(n, 1.0f);
   comm.all_reduce(g.data(), g.data(), n, lockstep::dtype::f32, lockstep::reduce_op::avg).wait();
@@ -101,7 +101,7 @@ TEST_CASE("snippets: MpiComm and MpiStore (mpi/comm.hpp, mpi/store.hpp)") {
   const auto local_bytes = std::as_bytes(std::span(local));
   std::vector<std::byte> got, broadcast;
   {
-    // [snippet include/lockstep/mpi/store.hpp#1]
+    // [snippet include/lockstep/mpi/mpi_store.hpp#1]
     lockstep::MpiStore st;                                   // over MPI_COMM_WORLD
     if (st.rank() == 0) st.set("nccl_id", id_bytes);
     auto id = st.get("nccl_id");                              // every rank

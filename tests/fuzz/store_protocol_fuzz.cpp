@@ -27,7 +27,7 @@
 #include <string>
 #include <vector>
 
-#include <lockstep/store/detail/engine.hpp>
+#include <lockstep/store/detail/store_engine.hpp>
 #include <lockstep/store/detail/wire.hpp>
 
 namespace wire = lockstep::detail::wire;

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include <lockstep/lockstep.hpp>
-#include <lockstep/mpi/run.hpp>
+#include <lockstep/mpi/run_mpi.hpp>
 
 #include "mlp.hpp"
 

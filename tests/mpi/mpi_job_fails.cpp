@@ -9,7 +9,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include <lockstep/mpi/run.hpp>
+#include <lockstep/mpi/run_mpi.hpp>
 
 int main(int argc, char** argv) {
   const bool skip = argc > 1 && std::strcmp(argv[1], "skip") == 0;

@@ -5,7 +5,7 @@
 #include <doctest/doctest.h>
 #include <mpi.h>
 
-#include <lockstep/mpi/comm.hpp>
+#include <lockstep/mpi/mpi_comm.hpp>
 
 int main(int argc, char** argv) {
   lockstep::detail::mpi_init();

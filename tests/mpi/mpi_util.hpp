@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include <lockstep/mpi/comm.hpp>
+#include <lockstep/mpi/mpi_comm.hpp>
 
 #include "test_util.hpp"
 

@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
-#include <lockstep/mpi/comm.hpp>
-#include <lockstep/mpi/run.hpp>
+#include <lockstep/mpi/mpi_comm.hpp>
+#include <lockstep/mpi/run_mpi.hpp>
 
 #include "comm_conformance.hpp"
 #include "mpi_util.hpp"

@@ -10,8 +10,8 @@
 #include <vector>
 
 #include <lockstep/lockstep.hpp>
-#include <lockstep/mpi/comm.hpp>
-#include <lockstep/mpi/run.hpp>
+#include <lockstep/mpi/mpi_comm.hpp>
+#include <lockstep/mpi/run_mpi.hpp>
 
 #include "equivalence.hpp"
 #include "mlp.hpp"

@@ -7,7 +7,7 @@
 #include <cstdlib>
 #include <string>
 
-#include <lockstep/mpi/comm.hpp>
+#include <lockstep/mpi/mpi_comm.hpp>
 
 #include "comm_conformance.hpp"
 #include "mpi_util.hpp"

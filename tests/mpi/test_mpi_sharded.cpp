@@ -8,8 +8,8 @@
 #include <type_traits>
 
 #include <lockstep/lockstep.hpp>
-#include <lockstep/mpi/comm.hpp>
-#include <lockstep/mpi/run.hpp>
+#include <lockstep/mpi/mpi_comm.hpp>
+#include <lockstep/mpi/run_mpi.hpp>
 
 #include "equivalence.hpp"
 #include "mpi_util.hpp"

@@ -8,8 +8,8 @@
 #include <vector>
 
 #include <lockstep/lockstep.hpp>
-#include <lockstep/mpi/comm.hpp>
-#include <lockstep/mpi/run.hpp>
+#include <lockstep/mpi/mpi_comm.hpp>
+#include <lockstep/mpi/run_mpi.hpp>
 
 #include "comm_conformance.hpp"
 #include "equivalence.hpp"

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include <lockstep/mpi/store.hpp>
+#include <lockstep/mpi/mpi_store.hpp>
 
 #include "mpi_util.hpp"
 

@@ -13,7 +13,7 @@
 #include <system_error>
 #include <vector>
 
-#include <lockstep/launch/run.hpp>
+#include <lockstep/launch/run_threads.hpp>
 
 namespace lockstep_test {
 

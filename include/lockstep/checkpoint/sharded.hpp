@@ -21,7 +21,7 @@
 //! u64 offset in the shard) — its shard map, DataParallel::shard_map() — then u64 length and
 //! what that rank's opt.save() wrote.
 //! Loading onto the same ranks and layout hands each rank its own part back. Onto another
-//! number of ranks (or other bucket sizes) the state is resharded (checkpoint/reshard.hpp):
+//! number of ranks (or other bucket sizes) the state is resharded (checkpoint/detail/reshard.hpp):
 //! each rank cuts its new shards from the saved ones through their maps, for any optimizer
 //! with a rule_type (lockstep's host and fused optimizers). Sections of the first layout
 //! ("LSSHARD1", no maps) load onto the same ranks and layout only.
@@ -37,11 +37,11 @@
 #include <type_traits>
 #include <vector>
 
-#include "lockstep/comm/host_collectives.hpp"
+#include "lockstep/comm/detail/host_collectives.hpp"
 #include "lockstep/core/codec.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/reduce_op.hpp"
-#include "lockstep/checkpoint/reshard.hpp"
+#include "lockstep/checkpoint/detail/reshard.hpp"
 
 namespace lockstep {
 

@@ -28,7 +28,7 @@
 #include <vector>
 
 #include "lockstep/comm/collective.hpp"
-#include "lockstep/core/env.hpp"
+#include "lockstep/core/detail/env.hpp"
 #include "lockstep/core/error.hpp"
 
 namespace lockstep {

@@ -19,7 +19,7 @@
 #include "lockstep/comm/collective.hpp"
 #include "lockstep/comm/detail/rendezvous.hpp"
 #include "lockstep/core/concepts.hpp"
-#include "lockstep/core/env.hpp"
+#include "lockstep/core/detail/env.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/host_memory.hpp"
 

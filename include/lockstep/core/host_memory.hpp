@@ -9,7 +9,7 @@
 #include <span>
 
 #include "lockstep/core/concepts.hpp"
-#include "lockstep/core/half.hpp"
+#include "lockstep/core/detail/half.hpp"
 
 namespace lockstep {
 

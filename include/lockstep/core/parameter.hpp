@@ -61,7 +61,7 @@ struct parameter {
 namespace detail {
 //! count elements of parameter `param` from `param_offset` on sit at `slot_offset` in a shard
 //! (the rest of a shard is padding): how a ShardedOptimizer shard maps onto the model, for
-//! resharding checkpoints (checkpoint/reshard.hpp).
+//! resharding checkpoints (checkpoint/detail/reshard.hpp).
 struct shard_segment {
   std::size_t param = 0, param_offset = 0, count = 0, slot_offset = 0;
 };

@@ -14,7 +14,7 @@
 #include <string_view>
 #include <utility>
 
-#include "lockstep/core/env.hpp"
+#include "lockstep/core/detail/env.hpp"
 #include "lockstep/core/error.hpp"
 
 namespace lockstep {

@@ -67,7 +67,7 @@
 #include "lockstep/core/grad_group.hpp"
 #include "lockstep/core/reduce_op.hpp"
 #include "lockstep/cuda/error.cuh"
-#include "lockstep/cuda/kernels/grad_ops.cuh"
+#include "lockstep/cuda/kernels/grad_kernels.cuh"
 #include "lockstep/cuda/kernels/loss_scale.cuh"
 #include "lockstep/cuda/memory.cuh"
 #include "lockstep/scaling/loss_scaler.hpp"
@@ -172,7 +172,7 @@ class DeviceDynamicScale {
 
   //! Whether the host's view of the device shows skipped steps in a row (lagging, no
   //! synchronisation; false without a skip limit). DataParallel then checks this rank's own
-  //! gradients into device_vote(rank) (parallel/nonfinite.hpp).
+  //! gradients into device_vote(rank) (parallel/detail/nonfinite.hpp).
   bool skipping() const noexcept { return watch_ && watch_field(&cuda::kernels::skip_watch::in_a_row) > 0; }
   //! Rank r's slot of the found-inf vote (device memory, int32): raised when r's own
   //! gradients held inf/NaN before averaging; the update names such ranks in the skip-limit error.

@@ -2,7 +2,7 @@
 //! lockstep::grad_ops<CudaMemory> — the gradient passes of loss scaling and clipping on device
 //! memory (see core/grad_group.hpp), so NoScaling{check_finite}, StaticScale, DynamicScale,
 //! grad_norm, clip_grad_norm and clip_grad_value work on GPU gradients with no change of API.
-//! A thin front: the kernels are cuda/kernels/grad_ops.cuh's, on the multi-tensor engine.
+//! A thin front: the kernels are cuda/kernels/grad_kernels.cuh's, on the multi-tensor engine.
 //! Included by lockstep/cuda.cuh; include it wherever a host-decided scaler or clipping
 //! meets an NcclComm.
 //!
@@ -20,7 +20,7 @@
 #include <span>
 
 #include "lockstep/core/grad_group.hpp"
-#include "lockstep/cuda/kernels/grad_ops.cuh"
+#include "lockstep/cuda/kernels/grad_kernels.cuh"
 #include "lockstep/cuda/memory.cuh"
 
 namespace lockstep {

@@ -56,7 +56,7 @@
 #include "lockstep/comm/collective.hpp"
 #include "lockstep/core/concepts.hpp"
 #include "lockstep/core/dtype.hpp"
-#include "lockstep/core/env.hpp"
+#include "lockstep/core/detail/env.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/reduce_op.hpp"
 #include "lockstep/cuda/detail/nccl_state.cuh"

@@ -33,7 +33,7 @@
 
 #include "lockstep/comm/order_check.hpp"
 #include "lockstep/core/context.hpp"
-#include "lockstep/core/env.hpp"
+#include "lockstep/core/detail/env.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/cuda/error.cuh"
 #include "lockstep/cuda/nccl_comm.cuh"

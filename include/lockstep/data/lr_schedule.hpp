@@ -21,7 +21,7 @@
 #include <numbers>
 #include <string>
 
-#include "lockstep/core/env.hpp"
+#include "lockstep/core/detail/env.hpp"
 #include "lockstep/core/error.hpp"
 
 namespace lockstep {

@@ -17,7 +17,7 @@
 #include <nccl.h>
 #endif
 
-#include "lockstep/core/env.hpp"
+#include "lockstep/core/detail/env.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/launch/launch_env.hpp"
 

@@ -4,7 +4,7 @@
 #include <chrono>
 #include <string>
 
-#include "lockstep/core/env.hpp"
+#include "lockstep/core/detail/env.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/progress.hpp"
 #include "lockstep/launch/launch_env.hpp"

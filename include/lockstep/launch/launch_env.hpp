@@ -34,7 +34,7 @@
 #include <utility>
 #include <vector>
 
-#include "lockstep/core/env.hpp"
+#include "lockstep/core/detail/env.hpp"
 #include "lockstep/core/error.hpp"
 
 namespace lockstep {

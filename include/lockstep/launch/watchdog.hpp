@@ -43,7 +43,7 @@
 #include <thread>
 #include <utility>
 
-#include "lockstep/core/env.hpp"
+#include "lockstep/core/detail/env.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/store/store.hpp"
 #include "lockstep/store/tcp_store.hpp"

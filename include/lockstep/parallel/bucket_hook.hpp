@@ -15,7 +15,7 @@
 #include "lockstep/core/concepts.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/dtype.hpp"
-#include "lockstep/core/half.hpp"
+#include "lockstep/core/detail/half.hpp"
 #include "lockstep/core/reduce_op.hpp"
 
 namespace lockstep {

@@ -39,19 +39,19 @@
 #include <utility>
 #include <vector>
 
-#include "lockstep/comm/host_collectives.hpp"
+#include "lockstep/comm/detail/host_collectives.hpp"
 #include "lockstep/core/concepts.hpp"
 #include "lockstep/core/context.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/grad_group.hpp"
-#include "lockstep/observe/nvtx.hpp"
-#include "lockstep/parallel/binding.hpp"
+#include "lockstep/observe/detail/nvtx.hpp"
+#include "lockstep/parallel/detail/binding.hpp"
 #include "lockstep/parallel/bucket_hook.hpp"
 #include "lockstep/parallel/detail/arguments.hpp"
-#include "lockstep/parallel/replicas.hpp"
+#include "lockstep/parallel/detail/replicas.hpp"
 #include "lockstep/parallel/join.hpp"
 #include "lockstep/parallel/policies.hpp"
-#include "lockstep/parallel/reducer.hpp"
+#include "lockstep/parallel/detail/reducer.hpp"
 #include "lockstep/parallel/step.hpp"
 #include "lockstep/scaling/clipping.hpp"
 #include "lockstep/scaling/loss_scaler.hpp"
@@ -227,7 +227,7 @@ class DataParallel {
     }
     reducer_.begin_micro(sync, prescale);
     open_ = true;
-    nvtx_step_ = detail::nvtx_start("step");  // NVTX (observe/nvtx.hpp): ended in finish()
+    nvtx_step_ = detail::nvtx_start("step");  // NVTX (observe/detail/nvtx.hpp): ended in finish()
     nvtx_model_ = detail::nvtx_start(sync ? "forward + backward" : "forward + backward (accumulating)");
     step_t0_ = detail::trace_log::clock::now();
     comm_at_step_ = reducer_.stats().comm_seconds;

@@ -13,7 +13,7 @@
 #include <span>
 #include <string>
 
-#include "lockstep/comm/host_collectives.hpp"
+#include "lockstep/comm/detail/host_collectives.hpp"
 #include "lockstep/core/concepts.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/grad_group.hpp"

@@ -148,7 +148,7 @@ inline constexpr const char* stalled_advice =
     "DynamicScaleOptions::max_consecutive_skips sets this limit (0: none)";
 
 //! What the skip-limit error appends when lockstep found whose gradients were non-finite
-//! before averaging (parallel/nonfinite.hpp; DeviceDynamicScale on the device): "rank 2" /
+//! before averaging (parallel/detail/nonfinite.hpp; DeviceDynamicScale on the device): "rank 2" /
 //! "ranks 1, 3" (of DataParallel's communicator; `more` ranks beyond those listed), the step
 //! that found it, and how it was looked for (`how`).
 inline std::string origin_text(const std::vector<int>& ranks, std::size_t more, std::int64_t step, const char* how) {

@@ -36,7 +36,7 @@
 #include <thread>
 #include <vector>
 
-#include "lockstep/core/env.hpp"
+#include "lockstep/core/detail/env.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/detail/byte_io.hpp"
 #include "lockstep/store/store.hpp"

@@ -23,7 +23,7 @@
 #include <string_view>
 #include <vector>
 
-#include "lockstep/core/env.hpp"
+#include "lockstep/core/detail/env.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/detail/checksum.hpp"
 

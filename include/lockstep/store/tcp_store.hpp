@@ -37,7 +37,7 @@
 #include <utility>
 #include <vector>
 
-#include "lockstep/core/env.hpp"
+#include "lockstep/core/detail/env.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/progress.hpp"
 #include "lockstep/store/detail/arrivals.hpp"

@@ -27,7 +27,7 @@
 
 #include "lockstep/comm/collective.hpp"
 #include "lockstep/comm/order_check.hpp"
-#include "lockstep/core/env.hpp"
+#include "lockstep/core/detail/env.hpp"
 #include "lockstep/cuda/detail/nccl_seals.cuh"
 #include "lockstep/cuda/detail/nccl_work.cuh"
 #include "lockstep/cuda/error.cuh"

@@ -40,7 +40,7 @@
 #include <type_traits>
 
 #include "lockstep/core/concepts.hpp"
-#include "lockstep/core/env.hpp"
+#include "lockstep/core/detail/env.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/cuda/error.cuh"
 #include "lockstep/cuda/kernels/access.cuh"

@@ -1,5 +1,5 @@
 #pragma once
-//! What an MpiComm and its works share (mpi/comm.hpp): the MPI communicator, its timeout, the
+//! What an MpiComm and its works share (mpi/mpi_comm.hpp): the MPI communicator, its timeout, the
 //! order check's seals in flight, and whether it broke; the polled wait every MPI wait uses.
 
 #include <mpi.h>

@@ -29,7 +29,7 @@
 
 #include "lockstep/core/error.hpp"
 #include "lockstep/store/detail/arrivals.hpp"
-#include "lockstep/store/detail/engine.hpp"
+#include "lockstep/store/detail/store_engine.hpp"
 #include "lockstep/store/detail/socket.hpp"
 #include "lockstep/store/detail/wire.hpp"
 #include "lockstep/store/store.hpp"

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "lockstep/comm/host_collectives.hpp"
+#include "lockstep/comm/detail/host_collectives.hpp"
 #include "lockstep/core/concepts.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/parameter.hpp"

@@ -27,13 +27,13 @@
 #include <vector>
 
 #include "lockstep/comm/collective.hpp"
-#include "lockstep/comm/host_collectives.hpp"
+#include "lockstep/comm/detail/host_collectives.hpp"
 #include "lockstep/core/concepts.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/parameter.hpp"
 #include "lockstep/core/reduce_op.hpp"
-#include "lockstep/parallel/binding.hpp"
-#include "lockstep/parallel/bucket_plan.hpp"
+#include "lockstep/parallel/detail/binding.hpp"
+#include "lockstep/parallel/detail/bucket_plan.hpp"
 
 namespace lockstep::detail {
 

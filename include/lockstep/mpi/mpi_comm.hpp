@@ -11,7 +11,7 @@
 //! seconds, default 60) and throws timeout_error naming the collective. A collective cannot
 //! be cancelled in MPI, so after a timeout (or an MPI error) the communicator is *broken*:
 //! later calls throw aborted_error, and MPI may still write into the buffers of collectives
-//! that were in flight. End the job: lockstep::run(Mpi{}, ...) calls MPI_Abort (mpi/run.hpp).
+//! that were in flight. End the job: lockstep::run(Mpi{}, ...) calls MPI_Abort (mpi/run_mpi.hpp).
 //!
 //! Order check (comm/order_check.hpp), on by default: every collective is preceded by a small
 //! MPI_Iallgather of every rank's description of it (its seal), compared with rank 0's once it
@@ -58,7 +58,7 @@
 #include "lockstep/comm/order_check.hpp"
 #include "lockstep/core/concepts.hpp"
 #include "lockstep/core/dtype.hpp"
-#include "lockstep/core/env.hpp"
+#include "lockstep/core/detail/env.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/host_memory.hpp"
 #include "lockstep/core/reduce_op.hpp"

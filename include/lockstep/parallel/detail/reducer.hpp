@@ -16,17 +16,17 @@
 #include <vector>
 
 #include "lockstep/comm/collective.hpp"
-#include "lockstep/comm/host_collectives.hpp"
+#include "lockstep/comm/detail/host_collectives.hpp"
 #include "lockstep/core/concepts.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/grad_group.hpp"
-#include "lockstep/parallel/binding.hpp"
+#include "lockstep/parallel/detail/binding.hpp"
 #include "lockstep/parallel/bucket_hook.hpp"
-#include "lockstep/parallel/bucket_plan.hpp"
-#include "lockstep/parallel/nonfinite.hpp"
+#include "lockstep/parallel/detail/bucket_plan.hpp"
+#include "lockstep/parallel/detail/nonfinite.hpp"
 #include "lockstep/parallel/policies.hpp"
-#include "lockstep/parallel/shards.hpp"
-#include "lockstep/observe/trace.hpp"
+#include "lockstep/parallel/detail/shard_units.hpp"
+#include "lockstep/observe/detail/trace.hpp"
 #include "lockstep/parallel/step.hpp"
 
 namespace lockstep {
@@ -196,7 +196,7 @@ class reducer {
   //! collective (nonfinite.hpp); nullptr stops it.
   void check_local_nonfinite(nonfinite_origin<Comm>* c) noexcept { local_check_ = c; }
 
-  //! LOCKSTEP_TRACE (observe/trace.hpp): record each bucket collective and callback in t.
+  //! LOCKSTEP_TRACE (observe/detail/trace.hpp): record each bucket collective and callback in t.
   void set_trace(trace_log* t) noexcept { trace_ = t; }
 
   //! Whether the model's gradients live in the arena now (after the binding, see bind_fn).

@@ -36,8 +36,8 @@
 #include <utility>
 
 #include "lockstep/core/context.hpp"
-#include "lockstep/core/env.hpp"
-#include "lockstep/mpi/comm.hpp"
+#include "lockstep/core/detail/env.hpp"
+#include "lockstep/mpi/mpi_comm.hpp"
 
 namespace lockstep {
 

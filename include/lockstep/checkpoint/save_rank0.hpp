@@ -9,7 +9,7 @@
 
 #include "lockstep/checkpoint/checkpoint.hpp"
 #include "lockstep/checkpoint/file.hpp"
-#include "lockstep/comm/host_collectives.hpp"
+#include "lockstep/comm/detail/host_collectives.hpp"
 #include "lockstep/core/concepts.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/reduce_op.hpp"

@@ -19,7 +19,7 @@
 #include <utility>
 #include <vector>
 
-#include "lockstep/comm/host_collectives.hpp"
+#include "lockstep/comm/detail/host_collectives.hpp"
 #include "lockstep/core/concepts.hpp"
 #include "lockstep/core/dtype.hpp"
 #include "lockstep/core/error.hpp"

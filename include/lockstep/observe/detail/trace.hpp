@@ -22,9 +22,9 @@
 #include <string>
 #include <vector>
 
-#include "lockstep/core/env.hpp"
+#include "lockstep/core/detail/env.hpp"
 #include "lockstep/core/error.hpp"
-#include "lockstep/observe/nvtx.hpp"
+#include "lockstep/observe/detail/nvtx.hpp"
 
 namespace lockstep::detail {
 

@@ -34,7 +34,7 @@
 #include <vector>
 
 #include "lockstep/core/error.hpp"
-#include "lockstep/mpi/comm.hpp"
+#include "lockstep/mpi/mpi_comm.hpp"
 #include "lockstep/store/store.hpp"
 
 namespace lockstep {
