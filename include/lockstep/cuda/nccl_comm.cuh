@@ -59,6 +59,9 @@
 #include "lockstep/core/detail/env.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/reduce_op.hpp"
+#include "lockstep/cuda/detail/nccl_handle.cuh"
+#include "lockstep/cuda/detail/nccl_marker.cuh"
+#include "lockstep/cuda/detail/nccl_order.cuh"
 #include "lockstep/cuda/detail/nccl_state.cuh"
 #include "lockstep/cuda/detail/nccl_window.cuh"
 #include "lockstep/cuda/detail/nccl_work.cuh"
@@ -70,7 +73,7 @@
 
 namespace lockstep {
 
-class NcclComm {
+class NcclComm : private detail::nccl_handle {
  public:
   //! The handle of one collective in flight (cuda/detail/nccl_work.cuh).
   using work = detail::nccl_work;
@@ -382,105 +385,13 @@ class NcclComm {
 
   // `parent`: the communicator this one was split from (nullptr: a rank's first one).
   NcclComm(adopt_tag, ncclComm_t c, int rank, int world, int device, const std::shared_ptr<state>& parent = {},
-           std::string group_name = {}) {
-    try {
-      s_ = std::make_shared<state>();
-    } catch (...) {
-      detail::nccl_destroy(c, device);
-      throw;
-    }
-    state& s = *s_;  // from here on s_ owns c: a throw destroys it with the rest
-    s.comm = c;
-    s.rank = rank;
-    s.size = world;
-    s.device = device;
-    s.parent = parent;
-    s.group_name = std::move(group_name);
-    s.family = parent ? parent->family : std::make_shared<detail::nccl_family>();
-    detail::device_guard g(device);
-    // Trust, but verify: the rank/size/device NCCL holds must be the ones we report.
-    int nccl_rank = 0, nccl_size = 1, nccl_device = device;  // no NCCL communicator: one rank
-    if (c) LOCKSTEP_TRY_NCCL(ncclCommUserRank(c, &nccl_rank));
-    if (c) LOCKSTEP_TRY_NCCL(ncclCommCount(c, &nccl_size));
-    if (c) LOCKSTEP_TRY_NCCL(ncclCommCuDevice(c, &nccl_device));
-    if (nccl_rank != rank || nccl_size != world || nccl_device != device)
-      throw nccl_error("NcclComm: NCCL reports rank " + std::to_string(nccl_rank) + " of " +
-                       std::to_string(nccl_size) + " on device " + std::to_string(nccl_device) +
-                       ", expected rank " + std::to_string(rank) + " of " + std::to_string(world) +
-                       " on device " + std::to_string(device));
-    int least = 0, greatest = 0;
-    LOCKSTEP_TRY_CUDA(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-    LOCKSTEP_TRY_CUDA(cudaStreamCreateWithPriority(&s.comm_stream, cudaStreamNonBlocking, greatest));
-    if (parent) {
-      s.follows_parent = true;  // the model's kernels and both groups' collectives stay ordered
-      s.tracking = parent->tracking;
-    } else {
-      LOCKSTEP_TRY_CUDA(cudaStreamCreateWithFlags(&s.own_compute, cudaStreamNonBlocking));
-      s.compute = s.own_compute;
-    }
-    LOCKSTEP_TRY_CUDA(cudaEventCreateWithFlags(&s.ready, cudaEventDisableTiming));
-    s.events = std::make_shared<detail::event_pool>(device);
-    LOCKSTEP_TRY_CUDA(cudaMalloc(reinterpret_cast<void**>(&s.barrier_buf), sizeof(int)));
-    s.seals.init(world, parent ? parent->seals.mode() : detail::order_check_mode_from_env());  // order check
-    LOCKSTEP_TRY_CUDA(cudaMemsetAsync(s.barrier_buf, 0, sizeof(int), s.comm_stream));
-    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s.comm_stream));
-    if (const auto why = s.family->add(s_)) {  // abort() overtook the split: end what it missed
-      detail::nccl_abort(s, *why);
-      throw aborted_error("NcclComm::split: " + s.who() + " was aborted while it was made (" + *why +
-                          "); create a new communicator to continue");
-    }
-  }
+           std::string group_name = {})
+      : nccl_handle(c, rank, world, device, parent, std::move(group_name)) {}
 
   NcclComm split_with(int color, int key, ncclConfig_t* config, const char* what) {
-    state& s = live(what);
-    if (color < 0)
-      throw config_error(std::string("NcclComm::") + what + ": colour " + std::to_string(color) +
-                         " is negative; give every rank a colour >= 0 (ranks of one colour form a group)");
-    const std::string name = (s.group_name.empty() ? "" : s.group_name + " / ") + "split " +
-                             std::to_string(s.splits++) + " (colour " + std::to_string(color) + ")";
-    if (!s.comm) return NcclComm(adopt_tag{}, nullptr, 0, 1, s.device, s_, name);  // one rank: one group
-    detail::device_guard g(s.device);
-    ncclComm_t sub = nullptr;
-    LOCKSTEP_TRY_NCCL(ncclCommSplit(s.comm, color, key, &sub, config));
-    if (sub == nullptr)
-      throw nccl_error(std::string("NcclComm::") + what + ": ncclCommSplit gave no communicator for colour " +
-                       std::to_string(color));
-    int r = -1, n = -1;
-    const ncclResult_t qr = ncclCommUserRank(sub, &r);
-    const ncclResult_t qn = qr == ncclSuccess ? ncclCommCount(sub, &n) : qr;
-    if (qn != ncclSuccess) {
-      detail::nccl_destroy(sub, s.device);
-      throw nccl_error(std::string("NcclComm::") + what + ": the new communicator does not say its rank and size: " +
-                       detail::describe_nccl(qn));
-    }
-    return NcclComm(adopt_tag{}, sub, r, n, s.device, s_, name);
+    split_part sub = split_comm(color, key, config, what);  // cuda/detail/nccl_handle.cuh
+    return NcclComm(adopt_tag{}, sub.comm, sub.rank, sub.size, s_->device, s_, std::move(sub.name));
   }
-
-  state& live(const char* what) const {
-    if (!s_) throw config_error(std::string("NcclComm::") + what + ": this communicator was moved from");
-    if (s_->aborted.load(std::memory_order_acquire))
-      throw aborted_error(std::string("NcclComm::") + what + ": rank " + std::to_string(s_->rank) +
-                          " was aborted (" + s_->abort_reason +
-                          "); create a new communicator to continue");
-    return *s_;
-  }
-
-  template <class Call>
-  work issue(state& s, const collective& c, Call&& call) {
-    detail::device_guard g(s.device);
-    const cudaStream_t compute = s.compute_stream();
-    LOCKSTEP_TRY_CUDA(cudaEventRecord(s.ready, compute));
-    LOCKSTEP_TRY_CUDA(cudaStreamWaitEvent(s.comm_stream, s.ready, 0));
-    work w(s.events, s.events->acquire(), compute);  // gives the event back if we throw below
-    // Marked before the call, which may block inside NCCL (nccl_marker); completed after.
-    detail::nccl_marker mark(s, c);
-    call(s.comm_stream);
-    LOCKSTEP_TRY_CUDA(cudaEventRecord(w.event(), s.comm_stream));
-    mark.done();
-    return w;
-  }
-
-  std::shared_ptr<state> s_;
 };
 
 static_assert(communicator<NcclComm>);

@@ -75,6 +75,7 @@
 
 #include "lockstep/core/error.hpp"
 #include "lockstep/cuda/error.cuh"
+#include "lockstep/cuda/detail/prefetch_slot.cuh"
 #include "lockstep/cuda/memory.cuh"
 
 namespace lockstep {
@@ -228,31 +229,10 @@ class Prefetcher {
   cudaStream_t copy_stream() const noexcept { return copy_.s; }
 
  private:
-  struct host_free {
-    void operator()(std::byte* p) const noexcept { (void)cudaFreeHost(p); }
-  };
-  struct event {
-    cudaEvent_t e = nullptr;
-    event() = default;
-    event(event&& o) noexcept : e(std::exchange(o.e, nullptr)) {}
-    event& operator=(event&&) = delete;
-    ~event() {
-      if (e != nullptr) (void)cudaEventDestroy(e);
-    }
-  };
-  struct stream {
-    cudaStream_t s = nullptr;
-    ~stream() {
-      if (s != nullptr) (void)cudaStreamDestroy(s);
-    }
-  };
-  struct slot {
-    std::unique_ptr<std::byte, host_free> host;  // pinned, bytes_
-    std::shared_ptr<void> dev;                   // bytes_ on device_
-    event copied;                                // E_copy: recorded on P after the copy
-    event done;                                  // E_done: recorded on C at release
-    std::size_t used = 0;                        // bytes of the batch in it (under m_)
-  };
+  using host_free = detail::pinned_free;  // cuda/detail/prefetch_slot.cuh
+  using event = detail::owned_event;
+  using stream = detail::owned_stream;
+  using slot = detail::prefetch_slot;
 
   static constexpr std::size_t none = std::numeric_limits<std::size_t>::max();
 
@@ -260,23 +240,8 @@ class Prefetcher {
     LOCKSTEP_TRY_CUDA(cudaStreamCreateWithFlags(&copy_.s, cudaStreamNonBlocking));
     const CudaMemory mem(device_, copy_.s);
     slots_.resize(opts_.slots);
-    for (slot& s : slots_) {
-      void* h = nullptr;
-      const cudaError_t e = cudaHostAlloc(&h, bytes_, cudaHostAllocPortable);
-      if (e != cudaSuccess) {
-        (void)cudaGetLastError();
-        throw cuda_error(detail::call_failure(
-            "cudaHostAlloc", __FILE__, __LINE__,
-            detail::describe_cuda(e) + " while pinning " + std::to_string(bytes_) + " bytes for slot " +
-                std::to_string(&s - slots_.data()) + " of " + std::to_string(slots_.size()) +
-                "; give fewer slots or a smaller slot_bytes"));
-      }
-      s.host.reset(static_cast<std::byte*>(h));
-      s.dev = mem.allocate(bytes_);
-      // Helper threads wait for copies on the host: block rather than spin a core.
-      LOCKSTEP_TRY_CUDA(cudaEventCreateWithFlags(&s.copied.e, cudaEventDisableTiming | cudaEventBlockingSync));
-      LOCKSTEP_TRY_CUDA(cudaEventCreateWithFlags(&s.done.e, cudaEventDisableTiming | cudaEventBlockingSync));
-    }
+    for (slot& s : slots_)
+      detail::allocate_prefetch_slot(s, bytes_, mem, static_cast<std::size_t>(&s - slots_.data()), slots_.size());
     issued_.assign(slots_.size(), 0);
   }
 
