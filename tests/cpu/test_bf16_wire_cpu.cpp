@@ -69,9 +69,7 @@ std::vector<float> train(const dataset& d, int ranks, std::uint64_t seed) {
 
 TEST_SUITE("cpu") {
 TEST_CASE("bf16 wire on CPU ranks: the mean of bf16-rounded values in fp32 - all-reduce rounded - reduce-scatter not") {
-  const auto seed = fresh_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   for (int n : {1, 2, 3, 4}) {
     CAPTURE(n);
     const std::size_t count = 997, per = 61;

@@ -222,6 +222,18 @@ struct Fixture {
   TempDir dir;
 };
 
+//! Saves a checkpoint of model's parameters, with what `extra` adds to it after them, as
+//! `name` in fx's directory; returns the file's path.
+fs::path save_parameters(Fixture& fx, TestModel& model, const char* name,
+                         const std::function<void(Checkpoint&)>& extra = {}) {
+  Checkpoint ck;
+  ck.add_parameters(model.parameters(), lockstep::HostMemory{});
+  if (extra) extra(ck);
+  const fs::path path = fx.dir.path / name;
+  lockstep::save_checkpoint(path, ck);
+  return path;
+}
+
 }  // namespace
 
 TEST_SUITE("cpu") {
@@ -410,12 +422,10 @@ TEST_CASE("checkpoint: a truncated file is reported as truncated") {
   Fixture fx;
   CAPTURE(fx.seed);
   TestModel model(4 + static_cast<std::int64_t>(fx.rng() % 8), 3, 5, fx.rng);
-  Checkpoint ck;
-  ck.meta.step = 3;
-  ck.add_parameters(model.parameters(), lockstep::HostMemory{});
-  ck.add("optimizer", random_optimizer(fx.rng));
-  const fs::path path = fx.dir.path / "full.lsck";
-  lockstep::save_checkpoint(path, ck);
+  const fs::path path = save_parameters(fx, model, "full.lsck", [&](Checkpoint& ck) {
+    ck.meta.step = 3;
+    ck.add("optimizer", random_optimizer(fx.rng));
+  });
   const auto file = read_file(path);
 
   std::vector<std::size_t> cuts = {0, 1, 7, 8, 20, 47, 48, 49, 48 + (file.size() - 48) / 2,
@@ -444,11 +454,8 @@ TEST_CASE("checkpoint: a corrupted byte is caught by the checksums") {
   Fixture fx;
   CAPTURE(fx.seed);
   TestModel model(6, 5, 7, fx.rng);
-  Checkpoint ck;
-  ck.add_parameters(model.parameters(), lockstep::HostMemory{});
-  ck.add_blob("note", std::string_view("hello"));
-  const fs::path path = fx.dir.path / "c.lsck";
-  lockstep::save_checkpoint(path, ck);
+  const fs::path path =
+      save_parameters(fx, model, "c.lsck", [](Checkpoint& ck) { ck.add_blob("note", std::string_view("hello")); });
   const auto file = read_file(path);
   const fs::path bad = fx.dir.path / "bad.lsck";
 
@@ -486,10 +493,7 @@ TEST_CASE("checkpoint: a different format version is refused") {
   Fixture fx;
   CAPTURE(fx.seed);
   TestModel model(2, 2, 2, fx.rng);
-  Checkpoint ck;
-  ck.add_parameters(model.parameters(), lockstep::HostMemory{});
-  const fs::path path = fx.dir.path / "v.lsck";
-  lockstep::save_checkpoint(path, ck);
+  const fs::path path = save_parameters(fx, model, "v.lsck");
   auto f = read_file(path);
   const std::uint32_t v = 2 + static_cast<std::uint32_t>(fx.rng() % 1000);
   for (int i = 0; i < 4; ++i) f[8 + static_cast<std::size_t>(i)] = static_cast<unsigned char>(v >> (8 * i));
@@ -507,10 +511,7 @@ TEST_CASE("checkpoint: restoring into a different model names the parameter and 
   Fixture fx;
   CAPTURE(fx.seed);
   TestModel a(5, 4, 3, fx.rng);
-  Checkpoint saved;
-  saved.add_parameters(a.parameters(), lockstep::HostMemory{});
-  const fs::path path = fx.dir.path / "a.lsck";
-  lockstep::save_checkpoint(path, saved);
+  const fs::path path = save_parameters(fx, a, "a.lsck");
   const auto ck = lockstep::load_checkpoint(path);
 
   // Each variant matches parameter #0 (so a non-atomic restore would have written it) and

@@ -17,12 +17,13 @@
 
 #include "lockstep/comm/thread_comm.hpp"
 #include "lockstep/scaling/clipping.hpp"
+#include "test_util.hpp"
 
 using namespace lockstep;
 
 namespace {
 
-std::uint32_t fresh_seed() { return std::random_device{}(); }
+using lockstep_test::fresh_seed;
 
 // Gradients of f32 and f64 in several segments each; magnitudes vary over many decades so a
 // float or naive sum would show its error.
@@ -68,9 +69,7 @@ struct mixed_grads {
 TEST_SUITE("cpu") {
 
 TEST_CASE("clipping: grad_norm and clip_grad_norm match a long double reference") {
-  const auto seed = fresh_seed();
-  CAPTURE(seed);
-  std::mt19937 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937 rng);
   for (int trial = 0; trial < 6; ++trial) {
     CAPTURE(trial);
     mixed_grads g(rng, trial < 3 ? 1.0 : 12.0);
@@ -117,9 +116,7 @@ TEST_CASE("clipping: grad_norm and clip_grad_norm match a long double reference"
 }
 
 TEST_CASE("clipping: clip_grad_norm: non-finite norm leaves the gradients and is returned") {
-  const auto seed = fresh_seed();
-  CAPTURE(seed);
-  std::mt19937 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937 rng);
   for (double bad : {std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()}) {
     CAPTURE(bad);
     mixed_grads g(rng, 2.0);
@@ -183,9 +180,7 @@ TEST_CASE("clipping: clip_grad_norm gives the same norm on every rank") {
 }
 
 TEST_CASE("clipping: clip_grad_value clamps to plus or minus clip and keeps NaN") {
-  const auto seed = fresh_seed();
-  CAPTURE(seed);
-  std::mt19937 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937 rng);
   mixed_grads g(rng, 2.0);
   g.f[0][0] = std::numeric_limits<float>::quiet_NaN();
   g.d[0][0] = -std::numeric_limits<double>::infinity();

@@ -15,12 +15,22 @@
 using namespace lockstep_test;
 using lockstep::detail::make_bucket_plan;
 
+namespace {
+
+//! Two samples of `features` inputs, every input `fill` but X[at] = `odd`; labels 1 and 2.
+struct two_samples {
+  std::vector<float> X;
+  std::vector<int> y{1, 2};
+  std::vector<std::size_t> rows{0, 1};
+  two_samples(std::size_t features, float fill, std::size_t at, float odd) : X(features * 2, fill) { X[at] = odd; }
+};
+
+}  // namespace
+
 TEST_SUITE("cpu") {
 
 TEST_CASE("bucket plan: every element of every parameter lies in exactly one slice") {
-  const auto seed = fresh_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   for (int trial = 0; trial < 200; ++trial) {
     std::uniform_int_distribution<std::size_t> sz(0, 300), nparams(1, 12), cap(1, 700);
     std::vector<std::size_t> sizes(nparams(rng));
@@ -199,13 +209,10 @@ TEST_CASE("statistics count buckets - bytes and syncs - Accumulate<> K changes a
     TestMlp<float> m({8, 8, 4}, 3);  // 64+8+32+4 = 108 floats
     lockstep::DataParallel<TestMlp<float>, lockstep::ThreadComm, lockstep::Accumulate<>> dp(
         ctx, m, {.buckets = {.first_bytes = 1 << 20, .cap_bytes = 1 << 20}}, lockstep::Accumulate<>(2));
-    std::vector<float> X(8 * 2, 0.5f);
-    X[3] = -1.0f;
-    std::vector<int> y{1, 2};
-    std::vector<std::size_t> rows{0, 1};
+    const two_samples b(8, 0.5f, 3, -1.0f);
     auto micro = [&] {
       auto s = dp.step();
-      m.forward_backward(X, y, rows, s.on_gradient_ready());
+      m.forward_backward(b.X, b.y, b.rows, s.on_gradient_ready());
       return s.finish();
     };
     CHECK_FALSE(micro().synced);
@@ -435,13 +442,10 @@ TEST_CASE("a model that never reports is reduced with one all-reduce per step af
   lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
     TestMlp<float> m({6, 8, 3}, 5);
     lockstep::DataParallel<TestMlp<float>, lockstep::ThreadComm> dp(ctx, m, {.buckets = {.first_bytes = 32, .cap_bytes = 64}});
-    std::vector<float> X(6 * 2, 0.25f);
-    X[1] = -0.5f;
-    std::vector<int> y{1, 2};
-    std::vector<std::size_t> rows{0, 1};
+    const two_samples b(6, 0.25f, 1, -0.5f);
     auto once = [&] {
       auto s = dp.step();
-      m.forward_backward(X, y, rows, [](std::size_t) {});
+      m.forward_backward(b.X, b.y, b.rows, [](std::size_t) {});
       s.finish();
     };
     once();

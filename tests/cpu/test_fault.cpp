@@ -18,6 +18,7 @@
 
 #include <lockstep/lockstep.hpp>
 
+#include "fault_train.hpp"
 #include "mlp.hpp"
 #include "test_util.hpp"
 
@@ -58,14 +59,7 @@ std::vector<std::string> messages_of(int n, Body&& body, double& seconds) {
   return msgs;
 }
 
-void train(Model& m, auto& dp, int steps, const std::vector<float>& x, const std::vector<int>& y) {
-  const std::vector<std::size_t> rows{0, 1, 2, 3};
-  for (int s = 0; s < steps; ++s) {
-    auto st = dp.step();
-    m.forward_backward(x, y, rows, st.on_gradient_ready());
-    if (st.finish()) m.sgd(0.1);
-  }
-}
+using lockstep_test::train_sgd;
 
 struct data {
   std::vector<float> x;
@@ -75,6 +69,20 @@ struct data {
     x = lockstep_test::random_vector<float>(8 * 8, rng);
   }
 };
+
+//! Every rank's error message from n ranks that each train two steps, call change(ctx, m) (the
+//! fault), then train two more.
+template <class Change>
+std::vector<std::string> messages_around(int n, std::uint64_t seed, Change&& change, double& seconds) {
+  const data d(seed);
+  return messages_of(n, [&](auto& ctx) {
+    Model m(dims, seed);
+    lockstep::DataParallel dp(ctx, m, {.buckets = equal_buckets});
+    train_sgd(m, dp, 2, d.x, d.y);
+    change(ctx, m);
+    train_sgd(m, dp, 2, d.x, d.y);
+  }, seconds);
+}
 
 }  // namespace
 
@@ -88,7 +96,7 @@ TEST_CASE("fault_skip_collective: a rank that skips one bucket of equal size is 
   const auto msgs = messages_of(3, [&](auto& ctx) {
     Model m(dims, seed);
     lockstep::DataParallel dp(ctx, m, {.buckets = equal_buckets}, SkipOne{.rank = 1, .at = 11});  // step 1's 4th
-    train(m, dp, 4, d.x, d.y);
+    train_sgd(m, dp, 4, d.x, d.y);
   }, secs);
   for (const auto& msg : msgs) {
     CAPTURE(msg);
@@ -102,17 +110,12 @@ TEST_CASE("fault_skip_collective: a rank that skips one bucket of equal size is 
 
 TEST_CASE("fault_extra_collective: one rank's extra metrics all-reduce is named on every rank") {
   const auto seed = lockstep_test::fresh_seed();
-  const data d(seed);
   double secs = 0;
-  const auto msgs = messages_of(3, [&](auto& ctx) {
-    Model m(dims, seed);
-    lockstep::DataParallel dp(ctx, m, {.buckets = equal_buckets});
-    train(m, dp, 2, d.x, d.y);
+  const auto msgs = messages_around(3, seed, [&](auto& ctx, Model&) {
     if (ctx.rank() == 2) {  // an evaluation only this rank runs
       double acc[2] = {0.5, 1.0};
       lockstep::all_reduce_scalars(ctx.comm(), std::span<double>(acc), lockstep::reduce_op::sum);
     }
-    train(m, dp, 2, d.x, d.y);
   }, secs);
   for (const auto& msg : msgs) {
     CAPTURE(msg);
@@ -125,14 +128,9 @@ TEST_CASE("fault_extra_collective: one rank's extra metrics all-reduce is named 
 
 TEST_CASE("fault_shapes_changed: a rank that rebuilds its model after start is caught at its next step") {
   const auto seed = lockstep_test::fresh_seed();
-  const data d(seed);
   double secs = 0;
-  const auto msgs = messages_of(3, [&](auto& ctx) {
-    Model m(dims, seed);
-    lockstep::DataParallel dp(ctx, m, {.buckets = equal_buckets});
-    train(m, dp, 2, d.x, d.y);
+  const auto msgs = messages_around(3, seed, [&](auto& ctx, Model& m) {
     if (ctx.rank() == 1) m = Model({8, 8, 9, 8, 8}, seed);  // "loaded another checkpoint's architecture"
-    train(m, dp, 2, d.x, d.y);
   }, secs);
   CAPTURE(msgs[1]);
   CHECK(msgs[1].find("rank 1: the model changed after DataParallel was built: parameter 2 is 'layer1.weight' "
@@ -168,15 +166,10 @@ TEST_CASE("fault_straggler: a rank 10x slower is no failure - and is named as th
 
 TEST_CASE("fault_gradients_unbound: a gradient taken out of the arena (zero_grad set_to_none) is named") {
   const auto seed = lockstep_test::fresh_seed();
-  const data d(seed);
   double secs = 0;
   std::vector<float> own(64, 0.0f);
-  const auto msgs = messages_of(2, [&](auto& ctx) {
-    Model m(dims, seed);
-    lockstep::DataParallel dp(ctx, m, {.buckets = equal_buckets});
-    train(m, dp, 2, d.x, d.y);
+  const auto msgs = messages_around(2, seed, [&](auto& ctx, Model& m) {
     if (ctx.rank() == 0) m.bind_gradient(2, own.data());  // as if .grad had been reset and reallocated
-    train(m, dp, 2, d.x, d.y);
   }, secs);
   CAPTURE(msgs[0]);
   CHECK(msgs[0].find("rank 0: the model changed after DataParallel was built: the gradient of parameter 2 "

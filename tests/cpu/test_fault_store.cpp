@@ -33,6 +33,7 @@
 #include <lockstep/store/tcp_store.hpp>
 
 #include "net_util.hpp"
+#include "stderr_capture.hpp"
 #include "test_util.hpp"
 
 using namespace std::chrono_literals;
@@ -44,6 +45,23 @@ using clk = std::chrono::steady_clock;
 namespace {
 
 double seconds_since(clk::time_point t) { return std::chrono::duration<double>(clk::now() - t).count(); }
+
+//! Runs `attempt`, which must throw E (FAIL_CHECK(`unexpected`) if it returns); returns E's
+//! message and the seconds from the fault (t0) to it, both shown with MESSAGE (as `who`).
+template <class E, class F>
+std::pair<std::string, double> refusal(clk::time_point t0, const char* who, const char* unexpected, F attempt) {
+  std::string msg;
+  try {
+    attempt();
+    FAIL_CHECK(unexpected);
+  } catch (const E& e) {
+    msg = e.what();
+  }
+  const double fault_to_throw = seconds_since(t0);
+  MESSAGE(who, ": ", msg);
+  MESSAGE("fault to its error: ", fault_to_throw, " s");
+  return {msg, fault_to_throw};
+}
 
 //! A job token like lockstep-run's: 32 hex digits.
 std::string random_token(std::mt19937_64& rng) {
@@ -139,36 +157,9 @@ void lockstep_run_env(int rank, int world, int port, const std::string& token) {
   ::setenv("LOCKSTEP_LAUNCHER", "lockstep-run", 1);
 }
 
-//! Captures what this process writes to stderr (the store server's log) until finish().
-class stderr_capture {
- public:
-  stderr_capture() {
-    std::fflush(stderr);
-    saved_ = ::dup(STDERR_FILENO);
-    char tmpl[] = "/tmp/lockstep_fault_stderr_XXXXXX";
-    const int fd = ::mkstemp(tmpl);
-    REQUIRE(fd >= 0);
-    path_ = tmpl;
-    ::dup2(fd, STDERR_FILENO);
-    ::close(fd);
-  }
-  ~stderr_capture() { finish(); }
-  std::string finish() {
-    if (saved_ >= 0) {
-      std::fflush(stderr);
-      ::dup2(saved_, STDERR_FILENO);
-      ::close(saved_);
-      saved_ = -1;
-      text_ = read_text(path_);
-      std::remove(path_.c_str());
-      std::fputs(text_.c_str(), stderr);  // still shown
-    }
-    return text_;
-  }
-
- private:
-  int saved_ = -1;
-  std::string path_, text_;
+//! What this process writes to stderr (the store server's log) until finish(), captured and still shown.
+struct stderr_capture : lockstep_test::stderr_capture {
+  stderr_capture() : lockstep_test::stderr_capture(true) {}
 };
 
 }  // namespace
@@ -176,9 +167,7 @@ class stderr_capture {
 TEST_SUITE("cpu") {
 
 TEST_CASE("fault_stale_rendezvous_other_run_refused: a new run meeting an earlier run's store is refused on every rank") {
-  const auto seed = lockstep_test::fresh_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   const std::string token_old = random_token(rng), token_new = random_token(rng);
   const std::string id_old = run_id_of(token_old), id_new = run_id_of(token_new);
   REQUIRE(id_old != id_new);
@@ -260,9 +249,7 @@ TEST_CASE("fault_stale_rendezvous_other_run_refused: a new run meeting an earlie
 }
 
 TEST_CASE("fault_stale_rendezvous_left_over_process_refused: a process of an earlier run reconnecting to a new store") {
-  const auto seed = lockstep_test::fresh_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   const std::string token_old = random_token(rng), token_new = random_token(rng);
   const auto old_value = random_bytes(rng, 1 + rng() % 512);
   // The earlier run: its rank 0 hosts the store, its rank 1 joins and sets a key.
@@ -281,16 +268,9 @@ TEST_CASE("fault_stale_rendezvous_left_over_process_refused: a process of an ear
   // Its connection died with its store; the next call reconnects, to the new store: refused.
   CHECK_THROWS_WITH_AS(left_over.check({"lockstep/nccl_id"}), doctest::Contains("lost the connection"),
                        lockstep::aborted_error);
-  std::string msg;
-  try {
-    left_over.set("lockstep/nccl_id", old_value);
-    FAIL_CHECK("a process of an earlier run joined the new run's store");
-  } catch (const lockstep::aborted_error& e) {
-    msg = e.what();
-  }
-  const double fault_to_throw = seconds_since(t0);
-  MESSAGE("left-over process: ", msg);
-  MESSAGE("fault to its error: ", fault_to_throw, " s");
+  const auto [msg, fault_to_throw] = refusal<lockstep::aborted_error>(
+      t0, "left-over process", "a process of an earlier run joined the new run's store",
+      [&] { left_over.set("lockstep/nccl_id", old_value); });
   CHECK(has(msg, "TcpStore(127.0.0.1:" + p + ") refused this process: this process joined store "));
   CHECK(has(msg, " at this address, which is gone; store "));
   CHECK(has(msg, " of run " + run_id_of(token_new) + " listens there now (this process is of run " +
@@ -308,9 +288,7 @@ TEST_CASE("fault_stale_rendezvous_left_over_process_refused: a process of an ear
 }
 
 TEST_CASE("fault_stale_rendezvous_same_token_left_over_refused: runs that share a token (or have none) still never mix") {
-  const auto seed = lockstep_test::fresh_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   // A fixed LOCKSTEP_JOB_TOKEN exported for every run, torchrun's default "none", or no token.
   const int pick = static_cast<int>(rng() % 3);
   const std::string token = pick == 0 ? random_token(rng) : pick == 1 ? std::string("none") : std::string();
@@ -337,9 +315,7 @@ TEST_CASE("fault_stale_rendezvous_same_token_left_over_refused: runs that share 
 }
 
 TEST_CASE("fault_stale_rendezvous_same_run_admitted: clients of one run still meet - also after a refusal") {
-  const auto seed = lockstep_test::fresh_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   const std::string token = random_token(rng);
   const int world = 2 + static_cast<int>(rng() % 3);
   TcpStore host("127.0.0.1", 0, true, world, token, 10s);
@@ -373,9 +349,7 @@ TEST_CASE("fault_stale_rendezvous_same_run_admitted: clients of one run still me
 }
 
 TEST_CASE("fault_stale_store_reused: a FileStore directory of an earlier run is refused to a new one") {
-  const auto seed = lockstep_test::fresh_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   const std::string token_old = random_token(rng), token_new = random_token(rng);
   const auto nccl_id = random_bytes(rng, 1 + rng() % 256);
   temp_dir dir("lockstep_fault_store");
@@ -389,16 +363,9 @@ TEST_CASE("fault_stale_store_reused: a FileStore directory of an earlier run is 
     CHECK(same_run.get("lockstep/nccl_id") == nccl_id);
   }
   const auto t0 = clk::now();
-  std::string msg;
-  try {
-    FileStore later(path, 2, 2s, {}, token_new);
-    FAIL_CHECK("a new run opened an earlier run's store directory");
-  } catch (const lockstep::config_error& e) {
-    msg = e.what();
-  }
-  const double fault_to_throw = seconds_since(t0);
-  MESSAGE("new run: ", msg);
-  MESSAGE("fault to its error: ", fault_to_throw, " s");
+  const auto [msg, fault_to_throw] =
+      refusal<lockstep::config_error>(t0, "new run", "a new run opened an earlier run's store directory",
+                                      [&] { FileStore later(path, 2, 2s, {}, token_new); });
   CHECK(msg == "FileStore(" + path + "): the directory holds the store of run " + run_id_of(token_old) +
                    " but this process is of run " + run_id_of(token_new) +
                    ". A store directory serves one run: another run's keys (an NCCL id, barrier counts) must not be "
@@ -420,9 +387,7 @@ TEST_CASE("fault_stale_store_reused: a FileStore directory of an earlier run is 
 }
 
 TEST_CASE("fault_stale_store_two_runs_race: processes of two runs starting on one fresh directory - exactly one run wins") {
-  const auto seed = lockstep_test::fresh_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   const std::string tokens[2] = {random_token(rng), random_token(rng)};
   const int per_run = 2 + static_cast<int>(rng() % 3);
   temp_dir dir("lockstep_fault_store");
@@ -462,9 +427,7 @@ TEST_CASE("fault_stale_store_two_runs_race: processes of two runs starting on on
 }
 
 TEST_CASE("fault_stale_rendezvous_mpi_runs_named: every mpirun job has a run id of its own") {
-  const auto seed = lockstep_test::fresh_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   temp_dir dir("lockstep_fault_store");
   const std::string ns = std::to_string(rng() % 4000000000u);
   int to_parent[2];

@@ -17,21 +17,20 @@
 
 namespace {
 
-// Independent decoders: the value of each code from its fields, in double.
-double f16_value(std::uint16_t b) {
-  const int e = (b >> 10) & 0x1f, m = b & 0x3ff;
-  const double v = e == 0 ? std::ldexp(m, -24)
-                   : e == 31 ? (m ? std::numeric_limits<double>::quiet_NaN() : std::numeric_limits<double>::infinity())
-                             : std::ldexp(1024 + m, e - 25);
+// Independent decoders: the value of each code from its fields (sign, ExpBits of exponent with
+// bias 2^(ExpBits-1) - 1, the other 15 - ExpBits bits of mantissa), in double.
+template <int ExpBits>
+double value_of(std::uint16_t b) {
+  constexpr int man_bits = 15 - ExpBits, max_e = (1 << ExpBits) - 1, bias = max_e / 2;
+  const int e = (b >> man_bits) & max_e, m = b & ((1 << man_bits) - 1);
+  const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+  const double v = e == 0       ? std::ldexp(m, 1 - bias - man_bits)
+                   : e == max_e ? (m ? nan : inf)
+                                : std::ldexp((1 << man_bits) + m, e - bias - man_bits);
   return (b & 0x8000) ? -v : v;
 }
-double bf16_value(std::uint16_t b) {
-  const int e = (b >> 7) & 0xff, m = b & 0x7f;
-  const double v = e == 0 ? std::ldexp(m, -133)
-                   : e == 255 ? (m ? std::numeric_limits<double>::quiet_NaN() : std::numeric_limits<double>::infinity())
-                              : std::ldexp(128 + m, e - 134);
-  return (b & 0x8000) ? -v : v;
-}
+double f16_value(std::uint16_t b) { return value_of<5>(b); }   // e 0x1f << 10, m 0x3ff
+double bf16_value(std::uint16_t b) { return value_of<8>(b); }  // e 0xff << 7, m 0x7f
 
 // The nearest code to x among the finite non-negative codes (ascending values), ties to the
 // even code; beyond the largest finite value by half an ulp or more: inf.
@@ -56,6 +55,18 @@ std::uint16_t nearest(double x, double (*value)(std::uint16_t), std::uint16_t in
   return static_cast<std::uint16_t>(r | (neg ? 0x8000 : 0));
 }
 
+// Code h decodes (to_float) to its value by the decoder here and encodes (of_float) back to
+// itself; a NaN code decodes to NaN and encodes to a NaN code.
+void check_code(std::uint16_t h, double (*value)(std::uint16_t), auto to_float, auto of_float) {
+  if (std::isnan(value(h))) {
+    CHECK(std::isnan(to_float(h)));
+    CHECK(std::isnan(value(of_float(to_float(h)))));
+  } else {
+    REQUIRE(static_cast<double>(to_float(h)) == value(h));
+    REQUIRE(of_float(to_float(h)) == h);
+  }
+}
+
 }  // namespace
 
 TEST_SUITE("cpu") {
@@ -65,29 +76,14 @@ TEST_CASE("halves: every code decodes to its value and encodes back to itself") 
   for (std::uint32_t c = 0; c <= 0xffff; ++c) {
     const auto h = static_cast<std::uint16_t>(c);
     CAPTURE(c);
-    const double fv = f16_value(h), bv = bf16_value(h);
-    if (std::isnan(fv)) {
-      CHECK(std::isnan(float_of_f16(h)));
-      CHECK(std::isnan(f16_value(f16_of_float(float_of_f16(h)))));
-    } else {
-      REQUIRE(static_cast<double>(float_of_f16(h)) == fv);
-      REQUIRE(f16_of_float(float_of_f16(h)) == h);
-    }
-    if (std::isnan(bv)) {
-      CHECK(std::isnan(float_of_bf16(h)));
-      CHECK(std::isnan(bf16_value(bf16_of_float(float_of_bf16(h)))));
-    } else {
-      REQUIRE(static_cast<double>(float_of_bf16(h)) == bv);
-      REQUIRE(bf16_of_float(float_of_bf16(h)) == h);
-    }
+    check_code(h, f16_value, float_of_f16, f16_of_float);
+    check_code(h, bf16_value, float_of_bf16, bf16_of_float);
   }
 }
 
 TEST_CASE("halves: random floats round to the nearest code - ties to even") {
   using namespace lockstep::detail;
-  const auto seed = lockstep_test::fresh_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   std::uniform_int_distribution<int> exponent(-30, 18);
   std::uniform_real_distribution<double> mantissa(1.0, 2.0);
   for (int k = 0; k < 200000; ++k) {

@@ -397,9 +397,7 @@ TEST_CASE("join with equal batch counts changes nothing (bit for bit)") {
 }
 
 TEST_CASE("join with two element types: a shadowing rank replays the launch order") {
-  const auto seed = fresh_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   const std::size_t samples = 211, B = 4;
   const auto X = random_vector<double>(samples * MixedModel::D, rng, -3, 3);
   const std::vector<int> counts{2, 5, 3};
@@ -519,13 +517,24 @@ TEST_CASE("without a join scope uneven batches fail loudly instead of silently")
       if (step.finish()) m.sgd(0.1);
     }
   };
+  // Two ranks under the short timeout, each running body(comm, dp, m) on its own model.
+  auto run_two = [&](auto body) {
+    run_short(2, timeout, [&](lockstep::ThreadComm& comm) {
+      TestMlp<double> m(d.dims, seed);
+      Dp dp(comm, m);
+      body(comm, dp, m);
+    });
+  };
+  // Rank 0's two batches inside a join scope.
+  auto train_in_join = [&](Dp& dp, TestMlp<double>& m) {
+    auto join = dp.join([&](lockstep::step_result) {});
+    train(dp, m, 0, 2);
+  };
 
   SUBCASE("the rank with fewer batches stops: the others time out, naming it") {
     std::string what;
     try {
-      run_short(2, timeout, [&](lockstep::ThreadComm& comm) {
-        TestMlp<double> m(d.dims, seed);
-        Dp dp(comm, m);
+      run_two([&](lockstep::ThreadComm& comm, Dp& dp, TestMlp<double>& m) {
         train(dp, m, comm.rank(), comm.rank() == 0 ? 2 : 3);
       });
     } catch (const lockstep::timeout_error& e) {
@@ -537,41 +546,25 @@ TEST_CASE("without a join scope uneven batches fail loudly instead of silently")
   }
 
   SUBCASE("the rank with fewer batches goes on to another collective: mismatch") {
-    CHECK_THROWS_AS(run_short(2, timeout,
-                              [&](lockstep::ThreadComm& comm) {
-                                TestMlp<double> m(d.dims, seed);
-                                Dp dp(comm, m);
-                                train(dp, m, comm.rank(), comm.rank() == 0 ? 2 : 3);
-                                comm.barrier();  // e.g. an end-of-epoch barrier or metric
-                              }),
+    CHECK_THROWS_AS(run_two([&](lockstep::ThreadComm& comm, Dp& dp, TestMlp<double>& m) {
+                      train(dp, m, comm.rank(), comm.rank() == 0 ? 2 : 3);
+                      comm.barrier();  // e.g. an end-of-epoch barrier or metric
+                    }),
                     lockstep::mismatch_error);
   }
 
   SUBCASE("only some ranks open a join scope: mismatch") {
-    CHECK_THROWS_AS(run_short(2, timeout,
-                              [&](lockstep::ThreadComm& comm) {
-                                TestMlp<double> m(d.dims, seed);
-                                Dp dp(comm, m);
-                                if (comm.rank() == 0) {
-                                  auto join = dp.join([&](lockstep::step_result) {});
-                                  train(dp, m, 0, 2);
-                                } else {
-                                  train(dp, m, 1, 3);
-                                }
-                              }),
+    CHECK_THROWS_AS(run_two([&](lockstep::ThreadComm& comm, Dp& dp, TestMlp<double>& m) {
+                      if (comm.rank() == 0) train_in_join(dp, m);
+                      else train(dp, m, 1, 3);
+                    }),
                     lockstep::mismatch_error);
   }
 
   SUBCASE("a rank that never enters the scope: the scope times out") {
-    CHECK_THROWS_AS(run_short(2, timeout,
-                              [&](lockstep::ThreadComm& comm) {
-                                TestMlp<double> m(d.dims, seed);
-                                Dp dp(comm, m);
-                                if (comm.rank() == 0) {
-                                  auto join = dp.join([&](lockstep::step_result) {});
-                                  train(dp, m, 0, 2);
-                                }  // rank 1 has left the job
-                              }),
+    CHECK_THROWS_AS(run_two([&](lockstep::ThreadComm& comm, Dp& dp, TestMlp<double>& m) {
+                      if (comm.rank() == 0) train_in_join(dp, m);  // rank 1 has left the job
+                    }),
                     lockstep::timeout_error);
   }
 }

@@ -104,9 +104,7 @@ TEST_CASE("detect_launcher: nothing set means no launcher") {
 }
 
 TEST_CASE("detect_launcher: torchrun variables - random valid layouts") {
-  const auto seed = fresh_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   env_guard g;
   for (int trial = 0; trial < 200; ++trial) {
     g.clear();
@@ -196,9 +194,7 @@ TEST_CASE("detect_launcher: torchrun invalid combinations name the variables") {
 }
 
 TEST_CASE("detect_launcher: lockstep-run variables win and must agree with torchrun's") {
-  const auto seed = fresh_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   env_guard g;
   for (int trial = 0; trial < 100; ++trial) {
     g.clear();
@@ -245,9 +241,7 @@ TEST_CASE("detect_launcher: lockstep-run variables win and must agree with torch
 }
 
 TEST_CASE("detect_launcher: Open MPI") {
-  const auto seed = fresh_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   env_guard g;
   for (int trial = 0; trial < 100; ++trial) {
     g.clear();
@@ -289,9 +283,7 @@ TEST_CASE("detect_launcher: Open MPI") {
 }
 
 TEST_CASE("detect_launcher: MPICH and Intel MPI (PMI)") {
-  const auto seed = fresh_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   env_guard g;
   for (int trial = 0; trial < 100; ++trial) {
     g.clear();
@@ -366,9 +358,7 @@ TEST_CASE("Slurm hostlist: first host") {
     CHECK_THROWS_AS(slurm_first_host(bad), config_error);
   }
   // Random lists built piece by piece; the expected first host is assembled separately.
-  const auto seed = fresh_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   for (int trial = 0; trial < 500; ++trial) {
     std::string list, first;
     const int groups = static_cast<int>(rng() % 3);
@@ -421,9 +411,7 @@ TEST_CASE("Slurm task-count lists") {
     CAPTURE(spec);
     CHECK_THROWS_AS(slurm_tasks_on_node(bad, 0, "V"), config_error);
   }
-  const auto seed = fresh_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   for (int trial = 0; trial < 300; ++trial) {
     std::vector<int> per_node;  // the reference: one count per node
     std::string spec;

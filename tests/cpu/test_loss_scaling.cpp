@@ -123,9 +123,7 @@ TEST_CASE("loss scaling: DynamicScale defaults are GradScaler's") {
 }
 
 TEST_CASE("loss scaling: DynamicScale grows after exactly growth_interval clean steps") {
-  const auto seed = fresh_seed();
-  CAPTURE(seed);
-  std::mt19937 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937 rng);
   DynamicScaleOptions o;
   o.growth_interval = std::uniform_int_distribution<int>(1, 60)(rng);
   o.init_scale = random_pow2(rng, 4, 12);
@@ -163,9 +161,7 @@ TEST_CASE("loss scaling: DynamicScale grows after exactly growth_interval clean 
 }
 
 TEST_CASE("loss scaling: DynamicScale backs off on inf and on NaN found in the gradients") {
-  const auto seed = fresh_seed();
-  CAPTURE(seed);
-  std::mt19937 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937 rng);
   for (double bad : {std::numeric_limits<double>::infinity(), -std::numeric_limits<double>::infinity(),
                      std::numeric_limits<double>::quiet_NaN()}) {
     CAPTURE(bad);
@@ -203,9 +199,7 @@ TEST_CASE("loss scaling: DynamicScale unscaling that overflows counts as inf") {
 }
 
 TEST_CASE("loss scaling: DynamicScale stays between min_scale and max_scale") {
-  const auto seed = fresh_seed();
-  CAPTURE(seed);
-  std::mt19937 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937 rng);
   DynamicScaleOptions o;
   o.min_scale = random_pow2(rng, 0, 4);
   o.init_scale = o.min_scale * 4;
@@ -257,9 +251,7 @@ TEST_CASE("loss scaling: DynamicScaleOptions are validated") {
 }
 
 TEST_CASE("loss scaling: unscale matches an independent reference (f32 and f64 in several groups)") {
-  const auto seed = fresh_seed();
-  CAPTURE(seed);
-  std::mt19937 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937 rng);
   auto comms = ThreadComm::create_group(1);
 
   SUBCASE("DynamicScale, power-of-two scale: exact") {
@@ -376,9 +368,7 @@ TEST_CASE("loss scaling: inf/NaN on one rank only: every rank skips and the stat
 }
 
 TEST_CASE("loss scaling: StaticScale keeps its scale through skips and clean runs") {
-  const auto seed = fresh_seed();
-  CAPTURE(seed);
-  std::mt19937 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937 rng);
   const double scale = random_pow2(rng, 1, 20);
   StaticScale s(scale);
   std::int64_t good = 0, skipped = 0;
@@ -398,9 +388,7 @@ TEST_CASE("loss scaling: StaticScale keeps its scale through skips and clean run
 }
 
 TEST_CASE("loss scaling: NoScaling checks nothing by default and only reads when asked") {
-  const auto seed = fresh_seed();
-  CAPTURE(seed);
-  std::mt19937 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937 rng);
   auto comms = ThreadComm::create_group(1);
   grads<float> f(rng, 10.0);
   f.at(rng) = std::numeric_limits<float>::infinity();
@@ -422,9 +410,7 @@ TEST_CASE("loss scaling: NoScaling checks nothing by default and only reads when
 }
 
 TEST_CASE("loss scaling: state() / load_state() resume a run exactly") {
-  const auto seed = fresh_seed();
-  CAPTURE(seed);
-  std::mt19937 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937 rng);
   DynamicScaleOptions o;
   o.growth_interval = std::uniform_int_distribution<int>(2, 7)(rng);
   std::vector<bool> flags(200);

@@ -8,20 +8,12 @@
 #include <random>
 
 #include "lockstep/data/lr_schedule.hpp"
-
-namespace {
-std::uint64_t fresh_seed() {
-  std::random_device rd;
-  return (std::uint64_t{rd()} << 32) ^ rd();
-}
-}  // namespace
+#include "test_util.hpp"
 
 TEST_SUITE("cpu") {
 
 TEST_CASE("lr: effective batch and the linear scaling rule") {
-  const auto seed = fresh_seed();
-  INFO("seed = " << seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   for (int t = 0; t < 100; ++t) {
     const std::size_t b = 1 + rng() % 512;
     const int n = 1 + static_cast<int>(rng() % 64), k = 1 + static_cast<int>(rng() % 16);
@@ -44,9 +36,7 @@ TEST_CASE("lr: effective batch and the linear scaling rule") {
 }
 
 TEST_CASE("lr: linear warmup reaches the peak on its last step") {
-  const auto seed = fresh_seed();
-  INFO("seed = " << seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   for (int t = 0; t < 50; ++t) {
     const std::uint64_t w = 1 + rng() % 1000;
     const double peak = 0.01 + double(rng() % 1000) / 100.0;
@@ -65,9 +55,7 @@ TEST_CASE("lr: linear warmup reaches the peak on its last step") {
 }
 
 TEST_CASE("lr: LinearWarmup decays linearly or by cosine to final_lr") {
-  const auto seed = fresh_seed();
-  INFO("seed = " << seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   for (int t = 0; t < 50; ++t) {
     const std::uint64_t w = rng() % 100, len = 2 * (1 + rng() % 500), total = w + len;
     const double peak = 0.5 + double(rng() % 100) / 10.0, fin = double(rng() % 50) / 100.0;

@@ -122,9 +122,7 @@ TEST_CASE("metrics: mean_across_ranks and global accuracy") {
 }
 
 TEST_CASE("metrics: ThroughputMeter add and start/stop and the global rate") {
-  const auto seed = fresh_seed();
-  CAPTURE(seed);
-  std::mt19937 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937 rng);
   ThroughputMeter m;
   CHECK(m.samples_per_s() == 0.0);
   const auto s1 = std::uniform_int_distribution<std::int64_t>(1, 10000)(rng);
@@ -174,9 +172,7 @@ TEST_CASE("metrics: ThroughputMeter add and start/stop and the global rate") {
 }
 
 TEST_CASE("metrics: scaling_efficiency") {
-  const auto seed = fresh_seed();
-  CAPTURE(seed);
-  std::mt19937 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937 rng);
   const double one = std::uniform_real_distribution<double>(100, 1e5)(rng);
   const int n = std::uniform_int_distribution<int>(2, 64)(rng);
   const double frac = std::uniform_real_distribution<double>(0.3, 1.0)(rng);

@@ -54,15 +54,8 @@ TEST_CASE("nvtx: a tool attached through NVTX sees every step phase and the coll
   std::map<std::string, per_thread> threads;
   std::map<std::string, int> open_starts;  // range id -> 1 while open
   int domains = 0;
-  std::istringstream in(text);
-  std::string line;
-  while (std::getline(in, line)) {
-    std::istringstream f(line);
-    std::string tid, kind, name, payload;
-    std::getline(f, tid, '\t');
-    std::getline(f, kind, '\t');
-    std::getline(f, name, '\t');
-    std::getline(f, payload, '\t');
+  for (const auto& row : lockstep_test::tab_fields(text, 4)) {
+    const std::string &tid = row[0], &kind = row[1], &name = row[2], &payload = row[3];
     auto& t = threads[tid];
     if (kind == "domain") {
       CHECK(name == "lockstep");

@@ -26,6 +26,7 @@
 #include <unistd.h>
 
 #include "net_util.hpp"
+#include "stderr_capture.hpp"
 #include "test_util.hpp"
 
 using namespace std::chrono_literals;
@@ -68,38 +69,6 @@ struct scoped_env {
   }
 };
 
-//! Everything written to stderr in one scope (restored after).
-class stderr_capture {
- public:
-  stderr_capture() {
-    std::fflush(stderr);
-    saved_ = ::dup(STDERR_FILENO);
-    char tmpl[] = "/tmp/lockstep_progress_stderr_XXXXXX";
-    fd_ = ::mkstemp(tmpl);
-    REQUIRE(fd_ >= 0);
-    ::unlink(tmpl);
-    ::dup2(fd_, STDERR_FILENO);
-  }
-  ~stderr_capture() { finish(); }
-  std::string finish() {
-    if (saved_ < 0) return text_;
-    std::fflush(stderr);
-    ::dup2(saved_, STDERR_FILENO);
-    ::close(saved_);
-    saved_ = -1;
-    char buf[4096];
-    ssize_t n = 0;
-    ::lseek(fd_, 0, SEEK_SET);
-    while ((n = ::read(fd_, buf, sizeof buf)) > 0) text_.append(buf, static_cast<std::size_t>(n));
-    ::close(fd_);
-    return text_;
-  }
-
- private:
-  int saved_ = -1, fd_ = -1;
-  std::string text_;
-};
-
 lockstep::launch_info job(int rank, int world, int port) {
   return {.rank = rank, .world = world, .local_rank = rank, .local_world = world, .master_addr = "127.0.0.1",
           .master_port = port, .launcher = "explicit", .job_token = "progress-test"};
@@ -117,7 +86,18 @@ lockstep::Checkpoint big_checkpoint(std::size_t bytes, std::vector<float>& stora
   return ck;
 }
 
+using lockstep_test::stderr_capture;
 using lockstep_test::temp_dir;
+
+//! big_checkpoint(bytes) and the path of a file named `name` in a fresh directory to save it to.
+struct checkpoint_in_dir {
+  temp_dir dir{"lockstep_progress"};
+  std::vector<float> storage;
+  const lockstep::Checkpoint ck;
+  const fs::path file;
+  checkpoint_in_dir(std::size_t bytes, const char* name)
+      : ck(big_checkpoint(bytes, storage)), file(fs::path(dir.path) / name) {}
+};
 
 }  // namespace
 
@@ -272,10 +252,8 @@ TEST_CASE("progress of a fast rendezvous prints nothing") {
 
 TEST_CASE("progress of checkpoint save and load with a low threshold") {
   scoped_env quiet("LOCKSTEP_PROGRESS", nullptr);
-  temp_dir dir("lockstep_progress");
-  std::vector<float> storage;
-  const auto ck = big_checkpoint(std::size_t{6} << 20, storage);
-  const fs::path file = fs::path(dir.path) / "big.lsck";
+  const checkpoint_in_dir big(std::size_t{6} << 20, "big.lsck");
+  const auto& [dir, storage, ck, file] = big;
   lines saved, loaded;
   lockstep::save_checkpoint(file, ck, saved.options(0ms, 1ms));
   const auto back = lockstep::load_checkpoint(file, loaded.options(0ms, 1ms));
@@ -301,10 +279,8 @@ TEST_CASE("progress of checkpoint save and load with a low threshold") {
 
 TEST_CASE("progress of a fast checkpoint save and load prints nothing") {
   scoped_env quiet("LOCKSTEP_PROGRESS", nullptr);
-  temp_dir dir("lockstep_progress");
-  std::vector<float> storage;
-  const auto ck = big_checkpoint(std::size_t{1} << 20, storage);
-  const fs::path file = fs::path(dir.path) / "small.lsck";
+  const checkpoint_in_dir small(std::size_t{1} << 20, "small.lsck");
+  const auto& [dir, storage, ck, file] = small;
   lines out;
   stderr_capture err;
   lockstep::save_checkpoint(file, ck, out.options());

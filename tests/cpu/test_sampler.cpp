@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "lockstep/data/sampler.hpp"
+#include "test_util.hpp"
 
 namespace {
 
@@ -23,10 +24,7 @@ using lockstep::Pad;
 using lockstep::Sequential;
 using lockstep::Shuffle;
 
-std::uint64_t fresh_seed() {
-  std::random_device rd;
-  return (std::uint64_t{rd()} << 32) ^ rd();
-}
+using lockstep_test::fresh_seed;
 
 // PyTorch's num_samples, computed the way torch/utils/data/distributed.py writes it
 // (math.ceil over floating point), independently of the sampler's integer arithmetic.
@@ -104,9 +102,7 @@ void check_against_torch(std::size_t len, std::size_t world, std::uint64_t seed,
 TEST_SUITE("cpu") {
 
 TEST_CASE("sampler: sizes and per-rank indices match PyTorch's rules for many (len - R)") {
-  const auto seed = fresh_seed();
-  INFO("seed = " << seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   for (std::size_t len = 0; len <= 40; ++len) {
     for (std::size_t world = 1; world <= 12; ++world) {
       const std::uint64_t epoch = rng() % 100;
@@ -159,9 +155,7 @@ TEST_CASE("sampler: len = 0 gives no samples and no batches") {
 }
 
 TEST_CASE("sampler: ranks cover the data exactly once per epoch when len divides") {
-  const auto seed = fresh_seed();
-  INFO("seed = " << seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   for (int trial = 0; trial < 30; ++trial) {
     const int world = 1 + static_cast<int>(rng() % 16);
     const std::size_t len = static_cast<std::size_t>(world) * (1 + rng() % 200);
@@ -183,9 +177,7 @@ TEST_CASE("sampler: ranks cover the data exactly once per epoch when len divides
 }
 
 TEST_CASE("sampler: uneven len — DropLast ranks are disjoint - Pad repeats the list's first indices") {
-  const auto seed = fresh_seed();
-  INFO("seed = " << seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   for (int trial = 0; trial < 40; ++trial) {
     const int world = 2 + static_cast<int>(rng() % 15);
     const std::size_t len = 1 + rng() % 300;
@@ -245,9 +237,7 @@ TEST_CASE("sampler: order is a function of (seed - epoch) only") {
 }
 
 TEST_CASE("sampler: Sequential is 0..len-1 partitioned and ignores seed and epoch") {
-  const auto seed = fresh_seed();
-  INFO("seed = " << seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   for (int trial = 0; trial < 20; ++trial) {
     const int world = 1 + static_cast<int>(rng() % 8);
     const std::size_t len = 1 + rng() % 100;
@@ -261,9 +251,7 @@ TEST_CASE("sampler: Sequential is 0..len-1 partitioned and ignores seed and epoc
 }
 
 TEST_CASE("sampler: the shuffle is a valid - roughly uniform permutation") {
-  const auto seed = fresh_seed();
-  INFO("seed = " << seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   for (int trial = 0; trial < 20; ++trial) {
     const std::size_t len = rng() % 3000;
     CHECK(is_permutation_of_iota(lockstep::detail::permutation(len, rng(), rng())));
@@ -330,9 +318,7 @@ TEST_CASE("sampler: golden values of the documented shuffle") {
 }
 
 TEST_CASE("sampler: the portable 64x64 multiply agrees with exact arithmetic") {
-  const auto seed = fresh_seed();
-  INFO("seed = " << seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   for (int i = 0; i < 10000; ++i) {
     std::uint64_t a = rng(), b = rng();
     if (i % 4 == 1) a = ~std::uint64_t{0} - (rng() % 4);  // near the top: carries everywhere
@@ -362,9 +348,7 @@ TEST_CASE("sampler: the portable 64x64 multiply agrees with exact arithmetic") {
 }
 
 TEST_CASE("sampler: batches with both last-batch policies") {
-  const auto seed = fresh_seed();
-  INFO("seed = " << seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   for (int trial = 0; trial < 200; ++trial) {
     const int world = 1 + static_cast<int>(rng() % 8);
     const std::size_t len = rng() % 500;
@@ -401,9 +385,7 @@ TEST_CASE("sampler: batches with both last-batch policies") {
 }
 
 TEST_CASE("sampler: resuming at a position yields the remaining batches") {
-  const auto seed = fresh_seed();
-  INFO("seed = " << seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   for (int trial = 0; trial < 100; ++trial) {
     const int world = 1 + static_cast<int>(rng() % 8);
     const int rank = static_cast<int>(rng() % static_cast<std::uint64_t>(world));

@@ -7,12 +7,10 @@
 #include <set>
 
 #include "lockstep/data/seeding.hpp"
+#include "test_util.hpp"
 
 namespace {
-std::uint64_t fresh_seed() {
-  std::random_device rd;
-  return (std::uint64_t{rd()} << 32) ^ rd();
-}
+using lockstep_test::fresh_seed;
 }  // namespace
 
 static_assert(std::uniform_random_bit_generator<lockstep::SplitMix64>);
@@ -63,9 +61,7 @@ TEST_CASE("seeding: ranks and epochs get distinct seeds - the model seed is shar
 }
 
 TEST_CASE("seeding: one flipped input bit changes about half the output bits") {
-  const auto seed = fresh_seed();
-  INFO("seed = " << seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   // Average Hamming distance over many flips; an ideal mix gives 32 (sd of the mean < 0.2).
   double rank_flip = 0, base_flip = 0, epoch_flip = 0;
   constexpr int trials = 2000;

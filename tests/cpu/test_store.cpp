@@ -218,6 +218,18 @@ void reap(std::vector<pid_t> pids, std::chrono::seconds limit) {
   }
 }
 
+//! Runs body(rank) on `world` processes: ranks 1.. forked, rank 0 in this one (an exception
+//! there fails the test); then reaps the forked ones (60 s).
+void run_forked(int world, const std::function<void(int)>& body) {
+  auto pids = fork_ranks(world, body);
+  try {
+    body(0);
+  } catch (const std::exception& e) {
+    FAIL_CHECK("rank 0: ", e.what());
+  }
+  reap(pids, 60s);
+}
+
 //! A port free right now on loopback (for a server that starts after its clients).
 using lockstep_test::free_port;
 
@@ -289,9 +301,7 @@ std::string random_token(std::mt19937_64& rng) {
 TEST_SUITE("cpu") {
 
 TEST_CASE("HashStore: scenario on threads") {
-  const auto seed = fresh_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   scenario_cfg cfg{2 + static_cast<int>(rng() % 5), seed, 1 << 20, 300ms};
   CAPTURE(cfg.world);
   HashStore s(cfg.world, 10s);
@@ -351,9 +361,7 @@ TEST_CASE("stores refuse oversized values and keys before sending") {
 }
 
 TEST_CASE("TcpStore: server + clients on threads") {
-  const auto seed = fresh_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   scenario_cfg cfg{2 + static_cast<int>(rng() % 4), seed, 1 << 20, 400ms};
   CAPTURE(cfg.world);
   const std::string token = random_token(rng);
@@ -373,9 +381,7 @@ TEST_CASE("TcpStore: server + clients on threads") {
 }
 
 TEST_CASE("TcpStore: forked processes - server started after its clients") {
-  const auto seed = fresh_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   scenario_cfg cfg{4, seed, 1 << 20, 400ms};
   const std::string token = random_token(rng);
   const int port = free_port();
@@ -399,9 +405,7 @@ TEST_CASE("TcpStore: forked processes - server started after its clients") {
 }
 
 TEST_CASE("TcpStore: wrong or missing token is rejected - the server keeps serving") {
-  const auto seed = fresh_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   const std::string token = random_token(rng);
   TcpStore server("127.0.0.1", 0, true, 2, token, 5s);
   const int port = server.port();
@@ -431,9 +435,7 @@ TEST_CASE("TcpStore: wrong or missing token is rejected - the server keeps servi
 }
 
 TEST_CASE("TcpStore: malformed and oversized frames close only that connection") {
-  const auto seed = fresh_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   const std::string token = random_token(rng);
   TcpStore server("127.0.0.1", 0, true, 2, token, 5s);
   const int port = server.port();
@@ -500,9 +502,7 @@ struct late_wait {
 };
 
 TEST_CASE("TcpStore: final_barrier keeps rank 0's server up until every rank has passed") {
-  const auto seed = fresh_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   const int world = 2 + static_cast<int>(rng() % 4);
   const auto delay = std::chrono::milliseconds(200 + rng() % 300);
   const int port = free_port();
@@ -612,13 +612,7 @@ TEST_CASE("FileStore: scenario on threads and on forked processes") {
     FileStore quick(d.path + "/store", cfg.world, cfg.quick);
     scenario(s, quick, r, cfg);
   };
-  auto pids = fork_ranks(cfg.world, body);
-  try {
-    body(0);
-  } catch (const std::exception& e) {
-    FAIL_CHECK("rank 0: ", e.what());
-  }
-  reap(pids, 60s);
+  run_forked(cfg.world, body);
 }
 
 TEST_CASE("FileStore: counters under contention from processes") {
@@ -634,19 +628,11 @@ TEST_CASE("FileStore: counters under contention from processes") {
     for (int i = 0; i < procs; ++i) expected += adds * delta_for(seed, i);
     expect(s.add("hot", 0) == expected, "rank " + std::to_string(r) + ": counter total differs");
   };
-  auto pids = fork_ranks(procs, body);
-  try {
-    body(0);
-  } catch (const std::exception& e) {
-    FAIL_CHECK("rank 0: ", e.what());
-  }
-  reap(pids, 60s);
+  run_forked(procs, body);
 }
 
 TEST_CASE("FileStore: awkward keys map to distinct files") {
-  const auto seed = fresh_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   temp_dir d("lockstep_store_test");
   FileStore s(d.path, 1, 2s);
   HashStore ref(1, 2s);  // the reference
@@ -669,9 +655,7 @@ TEST_CASE("FileStore: awkward keys map to distinct files") {
 }
 
 TEST_CASE("wire: random frames survive any split - corruption never yields a frame") {
-  const auto seed = fresh_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   lockstep::store_limits lim;
   lim.max_value_bytes = 5000;
   for (int trial = 0; trial < 300; ++trial) {
@@ -805,9 +789,7 @@ TEST_CASE("wire: the server engine parks waits - wakes them - and times them out
 
 TEST_CASE("wire: a hello of another run or for a gone store is refused naming both runs - the same run is admitted") {
   using eng = wire::store_engine;
-  const auto seed = fresh_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   const std::string ours = random_token(rng);
   std::string theirs = random_token(rng);
   const std::uint64_t instance = rng() | 1;
@@ -896,9 +878,7 @@ TEST_CASE("wire: a hello of another run or for a gone store is refused naming bo
 
 TEST_CASE("wire: a watched connection that closes or goes silent sets its key once - unwatch cancels") {
   using eng = wire::store_engine;
-  const auto seed = fresh_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   eng e("tok", lockstep::store_limits{}, 8, 1s);
   auto t = eng::clock::time_point{} + 1000h;
   auto replies = [&](wire::store_engine::conn_id id) { return take_replies(e, id, t); };

@@ -36,17 +36,7 @@ std::map<key, std::string> read_back(const fs::path& dir, const fs::path& csv, c
   REQUIRE_MESSAGE(rc == 0, "reading the files back failed (is the Python package tensorboard installed? "
                            "scripts/install_deps.sh installs it)");
   std::map<key, std::string> out;
-  std::istringstream in(text);
-  std::string line;
-  while (std::getline(in, line)) {
-    std::istringstream f(line);
-    std::string src, tag, step, value;
-    std::getline(f, src, '\t');
-    std::getline(f, tag, '\t');
-    std::getline(f, step, '\t');
-    std::getline(f, value, '\t');
-    out[{src, tag, std::stoll(step)}] = value;
-  }
+  for (const auto& row : lockstep_test::tab_fields(text, 4)) out[{row[0], row[1], std::stoll(row[2])}] = row[3];
   return out;
 }
 
@@ -63,9 +53,7 @@ struct scratch {
 TEST_SUITE("cpu") {
 
 TEST_CASE("tensorboard: ScalarLog's event file - CSV and JSON lines read back by their readers") {
-  const auto seed = lockstep_test::fresh_seed();
-  CAPTURE(seed);
-  std::mt19937_64 rng(seed);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
   scratch s;
   const lockstep::ScalarLogOptions o{.tensorboard = s.dir / "tb", .csv = s.dir / "log.csv", .jsonl = s.dir / "log.jsonl"};
   const std::vector<std::string> tags{"train/loss", "test/accuracy", "odd, \"quoted\" tag"};

@@ -153,6 +153,12 @@ void reap(std::vector<child>& kids, clk::time_point mark, std::chrono::seconds l
 
 int exit_code(const child& k) { return WIFEXITED(k.status) ? WEXITSTATUS(k.status) : 128 + WTERMSIG(k.status); }
 
+//! Waits for every child (at most 40 s, times from now) and checks each ended with `code`.
+void reap_expecting(std::vector<child>& kids, int code) {
+  reap(kids, clk::now(), 40s);
+  for (const auto& k : kids) CHECK(exit_code(k) == code);
+}
+
 //! Survivors wait for the failure and check it names `expect`.
 int expect_failure(rank_env& e, const std::string& expect) {
   const auto why = e.wait_failure(30s);
@@ -262,8 +268,7 @@ TEST_CASE("Watchdog: a failure found by one rank's poll reaches every rank with 
     return text;
   };
   auto kids = start(j, [&](rank_env& e) { return expect_failure(e, text); }, poll, victim);
-  reap(kids, clk::now(), 40s);
-  for (const auto& k : kids) CHECK(exit_code(k) == got_expected);
+  reap_expecting(kids, got_expected);
 }
 
 TEST_CASE("Watchdog: rank 0 - the store's host - killed is named by the others") {
@@ -304,8 +309,7 @@ TEST_CASE("Watchdog: a clean finish in any order reports nothing") {
     lockstep::final_barrier(e.store, "finished", e.rank);
     return e.dog.failure() ? got_other : clean_exit;
   });
-  reap(kids, clk::now(), 40s);
-  for (const auto& k : kids) CHECK(exit_code(k) == clean_exit);
+  reap_expecting(kids, clean_exit);
 }
 
 TEST_CASE("Watchdog: a rank whose main thread never returns is ended after the grace period") {

@@ -14,6 +14,7 @@
 #include <lockstep/lockstep.hpp>
 #include <lockstep/mpi/run_mpi.hpp>
 
+#include "fault_train.hpp"
 #include "mlp.hpp"
 
 namespace {
@@ -28,15 +29,7 @@ struct SkipOne {
   }
 };
 
-template <class DP>
-void train(Model& m, DP& dp, int steps, const std::vector<float>& x, const std::vector<int>& y) {
-  const std::vector<std::size_t> rows{0, 1, 2, 3};
-  for (int s = 0; s < steps; ++s) {
-    auto st = dp.step();
-    m.forward_backward(x, y, rows, st.on_gradient_ready());
-    if (st.finish()) m.sgd(0.1);
-  }
-}
+using lockstep_test::train_sgd;
 
 }  // namespace
 
@@ -53,16 +46,16 @@ int main(int argc, char** argv) {
     Model m(dims, 7);
     if (mode == "skip") {
       lockstep::DataParallel dp(ctx, m, {.buckets = equal}, SkipOne{.rank = 1, .at = 11});
-      train(m, dp, 4, x, y);
+      train_sgd(m, dp, 4, x, y);
     } else {
       lockstep::DataParallel dp(ctx, m, {.buckets = equal});
-      train(m, dp, 2, x, y);
+      train_sgd(m, dp, 2, x, y);
       if (mode == "extra" && ctx.rank() == 1) {
         double acc[2] = {0.5, 1.0};
         lockstep::all_reduce_scalars(ctx.comm(), std::span<double>(acc), lockstep::reduce_op::sum);
       }
       if (mode == "shapes" && ctx.rank() == 1) m = Model({8, 8, 9, 8, 8}, 7);
-      train(m, dp, 2, x, y);
+      train_sgd(m, dp, 2, x, y);
     }
     std::printf("rank %d: training ended normally, which it must not\n", ctx.rank());
   });

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <limits>
 #include <random>
+#include <sstream>
 #include <string>
 #include <system_error>
 #include <vector>
@@ -60,6 +61,27 @@ inline std::uint64_t fresh_seed() {
   if (const char* s = std::getenv("LOCKSTEP_TEST_SEED")) return std::strtoull(s, nullptr, 10);
   std::random_device rd;
   return (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
+}
+
+//! Declares `seed`, a fresh_seed() CAPTUREd for the rest of the scope, then the random engine
+//! `engine_decl` seeded with it: `LOCKSTEP_SEEDED(std::mt19937_64 rng);` declares seed and rng.
+#define LOCKSTEP_SEEDED(engine_decl)               \
+  const auto seed = ::lockstep_test::fresh_seed(); \
+  CAPTURE(seed);                                   \
+  engine_decl(seed)
+
+//! The lines of `text`, each cut at tabs into `fields` strings (those a line lacks are empty;
+//! text after the last is dropped).
+inline std::vector<std::vector<std::string>> tab_fields(const std::string& text, std::size_t fields) {
+  std::vector<std::vector<std::string>> rows;
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream f(line);
+    auto& row = rows.emplace_back(fields);
+    for (auto& field : row) std::getline(f, field, '\t');
+  }
+  return rows;
 }
 
 template <class T>
