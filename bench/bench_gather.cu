@@ -1,4 +1,4 @@
-// bench_gather: what NCCL's copy-engine all-gather buys (DataParallelOptions::copy_engine_gather).
+// bench_gather: what NCCL's copy-engine all-gather buys (ShardedOptimizer::copy_engine_gather).
 // On all visible GPUs, one process: in-place and out-of-place all-gathers and f32/bf16
 // reduce-scatters of 154 MB (GPT-2's embedding) and 268 MB, each alone and next to back-to-back
 // bf16 GEMMs on another stream (the op's time, and how much it slows the GEMMs), under NCCL's

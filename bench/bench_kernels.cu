@@ -268,14 +268,14 @@ void bench_dtype(const std::vector<Shape>& shapes, int runs, ls::NcclComm& comm,
   LOCKSTEP_TRY_CUDA(cudaMemsetAsync(flag, 0, sizeof(int), s));
   const double master = std::is_same_v<T, float> ? 0 : 4;  // bytes of master read and write
   {
-    ls::cuda::FusedSgd sgd({.lr = 1e-4, .momentum = 0.9}, ps, comm.device());
+    ls::FusedSgd sgd({.lr = 1e-4, .momentum = 0.9}, ps, comm.device());
     // reads p (or master), g, buf; writes p (and master), buf
     const double bytes = n * (es + es + 4 + es + 4 + (master ? 2 * master - es : 0));
     rows.push_back({"fused SGD, momentum (FusedSgd)", tn, "", bytes,
                     median_ms(runs, s, [&](int) { sgd.step(slices, s, flag); })});
   }
   {
-    ls::cuda::FusedAdamW adamw({.lr = 1e-4}, ps, comm.device());
+    ls::FusedAdamW adamw({.lr = 1e-4}, ps, comm.device());
     // reads p (or master), g, m, v; writes p (and master), m, v
     const double bytes = n * (es + es + 8 + es + 8 + (master ? 2 * master - es : 0));
     rows.push_back({"fused AdamW (FusedAdamW)", tn, "", bytes,

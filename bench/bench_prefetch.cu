@@ -273,7 +273,7 @@ void fmnist_step(const options& o, int device, cudaStream_t s) {
   fmnist::Mlp host_model(lockstep::model_seed(42));
   fmnist::gpu::Mlp model(host_model.parameters(), mem, B);
   const auto params = model.parameters();
-  lockstep::cuda::FusedSgd sgd({.lr = 0.01, .momentum = 0.9}, params, device);
+  lockstep::FusedSgd sgd({.lr = 0.01, .momentum = 0.9}, params, device);
   auto acc = mem.allocate(sizeof(double));
   auto* loss = static_cast<double*>(acc.get());
   auto train_step = [&](const float* x, const std::uint8_t* y) {

@@ -165,8 +165,8 @@ bool g_print = true;
 // time is the span of all of them over their number — what a training loop sees when a step's
 // communication overlaps the next step's start (ShardedOptimizer's gather in forward).
 bool g_chained = false;
-bool g_sm_gather = false;  // sharded: DataParallelOptions::copy_engine_gather off (NCCL's SM kernels gather)
-bool g_ce_scatter = false;  // sharded: DataParallelOptions::copy_engine_scatter on (copy-engine reduce-scatters)
+bool g_sm_gather = false;  // sharded: ShardedOptimizer::copy_engine_gather off (NCCL's SM kernels gather)
+bool g_ce_scatter = false;  // sharded: ShardedOptimizer::copy_engine_scatter on (copy-engine reduce-scatters)
 
 template <class Setup>
 double timed(int ngpu, int warm, int iters, Setup&& setup) {
@@ -339,15 +339,15 @@ double train_step_time(const std::vector<shape>& shapes, int ngpu, int iters, do
     using M = ShapesModel<T, Bound>;
     auto m = std::make_shared<M>(shapes, 5u, s);
     using C = lockstep::NcclComm;
-    using Plain = std::conditional_t<Sharded, lockstep::DataParallel<M, C, lockstep::ShardedOptimizer>, lockstep::DataParallel<M, C>>;
-    using Wired = std::conditional_t<Sharded, lockstep::DataParallel<M, C, lockstep::Bf16Wire, lockstep::ShardedOptimizer>,
-                                     lockstep::DataParallel<M, C, lockstep::Bf16Wire>>;
-    using DP = std::conditional_t<Wire, Wired, Plain>;
+    using Strategy = std::conditional_t<Sharded, lockstep::ShardedOptimizer, lockstep::Replicated>;
+    using Hook = std::conditional_t<Wire, lockstep::Bf16Wire, lockstep::AllReduceMean>;
+    using DP = lockstep::DataParallel<M, C, Hook, Strategy>;
+    Strategy strategy{};
+    if constexpr (Sharded) strategy = {.gather_in_forward = Deferred, .copy_engine_gather = !g_sm_gather,
+                                       .copy_engine_scatter = g_ce_scatter};
     // The DataParallel hands the model its values back when it goes (unbind_values): it holds
     // the model, so the model outlives it whatever order the closures release them in.
-    auto dp = std::shared_ptr<DP>(new DP(ctx, *m, lockstep::DataParallelOptions{
-                                      .buckets = buckets, .copy_engine_gather = !g_sm_gather, .copy_engine_scatter = g_ce_scatter,
-                                      .gather_in_forward = Deferred}),
+    auto dp = std::shared_ptr<DP>(new DP(ctx, *m, lockstep::DataParallelOptions{.buckets = buckets}, strategy),
                                   [m](DP* p) { delete p; });
     const std::size_t n = shapes.size(), per_layer = n / fwd_us.size();
     auto body = [=, &fwd_us, &bwd_us] {

@@ -267,7 +267,7 @@ int main(int argc, char** argv) {
       mark("DataParallel");
       const lockstep::SgdOptions sgd{.lr = opt.lr, .momentum = 0.9, .weight_decay = 1e-4};
 #if RESNET_GPU
-      std::optional<lockstep::cuda::FusedSgd> gpu_opt;
+      std::optional<lockstep::FusedSgd> gpu_opt;
       if constexpr (gpu) gpu_opt.emplace(sgd, dp.parameters(), ctx.device());
 #endif
       std::optional<torch::optim::SGD> cpu_opt;  // CPU ranks: torch::optim on the averaged .grad

@@ -62,7 +62,7 @@ struct device_split {
 };
 
 // One GPU rank's side of the training loop (see fashion_mnist.hpp): gpu::Mlp, the loss summed
-// on the device, lockstep::cuda::FusedSgd stepping each bucket as soon as it is averaged, and
+// on the device, lockstep::FusedSgd stepping each bucket as soon as it is averaged, and
 // the batches brought in as --input says:
 //  - prefetch: a lockstep::Prefetcher gathers each batch on a helper thread into pinned
 //    memory (fmnist::gather_into, the CPU path's own gather) and copies it on its copy stream
@@ -194,7 +194,7 @@ class GpuTrainer {
   }
 
   //! The optimizer (serializable: it goes into checkpoints as a section).
-  lockstep::cuda::FusedSgd& optimizer() { return *sgd_; }
+  lockstep::FusedSgd& optimizer() { return *sgd_; }
 
   //! How the batches reached the device (the log's "input:" line).
   std::string input_summary() const {
@@ -234,7 +234,7 @@ class GpuTrainer {
   std::shared_ptr<void> table_;
   std::size_t rows_;
   std::optional<gpu::Mlp> model_;
-  std::optional<lockstep::cuda::FusedSgd> sgd_;
+  std::optional<lockstep::FusedSgd> sgd_;
   std::shared_ptr<void> x_, y_, acc_, idx_;
   std::size_t idx_capacity_ = 0;
   std::span<const std::size_t> indices_;
@@ -306,7 +306,7 @@ bool check_gpu_model(int device, const dataset& data, const options& opt) {
     gpu::Mlp gm(cpu.parameters(), mem, cap);
     const lockstep::SgdOptions so{.lr = opt.lr, .momentum = opt.momentum};
     lockstep::Sgd cpu_sgd(so);
-    lockstep::cuda::FusedSgd gpu_sgd(so, gm.parameters(), device);
+    lockstep::FusedSgd gpu_sgd(so, gm.parameters(), device);
     double loss_diff = 0, grad_diff = 0, param_diff = 0;
     std::string worst_grad = "-", worst_param = "-";
     std::vector<float> host;

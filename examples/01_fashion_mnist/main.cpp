@@ -17,7 +17,7 @@
 // (lockstep::model_seed), wraps it in lockstep::DataParallel (zero-copy gradients through
 // bind_gradient, buckets reduced as backward reports gradients ready), reads its own shard
 // through lockstep::DistributedSampler, and steps SGD with momentum after finish()
-// (lockstep::Sgd on the CPU, lockstep::cuda::FusedSgd per bucket on GPUs). --batch is the
+// (lockstep::Sgd on the CPU, lockstep::FusedSgd per bucket on GPUs). --batch is the
 // GLOBAL batch (split across the ranks), so the training does not depend on the number of
 // ranks or on the device. Test accuracy is computed distributed (each rank its slice of the
 // test set, counts all-reduced). Checkpoints resume bit for bit. The training loop is

@@ -63,9 +63,9 @@ struct options : gpt2::run_options {
   bool bench = false;
   bool memory_trace = false;  // rank 0 prints the device memory in use after each phase (GPUs)
   bool shard = false;  // ShardedOptimizer + gather_in_forward
-  bool pack_values = false;  // sharded: DataParallelOptions::bind_values off
-  bool ce_gather = false;   // sharded: DataParallelOptions::copy_engine_gather on
-  bool ce_scatter = false;  // sharded: DataParallelOptions::copy_engine_scatter on
+  bool pack_values = false;  // sharded: ShardedOptimizer::bind_values off
+  bool ce_gather = false;   // sharded: ShardedOptimizer::copy_engine_gather on
+  bool ce_scatter = false;  // sharded: ShardedOptimizer::copy_engine_scatter on
 };
 
 constexpr std::int64_t profiled_steps = 3;
@@ -186,11 +186,11 @@ int main(int argc, char** argv) {
     mark("model on the device");
     lockstep::TorchModule tm(model);
     mark("TorchModule (its gradients)");
-    const lockstep::DataParallelOptions dp_options{
-        .bind_values = !opt.pack_values,
-        .copy_engine_gather = opt.ce_gather,
-        .copy_engine_scatter = opt.ce_scatter,
-        .gather_in_forward = opt.shard};
+    const lockstep::DataParallelOptions dp_options{};
+    const lockstep::ShardedOptimizer sharding{.gather_in_forward = true,
+                                              .bind_values = !opt.pack_values,
+                                              .copy_engine_gather = opt.ce_gather,
+                                              .copy_engine_scatter = opt.ce_scatter};
     const lockstep::Bf16Wire wire(opt.wire == "bf16");
     // One body for both: ShardedOptimizer is a policy, so the DataParallel's type differs.
     auto train = [&](auto& dp) {
@@ -213,7 +213,7 @@ int main(int argc, char** argv) {
       if constexpr (sharded) before = [&](torch::nn::Module& sub) { for (auto i : tm.indices_of(sub)) dp.wait_parameters(i); };
       // [end snippet]
 #if GPT2_GPU
-      using fused = lockstep::cuda::FusedAdamW;
+      using fused = lockstep::FusedAdamW;
       std::optional<fused> gpu_opt;
       if constexpr (gpu) gpu_opt.emplace(adamw, *stepped, ctx.device());
 #endif
@@ -324,7 +324,7 @@ int main(int argc, char** argv) {
       if (ctx.is_root()) learned = last_loss < first_loss;
     };
     if (opt.shard) {
-      lockstep::DataParallel dp(ctx, tm, dp_options, wire, lockstep::ShardedOptimizer{});
+      lockstep::DataParallel dp(ctx, tm, dp_options, wire, sharding);
       train(dp);
     } else {
       lockstep::DataParallel dp(ctx, tm, dp_options, wire);

@@ -99,7 +99,7 @@ void train_on_gpus(const options& o, const fmnist::dataset& data) {
     const cudaStream_t stream = mem.stream();
     GpuTpMlp model(d, mesh.part(), mesh.parts(), &mesh.model, example_seed, mem, std::max(o.batch, eval_rows));
     lockstep::DataParallel dp(mesh.data, model);  // averages over the replicas only
-    lockstep::cuda::FusedSgd sgd(lockstep::SgdOptions{.lr = o.lr}, dp.parameters(), mem.device());
+    lockstep::FusedSgd sgd(lockstep::SgdOptions{.lr = o.lr}, dp.parameters(), mem.device());
     lockstep::DistributedSampler sampler(data.train.size, mesh.data, {.seed = 7});  // one batch per replica
     // Both splits on the device; each epoch's indices go up once and a kernel gathers each batch.
     const device_split train(mem, data.train), test(mem, data.test);
@@ -208,7 +208,7 @@ int check_equivalence(const options& o) {
     fmnist::gpu::stream_owner stream(0);
     const lockstep::CudaMemory mem(0, stream.s);
     GpuTpMlp m(d, 0, 1, nullptr, seed, mem, G);
-    lockstep::cuda::FusedSgd sgd(sgd_options, m.parameters(), 0);
+    lockstep::FusedSgd sgd(sgd_options, m.parameters(), 0);
     const auto dx = to_device(mem, x.data(), x.size()), dy = to_device(mem, y.data(), y.size());
     const auto loss = mem.allocate(sizeof(double));
     for (int s = 0; s < steps; ++s) {
@@ -231,7 +231,7 @@ int check_equivalence(const options& o) {
     GpuTpMlp model(d, mesh.part(), mesh.parts(), &mesh.model, seed, mem, B);
     model.omit_for_check(o.omit == 'f' ? omit_collective::f : o.omit == 'g' ? omit_collective::g : omit_collective::none);
     lockstep::DataParallel dp(mesh.data, model);
-    lockstep::cuda::FusedSgd sgd(sgd_options, dp.parameters(), mem.device());
+    lockstep::FusedSgd sgd(sgd_options, dp.parameters(), mem.device());
     const auto dx = to_device(mem, x.data(), x.size()), dy = to_device(mem, y.data(), y.size());
     const auto loss = mem.allocate(sizeof(double));
     for (int s = 0; s < steps; ++s) {

@@ -225,7 +225,7 @@ TEST_CASE_TEMPLATE("sharded: a checkpoint saved on 4 ranks resumes on 1 - 2 - 3 
 }
 
 // The cut itself, on a state written by hand in the optimizer checkpoint layout (AdamW with
-// fp32 masters, as cuda::FusedAdamW writes for bf16 parameters): two saved ranks — rank 0's
+// fp32 masters, as FusedAdamW writes for bf16 parameters): two saved ranks — rank 0's
 // shard holds parameter 0's elements [0, 3) and a padding element, rank 1's parameter 0's
 // [3, 5) and parameter 1's [0, 2) — become one rank's shard of 8 (5 + 2 + padding). Moments
 // and masters must follow their elements; padding gets zeros.
@@ -322,7 +322,7 @@ TEST_CASE("sharded gather_in_forward: finish() leaves the parameters to the next
   using DP = lockstep::DataParallel<Model, lockstep::ThreadComm, lockstep::ShardedOptimizer>;
   lockstep::run(lockstep::Threads{3}, [&](auto& ctx) {
     Model m(d.dims, seed);
-    DP dp(ctx, m, {.buckets = {.first_bytes = 300, .cap_bytes = 700}, .gather_in_forward = true});
+    DP dp(ctx, m, {.buckets = {.first_bytes = 300, .cap_bytes = 700}}, lockstep::ShardedOptimizer{.gather_in_forward = true});
     lockstep::Sgd opt({.lr = 0.1});
     std::vector<std::size_t> rows{static_cast<std::size_t>(ctx.rank()), 7};
     auto step = dp.step();
@@ -344,11 +344,7 @@ TEST_CASE("sharded gather_in_forward: finish() leaves the parameters to the next
     CHECK_THROWS_WITH_AS(m.forward_backward(d.X32, d.y, rows, [&](std::size_t i) { next.gradient_ready(i); }),
                          doctest::Contains("call dp.wait_parameters(i) first"), lockstep::config_error);
   });
-  CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
-                         Model m(d.dims, seed);
-                         lockstep::DataParallel<Model, lockstep::ThreadComm> dp(ctx, m, {.gather_in_forward = true});
-                       }),
-                       doctest::Contains("gather_in_forward needs ShardedOptimizer"), lockstep::config_error);
+  // (gather_in_forward without sharding cannot be written: it is ShardedOptimizer's own option.)
 }
 
 TEST_CASE("sharded: bound values - the model trains in the shards' arena and gets its values back at the end") {
@@ -383,7 +379,7 @@ TEST_CASE("sharded: bound values - the model trains in the shards' arena and get
   lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {  // bind_values off: packed, as without bind_value
     Model m(d.dims, seed);
     const auto own = m.parameters();
-    DP dp(ctx, m, {.bind_values = false});
+    DP dp(ctx, m, lockstep::ShardedOptimizer{.bind_values = false});
     CHECK_FALSE(dp.stats().values_bound);
     CHECK(dp.stats().zero_copy);  // the gradients still are the arena's
     CHECK(m.parameters()[0].value == own[0].value);

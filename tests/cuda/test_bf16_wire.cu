@@ -138,7 +138,7 @@ struct given_grads {
 };
 
 // copy_engines (sharded): the reduce-scatters' all-to-alls and the all-gathers on the copy
-// engines (DataParallelOptions::copy_engine_scatter/_gather): the same numbers.
+// engines (ShardedOptimizer::copy_engine_scatter/_gather): the same numbers.
 template <bool Sharded>
 void check_data_parallel(int n, bool copy_engines = false) {
   const auto seed = lockstep_test::fresh_seed();
@@ -157,15 +157,19 @@ void check_data_parallel(int n, bool copy_engines = false) {
                                   lockstep::DataParallel<given_grads, lockstep::NcclComm, lockstep::Bf16Wire,
                                                          lockstep::ShardedOptimizer>,
                                   lockstep::DataParallel<given_grads, lockstep::NcclComm, lockstep::Bf16Wire>>;
-    DP dp(ctx, m,
-          {.buckets = {.first_bytes = 4000, .cap_bytes = 30000},
-           .copy_engine_gather = copy_engines,
-           .copy_engine_scatter = copy_engines});
+    const lockstep::DataParallelOptions o{.buckets = {.first_bytes = 4000, .cap_bytes = 30000}};
+    auto dp = [&] {
+      if constexpr (Sharded)
+        return DP(ctx, m, o, lockstep::ShardedOptimizer{.copy_engine_gather = copy_engines,
+                                                        .copy_engine_scatter = copy_engines});
+      else
+        return DP(ctx, m, o);
+    }();
     const auto& stepped = [&]() -> const std::vector<lockstep::parameter>& {
       if constexpr (Sharded) return dp.shard_parameters();
       else return dp.parameters();
     }();
-    lockstep::cuda::FusedSgd opt({.lr = 1.0}, stepped, ctx.device());
+    lockstep::FusedSgd opt({.lr = 1.0}, stepped, ctx.device());
     for (int step = 0; step < 2; ++step) {
       auto st = dp.step();
       for (std::size_t p = sizes.size(); p-- > 0;) {

@@ -218,7 +218,7 @@ TEST_CASE("sharded: copy-engine options that differ across GPUs fail on every ra
     lockstep::run(lockstep::Gpus{first_gpus(2)}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
       two_params m;
       const bool on = ctx.rank() == 1;
-      lockstep::DataParallelOptions o;
+      lockstep::ShardedOptimizer o;
       (which == 0 ? o.copy_engine_gather : o.copy_engine_scatter) = on;
       try {
         lockstep::DataParallel<two_params, lockstep::NcclComm, lockstep::ShardedOptimizer> dp(ctx, m, o);

@@ -332,7 +332,7 @@ template <bool AdamW>
 struct opt_traits;
 template <>
 struct opt_traits<false> {
-  using gpu = lockstep::cuda::FusedSgd;
+  using gpu = lockstep::FusedSgd;
   using cpu = lockstep::Sgd;
   static lockstep::SgdOptions options(std::mt19937_64& rng) {
     const bool nesterov = rng() % 2;
@@ -341,7 +341,7 @@ struct opt_traits<false> {
 };
 template <>
 struct opt_traits<true> {
-  using gpu = lockstep::cuda::FusedAdamW;
+  using gpu = lockstep::FusedAdamW;
   using cpu = lockstep::AdamW;
   static lockstep::AdamWOptions options(std::mt19937_64&) {
     return {.lr = 0.01, .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-8, .weight_decay = 0.05};
@@ -564,8 +564,8 @@ struct dp_config {
   lockstep::BucketPolicy buckets{};
   double clip = 0;         // DataParallelOptions::max_grad_norm (the reference clips alike)
   bool gather_in_forward = false;  // sharded: each parameter waited for just before the forward
-  bool copy_engine = true;         // sharded: DataParallelOptions::copy_engine_gather
-  bool copy_scatter = true;        // sharded: DataParallelOptions::copy_engine_scatter
+  bool copy_engine = true;         // sharded: ShardedOptimizer::copy_engine_gather
+  bool copy_scatter = true;        // sharded: ShardedOptimizer::copy_engine_scatter
 };
 
 // Whether NCCL can put the sharded all-gathers on the copy engines here: NCCL >= 2.28 and GPUs
@@ -649,14 +649,16 @@ void check_dp_scaled(const dp_config& c) {
                                   lockstep::DataParallel<GpuMlp, lockstep::NcclComm, lockstep::EveryStep, Scaler,
                                                          lockstep::ShardedOptimizer>,
                                   lockstep::DataParallel<GpuMlp, lockstep::NcclComm, lockstep::EveryStep, Scaler>>;
-    DP dp(ctx, m,
-          {.buckets = c.buckets,
-           .zero_copy = c.zero_copy,
-           .copy_engine_gather = c.copy_engine,
-           .copy_engine_scatter = c.copy_scatter,
-           .max_grad_norm = c.clip,
-           .gather_in_forward = c.gather_in_forward},
-          lockstep::EveryStep{}, Scaler(so));
+    const lockstep::DataParallelOptions o{.buckets = c.buckets, .zero_copy = c.zero_copy, .max_grad_norm = c.clip};
+    auto dp = [&] {
+      if constexpr (Sharded)
+        return DP(ctx, m, o, lockstep::EveryStep{}, Scaler(so),
+                  lockstep::ShardedOptimizer{.gather_in_forward = c.gather_in_forward,
+                                             .copy_engine_gather = c.copy_engine,
+                                             .copy_engine_scatter = c.copy_scatter});
+      else
+        return DP(ctx, m, o, lockstep::EveryStep{}, Scaler(so));
+    }();
     const float* d_scale = nullptr;
     const int* d_flag = nullptr;
     if constexpr (on_device) {
@@ -668,7 +670,7 @@ void check_dp_scaled(const dp_config& c) {
       if constexpr (Sharded) return dp.shard_parameters();
       else return dp.parameters();
     }();
-    lockstep::cuda::FusedSgd opt(sgd, stepped, ctx.device());
+    lockstep::FusedSgd opt(sgd, stepped, ctx.device());
     // Asked for where the GPUs allow it, the window must be taken; not asked for, never. (Asked
     // for without peer access NCCL may still hand back a local window: not checked.)
     const bool asked = Sharded && c.copy_engine && c.gpus > 1;

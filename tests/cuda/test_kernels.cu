@@ -608,7 +608,7 @@ void check_rule(std::mt19937_64& rng, const typename Cpu::options_type& o, int s
     OptWorld<T> w(rng, make_layout(rng, 800, kSpecial, true), shift);
     Stream s;
     DevBuf found(sizeof(int));
-    lockstep::cuda::FusedOptimizer<Rule> gpu(o, w.params());
+    lockstep::FusedOptimizer<Rule> gpu(o, w.params());
     Cpu cpu(o);
     std::vector<A> hg;
     int taken = 0;
@@ -689,7 +689,7 @@ TEST_CASE_TEMPLATE("kernels: FusedSgd matches lockstep::Sgd on many tensors - an
   }
   // A slice that does not fit its parameter is refused before anything is queued.
   OptWorld<T> w(rng, make_layout(rng, 0, {5}, false), 0);
-  lockstep::cuda::FusedSgd opt({.lr = 0.1, .momentum = 0.9}, w.params());
+  lockstep::FusedSgd opt({.lr = 0.1, .momentum = 0.9}, w.params());
   const lockstep::param_slice bad{0, 3, 4, dt<T>(), w.p.p, w.g.p};
   CHECK_THROWS_AS(opt.step(std::span(&bad, 1), nullptr), lockstep::config_error);
 }

@@ -160,9 +160,9 @@ TEST_CASE("sharded checkpoint on GPUs: saved on 4 resumes bit for bit on 4 - res
   LOCKSTEP_REQUIRE_GPUS(4);
   // SGD with momentum: linear in the gradients, so another split of the batch changes the run
   // only by rounding — the resharded resume is checked against the 4-GPU run.
-  check_resume<lockstep::cuda::FusedSgd>(lockstep::SgdOptions{.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-3}, true);
+  check_resume<lockstep::FusedSgd>(lockstep::SgdOptions{.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-3}, true);
   // AdamW: two moments per element, bit for bit on the same GPUs.
-  check_resume<lockstep::cuda::FusedAdamW>(
+  check_resume<lockstep::FusedAdamW>(
       lockstep::AdamWOptions{.lr = 1e-2, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1}, false);
 }
 }

@@ -55,5 +55,5 @@ struct LionRule {
 };
 static_assert(lockstep::optimizer_rule<LionRule>);
 
-using Lion = lockstep::Optimizer<LionRule>;  // host; on the GPU: lockstep::cuda::FusedOptimizer<LionRule>
+using Lion = lockstep::Optimizer<LionRule>;  // host; on the GPU: lockstep::FusedOptimizer<LionRule>
 // [end snippet]

@@ -486,7 +486,7 @@ TEST_CASE("snippets: gather_in_forward and Bf16Wire (docs/sharding.md)") {
   lockstep::run(lockstep::Threads{3}, [&](auto& ctx) {
     Mlp model(seed + static_cast<std::uint64_t>(ctx.rank()));
     // [snippet docs/sharding.md#3]
-    lockstep::DataParallel dp(ctx, model, {.gather_in_forward = true}, lockstep::ShardedOptimizer{});
+    lockstep::DataParallel dp(ctx, model, lockstep::ShardedOptimizer{.gather_in_forward = true});
     lockstep::Sgd opt({.lr = 0.1});
     for (auto& batch : my_batches) {
       auto step = dp.step();
@@ -501,8 +501,7 @@ TEST_CASE("snippets: gather_in_forward and Bf16Wire (docs/sharding.md)") {
   lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
     Mlp model(seed);
     // [snippet docs/sharding.md#4]
-    lockstep::DataParallel dp(ctx, model, {.gather_in_forward = true}, lockstep::Bf16Wire{},
-                              lockstep::ShardedOptimizer{});
+    lockstep::DataParallel dp(ctx, model, lockstep::Bf16Wire{}, lockstep::ShardedOptimizer{.gather_in_forward = true});
     // [end snippet]
     lockstep::Sgd opt({.lr = 0.1});
     auto step = dp.step();

@@ -24,7 +24,7 @@ void fused_optimizer_snippet(lockstep::context<lockstep::NcclComm>& ctx, GpuMode
   dp.scaler().attach(dp.comm());
   cudaStream_t stream = ctx.comm().compute_stream();
   // [snippet include/lockstep/cuda/fused_optimizer.cuh#1]
-  lockstep::cuda::FusedAdamW opt({.lr = 1e-3}, dp.parameters());     // on the rank's device
+  lockstep::FusedAdamW opt({.lr = 1e-3}, dp.parameters());     // on the rank's device
   const int* found_inf = dp.scaler().device_found_inf();              // DeviceDynamicScale
   auto step = dp.step();
   model.backward(batch, step.on_gradient_ready());
@@ -39,7 +39,7 @@ void sharded_snippet(lockstep::context<lockstep::NcclComm>& ctx, GpuModel& model
   // [snippet docs/sharding.md#2]
   lockstep::DataParallel dp(ctx, model, lockstep::ShardedOptimizer{}, lockstep::DeviceDynamicScale());
   dp.scaler().attach(dp.comm());
-  lockstep::cuda::FusedAdamW opt({.lr = 3e-4}, dp.shard_parameters());  // state for the shards only
+  lockstep::FusedAdamW opt({.lr = 3e-4}, dp.shard_parameters());  // state for the shards only
   const int* found_inf = dp.scaler().device_found_inf();
   auto step = dp.step();
   model.backward(batch, step.on_gradient_ready());
@@ -55,7 +55,7 @@ void device_dynamic_scale_snippet(lockstep::context<lockstep::NcclComm>& ctx, Mo
   dp.scaler().attach(dp.comm());                 // once: allocates the state on the device
   const float* scale = dp.scaler().device_scale();
   const int* found_inf = dp.scaler().device_found_inf();
-  lockstep::cuda::FusedAdamW opt({.lr = 1e-3}, dp.parameters());
+  lockstep::FusedAdamW opt({.lr = 1e-3}, dp.parameters());
   for (auto& batch : my_batches) {
     auto step = dp.step();
     model.forward_backward(batch, scale, step.on_gradient_ready());  // its loss kernel reads *scale
@@ -80,7 +80,7 @@ void nccl_comm_snippet() {
 
 //! docs/optimizer.md's rule as a fused optimizer: the same rule compiles for the device.
 void fused_lion(const std::vector<lockstep::parameter>& params, cudaStream_t stream, const int* found_inf) {
-  lockstep::cuda::FusedOptimizer<LionRule> opt({.lr = 1e-4}, params);
+  lockstep::FusedOptimizer<LionRule> opt({.lr = 1e-4}, params);
   opt.step_all(params, stream, found_inf);
 }
 

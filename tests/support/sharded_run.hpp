@@ -53,12 +53,12 @@ void train_rank(Ctx& ctx, const dataset& d, const sharded_config& c, std::uint64
   using Model = TestMlp<T, Bindable>;
   Model m(d.dims, init_seed + static_cast<std::uint64_t>(ctx.rank()) * 7919);
   const bool deferred = Sharded && c.gather_in_forward;
-  const lockstep::DataParallelOptions o{.buckets = c.buckets, .max_grad_norm = c.max_norm, .gather_in_forward = deferred};
-  using DP = std::conditional_t<
-      Sharded,
-      lockstep::DataParallel<Model, Comm, lockstep::Accumulate<>, Scale, lockstep::ShardedOptimizer>,
-      lockstep::DataParallel<Model, Comm, lockstep::Accumulate<>, Scale>>;
-  DP p(ctx, m, o, lockstep::Accumulate<>(c.accumulate), Scale(scale_options));
+  const lockstep::DataParallelOptions o{.buckets = c.buckets, .max_grad_norm = c.max_norm};
+  using Strategy = std::conditional_t<Sharded, lockstep::ShardedOptimizer, lockstep::Replicated>;
+  Strategy strategy{};
+  if constexpr (Sharded) strategy.gather_in_forward = deferred;
+  using DP = lockstep::DataParallel<Model, Comm, lockstep::Accumulate<>, Scale, Strategy>;
+  DP p(ctx, m, o, lockstep::Accumulate<>(c.accumulate), Scale(scale_options), strategy);
   lockstep::AdamW opt({.lr = 0.01, .weight_decay = 0.05});
   if constexpr (!std::is_same_v<Start, std::nullptr_t>) start(p, opt);
   const std::size_t global = c.batch * static_cast<std::size_t>(c.ranks * c.accumulate);

@@ -236,8 +236,8 @@ TEST_CASE("TorchModule sharded: 3 CPU ranks - values bound - gathers waited for 
     lockstep::TorchModule tm(model);
     std::vector<torch::Tensor> trained;
     {
-      lockstep::DataParallel dp(ctx, tm, {.buckets = {.first_bytes = 2048, .cap_bytes = 8192}, .gather_in_forward = true},
-                                lockstep::ShardedOptimizer{});
+      lockstep::DataParallel dp(ctx, tm, {.buckets = {.first_bytes = 2048, .cap_bytes = 8192}},
+                                lockstep::ShardedOptimizer{.gather_in_forward = true});
       lockstep::AdamW opt(ao);
       std::vector<std::size_t> waited;  // the parameters the forward waited for, in order
       const gpt2::before_fn before = [&](torch::nn::Module& sub) {

@@ -85,8 +85,7 @@ trained train_fp32(int gpus, int B, int steps, const torch::Tensor& data, gpt2::
     }
     model->to(torch::Device(torch::kCUDA, dev));
     lockstep::TorchModule tm(model);
-    const lockstep::DataParallelOptions o{.buckets = {.first_bytes = 4096, .cap_bytes = 16384},
-                                          .gather_in_forward = mode == how::sharded};
+    const lockstep::DataParallelOptions o{.buckets = {.first_bytes = 4096, .cap_bytes = 16384}};
     const lockstep::AdamWOptions ao{.lr = lr, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = wd};
     const auto problem = [&](const std::string& what) {
       std::lock_guard<std::mutex> lock(m);
@@ -105,8 +104,8 @@ trained train_fp32(int gpus, int B, int steps, const torch::Tensor& data, gpt2::
       }
     };
     if (mode == how::sharded) {
-      lockstep::DataParallel dp(ctx, tm, o, lockstep::ShardedOptimizer{});
-      lockstep::cuda::FusedAdamW opt(ao, dp.shard_parameters(), ctx.device());
+      lockstep::DataParallel dp(ctx, tm, o, lockstep::ShardedOptimizer{.gather_in_forward = true});
+      lockstep::FusedAdamW opt(ao, dp.shard_parameters(), ctx.device());
       loop(dp, [&](torch::nn::Module& sub) { for (auto i : tm.indices_of(sub)) dp.wait_parameters(i); },
            [&](auto& step) { return step.finish([&](std::span<const lockstep::param_slice> b) { opt.step(b, s); }); });
       if (!dp.stats().values_bound) problem("the parameters were not bound into the shards' arena");
@@ -114,7 +113,7 @@ trained train_fp32(int gpus, int B, int steps, const torch::Tensor& data, gpt2::
     } else {
       lockstep::DataParallel dp(ctx, tm, o);
       if (mode == how::fused) {
-        lockstep::cuda::FusedAdamW opt(ao, dp.parameters(), ctx.device());
+        lockstep::FusedAdamW opt(ao, dp.parameters(), ctx.device());
         loop(dp, {}, [&](auto& step) { return step.finish([&](std::span<const lockstep::param_slice> b) { opt.step(b, s); }); });
       } else {
         torch::optim::AdamW opt(tm.tensors(), torch::optim::AdamWOptions(lr).betas({0.9, 0.999}).eps(1e-8).weight_decay(wd));
@@ -224,7 +223,7 @@ void check_fp16_device_scaling(int gpus) {
     const auto fopts = torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA, dev);
     const auto scale = torch::from_blob(const_cast<float*>(dp.scaler().device_scale()), {}, fopts);
     const int* found = dp.scaler().device_found_inf();
-    lockstep::cuda::FusedAdamW opt({.lr = 3e-3, .weight_decay = wd}, dp.parameters(), ctx.device());
+    lockstep::FusedAdamW opt({.lr = 3e-3, .weight_decay = wd}, dp.parameters(), ctx.device());
     // [end snippet]
     for (int k = 0; k < steps; ++k) {
       auto rows = data.narrow(0, rank * B, B).to(torch::Device(torch::kCUDA, dev));

@@ -25,7 +25,7 @@ namespace lockstep {
 
 namespace detail {
 //! Where the wire's staging lives: on a copy-engine group (ShardedOptimizer's with
-//! DataParallelOptions::copy_engine_scatter) in windows, so that its all-to-all runs on the
+//! ShardedOptimizer::copy_engine_scatter) in windows, so that its all-to-all runs on the
 //! copy engines; else plain device memory.
 struct wire_memory {
   NcclComm& comm;

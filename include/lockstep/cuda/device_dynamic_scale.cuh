@@ -7,7 +7,7 @@
 //!   dp.scaler().attach(dp.comm());                 // once: allocates the state on the device
 //!   const float* scale = dp.scaler().device_scale();
 //!   const int* found_inf = dp.scaler().device_found_inf();
-//!   lockstep::cuda::FusedAdamW opt({.lr = 1e-3}, dp.parameters());
+//!   lockstep::FusedAdamW opt({.lr = 1e-3}, dp.parameters());
 //!   for (auto& batch : my_batches) {
 //!     auto step = dp.step();
 //!     model.forward_backward(batch, scale, step.on_gradient_ready());  // its loss kernel reads *scale
@@ -19,7 +19,7 @@
 //! one multi-tensor pass per element type g ← g · (1/scale), raising the flag on any inf/NaN
 //! result; the flag's all-reduce (max) over ranks; the scale update. It returns **false**: the
 //! host does not know whether the step is skipped. The decision is *device_found_inf(), which
-//! the optimizer reads on the device (lockstep::cuda::FusedSgd / FusedAdamW and the kernels in
+//! the optimizer reads on the device (lockstep::FusedSgd / FusedAdamW and the kernels in
 //! cuda/fused_optimizer.cuh takes it): a skipped step leaves parameters and optimizer state
 //! as they were. update(found_inf) does nothing (the device already updated).
 //!

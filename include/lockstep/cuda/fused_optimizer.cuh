@@ -1,12 +1,12 @@
 #pragma once
-//! lockstep::cuda::FusedOptimizer<Rule> — an optimizer_rule (optim/optimizer.hpp) applied to
+//! lockstep::FusedOptimizer<Rule> — an optimizer_rule (optim/optimizer.hpp) applied to
 //! device parameters through the multi-tensor engine, with its state owned for you, keyed by
 //! parameter index (the order of DataParallel::parameters()), and the skip decision read on
 //! the device. FusedSgd and FusedAdamW are its two instances: the same rules as lockstep::Sgd
 //! and lockstep::AdamW, so GPU and CPU agree bit for bit on f32/f64.
 //!
 //! \code
-//!   lockstep::cuda::FusedAdamW opt({.lr = 1e-3}, dp.parameters());     // on the rank's device
+//!   lockstep::FusedAdamW opt({.lr = 1e-3}, dp.parameters());     // on the rank's device
 //!   const int* found_inf = dp.scaler().device_found_inf();              // DeviceDynamicScale
 //!   auto step = dp.step();
 //!   model.backward(batch, step.on_gradient_ready());
@@ -57,11 +57,11 @@
 #include "lockstep/optim/optimizer.hpp"
 #include "lockstep/optim/sgd.hpp"
 
-namespace lockstep::cuda {
+namespace lockstep {
 
 template <optimizer_rule Rule>
-class FusedOptimizer : public lockstep::detail::rule_options<Rule> {
-  using base = lockstep::detail::rule_options<Rule>;
+class FusedOptimizer : public detail::rule_options<Rule> {
+  using base = detail::rule_options<Rule>;
   using base::opt_;
 
  public:
@@ -72,7 +72,7 @@ class FusedOptimizer : public lockstep::detail::rule_options<Rule> {
   //! on `device` (-1: the current device), where the state is allocated.
   FusedOptimizer(options_type o, const std::vector<parameter>& params, int device = -1)
       : base(o), st_(params, device, Rule::fused_name) {
-    lockstep::detail::device_guard g(st_.device());
+    detail::device_guard g(st_.device());
     st_.build(Rule::states(o));
   }
 
@@ -85,19 +85,19 @@ class FusedOptimizer : public lockstep::detail::rule_options<Rule> {
   //! set and *d_found_inf ≠ 0. No synchronisation.
   void step(std::span<const param_slice> slices, cudaStream_t s, const int* d_found_inf = nullptr) {
     if (slices.empty()) return;
-    lockstep::detail::device_guard g(st_.device());
+    detail::device_guard g(st_.device());
     st_.prepare(slices, s, d_found_inf);
     for (dtype t : {dtype::f32, dtype::f64, dtype::f16, dtype::bf16}) {
       refs_.clear();
       for (const auto& sl : slices)
         if (sl.type == t && sl.count != 0) refs_.push_back(&sl);
       if (refs_.empty()) continue;
-      kernels::visit_float(t, Rule::fused_name, [&]<class Element>(std::type_identity<Element>) {
-        using op_t = kernels::rule_op<Rule, Element>;
+      cuda::kernels::visit_float(t, Rule::fused_name, [&]<class Element>(std::type_identity<Element>) {
+        using op_t = cuda::kernels::rule_op<Rule, Element>;
         const op_t op{{}, opt_, Rule::states(opt_)};
-        kernels::launch(op, refs_.size(), [&](std::size_t i) {
+        cuda::kernels::launch(op, refs_.size(), [&](std::size_t i) {
           const param_slice& sl = *refs_[i];
-          kernels::tensor_ref<op_t::lists> r{};
+          cuda::kernels::tensor_ref<op_t::lists> r{};
           r.p[0] = sl.value;
           r.p[1] = sl.grad;
           for (int k = 0; k < Rule::max_states; ++k) r.p[2 + k] = st_.state(sl.param, k, sl.offset);
@@ -139,4 +139,15 @@ using FusedAdamW = FusedOptimizer<AdamWRule>;
 
 static_assert(serializable<FusedSgd> && serializable<FusedAdamW>);
 
-}  // namespace lockstep::cuda
+// The names of 0.2.0 (docs/design.md, "Namespaces": public CUDA types are lockstep::'s).
+namespace cuda {
+template <optimizer_rule Rule>
+using FusedOptimizer [[deprecated("use lockstep::FusedOptimizer (public CUDA types are in namespace lockstep)")]] =
+    lockstep::FusedOptimizer<Rule>;
+using FusedSgd [[deprecated("use lockstep::FusedSgd (public CUDA types are in namespace lockstep)")]] =
+    lockstep::FusedSgd;
+using FusedAdamW [[deprecated("use lockstep::FusedAdamW (public CUDA types are in namespace lockstep)")]] =
+    lockstep::FusedAdamW;
+}  // namespace cuda
+
+}  // namespace lockstep

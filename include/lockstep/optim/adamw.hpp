@@ -1,7 +1,7 @@
 #pragma once
 //! lockstep::AdamW — Adam with decoupled weight decay, PyTorch semantics (amsgrad off). The
 //! rule (AdamWRule) is written once: lockstep::AdamW applies it to host parameters
-//! (f32/f64), lockstep::cuda::FusedAdamW to device parameters (all four float types).
+//! (f32/f64), lockstep::FusedAdamW to device parameters (all four float types).
 //!
 //! Per slot, step ← step + 1; then per element, in the compute type, with the scalars
 //! computed in double and rounded once:
@@ -44,8 +44,7 @@ struct AdamWRule {
   static int states(const AdamWOptions&) noexcept { return 2; }
 
   static void validate(const AdamWOptions& o) {
-    if (!(o.lr >= 0) || !std::isfinite(o.lr))
-      throw config_error("AdamW: lr must be a finite number ≥ 0, got " + std::to_string(o.lr));
+    detail::check_learning_rate(name, o.lr);
     if (!(o.beta1 >= 0 && o.beta1 < 1) || !(o.beta2 >= 0 && o.beta2 < 1))
       throw config_error("AdamW: beta1 and beta2 must lie in [0, 1), got " + std::to_string(o.beta1) +
                          " and " + std::to_string(o.beta2));

@@ -3,7 +3,7 @@
 //! written once for the host and the GPU), the host optimizer Optimizer<Rule> that applies a
 //! rule to host parameters (f32/f64), and the checkpoint layout of optimizer state, written
 //! with the checkpoint's codec (core/codec.hpp). Rules: SgdRule (sgd.hpp), AdamWRule
-//! (adamw.hpp). The GPU side is lockstep::cuda::FusedOptimizer<Rule> (cuda/fused_optimizer.cuh).
+//! (adamw.hpp). The GPU side is lockstep::FusedOptimizer<Rule> (cuda/fused_optimizer.cuh).
 //! docs/optimizer.md says how to add one.
 //!
 //! Checkpoint layout (save/load), little-endian; the fused optimizers write the same:
@@ -80,11 +80,17 @@ LOCKSTEP_HOST_DEVICE inline double pow_of(double x, double y) {
   return std::pow(x, y);
 #endif
 }
+
+//! Every rule's first check: the learning rate (`who`: the optimizer's name for the message).
+inline void check_learning_rate(const char* who, double lr) {
+  if (!(lr >= 0) || !std::isfinite(lr))
+    throw config_error(std::string(who) + ": lr must be a finite number ≥ 0, got " + std::to_string(lr));
+}
 }  // namespace detail
 
 // ---------------------------------------------------------------------------------------
 //! lockstep::optimizer_rule — an optimizer's math, once, for the host (Optimizer<Rule>) and
-//! the GPU (cuda::FusedOptimizer<Rule>).
+//! the GPU (FusedOptimizer<Rule>).
 //!
 //! Requirements, for a rule R:
 //!  1. `R::options`: the hyperparameters, a trivially copyable aggregate with a `double lr`.

@@ -1,7 +1,7 @@
 #pragma once
 //! lockstep::Sgd — stochastic gradient descent with momentum, PyTorch semantics. The rule
 //! (SgdRule) is written once: lockstep::Sgd applies it to host parameters (f32/f64),
-//! lockstep::cuda::FusedSgd to device parameters (all four float types).
+//! lockstep::FusedSgd to device parameters (all four float types).
 //!
 //! Per element, with g the gradient and p the parameter (in the compute type):
 //!   g ← g + weight_decay·p                       (when weight_decay ≠ 0)
@@ -43,8 +43,7 @@ struct SgdRule {
   static int states(const SgdOptions& o) noexcept { return o.momentum != 0 ? 1 : 0; }
 
   static void validate(const SgdOptions& o) {
-    if (!(o.lr >= 0) || !std::isfinite(o.lr))
-      throw config_error("Sgd: lr must be a finite number ≥ 0, got " + std::to_string(o.lr));
+    detail::check_learning_rate(name, o.lr);
     if (!(o.momentum >= 0) || !(o.weight_decay >= 0) || !std::isfinite(o.dampening))
       throw config_error("Sgd: momentum and weight_decay must be ≥ 0 and dampening finite");
     if (o.nesterov && (o.momentum <= 0 || o.dampening != 0))

@@ -27,7 +27,6 @@
 //! around the loop — see join.hpp.
 
 #include <array>
-#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -44,15 +43,17 @@
 #include "lockstep/core/context.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/grad_group.hpp"
-#include "lockstep/observe/detail/nvtx.hpp"
 #include "lockstep/parallel/detail/binding.hpp"
 #include "lockstep/parallel/bucket_hook.hpp"
 #include "lockstep/parallel/detail/arguments.hpp"
+#include "lockstep/parallel/detail/nonfinite.hpp"
+#include "lockstep/parallel/detail/reducer.hpp"
+#include "lockstep/parallel/detail/step_recorder.hpp"
 #include "lockstep/parallel/detail/replicas.hpp"
 #include "lockstep/parallel/join.hpp"
 #include "lockstep/parallel/policies.hpp"
-#include "lockstep/parallel/detail/reducer.hpp"
 #include "lockstep/parallel/step.hpp"
+#include "lockstep/parallel/step_handle.hpp"
 #include "lockstep/scaling/clipping.hpp"
 #include "lockstep/scaling/loss_scaler.hpp"
 #include "lockstep/scaling/scalers.hpp"
@@ -83,6 +84,10 @@ class DataParallel {
   using hook_type = typename detail::policy_set<Comm, Policies...>::hook;
   //! Whether the optimizer state is sharded over the ranks (ShardedOptimizer).
   static constexpr bool sharded = detail::policy_set<Comm, Policies...>::sharded;
+  //! The strategy policy (Replicated, the default, or ShardedOptimizer) and the
+  //! reduction units it runs (parallel/detail/).
+  using strategy_type = typename detail::policy_set<Comm, Policies...>::strategy;
+  using units_type = typename detail::policy_set<Comm, Policies...>::units;
   static_assert(loss_scaler_for<scaler_type, Comm> || has_grad_ops<memory_of_t<Comm>>,
                 "lockstep::DataParallel: no lockstep::grad_ops for this communicator's memory "
                 "space (the type Comm::memory() returns): the loss scaler needs it to unscale "
@@ -94,53 +99,8 @@ class DataParallel {
                 "lockstep::DataParallel: the loss scaler cannot unscale this communicator's "
                 "gradients (it needs unscale_and_check(Comm&, span<const grad_group>))");
 
-  //! One micro-step: created by step(), ended by finish().
-  class step_handle {
-   public:
-    step_handle(const step_handle&) = delete;
-    step_handle& operator=(const step_handle&) = delete;
-    step_handle(step_handle&& o) noexcept : dp_(std::exchange(o.dp_, nullptr)), sync_(o.sync_) {}
-    ~step_handle() {
-      if (dp_) dp_->open_ = false;  // abandoned (e.g. an exception): the next step() restarts the cycle
-    }
-
-    //! Whether this micro-step will average gradients (the last of its cycle).
-    bool synchronizes() const noexcept { return sync_; }
-    //! Multiply the loss by this before backward (1 without loss scaling). With a device-side
-    //! scaler this reads the scale back (a host synchronisation): use device_loss_scale().
-    double loss_scale() const { return dp_->scaler_.scale(); }
-    //! With a device-side scaler: the scale as a float in device memory, for the loss kernel.
-    const float* device_loss_scale() const
-      requires device_scaler<scaler_type>
-    {
-      return dp_->scaler_.device_scale();
-    }
-    //! The hook for the model's backward (see gradient_ready_fn): gradient i is final.
-    gradient_ready_fn on_gradient_ready() const {
-      return gradient_ready_fn(dp_, [](void* dp, std::size_t i) { static_cast<DataParallel*>(dp)->reducer_.mark_ready(i); });
-    }
-    void gradient_ready(std::size_t i) const { dp_->reducer_.mark_ready(i); }
-
-    //! Ends backward: reduces every bucket not yet reduced and waits for all of them.
-    step_result finish() { return finish(nullptr); }
-
-    //! As finish(), calling on_bucket(slices) for each bucket as soon as it is averaged
-    //! (e.g. an optimizer updating those parameters while later buckets are in flight).
-    //! Sharded (the only form there): the slices are this rank's shards (one slice of
-    //! shard_parameters() per call), each all-gathered into the parameters after on_bucket
-    //! (by the time finish returns, or, gather_in_forward, as the next forward waits for it).
-    step_result finish(const std::function<void(std::span<const param_slice>)>& on_bucket) {
-      if (!dp_) throw config_error("lockstep: finish() called twice on one step");
-      auto* dp = std::exchange(dp_, nullptr);
-      return dp->finish_step(sync_, on_bucket);
-    }
-
-   private:
-    friend class DataParallel;
-    step_handle(DataParallel* dp, bool sync) : dp_(dp), sync_(sync) {}
-    DataParallel* dp_;
-    bool sync_;
-  };
+  //! One micro-step: created by step(), ended by finish() (step_handle.hpp).
+  using step_handle = lockstep::step_handle<DataParallel>;
 
   //! What the constructors take after the model, in any order, each at most once: a
   //! DataParallelOptions, and an instance of any of this DataParallel's policies (e.g.
@@ -150,7 +110,7 @@ class DataParallel {
   static constexpr bool argument_v =
       detail::is_options_v<A> || std::is_same_v<std::remove_cvref_t<A>, accumulation_type> ||
       std::is_same_v<std::remove_cvref_t<A>, scaler_type> || std::is_same_v<std::remove_cvref_t<A>, hook_type> ||
-      (sharded && std::is_same_v<std::remove_cvref_t<A>, ShardedOptimizer>);
+      std::is_same_v<std::remove_cvref_t<A>, strategy_type>;
 
   template <class... Args>
     requires(argument_v<Args> && ...) && (!detail::starts_with_options_v<Args...>)
@@ -187,13 +147,15 @@ class DataParallel {
   template <class... Args>
     requires(argument_v<Args> && ...) && (!detail::starts_with_options_v<Args...>)
   explicit DataParallel(std::type_identity_t<Comm>& comm, Model& model, Args&&... args)
-      : DataParallel(built, comm, model, detail::take_arg<DataParallelOptions>(args...), detail::take_arg<accumulation_type>(args...),
-                     detail::take_arg<scaler_type>(args...), detail::take_arg<hook_type>(args...)) {}
+      : DataParallel(built, comm, model, detail::take_arg<DataParallelOptions>(args...),
+                     detail::take_arg<accumulation_type>(args...), detail::take_arg<scaler_type>(args...),
+                     detail::take_arg<hook_type>(args...), detail::take_arg<strategy_type>(args...)) {}
   template <class... Args>
     requires(argument_v<Args> && ...)
   DataParallel(std::type_identity_t<Comm>& comm, Model& model, const DataParallelOptions& opts, Args&&... args)
-      : DataParallel(built, comm, model, opts, detail::take_arg<accumulation_type>(args...), detail::take_arg<scaler_type>(args...),
-                     detail::take_arg<hook_type>(args...)) {
+      : DataParallel(built, comm, model, opts, detail::take_arg<accumulation_type>(args...),
+                     detail::take_arg<scaler_type>(args...), detail::take_arg<hook_type>(args...),
+                     detail::take_arg<strategy_type>(args...)) {
     static_assert(((detail::is_options_v<Args> ? 1 : 0) + ... + 0) == 0,
                   "lockstep::DataParallel: DataParallelOptions is given twice");
   }
@@ -227,11 +189,7 @@ class DataParallel {
     }
     reducer_.begin_micro(sync, prescale);
     open_ = true;
-    nvtx_step_ = detail::nvtx_start("step");  // NVTX (observe/detail/nvtx.hpp): ended in finish()
-    nvtx_model_ = detail::nvtx_start(sync ? "forward + backward" : "forward + backward (accumulating)");
-    step_t0_ = detail::trace_log::clock::now();
-    comm_at_step_ = reducer_.stats().comm_seconds;
-    ++reducer_.stats().micro_steps;
+    recorder_.step_begin(sync);
     return step_handle(this, sync);
   }
 
@@ -250,7 +208,7 @@ class DataParallel {
   accumulation_type& accumulation() noexcept { return acc_; }
   //! The loss scaler (its state() goes into checkpoints; load_state() restores it).
   scaler_type& scaler() noexcept { return scaler_; }
-  const sync_stats& stats() const noexcept { return reducer_.stats(); }
+  const sync_stats& stats() const noexcept { return recorder_.stats(); }
   Comm& comm() noexcept { return comm_; }
   Model& model() noexcept { return model_; }
   //! Parameters as lockstep sees them (gradients pointing into the arena when zero-copy).
@@ -260,23 +218,24 @@ class DataParallel {
   const std::vector<parameter>& shard_parameters() const noexcept
     requires sharded
   {
-    return reducer_.shard_parameters();
+    return reducer_.units().parameters();
   }
   //! Sharded: per shard parameter, which elements of the model's parameters it holds
   //! (checkpoint/sharded.hpp reshards the optimizer state onto another world size with it).
   std::span<const std::vector<detail::shard_segment>> shard_map() const
     requires sharded
   {
-    return reducer_.shard_map();
+    return reducer_.units().map();
   }
-  //! gather_in_forward: before the forward uses parameter i (its units gathered, unpacked); all.
+  //! ShardedOptimizer::gather_in_forward: before the forward uses parameter i (its units
+  //! gathered, unpacked); all of them. Nothing to wait for otherwise.
   void wait_parameters(std::size_t i) { reducer_.wait_parameters(i); }
   void wait_all_parameters() { reducer_.wait_all_parameters(); }
   //! Sharded: a fingerprint of the shard layout (see save_sharded / load_sharded).
   std::uint64_t shard_layout() const
     requires sharded
   {
-    return reducer_.shard_layout_hash();
+    return reducer_.units().layout_hash(reducer_.order_fingerprint());
   }
   //! The settled gradient layout, for checkpoints (see training_state.hpp).
   std::vector<std::int64_t> plan_state() const { return reducer_.plan_state(); }
@@ -300,21 +259,15 @@ class DataParallel {
     return ps;
   }
 
-  // The model's time (sync_stats::model_seconds); LOCKSTEP_TRACE: model, finish, whole step.
+  // The step's events around finish_inner (step_recorder: NVTX, trace, model time).
   step_result finish_step(bool sync, const std::function<void(std::span<const param_slice>)>& on_bucket) {
-    const auto t0 = detail::trace_log::clock::now();
-    detail::nvtx_end(std::exchange(nvtx_model_, 0));
-    const detail::nvtx_range nvtx("finish");
-    const struct step_end { std::uint64_t id; ~step_end() { detail::nvtx_end(id); } } step_over{std::exchange(nvtx_step_, 0)};
-    // Less the time backward spent in collectives (waiting for the other ranks, on host comms).
-    cycle_model_ += std::chrono::duration<double>(t0 - step_t0_).count() - (reducer_.stats().comm_seconds - comm_at_step_);
-    if (sync) reducer_.stats().model_seconds = std::exchange(cycle_model_, 0.0);
-    if (!trace_) return finish_inner(sync, on_bucket);
-    trace_->span(sync ? "forward + backward" : "forward + backward (accumulating)", detail::trace_log::host, step_t0_, t0);
-    const auto r = finish_inner(sync, on_bucket);
-    trace_->span("finish", detail::trace_log::host, t0, trace_->now());
-    if (r.synced && !r.applied) trace_->instant("step skipped: inf/NaN gradients", detail::trace_log::host);
-    trace_->span("step", detail::trace_log::host, step_t0_, trace_->now());
+    recorder_.model_end(sync);
+    step_result r;
+    {
+      const auto s = recorder_.record(detail::step_event::finish);
+      r = finish_inner(sync, on_bucket);
+    }
+    recorder_.step_end(r.synced && !r.applied);
     return r;
   }
 
@@ -343,23 +296,24 @@ class DataParallel {
     reducer_.finish(nullptr);
     bool found_inf = false;
     {
-      detail::trace_scope t(trace_.get(), "unscale + inf/NaN check", detail::trace_log::host);
+      const auto s = recorder_.record(detail::step_event::unscale);
       found_inf = scaler_.unscale_and_check(comm_, reducer_.grad_groups());
     }
-    // After a skipped step, who had inf/NaN before averaging (nonfinite.hpp), for the error.
+    // After a skipped step, who had inf/NaN before averaging (nonfinite.hpp), for the error:
+    // armed, the check listens to the next step's launch units.
     origin_.settle(comm_, [&] { return scaler_.state().steps + 1; });  // this step's number
-    reducer_.check_local_nonfinite(origin_.arm_for(scaler_, found_inf, comm_.rank()));
+    if (auto* check = origin_.arm_for(scaler_, found_inf, comm_.rank()))
+      recorder_.listen_launches([check, this](const detail::unit_launch& u) { check->check(comm_, u.data, u.count, u.type); });
+    else
+      recorder_.listen_launches(nullptr);
     origin_.name_in([&] { scaler_.update(found_inf); }, found_inf);
     r.applied = !found_inf;
     if constexpr (device_scaler<scaler_type>) r.device_found_inf = scaler_.device_found_inf();
     if (r.applied && opts_.max_grad_norm > 0) {
-      detail::trace_scope t(trace_.get(), "clip by global norm", detail::trace_log::host);
+      const auto s = recorder_.record(detail::step_event::clip);
       r.grad_norm = clip();
     }
-    if (r.applied && on_bucket) {
-      if constexpr (sharded) reducer_.update_shards(on_bucket);
-      else reducer_.for_each_bucket(on_bucket);
-    }
+    if (r.applied && on_bucket) reducer_.update(on_bucket);
     return r;
   }
 
@@ -393,22 +347,21 @@ class DataParallel {
 
   // --- Join (join.hpp): its agreement and shadow steps work on these members ------------
   friend class Join<DataParallel>;
+  friend class lockstep::step_handle<DataParallel>;  // marks gradients ready, ends the step
 
   struct built_t {};
   static constexpr built_t built{};
   DataParallel(built_t, Comm& comm, Model& model, const DataParallelOptions& opts, accumulation_type acc,
-               scaler_type scaler, hook_type hook)
+               scaler_type scaler, hook_type hook, const strategy_type& strategy)
       : comm_(comm), model_(model), opts_(opts), acc_(std::move(acc)), scaler_(std::move(scaler)),
-        hook_(std::move(hook)),
-        reducer_(comm, hook_, initial_parameters(comm, model, opts), opts.buckets, detail::gradient_binder(model, opts),
-                 [&model] { return detail::collect_parameters(model); }, sharded,
-                 detail::shard_options{detail::value_binder(model, opts, sharded), opts.copy_engine_gather,
-                                       opts.copy_engine_scatter}),
+        hook_(std::move(hook)), recorder_(comm.rank()),
+        reducer_(comm, hook_, recorder_, initial_parameters(comm, model, opts), opts.buckets,
+                 detail::gradient_binder(model, opts), [&model] { return detail::collect_parameters(model); }, strategy,
+                 detail::value_binder(model, opts, strategy)),
         buffers_(detail::collect_buffers(model)), frozen_(detail::collect_frozen(model)) {
     if (!(opts_.max_grad_norm >= 0))
       throw config_error("DataParallelOptions::max_grad_norm must be >= 0 (0: no clipping), got " +
                          std::to_string(opts_.max_grad_norm));
-    reducer_.set_gather_in_forward(opts_.gather_in_forward);
     // Checked whenever the model's type has them (not by this rank's count: a rank without
     // any would skip the collective its peers issue).
     if constexpr (frozen_model<Model>) {  // model (g): as the trained ones, never reduced
@@ -425,7 +378,6 @@ class DataParallel {
     }
     // A device-side scaler's state must exist before the first loss kernel reads it.
     if constexpr (attachable_scaler<scaler_type, Comm>) scaler_.attach(comm_);
-    reducer_.set_trace(trace_.get());
   }
 
   Comm& comm_;
@@ -434,7 +386,8 @@ class DataParallel {
   accumulation_type acc_;
   scaler_type scaler_;
   hook_type hook_;
-  detail::reducer<Comm, hook_type> reducer_;
+  detail::step_recorder recorder_;  // the step's events: NVTX, LOCKSTEP_TRACE, sync_stats
+  detail::reducer<Comm, hook_type, units_type> reducer_;
   std::vector<parameter> buffers_;  // the model's buffers (model (c)), empty without
   std::vector<parameter> frozen_;   // its frozen parameters (model (g)), empty without
   detail::coalesced_broadcast<Comm> broadcast_buffers_;  // buffers: one broadcast per element type
@@ -447,11 +400,6 @@ class DataParallel {
   int join_active_ = 0;             // contributing ranks at the latest agreement
   std::shared_ptr<void> join_buf_;  // the agreement's buffer, in comm's memory space
   detail::nonfinite_origin<Comm> origin_;  // after a skip: whose gradients were non-finite
-  std::unique_ptr<detail::trace_log> trace_ = detail::trace_log::from_env(comm_.rank());  // LOCKSTEP_TRACE
-  detail::trace_log::clock::time_point step_t0_{};  // the current micro-step's step()
-  std::uint64_t nvtx_step_ = 0, nvtx_model_ = 0;     // NVTX ranges of the open micro-step
-  double cycle_model_ = 0;                           // model time in this cycle so far
-  double comm_at_step_ = 0;                          // sync_stats::comm_seconds at step()
 };
 
 // Deduction from the context, so that one body compiles for every communicator run(Auto) can

@@ -176,8 +176,7 @@ class Join {
   std::optional<step_result> shadow_step() {
     DP& dp = dp_;
     const bool stepped_last = dp.stepped_;
-    dp.step_t0_ = decltype(dp.step_t0_)::clock::now();
-    dp.comm_at_step_ = dp.reducer_.stats().comm_seconds;
+    dp.recorder_.step_begin(/*sync=*/true, /*counted=*/false);
     const bool partial = dp.in_cycle_ && dp.micro_ > 0;
     if (!partial) dp.reducer_.apply_pending_plan();
     if (!partial && dp.opts_.broadcast_buffers) dp.sync_buffers(/*stepping=*/false);

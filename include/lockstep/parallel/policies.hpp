@@ -1,7 +1,8 @@
 #pragma once
 //! The choices DataParallel is configured with: when gradients are synchronised (the
-//! accumulation policies EveryStep and Accumulate, tags chosen at compile time) and the value
-//! structs of its tuning (BucketPolicy, DataParallelOptions).
+//! accumulation policies EveryStep and Accumulate, tags chosen at compile time), how they are
+//! reduced (the strategy: Replicated by default, ShardedOptimizer) and the value structs of
+//! its tuning (BucketPolicy, DataParallelOptions).
 
 #include <cstddef>
 #include <string>
@@ -55,7 +56,24 @@ static_assert(accumulation_policy<EveryStep>);
 static_assert(accumulation_policy<Accumulate<4>>);
 static_assert(accumulation_policy<Accumulate<>>);
 
-// ---- sharding -----------------------------------------------------------------------------
+// ---- strategies --------------------------------------------------------------------------
+// A strategy policy names the reduction units the reducer runs (parallel/detail/): each is
+// its own type, chosen at compile time; without one, DataParallel replicates.
+
+namespace detail {
+template <class Comm, class Hook>
+class allreduce_units;
+template <class Comm, class Hook>
+class shard_units;
+}  // namespace detail
+
+//! The default strategy (PyTorch DDP's): each bucket is all-reduced, and every rank keeps the
+//! whole averaged gradient and its own optimizer state. Nothing to choose; name it where
+//! generic code picks a strategy by type (`std::conditional_t<S, ShardedOptimizer, Replicated>`).
+struct Replicated {
+  template <class Comm, class Hook>
+  using units = detail::allreduce_units<Comm, Hook>;
+};
 
 //! ZeRO stage 1 (Megatron's distributed optimizer): each bucket is reduce-scattered instead of
 //! all-reduced, so every rank holds the average of 1/N of the gradients — its shard; the
@@ -63,7 +81,38 @@ static_assert(accumulation_policy<Accumulate<>>);
 //! updates it inside finish(on_shard); each updated shard is then all-gathered back into every
 //! rank's parameters. The bucket layout is fixed at construction (no rebuild after the first
 //! step: the optimizer's state is laid out along it). docs/sharding.md.
-struct ShardedOptimizer {};
+//! `DataParallel dp(ctx, model, lockstep::ShardedOptimizer{.gather_in_forward = true});`
+struct ShardedOptimizer {
+  //! The all-gather of the updated shards is waited for in the next forward, bucket by
+  //! bucket, instead of in finish(). The model calls DataParallel::wait_parameters(i) before
+  //! the forward uses parameter i (a gradient for a parameter never waited for is an error),
+  //! and wait_all_parameters() before reading the parameters outside a forward (evaluation;
+  //! checkpoints do it themselves).
+  bool gather_in_forward = false;
+  //! With DataParallelOptions::zero_copy: let lockstep own the values too (model.bind_value,
+  //! lockstep::model (e)) — no pack before the optimizer, no unpack after the all-gather, one
+  //! copy of the weights. Off: they are packed and unpacked (docs/sharding.md has both timed).
+  bool bind_values = true;
+  //! Over NcclComm (NCCL ≥ 2.28, more than one GPU): the value arena is a symmetric NCCL
+  //! window and the all-gathers run on a zero-CTA split of the communicator, i.e. on the GPUs'
+  //! copy engines, taking no SMs from the forward they overlap (sync_stats::
+  //! gathers_by_copy_engine says whether the window was taken). Off by default: a copy-engine
+  //! gather waits for its peers with stream memory operations that NcclComm::abort() cannot
+  //! end, so a peer that dies mid-gather leaves this rank's streams waiting for good (end the
+  //! process; the watchdog's abort does not release it). Give every rank the same setting
+  //! (checked). Other communicators ignore it. docs/sharding.md has it timed.
+  bool copy_engine_gather = false;
+  //! The same for the reduce-scatters (NcclComm, one node): the gradient arena is a window of
+  //! the split too, and each unit's reduce-scatter runs there as an all-to-all on the copy
+  //! engines followed by a short kernel that sums the N blocks (fp32, rank order), so backward
+  //! keeps its SMs (sync_stats::scatters_by_copy_engine: the arena is a window). Costs staging
+  //! windows: the largest unit, plus the smaller sizes the first step grew through. Same
+  //! caveat, same setting on every rank.
+  bool copy_engine_scatter = false;
+
+  template <class Comm, class Hook>
+  using units = detail::shard_units<Comm, Hook>;
+};
 
 // ---- tuning ------------------------------------------------------------------------------
 
@@ -82,27 +131,6 @@ struct DataParallelOptions {
   //! layout is final (see lockstep::model (a)); DataParallel::parameters() then returns the
   //! arena pointers. Before that, and with this off, buckets are packed from the model's own.
   bool zero_copy = true;
-  //! With zero_copy and ShardedOptimizer: let lockstep own the values too (model.bind_value,
-  //! lockstep::model (e)) — no pack before the optimizer, no unpack after the all-gather, one
-  //! copy of the weights. Off: they are packed and unpacked (docs/sharding.md has both timed).
-  bool bind_values = true;
-  //! With ShardedOptimizer over NcclComm (NCCL ≥ 2.28, more than one GPU): the value arena is
-  //! a symmetric NCCL window and the all-gathers run on a zero-CTA split of the communicator,
-  //! i.e. on the GPUs' copy engines, taking no SMs from the forward they overlap
-  //! (sync_stats::gathers_by_copy_engine says whether the window was taken). Off by default:
-  //! a copy-engine gather waits for its peers with stream memory operations that
-  //! NcclComm::abort() cannot end, so a peer that dies mid-gather leaves this rank's streams
-  //! waiting for good (end the process; the watchdog's abort does not release it). Give every
-  //! rank the same setting (checked). Other communicators ignore it. docs/sharding.md has it
-  //! timed.
-  bool copy_engine_gather = false;
-  //! The same for the reduce-scatters (ShardedOptimizer, NcclComm, one node): the gradient
-  //! arena is a window of the split too, and each unit's reduce-scatter runs there as an
-  //! all-to-all on the copy engines followed by a short kernel that sums the N blocks (fp32,
-  //! rank order), so backward keeps its SMs (sync_stats::scatters_by_copy_engine: the arena is
-  //! a window). Costs staging windows: the largest unit, plus the smaller sizes the first step
-  //! grew through. Same caveat, same setting on every rank.
-  bool copy_engine_scatter = false;
   //! Copy rank 0's parameter values (trained and frozen, and buffers: lockstep::model (c),
   //! (g)) to every rank at construction.
   bool broadcast_parameters = true;
@@ -119,12 +147,6 @@ struct DataParallelOptions {
   //! clip_grad_norm_) before any per-bucket callback, and reports the norm in
   //! step_result::grad_norm; sharded, the norm is summed over the shards. 0: off.
   double max_grad_norm = 0;
-  //! ShardedOptimizer only: the all-gather of the updated shards is waited for in the next
-  //! forward, bucket by bucket, instead of in finish(). The model calls
-  //! DataParallel::wait_parameters(i) before the forward uses parameter i (a gradient for a
-  //! parameter never waited for is an error), and wait_all_parameters() before reading the
-  //! parameters outside a forward (evaluation; checkpoints do it themselves). docs/sharding.md.
-  bool gather_in_forward = false;
 };
 
 namespace detail {
@@ -133,7 +155,9 @@ struct is_accumulation_policy : std::bool_constant<accumulation_policy<P>> {};
 template <class P>
 struct is_loss_scaler : std::bool_constant<loss_scaler<P>> {};
 template <class P>
-struct is_sharding : std::is_same<P, ShardedOptimizer> {};
+struct is_sharded : std::is_same<P, ShardedOptimizer> {};
+template <class P>
+struct is_strategy : std::bool_constant<std::is_same_v<P, ShardedOptimizer> || std::is_same_v<P, Replicated>> {};
 
 //! DataParallel's policies sorted by kind — each of a known kind, at most one of each — and
 //! the defaults for the kinds not given.
@@ -143,11 +167,11 @@ struct policy_set {
   struct is_hook : std::bool_constant<bucket_hook<P, Comm>> {};
   template <class P>
   struct is_policy : std::bool_constant<accumulation_policy<P> || loss_scaler<P> || bucket_hook<P, Comm> ||
-                                        std::is_same_v<P, ShardedOptimizer>> {};
+                                        is_strategy<P>::value> {};
   static_assert((is_policy<Policies>::value && ...),
                 "lockstep::DataParallel: every policy must be an accumulation_policy "
                 "(EveryStep, Accumulate<K>), a loss_scaler (NoScaling, StaticScale, "
-                "DynamicScale), a bucket_hook (AllReduceMean) or ShardedOptimizer — one of the "
+                "DynamicScale), a bucket_hook (AllReduceMean) or a strategy (Replicated, ShardedOptimizer) — one of the "
                 "Policies is none of these (an accumulation policy needs steps(); a loss scaler needs scale(), "
                 "update(), state(); a hook needs reduce(comm, data, count, dtype)). When the "
                 "policies are deduced (DataParallel dp(ctx, model, ...)), DataParallelOptions "
@@ -157,20 +181,23 @@ struct policy_set {
   static_assert(detail::count_v<detail::is_loss_scaler, Policies...> <= 1,
                 "lockstep::DataParallel: give at most one loss_scaler");
   static_assert(detail::count_v<is_hook, Policies...> <= 1, "lockstep::DataParallel: give at most one bucket_hook");
-  static_assert(detail::count_v<detail::is_sharding, Policies...> <= 1,
-                "lockstep::DataParallel: give ShardedOptimizer at most once");
+  static_assert(detail::count_v<detail::is_strategy, Policies...> <= 1,
+                "lockstep::DataParallel: give at most one strategy (Replicated, ShardedOptimizer)");
   using accumulation = pick_t<is_accumulation_policy, EveryStep, Policies...>;
   using scaler = pick_t<is_loss_scaler, NoScaling, Policies...>;
   using hook = pick_t<is_hook, AllReduceMean, Policies...>;
   // AllReduceMean named beside ShardedOptimizer is the default spelled out: its mean becomes
   // the communicator's reduce-scatter (hook_reduce_scatter).
-  static_assert(detail::count_v<detail::is_sharding, Policies...> == 0 || detail::count_v<is_hook, Policies...> == 0 ||
+  static_assert(detail::count_v<detail::is_sharded, Policies...> == 0 || detail::count_v<is_hook, Policies...> == 0 ||
                     std::is_same_v<hook, AllReduceMean> ||
                     requires(hook& h, Comm& c, void* p, std::size_t n, dtype t) { h.reduce_scatter(c, p, p, n, t); },
                 "lockstep::DataParallel: ShardedOptimizer reduce-scatters every bucket itself; it combines "
                 "only with AllReduceMean (the default) or a bucket_hook that has "
                 "reduce_scatter(comm, data, mine, per, dtype) (Bf16Wire)");
-  static constexpr bool sharded = count_v<is_sharding, Policies...> > 0;
+  static constexpr bool sharded = count_v<is_sharded, Policies...> > 0;
+  //! The strategy policy (Replicated when none is given) and the reduction units it runs.
+  using strategy = pick_t<is_strategy, Replicated, Policies...>;
+  using units = typename strategy::template units<Comm, hook>;
 };
 
 }  // namespace detail

@@ -58,7 +58,7 @@ struct step_result {
   bool applied = true;   //!< false: the step must be skipped (non-finite gradients)
   //! With a device-side scaler (DeviceDynamicScale): its found-inf flag agreed over ranks, an
   //! int32 in device memory (non-zero: skip the step), valid in stream order on the compute
-  //! stream; hand it to the optimizer (cuda::FusedSgd / FusedAdamW). `applied` is then true:
+  //! stream; hand it to the optimizer (FusedSgd / FusedAdamW). `applied` is then true:
   //! the host does not know. nullptr with host-decided scalers.
   const int* device_found_inf = nullptr;
   //! The global L2 norm of the averaged gradients before clipping, when

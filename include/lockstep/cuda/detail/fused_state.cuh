@@ -33,7 +33,7 @@
 #include "lockstep/cuda/memory.cuh"
 #include "lockstep/optim/optimizer.hpp"
 
-namespace lockstep::cuda::detail {
+namespace lockstep::detail {
 
 class fused_state {
  public:
@@ -113,16 +113,16 @@ class fused_state {
       if (m.has_master && !master_ready_[sl.param]) {
         const void* whole = static_cast<const char*>(sl.value) - sl.offset * size_of(m.type);
         void* dst = master(sl.param, 0);
-        kernels::visit_float(m.type, who_, [&]<class Element>(std::type_identity<Element>) {
-          kernels::launch(kernels::widen_op<Element>{}, 1,
-                          [&](std::size_t) { return kernels::tensor_ref<2>{{const_cast<void*>(whole), dst}, m.numel}; },
+        cuda::kernels::visit_float(m.type, who_, [&]<class Element>(std::type_identity<Element>) {
+          cuda::kernels::launch(cuda::kernels::widen_op<Element>{}, 1,
+                          [&](std::size_t) { return cuda::kernels::tensor_ref<2>{{const_cast<void*>(whole), dst}, m.numel}; },
                           s, who_);
         });
         master_ready_[sl.param] = true;
       }
       if (sl.offset == 0) advance.push_back(counters() + sl.param);
     }
-    if (!advance.empty()) kernels::advance_steps(advance, skip, s);
+    if (!advance.empty()) cuda::kernels::advance_steps(advance, skip, s);
     last_stream_ = s;
   }
 
@@ -307,4 +307,4 @@ class fused_state {
   cudaStream_t last_stream_ = nullptr;
 };
 
-}  // namespace lockstep::cuda::detail
+}  // namespace lockstep::detail

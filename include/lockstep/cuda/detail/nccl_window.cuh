@@ -96,7 +96,7 @@ inline std::pair<std::shared_ptr<void>, bool> nccl_window(const std::shared_ptr<
     LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(stream));
     return {std::move(owner), false};
   }
-  const auto [p, win] = nccl_window_raw(*s, bytes, "DataParallelOptions::copy_engine_gather/_scatter");
+  const auto [p, win] = nccl_window_raw(*s, bytes, "ShardedOptimizer::copy_engine_gather/_scatter");
   std::shared_ptr<void> owner(p, nccl_window_deleter{s, win});  // should this throw, it frees p itself
   if (win != nullptr) {
     std::lock_guard wl(s->windows_m);
@@ -122,7 +122,7 @@ inline bool in_window(nccl_state& s, const void* p, std::size_t bytes) {
 inline void* reserve_staging(nccl_state& s, std::size_t bytes) {
   if (!s.staging.empty() && s.staging.back().bytes >= bytes) return s.staging.back().memory;
   s.staging.reserve(s.staging.size() + 1);  // nothing throws once the window is taken
-  const auto [p, win] = nccl_window_raw(s, bytes, "DataParallelOptions::copy_engine_scatter (or pass plain memory)");
+  const auto [p, win] = nccl_window_raw(s, bytes, "ShardedOptimizer::copy_engine_scatter (or pass plain memory)");
   s.staging.push_back({p, win, bytes});
   return p;
 }

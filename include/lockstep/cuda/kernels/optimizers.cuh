@@ -1,5 +1,5 @@
 #pragma once
-//! The kernels of the fused optimizers (cuda::FusedOptimizer<Rule>), on the multi-tensor
+//! The kernels of the fused optimizers (FusedOptimizer<Rule>), on the multi-tensor
 //! engine: any optimizer_rule (optim/optimizer.hpp) applied to device tensors, with a step
 //! counter per tensor and the engine's skip flag; the counters' advance; and the fp32 master
 //! copy of f16/bf16 parameters.

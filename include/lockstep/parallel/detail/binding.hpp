@@ -33,16 +33,16 @@ bind_fn gradient_binder(Model& model, const DataParallelOptions& opts) {
   return {};
 }
 
-//! The model's value binder (sharded only), if it has one and zero_copy and bind_values are
-//! on; else empty.
-template <class Model>
-bind_fn value_binder(Model& model, const DataParallelOptions& opts, bool sharded) {
-  if constexpr (value_binding_model<Model>) {
-    if (opts.zero_copy && opts.bind_values && sharded) return [&model](std::size_t i, void* p) { model.bind_value(i, p); };
+//! The model's value binder, if it has one, zero_copy is on and the strategy binds values
+//! (ShardedOptimizer::bind_values); else empty.
+template <class Model, class Strategy>
+bind_fn value_binder(Model& model, const DataParallelOptions& opts, const Strategy& strategy) {
+  if constexpr (value_binding_model<Model> && requires { strategy.bind_values; }) {
+    if (opts.zero_copy && strategy.bind_values) return [&model](std::size_t i, void* p) { model.bind_value(i, p); };
   }
   (void)model;
   (void)opts;
-  (void)sharded;
+  (void)strategy;
   return {};
 }
 

@@ -19,29 +19,30 @@
 
 namespace lockstep::detail {
 
-template <class M>
-std::vector<parameter> collect_parameters(M& m) {
+//! A model's range of parameter-like views, as lockstep::parameter values.
+template <class R>
+std::vector<parameter> as_parameters(R&& range) {
   std::vector<parameter> out;
-  for (auto&& p : m.parameters()) out.push_back(static_cast<parameter>(p));
+  for (auto&& p : range) out.push_back(static_cast<parameter>(p));
   return out;
 }
 
 template <class M>
+std::vector<parameter> collect_parameters(M& m) {
+  return as_parameters(m.parameters());
+}
+
+//! Its buffers (model (c)) and frozen parameters (model (g)); none if its type has none.
+template <class M>
 std::vector<parameter> collect_buffers(M& m) {
-  std::vector<parameter> out;
-  if constexpr (buffer_model<M>)
-    for (auto&& b : m.buffers()) out.push_back(static_cast<parameter>(b));
-  (void)m;
-  return out;
+  if constexpr (buffer_model<M>) return as_parameters(m.buffers());
+  else return {};
 }
 
 template <class M>
 std::vector<parameter> collect_frozen(M& m) {
-  std::vector<parameter> out;
-  if constexpr (frozen_model<M>)
-    for (auto&& f : m.frozen()) out.push_back(static_cast<parameter>(f));
-  (void)m;
-  return out;
+  if constexpr (frozen_model<M>) return as_parameters(m.frozen());
+  else return {};
 }
 
 //! One line per tensor: name, shape and element type.

@@ -1,9 +1,11 @@
 #pragma once
-//! The reducer's sharded half (ShardedOptimizer, policies.hpp): per element type and launch
-//! unit, this rank's block of the gradient arena (its shard), a value arena of the same layout
-//! the optimizer updates the shard in, and the collectives around it — the unit's
-//! reduce-scatter (mean) as soon as backward completes it, and after the optimizer has stepped
-//! the shard, the all-gather of the unit's values, unpacked into the model's parameters.
+//! shard_units — ShardedOptimizer's reduction units (ZeRO-1, policies.hpp), the reducer's
+//! strategy (the interface: allreduce_units.hpp): per element type and launch unit, this
+//! rank's block of the gradient arena (its shard), a value arena of the same layout the
+//! optimizer updates the shard in, and the collectives around it — the unit's reduce-scatter
+//! (mean, through the bucket hook's hook_reduce_scatter) as soon as backward completes it, and
+//! after the optimizer has stepped the shard, the all-gather of the unit's values, unpacked
+//! into the model's parameters.
 //! The plan must be dense and cut so that every unit's length is a multiple of size().
 //! With a value binder (lockstep::model (e)) the model's parameters live in the value arena
 //! itself: the optimizer steps them in place and the all-gather lands in them (no pack, no
@@ -15,7 +17,6 @@
 //! all-to-all, then a short sum kernel): they take no SMs from backward.
 
 #include <algorithm>
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -32,36 +33,36 @@
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/parameter.hpp"
 #include "lockstep/core/reduce_op.hpp"
+#include "lockstep/parallel/bucket_hook.hpp"
 #include "lockstep/parallel/detail/binding.hpp"
 #include "lockstep/parallel/detail/bucket_plan.hpp"
+#include "lockstep/parallel/detail/step_recorder.hpp"
+#include "lockstep/parallel/policies.hpp"
 
 namespace lockstep::detail {
 
-inline double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-//! How the shards treat the model's values: bind_value, model (e), or empty (packed and
-//! unpacked); copy_engine_gather/_scatter, DataParallelOptions's.
-struct shard_options {
-  bind_fn bind_value;
-  bool copy_engine_gather = false;
-  bool copy_engine_scatter = false;
-};
-
-template <class Comm>
-class shard_set {
+template <class Comm, class Hook>
+class shard_units {
  public:
   using work_type = decltype(std::declval<Comm&>().all_gather(nullptr, nullptr, std::size_t{}, dtype::f32));
   using step_fn = std::function<void(std::span<const param_slice>)>;
+  //! The optimizer's state is laid out along the shards: no rebuild after the first step.
+  static constexpr bool fixed_layout = true;
 
-  explicit shard_set(Comm& comm, shard_options opts = {})
-      : comm_(comm), bind_value_(std::move(opts.bind_value)), copy_gather_(opts.copy_engine_gather),
-        copy_scatter_(opts.copy_engine_scatter) {}
+  //! bind_value: the model's value binder (model (e)), or empty: values packed and unpacked.
+  shard_units(Comm& comm, Hook& hook, step_recorder& rec, const ShardedOptimizer& policy, bind_fn bind_value)
+      : comm_(comm), hook_(hook), rec_(rec), bind_value_(std::move(bind_value)),
+        copy_gather_(policy.copy_engine_gather), copy_scatter_(policy.copy_engine_scatter),
+        deferred_(policy.gather_in_forward) {}
 
-  //! The gradient arena of one group, `bytes` (the reducer's; before build()): with
-  //! copy_engine_scatter where offered, a window of the copy-engine split.
-  std::shared_ptr<void> allocate_gradients(std::size_t bytes) {
+  //! Sharded arenas stay dense (one pack per bucket fills them; shards cut them evenly): every
+  //! unit a multiple of size() elements.
+  static std::size_t align(dtype, bool) { return 1; }
+  std::size_t split() const { return static_cast<std::size_t>(comm_.size()); }
+
+  //! The gradient arena of one group, `bytes` (before built()): with copy_engine_scatter
+  //! where offered, a window of the copy-engine split.
+  std::shared_ptr<void> allocate(std::size_t bytes) {
     if constexpr (engines_offered) {
       if (engines_agreed() && copy_scatter_) {  // every rank asks: the check is a collective
         auto [p, registered] = engine().allocate_window(bytes);
@@ -74,11 +75,11 @@ class shard_set {
 
   //! Lays out the shards of every group (one per element type, in the reducer's order):
   //! plans[g] cut arena g; params: the model's parameters (values are packed from them).
-  //! With a value binder, each parameter moves into the value arena (bind_value(i, storage),
-  //! value_bindings()); returns whether it did (then re-read the parameters).
-  bool build(std::span<const bucket_plan* const> plans, std::span<void* const> arenas,
-             const std::vector<parameter>& params) {
-    complete_all();  // a rebuild must not drop values still in flight
+  //! With a value binder, each parameter moves into the value arena (bind_value(i, storage));
+  //! returns those bindings (then re-read the parameters), empty without.
+  std::span<const binding> built(std::span<const bucket_plan* const> plans, std::span<void* const> arenas,
+                                 const std::vector<parameter>& params) {
+    wait_all_parameters();  // a rebuild must not drop values still in flight
     const auto old = std::move(groups_);  // the values a binding copies from stay alive until it has
     groups_.clear();
     bindings_.clear();
@@ -139,14 +140,16 @@ class shard_set {
         }
     }
     if (engine_ && !gathers_by_copy_engine() && !scatters_by_copy_engine()) engine_.reset();  // no window taken
-    return values_bound();
+    auto& st = rec_.stats();
+    st.shard_bytes = bytes_;
+    st.values_bound = values_bound();
+    st.gathers_by_copy_engine = gathers_by_copy_engine();
+    st.scatters_by_copy_engine = scatters_by_copy_engine();
+    return bindings_;
   }
 
   //! Whether the model's values live in the value arena (a value binder was given).
   bool values_bound() const noexcept { return static_cast<bool>(bind_value_); }
-  //! What build() bound: (parameter index, its storage in the value arena).
-  std::span<const binding> value_bindings() const noexcept { return bindings_; }
-
   //! Whether the all-gathers go to the zero-CTA split, into a registered window (see the file
   //! comment); NCCL then runs them on the copy engines where the GPUs allow it.
   bool gathers_by_copy_engine() const noexcept {
@@ -159,8 +162,10 @@ class shard_set {
 
   //! This rank's shard of every launch unit, in launch order (the optimizer's parameters).
   const std::vector<parameter>& parameters() const noexcept { return params_; }
-  //! The gradient shards of group g, for unscaling, checks and clipping.
-  std::span<const segment> grads(std::size_t g) const { return groups_[g].grads; }
+  //! The gradient shards of group g: what this rank unscales, checks and clips.
+  std::vector<segment> grads(std::size_t g, const bucket_plan&, const std::vector<parameter>&) const {
+    return groups_[g].grads;
+  }
   //! Per shard (parameters() order): the model's elements it holds.
   std::span<const std::vector<shard_segment>> map() const noexcept { return map_; }
   //! Bytes of the gradient arena this rank's shards cover.
@@ -182,77 +187,74 @@ class shard_set {
 
   //! The syncing step begins: no reduce-scatter in flight (all-gathers deferred to the
   //! forward stay pending).
-  void begin() {
+  void begin_sync() {
     for (auto& g : groups_)
       for (auto& w : g.scatters) w.reset();
   }
 
-  //! Gather in forward (DataParallelOptions::gather_in_forward): finish() issues the
-  //! all-gathers in forward order (the last launch unit, the model's first layers, first) and
-  //! returns without waiting for them; wait_parameters(i) then orders the compute stream after
-  //! the units holding parameter i and unpacks them, just before the forward uses it.
-  void set_deferred(bool on) {
-    if (!on) complete_all();
-    deferred_ = on;
-  }
-  bool deferred() const noexcept { return deferred_; }
-
+  //! Gather in forward (ShardedOptimizer::gather_in_forward): finish() issues the all-gathers
+  //! in forward order (the last launch unit, the model's first layers, first) and returns
+  //! without waiting for them; wait_parameters(i) then orders the compute stream after the
+  //! units holding parameter i and unpacks them, just before the forward uses it.
   //! Parameter i's values are current (its units' all-gathers waited for and unpacked).
-  void wait_parameters(std::size_t i, double& seconds) {
+  void wait_parameters(std::size_t i) {
     if (i >= units_of_.size())
       throw config_error("wait_parameters: parameter index " + std::to_string(i) + ", but the model has " +
                          std::to_string(units_of_.size()) + " parameters");
-    for (const auto& [g, u] : units_of_[i]) complete(g, u, seconds);
+    for (const auto& [g, u] : units_of_[i]) complete(g, u);
   }
-  //! Whether parameter i still waits for an all-gather.
-  bool pending(std::size_t i) const {
+  //! Parameter i got its gradient: with gather_in_forward, its values must have been waited for.
+  void check_reported(std::size_t i, const std::string& name) const {
+    if (!deferred_) return;
     for (const auto& [g, u] : units_of_.at(i))
-      if (groups_[g].pending[u]) return true;
-    return false;
+      if (groups_[g].pending[u])
+        throw config_error("parameter " + std::to_string(i) + " ('" + name + "') got a gradient, but its values were "
+                           "not waited for in this forward (gather_in_forward): call dp.wait_parameters(i) first");
   }
   //! Every deferred all-gather waited for and unpacked (before reading all parameters:
   //! evaluation, checkpoints, the end of training).
-  void complete_all() {
-    double ignored = 0;
-    complete_all(ignored);
+  void wait_all_parameters() {
+    for (std::size_t gi = 0; gi < groups_.size(); ++gi)
+      for (std::size_t u = 0; u < groups_[gi].shards.size(); ++u) complete(gi, u);
   }
 
   //! Reduce-scatters the unit of group g starting at bucket `first`: count elements at buf
-  //! (already prescaled); rank r keeps the mean of block r in place, through
-  //! scatter(comm, buf, mine, per, type) (the bucket hook's: hook_reduce_scatter) on comm_ or,
-  //! scatters_by_copy_engine(), the copy-engine split.
-  template <class Scatter>
-  void reduce_scatter(std::size_t g, std::size_t first, void* buf, std::size_t count, double& seconds,
-                      Scatter&& scatter) {
-    if (comm_.size() == 1 || count == 0) return;
+  //! (already prescaled); rank r keeps the mean of block r in place, through the bucket hook's
+  //! reduce-scatter (hook_reduce_scatter) on comm_ or, scatters_by_copy_engine(), the split.
+  void launch(std::size_t g, std::size_t first, void* buf, std::size_t count) {
     const auto t = groups_[g].plan->type;
+    rec_.reduced(count * size_of(t));
+    if (comm_.size() == 1 || count == 0) return;
     const std::size_t per = count / static_cast<std::size_t>(comm_.size());
     void* mine = static_cast<char*>(buf) + static_cast<std::size_t>(comm_.rank()) * per * size_of(t);
-    const auto t0 = std::chrono::steady_clock::now();
+    const auto s = rec_.issue(step_event::issue_scatter, static_cast<std::int64_t>(first), key(0, g, first),
+                              count * size_of(t), t);
     Comm& c = groups_[g].scatter_by_engine ? *engine_ : comm_;
     label_next_collective(c, [&] { return bucket_label(*groups_[g].plan, first, count, "reduce-scatter of bucket "); });
-    groups_[g].scatters[first].emplace(scatter(c, buf, mine, per, t));
-    seconds += seconds_since(t0);
+    groups_[g].scatters[first].emplace(hook_reduce_scatter(hook_, c, buf, mine, per, t));
   }
 
   //! Waits for every reduce-scatter in unit order; with fn, updates each unit as it is ready
-  //! and gathers everything (see update). Without fn, call update_all next.
-  void finish(const step_fn& fn, double& seconds) {
+  //! and gathers everything (see update). Without fn, call update() next, after the checks.
+  template <class Each>
+  void finish(const step_fn& fn, Each&&) {
     for (std::size_t gi = 0; gi < groups_.size(); ++gi) {
       group& g = groups_[gi];
       for (std::size_t u = 0; u < g.shards.size(); ++u) {
-        wait(g.scatters[g.plan->units[u].first], seconds);
-        if (fn) update(gi, u, fn, seconds);
+        const std::size_t first = g.plan->units[u].first;
+        wait(g.scatters[first], step_event::wait_scatter, first, key(0, gi, first));
+        if (fn) update_unit(gi, u, fn);
       }
     }
-    if (fn) gather(seconds);
+    if (fn) gather();
   }
 
   //! Hands every unit's shard to fn (the optimizer) and gathers everything.
-  void update_all(const step_fn& fn, double& seconds) {
+  template <class Each>
+  void update(const step_fn& fn, Each&&) {
     for (std::size_t gi = 0; gi < groups_.size(); ++gi)
-      for (std::size_t u = 0; u < groups_[gi].shards.size(); ++u) update(gi, u, fn, seconds);
-    gather(seconds);
+      for (std::size_t u = 0; u < groups_[gi].shards.size(); ++u) update_unit(gi, u, fn);
+    gather();
   }
 
  private:
@@ -311,7 +313,7 @@ class shard_set {
       std::vector<std::int64_t> v{g, s, 1 - g, 1 - s};  // max of x and of 1 − x: both 1 iff ranks differ
       host_all_reduce(comm_, std::span<std::int64_t>(v), reduce_op::max);
       if (v[0] + v[2] == 2 || v[1] + v[3] == 2)
-        throw mismatch_error(std::string("ranks passed different DataParallelOptions::") +
+        throw mismatch_error(std::string("ranks passed different ShardedOptimizer::") +
                              (v[0] + v[2] == 2 ? "copy_engine_gather" : "copy_engine_scatter") +
                              "; give every rank the same setting");
       agreed_ = true;
@@ -319,68 +321,75 @@ class shard_set {
     return true;
   }
 
-  static void wait(std::optional<work_type>& w, double& seconds) {
+  // A collective's key for the recorder: kind (0 reduce-scatter, 1 all-gather), group, index.
+  static std::uint64_t key(int kind, std::size_t g, std::size_t i) {
+    return (static_cast<std::uint64_t>(kind) << 62) | (static_cast<std::uint64_t>(g) << 32) | i;
+  }
+
+  void wait(std::optional<work_type>& w, step_event e, std::size_t index, std::uint64_t k) {
     if (!w) return;
-    const auto t0 = std::chrono::steady_clock::now();
+    const auto s = rec_.wait(e, static_cast<std::int64_t>(index), k);
     w->wait();
-    seconds += seconds_since(t0);
     w.reset();
   }
 
   // Packs this rank's block of unit u from the parameters into the value arena, hands it to
   // fn with its gradient shard, and issues the unit's all-gather (in place) — deferred, the
   // all-gathers go out in gather(), in forward order.
-  void update(std::size_t gi, std::size_t u, const step_fn& fn, double& seconds) {
-    complete(gi, u, seconds);  // the parameters must hold last step's values before the pack
+  void update_unit(std::size_t gi, std::size_t u, const step_fn& fn) {
+    complete(gi, u);  // the parameters must hold last step's values before the pack
     group& g = groups_[gi];
     const shard& sh = g.shards[u];
     const std::size_t mine = sh.begin + static_cast<std::size_t>(comm_.rank()) * sh.count;
     if (!values_bound()) comm_.memory().pack(sh.mine, g.values_at(mine), g.plan->type, 1.0);
-    fn(std::span<const param_slice>(&slices_[sh.index], 1));
-    if (!deferred_) issue_gather(g, u, seconds);
+    {
+      const auto s = rec_.record(step_event::callback, static_cast<std::int64_t>(g.plan->units[u].first));
+      fn(std::span<const param_slice>(&slices_[sh.index], 1));
+    }
+    if (!deferred_) issue_gather(gi, u);
   }
 
   // Issues unit u's all-gather; the unit is pending (to unpack) until complete().
-  void issue_gather(group& g, std::size_t u, double& seconds) {
+  void issue_gather(std::size_t gi, std::size_t u) {
+    group& g = groups_[gi];
     g.pending[u] = 1;
     if (comm_.size() == 1) return;
     const shard& sh = g.shards[u];
     const std::size_t mine = sh.begin + static_cast<std::size_t>(comm_.rank()) * sh.count;
-    const auto t0 = std::chrono::steady_clock::now();
+    const std::size_t first = g.plan->units[u].first;
+    const auto s = rec_.issue(step_event::issue_gather, static_cast<std::int64_t>(first), key(1, gi, first),
+                              sh.count * static_cast<std::size_t>(comm_.size()) * size_of(g.plan->type), g.plan->type);
     label_next_collective(gatherer(g), [&] {
       return bucket_label(*g.plan, g.plan->units[u].first, sh.count * static_cast<std::size_t>(comm_.size()),
                           "all-gather of bucket ");
     });
     g.gathers[u].emplace(gatherer(g).all_gather(g.values_at(mine), g.values_at(sh.begin), sh.count, g.plan->type));
-    seconds += seconds_since(t0);
   }
 
   // Waits for every unit's all-gather and unpacks the values into the parameters; deferred,
   // issues them in forward order and leaves them pending.
-  void gather(double& seconds) {
-    if (!deferred_) return complete_all(seconds);
+  void gather() {
+    if (!deferred_) return wait_all_parameters();
     for (std::size_t gi = groups_.size(); gi-- > 0;)
-      for (std::size_t u = groups_[gi].shards.size(); u-- > 0;) issue_gather(groups_[gi], u, seconds);
-  }
-
-  void complete_all(double& seconds) {
-    for (std::size_t gi = 0; gi < groups_.size(); ++gi)
-      for (std::size_t u = 0; u < groups_[gi].shards.size(); ++u) complete(gi, u, seconds);
+      for (std::size_t u = groups_[gi].shards.size(); u-- > 0;) issue_gather(gi, u);
   }
 
   // A pending unit: wait for its all-gather, unpack it into the parameters.
-  void complete(std::size_t gi, std::size_t u, double& seconds) {
+  void complete(std::size_t gi, std::size_t u) {
     group& g = groups_[gi];
     if (!g.pending[u]) return;
-    wait(g.gathers[u], seconds);
+    const std::size_t first = g.plan->units[u].first;
+    wait(g.gathers[u], step_event::wait_gather, first, key(1, gi, first));
     if (!values_bound()) comm_.memory().unpack(g.values_at(g.shards[u].begin), g.shards[u].all, g.plan->type);
     g.pending[u] = 0;
   }
 
   Comm& comm_;
+  Hook& hook_;
+  step_recorder& rec_;
   bind_fn bind_value_;            // model (e), or empty: values packed and unpacked
-  bool copy_gather_ = false;      // shard_options::copy_engine_gather
-  bool copy_scatter_ = false;     // shard_options::copy_engine_scatter
+  bool copy_gather_ = false;      // ShardedOptimizer::copy_engine_gather
+  bool copy_scatter_ = false;     // ShardedOptimizer::copy_engine_scatter
   bool agreed_ = false;           // engines_agreed() has checked the options across ranks
   std::unique_ptr<Comm> engine_;  // the zero-CTA split the collectives run on (outlives groups_)
   std::vector<std::pair<const void*, bool>> grad_windows_;  // allocate_gradients: (arena, window taken)
@@ -390,7 +399,7 @@ class shard_set {
   std::vector<param_slice> slices_;  // the same, as the optimizer's slices
   std::vector<std::vector<shard_segment>> map_;  // the same, as the model's elements
   std::vector<std::vector<std::pair<std::size_t, std::size_t>>> units_of_;  // parameter → (group, unit)s
-  bool deferred_ = false;
+  bool deferred_ = false;  // ShardedOptimizer::gather_in_forward
   std::size_t bytes_ = 0;
 };
 
