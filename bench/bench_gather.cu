@@ -22,8 +22,22 @@
 
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
 
-#define CK(x) [&] { cudaError_t e_ = (x); if (e_ != cudaSuccess) { std::printf("CUDA %s at %d\n", cudaGetErrorString(e_), __LINE__); std::exit(1); } }()
-#define NK(x) [&] { ncclResult_t r_ = (x); if (r_ != ncclSuccess) { std::printf("NCCL %s at %d\n", ncclGetErrorString(r_), __LINE__); std::exit(1); } }()
+#define CK(x)                                                           \
+  [&] {                                                                 \
+    cudaError_t e_ = (x);                                               \
+    if (e_ != cudaSuccess) {                                            \
+      std::printf("CUDA %s at %d\n", cudaGetErrorString(e_), __LINE__); \
+      std::exit(1);                                                     \
+    }                                                                   \
+  }()
+#define NK(x)                                                           \
+  [&] {                                                                 \
+    ncclResult_t r_ = (x);                                              \
+    if (r_ != ncclSuccess) {                                            \
+      std::printf("NCCL %s at %d\n", ncclGetErrorString(r_), __LINE__); \
+      std::exit(1);                                                     \
+    }                                                                   \
+  }()
 
 struct rank_t {
   ncclComm_t comm{};
@@ -76,14 +90,15 @@ void teardown(bool symmetric) {
   }
   for (int r = 0; r < n; ++r) {
     CK(cudaSetDevice(r));
-    if (symmetric) NK(ncclMemFree(R[r].buf)); else CK(cudaFree(R[r].buf));
+    if (symmetric) NK(ncclMemFree(R[r].buf));
+    else CK(cudaFree(R[r].buf));
     NK(ncclCommDestroy(R[r].comm));
   }
 }
 
 enum op_t { AG_INPLACE, AG_OUT, RS_F32, RS_BF16, RS_A2A_F32, RS_A2A_BF16 };
-const char* names[] = {"all-gather in place", "all-gather out of place", "reduce-scatter f32", "reduce-scatter bf16",
-                       "all-to-all + sum f32", "all-to-all + sum bf16"};
+const char* names[] = {"all-gather in place", "all-gather out of place", "reduce-scatter f32",
+                       "reduce-scatter bf16", "all-to-all + sum f32",    "all-to-all + sum bf16"};
 
 void issue(op_t op, size_t bytes) {  // bytes: the full (gathered / scattered) size
   NK(ncclGroupStart());
@@ -132,8 +147,12 @@ struct timer {
   timer() : e0(n), e1(n) {
     for (int r = 0; r < n; ++r) CK(cudaSetDevice(r)), CK(cudaEventCreate(&e0[r])), CK(cudaEventCreate(&e1[r]));
   }
-  void start(bool comm) { for (int r = 0; r < n; ++r) CK(cudaSetDevice(r)), CK(cudaEventRecord(e0[r], comm ? R[r].cs : R[r].ws)); }
-  void stop(bool comm) { for (int r = 0; r < n; ++r) CK(cudaSetDevice(r)), CK(cudaEventRecord(e1[r], comm ? R[r].cs : R[r].ws)); }
+  void start(bool comm) {
+    for (int r = 0; r < n; ++r) CK(cudaSetDevice(r)), CK(cudaEventRecord(e0[r], comm ? R[r].cs : R[r].ws));
+  }
+  void stop(bool comm) {
+    for (int r = 0; r < n; ++r) CK(cudaSetDevice(r)), CK(cudaEventRecord(e1[r], comm ? R[r].cs : R[r].ws));
+  }
   float ms() {
     float worst = 0;
     for (int r = 0; r < n; ++r) {
@@ -147,7 +166,9 @@ struct timer {
   }
 };
 
-void sync_all() { for (int r = 0; r < n; ++r) CK(cudaSetDevice(r)), CK(cudaDeviceSynchronize()); }
+void sync_all() {
+  for (int r = 0; r < n; ++r) CK(cudaSetDevice(r)), CK(cudaDeviceSynchronize());
+}
 
 void run(const char* label, int policy, bool symmetric) {
   setup(policy, symmetric);
@@ -157,7 +178,9 @@ void run(const char* label, int policy, bool symmetric) {
   // GEMMs alone
   gemms(2);
   sync_all();
-  tg.start(false); gemms(G); tg.stop(false);
+  tg.start(false);
+  gemms(G);
+  tg.stop(false);
   const float g_alone = tg.ms();
   std::printf("  %d bf16 GEMMs %d^3 alone: %.3f ms\n", G, M, g_alone);
   for (op_t op : {AG_INPLACE, AG_OUT, RS_F32, RS_BF16, RS_A2A_F32, RS_A2A_BF16})
@@ -170,13 +193,16 @@ void run(const char* label, int policy, bool symmetric) {
       tc.stop(true);
       const float alone = tc.ms() / iters;
       sync_all();
-      tg.start(false); tc.start(true);
+      tg.start(false);
+      tc.start(true);
       gemms(G);
       for (int i = 0; i < iters; ++i) issue(op, bytes);
-      tg.stop(false); tc.stop(true);
+      tg.stop(false);
+      tc.stop(true);
       const float gm = tg.ms(), cm = tc.ms() / iters;
-      std::printf("  %-24s %3zu MB: alone %.3f ms (%.0f GB/s algbw) | with GEMMs: op %.3f ms, GEMMs %.3f ms (+%.1f %%)\n",
-                  names[op], mb, alone, bytes / alone / 1e6, cm, gm, 100.0 * (gm - g_alone) / g_alone);
+      std::printf(
+          "  %-24s %3zu MB: alone %.3f ms (%.0f GB/s algbw) | with GEMMs: op %.3f ms, GEMMs %.3f ms (+%.1f %%)\n",
+          names[op], mb, alone, bytes / alone / 1e6, cm, gm, 100.0 * (gm - g_alone) / g_alone);
     }
   teardown(symmetric);
 }

@@ -30,7 +30,7 @@
 #if __has_include(<lockstep/cuda.cuh>)
 #include <lockstep/cuda.cuh>
 #define LOCKSTEP_BENCH_TUNING 1  // the engine's tuning structs exist: print them
-#else  // the layout before 0.2
+#else                            // the layout before 0.2
 #include <lockstep/clipping.hpp>
 #include <lockstep/cuda/cuda_memory.cuh>
 #include <lockstep/cuda/device_dynamic_scale.cuh>
@@ -52,7 +52,8 @@ struct Shape {
 std::vector<Shape> read_shapes(const std::string& path) {
   std::ifstream in(path);
   if (!in)
-    throw ls::config_error("cannot open '" + path + "'; pass the shapes file as the first "
+    throw ls::config_error("cannot open '" + path +
+                           "'; pass the shapes file as the first "
                            "argument (format: '# comment' lines, then 'name dim dim ...')");
   std::vector<Shape> shapes;
   std::string line;
@@ -178,16 +179,17 @@ void bench_dtype(const std::vector<Shape>& shapes, int runs, ls::NcclComm& comm,
 #endif
 
   rows.push_back({"device copy (memcpy D2D)", tn, "", rw, median_ms(runs, s, [&](int) {
-                    LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(packed, grads.base, grads.total * sizeof(T), cudaMemcpyDeviceToDevice, s));
+                    LOCKSTEP_TRY_CUDA(
+                        cudaMemcpyAsync(packed, grads.base, grads.total * sizeof(T), cudaMemcpyDeviceToDevice, s));
                   })});
-  rows.push_back({"pack (packed buckets)", tn, t_copy, rw, median_ms(runs, s, [&](int) { mem.pack(grads.segs, packed, t, 1.0); })});
+  rows.push_back({"pack (packed buckets)", tn, t_copy, rw,
+                  median_ms(runs, s, [&](int) { mem.pack(grads.segs, packed, t, 1.0); })});
   rows.push_back({"pack x 1/8 (folds accumulation's 1/K)", tn, t_elem, rw,
                   median_ms(runs, s, [&](int) { mem.pack(grads.segs, packed, t, 0.125); })});
   rows.push_back({"unpack", tn, t_copy, rw, median_ms(runs, s, [&](int) { mem.unpack(packed, grads.segs, t); })});
   // Zero-copy arenas are contiguous: accumulation's 1/K is one in-place pass over a range.
-  rows.push_back({"scale in place x 1/8 (zero-copy 1/K)", tn, t_elem, rw, median_ms(runs, s, [&](int i) {
-                    mem.scale(packed, grads.total, t, (i & 1) ? 8.0 : 0.125);
-                  })});
+  rows.push_back({"scale in place x 1/8 (zero-copy 1/K)", tn, t_elem, rw,
+                  median_ms(runs, s, [&](int i) { mem.scale(packed, grads.total, t, (i & 1) ? 8.0 : 0.125); })});
   // Unscale + inf/NaN check as the host-decided scalers run it (factor from the host);
   // alternate 1/2 and 2 so that repeated runs keep the values in range.
   rows.push_back({"unscale + inf check (Static/DynamicScale)", tn, t_elem, rw, median_ms(runs, s, [&](int i) {
@@ -198,32 +200,30 @@ void bench_dtype(const std::vector<Shape>& shapes, int runs, ls::NcclComm& comm,
                   })});
   {
     // Scales pinned at 2 and 1/2, alternated: every run writes, and the values stay in range.
-    ls::DeviceDynamicScale dds(ls::DynamicScaleOptions{.init_scale = 0.5, .growth_interval = 1 << 30,
-                                                        .min_scale = 0.5, .max_scale = 0.5});
-    ls::DeviceDynamicScale dds2(ls::DynamicScaleOptions{.init_scale = 2.0, .growth_interval = 1 << 30,
-                                                         .min_scale = 2.0, .max_scale = 2.0});
+    ls::DeviceDynamicScale dds(
+        ls::DynamicScaleOptions{.init_scale = 0.5, .growth_interval = 1 << 30, .min_scale = 0.5, .max_scale = 0.5});
+    ls::DeviceDynamicScale dds2(
+        ls::DynamicScaleOptions{.init_scale = 2.0, .growth_interval = 1 << 30, .min_scale = 2.0, .max_scale = 2.0});
     dds.attach(comm);
     dds2.attach(comm);
-    rows.push_back({"unscale + check + scale update (DeviceDynamicScale)", tn, t_elem, rw, median_ms(runs, s, [&](int i) {
-                      (void)((i & 1) ? dds : dds2).unscale_and_check(comm, groups);
-                    })});
+    rows.push_back({"unscale + check + scale update (DeviceDynamicScale)", tn, t_elem, rw,
+                    median_ms(runs, s, [&](int i) { (void)((i & 1) ? dds : dds2).unscale_and_check(comm, groups); })});
   }
-  rows.push_back({"sum of squares (grad_norm, + host read)", tn, t_red, es * n, median_ms(runs, s, [&](int) {
-                    (void)ls::grad_ops<ls::CudaMemory>::sum_of_squares(mem, groups);
-                  })});
+  rows.push_back({"sum of squares (grad_norm, + host read)", tn, t_red, es * n,
+                  median_ms(runs, s, [&](int) { (void)ls::grad_ops<ls::CudaMemory>::sum_of_squares(mem, groups); })});
 #if LOCKSTEP_BENCH_TUNING
   {  // the device part alone: the sum stays on the device (what a device-side clip would read)
     double* d_sum = nullptr;
     LOCKSTEP_TRY_CUDA(cudaMalloc(&d_sum, sizeof(double)));
-    rows.push_back({"sum of squares, on the device", tn, t_red, es * n, median_ms(runs, s, [&](int) {
-                      k::sum_of_squares(groups, d_sum, s);
-                    })});
+    rows.push_back({"sum of squares, on the device", tn, t_red, es * n,
+                    median_ms(runs, s, [&](int) { k::sum_of_squares(groups, d_sum, s); })});
     // The tuning is a value a benchmark can sweep: the summing pass alone with its own
     // tuning (16 Ki-element chunks, one pass a block), and with 4× longer chunks (4× fewer
     // block reductions).
     using red_op = k::unscale_op<element, true>;
     constexpr k::tuning short_chunks = k::tuning_of<red_op>;
-    constexpr k::tuning long_chunks{.chunk_elems = 4 * short_chunks.chunk_elems, .unroll = short_chunks.unroll,
+    constexpr k::tuning long_chunks{.chunk_elems = 4 * short_chunks.chunk_elems,
+                                    .unroll = short_chunks.unroll,
                                     .min_blocks = short_chunks.min_blocks};
     std::size_t chunks = 0;
     for (const auto& sg : grads.segs) chunks += k::chunks_of<red_op, short_chunks>(sg.count);  // the most
@@ -231,12 +231,12 @@ void bench_dtype(const std::vector<Shape>& shapes, int runs, ls::NcclComm& comm,
     LOCKSTEP_TRY_CUDA(cudaMalloc(&partials, chunks * sizeof(double)));
     const auto tensor = [&](std::size_t i) { return k::tensor_ref<1>{{grads.segs[i].ptr}, grads.segs[i].count}; };
     rows.push_back({"  its pass alone, 64 Ki-element chunks (sweep)", tn, "c64k", es * n, median_ms(runs, s, [&](int) {
-                      k::launch<red_op, long_chunks>(red_op{{}, 1.0, nullptr, nullptr, partials}, grads.segs.size(), tensor, s,
-                                                     "sweep");
+                      k::launch<red_op, long_chunks>(red_op{{}, 1.0, nullptr, nullptr, partials}, grads.segs.size(),
+                                                     tensor, s, "sweep");
                     })});
     rows.push_back({"  its pass alone, 16 Ki-element chunks (sweep)", tn, "c16k", es * n, median_ms(runs, s, [&](int) {
-                      k::launch<red_op, short_chunks>(red_op{{}, 1.0, nullptr, nullptr, partials}, grads.segs.size(), tensor, s,
-                                                      "sweep");
+                      k::launch<red_op, short_chunks>(red_op{{}, 1.0, nullptr, nullptr, partials}, grads.segs.size(),
+                                                      tensor, s, "sweep");
                     })});
     LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s));
     LOCKSTEP_TRY_CUDA(cudaFree(partials));
@@ -248,13 +248,11 @@ void bench_dtype(const std::vector<Shape>& shapes, int runs, ls::NcclComm& comm,
     // Every run clips: the bound is half the norm the previous run found (values halve each
     // run; 110 halvings stay within the normal range of f32 and bf16).
     double norm = std::sqrt(ls::grad_ops<ls::CudaMemory>::sum_of_squares(mem, groups));
-    rows.push_back({"clip_grad_norm (sum of squares + scale)", tn, t_red, 3.0 * es * n, median_ms(runs, s, [&](int) {
-                      norm = ls::clip_grad_norm(mem, groups, norm * 0.5) * 0.5;
-                    })});
+    rows.push_back({"clip_grad_norm (sum of squares + scale)", tn, t_red, 3.0 * es * n,
+                    median_ms(runs, s, [&](int) { norm = ls::clip_grad_norm(mem, groups, norm * 0.5) * 0.5; })});
   }
-  rows.push_back({"clamp (clip_grad_value)", tn, t_elem, rw, median_ms(runs, s, [&](int) {
-                    ls::grad_ops<ls::CudaMemory>::clamp(mem, groups, -1.5, 1.5);
-                  })});
+  rows.push_back({"clamp (clip_grad_value)", tn, t_elem, rw,
+                  median_ms(runs, s, [&](int) { ls::grad_ops<ls::CudaMemory>::clamp(mem, groups, -1.5, 1.5); })});
 
   // Fused optimizers over every parameter: parameters, gradients, states (f32) and, for
   // bf16, the f32 master; each step reads and writes what the update touches.
@@ -271,15 +269,15 @@ void bench_dtype(const std::vector<Shape>& shapes, int runs, ls::NcclComm& comm,
     ls::FusedSgd sgd({.lr = 1e-4, .momentum = 0.9}, ps, comm.device());
     // reads p (or master), g, buf; writes p (and master), buf
     const double bytes = n * (es + es + 4 + es + 4 + (master ? 2 * master - es : 0));
-    rows.push_back({"fused SGD, momentum (FusedSgd)", tn, "", bytes,
-                    median_ms(runs, s, [&](int) { sgd.step(slices, s, flag); })});
+    rows.push_back(
+        {"fused SGD, momentum (FusedSgd)", tn, "", bytes, median_ms(runs, s, [&](int) { sgd.step(slices, s, flag); })});
   }
   {
     ls::FusedAdamW adamw({.lr = 1e-4}, ps, comm.device());
     // reads p (or master), g, m, v; writes p (and master), m, v
     const double bytes = n * (es + es + 8 + es + 8 + (master ? 2 * master - es : 0));
-    rows.push_back({"fused AdamW (FusedAdamW)", tn, "", bytes,
-                    median_ms(runs, s, [&](int) { adamw.step(slices, s, flag); })});
+    rows.push_back(
+        {"fused AdamW (FusedAdamW)", tn, "", bytes, median_ms(runs, s, [&](int) { adamw.step(slices, s, flag); })});
   }
   LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s));
   LOCKSTEP_TRY_CUDA(cudaFree(packed));
@@ -341,8 +339,8 @@ int main(int argc, char** argv) try {
   }
 #endif
 
-  std::printf("%-52s %-5s %-11s %12s %10s %9s %8s\n", "kernel", "dtype", "tuning", "bytes moved", "median ms",
-              "GB/s", "vs copy");
+  std::printf("%-52s %-5s %-11s %12s %10s %9s %8s\n", "kernel", "dtype", "tuning", "bytes moved", "median ms", "GB/s",
+              "vs copy");
   double copy_bw = 0;
   for (const auto& r : rows) {
     if (r.bytes == 0) {

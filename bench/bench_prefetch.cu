@@ -191,14 +191,16 @@ void synthetic(const options& o, int device, cudaStream_t s) {
   }
   const double gather_ms = median(g_ms);
   const auto gbs = [&](double ms) { return static_cast<double>(bytes) / (ms * 1e-3) / 1e9; };
-  std::printf("  H2D copy of one batch: pinned %.3f ms (%.1f GB/s, the device-copy limit), pageable %.3f ms (%.1f GB/s)\n",
-              pinned_ms, gbs(pinned_ms), pageable_ms, gbs(pageable_ms));
+  std::printf(
+      "  H2D copy of one batch: pinned %.3f ms (%.1f GB/s, the device-copy limit), pageable %.3f ms (%.1f GB/s)\n",
+      pinned_ms, gbs(pinned_ms), pageable_ms, gbs(pageable_ms));
   std::printf("  host gather of one batch (one thread): %.3f ms (%.1f GB/s)\n", gather_ms, gbs(gather_ms));
 
   const auto nothing = [] {};
   const auto no_begin = [](std::size_t) {};
-  const double limit = time_steps(s, o.warmup, o.steps, o.reps, no_begin,
-                                  [&](std::size_t) { compute(dev_batch.get(), bytes, sum, o.compute_us, s); }, nothing);
+  const double limit = time_steps(
+      s, o.warmup, o.steps, o.reps, no_begin,
+      [&](std::size_t) { compute(dev_batch.get(), bytes, sum, o.compute_us, s); }, nothing);
   auto read_sum = [&] {
     unsigned long long v = 0;
     mem.download(&v, sum, sizeof v);
@@ -217,8 +219,8 @@ void synthetic(const options& o, int device, cudaStream_t s) {
   const unsigned long long sync_sum = read_sum();
   row("compute only, batch on the device (limit)", limit, 0);
   row("sync: gather + pageable copy + compute", sync, 0);
-  std::printf("  bound for prefetch: max(compute, gather / workers, pinned copy) = max(%.3f, %.3f / w, %.3f) ms\n", limit,
-              gather_ms, pinned_ms);
+  std::printf("  bound for prefetch: max(compute, gather / workers, pinned copy) = max(%.3f, %.3f / w, %.3f) ms\n",
+              limit, gather_ms, pinned_ms);
   double best = 1e30;
   for (const prefetch_shape sh : shapes) {
     lockstep::Prefetcher pf(device, s, bytes, {.slots = sh.slots, .workers = sh.workers});
@@ -313,7 +315,8 @@ void fmnist_step(const options& o, int device, cudaStream_t s) {
       s, o.warmup, o.steps, o.reps, no_begin,
       [&](std::size_t i) {
         const std::size_t at = static_cast<std::size_t>(batches[i % batches.size()].data() - order.data());
-        fmnist::gpu::gather_rows(static_cast<const std::uint8_t*>(px.get()), static_cast<const std::uint8_t*>(lab.get()),
+        fmnist::gpu::gather_rows(static_cast<const std::uint8_t*>(px.get()),
+                                 static_cast<const std::uint8_t*>(lab.get()),
                                  static_cast<const int*>(d_order.get()) + at, 0, static_cast<const float*>(tab.get()),
                                  x_dev, y_dev, static_cast<int>(B), s);
         train_step(x_dev, y_dev);

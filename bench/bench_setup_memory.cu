@@ -25,7 +25,7 @@
 namespace {
 
 constexpr std::size_t buffer_floats = std::size_t{16} << 20;  // 64 MiB of f32 per GPU
-constexpr int repeats = 20;  // 64 MiB all-reduces
+constexpr int repeats = 20;                                   // 64 MiB all-reduces
 
 void print_used(const std::string& what, int gpus, const char* phase) {
   lockstep::detail::device_guard g(0);

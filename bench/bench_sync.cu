@@ -52,7 +52,9 @@ template <class T>
 __global__ void fill_kernel(T* p, std::size_t n, unsigned seed) {
   for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
     unsigned x = static_cast<unsigned>(i) * 2654435761u ^ seed;
-    x ^= x >> 13; x *= 0x5bd1e995u; x ^= x >> 15;
+    x ^= x >> 13;
+    x *= 0x5bd1e995u;
+    x ^= x >> 15;
     p[i] = static_cast<T>((x & 0xffff) / 65536.0f - 0.5f);
   }
 }
@@ -112,11 +114,17 @@ struct ShapesModel {
       LOCKSTEP_TRY_CUDA(cudaMalloc(&g, sh.numel() * sizeof(T)));
       fill_kernel<<<1024, 256, 0, st>>>(v, sh.numel(), seed++);
       LOCKSTEP_CHECK_LAUNCH();
-      vals.push_back(v); grads.push_back(g); own.push_back(g); own_vals.push_back(v);
+      vals.push_back(v);
+      grads.push_back(g);
+      own.push_back(g);
+      own_vals.push_back(v);
     }
     LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(st));
   }
-  ~ShapesModel() { for (auto p : own_vals) cudaFree(p); for (auto p : own) cudaFree(p); }
+  ~ShapesModel() {
+    for (auto p : own_vals) cudaFree(p);
+    for (auto p : own) cudaFree(p);
+  }
   std::vector<lockstep::parameter> parameters() {
     std::vector<lockstep::parameter> ps;
     for (std::size_t i = 0; i < shapes.size(); ++i)
@@ -134,7 +142,8 @@ struct ShapesModel {
     requires BindValues
   {
     for (std::size_t i = 0; i < vals.size(); ++i) {
-      LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(own_vals[i], vals[i], shapes[i].numel() * sizeof(T), cudaMemcpyDeviceToDevice, stream));
+      LOCKSTEP_TRY_CUDA(
+          cudaMemcpyAsync(own_vals[i], vals[i], shapes[i].numel() * sizeof(T), cudaMemcpyDeviceToDevice, stream));
       vals[i] = own_vals[i];
     }
     LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(stream));
@@ -165,7 +174,7 @@ bool g_print = true;
 // time is the span of all of them over their number — what a training loop sees when a step's
 // communication overlaps the next step's start (ShardedOptimizer's gather in forward).
 bool g_chained = false;
-bool g_sm_gather = false;  // sharded: ShardedOptimizer::copy_engine_gather off (NCCL's SM kernels gather)
+bool g_sm_gather = false;   // sharded: ShardedOptimizer::copy_engine_gather off (NCCL's SM kernels gather)
 bool g_ce_scatter = false;  // sharded: ShardedOptimizer::copy_engine_scatter on (copy-engine reduce-scatters)
 
 template <class Setup>
@@ -223,10 +232,14 @@ double timed(int ngpu, int warm, int iters, Setup&& setup) {
   return median(slowest);
 }
 
-inline std::function<void()> nothing() { return [] {}; }
+inline std::function<void()> nothing() {
+  return [] {};
+}
 
 template <class T>
-lockstep::dtype dt() { return lockstep::dtype_of<T>; }
+lockstep::dtype dt() {
+  return lockstep::dtype_of<T>;
+}
 
 // Flat limit: one all-reduce (avg) of `total` elements on the same communicator.
 template <class T>
@@ -273,8 +286,10 @@ void bench_a(const std::vector<shape>& shapes, int ngpu, int iters, const char* 
   };
   const double fused = lockstep_time(false);
   const double buckets = lockstep_time(true);
-  if (g_print) std::printf("a  %-4s %d GPU  %6.1f MB  flat %7.3f ms  lockstep fused %7.3f ms (flat/lockstep %.3f)  per-bucket %7.3f ms (%.3f)\n",
-              tname, ngpu, total * sizeof(T) / 1e6, flat, fused, flat / fused, buckets, flat / buckets);
+  if (g_print)
+    std::printf("a  %-4s %d GPU  %6.1f MB  flat %7.3f ms  lockstep fused %7.3f ms (flat/lockstep %.3f)  per-bucket "
+                "%7.3f ms (%.3f)\n",
+                tname, ngpu, total * sizeof(T) / 1e6, flat, fused, flat / fused, buckets, flat / buckets);
 }
 
 // h. Hierarchical reduction (nodes of `node` consecutive ranks) against the flat all-reduce of
@@ -290,8 +305,8 @@ void bench_h(const std::vector<shape>& shapes, int ngpu, int iters, const char* 
     T* buf = nullptr;
     LOCKSTEP_TRY_CUDA(cudaMalloc(&buf, total * sizeof(T)));
     fill_kernel<<<1024, 256, 0, s>>>(buf, total, 7u);
-    auto h = std::make_shared<lockstep::Hierarchical<lockstep::NcclComm>>(ctx.comm(),
-                                                                           lockstep::HierarchicalOptions{.ranks_per_node = node});
+    auto h = std::make_shared<lockstep::Hierarchical<lockstep::NcclComm>>(
+        ctx.comm(), lockstep::HierarchicalOptions{.ranks_per_node = node});
     auto* comm = &ctx.comm();
     return std::pair{nothing(), std::function<void()>([=] { h->reduce(*comm, buf, total, dt<T>()).wait(); })};
   });
@@ -300,7 +315,8 @@ void bench_h(const std::vector<shape>& shapes, int ngpu, int iters, const char* 
       auto m = std::make_shared<ShapesModel<T>>(shapes, 11u, s);
       using Hook = lockstep::Hierarchical<lockstep::NcclComm>;
       auto hook = hierarchical ? Hook(ctx.comm(), {.ranks_per_node = node}) : Hook();
-      auto dp = std::make_shared<lockstep::DataParallel<ShapesModel<T>, lockstep::NcclComm, Hook>>(ctx, *m, std::move(hook));
+      auto dp =
+          std::make_shared<lockstep::DataParallel<ShapesModel<T>, lockstep::NcclComm, Hook>>(ctx, *m, std::move(hook));
       using handle = typename decltype(dp)::element_type::step_handle;
       auto step = std::make_shared<std::optional<handle>>();
       const std::size_t n = shapes.size();
@@ -318,9 +334,10 @@ void bench_h(const std::vector<shape>& shapes, int ngpu, int iters, const char* 
   };
   const double dp_flat = per_bucket(false), dp_hier = per_bucket(true);
   if (g_print)
-    std::printf("h  %-4s %d GPU  nodes of %d  %6.1f MB  one buffer: flat %8.3f ms  hierarchical %8.3f ms (flat/hier %.3f)  "
-                "per-bucket sync: flat %8.3f ms  hierarchical %8.3f ms (%.3f)\n",
-                tname, ngpu, node, total * sizeof(T) / 1e6, flat, hier, flat / hier, dp_flat, dp_hier, dp_flat / dp_hier);
+    std::printf(
+        "h  %-4s %d GPU  nodes of %d  %6.1f MB  one buffer: flat %8.3f ms  hierarchical %8.3f ms (flat/hier %.3f)  "
+        "per-bucket sync: flat %8.3f ms  hierarchical %8.3f ms (%.3f)\n",
+        tname, ngpu, node, total * sizeof(T) / 1e6, flat, hier, flat / hier, dp_flat, dp_hier, dp_flat / dp_hier);
 }
 
 // b/c. A synthetic training step: forward (fwd_us per layer); backward: `head_us` of compute
@@ -343,8 +360,9 @@ double train_step_time(const std::vector<shape>& shapes, int ngpu, int iters, do
     using Hook = std::conditional_t<Wire, lockstep::Bf16Wire, lockstep::AllReduceMean>;
     using DP = lockstep::DataParallel<M, C, Hook, Strategy>;
     Strategy strategy{};
-    if constexpr (Sharded) strategy = {.gather_in_forward = Deferred, .copy_engine_gather = !g_sm_gather,
-                                       .copy_engine_scatter = g_ce_scatter};
+    if constexpr (Sharded)
+      strategy = {
+          .gather_in_forward = Deferred, .copy_engine_gather = !g_sm_gather, .copy_engine_scatter = g_ce_scatter};
     // The DataParallel hands the model its values back when it goes (unbind_values): it holds
     // the model, so the model outlives it whatever order the closures release them in.
     auto dp = std::shared_ptr<DP>(new DP(ctx, *m, lockstep::DataParallelOptions{.buckets = buckets}, strategy),
@@ -387,7 +405,8 @@ int main(int argc, char** argv) {
       else if (a == "--only" && i + 1 < argc) only = argv[++i];
       else if (a == "--node-size" && i + 1 < argc) node = std::stoi(argv[++i]);
       else {
-        std::fprintf(stderr, "usage: bench_sync [--shapes FILE] [--iters N] [--gpus N] [--only abcswth] [--node-size L]\n");
+        std::fprintf(stderr,
+                     "usage: bench_sync [--shapes FILE] [--iters N] [--gpus N] [--only abcswth] [--node-size L]\n");
         return 2;
       }
     }
@@ -403,154 +422,179 @@ int main(int argc, char** argv) {
     auto gpt2 = read_shapes(shapes_path);
     // All benchmarks for the given GPU counts (in Distributed mode: the launcher's world).
     auto all = [&](const std::vector<int>& counts) {
-
-    if (wanted('h'))
-      for (int g : counts) { bench_h<float>(gpt2, g, iters, "fp32", node); bench_h<__nv_bfloat16>(gpt2, g, iters, "bf16", node); }
-    if (wanted('a'))
-      for (int g : counts) if (g > 1) { bench_a<float>(gpt2, g, iters, "fp32"); bench_a<__nv_bfloat16>(gpt2, g, iters, "bf16"); }
-
-    // b. GPT-2-small step ≈ 26 ms on one GPU: forward 1/3, backward 2/3 with time ∝ tensor
-    // size. The tied wte/lm_head: its big matmul comes first in backward (no gradient final
-    // yet), its embedding part last — wte's gradient is final only at the very end.
-    if (wanted('b')) {
-      std::size_t total = 0;
-      for (auto& s : gpt2) total += s.numel();
-      std::vector<double> fwd(12, 8700.0 / 12), bwd(gpt2.size());
-      double head = 0;
-      for (std::size_t i = 0; i < gpt2.size(); ++i) {
-        const double us = 17300.0 * gpt2[i].numel() / total;
-        if (gpt2[i].name == "wte") { head = us; bwd[i] = 20.0; } else bwd[i] = us;
-      }
-      double one = 0;
-      for (int g : counts) {
-        double t = train_step_time<__nv_bfloat16>(gpt2, g, iters, head, fwd, bwd);
-        if (g == 1) one = t;
-        if (!g_print) continue;
-        if (one > 0)
-          std::printf("b  bf16 %d GPU  step %7.3f ms  exposed %6.3f ms (%5.2f%% of step)  scaling %.1f%%\n", g, t,
-                      t - one, 100.0 * (t - one) / t, 100.0 * one / t);
-        else  // Distributed mode: the 1-GPU step comes from a DataParallel run of the same machine
-          std::printf("b  bf16 %d GPU  step %7.3f ms\n", g, t);
-      }
-    }
-    // c. comm-bound MLP: 8 × (4096×4096 weight + 4096 bias); small per-layer compute; bucket
-    // caps swept (DDP's 25 MiB default first). s and w run on the same MLP, with or without c.
-    if (wanted('c') || wanted('s') || wanted('w') || wanted('t')) {
-      std::vector<shape> mlp;
-      for (int l = 0; l < 8; ++l) {
-        mlp.push_back({"l" + std::to_string(l) + ".weight", {4096, 4096}});
-        mlp.push_back({"l" + std::to_string(l) + ".bias", {4096}});
-      }
-      std::size_t total = 0;
-      for (auto& s : mlp) total += s.numel();
-      std::vector<double> fwd(8, 70.0), bwd(mlp.size(), 0.0);
-      for (std::size_t i = 0; i < mlp.size(); i += 2) bwd[i] = 140.0;
-      for (int pass = 0; pass < 2; ++pass) {
-        const char* tn = pass == 0 ? "fp32" : "bf16";
-        // In Distributed mode every process is a rank of one job: no 1-GPU run here (it comes
-        // from a DataParallel run of the same machine).
-        double one = 0;
-        if (!g_process_ctx) {
-          one = pass == 0 ? train_step_time<float>(mlp, 1, iters, 0, fwd, bwd)
-                          : train_step_time<__nv_bfloat16>(mlp, 1, iters, 0, fwd, bwd);
-          if (g_print) std::printf("c  %s 1 GPU  step %7.3f ms\n", tn, one);
-        }
+      if (wanted('h'))
         for (int g : counts) {
-          if (g == 1) continue;
-          double flat = pass == 0 ? flat_time<float>(total, g, iters) : flat_time<__nv_bfloat16>(total, g, iters);
-          if (wanted('c')) {
-            // Where the time goes: the same step with no compute at all (communication and
-            // optimizer only), default buckets.
-            const std::vector<double> none(fwd.size(), 0.0), none_b(bwd.size(), 0.0);
-            double t0 = pass == 0 ? train_step_time<float>(mlp, g, iters, 0, none, none_b)
-                                  : train_step_time<__nv_bfloat16>(mlp, g, iters, 0, none, none_b);
-            if (g_print) std::printf("c  %s %d GPU  no compute (sync + SGD only)  step %7.3f ms\n", tn, g, t0);
+          bench_h<float>(gpt2, g, iters, "fp32", node);
+          bench_h<__nv_bfloat16>(gpt2, g, iters, "bf16", node);
+        }
+      if (wanted('a'))
+        for (int g : counts)
+          if (g > 1) {
+            bench_a<float>(gpt2, g, iters, "fp32");
+            bench_a<__nv_bfloat16>(gpt2, g, iters, "bf16");
           }
-          for (std::size_t cap_mib : {std::size_t{25}, std::size_t{64}, std::size_t{128}}) {
-            if (!wanted('c')) break;
-            lockstep::BucketPolicy bp{.first_bytes = std::size_t{1} << 20, .cap_bytes = cap_mib << 20};
-            double t = pass == 0 ? train_step_time<float>(mlp, g, iters, 0, fwd, bwd, bp)
-                                 : train_step_time<__nv_bfloat16>(mlp, g, iters, 0, fwd, bwd, bp);
-            if (g_print && one > 0)
-              std::printf("c  %s %d GPU  cap %3zu MiB  step %7.3f ms  (1 GPU %6.3f ms, flat all-reduce alone %6.3f ms, "
-                          "scaling %.1f%%)\n", tn, g, cap_mib, t, one, flat, 100.0 * one / t);
-            else if (g_print)
-              std::printf("c  %s %d GPU  cap %3zu MiB  step %7.3f ms  (flat all-reduce alone %6.3f ms)\n", tn, g, cap_mib,
-                          t, flat);
-          }
-          // w. fp32 gradients in bf16 on the wire (Bf16Wire), plain and sharded.
-          if (wanted('w') && pass == 0)
-            for (std::size_t cap_mib : {std::size_t{25}, std::size_t{64}}) {
-              lockstep::BucketPolicy bp{.first_bytes = std::size_t{1} << 20, .cap_bytes = cap_mib << 20};
-              g_chained = true;
-              const double t = train_step_time<float, false, true>(mlp, g, iters, 0, fwd, bwd, bp);
-              const double ts = train_step_time<float, true, true>(mlp, g, iters, 0, fwd, bwd, bp);
-              const double tsd = train_step_time<float, true, true, true>(mlp, g, iters, 0, fwd, bwd, bp);
-              g_ce_scatter = true;
-              const double tss = train_step_time<float, true, true, true>(mlp, g, iters, 0, fwd, bwd, bp);
-              g_ce_scatter = false;
-              g_sm_gather = true;
-              const double tsm = train_step_time<float, true, true, true>(mlp, g, iters, 0, fwd, bwd, bp);
-              g_sm_gather = g_chained = false;
-              if (g_print)
-                std::printf("w  fp32 %d GPU  cap %3zu MiB  chained steps: bf16 wire %7.3f ms  sharded + bf16 wire %7.3f ms  "
-                            "+ gather in forward %7.3f ms (+ reduce-scatters on copy engines %7.3f ms; gathers on SMs %7.3f ms)  "
-                            "(1 GPU %6.3f ms, flat fp32 all-reduce alone %6.3f ms)\n",
-                            g, cap_mib, t, ts, tsd, tss, tsm, one, flat);
-            }
-          // t. Where the sharded step's time goes: the fastest schedule (gather in forward, both
-          // copy-engine options, cap 64 MiB, chained) with its compute and with none (only the
-          // collectives and the shard's SGD: the communication floor), beside the compute alone
-          // (1 GPU); one configuration, to run under a profiler (nsys) for a per-stream timeline.
-          if (wanted('t')) {
-            lockstep::BucketPolicy bp{.first_bytes = std::size_t{1} << 20, .cap_bytes = std::size_t{64} << 20};
-            const std::vector<double> none(fwd.size(), 0.0), none_b(bwd.size(), 0.0);
-            g_chained = g_ce_scatter = true;
-            const double full = pass == 0 ? train_step_time<float, true, false, true>(mlp, g, iters, 0, fwd, bwd, bp)
-                                          : train_step_time<__nv_bfloat16, true, false, true>(mlp, g, iters, 0, fwd, bwd, bp);
-            const double bare = pass == 0 ? train_step_time<float, true, false, true>(mlp, g, iters, 0, none, none_b, bp)
-                                          : train_step_time<__nv_bfloat16, true, false, true>(mlp, g, iters, 0, none, none_b, bp);
-            const double wired = pass == 0 ? train_step_time<float, true, true, true>(mlp, g, iters, 0, fwd, bwd, bp) : 0.0;
-            const double wired_bare = pass == 0 ? train_step_time<float, true, true, true>(mlp, g, iters, 0, none, none_b, bp) : 0.0;
-            g_chained = g_ce_scatter = false;
-            if (g_print)
-              std::printf("t  %s %d GPU  cap  64 MiB  sharded, gather in forward, copy engines, chained: step %7.3f ms, "
-                          "the same with no compute %7.3f ms;  + bf16 wire %7.3f ms, no compute %7.3f ms  (1 GPU %6.3f ms)\n",
-                          tn, g, full, bare, wired, wired_bare, one);
-          }
-          // s. The same step with ShardedOptimizer (issue 13's schedule: the all-gather after
-          // each unit's update, the optimizer on 1/N of the parameters).
-          if (wanted('s'))
-            for (std::size_t cap_mib : {std::size_t{25}, std::size_t{64}}) {
-              lockstep::BucketPolicy bp{.first_bytes = std::size_t{1} << 20, .cap_bytes = cap_mib << 20};
-              double t = pass == 0 ? train_step_time<float, true>(mlp, g, iters, 0, fwd, bwd, bp)
-                                   : train_step_time<__nv_bfloat16, true>(mlp, g, iters, 0, fwd, bwd, bp);
-              g_chained = true;  // the same three, steps back to back (the gather's overlap is across steps)
-              double tp = pass == 0 ? train_step_time<float>(mlp, g, iters, 0, fwd, bwd, bp)
-                                    : train_step_time<__nv_bfloat16>(mlp, g, iters, 0, fwd, bwd, bp);
-              double tc = pass == 0 ? train_step_time<float, true>(mlp, g, iters, 0, fwd, bwd, bp)
-                                    : train_step_time<__nv_bfloat16, true>(mlp, g, iters, 0, fwd, bwd, bp);
-              double td = pass == 0 ? train_step_time<float, true, false, true>(mlp, g, iters, 0, fwd, bwd, bp)
-                                    : train_step_time<__nv_bfloat16, true, false, true>(mlp, g, iters, 0, fwd, bwd, bp);
-              double tu = pass == 0 ? train_step_time<float, true, false, true, false>(mlp, g, iters, 0, fwd, bwd, bp)
-                                    : train_step_time<__nv_bfloat16, true, false, true, false>(mlp, g, iters, 0, fwd, bwd, bp);
-              g_ce_scatter = true;  // the reduce-scatters on the copy engines too
-              double tcs = pass == 0 ? train_step_time<float, true, false, true>(mlp, g, iters, 0, fwd, bwd, bp)
-                                     : train_step_time<__nv_bfloat16, true, false, true>(mlp, g, iters, 0, fwd, bwd, bp);
-              g_ce_scatter = false;
-              g_sm_gather = true;  // the gathers on NCCL's SM kernels instead of the copy engines
-              double tsm = pass == 0 ? train_step_time<float, true, false, true>(mlp, g, iters, 0, fwd, bwd, bp)
-                                     : train_step_time<__nv_bfloat16, true, false, true>(mlp, g, iters, 0, fwd, bwd, bp);
-              g_sm_gather = g_chained = false;
-              if (g_print)
-                std::printf("s  %s %d GPU  cap %3zu MiB  sharded step %7.3f ms;  chained steps: plain %7.3f  sharded %7.3f  "
-                            "gather in forward %7.3f ms  (+ reduce-scatters on copy engines %7.3f ms; values packed, not bound: "
-                            "%7.3f ms; gathers on SMs, not copy engines: %7.3f ms)  (1 GPU %6.3f ms, flat all-reduce alone %6.3f ms)\n",
-                            tn, g, cap_mib, t, tp, tc, td, tcs, tu, tsm, one, flat);
-            }
+
+      // b. GPT-2-small step ≈ 26 ms on one GPU: forward 1/3, backward 2/3 with time ∝ tensor
+      // size. The tied wte/lm_head: its big matmul comes first in backward (no gradient final
+      // yet), its embedding part last — wte's gradient is final only at the very end.
+      if (wanted('b')) {
+        std::size_t total = 0;
+        for (auto& s : gpt2) total += s.numel();
+        std::vector<double> fwd(12, 8700.0 / 12), bwd(gpt2.size());
+        double head = 0;
+        for (std::size_t i = 0; i < gpt2.size(); ++i) {
+          const double us = 17300.0 * gpt2[i].numel() / total;
+          if (gpt2[i].name == "wte") {
+            head = us;
+            bwd[i] = 20.0;
+          } else bwd[i] = us;
+        }
+        double one = 0;
+        for (int g : counts) {
+          double t = train_step_time<__nv_bfloat16>(gpt2, g, iters, head, fwd, bwd);
+          if (g == 1) one = t;
+          if (!g_print) continue;
+          if (one > 0)
+            std::printf("b  bf16 %d GPU  step %7.3f ms  exposed %6.3f ms (%5.2f%% of step)  scaling %.1f%%\n", g, t,
+                        t - one, 100.0 * (t - one) / t, 100.0 * one / t);
+          else  // Distributed mode: the 1-GPU step comes from a DataParallel run of the same machine
+            std::printf("b  bf16 %d GPU  step %7.3f ms\n", g, t);
         }
       }
-    }
+      // c. comm-bound MLP: 8 × (4096×4096 weight + 4096 bias); small per-layer compute; bucket
+      // caps swept (DDP's 25 MiB default first). s and w run on the same MLP, with or without c.
+      if (wanted('c') || wanted('s') || wanted('w') || wanted('t')) {
+        std::vector<shape> mlp;
+        for (int l = 0; l < 8; ++l) {
+          mlp.push_back({"l" + std::to_string(l) + ".weight", {4096, 4096}});
+          mlp.push_back({"l" + std::to_string(l) + ".bias", {4096}});
+        }
+        std::size_t total = 0;
+        for (auto& s : mlp) total += s.numel();
+        std::vector<double> fwd(8, 70.0), bwd(mlp.size(), 0.0);
+        for (std::size_t i = 0; i < mlp.size(); i += 2) bwd[i] = 140.0;
+        for (int pass = 0; pass < 2; ++pass) {
+          const char* tn = pass == 0 ? "fp32" : "bf16";
+          // In Distributed mode every process is a rank of one job: no 1-GPU run here (it comes
+          // from a DataParallel run of the same machine).
+          double one = 0;
+          if (!g_process_ctx) {
+            one = pass == 0 ? train_step_time<float>(mlp, 1, iters, 0, fwd, bwd)
+                            : train_step_time<__nv_bfloat16>(mlp, 1, iters, 0, fwd, bwd);
+            if (g_print) std::printf("c  %s 1 GPU  step %7.3f ms\n", tn, one);
+          }
+          for (int g : counts) {
+            if (g == 1) continue;
+            double flat = pass == 0 ? flat_time<float>(total, g, iters) : flat_time<__nv_bfloat16>(total, g, iters);
+            if (wanted('c')) {
+              // Where the time goes: the same step with no compute at all (communication and
+              // optimizer only), default buckets.
+              const std::vector<double> none(fwd.size(), 0.0), none_b(bwd.size(), 0.0);
+              double t0 = pass == 0 ? train_step_time<float>(mlp, g, iters, 0, none, none_b)
+                                    : train_step_time<__nv_bfloat16>(mlp, g, iters, 0, none, none_b);
+              if (g_print) std::printf("c  %s %d GPU  no compute (sync + SGD only)  step %7.3f ms\n", tn, g, t0);
+            }
+            for (std::size_t cap_mib : {std::size_t{25}, std::size_t{64}, std::size_t{128}}) {
+              if (!wanted('c')) break;
+              lockstep::BucketPolicy bp{.first_bytes = std::size_t{1} << 20, .cap_bytes = cap_mib << 20};
+              double t = pass == 0 ? train_step_time<float>(mlp, g, iters, 0, fwd, bwd, bp)
+                                   : train_step_time<__nv_bfloat16>(mlp, g, iters, 0, fwd, bwd, bp);
+              if (g_print && one > 0)
+                std::printf(
+                    "c  %s %d GPU  cap %3zu MiB  step %7.3f ms  (1 GPU %6.3f ms, flat all-reduce alone %6.3f ms, "
+                    "scaling %.1f%%)\n",
+                    tn, g, cap_mib, t, one, flat, 100.0 * one / t);
+              else if (g_print)
+                std::printf("c  %s %d GPU  cap %3zu MiB  step %7.3f ms  (flat all-reduce alone %6.3f ms)\n", tn, g,
+                            cap_mib, t, flat);
+            }
+            // w. fp32 gradients in bf16 on the wire (Bf16Wire), plain and sharded.
+            if (wanted('w') && pass == 0)
+              for (std::size_t cap_mib : {std::size_t{25}, std::size_t{64}}) {
+                lockstep::BucketPolicy bp{.first_bytes = std::size_t{1} << 20, .cap_bytes = cap_mib << 20};
+                g_chained = true;
+                const double t = train_step_time<float, false, true>(mlp, g, iters, 0, fwd, bwd, bp);
+                const double ts = train_step_time<float, true, true>(mlp, g, iters, 0, fwd, bwd, bp);
+                const double tsd = train_step_time<float, true, true, true>(mlp, g, iters, 0, fwd, bwd, bp);
+                g_ce_scatter = true;
+                const double tss = train_step_time<float, true, true, true>(mlp, g, iters, 0, fwd, bwd, bp);
+                g_ce_scatter = false;
+                g_sm_gather = true;
+                const double tsm = train_step_time<float, true, true, true>(mlp, g, iters, 0, fwd, bwd, bp);
+                g_sm_gather = g_chained = false;
+                if (g_print)
+                  std::printf(
+                      "w  fp32 %d GPU  cap %3zu MiB  chained steps: bf16 wire %7.3f ms  sharded + bf16 wire %7.3f ms  "
+                      "+ gather in forward %7.3f ms (+ reduce-scatters on copy engines %7.3f ms; gathers on SMs %7.3f "
+                      "ms)  "
+                      "(1 GPU %6.3f ms, flat fp32 all-reduce alone %6.3f ms)\n",
+                      g, cap_mib, t, ts, tsd, tss, tsm, one, flat);
+              }
+            // t. Where the sharded step's time goes: the fastest schedule (gather in forward, both
+            // copy-engine options, cap 64 MiB, chained) with its compute and with none (only the
+            // collectives and the shard's SGD: the communication floor), beside the compute alone
+            // (1 GPU); one configuration, to run under a profiler (nsys) for a per-stream timeline.
+            if (wanted('t')) {
+              lockstep::BucketPolicy bp{.first_bytes = std::size_t{1} << 20, .cap_bytes = std::size_t{64} << 20};
+              const std::vector<double> none(fwd.size(), 0.0), none_b(bwd.size(), 0.0);
+              g_chained = g_ce_scatter = true;
+              const double full =
+                  pass == 0 ? train_step_time<float, true, false, true>(mlp, g, iters, 0, fwd, bwd, bp)
+                            : train_step_time<__nv_bfloat16, true, false, true>(mlp, g, iters, 0, fwd, bwd, bp);
+              const double bare =
+                  pass == 0 ? train_step_time<float, true, false, true>(mlp, g, iters, 0, none, none_b, bp)
+                            : train_step_time<__nv_bfloat16, true, false, true>(mlp, g, iters, 0, none, none_b, bp);
+              const double wired =
+                  pass == 0 ? train_step_time<float, true, true, true>(mlp, g, iters, 0, fwd, bwd, bp) : 0.0;
+              const double wired_bare =
+                  pass == 0 ? train_step_time<float, true, true, true>(mlp, g, iters, 0, none, none_b, bp) : 0.0;
+              g_chained = g_ce_scatter = false;
+              if (g_print)
+                std::printf(
+                    "t  %s %d GPU  cap  64 MiB  sharded, gather in forward, copy engines, chained: step %7.3f ms, "
+                    "the same with no compute %7.3f ms;  + bf16 wire %7.3f ms, no compute %7.3f ms  (1 GPU %6.3f ms)\n",
+                    tn, g, full, bare, wired, wired_bare, one);
+            }
+            // s. The same step with ShardedOptimizer (issue 13's schedule: the all-gather after
+            // each unit's update, the optimizer on 1/N of the parameters).
+            if (wanted('s'))
+              for (std::size_t cap_mib : {std::size_t{25}, std::size_t{64}}) {
+                lockstep::BucketPolicy bp{.first_bytes = std::size_t{1} << 20, .cap_bytes = cap_mib << 20};
+                double t = pass == 0 ? train_step_time<float, true>(mlp, g, iters, 0, fwd, bwd, bp)
+                                     : train_step_time<__nv_bfloat16, true>(mlp, g, iters, 0, fwd, bwd, bp);
+                g_chained = true;  // the same three, steps back to back (the gather's overlap is across steps)
+                double tp = pass == 0 ? train_step_time<float>(mlp, g, iters, 0, fwd, bwd, bp)
+                                      : train_step_time<__nv_bfloat16>(mlp, g, iters, 0, fwd, bwd, bp);
+                double tc = pass == 0 ? train_step_time<float, true>(mlp, g, iters, 0, fwd, bwd, bp)
+                                      : train_step_time<__nv_bfloat16, true>(mlp, g, iters, 0, fwd, bwd, bp);
+                double td = pass == 0
+                                ? train_step_time<float, true, false, true>(mlp, g, iters, 0, fwd, bwd, bp)
+                                : train_step_time<__nv_bfloat16, true, false, true>(mlp, g, iters, 0, fwd, bwd, bp);
+                double tu = pass == 0 ? train_step_time<float, true, false, true, false>(mlp, g, iters, 0, fwd, bwd, bp)
+                                      : train_step_time<__nv_bfloat16, true, false, true, false>(mlp, g, iters, 0, fwd,
+                                                                                                 bwd, bp);
+                g_ce_scatter = true;  // the reduce-scatters on the copy engines too
+                double tcs = pass == 0
+                                 ? train_step_time<float, true, false, true>(mlp, g, iters, 0, fwd, bwd, bp)
+                                 : train_step_time<__nv_bfloat16, true, false, true>(mlp, g, iters, 0, fwd, bwd, bp);
+                g_ce_scatter = false;
+                g_sm_gather = true;  // the gathers on NCCL's SM kernels instead of the copy engines
+                double tsm = pass == 0
+                                 ? train_step_time<float, true, false, true>(mlp, g, iters, 0, fwd, bwd, bp)
+                                 : train_step_time<__nv_bfloat16, true, false, true>(mlp, g, iters, 0, fwd, bwd, bp);
+                g_sm_gather = g_chained = false;
+                if (g_print)
+                  std::printf(
+                      "s  %s %d GPU  cap %3zu MiB  sharded step %7.3f ms;  chained steps: plain %7.3f  sharded %7.3f  "
+                      "gather in forward %7.3f ms  (+ reduce-scatters on copy engines %7.3f ms; values packed, not "
+                      "bound: "
+                      "%7.3f ms; gathers on SMs, not copy engines: %7.3f ms)  (1 GPU %6.3f ms, flat all-reduce alone "
+                      "%6.3f ms)\n",
+                      tn, g, cap_mib, t, tp, tc, td, tcs, tu, tsm, one, flat);
+              }
+          }
+        }
+      }
     };
     if (const auto launched = lockstep::detect_launcher()) {
       // Distributed mode: one process per GPU (lockstep-run / torchrun); the 1-GPU baselines
@@ -564,7 +608,8 @@ int main(int argc, char** argv) {
       });
     } else {
       std::vector<int> counts;
-      for (int g : {1, 2, 4, 8}) if (g <= max_gpus) counts.push_back(g);
+      for (int g : {1, 2, 4, 8})
+        if (g <= max_gpus) counts.push_back(g);
       std::printf("mode: DataParallel, one process driving the GPUs\n");
       all(counts);
     }

@@ -49,11 +49,10 @@ struct options : gpt2::run_options {
 };
 
 [[noreturn]] void usage(int rc) {
-  std::printf(
-      "usage: gpt2_data_parallel [--data DIR|FILE] [--config small|tiny] [--batch B] [--seq T] [--steps N]\n"
-      "                          [--warmup N] [--lr X] [--seed S] [--gpus N] [--threads N]\n"
-      "  batch: sequences per GPU and step; gpus: the first N visible GPUs (default: all);\n"
-      "  threads: libtorch's intra-op threads (1: the replicas run one after another on the main thread)\n");
+  std::printf("usage: gpt2_data_parallel [--data DIR|FILE] [--config small|tiny] [--batch B] [--seq T] [--steps N]\n"
+              "                          [--warmup N] [--lr X] [--seed S] [--gpus N] [--threads N]\n"
+              "  batch: sequences per GPU and step; gpus: the first N visible GPUs (default: all);\n"
+              "  threads: libtorch's intra-op threads (1: the replicas run one after another on the main thread)\n");
   std::exit(rc);
 }
 
@@ -62,8 +61,10 @@ options parse(int argc, char** argv) {
   o.parse(argc, argv, "gpt2_data_parallel", usage, [&o](const std::string& a, auto& next) {
     if (a == "--gpus") o.gpus = std::stoll(next());
     else if (a == "--threads") o.threads = std::stoll(next());
-    else if (a == "--bench") {}  // always: accepted for the example's command lines
-    else return false;
+    else if (a == "--bench") {
+    }  // always: accepted for the example's command lines
+    else
+      return false;
     return true;
   });
   if (o.gpus < 0 || o.threads < 0) usage(2);
@@ -85,7 +86,8 @@ struct ReplicaImpl : torch::nn::Module {
     return model->forward(idx);
   }
 
-  std::shared_ptr<torch::nn::Module> clone(const torch::optional<torch::Device>& device = torch::nullopt) const override {
+  std::shared_ptr<torch::nn::Module> clone(
+      const torch::optional<torch::Device>& device = torch::nullopt) const override {
     return std::make_shared<ReplicaImpl>(gpt2::Gpt(std::dynamic_pointer_cast<gpt2::GptImpl>(model->clone(device))));
   }
 
@@ -114,19 +116,25 @@ double peak_gib(const std::vector<torch::Device>& devices) {
 int main(int argc, char** argv) {
   const options opt = parse(argc, argv);
 #if !defined(GPT2_DP_TORCH_CUDA)
-  std::fprintf(stderr, "gpt2_data_parallel: libtorch %s is built without CUDA, and torch::nn::parallel::data_parallel "
-               "runs on CUDA devices only [skipped]\n", TORCH_VERSION);
+  std::fprintf(stderr,
+               "gpt2_data_parallel: libtorch %s is built without CUDA, and torch::nn::parallel::data_parallel "
+               "runs on CUDA devices only [skipped]\n",
+               TORCH_VERSION);
   return 77;
 #else
   const auto visible = static_cast<std::int64_t>(torch::cuda::device_count());
   if (visible < 1) {
-    std::fprintf(stderr, "gpt2_data_parallel: no CUDA device visible (libtorch %s): torch::nn::parallel::data_parallel "
-                 "runs on CUDA devices only [skipped]\n", TORCH_VERSION);
+    std::fprintf(stderr,
+                 "gpt2_data_parallel: no CUDA device visible (libtorch %s): torch::nn::parallel::data_parallel "
+                 "runs on CUDA devices only [skipped]\n",
+                 TORCH_VERSION);
     return 77;
   }
   if (!std::filesystem::exists(opt.data)) {
-    std::fprintf(stderr, "gpt2_data_parallel: no text at %s; give --data DIR|FILE (Debian: apt-get install fortunes) [skipped]\n",
-                 opt.data.c_str());
+    std::fprintf(
+        stderr,
+        "gpt2_data_parallel: no text at %s; give --data DIR|FILE (Debian: apt-get install fortunes) [skipped]\n",
+        opt.data.c_str());
     return 77;
   }
   if (opt.gpus > visible) {
@@ -156,12 +164,14 @@ int main(int argc, char** argv) {
 #else
     const bool threaded = false;
 #endif
-    std::printf("gpt2_data_parallel: %lld parameters, %d GPU(s), %lld x %lld tokens per GPU and step; replicas' forward "
-                "%s; libtorch %s\n",
-                static_cast<long long>(params), n, static_cast<long long>(opt.batch), static_cast<long long>(opt.seq),
-                n == 1 ? "(one GPU: the model itself, no replica)"
-                       : threaded ? "on OpenMP threads" : "one after another on the main thread",
-                TORCH_VERSION);
+    std::printf(
+        "gpt2_data_parallel: %lld parameters, %d GPU(s), %lld x %lld tokens per GPU and step; replicas' forward "
+        "%s; libtorch %s\n",
+        static_cast<long long>(params), n, static_cast<long long>(opt.batch), static_cast<long long>(opt.seq),
+        n == 1     ? "(one GPU: the model itself, no replica)"
+        : threaded ? "on OpenMP threads"
+                   : "one after another on the main thread",
+        TORCH_VERSION);
     std::fflush(stdout);
 
     // bf16 autocast on this thread, as the example turns it on in each rank's thread: for the
@@ -183,8 +193,8 @@ int main(int argc, char** argv) {
       // onto GPU 0, and the loss (GptImpl::loss's cross-entropy) is computed there, after the
       // gather, over the whole global batch.
       auto logits = torch::nn::parallel::data_parallel(net, x, devices);
-      auto loss = torch::nn::functional::cross_entropy(logits.view({-1, logits.size(-1)}).to(torch::kFloat),
-                                                       y.reshape({-1}));
+      auto loss =
+          torch::nn::functional::cross_entropy(logits.view({-1, logits.size(-1)}).to(torch::kFloat), y.reshape({-1}));
       loss.backward();
       at::autocast::clear_cache();
       adamw.step();
@@ -209,8 +219,9 @@ int main(int argc, char** argv) {
         synchronize(devices);
         rep_ms.push_back(std::chrono::duration<double, std::milli>(clock::now() - t0).count());
       }
-      std::printf("gpt2_data_parallel: replicate (the model cloned onto %d GPUs, as every step does) %.2f ms, median of 3\n",
-                  n, gpt2::median_after_warmup(rep_ms, 0));
+      std::printf(
+          "gpt2_data_parallel: replicate (the model cloned onto %d GPUs, as every step does) %.2f ms, median of 3\n", n,
+          gpt2::median_after_warmup(rep_ms, 0));
     }
     if (!std::isfinite(first_loss) || !std::isfinite(last_loss)) {
       std::fprintf(stderr, "gpt2_data_parallel: the loss is not finite\n");

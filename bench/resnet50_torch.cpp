@@ -136,9 +136,8 @@ options parse(int argc, char** argv) {
                         o.pool >= 1 && o.log_every >= 0;
   const bool mb_ok = (!o.bucket_cap_mb || *o.bucket_cap_mb > 0) && (!o.first_bucket_mb || *o.first_bucket_mb > 0);
   if (!sizes_ok || !mb_ok) {
-    std::fprintf(stderr,
-                 "resnet50_torch: give batch >= 1, image >= 32, steps >= 1, 0 <= warmup < steps, pool >= 1 and "
-                 "positive bucket sizes\n");
+    std::fprintf(stderr, "resnet50_torch: give batch >= 1, image >= 32, steps >= 1, 0 <= warmup < steps, pool >= 1 and "
+                         "positive bucket sizes\n");
     usage(2);
   }
   return o;
@@ -188,7 +187,7 @@ int main(int argc, char** argv) {
   resnet::Config cfg;
   (void)resnet::config_named(opt.config, cfg);
   if (opt.device == "cpu") setenv("CUDA_VISIBLE_DEVICES", "", 1);  // run(Auto) then picks CPU ranks
-  const bool launched = lockstep::detect_launcher().has_value();  // one process per GPU
+  const bool launched = lockstep::detect_launcher().has_value();   // one process per GPU
 #if RESNET_GPU
   at::globalContext().setBenchmarkCuDNN(true);  // as torch.backends.cudnn.benchmark in the Python peer
 #endif
@@ -210,13 +209,13 @@ int main(int argc, char** argv) {
       std::optional<c10::cuda::CUDAStreamGuard> stream_guard;
       if constexpr (gpu) {
         device_guard.emplace(static_cast<c10::DeviceIndex>(ctx.device()));
-        stream_guard.emplace(c10::cuda::getStreamFromExternal(ctx.comm().compute_stream(),
-                                                              static_cast<c10::DeviceIndex>(ctx.device())));
+        stream_guard.emplace(
+            c10::cuda::getStreamFromExternal(ctx.comm().compute_stream(), static_cast<c10::DeviceIndex>(ctx.device())));
         lockstep_bench::set_cuda_bf16_autocast(true);
       }
 #endif
-      const torch::Device dev = gpu ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(ctx.device()))
-                                    : torch::Device(torch::kCPU);
+      const torch::Device dev =
+          gpu ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(ctx.device())) : torch::Device(torch::kCPU);
       // --memory-trace: where the device memory goes, phase by phase (rank 0; cudaMemGetInfo's
       // used bytes, everything included, and libtorch's reserved bytes).
       const auto mark = [&](const char* phase) {
@@ -337,14 +336,13 @@ int main(int argc, char** argv) {
         lockstep::detail::host_all_reduce(ctx.comm(), std::span<double>(worst), lockstep::reduce_op::max);
         constexpr double gib = 1024.0 * 1024.0 * 1024.0;
         if (ctx.is_root()) {
-          const std::string label = std::string("lockstep-") + (gpu ? (launched ? "processes" : "threads") : "cpu") +
-                                    flags_label(opt);
+          const std::string label =
+              std::string("lockstep-") + (gpu ? (launched ? "processes" : "threads") : "cpu") + flags_label(opt);
           std::printf(
               "bench: %s gpus=%d step_ms=%.2f images_per_s=%.0f params=%lld peak_alloc_gib=%.2f reserved_gib=%.2f "
               "used_gib=%.2f loss_first=%.3f loss_last=%.3f\n",
-              label.c_str(), ctx.size(), worst[0],
-              static_cast<double>(opt.batch * ctx.size()) / (worst[0] / 1e3), static_cast<long long>(params),
-              worst[1] / gib, worst[2] / gib, worst[3] / gib, first_loss, last_loss);
+              label.c_str(), ctx.size(), worst[0], static_cast<double>(opt.batch * ctx.size()) / (worst[0] / 1e3),
+              static_cast<long long>(params), worst[1] / gib, worst[2] / gib, worst[3] / gib, first_loss, last_loss);
           if (gpu)
             std::printf("bench-memory: %s lockstep_own_gib=%.2f (gradient arena + FusedSgd state, outside libtorch's "
                         "allocator, included in peak_alloc_gib and reserved_gib)\n",

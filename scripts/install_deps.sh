@@ -15,6 +15,7 @@ packages=(
   libtorch-dev                # lockstep::torch and its tests (libtorch 1.13, CPU)
   fortunes                    # text for examples/03_gpt2_torch (its CPU test)
   lintian                     # checks the Debian packages (tests/packaging: packaging_deb)
+  clang-format-19             # scripts/check_format.sh (ctest: format_check; 14 misreads requires-clauses)
 )
 
 missing=()

@@ -98,7 +98,8 @@ double number_of(const std::string& flag, const std::string& v, const char* what
   } catch (const std::logic_error&) {
     used = 0;
   }
-  if (used == 0 || used != v.size() || !std::isfinite(x)) throw usage_error(flag + " needs " + what + ", got '" + v + "'");
+  if (used == 0 || used != v.size() || !std::isfinite(x))
+    throw usage_error(flag + " needs " + what + ", got '" + v + "'");
   return x;
 }
 
@@ -107,14 +108,15 @@ estimate_options parse_estimate(int argc, char** argv) {
   bool estimate = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i], v;
-    if (a == "--estimate") { estimate = true; continue; }
+    if (a == "--estimate") {
+      estimate = true;
+      continue;
+    }
     if (a == "--help" || a == "-h") throw usage_error("");
-    if (a.rfind("--", 0) != 0)
-      throw usage_error("unexpected argument '" + a + "'; flags start with --");
+    if (a.rfind("--", 0) != 0) throw usage_error("unexpected argument '" + a + "'; flags start with --");
     if (const auto eq = a.find('='); eq != std::string::npos) v = a.substr(eq + 1), a = a.substr(0, eq);
     else if (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) v = argv[++i];
-    else
-      throw usage_error(a + " needs a value (see lockstep-info --help)");
+    else throw usage_error(a + " needs a value (see lockstep-info --help)");
     const auto positive = [&](const char* what) {
       const double x = number_of(a, v, what);
       if (!(x > 0)) throw usage_error(a + " needs " + what + ", got '" + v + "'");
@@ -122,7 +124,8 @@ estimate_options parse_estimate(int argc, char** argv) {
     };
     if (a == "--params") {
       const double x = positive("a positive whole number of gradient elements, e.g. --params 124439808");
-      if (x != std::floor(x) || x > 1e15) throw usage_error("--params needs a whole number of gradient elements, got '" + v + "'");
+      if (x != std::floor(x) || x > 1e15)
+        throw usage_error("--params needs a whole number of gradient elements, got '" + v + "'");
       o.params = static_cast<std::uint64_t>(x);
     } else if (a == "--dtype") {
       if (v == "f32" || v == "fp32") o.type = lockstep::dtype::f32;
@@ -157,13 +160,14 @@ estimate_options parse_estimate(int argc, char** argv) {
       throw usage_error("unknown flag " + a + " (see lockstep-info --help)");
     }
   }
-  if (!estimate)
-    throw usage_error("lockstep-info takes no arguments (the setup check), or --estimate and its flags");
+  if (!estimate) throw usage_error("lockstep-info takes no arguments (the setup check), or --estimate and its flags");
   if (!o.params && o.shapes.empty())
     throw usage_error("--estimate needs --params N (the number of gradient elements) or --shapes FILE");
-  if (!o.late.empty() && o.shapes.empty()) throw usage_error("--late names tensors of --shapes FILE; give --shapes too");
+  if (!o.late.empty() && o.shapes.empty())
+    throw usage_error("--late names tensors of --shapes FILE; give --shapes too");
   if (!o.probe_in.empty() && !o.probe_out.empty())
-    throw usage_error("--save-probe writes a measurement, and with --probe nothing is measured (copy the file instead)");
+    throw usage_error(
+        "--save-probe writes a measurement, and with --probe nothing is measured (copy the file instead)");
   if (o.step_ms && o.backward_fraction * *o.step_ms + o.optimizer_ms > *o.step_ms)
     throw usage_error("--optimizer-ms plus the backward (--backward-fraction × --step-ms) exceed --step-ms");
   return o;
@@ -196,7 +200,8 @@ lockstep::probe measure_probe(const estimate_options& o) {
     throw lockstep::config_error("lockstep-info --estimate was started by " + env.launcher->launcher +
                                  "; run it as one plain process: it drives the local GPUs itself");
   lockstep::probe p;
-  p.notes.push_back(std::string("measured by lockstep-info --estimate (lockstep ") + lockstep::version_string + ") on " + today());
+  p.notes.push_back(std::string("measured by lockstep-info --estimate (lockstep ") + lockstep::version_string +
+                    ") on " + today());
   const auto mib = [](std::uint64_t n) { return n << 20; };
 #if LOCKSTEP_AUTO_HAS_GPUS
   if (!env.gpus.empty() && !env.cpu_ranks) {
@@ -206,18 +211,20 @@ lockstep::probe measure_probe(const estimate_options& o) {
       for (const auto& g : env.gpus) devices.push_back(g.id);
     const int most = std::min<int>(static_cast<int>(devices.size()), o.gpus.value_or(1 << 20));
     if (most < 2)
-      throw lockstep::config_error(std::to_string(most) + " GPU(s) to measure on (of " + std::to_string(devices.size()) +
-                                   " to use): an all-reduce across GPUs needs two; give --gpus 2 or more, or --probe FILE " +
-                                   "measured on a machine with several GPUs");
+      throw lockstep::config_error(
+          std::to_string(most) + " GPU(s) to measure on (of " + std::to_string(devices.size()) +
+          " to use): an all-reduce across GPUs needs two; give --gpus 2 or more, or --probe FILE " +
+          "measured on a machine with several GPUs");
     std::string name = env.gpus.front().name;
     for (const auto& g : env.gpus)
       if (g.id == devices.front()) name = g.name;
-    p.notes.push_back("device: " + std::to_string(most) + " x " + name + ", NCCL " +
-                      std::to_string(env.nccl_version / 10000) + "." + std::to_string((env.nccl_version / 100) % 100) +
-                      "." + std::to_string(env.nccl_version % 100) + ", NCCL_NVLS_ENABLE=" +
-                      (std::getenv("NCCL_NVLS_ENABLE") ? std::getenv("NCCL_NVLS_ENABLE") : "(unset)"));
-    p.notes.push_back(std::string("NCCL all-reduce (avg, ") + lockstep::name_of(o.type) +
-                      ") on the first 2..N GPUs listed; host clock, batches between barriers, median of 7, slowest rank");
+    p.notes.push_back(
+        "device: " + std::to_string(most) + " x " + name + ", NCCL " + std::to_string(env.nccl_version / 10000) + "." +
+        std::to_string((env.nccl_version / 100) % 100) + "." + std::to_string(env.nccl_version % 100) +
+        ", NCCL_NVLS_ENABLE=" + (std::getenv("NCCL_NVLS_ENABLE") ? std::getenv("NCCL_NVLS_ENABLE") : "(unset)"));
+    p.notes.push_back(
+        std::string("NCCL all-reduce (avg, ") + lockstep::name_of(o.type) +
+        ") on the first 2..N GPUs listed; host clock, batches between barriers, median of 7, slowest rank");
     const std::vector<std::uint64_t> sizes{mib(1), mib(4), mib(16), mib(64), mib(256), mib(1024)};
     for (int g = 2; g <= most; ++g) {
       std::printf("measuring the all-reduce on %d GPUs...\n", g);
@@ -302,8 +309,9 @@ int estimate_main(int argc, char** argv) {
     std::printf("probe (%s):\n", o.probe_in.empty() ? "measured now" : o.probe_in.c_str());
     for (const auto& n : p.notes) std::printf("  # %s\n", n.c_str());
     for (const auto& pt : p.points)
-      std::printf("  all-reduce %d ranks %10.3f MiB %9.4f ms  bus bandwidth %7.1f GB/s\n", pt.ranks, pt.bytes / 1048576.0,
-                  pt.seconds * 1e3, pt.bytes * lockstep::comm_curve::bus_factor(pt.ranks) / pt.seconds / 1e9);
+      std::printf("  all-reduce %d ranks %10.3f MiB %9.4f ms  bus bandwidth %7.1f GB/s\n", pt.ranks,
+                  pt.bytes / 1048576.0, pt.seconds * 1e3,
+                  pt.bytes * lockstep::comm_curve::bus_factor(pt.ranks) / pt.seconds / 1e9);
     const lockstep::comm_curve curve(p);
     const auto probed = curve.ranks_probed();
     for (int r : probed)
@@ -313,7 +321,8 @@ int estimate_main(int argc, char** argv) {
     const int most = o.gpus.value_or(probed.back());
     const double S = static_cast<double>(in.gradient_bytes());
     const auto units = lockstep::launch_units(in);
-    std::printf("gradients: %llu elements x %zu bytes (%s) = %.1f MB; buckets %.3g MiB then %.3g MiB: %zu all-reduce launches\n",
+    std::printf("gradients: %llu elements x %zu bytes (%s) = %.1f MB; buckets %.3g MiB then %.3g MiB: %zu all-reduce "
+                "launches\n",
                 static_cast<unsigned long long>(in.gradient_bytes() / in.element_bytes), in.element_bytes,
                 lockstep::name_of(o.type), S / 1e6, o.first_bucket_mib, o.bucket_mib, units.size());
     // Say where the curve is extrapolated: rank counts not probed, sizes below the probe.
@@ -321,7 +330,8 @@ int estimate_main(int argc, char** argv) {
     std::vector<int> used;
     for (int g = 2; g <= most; ++g) {
       if (curve.probed_ranks(g) != g) unprobed += (unprobed.empty() ? "" : ", ") + std::to_string(g);
-      if (std::find(used.begin(), used.end(), curve.probed_ranks(g)) == used.end()) used.push_back(curve.probed_ranks(g));
+      if (std::find(used.begin(), used.end(), curve.probed_ranks(g)) == used.end())
+        used.push_back(curve.probed_ranks(g));
     }
     if (!unprobed.empty())
       std::printf("note: %s GPUs not probed: the nearest probed rank count's curve is used, at its bus bandwidth\n",
@@ -330,12 +340,14 @@ int estimate_main(int argc, char** argv) {
       std::size_t below = 0;
       for (const auto& u : units) below += static_cast<double>(u.bytes) < curve.smallest_bytes(r);
       if (below > 0)
-        std::printf("note: %zu of %zu launches are smaller than the smallest size probed on %d ranks (%.3g MB): their "
-                    "time rests on the fitted latency (%.1f us); a probe measured on GPUs by --estimate starts at 1 MiB\n",
-                    below, units.size(), r, curve.smallest_bytes(r) / 1e6, curve.latency(r) * 1e6);
+        std::printf(
+            "note: %zu of %zu launches are smaller than the smallest size probed on %d ranks (%.3g MB): their "
+            "time rests on the fitted latency (%.1f us); a probe measured on GPUs by --estimate starts at 1 MiB\n",
+            below, units.size(), r, curve.smallest_bytes(r) / 1e6, curve.latency(r) * 1e6);
     }
     if (!o.step_ms) {
-      std::printf("\n GPUs | one all-reduce of the gradients ms | bucket by bucket ms | reduce-scatter + all-gather ms\n");
+      std::printf(
+          "\n GPUs | one all-reduce of the gradients ms | bucket by bucket ms | reduce-scatter + all-gather ms\n");
       for (int g = 2; g <= most; ++g) {
         double buckets = 0, sharded = 0;
         for (const auto& u : units) {
@@ -347,8 +359,9 @@ int estimate_main(int argc, char** argv) {
       std::printf("give --step-ms T (one step on one GPU) for step times, speed-up and scaling efficiency\n");
       return 0;
     }
-    std::printf("model: 1-GPU step %.3f ms, backward %.1f %%, optimizer %.3f ms (docs/observe.md, \"Speed-up estimate\")\n",
-                *o.step_ms, 100 * o.backward_fraction, o.optimizer_ms);
+    std::printf(
+        "model: 1-GPU step %.3f ms, backward %.1f %%, optimizer %.3f ms (docs/observe.md, \"Speed-up estimate\")\n",
+        *o.step_ms, 100 * o.backward_fraction, o.optimizer_ms);
     std::printf("speed-up = G x T / step (per-GPU batch fixed); efficiency = T / step\n\n");
     std::printf(" GPUs | no overlap: step ms  speed-up  efficiency | overlap: step ms  speed-up  efficiency | "
                 "sharded: step ms  speed-up  efficiency\n");
@@ -416,7 +429,8 @@ int main(int argc, char** argv) {
       }
     });
     if (!failures.empty()) {
-      std::printf("FAILED: the all-reduce across %d rank(s) gave a wrong result: %s\n", plan.ranks, failures[0].c_str());
+      std::printf("FAILED: the all-reduce across %d rank(s) gave a wrong result: %s\n", plan.ranks,
+                  failures[0].c_str());
       std::printf("Check the GPU driver and NCCL (NCCL_DEBUG=INFO lockstep-info shows NCCL's view).\n");
       return 1;
     }

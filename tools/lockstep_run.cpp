@@ -42,9 +42,9 @@ namespace {
 
 using clock_type = std::chrono::steady_clock;
 
-constexpr int kMaxRanks = 1024;                  // two pipes per rank: stay well inside fd limits
-constexpr std::size_t kMaxLine = 1 << 20;        // a longer line without '\n' is split here
-constexpr std::size_t kTailLines = 200;          // --rank0-only: stderr kept per hidden rank
+constexpr int kMaxRanks = 1024;            // two pipes per rank: stay well inside fd limits
+constexpr std::size_t kMaxLine = 1 << 20;  // a longer line without '\n' is split here
+constexpr std::size_t kTailLines = 200;    // --rank0-only: stderr kept per hidden rank
 constexpr std::size_t kTailBytes = 64 << 10;
 constexpr std::size_t kReadChunk = 64 << 10;
 
@@ -115,13 +115,15 @@ std::optional<double> parse_seconds(std::string_view s) {
 }
 
 std::string signal_name(int sig) {
-  struct Entry { int sig; const char* name; };
+  struct Entry {
+    int sig;
+    const char* name;
+  };
   static constexpr Entry names[] = {
-      {SIGHUP, "SIGHUP"},   {SIGINT, "SIGINT"},   {SIGQUIT, "SIGQUIT"}, {SIGILL, "SIGILL"},
-      {SIGTRAP, "SIGTRAP"}, {SIGABRT, "SIGABRT"}, {SIGBUS, "SIGBUS"},   {SIGFPE, "SIGFPE"},
-      {SIGKILL, "SIGKILL"}, {SIGUSR1, "SIGUSR1"}, {SIGSEGV, "SIGSEGV"}, {SIGUSR2, "SIGUSR2"},
-      {SIGPIPE, "SIGPIPE"}, {SIGALRM, "SIGALRM"}, {SIGTERM, "SIGTERM"}, {SIGCHLD, "SIGCHLD"},
-      {SIGCONT, "SIGCONT"}, {SIGSTOP, "SIGSTOP"}, {SIGTSTP, "SIGTSTP"}, {SIGTTIN, "SIGTTIN"},
+      {SIGHUP, "SIGHUP"},   {SIGINT, "SIGINT"},   {SIGQUIT, "SIGQUIT"}, {SIGILL, "SIGILL"},   {SIGTRAP, "SIGTRAP"},
+      {SIGABRT, "SIGABRT"}, {SIGBUS, "SIGBUS"},   {SIGFPE, "SIGFPE"},   {SIGKILL, "SIGKILL"}, {SIGUSR1, "SIGUSR1"},
+      {SIGSEGV, "SIGSEGV"}, {SIGUSR2, "SIGUSR2"}, {SIGPIPE, "SIGPIPE"}, {SIGALRM, "SIGALRM"}, {SIGTERM, "SIGTERM"},
+      {SIGCHLD, "SIGCHLD"}, {SIGCONT, "SIGCONT"}, {SIGSTOP, "SIGSTOP"}, {SIGTSTP, "SIGTSTP"}, {SIGTTIN, "SIGTTIN"},
       {SIGTTOU, "SIGTTOU"}, {SIGXCPU, "SIGXCPU"}, {SIGXFSZ, "SIGXFSZ"}, {SIGSYS, "SIGSYS"}};
   for (const auto& e : names)
     if (e.sig == sig) return e.name;
@@ -176,8 +178,7 @@ int visible_gpus() {
     for (std::size_t i = 0; i < g.gl_pathc; ++i) {
       std::string_view p = g.gl_pathv[i];
       p.remove_prefix(std::strlen("/dev/nvidia"));
-      if (!p.empty() && std::all_of(p.begin(), p.end(), [](char c) { return c >= '0' && c <= '9'; }))
-        ++physical;
+      if (!p.empty() && std::all_of(p.begin(), p.end(), [](char c) { return c >= '0' && c <= '9'; })) ++physical;
     }
   }
   ::globfree(&g);
@@ -218,7 +219,7 @@ int usable_cpus() {
 }
 
 bool is_executable_file(const std::string& path) {
-  struct stat st {};
+  struct stat st{};
   return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) && ::access(path.c_str(), X_OK) == 0;
 }
 
@@ -292,7 +293,7 @@ struct Options {
   int master_port = 0;  // 0: choose
   bool rank0_only = false;
   double grace = 10;
-  double timeout = 0;  // 0: none
+  double timeout = 0;       // 0: none
   bool any_option = false;  // a launcher option was given (no questions then)
   std::vector<std::string> command;
 };
@@ -530,8 +531,8 @@ std::string Launcher::still_running() const {
 
 void Launcher::stop_all(int sig, const std::string& why) {
   stopping_ = true;
-  kill_at_ = clock_type::now() + std::chrono::duration_cast<clock_type::duration>(
-                                     std::chrono::duration<double>(opt_.grace));
+  kill_at_ =
+      clock_type::now() + std::chrono::duration_cast<clock_type::duration>(std::chrono::duration<double>(opt_.grace));
   if (alive_ > 0) {
     say(why + "; sending " + signal_name(sig) + " to " + still_running() + " (SIGKILL after " +
         format_seconds(opt_.grace) + ")");
@@ -560,7 +561,7 @@ void Launcher::reap() {
     --alive_;
     const bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
     if (!failed || stopping_) continue;  // ranks exiting after we told them to stop are expected
-    drain(r);  // its last words first, then ours
+    drain(r);                            // its last words first, then ours
     std::string how;
     if (WIFEXITED(status)) {
       exit_code_ = WEXITSTATUS(status);
@@ -628,7 +629,7 @@ bool Launcher::start_rank(Rank& r, const std::string& path, const std::vector<st
     ::dup2(out[1], STDOUT_FILENO);
     ::dup2(err[1], STDERR_FILENO);
     if (stdin_fd >= 0 && stdin_fd != STDIN_FILENO) ::dup2(stdin_fd, STDIN_FILENO);
-    struct sigaction dfl {};
+    struct sigaction dfl{};
     dfl.sa_handler = SIG_DFL;
     sigemptyset(&dfl.sa_mask);
     for (int sig : kHandled) ::sigaction(sig, &dfl, nullptr);
@@ -637,7 +638,8 @@ bool Launcher::start_rank(Rank& r, const std::string& path, const std::vector<st
     ::execve(path.c_str(), argv.data(), envp.data());
     const int e = errno;
     const char* parts[] = {"lockstep-run: cannot execute ", path.c_str(), ": ", ::strerror(e), "\n"};
-    for (const char* p : parts) [[maybe_unused]] ssize_t w = ::write(STDERR_FILENO, p, std::strlen(p));
+    for (const char* p : parts) [[maybe_unused]]
+      ssize_t w = ::write(STDERR_FILENO, p, std::strlen(p));
     ::_exit(127);
   }
   const int fork_errno = errno;
@@ -691,10 +693,20 @@ int Launcher::run() {
 
   // The environment shared by every rank: ours, minus what the launch sets. NCCL_NVLS_ENABLE
   // and everything else pass through untouched.
-  static constexpr std::string_view set_per_launch[] = {
-      "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-      "LOCKSTEP_RANK", "LOCKSTEP_LOCAL_RANK", "LOCKSTEP_WORLD_SIZE", "LOCKSTEP_LOCAL_WORLD_SIZE",
-      "LOCKSTEP_MASTER_ADDR", "LOCKSTEP_MASTER_PORT", "LOCKSTEP_JOB_TOKEN", "LOCKSTEP_LAUNCHER"};
+  static constexpr std::string_view set_per_launch[] = {"RANK",
+                                                        "LOCAL_RANK",
+                                                        "WORLD_SIZE",
+                                                        "LOCAL_WORLD_SIZE",
+                                                        "MASTER_ADDR",
+                                                        "MASTER_PORT",
+                                                        "LOCKSTEP_RANK",
+                                                        "LOCKSTEP_LOCAL_RANK",
+                                                        "LOCKSTEP_WORLD_SIZE",
+                                                        "LOCKSTEP_LOCAL_WORLD_SIZE",
+                                                        "LOCKSTEP_MASTER_ADDR",
+                                                        "LOCKSTEP_MASTER_PORT",
+                                                        "LOCKSTEP_JOB_TOKEN",
+                                                        "LOCKSTEP_LAUNCHER"};
   std::vector<std::string> base_env;
   for (char** e = environ; e && *e; ++e) {
     std::string_view kv = *e;
@@ -724,14 +736,14 @@ int Launcher::run() {
   g_wake_write = wake[1];
   sigset_t original_mask;
   ::sigprocmask(SIG_SETMASK, nullptr, &original_mask);
-  struct sigaction sa {};
+  struct sigaction sa{};
   sa.sa_handler = on_signal;
   sigemptyset(&sa.sa_mask);
   for (int sig : kHandled) sigaddset(&sa.sa_mask, sig);
   sa.sa_flags = SA_RESTART;
   // Installed even where the shell left SIGINT ignored (a background job), so it is forwarded.
   for (int sig : kHandled) ::sigaction(sig, &sa, nullptr);
-  struct sigaction ign {};
+  struct sigaction ign{};
   ign.sa_handler = SIG_IGN;
   sigemptyset(&ign.sa_mask);
   ::sigaction(SIGPIPE, &ign, nullptr);
@@ -814,7 +826,8 @@ int Launcher::run() {
       stop_all(SIGTERM, "timeout: the job ran longer than " + format_seconds(opt_.timeout));
     }
     if (stopping_ && !killed_ && alive_ > 0 && now >= kill_at_) {
-      say(still_running() + " still running " + format_seconds(opt_.grace) + " after being told to stop; sending SIGKILL");
+      say(still_running() + " still running " + format_seconds(opt_.grace) +
+          " after being told to stop; sending SIGKILL");
       signal_unreaped(SIGKILL);
       killed_ = true;
     }
@@ -840,7 +853,7 @@ int Launcher::run() {
 // Words safe to show unquoted in a shell command; anything else in single quotes.
 std::string shell_word(const std::string& w) {
   const bool plain = !w.empty() && w.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
-                                                        "0123456789_-./=:,+@%") == std::string::npos;
+                                                       "0123456789_-./=:,+@%") == std::string::npos;
   if (plain) return w;
   std::string q = "'";
   for (char c : w) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
@@ -871,28 +884,32 @@ std::optional<std::string> ask(const std::string& question, const std::string& d
 std::optional<int> interactive(Options& opt) {
   const int gpus = visible_gpus(), cpus = usable_cpus();
   const bool on_gpus = gpus > 0;
-  std::printf("lockstep-run: %s\n", on_gpus ? (std::to_string(gpus) + " GPU" + (gpus == 1 ? "" : "s") + " found").c_str()
-                                             : "no GPU found: CPU ranks");
-  const auto mode = ask("Run as [a]uto (one process per GPU; CPU ranks as threads of one process), [t]hreads (one "
-                        "process drives every rank) or [p]rocesses (one per rank)?",
-                        "a", "a, t or p", [](const std::string& a, int) { return a == "a" || a == "t" || a == "p"; }, 0);
+  std::printf("lockstep-run: %s\n", on_gpus
+                                        ? (std::to_string(gpus) + " GPU" + (gpus == 1 ? "" : "s") + " found").c_str()
+                                        : "no GPU found: CPU ranks");
+  const auto mode = ask(
+      "Run as [a]uto (one process per GPU; CPU ranks as threads of one process), [t]hreads (one "
+      "process drives every rank) or [p]rocesses (one per rank)?",
+      "a", "a, t or p", [](const std::string& a, int) { return a == "a" || a == "t" || a == "p"; }, 0);
   const auto no_answer = [] {
     std::fprintf(stderr, "\nlockstep-run: no answer (end of input); nothing was run\n");
     return 2;
   };
   if (!mode) return no_answer();
   const int most = on_gpus ? gpus : cpus;
-  const auto count = ask(on_gpus ? "How many of the " + std::to_string(gpus) + " GPUs (1-" + std::to_string(gpus) + ")?"
-                                 : "How many CPU ranks (1-" + std::to_string(cpus) + ")?",
-                         std::to_string(most), "a whole number from 1 to " + std::to_string(most),
-                         [](const std::string& a, int limit) {
-                           auto n = parse_long(a);
-                           return n && *n >= 1 && *n <= limit;
-                         },
-                         most);
+  const auto count = ask(
+      on_gpus ? "How many of the " + std::to_string(gpus) + " GPUs (1-" + std::to_string(gpus) + ")?"
+              : "How many CPU ranks (1-" + std::to_string(cpus) + ")?",
+      std::to_string(most), "a whole number from 1 to " + std::to_string(most),
+      [](const std::string& a, int limit) {
+        auto n = parse_long(a);
+        return n && *n >= 1 && *n <= limit;
+      },
+      most);
   if (!count) return no_answer();
-  const auto lr = ask("Scale the learning rate with the global batch: [n]o, [l]inear or [s]quare root?", "n",
-                      "n, l or s", [](const std::string& a, int) { return a == "n" || a == "l" || a == "s"; }, 0);
+  const auto lr = ask(
+      "Scale the learning rate with the global batch: [n]o, [l]inear or [s]quare root?", "n", "n, l or s",
+      [](const std::string& a, int) { return a == "n" || a == "l" || a == "s"; }, 0);
   if (!lr) return no_answer();
   const int n = static_cast<int>(*parse_long(*count));
   const bool processes = *mode == "p" || (*mode == "a" && on_gpus);

@@ -73,7 +73,7 @@ struct options {
   std::optional<std::size_t> limit_train, limit_test;
   std::filesystem::path checkpoint, resume;
   std::filesystem::path logdir;  // TensorBoard event file (and scalars.csv) here
-  int stop_after = 0;  // 0: run all epochs
+  int stop_after = 0;            // 0: run all epochs
   double progress = 1.0;
   std::size_t bucket_kib = 0;  // 0: lockstep's default buckets (1 MiB first, 25 MiB cap)
   bool wire_bf16 = false;      // --wire bf16: lockstep::Bf16Wire (CPU ranks)
@@ -144,8 +144,7 @@ T parse_number(const std::string& opt, const std::string& text) {
   } catch (const std::exception&) {
     used = 0;
   }
-  if (used == 0 || used != text.size())
-    throw usage_error(opt + " expects a number, got '" + text + "'");
+  if (used == 0 || used != text.size()) throw usage_error(opt + " expects a number, got '" + text + "'");
   return v;
 }
 
@@ -194,8 +193,7 @@ inline options parse(int argc, char** argv) {
       const std::string w = value();
       if (w != "fp32" && w != "bf16") throw usage_error("--wire expects fp32 or bf16, got '" + w + "'");
       o.wire_bf16 = w == "bf16";
-    }
-    else if (a == "--input") {
+    } else if (a == "--input") {
       const std::string m = value();
       if (m == "prefetch") o.input = input_kind::prefetch;
       else if (m == "sync") o.input = input_kind::sync;
@@ -272,8 +270,8 @@ inline void gather_into(const split& s, std::span<const std::size_t> rows, const
 }
 
 // Rows `rows` of the split as normalised floats.
-inline void gather(const split& s, std::span<const std::size_t> rows, const float* table,
-                   std::vector<float>& x, std::vector<std::uint8_t>& y) {
+inline void gather(const split& s, std::span<const std::size_t> rows, const float* table, std::vector<float>& x,
+                   std::vector<std::uint8_t>& y) {
   x.resize(rows.size() * image_pixels);
   y.resize(rows.size());
   gather_into(s, rows, table, x.data(), y.data());
@@ -313,15 +311,16 @@ inline training_plan make_plan(const options& opt, std::size_t train_size, int r
   p.global = lockstep::effective_batch(p.per_rank, ranks);
   p.peak_lr = lockstep::scaled_lr(opt.lr, base_batch, p.global);
   // Every rank has the same number of samples (DistributedSampler pads), hence of steps.
-  const std::size_t per_rank_samples = (train_size + static_cast<std::size_t>(ranks) - 1) / static_cast<std::size_t>(ranks);
+  const std::size_t per_rank_samples =
+      (train_size + static_cast<std::size_t>(ranks) - 1) / static_cast<std::size_t>(ranks);
   const std::size_t steps_per_epoch = (per_rank_samples + p.per_rank - 1) / p.per_rank;
-  p.schedule = lockstep::LinearWarmup{.peak_lr = p.peak_lr,
-                                      .warmup_steps = opt.warmup,
-                                      .decay = lockstep::Decay::cosine,
-                                      .total_steps = std::max<std::uint64_t>(opt.warmup, steps_per_epoch * static_cast<std::uint64_t>(epochs)),
-                                      .final_lr = 0.0};
-  p.config = {opt.seed, p.global,  train_size,  ranks, epochs, opt.lr, opt.momentum,
-              opt.warmup, on_gpus ? 1 : 0, 0};
+  p.schedule = lockstep::LinearWarmup{
+      .peak_lr = p.peak_lr,
+      .warmup_steps = opt.warmup,
+      .decay = lockstep::Decay::cosine,
+      .total_steps = std::max<std::uint64_t>(opt.warmup, steps_per_epoch * static_cast<std::uint64_t>(epochs)),
+      .final_lr = 0.0};
+  p.config = {opt.seed, p.global, train_size, ranks, epochs, opt.lr, opt.momentum, opt.warmup, on_gpus ? 1 : 0, 0};
   return p;
 }
 
@@ -337,8 +336,8 @@ inline double seconds_since(std::chrono::steady_clock::time_point t0) {
 }
 
 // The run's header (examples 01 and 02): the data, `where` the ranks run, the plan.
-inline void print_header(const std::string& where, const options& opt, const dataset& data,
-                         const training_plan& plan, double load_s) {
+inline void print_header(const std::string& where, const options& opt, const dataset& data, const training_plan& plan,
+                         double load_s) {
   const int epochs = *opt.epochs;
   std::printf("Fashion-MNIST: %zu train / %zu test images from %s (loaded in %.2f s)\n", data.train.size,
               data.test.size, opt.data.string().c_str(), load_s);
@@ -377,8 +376,8 @@ std::uint64_t checksum(const std::vector<lockstep::parameter>& ps, const Memory&
 // The SPMD body: one rank's training, evaluation and checkpoints. `trainer` is this rank's
 // (see the top of this file); `result` is written by rank 0.
 template <class Ctx, class Trainer>
-void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_plan& plan,
-                const dataset& data, final_result& result) {
+void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_plan& plan, const dataset& data,
+                final_result& result) {
   auto& comm = ctx.comm();
   const int epochs = *opt.epochs;
   const bool tty = isatty(fileno(stdout)) == 1;
@@ -392,7 +391,8 @@ void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
   using Comm = std::remove_cvref_t<decltype(comm)>;
   constexpr bool host_comm = !requires(Comm& c) { c.comm_stream(); };
   if (opt.wire_bf16 && !host_comm)
-    throw lockstep::config_error("--wire bf16 is for CPU ranks in this example (on GPUs see examples/03_gpt2_torch --wire)");
+    throw lockstep::config_error(
+        "--wire bf16 is for CPU ranks in this example (on GPUs see examples/03_gpt2_torch --wire)");
   auto hook = [&] {
     if constexpr (host_comm) return lockstep::Bf16Wire(opt.wire_bf16);
     else return lockstep::AllReduceMean{};
@@ -417,14 +417,13 @@ void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
     step = static_cast<std::uint64_t>(ck.meta.step);
     const int done = static_cast<int>(sampler.epoch());
     if (ctx.is_root()) {
-      std::printf("resumed from %s: %d epoch%s done, %llu steps\n", opt.resume.string().c_str(),
-                  done, done == 1 ? "" : "s", static_cast<unsigned long long>(step));
+      std::printf("resumed from %s: %d epoch%s done, %llu steps\n", opt.resume.string().c_str(), done,
+                  done == 1 ? "" : "s", static_cast<unsigned long long>(step));
       if (saved != plan.config)
-        std::fprintf(stderr,
-                     "fashion_mnist: warning: the checkpoint was saved by a run with other "
-                     "options (seed, batch, data size, ranks, epochs, lr, momentum, warmup or "
-                     "device); training continues with this run's options (but the checkpoint's "
-                     "momentum), and will not match an uninterrupted run\n");
+        std::fprintf(stderr, "fashion_mnist: warning: the checkpoint was saved by a run with other "
+                             "options (seed, batch, data size, ranks, epochs, lr, momentum, warmup or "
+                             "device); training continues with this run's options (but the checkpoint's "
+                             "momentum), and will not match an uninterrupted run\n");
       std::fflush(stdout);
     }
   }
@@ -453,7 +452,7 @@ void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
       auto st = dp.step();
       const double loss_before = scalars.active() ? trainer.loss_sum() : 0.0;
       trainer.forward_backward(batches[b], st.on_gradient_ready());
-      trainer.finish(st);  // gradients are averaged over ranks, then the optimizer steps
+      trainer.finish(st);      // gradients are averaged over ranks, then the optimizer steps
       if (scalars.active()) {  // rank 0's batch (reading the loss synchronises a GPU rank)
         const auto s = static_cast<std::int64_t>(step);
         scalars.scalar("train/loss", s, (trainer.loss_sum() - loss_before) / static_cast<double>(batches[b].size()));
@@ -467,10 +466,9 @@ void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
         if (t >= next_report) {
           next_report = t + opt.progress;
           // Rank 0's running loss; throughput estimated as its rate × ranks (no collective).
-          log.progress(lockstep::progress_line(epoch + 1, static_cast<std::int64_t>(b + 1),
-                                               static_cast<std::int64_t>(batches.size()),
-                                               trainer.loss_sum() / static_cast<double>(seen),
-                                               static_cast<double>(seen) * plan.ranks / t),
+          log.progress(lockstep::progress_line(
+                           epoch + 1, static_cast<std::int64_t>(b + 1), static_cast<std::int64_t>(batches.size()),
+                           trainer.loss_sum() / static_cast<double>(seen), static_cast<double>(seen) * plan.ranks / t),
                        tty);
         }
       }
@@ -504,8 +502,8 @@ void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
                     "epoch %d/%d | train loss %.4f | test accuracy %.2f%% (%lld/%lld) | "
                     "%.1f s + eval %.2f s | %.0f samples/s",
                     epoch + 1, epochs, loss_stats[0] / loss_stats[1], 100.0 * counts.accuracy(),
-                    static_cast<long long>(counts.correct), static_cast<long long>(counts.total),
-                    train_s, eval_s, samples_per_s);
+                    static_cast<long long>(counts.correct), static_cast<long long>(counts.total), train_s, eval_s,
+                    samples_per_s);
       log(line);
       result.accuracy = counts.accuracy();
       const auto s = static_cast<std::int64_t>(step);
@@ -522,7 +520,7 @@ void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
       lockstep::save_checkpoint_rank0(comm, opt.checkpoint, [&](lockstep::Checkpoint& ck) {
         ck.meta.step = static_cast<std::int64_t>(step);
         lockstep::add_training_state(ck, dp, sampler);  // the epoch is used up: resumes at the next
-        ck.add("optimizer", trainer.optimizer());  // momentum buffers (and options)
+        ck.add("optimizer", trainer.optimizer());       // momentum buffers (and options)
         ck.add_value("run", plan.config);
       });
     }
@@ -546,11 +544,9 @@ void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
                   "sync (rank 0): %llu steps, %zu bucket%s, %.2f MiB gradient arena (%s), "
                   "%.1f MiB all-reduced per step, %.1f s in collectives (incl. waiting for "
                   "the other ranks)",
-                  static_cast<unsigned long long>(s.syncs), s.bucket_count,
-                  s.bucket_count == 1 ? "" : "s", s.arena_bytes / 1048576.0,
-                  s.zero_copy ? "zero-copy" : "packed",
-                  static_cast<double>(s.bytes_reduced) / static_cast<double>(s.syncs) / 1048576.0,
-                  s.comm_seconds);
+                  static_cast<unsigned long long>(s.syncs), s.bucket_count, s.bucket_count == 1 ? "" : "s",
+                  s.arena_bytes / 1048576.0, s.zero_copy ? "zero-copy" : "packed",
+                  static_cast<double>(s.bytes_reduced) / static_cast<double>(s.syncs) / 1048576.0, s.comm_seconds);
     log(line);
   }
 
@@ -560,8 +556,7 @@ void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
   lockstep::all_reduce_scalars(comm, std::span<std::int64_t>(lohi), lockstep::reduce_op::min);
   if (ctx.is_root()) {
     result.checksum = h;
-    result.ranks_agree = lohi[0] == std::bit_cast<std::int64_t>(h) &&
-                         lohi[1] == -std::bit_cast<std::int64_t>(h);
+    result.ranks_agree = lohi[0] == std::bit_cast<std::int64_t>(h) && lohi[1] == -std::bit_cast<std::int64_t>(h);
     if (first_epoch >= last_epoch) {  // nothing left to train: report the loaded model
       lockstep::eval_counts all;
       all.correct = static_cast<std::int64_t>(trainer.count_correct(0, data.test.size));

@@ -57,9 +57,8 @@ inline unsigned blocks(std::size_t n) { return static_cast<unsigned>((n + thread
 // x[r, k] = table[pixels[row, k]], y[r] = labels[row], with row = rows[r] (rows non-null) or
 // first + r: the host's gather() (fashion_mnist.hpp) on the device, bit for bit.
 static __global__ void gather_rows(const std::uint8_t* __restrict__ px, const std::uint8_t* __restrict__ labels,
-                                   const int* __restrict__ rows, std::size_t first,
-                                   const float* __restrict__ table, float* __restrict__ x,
-                                   std::uint8_t* __restrict__ y, int n) {
+                                   const int* __restrict__ rows, std::size_t first, const float* __restrict__ table,
+                                   float* __restrict__ x, std::uint8_t* __restrict__ y, int n) {
   __shared__ float t[256];
   t[threadIdx.x] = table[threadIdx.x];
   __syncthreads();
@@ -82,8 +81,7 @@ static __global__ void bias_act(float* __restrict__ y, const float* __restrict__
 // One thread per row: softmax of the logits, the row's cross-entropy (in double, as the
 // host model sums it) and the gradient of the batch mean, (softmax − onehot) / B.
 static __global__ void softmax_xent(const float* __restrict__ logits, const std::uint8_t* __restrict__ y,
-                                    float* __restrict__ delta, double* __restrict__ row_loss, int n,
-                                    float inv_b) {
+                                    float* __restrict__ delta, double* __restrict__ row_loss, int n, float inv_b) {
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= n) return;
   const float* z = logits + static_cast<std::size_t>(r) * classes;
@@ -128,8 +126,8 @@ static __global__ void relu_mask(float* __restrict__ dx, const float* __restrict
 }
 
 // *count += rows whose first maximal logit is the label (mlp.hpp's tie rule).
-static __global__ void count_correct(const float* __restrict__ logits, const std::uint8_t* __restrict__ y,
-                                     int n, unsigned long long* __restrict__ count) {
+static __global__ void count_correct(const float* __restrict__ logits, const std::uint8_t* __restrict__ y, int n,
+                                     unsigned long long* __restrict__ count) {
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= n) return;
   const float* z = logits + static_cast<std::size_t>(r) * classes;
@@ -142,9 +140,8 @@ static __global__ void count_correct(const float* __restrict__ logits, const std
 }  // namespace kernels
 
 //! Gathers normalised rows of a device-resident split into a batch (the input pipeline).
-inline void gather_rows(const std::uint8_t* px, const std::uint8_t* labels, const int* rows,
-                        std::size_t first, const float* table, float* x, std::uint8_t* y, int n,
-                        cudaStream_t s) {
+inline void gather_rows(const std::uint8_t* px, const std::uint8_t* labels, const int* rows, std::size_t first,
+                        const float* table, float* x, std::uint8_t* y, int n, cudaStream_t s) {
   if (n == 0) return;
   kernels::gather_rows<<<kernels::blocks(static_cast<std::size_t>(n) * kernels::pixels), kernels::threads, 0, s>>>(
       px, labels, rows, first, table, x, y, n);
@@ -267,8 +264,8 @@ class Mlp {
     const cudaStream_t s = mem_.stream();
     forward(x, rows);
     auto* row_loss = static_cast<double*>(loss_mem_.get());
-    kernels::softmax_xent<<<kernels::blocks(n), kernels::threads, 0, s>>>(
-        act_[layers], y, delta_, row_loss, rows, 1.0f / static_cast<float>(rows));
+    kernels::softmax_xent<<<kernels::blocks(n), kernels::threads, 0, s>>>(act_[layers], y, delta_, row_loss, rows,
+                                                                          1.0f / static_cast<float>(rows));
     LOCKSTEP_CHECK_LAUNCH();
     kernels::add_sum<<<1, kernels::threads, 0, s>>>(row_loss, rows, loss_acc);
     LOCKSTEP_CHECK_LAUNCH();
@@ -279,8 +276,8 @@ class Mlp {
       const int in = static_cast<int>(dims[l]), out = static_cast<int>(dims[l + 1]);
       const float* input = l == 0 ? x : act_[l];
       // dWᵀ(out×in) += dYᵀ(out×n) · X(n×in)
-      FMNIST_TRY_CUBLAS(cublasSgemm(blas_.get(), CUBLAS_OP_N, CUBLAS_OP_T, out, in, rows, &one, d, out,
-                                    input, in, &one, grads_[2 * l], out));
+      FMNIST_TRY_CUBLAS(cublasSgemm(blas_.get(), CUBLAS_OP_N, CUBLAS_OP_T, out, in, rows, &one, d, out, input, in, &one,
+                                    grads_[2 * l], out));
       kernels::bias_grad<<<kernels::blocks(static_cast<std::size_t>(out)), kernels::threads, 0, s>>>(
           d, grads_[2 * l + 1], rows, out);
       LOCKSTEP_CHECK_LAUNCH();
@@ -293,8 +290,8 @@ class Mlp {
       ready(2 * l);
       if (l > 0) {
         // dXᵀ(in×n) = W(in×out) · dYᵀ(out×n), then through the ReLU of the layer below.
-        FMNIST_TRY_CUBLAS(cublasSgemm(blas_.get(), CUBLAS_OP_T, CUBLAS_OP_N, in, rows, out, &one,
-                                      values_[2 * l], out, d, out, &zero, spare, in));
+        FMNIST_TRY_CUBLAS(cublasSgemm(blas_.get(), CUBLAS_OP_T, CUBLAS_OP_N, in, rows, out, &one, values_[2 * l], out,
+                                      d, out, &zero, spare, in));
         const std::size_t count = static_cast<std::size_t>(rows) * static_cast<std::size_t>(in);
         kernels::relu_mask<<<kernels::blocks(count), kernels::threads, 0, s>>>(spare, act_[l], count);
         LOCKSTEP_CHECK_LAUNCH();
@@ -321,11 +318,11 @@ class Mlp {
     for (std::size_t l = 0; l < layers; ++l) {
       const int in = static_cast<int>(dims[l]), out = static_cast<int>(dims[l + 1]);
       // Yᵀ(out×n) = Wᵀ(out×in) · Xᵀ(in×n)
-      FMNIST_TRY_CUBLAS(cublasSgemm(blas_.get(), CUBLAS_OP_N, CUBLAS_OP_N, out, rows, in, &one,
-                                    values_[2 * l], out, l == 0 ? x : act_[l], in, &zero, act_[l + 1], out));
+      FMNIST_TRY_CUBLAS(cublasSgemm(blas_.get(), CUBLAS_OP_N, CUBLAS_OP_N, out, rows, in, &one, values_[2 * l], out,
+                                    l == 0 ? x : act_[l], in, &zero, act_[l + 1], out));
       const std::size_t count = static_cast<std::size_t>(rows) * static_cast<std::size_t>(out);
-      kernels::bias_act<<<kernels::blocks(count), kernels::threads, 0, mem_.stream()>>>(
-          act_[l + 1], values_[2 * l + 1], rows, out, l + 1 < layers);
+      kernels::bias_act<<<kernels::blocks(count), kernels::threads, 0, mem_.stream()>>>(act_[l + 1], values_[2 * l + 1],
+                                                                                        rows, out, l + 1 < layers);
       LOCKSTEP_CHECK_LAUNCH();
     }
   }

@@ -55,8 +55,7 @@ struct device_split {
   std::size_t size = 0;
   device_split(const lockstep::CudaMemory& mem, const split& s)
       : pixels(to_device(mem, s.pixels.data(), s.pixels.size())),
-        labels(to_device(mem, s.labels.data(), s.labels.size())),
-        size(s.size) {}
+        labels(to_device(mem, s.labels.data(), s.labels.size())), size(s.size) {}
   const std::uint8_t* px() const { return static_cast<const std::uint8_t*>(pixels.get()); }
   const std::uint8_t* y() const { return static_cast<const std::uint8_t*>(labels.get()); }
 };
@@ -77,12 +76,8 @@ class GpuTrainer {
  public:
   GpuTrainer(int device, cudaStream_t stream, const dataset& data, std::uint64_t seed, std::size_t per_rank,
              input_kind input)
-      : data_(data),
-        input_(input),
-        mem_(device, stream),
-        test_(mem_, data.test),
-        table_(to_device(mem_, data.table.data(), data.table.size())),
-        rows_(std::max(per_rank, eval_rows)) {
+      : data_(data), input_(input), mem_(device, stream), test_(mem_, data.test),
+        table_(to_device(mem_, data.table.data(), data.table.size())), rows_(std::max(per_rank, eval_rows)) {
     fmnist::Mlp host(lockstep::model_seed(seed));  // the CPU model's initial weights
     model_.emplace(host.parameters(), mem_, rows_);
     x_ = mem_.allocate(rows_ * image_pixels * sizeof(float));
@@ -238,10 +233,10 @@ class GpuTrainer {
   std::shared_ptr<void> x_, y_, acc_, idx_;
   std::size_t idx_capacity_ = 0;
   std::span<const std::size_t> indices_;
-  std::vector<std::byte> staged_;    // --input sync: the batch on the host ...
-  std::shared_ptr<void> staged_dev_;  // ... and on the device
-  std::vector<std::size_t> rows_of_epoch_;  // --input prefetch: what the producer reads;
-  std::vector<batch_span> batch_at_;        // declared before prefetch_, which outlives
+  std::vector<std::byte> staged_;                 // --input sync: the batch on the host ...
+  std::shared_ptr<void> staged_dev_;              // ... and on the device
+  std::vector<std::size_t> rows_of_epoch_;        // --input prefetch: what the producer reads;
+  std::vector<batch_span> batch_at_;              // declared before prefetch_, which outlives
   std::optional<lockstep::Prefetcher> prefetch_;  // neither (its helper threads read them)
 };
 
@@ -354,9 +349,8 @@ bool check_gpu_model(int device, const dataset& data, const options& opt) {
     std::printf("check: GPU %d vs the CPU model, batch %zu, %d SGD steps: inputs %s | loss rel. diff %.2e | "
                 "gradients %.2e (worst %s) | parameters %.2e (worst %s) | %zu test images: %llu vs %zu "
                 "correct | %s (tolerance %.0e)\n",
-                device, B, steps, inputs_equal ? "identical" : "DIFFER", loss_diff, grad_diff,
-                worst_grad.c_str(), param_diff, worst_param.c_str(), n_eval, gpu_correct, cpu_correct,
-                ok ? "PASS" : "FAIL", tolerance);
+                device, B, steps, inputs_equal ? "identical" : "DIFFER", loss_diff, grad_diff, worst_grad.c_str(),
+                param_diff, worst_param.c_str(), n_eval, gpu_correct, cpu_correct, ok ? "PASS" : "FAIL", tolerance);
     std::fflush(stdout);
     LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(stream.s));
   }
@@ -364,8 +358,8 @@ bool check_gpu_model(int device, const dataset& data, const options& opt) {
   return ok;
 }
 
-void train_on_gpus(const std::vector<int>& devices, const options& opt, const training_plan& plan,
-                   const dataset& data, final_result& result) {
+void train_on_gpus(const std::vector<int>& devices, const options& opt, const training_plan& plan, const dataset& data,
+                   final_result& result) {
   lockstep::run(lockstep::Gpus{devices}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
     GpuTrainer trainer(ctx.device(), ctx.comm().compute_stream(), data, opt.seed, plan.per_rank, opt.input);
     train_rank(ctx, trainer, opt, plan, data, result);
@@ -373,8 +367,8 @@ void train_on_gpus(const std::vector<int>& devices, const options& opt, const tr
 }
 
 void train_as_gpu_process(const options& opt, const dataset& data,
-                          const std::function<training_plan(const process_rank&)>& start,
-                          final_result& result, process_rank& me) {
+                          const std::function<training_plan(const process_rank&)>& start, final_result& result,
+                          process_rank& me) {
   // [snippet docs/example_distributed.md#1]
   lockstep::run(lockstep::Processes{}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
     std::int64_t hosts = ctx.local_rank() == 0 ? 1 : 0;

@@ -15,8 +15,8 @@ namespace fmnist {
 bool check_gpu_model(int device, const dataset& data, const options& opt);
 
 //! The training of main(): one rank per device of `devices` (lockstep::run(Gpus{...})).
-void train_on_gpus(const std::vector<int>& devices, const options& opt,
-                   const training_plan& plan, const dataset& data, final_result& result);
+void train_on_gpus(const std::vector<int>& devices, const options& opt, const training_plan& plan, const dataset& data,
+                   final_result& result);
 
 //! Who this process is, once the job's communicator is up (example 02's GPU path).
 struct process_rank {
@@ -31,7 +31,7 @@ struct process_rank {
 //! every rank once the communicator is up and returns the plan (rank 0 prints it); the
 //! result holds rank 0's view; `me` says who this process was.
 void train_as_gpu_process(const options& opt, const dataset& data,
-                          const std::function<training_plan(const process_rank&)>& start,
-                          final_result& result, process_rank& me);
+                          const std::function<training_plan(const process_rank&)>& start, final_result& result,
+                          process_rank& me);
 
 }  // namespace fmnist

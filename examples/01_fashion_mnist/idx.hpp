@@ -18,8 +18,7 @@
 namespace fmnist {
 
 struct data_error : std::runtime_error {
-  data_error(const std::string& what, bool missing_file)
-      : std::runtime_error(what), missing(missing_file) {}
+  data_error(const std::string& what, bool missing_file) : std::runtime_error(what), missing(missing_file) {}
   bool missing;  // the file is not there at all (vs. present but unreadable or corrupt)
 };
 
@@ -49,9 +48,9 @@ class gz_file {
     errno = 0;
     f_ = gzopen(path_.c_str(), "rb");
     if (f_ == nullptr)
-      throw data_error("cannot open '" + path_ + "': " +
-                           (errno ? std::strerror(errno) : "zlib could not allocate its state"),
-                       false);
+      throw data_error(
+          "cannot open '" + path_ + "': " + (errno ? std::strerror(errno) : "zlib could not allocate its state"),
+          false);
     gzbuffer(f_, 1u << 18);  // fewer, larger reads: decompression dominates the load time
   }
   gz_file(const gz_file&) = delete;
@@ -84,17 +83,14 @@ class gz_file {
   std::uint32_t read_u32_be(const char* what) {
     unsigned char b[4];
     if (read(b, 4) != 4)
-      throw data_error("'" + path_ + "' is truncated: it ends inside its IDX header (reading " +
-                           what + "); the download or copy was cut short — reinstall "
+      throw data_error("'" + path_ + "' is truncated: it ends inside its IDX header (reading " + what +
+                           "); the download or copy was cut short — reinstall "
                            "dataset-fashion-mnist",
                        false);
-    return (std::uint32_t{b[0]} << 24) | (std::uint32_t{b[1]} << 16) |
-           (std::uint32_t{b[2]} << 8) | std::uint32_t{b[3]};
+    return (std::uint32_t{b[0]} << 24) | (std::uint32_t{b[1]} << 16) | (std::uint32_t{b[2]} << 8) | std::uint32_t{b[3]};
   }
 
-  [[noreturn]] void fail(const std::string& problem) const {
-    throw data_error("'" + path_ + "' " + problem, false);
-  }
+  [[noreturn]] void fail(const std::string& problem) const { throw data_error("'" + path_ + "' " + problem, false); }
   const std::string& path() const { return path_; }
 
  private:
@@ -102,8 +98,8 @@ class gz_file {
     int code = Z_OK;
     std::string msg = gzerror(f_, &code);
     if (msg.starts_with(path_ + ": ")) msg.erase(0, path_.size() + 2);  // zlib prefixes the path
-    fail("is corrupt: zlib reports \"" + msg + "\" after " +
-         std::to_string(total_) + " decompressed bytes (a truncated or damaged gzip file); "
+    fail("is corrupt: zlib reports \"" + msg + "\" after " + std::to_string(total_) +
+         " decompressed bytes (a truncated or damaged gzip file); "
          "reinstall dataset-fashion-mnist");
   }
 
@@ -119,15 +115,14 @@ inline std::string hex32(std::uint32_t v) {
 }
 
 // Reads the payload bytes of `count` items of `item_bytes` each; a short read names both.
-inline void read_items(gz_file& f, std::vector<std::uint8_t>& out, std::size_t count,
-                       std::size_t item_bytes, std::size_t header_count, const char* items) {
+inline void read_items(gz_file& f, std::vector<std::uint8_t>& out, std::size_t count, std::size_t item_bytes,
+                       std::size_t header_count, const char* items) {
   out.resize(count * item_bytes);
   const std::size_t got = f.read(out.data(), out.size());
   if (got != out.size())
     f.fail("is truncated: its header announces " + std::to_string(header_count) + " " + items +
-           " but the data ends after " + std::to_string(got / item_bytes) + " of them (" +
-           std::to_string(got) + " of " + std::to_string(out.size()) +
-           " bytes read); reinstall dataset-fashion-mnist");
+           " but the data ends after " + std::to_string(got / item_bytes) + " of them (" + std::to_string(got) +
+           " of " + std::to_string(out.size()) + " bytes read); reinstall dataset-fashion-mnist");
 }
 
 inline void expect_end(gz_file& f, const char* items) {
@@ -154,7 +149,8 @@ inline std::size_t read_images(const std::filesystem::path& path, std::size_t li
     f.fail("holds " + std::to_string(rows) + "x" + std::to_string(cols) +
            " images; Fashion-MNIST images are 28x28 — is it the right file?");
   if (n == 0 || n > 10'000'000u)
-    f.fail("announces " + std::to_string(n) + " images; expected between 1 and 10,000,000 "
+    f.fail("announces " + std::to_string(n) +
+           " images; expected between 1 and 10,000,000 "
            "(the header is corrupt)");
   const std::size_t count = std::min<std::size_t>(n, limit);
   detail::read_items(f, out.pixels, count, image_pixels, n, "images");
@@ -173,29 +169,29 @@ inline std::size_t read_labels(const std::filesystem::path& path, std::size_t li
            "is it the right file?");
   const std::uint32_t n = f.read_u32_be("the label count");
   if (n == 0 || n > 10'000'000u)
-    f.fail("announces " + std::to_string(n) + " labels; expected between 1 and 10,000,000 "
+    f.fail("announces " + std::to_string(n) +
+           " labels; expected between 1 and 10,000,000 "
            "(the header is corrupt)");
   const std::size_t count = std::min<std::size_t>(n, limit);
   detail::read_items(f, out.labels, count, 1, n, "labels");
   if (count == n) detail::expect_end(f, "labels");
   for (std::size_t i = 0; i < count; ++i)
     if (out.labels[i] >= classes)
-      f.fail("is corrupt: label " + std::to_string(out.labels[i]) + " at index " +
-             std::to_string(i) + " is out of range (Fashion-MNIST has 10 classes, 0-9)");
+      f.fail("is corrupt: label " + std::to_string(out.labels[i]) + " at index " + std::to_string(i) +
+             " is out of range (Fashion-MNIST has 10 classes, 0-9)");
   return n;
 }
 
 // "<dir>/<prefix>-images-idx3-ubyte.gz" and its labels; at most `limit` samples.
-inline split load_split(const std::filesystem::path& dir, const std::string& prefix,
-                        std::size_t limit) {
+inline split load_split(const std::filesystem::path& dir, const std::string& prefix, std::size_t limit) {
   const auto images = dir / (prefix + "-images-idx3-ubyte.gz");
   const auto labels = dir / (prefix + "-labels-idx1-ubyte.gz");
   split s;
   const std::size_t ni = read_images(images, limit, s);
   const std::size_t nl = read_labels(labels, limit, s);
   if (ni != nl)
-    throw data_error("'" + images.string() + "' holds " + std::to_string(ni) + " images but '" +
-                         labels.string() + "' holds " + std::to_string(nl) +
+    throw data_error("'" + images.string() + "' holds " + std::to_string(ni) + " images but '" + labels.string() +
+                         "' holds " + std::to_string(nl) +
                          " labels; the two files must come from the same split "
                          "(reinstall dataset-fashion-mnist)",
                      false);

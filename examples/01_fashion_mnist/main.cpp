@@ -62,29 +62,26 @@ std::vector<int> choose_gpus(const fmnist::options& opt, const lockstep::environ
   if (opt.device == fmnist::device_kind::cpu) return {};
   if (!built_with_gpus) {
     if (opt.device == fmnist::device_kind::gpu)
-      throw lockstep::config_error(
-          "--device gpu: this fashion_mnist was built without CUDA (lockstep::cuda was not "
-          "available); rebuild it with the CUDA toolkit and NCCL installed "
-          "(-DLOCKSTEP_ENABLE_CUDA=ON), or use --device cpu");
+      throw lockstep::config_error("--device gpu: this fashion_mnist was built without CUDA (lockstep::cuda was not "
+                                   "available); rebuild it with the CUDA toolkit and NCCL installed "
+                                   "(-DLOCKSTEP_ENABLE_CUDA=ON), or use --device cpu");
     return {};
   }
   if (opt.device == fmnist::device_kind::automatic &&
       lockstep::decide(env, true).kind != lockstep::mode_kind::local_gpus)
     return {};  // no GPU visible, or LOCKSTEP_CPU_RANKS asks for CPU ranks
   if (env.gpus.empty())
-    throw lockstep::config_error(
-        "--device gpu: no GPU is visible" +
-        (env.cuda_error.empty() ? std::string() : " (CUDA: " + env.cuda_error + ")") +
-        "; check the driver and CUDA_VISIBLE_DEVICES, or use --device cpu");
+    throw lockstep::config_error("--device gpu: no GPU is visible" +
+                                 (env.cuda_error.empty() ? std::string() : " (CUDA: " + env.cuda_error + ")") +
+                                 "; check the driver and CUDA_VISIBLE_DEVICES, or use --device cpu");
   std::vector<int> devices;
   if (env.devices) devices = *env.devices;
   else
     for (const auto& g : env.gpus) devices.push_back(g.id);
   if (opt.gpus > 0) {
     if (static_cast<std::size_t>(opt.gpus) > devices.size())
-      throw lockstep::config_error("--gpus " + std::to_string(opt.gpus) + ": only " +
-                                   std::to_string(devices.size()) + " GPU(s) available" +
-                                   (env.devices ? " in LOCKSTEP_DEVICES" : "") +
+      throw lockstep::config_error("--gpus " + std::to_string(opt.gpus) + ": only " + std::to_string(devices.size()) +
+                                   " GPU(s) available" + (env.devices ? " in LOCKSTEP_DEVICES" : "") +
                                    "; ask for fewer");
     devices.resize(static_cast<std::size_t>(opt.gpus));
   }
@@ -120,14 +117,13 @@ int main(int argc, char** argv) {
     const auto env = lockstep::detect();
     const std::vector<int> gpus = choose_gpus(opt, env);
     const bool on_gpus = !gpus.empty();
-    const int ranks = on_gpus ? static_cast<int>(gpus.size())
-                              : (opt.ranks > 0 ? opt.ranks : lockstep::decide(env).ranks);
+    const int ranks =
+        on_gpus ? static_cast<int>(gpus.size()) : (opt.ranks > 0 ? opt.ranks : lockstep::decide(env).ranks);
     const fmnist::training_plan plan = fmnist::make_plan(opt, data.train.size, ranks, on_gpus);
 
     std::string where;
     if (on_gpus) {
-      where = std::to_string(ranks) + " GPU rank" + (ranks == 1 ? "" : "s") + " (device" +
-              (ranks == 1 ? " " : "s ");
+      where = std::to_string(ranks) + " GPU rank" + (ranks == 1 ? "" : "s") + " (device" + (ranks == 1 ? " " : "s ");
       for (std::size_t i = 0; i < gpus.size(); ++i) {
         if (i > 0) where += ",";
         where += std::to_string(gpus[i]);

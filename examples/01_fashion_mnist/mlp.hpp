@@ -25,9 +25,8 @@ namespace fmnist {
 namespace detail {
 
 // c_r[j] += a_r · b[j] for four rows at once: b is loaded once for four FMAs.
-inline void axpy4(std::size_t n, float a0, float a1, float a2, float a3,
-                  const float* __restrict b, float* __restrict c0, float* __restrict c1,
-                  float* __restrict c2, float* __restrict c3) {
+inline void axpy4(std::size_t n, float a0, float a1, float a2, float a3, const float* __restrict b,
+                  float* __restrict c0, float* __restrict c1, float* __restrict c2, float* __restrict c3) {
   for (std::size_t j = 0; j < n; ++j) {
     const float bj = b[j];
     c0[j] += a0 * bj;
@@ -45,15 +44,13 @@ inline void axpy1(std::size_t n, float a, const float* __restrict b, float* __re
 
 // C[M×N] += A[M×K] · B[K×N]; all row-major and dense. Loop order i-k-j, four rows of C
 // per pass over B (a K-row panel of B is re-read M/4 times, mostly from cache).
-inline void gemm_acc(std::size_t M, std::size_t N, std::size_t K, const float* A, const float* B,
-                     float* C) {
+inline void gemm_acc(std::size_t M, std::size_t N, std::size_t K, const float* A, const float* B, float* C) {
   std::size_t i = 0;
   for (; i + 4 <= M; i += 4) {
     const float* a = A + i * K;
     float* c = C + i * N;
     for (std::size_t k = 0; k < K; ++k)
-      detail::axpy4(N, a[k], a[K + k], a[2 * K + k], a[3 * K + k], B + k * N, c, c + N,
-                    c + 2 * N, c + 3 * N);
+      detail::axpy4(N, a[k], a[K + k], a[2 * K + k], a[3 * K + k], B + k * N, c, c + N, c + 2 * N, c + 3 * N);
   }
   for (; i < M; ++i)
     for (std::size_t k = 0; k < K; ++k) detail::axpy1(N, A[i * K + k], B + k * N, C + i * N);
@@ -131,8 +128,7 @@ class Mlp {
       float sum = 0.0f;
       for (std::size_t c = 0; c < C; ++c) sum += (e[c] = std::exp(z[c] - m));
       loss += std::log(static_cast<double>(sum)) - static_cast<double>(z[y[r]] - m);
-      for (std::size_t c = 0; c < C; ++c)
-        delta_[r * C + c] = (e[c] / sum - (c == y[r] ? 1.0f : 0.0f)) * inv_b;
+      for (std::size_t c = 0; c < C; ++c) delta_[r * C + c] = (e[c] / sum - (c == y[r] ? 1.0f : 0.0f)) * inv_b;
     }
     for (std::size_t l = layers; l-- > 0;) {
       const std::size_t in = dims[l], out = dims[l + 1];
@@ -150,7 +146,7 @@ class Mlp {
         const float* a = act_[l].data();
         for (std::size_t k = 0; k < B * in; ++k) prev_[k] = a[k] > 0.0f ? prev_[k] : 0.0f;
       }
-      ready(2 * l);      // both gradients of layer l are final: their bucket may go
+      ready(2 * l);  // both gradients of layer l are final: their bucket may go
       ready(2 * l + 1);
       if (l > 0) delta_.swap(prev_);
     }

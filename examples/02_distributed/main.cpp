@@ -88,9 +88,13 @@ constexpr const char* usage =
 
 // The launch lines, for a program started without a launcher.
 std::string launch_lines(const std::string& prog) {
-  return "  mpirun -np 4 " + prog + " [options]                            # CPU ranks over MPI\n"
-         "  lockstep-run --nproc 4 " + prog + " [options]                  # one process per GPU\n"
-         "  torchrun --no-python --nproc-per-node 4 " + prog + " [options] # the same, by torchrun\n";
+  return "  mpirun -np 4 " + prog +
+         " [options]                            # CPU ranks over MPI\n"
+         "  lockstep-run --nproc 4 " +
+         prog +
+         " [options]                  # one process per GPU\n"
+         "  torchrun --no-python --nproc-per-node 4 " +
+         prog + " [options] # the same, by torchrun\n";
 }
 
 // An MPI launcher started this process: Open MPI, MPICH/Intel MPI (PMI) or Slurm as
@@ -176,8 +180,8 @@ int main(int argc, char** argv) {
   }
   if (!on_mpi) {
     if (!with_gpus) {
-      std::cerr << "distributed_fashion_mnist: error: started by " << launch->launcher << " as rank "
-                << launch->rank << " of " << launch->world
+      std::cerr << "distributed_fashion_mnist: error: started by " << launch->launcher << " as rank " << launch->rank
+                << " of " << launch->world
                 << ". Outside MPI, one process per rank is the GPU path (lockstep::run("
                    "lockstep::Processes{}) with NcclComm), which this build does not have (no "
                    "lockstep::cuda); its CPU ranks need MPI: start it with `mpirun -np "
@@ -185,10 +189,9 @@ int main(int argc, char** argv) {
       return 1;
     }
     if (launch->local_world > visible_gpus) {  // before any rank waits for the others
-      std::cerr << "[lockstep-skip] distributed_fashion_mnist: rank " << launch->rank << ": "
-                << launch->local_world << " processes on this host need as many GPUs; "
-                << visible_gpus << " visible. Start at most one process per GPU (lockstep-run --nproc "
-                << visible_gpus << ")\n";
+      std::cerr << "[lockstep-skip] distributed_fashion_mnist: rank " << launch->rank << ": " << launch->local_world
+                << " processes on this host need as many GPUs; " << visible_gpus
+                << " visible. Start at most one process per GPU (lockstep-run --nproc " << visible_gpus << ")\n";
       return 77;
     }
   }
@@ -201,8 +204,7 @@ int main(int argc, char** argv) {
     data.test = fmnist::load_split(opt.data, "t10k", opt.limit_test.value_or(none));
   } catch (const fmnist::data_error& e) {
     std::cerr << "distributed_fashion_mnist: error"
-              << (launch ? " (rank " + std::to_string(launch->rank) + ")" : std::string()) << ": "
-              << e.what() << "\n";
+              << (launch ? " (rank " + std::to_string(launch->rank) + ")" : std::string()) << ": " << e.what() << "\n";
     return e.missing ? 77 : 1;
   }
   fmnist::make_table(data);
@@ -240,8 +242,9 @@ int main(int argc, char** argv) {
         fmnist::CpuTrainer trainer(data, opt.seed);
         // train_rank wraps the model with `lockstep::DataParallel dp(ctx, model, options)`: from a
         // context<MpiComm> that deduces lockstep::Distributed<fmnist::Mlp, lockstep::MpiComm>.
-        static_assert(std::is_same_v<decltype(lockstep::DataParallel(ctx, trainer.model(), lockstep::DataParallelOptions{})),
-                                     lockstep::Distributed<fmnist::Mlp, lockstep::MpiComm>>);
+        static_assert(
+            std::is_same_v<decltype(lockstep::DataParallel(ctx, trainer.model(), lockstep::DataParallelOptions{})),
+                           lockstep::Distributed<fmnist::Mlp, lockstep::MpiComm>>);
         fmnist::train_rank(ctx, trainer, opt, plan, data, result);
       });
 #endif

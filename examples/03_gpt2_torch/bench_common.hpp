@@ -72,8 +72,8 @@ using lockstep_bench::median_after_warmup;
 inline void print_bench_line(const std::string& what, int gpus, double step_ms, std::int64_t tokens_per_step,
                              double peak_gib, double loss_first, double loss_last) {
   std::printf("bench: %s gpus=%d step_ms=%.2f tokens_per_s=%.0f peak_gib=%.2f loss_first=%.3f loss_last=%.3f\n",
-              what.c_str(), gpus, step_ms, static_cast<double>(tokens_per_step) / (step_ms / 1e3), peak_gib,
-              loss_first, loss_last);
+              what.c_str(), gpus, step_ms, static_cast<double>(tokens_per_step) / (step_ms / 1e3), peak_gib, loss_first,
+              loss_last);
   std::fflush(stdout);
 }
 

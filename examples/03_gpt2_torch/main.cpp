@@ -10,7 +10,8 @@
 // AdamW of lockstep stepping each bucket as soon as it is averaged. On CPU ranks:
 // torch::optim::AdamW on the averaged gradients. --shard: ShardedOptimizer (each rank's AdamW
 // steps 1/N of the parameters, kept in lockstep's arena) with the all-gather waited for block
-// by block in the next forward (gather_in_forward); on CPU ranks lockstep's host AdamW. Rank 0 prints the loss and tokens/s;
+// by block in the next forward (gather_in_forward); on CPU ranks lockstep's host AdamW. Rank 0 prints the loss and
+// tokens/s;
 // --bench prints one line "bench: ..." with the median step time, tokens/s and peak memory
 // (bench/gpt2_torch.sh runs it beside PyTorch DDP, bench/gpt2_ddp.py); --profile FILE writes
 // a Chrome trace (libtorch's Kineto profiler) of three steps after the warm-up, for
@@ -57,15 +58,15 @@ namespace {
 
 struct options : gpt2::run_options {
   std::string device = "auto";
-  std::string profile;  // a Chrome trace of steps [warmup, warmup + 3) (GPUs)
+  std::string profile;        // a Chrome trace of steps [warmup, warmup + 3) (GPUs)
   std::string wire = "fp32";  // gradients on the wire: fp32, or bf16 (lockstep::Bf16Wire)
   std::int64_t log_every = 25;
   bool bench = false;
   bool memory_trace = false;  // rank 0 prints the device memory in use after each phase (GPUs)
-  bool shard = false;  // ShardedOptimizer + gather_in_forward
-  bool pack_values = false;  // sharded: ShardedOptimizer::bind_values off
-  bool ce_gather = false;   // sharded: ShardedOptimizer::copy_engine_gather on
-  bool ce_scatter = false;  // sharded: ShardedOptimizer::copy_engine_scatter on
+  bool shard = false;         // ShardedOptimizer + gather_in_forward
+  bool pack_values = false;   // sharded: ShardedOptimizer::bind_values off
+  bool ce_gather = false;     // sharded: ShardedOptimizer::copy_engine_gather on
+  bool ce_scatter = false;    // sharded: ShardedOptimizer::copy_engine_scatter on
 };
 
 constexpr std::int64_t profiled_steps = 3;
@@ -124,7 +125,8 @@ void start_profile() {
 }
 void stop_profile(const std::string& path) {
   torch::autograd::profiler::disableProfiler()->save(path);
-  std::printf("gpt2_torch: wrote the trace of %lld steps to %s\n", static_cast<long long>(profiled_steps), path.c_str());
+  std::printf("gpt2_torch: wrote the trace of %lld steps to %s\n", static_cast<long long>(profiled_steps),
+              path.c_str());
 }
 #endif
 
@@ -142,7 +144,8 @@ constexpr bool on_gpu() {
 int main(int argc, char** argv) {
   const options opt = parse(argc, argv);
   if (!std::filesystem::exists(opt.data)) {
-    std::fprintf(stderr, "gpt2_torch: no text at %s; give --data DIR|FILE (Debian: apt-get install fortunes) [skipped]\n",
+    std::fprintf(stderr,
+                 "gpt2_torch: no text at %s; give --data DIR|FILE (Debian: apt-get install fortunes) [skipped]\n",
                  opt.data.c_str());
     return 77;
   }
@@ -152,185 +155,193 @@ int main(int argc, char** argv) {
   if (opt.device == "cpu") setenv("CUDA_VISIBLE_DEVICES", "", 1);  // run(Auto) then picks CPU ranks
 
   try {
-  lockstep::run(lockstep::Auto{}, [&](auto& ctx) {
-    using Comm = std::remove_cvref_t<decltype(ctx.comm())>;
-    constexpr bool gpu = on_gpu<Comm>();
-    if constexpr (!gpu) torch::set_num_threads(1);
+    lockstep::run(lockstep::Auto{}, [&](auto& ctx) {
+      using Comm = std::remove_cvref_t<decltype(ctx.comm())>;
+      constexpr bool gpu = on_gpu<Comm>();
+      if constexpr (!gpu) torch::set_num_threads(1);
 #if GPT2_GPU
-    std::optional<c10::cuda::CUDAGuard> device_guard;
-    std::optional<c10::cuda::CUDAStreamGuard> stream_guard;
-    if constexpr (gpu) {
-      device_guard.emplace(static_cast<c10::DeviceIndex>(ctx.device()));
-      stream_guard.emplace(c10::cuda::getStreamFromExternal(ctx.comm().compute_stream(),
-                                                            static_cast<c10::DeviceIndex>(ctx.device())));
-      gpt2::set_cuda_bf16_autocast(true);
-    }
+      std::optional<c10::cuda::CUDAGuard> device_guard;
+      std::optional<c10::cuda::CUDAStreamGuard> stream_guard;
+      if constexpr (gpu) {
+        device_guard.emplace(static_cast<c10::DeviceIndex>(ctx.device()));
+        stream_guard.emplace(
+            c10::cuda::getStreamFromExternal(ctx.comm().compute_stream(), static_cast<c10::DeviceIndex>(ctx.device())));
+        gpt2::set_cuda_bf16_autocast(true);
+      }
 #endif
-    const torch::Device dev = gpu ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(ctx.device()))
-                                  : torch::Device(torch::kCPU);
-    const auto mark = [&](const char* phase) {  // --memory-trace
+      const torch::Device dev =
+          gpu ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(ctx.device())) : torch::Device(torch::kCPU);
+      const auto mark = [&](const char* phase) {  // --memory-trace
 #if GPT2_GPU
-      if constexpr (gpu)
-        if (opt.memory_trace && ctx.is_root()) lockstep_bench::print_device_memory(phase, ctx.device());
+        if constexpr (gpu)
+          if (opt.memory_trace && ctx.is_root()) lockstep_bench::print_device_memory(phase, ctx.device());
 #endif
-      (void)phase;
-    };
-    mark("body start (context, NCCL)");
-    gpt2::Gpt model(nullptr);
-    {
-      std::lock_guard<std::mutex> lock(init_mutex);
-      torch::manual_seed(opt.seed);
-      model = gpt2::Gpt(cfg);
-    }
-    model->to(dev);
-    mark("model on the device");
-    lockstep::TorchModule tm(model);
-    mark("TorchModule (its gradients)");
-    const lockstep::DataParallelOptions dp_options{};
-    const lockstep::ShardedOptimizer sharding{.gather_in_forward = true,
-                                              .bind_values = !opt.pack_values,
-                                              .copy_engine_gather = opt.ce_gather,
-                                              .copy_engine_scatter = opt.ce_scatter};
-    const lockstep::Bf16Wire wire(opt.wire == "bf16");
-    // One body for both: ShardedOptimizer is a policy, so the DataParallel's type differs.
-    auto train = [&](auto& dp) {
-      constexpr bool sharded = std::remove_cvref_t<decltype(dp)>::sharded;
-
-      std::int64_t params = 0;
-      for (const auto& p : tm.tensors()) params += p.numel();
-      if (ctx.is_root())
-        std::printf("gpt2_torch: %lld parameters, %d rank(s) on %s, %lld x %lld tokens per rank and step, %zu bytes of text\n",
-                    static_cast<long long>(params), ctx.size(), gpu ? "GPUs" : "CPU", static_cast<long long>(opt.batch),
-                    static_cast<long long>(opt.seq), text.size());
-
-      const lockstep::AdamWOptions adamw{.lr = opt.lr, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1};
-      // Sharded, the optimizers step this rank's shards, and the forward waits for each block's
-      // all-gather just before using it.
-      const std::vector<lockstep::parameter>* stepped = &dp.parameters();
-      if constexpr (sharded) stepped = &dp.shard_parameters();
-      // [snippet docs/sharding.md#6]
-      gpt2::before_fn before;
-      if constexpr (sharded) before = [&](torch::nn::Module& sub) { for (auto i : tm.indices_of(sub)) dp.wait_parameters(i); };
-      // [end snippet]
-#if GPT2_GPU
-      using fused = lockstep::FusedAdamW;
-      std::optional<fused> gpu_opt;
-      if constexpr (gpu) gpu_opt.emplace(adamw, *stepped, ctx.device());
-#endif
-      std::optional<torch::optim::AdamW> cpu_opt;  // unsharded on CPU ranks: torch::optim on the averaged .grad
-      std::optional<lockstep::AdamW> host_opt;     // sharded on CPU ranks: lockstep's, on the shards
-      if constexpr (!gpu && !sharded)
-        cpu_opt.emplace(tm.tensors(), torch::optim::AdamWOptions(opt.lr).betas({0.9, 0.95}).weight_decay(0.1));
-      if constexpr (!gpu && sharded) host_opt.emplace(adamw);
-      mark("DataParallel, optimizer");
-
-      auto sync = [&] {
-#if GPT2_GPU
-        if constexpr (gpu) LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(ctx.comm().compute_stream()));
-#endif
+        (void)phase;
       };
-      using clock = std::chrono::steady_clock;
-      std::vector<double> step_ms;
-      auto t_log = clock::now();
-      double first_loss = 0, last_loss = 0;
-      const bool profiling = gpu && !opt.profile.empty() && ctx.is_root();
-      for (std::int64_t s = 0; s < opt.steps; ++s) {
-#if GPT2_GPU
-        if (profiling && s == opt.warmup) {
-          sync();
-          start_profile();
-        }
-#endif
-        const auto t0 = clock::now();
-        auto rows = text.batch(opt.batch, opt.seq, opt.seed, s, ctx.rank()).to(dev, /*non_blocking=*/true);
-        auto x = rows.narrow(1, 0, opt.seq), y = rows.narrow(1, 1, opt.seq);
-        auto step = dp.step();
+      mark("body start (context, NCCL)");
+      gpt2::Gpt model(nullptr);
+      {
+        std::lock_guard<std::mutex> lock(init_mutex);
+        torch::manual_seed(opt.seed);
+        model = gpt2::Gpt(cfg);
+      }
+      model->to(dev);
+      mark("model on the device");
+      lockstep::TorchModule tm(model);
+      mark("TorchModule (its gradients)");
+      const lockstep::DataParallelOptions dp_options{};
+      const lockstep::ShardedOptimizer sharding{.gather_in_forward = true,
+                                                .bind_values = !opt.pack_values,
+                                                .copy_engine_gather = opt.ce_gather,
+                                                .copy_engine_scatter = opt.ce_scatter};
+      const lockstep::Bf16Wire wire(opt.wire == "bf16");
+      // One body for both: ShardedOptimizer is a policy, so the DataParallel's type differs.
+      auto train = [&](auto& dp) {
+        constexpr bool sharded = std::remove_cvref_t<decltype(dp)>::sharded;
+
+        std::int64_t params = 0;
+        for (const auto& p : tm.tensors()) params += p.numel();
+        if (ctx.is_root())
+          std::printf("gpt2_torch: %lld parameters, %d rank(s) on %s, %lld x %lld tokens per rank and step, %zu bytes "
+                      "of text\n",
+                      static_cast<long long>(params), ctx.size(), gpu ? "GPUs" : "CPU",
+                      static_cast<long long>(opt.batch), static_cast<long long>(opt.seq), text.size());
+
+        const lockstep::AdamWOptions adamw{.lr = opt.lr, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1};
+        // Sharded, the optimizers step this rank's shards, and the forward waits for each block's
+        // all-gather just before using it.
+        const std::vector<lockstep::parameter>* stepped = &dp.parameters();
+        if constexpr (sharded) stepped = &dp.shard_parameters();
         // [snippet docs/sharding.md#6]
-        auto loss = model->loss(x, y, before);
+        gpt2::before_fn before;
+        if constexpr (sharded)
+          before = [&](torch::nn::Module& sub) {
+            for (auto i : tm.indices_of(sub)) dp.wait_parameters(i);
+          };
         // [end snippet]
-        tm.backward(loss, step.on_gradient_ready());
 #if GPT2_GPU
-        if constexpr (gpu) {
-          at::autocast::clear_cache();
-          cudaStream_t stream = ctx.comm().compute_stream();
-          step.finish([&](std::span<const lockstep::param_slice> b) { gpu_opt->step(b, stream, nullptr); });
-        }
+        using fused = lockstep::FusedAdamW;
+        std::optional<fused> gpu_opt;
+        if constexpr (gpu) gpu_opt.emplace(adamw, *stepped, ctx.device());
 #endif
-        if constexpr (!gpu && sharded) step.finish([&](std::span<const lockstep::param_slice> b) { host_opt->step(b); });
-        if constexpr (!gpu && !sharded) {
-          step.finish();
-          cpu_opt->step();
-        }
-        const bool log = s % opt.log_every == 0 || s + 1 == opt.steps;  // the same on every rank
-        if (opt.bench || log || profiling) sync();
-        step_ms.push_back(std::chrono::duration<double, std::milli>(clock::now() - t0).count());
-        if (s == 0) mark("after step 1");
+        std::optional<torch::optim::AdamW> cpu_opt;  // unsharded on CPU ranks: torch::optim on the averaged .grad
+        std::optional<lockstep::AdamW> host_opt;     // sharded on CPU ranks: lockstep's, on the shards
+        if constexpr (!gpu && !sharded)
+          cpu_opt.emplace(tm.tensors(), torch::optim::AdamWOptions(opt.lr).betas({0.9, 0.95}).weight_decay(0.1));
+        if constexpr (!gpu && sharded) host_opt.emplace(adamw);
+        mark("DataParallel, optimizer");
+
+        auto sync = [&] {
 #if GPT2_GPU
-        if (profiling && s + 1 == opt.warmup + profiled_steps) stop_profile(opt.profile);
+          if constexpr (gpu) LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(ctx.comm().compute_stream()));
 #endif
-        if (log) {
-          const double l = lockstep::mean_across_ranks(ctx.comm(), loss.template item<double>());
-          if (s == 0) first_loss = l;
-          last_loss = l;
-          if (ctx.is_root()) {
-            const double secs = std::chrono::duration<double>(clock::now() - t_log).count();
-            const double steps_done = s == 0 ? 1.0 : static_cast<double>(std::min<std::int64_t>(opt.log_every, s));
-            std::printf("step %5lld  loss %.4f  %.0f tokens/s\n", static_cast<long long>(s), l,
-                        steps_done * static_cast<double>(opt.batch * opt.seq * ctx.size()) / secs);
-            std::fflush(stdout);
-            t_log = clock::now();
+        };
+        using clock = std::chrono::steady_clock;
+        std::vector<double> step_ms;
+        auto t_log = clock::now();
+        double first_loss = 0, last_loss = 0;
+        const bool profiling = gpu && !opt.profile.empty() && ctx.is_root();
+        for (std::int64_t s = 0; s < opt.steps; ++s) {
+#if GPT2_GPU
+          if (profiling && s == opt.warmup) {
+            sync();
+            start_profile();
+          }
+#endif
+          const auto t0 = clock::now();
+          auto rows = text.batch(opt.batch, opt.seq, opt.seed, s, ctx.rank()).to(dev, /*non_blocking=*/true);
+          auto x = rows.narrow(1, 0, opt.seq), y = rows.narrow(1, 1, opt.seq);
+          auto step = dp.step();
+          // [snippet docs/sharding.md#6]
+          auto loss = model->loss(x, y, before);
+          // [end snippet]
+          tm.backward(loss, step.on_gradient_ready());
+#if GPT2_GPU
+          if constexpr (gpu) {
+            at::autocast::clear_cache();
+            cudaStream_t stream = ctx.comm().compute_stream();
+            step.finish([&](std::span<const lockstep::param_slice> b) { gpu_opt->step(b, stream, nullptr); });
+          }
+#endif
+          if constexpr (!gpu && sharded)
+            step.finish([&](std::span<const lockstep::param_slice> b) { host_opt->step(b); });
+          if constexpr (!gpu && !sharded) {
+            step.finish();
+            cpu_opt->step();
+          }
+          const bool log = s % opt.log_every == 0 || s + 1 == opt.steps;  // the same on every rank
+          if (opt.bench || log || profiling) sync();
+          step_ms.push_back(std::chrono::duration<double, std::milli>(clock::now() - t0).count());
+          if (s == 0) mark("after step 1");
+#if GPT2_GPU
+          if (profiling && s + 1 == opt.warmup + profiled_steps) stop_profile(opt.profile);
+#endif
+          if (log) {
+            const double l = lockstep::mean_across_ranks(ctx.comm(), loss.template item<double>());
+            if (s == 0) first_loss = l;
+            last_loss = l;
+            if (ctx.is_root()) {
+              const double secs = std::chrono::duration<double>(clock::now() - t_log).count();
+              const double steps_done = s == 0 ? 1.0 : static_cast<double>(std::min<std::int64_t>(opt.log_every, s));
+              std::printf("step %5lld  loss %.4f  %.0f tokens/s\n", static_cast<long long>(s), l,
+                          steps_done * static_cast<double>(opt.batch * opt.seq * ctx.size()) / secs);
+              std::fflush(stdout);
+              t_log = clock::now();
+            }
           }
         }
-      }
-      mark("end");
-      if (opt.bench) {
-        const double median = gpt2::median_after_warmup(step_ms, opt.warmup);
-        double peak_gib = 0;
+        mark("end");
+        if (opt.bench) {
+          const double median = gpt2::median_after_warmup(step_ms, opt.warmup);
+          double peak_gib = 0;
 #if GPT2_GPU
-        if constexpr (gpu) {
-          // libtorch's allocator (activations, weights) plus what lockstep allocated itself:
-          // the gradient arena, sharded the value arena the weights moved into, and the
-          // optimizer's state.
-          const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(ctx.device()));
-          const double arenas = static_cast<double>(dp.stats().arena_bytes) * (sharded ? 2 : 1);
-          peak_gib = (static_cast<double>(stats.allocated_bytes[0].peak) + arenas +
-                      static_cast<double>(gpu_opt->state_bytes())) / (1 << 30);
-        }
+          if constexpr (gpu) {
+            // libtorch's allocator (activations, weights) plus what lockstep allocated itself:
+            // the gradient arena, sharded the value arena the weights moved into, and the
+            // optimizer's state.
+            const auto stats =
+                c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(ctx.device()));
+            const double arenas = static_cast<double>(dp.stats().arena_bytes) * (sharded ? 2 : 1);
+            peak_gib = (static_cast<double>(stats.allocated_bytes[0].peak) + arenas +
+                        static_cast<double>(gpu_opt->state_bytes())) /
+                       (1 << 30);
+          }
 #endif
-        double used_gib = 0;  // everything on the GPU: NCCL's communicators and windows, libtorch's cache
+          double used_gib = 0;  // everything on the GPU: NCCL's communicators and windows, libtorch's cache
 #if GPT2_GPU
-        if constexpr (gpu) {
-          std::size_t free = 0, total = 0;
-          LOCKSTEP_TRY_CUDA(cudaMemGetInfo(&free, &total));
-          used_gib = static_cast<double>(total - free) / (1 << 30);
-        }
+          if constexpr (gpu) {
+            std::size_t free = 0, total = 0;
+            LOCKSTEP_TRY_CUDA(cudaMemGetInfo(&free, &total));
+            used_gib = static_cast<double>(total - free) / (1 << 30);
+          }
 #endif
-        double worst[3] = {median, peak_gib, used_gib};
-        lockstep::detail::host_all_reduce(ctx.comm(), std::span<double>(worst), lockstep::reduce_op::max);
-        const double peak = worst[1];
-        if (ctx.is_root())
-          gpt2::print_bench_line(std::string("lockstep") + (opt.wire == "bf16" ? "-bf16wire" : "") + (sharded ? "-sharded" : "") +
-                                     (sharded && !dp.stats().values_bound ? "-packed" : "") +
-                                     (sharded && dp.stats().gathers_by_copy_engine ? "-cegather" : "") +
-                                     (sharded && dp.stats().scatters_by_copy_engine ? "-cescatter" : ""),
-                                 ctx.size(), worst[0],
-                                 opt.batch * opt.seq * ctx.size(), peak, first_loss, last_loss);
-        if (ctx.is_root() && gpu)
-          std::printf("bench-memory: device_used_gib=%.2f (cudaMemGetInfo at the end, the most of any GPU)\n", worst[2]);
-      } else if (ctx.is_root()) {
-        std::printf("gpt2_torch: loss %.3f -> %.3f over %lld steps\n", first_loss, last_loss,
-                    static_cast<long long>(opt.steps));
+          double worst[3] = {median, peak_gib, used_gib};
+          lockstep::detail::host_all_reduce(ctx.comm(), std::span<double>(worst), lockstep::reduce_op::max);
+          const double peak = worst[1];
+          if (ctx.is_root())
+            gpt2::print_bench_line(std::string("lockstep") + (opt.wire == "bf16" ? "-bf16wire" : "") +
+                                       (sharded ? "-sharded" : "") +
+                                       (sharded && !dp.stats().values_bound ? "-packed" : "") +
+                                       (sharded && dp.stats().gathers_by_copy_engine ? "-cegather" : "") +
+                                       (sharded && dp.stats().scatters_by_copy_engine ? "-cescatter" : ""),
+                                   ctx.size(), worst[0], opt.batch * opt.seq * ctx.size(), peak, first_loss, last_loss);
+          if (ctx.is_root() && gpu)
+            std::printf("bench-memory: device_used_gib=%.2f (cudaMemGetInfo at the end, the most of any GPU)\n",
+                        worst[2]);
+        } else if (ctx.is_root()) {
+          std::printf("gpt2_torch: loss %.3f -> %.3f over %lld steps\n", first_loss, last_loss,
+                      static_cast<long long>(opt.steps));
+        }
+        if (ctx.is_root()) learned = last_loss < first_loss;
+      };
+      if (opt.shard) {
+        lockstep::DataParallel dp(ctx, tm, dp_options, wire, sharding);
+        train(dp);
+      } else {
+        lockstep::DataParallel dp(ctx, tm, dp_options, wire);
+        train(dp);
       }
-      if (ctx.is_root()) learned = last_loss < first_loss;
-    };
-    if (opt.shard) {
-      lockstep::DataParallel dp(ctx, tm, dp_options, wire, sharding);
-      train(dp);
-    } else {
-      lockstep::DataParallel dp(ctx, tm, dp_options, wire);
-      train(dp);
-    }
-  });
+    });
   } catch (const std::exception& e) {
     std::fprintf(stderr, "gpt2_torch: %s\n", e.what());
     return 1;

@@ -43,10 +43,12 @@ class TextData {
     auto out = torch::empty({rows, T + 1}, torch::kLong);
     auto* p = out.data_ptr<std::int64_t>();
     for (std::int64_t i = 0; i < rows; ++i) {
-      std::seed_seq s{seed, static_cast<std::uint64_t>(step), static_cast<std::uint64_t>(rank), static_cast<std::uint64_t>(i)};
+      std::seed_seq s{seed, static_cast<std::uint64_t>(step), static_cast<std::uint64_t>(rank),
+                      static_cast<std::uint64_t>(i)};
       std::mt19937_64 rng(s);
       const auto start = static_cast<std::size_t>(rng() % (bytes_.size() - static_cast<std::size_t>(T) - 1));
-      for (std::int64_t t = 0; t <= T; ++t) p[i * (T + 1) + t] = static_cast<unsigned char>(bytes_[start + static_cast<std::size_t>(t)]);
+      for (std::int64_t t = 0; t <= T; ++t)
+        p[i * (T + 1) + t] = static_cast<unsigned char>(bytes_[start + static_cast<std::size_t>(t)]);
     }
     return out;
   }

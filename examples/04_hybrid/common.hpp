@@ -27,9 +27,9 @@ struct options {
   float lr = 0.05f;
   std::filesystem::path data = "/usr/share/datasets/fashion-mnist";
   std::optional<std::size_t> limit_train, limit_test;
-  bool check_equivalence = false;   // GPUs: the split run against the unsplit one, then exit
+  bool check_equivalence = false;     // GPUs: the split run against the unsplit one, then exit
   std::optional<std::uint64_t> seed;  // --check-equivalence: repeat a run's data and weights
-  char omit = 0;                    // --check-omit f|g: leave that all-reduce out (the check must fail)
+  char omit = 0;                      // --check-omit f|g: leave that all-reduce out (the check must fail)
 };
 
 //! The network of the example: 784 → 128 → (256, split over the parts) → 128 → 10.

@@ -49,12 +49,14 @@ lockstep::Hybrid<lockstep::Gpus> gpu_mesh(const options& o) {
 struct device_split {
   std::shared_ptr<void> pixels, labels;
   device_split(const lockstep::CudaMemory& mem, const fmnist::split& s)
-      : pixels(to_device(mem, s.pixels.data(), s.pixels.size())), labels(to_device(mem, s.labels.data(), s.labels.size())) {}
+      : pixels(to_device(mem, s.pixels.data(), s.pixels.size())),
+        labels(to_device(mem, s.labels.data(), s.labels.size())) {}
 };
 
 // ‖a − b‖ / ‖b‖ for each parameter of the whole network (b: the reference); NaN becomes inf,
 // so that a maximum over ranks keeps it.
-std::vector<double> rel_diffs(std::span<const float> a, std::span<const float> b, const std::vector<whole_parameter>& layout) {
+std::vector<double> rel_diffs(std::span<const float> a, std::span<const float> b,
+                              const std::vector<whole_parameter>& layout) {
   std::vector<double> out;
   std::size_t at = 0;
   for (const auto& p : layout) {
@@ -187,8 +189,9 @@ int check_equivalence(const options& o) {
   std::vector<float> x;
   std::vector<std::uint8_t> y;
   fmnist::gather(ds.train, all, ds.table.data(), x, y);
-  std::printf("check: seed %llu (--seed repeats it), %d SGD steps (lr %g) on random data, global batch %zu = %d x %zu\n",
-              static_cast<unsigned long long>(seed), steps, static_cast<double>(o.lr), G, replicas, B);
+  std::printf(
+      "check: seed %llu (--seed repeats it), %d SGD steps (lr %g) on random data, global batch %zu = %d x %zu\n",
+      static_cast<unsigned long long>(seed), steps, static_cast<double>(o.lr), G, replicas, B);
   const lockstep::SgdOptions sgd_options{.lr = o.lr};
 
   // The reference on the host: tp_mlp.hpp's TpMlp, unsplit, the global batch.
@@ -196,8 +199,8 @@ int check_equivalence(const options& o) {
   for (int s = 0; s < steps; ++s) {
     for (auto& p : cpu.parameters()) std::fill_n(static_cast<float*>(p.grad), p.numel(), 0.0f);
     const auto at = static_cast<std::size_t>(s) * G;
-    cpu.forward_backward(std::span<const float>(x).subspan(at * P, G * P), std::span<const std::uint8_t>(y).subspan(at, G),
-                         [](std::size_t) {});
+    cpu.forward_backward(std::span<const float>(x).subspan(at * P, G * P),
+                         std::span<const std::uint8_t>(y).subspan(at, G), [](std::size_t) {});
     cpu.sgd(o.lr);
   }
   const auto cpu_whole = cpu.gathered_values();
@@ -229,7 +232,9 @@ int check_equivalence(const options& o) {
     auto& world = mesh.world();
     const lockstep::CudaMemory mem(mesh.data.device(), mesh.data.comm().compute_stream());
     GpuTpMlp model(d, mesh.part(), mesh.parts(), &mesh.model, seed, mem, B);
-    model.omit_for_check(o.omit == 'f' ? omit_collective::f : o.omit == 'g' ? omit_collective::g : omit_collective::none);
+    model.omit_for_check(o.omit == 'f'   ? omit_collective::f
+                         : o.omit == 'g' ? omit_collective::g
+                                         : omit_collective::none);
     lockstep::DataParallel dp(mesh.data, model);
     lockstep::FusedSgd sgd(sgd_options, dp.parameters(), mem.device());
     const auto dx = to_device(mem, x.data(), x.size()), dy = to_device(mem, y.data(), y.size());

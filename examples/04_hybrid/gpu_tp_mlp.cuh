@@ -87,8 +87,8 @@ class GpuTpMlp {
     const std::size_t W = width(), C = classes();
     act_mem_ = mem_.allocate(rows_ * (4 * W + 2 * h_ + 2 * C) * sizeof(float));
     float* p = static_cast<float*>(act_mem_.get());
-    for (auto [buf, n] : {std::pair{&a1_, W}, {&a2_, h_}, {&a3_, W}, {&z4_, C}, {&d4_, C}, {&d3_, W}, {&d2_, h_},
-                          {&d1_, W}}) {
+    for (auto [buf, n] :
+         {std::pair{&a1_, W}, {&a2_, h_}, {&a3_, W}, {&z4_, C}, {&d4_, C}, {&d3_, W}, {&d2_, h_}, {&d1_, W}}) {
       *buf = p;
       p += rows_ * n;
     }
@@ -194,12 +194,13 @@ class GpuTpMlp {
 
   // The activations of `rows` rows; g's all-reduce is the only communication.
   void forward(const float* x, int rows) {
-    const std::size_t W = width(), C = classes(), I = static_cast<std::size_t>(d_.in), r = static_cast<std::size_t>(rows);
+    const std::size_t W = width(), C = classes(), I = static_cast<std::size_t>(d_.in),
+                      r = static_cast<std::size_t>(rows);
     affine(x, I, values_[0], W, rows, a1_);
     bias_act(a1_, values_[1], rows, W, true);
     affine(a1_, W, values_[2], h_, rows, a2_);
     bias_act(a2_, values_[3], rows, h_, true);
-    affine(a2_, h_, values_[4], W, rows, a3_);  // this part's partial sum
+    affine(a2_, h_, values_[4], W, rows, a3_);                    // this part's partial sum
     if (omit_ != omit_collective::g) sum_over_parts(a3_, r * W);  // g
     bias_act(a3_, values_[5], rows, W, true);
     affine(a3_, W, values_[6], C, rows, z4_);
@@ -215,7 +216,8 @@ class GpuTpMlp {
   void affine(const float* in, std::size_t n_in, const float* w, std::size_t n_out, int rows, float* out) {
     const float one = 1.0f, zero = 0.0f;
     const int ni = static_cast<int>(n_in), no = static_cast<int>(n_out);
-    FMNIST_TRY_CUBLAS(cublasSgemm(blas_.get(), CUBLAS_OP_T, CUBLAS_OP_N, no, rows, ni, &one, w, ni, in, ni, &zero, out, no));
+    FMNIST_TRY_CUBLAS(
+        cublasSgemm(blas_.get(), CUBLAS_OP_T, CUBLAS_OP_N, no, rows, ni, &one, w, ni, in, ni, &zero, out, no));
   }
   // Gradients of parameter pair (i, i+1) from the output gradient d (rows × n_out) and the
   // layer's input (rows × n_in): gw[o, i] += Σ_r d[r, o]·in[r, i] (gwᵀ += inᵀ·d), gb[o] += Σ_r d[r, o].
@@ -232,7 +234,8 @@ class GpuTpMlp {
   void input_grad(const float* d, std::size_t n_out, const float* w, std::size_t n_in, int rows, float* din) {
     const float one = 1.0f, zero = 0.0f;
     const int ni = static_cast<int>(n_in), no = static_cast<int>(n_out);
-    FMNIST_TRY_CUBLAS(cublasSgemm(blas_.get(), CUBLAS_OP_N, CUBLAS_OP_N, ni, rows, no, &one, w, ni, d, no, &zero, din, ni));
+    FMNIST_TRY_CUBLAS(
+        cublasSgemm(blas_.get(), CUBLAS_OP_N, CUBLAS_OP_N, ni, rows, no, &one, w, ni, d, no, &zero, din, ni));
   }
   void bias_act(float* y, const float* b, int rows, std::size_t out, bool relu) {
     namespace k = fmnist::gpu::kernels;

@@ -60,7 +60,8 @@ hybrid::options parse(int argc, char** argv) {
   if ((a.check_equivalence || a.omit) && a.gpus == 0)
     throw std::invalid_argument("--check-equivalence and --check-omit need --gpus N");
   if (a.gpus > 0 && a.gpus % a.parts != 0)
-    throw std::invalid_argument("--parts " + std::to_string(a.parts) + " does not divide --gpus " + std::to_string(a.gpus));
+    throw std::invalid_argument("--parts " + std::to_string(a.parts) + " does not divide --gpus " +
+                                std::to_string(a.gpus));
   return a;
 }
 
@@ -91,7 +92,8 @@ void train_on_threads(const hybrid::options& a, const fmnist::dataset& data) {
         sampler.advance(batch.size());
         ++steps;
       }
-      if (root) std::printf("epoch %zu: mean training loss %.4f over %zu steps\n", sampler.epoch() + 1, loss / steps, steps);
+      if (root)
+        std::printf("epoch %zu: mean training loss %.4f over %zu steps\n", sampler.epoch() + 1, loss / steps, steps);
     }
     // Every replica evaluates the whole test set (its parts together).
     std::vector<std::size_t> rows(data.test.size);

@@ -43,7 +43,8 @@ class TpMlp {
       throw lockstep::config_error("TpMlp: " + std::to_string(parts) + " parts do not divide the " +
                                    std::to_string(d.hidden) + " hidden units");
     if (parts > 1 && (comm_ == nullptr || comm_->size() != parts))
-      throw lockstep::config_error("TpMlp: " + std::to_string(parts) + " parts need a model-axis communicator of that size");
+      throw lockstep::config_error("TpMlp: " + std::to_string(parts) +
+                                   " parts need a model-axis communicator of that size");
     h_ = d.hidden / parts;
     std::mt19937_64 rng(seed);
     const auto full = [&](int out, int in) {
@@ -207,7 +208,8 @@ class TpMlp {
   std::vector<std::vector<float>*> values() { return {&w1_, &b1_, &w2_, &b2_, &w3_, &b3_, &w4_, &b4_}; }
 
   void sum_over_parts(std::vector<float>& v) {
-    if (parts_ > 1) comm_->all_reduce(v.data(), v.data(), v.size(), lockstep::dtype::f32, lockstep::reduce_op::sum).wait();
+    if (parts_ > 1)
+      comm_->all_reduce(v.data(), v.data(), v.size(), lockstep::dtype::f32, lockstep::reduce_op::sum).wait();
   }
   // out[r, o] = b[o] + Σ_i w[o, i] · in[r, i]   (w: n_out × n_in, row-major)
   static void affine(std::span<const float> in, std::size_t n_in, const std::vector<float>& w, const float* b,
@@ -230,8 +232,8 @@ class TpMlp {
     for (std::size_t k = 0; k < d.size(); ++k) d[k] = act[k] > 0.0f ? d[k] : 0.0f;
   }
   // gw[o, i] += Σ_r dout[r, o] · in[r, i];  gb[o] += Σ_r dout[r, o]
-  static void accumulate(const std::vector<float>& dout, std::size_t n_out, std::span<const float> in,
-                         std::size_t n_in, float* gw, float* gb) {
+  static void accumulate(const std::vector<float>& dout, std::size_t n_out, std::span<const float> in, std::size_t n_in,
+                         float* gw, float* gb) {
     const std::size_t B = dout.size() / n_out;
     for (std::size_t o = 0; o < n_out; ++o)
       for (std::size_t r = 0; r < B; ++r) {

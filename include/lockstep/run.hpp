@@ -141,16 +141,14 @@ void run(Hybrid<Inner> mode, Body&& body) {
         return make_mesh(ctx, {.model_parallel = m});
       } catch (const config_error& e) {
         if (!from_env) throw;
-        throw config_error(std::string(e.what()) + "; the degree came from LOCKSTEP_MODEL_PARALLEL=" +
-                           std::to_string(*from_env));
+        throw config_error(std::string(e.what()) +
+                           "; the degree came from LOCKSTEP_MODEL_PARALLEL=" + std::to_string(*from_env));
       }
     }();
     body(mesh);
   };
-  if constexpr (std::is_same_v<Inner, Auto>)
-    detail::run_plan(detail::auto_plan(detect()), on_rank);
-  else
-    run(std::move(mode.inner), on_rank);
+  if constexpr (std::is_same_v<Inner, Auto>) detail::run_plan(detail::auto_plan(detect()), on_rank);
+  else run(std::move(mode.inner), on_rank);
 }
 
 }  // namespace lockstep

@@ -1,5 +1,5 @@
-// expect-error: no lockstep::grad_ops for this communicator's memory space.*lockstep/cuda/grad_ops.cuh.*use lockstep::NoScaling
-// A loss scaler unscales gradients where they live: a communicator whose memory space has no
+// expect-error: no lockstep::grad_ops for this communicator's memory space.*lockstep/cuda/grad_ops.cuh.*use
+// lockstep::NoScaling A loss scaler unscales gradients where they live: a communicator whose memory space has no
 // grad_ops specialisation gets a message naming grad_ops, the header and the alternative.
 #include <lockstep/parallel/data_parallel.hpp>
 #include <lockstep/scaling/scalers.hpp>

@@ -4,5 +4,5 @@
 
 #include "fixtures.hpp"
 
-static_assert(sizeof(lockstep::DataParallel<cf::GoodModel, cf::FullComm, lockstep::EveryStep,
-                                            lockstep::Accumulate<4>>) > 0);
+static_assert(
+    sizeof(lockstep::DataParallel<cf::GoodModel, cf::FullComm, lockstep::EveryStep, lockstep::Accumulate<4>>) > 0);

@@ -44,13 +44,15 @@ std::vector<float> train(const dataset& d, int ranks, std::uint64_t seed) {
     using Comm = std::remove_cvref_t<decltype(ctx.comm())>;
     TestMlp<float> m(d.dims, seed + static_cast<std::uint64_t>(ctx.rank()));
     using Hook = std::conditional_t<Wire, lockstep::Bf16Wire, lockstep::AllReduceMean>;
-    using DP = std::conditional_t<Sharded, lockstep::DataParallel<TestMlp<float>, Comm, Hook, lockstep::ShardedOptimizer>,
-                                  lockstep::DataParallel<TestMlp<float>, Comm, Hook>>;
+    using DP =
+        std::conditional_t<Sharded, lockstep::DataParallel<TestMlp<float>, Comm, Hook, lockstep::ShardedOptimizer>,
+                           lockstep::DataParallel<TestMlp<float>, Comm, Hook>>;
     DP dp(ctx, m, {.buckets = {.first_bytes = 200, .cap_bytes = 700}});
     lockstep::Sgd opt({.lr = 0.1, .momentum = 0.9});
     for (int s = 0; s < 6; ++s) {
       std::vector<std::size_t> rows;
-      for (std::size_t i = 0; i < 4; ++i) rows.push_back((static_cast<std::size_t>(s * ranks + ctx.rank()) * 4 + i) % d.samples);
+      for (std::size_t i = 0; i < 4; ++i)
+        rows.push_back((static_cast<std::size_t>(s * ranks + ctx.rank()) * 4 + i) % d.samples);
       auto st = dp.step();
       m.forward_backward(inputs<float>(d), d.y, rows, st.on_gradient_ready());
       if constexpr (Sharded) {
@@ -86,7 +88,8 @@ TEST_CASE("bf16 wire on CPU ranks: the mean of bf16-rounded values in fp32 - all
       w.reduce(ctx.comm(), a.data(), count, lockstep::dtype::f32).wait();
       w.reduce_scatter(ctx.comm(), b.data(), b.data() + r * per, per, lockstep::dtype::f32).wait();
       got[r] = a;
-      got_rs[r].assign(b.begin() + static_cast<std::ptrdiff_t>(r * per), b.begin() + static_cast<std::ptrdiff_t>((r + 1) * per));
+      got_rs[r].assign(b.begin() + static_cast<std::ptrdiff_t>(r * per),
+                       b.begin() + static_cast<std::ptrdiff_t>((r + 1) * per));
     });
     std::size_t off = 0, rounded = 0, not_exact = 0;
     for (std::size_t i = 0; i < count; ++i) {
@@ -102,8 +105,8 @@ TEST_CASE("bf16 wire on CPU ranks: the mean of bf16-rounded values in fp32 - all
     }
     CHECK(off == 0);
     if (n > 1) {
-      CHECK(rounded == count);          // every result is a bf16 value
-      CHECK(not_exact > count / 2);     // and not the fp32 all-reduce's
+      CHECK(rounded == count);       // every result is a bf16 value
+      CHECK(not_exact > count / 2);  // and not the fp32 all-reduce's
     }
     for (int r = 1; r < n; ++r) CHECK(got[static_cast<std::size_t>(r)] == got[0]);
     std::size_t off_rs = 0;

@@ -68,8 +68,8 @@ struct TempDir {
   fs::path path;
   TempDir() {
     std::random_device rd;
-    path = fs::temp_directory_path() /
-           ("lockstep-ckpt-test-" + std::to_string(::getpid()) + "-" + std::to_string(rd()));
+    path =
+        fs::temp_directory_path() / ("lockstep-ckpt-test-" + std::to_string(::getpid()) + "-" + std::to_string(rd()));
     fs::create_directories(path);
   }
   ~TempDir() {
@@ -112,8 +112,7 @@ struct TestModel {
   std::vector<double> h, gh;
   std::vector<float> e, ge;  // zero elements: must survive too
 
-  TestModel(std::int64_t r, std::int64_t c, std::int64_t kk, std::mt19937_64& rng)
-      : rows(r), cols(c), k(kk) {
+  TestModel(std::int64_t r, std::int64_t c, std::int64_t kk, std::mt19937_64& rng) : rows(r), cols(c), k(kk) {
     std::normal_distribution<double> d(0.0, 1.0);
     w.resize(static_cast<std::size_t>(r * c));
     b.resize(static_cast<std::size_t>(c));
@@ -203,9 +202,8 @@ FakeOptimizer random_optimizer(std::mt19937_64& rng) {
   return o;
 }
 
-Checkpoint full_checkpoint(TestModel& m, const FakeOptimizer& opt, const LossScale& ls,
-                           const std::mt19937_64& gen, const lockstep::checkpoint_meta& meta,
-                           const std::vector<std::byte>& raw) {
+Checkpoint full_checkpoint(TestModel& m, const FakeOptimizer& opt, const LossScale& ls, const std::mt19937_64& gen,
+                           const lockstep::checkpoint_meta& meta, const std::vector<std::byte>& raw) {
   Checkpoint ck;
   ck.meta = meta;
   ck.add_parameters(m.parameters(), lockstep::HostMemory{});
@@ -279,8 +277,7 @@ TEST_CASE("checkpoint: byte_writer / byte_reader encode little-endian and check 
   w.write(u);
   auto b = w.bytes();
   REQUIRE(b.size() == 4);
-  for (int i = 0; i < 4; ++i)
-    CHECK(static_cast<unsigned>(b[static_cast<std::size_t>(i)]) == ((u >> (8 * i)) & 0xFFu));
+  for (int i = 0; i < 4; ++i) CHECK(static_cast<unsigned>(b[static_cast<std::size_t>(i)]) == ((u >> (8 * i)) & 0xFFu));
 
   const double d = std::uniform_real_distribution<double>(-1e6, 1e6)(fx.rng);
   const auto i64 = static_cast<std::int64_t>(fx.rng());
@@ -302,8 +299,7 @@ TEST_CASE("checkpoint: byte_writer / byte_reader encode little-endian and check 
   CHECK(r.read_string() == s);
   std::vector<double> back(arr.size() + 1);
   CHECK_THROWS_AS(r.read_array(std::span<double>(back)), checkpoint_error);  // wrong length
-  lockstep::byte_reader r2(std::span<const std::byte>(bytes).subspan(4 + 8 + 8 + 1 + 8 + s.size()),
-                           "test section");
+  lockstep::byte_reader r2(std::span<const std::byte>(bytes).subspan(4 + 8 + 8 + 1 + 8 + s.size()), "test section");
   CHECK(r2.read_array<double>() == arr);
   CHECK(r2.at_end());
   const auto msg = error_of([&] { (void)r2.read<std::int32_t>(); });
@@ -324,8 +320,7 @@ TEST_CASE("checkpoint: round trip of parameters + sections + meta (header checke
   TestModel model(rows, cols, k, fx.rng);
   const TestModel original = model;
   const auto opt = random_optimizer(fx.rng);
-  const LossScale ls{std::ldexp(1.0, static_cast<int>(fx.rng() % 24)),
-                     static_cast<std::int64_t>(fx.rng() % 2000), 2.0};
+  const LossScale ls{std::ldexp(1.0, static_cast<int>(fx.rng() % 24)), static_cast<std::int64_t>(fx.rng() % 2000), 2.0};
   std::mt19937_64 gen(fx.rng());
   gen.discard(fx.rng() % 1000);
   const lockstep::checkpoint_meta meta{static_cast<std::int64_t>(fx.rng() % 100000),
@@ -428,8 +423,7 @@ TEST_CASE("checkpoint: a truncated file is reported as truncated") {
   });
   const auto file = read_file(path);
 
-  std::vector<std::size_t> cuts = {0, 1, 7, 8, 20, 47, 48, 49, 48 + (file.size() - 48) / 2,
-                                   file.size() - 1};
+  std::vector<std::size_t> cuts = {0, 1, 7, 8, 20, 47, 48, 49, 48 + (file.size() - 48) / 2, file.size() - 1};
   for (int i = 0; i < 5; ++i) cuts.push_back(fx.rng() % file.size());
   for (std::size_t cut : cuts) {
     CAPTURE(cut);
@@ -446,8 +440,7 @@ TEST_CASE("checkpoint: a truncated file is reported as truncated") {
   CHECK(contains(error_of([&] { (void)lockstep::load_checkpoint(fx.dir.path / "long.lsck"); }),
                  "unexpected bytes after its payload"));
 
-  CHECK(contains(error_of([&] { (void)lockstep::load_checkpoint(fx.dir.path / "absent.lsck"); }),
-                 "cannot open"));
+  CHECK(contains(error_of([&] { (void)lockstep::load_checkpoint(fx.dir.path / "absent.lsck"); }), "cannot open"));
 }
 
 TEST_CASE("checkpoint: a corrupted byte is caught by the checksums") {
@@ -522,19 +515,41 @@ TEST_CASE("checkpoint: restoring into a different model names the parameter and 
     std::string names;
   };
   const std::vector<Variant> variants = {
-      {"shape", [](TestModel& m) { auto p = m.parameters(); p[2].shape = {1, m.k}; return p; }, "head.weight"},
-      {"name", [](TestModel& m) { auto p = m.parameters(); p[1].name = "fc.b"; return p; }, "fc.bias"},
-      {"dtype", [](TestModel& m) {
+      {"shape",
+       [](TestModel& m) {
+         auto p = m.parameters();
+         p[2].shape = {1, m.k};
+         return p;
+       },
+       "head.weight"},
+      {"name",
+       [](TestModel& m) {
+         auto p = m.parameters();
+         p[1].name = "fc.b";
+         return p;
+       },
+       "fc.bias"},
+      {"dtype",
+       [](TestModel& m) {
          auto p = m.parameters();
          p[2] = lockstep::param<float>("head.weight", m.w.data(), m.gw.data(), {m.k});
          return p;
-       }, "head.weight"},
-      {"extra", [](TestModel& m) {
+       },
+       "head.weight"},
+      {"extra",
+       [](TestModel& m) {
          auto p = m.parameters();
          p.push_back(lockstep::param<float>("extra.bias", m.b.data(), m.gb.data(), {m.cols}));
          return p;
-       }, "extra.bias"},
-      {"missing", [](TestModel& m) { auto p = m.parameters(); p.pop_back(); return p; }, "empty"},
+       },
+       "extra.bias"},
+      {"missing",
+       [](TestModel& m) {
+         auto p = m.parameters();
+         p.pop_back();
+         return p;
+       },
+       "empty"},
   };
   for (const auto& v : variants) {
     CAPTURE(v.what);

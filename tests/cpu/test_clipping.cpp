@@ -81,8 +81,7 @@ TEST_CASE("clipping: grad_norm and clip_grad_norm match a long double reference"
     // Clip to a random fraction of the norm: every element scaled by T(max / (norm + 1e-6)).
     const auto f0 = g.f;
     const auto d0 = g.d;
-    const double max_norm =
-        static_cast<double>(ref) * std::uniform_real_distribution<double>(0.05, 0.9)(rng);
+    const double max_norm = static_cast<double>(ref) * std::uniform_real_distribution<double>(0.05, 0.9)(rng);
     const double returned = clip_grad_norm(std::span<const grad_group>(gs), max_norm);
     CHECK(std::fabs(returned - ref) <= ref * 1e-14L);
     // The coefficient from the returned norm (its accuracy is checked above), so this checks
@@ -126,10 +125,8 @@ TEST_CASE("clipping: clip_grad_norm: non-finite norm leaves the gradients and is
     const auto before_d = g.d;
     const auto gs = g.groups();
     const double n = clip_grad_norm(std::span<const grad_group>(gs), 1e-3);
-    if (std::isnan(bad))
-      CHECK(std::isnan(n));
-    else
-      CHECK(n == std::numeric_limits<double>::infinity());
+    if (std::isnan(bad)) CHECK(std::isnan(n));
+    else CHECK(n == std::numeric_limits<double>::infinity());
     for (std::size_t i = 0; i < g.f.size(); ++i)
       CHECK(std::memcmp(g.f[i].data(), before_f[i].data(), g.f[i].size() * 4) == 0);
     for (std::size_t i = 0; i < g.d.size(); ++i) CHECK(g.d[i] == before_d[i]);

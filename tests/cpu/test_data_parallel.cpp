@@ -105,15 +105,16 @@ TEST_CASE("frozen parameters (model (g)) are rank 0's after construction - never
   });
   for (auto& a : after) CHECK(a == rank0.table());
   std::string msg;
-  CHECK_THROWS_AS(lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
-                    TestMlpWithFrozen<float> m({5, 4, 3}, 1, 2, ctx.rank() == 1 ? 38 : 37);
-                    try {
-                      lockstep::DataParallel dp(ctx, m);
-                    } catch (const lockstep::mismatch_error& e) {
-                      if (ctx.rank() == 0) msg = e.what();
-                      throw;
-                    }
-                  }),
+  CHECK_THROWS_AS(lockstep::run(lockstep::Threads{2},
+                                [&](auto& ctx) {
+                                  TestMlpWithFrozen<float> m({5, 4, 3}, 1, 2, ctx.rank() == 1 ? 38 : 37);
+                                  try {
+                                    lockstep::DataParallel dp(ctx, m);
+                                  } catch (const lockstep::mismatch_error& e) {
+                                    if (ctx.rank() == 0) msg = e.what();
+                                    throw;
+                                  }
+                                }),
                   lockstep::mismatch_error);
   CHECK(msg.find("frozen parameter 0 is 'table [37] f32' on rank 0 but 'table [38] f32' on rank 1") !=
         std::string::npos);
@@ -121,16 +122,17 @@ TEST_CASE("frozen parameters (model (g)) are rank 0's after construction - never
 
 TEST_CASE("ranks with different models fail on every rank - naming the parameter and both shapes") {
   std::vector<std::string> msgs(3);
-  CHECK_THROWS_AS(lockstep::run(lockstep::Threads{3}, [&](auto& ctx) {
-                    const int hidden = ctx.rank() == 2 ? 6 : 4;
-                    TestMlp<float> m({5, hidden, 3}, 1);
-                    try {
-                      lockstep::DataParallel<TestMlp<float>, lockstep::ThreadComm> dp(ctx, m);
-                    } catch (const lockstep::mismatch_error& e) {
-                      msgs[static_cast<std::size_t>(ctx.rank())] = e.what();
-                      throw;
-                    }
-                  }),
+  CHECK_THROWS_AS(lockstep::run(lockstep::Threads{3},
+                                [&](auto& ctx) {
+                                  const int hidden = ctx.rank() == 2 ? 6 : 4;
+                                  TestMlp<float> m({5, hidden, 3}, 1);
+                                  try {
+                                    lockstep::DataParallel<TestMlp<float>, lockstep::ThreadComm> dp(ctx, m);
+                                  } catch (const lockstep::mismatch_error& e) {
+                                    msgs[static_cast<std::size_t>(ctx.rank())] = e.what();
+                                    throw;
+                                  }
+                                }),
                   lockstep::mismatch_error);
   for (auto& m : msgs) {
     CAPTURE(m);
@@ -143,16 +145,18 @@ TEST_CASE("ranks with different models fail on every rank - naming the parameter
 
 TEST_CASE("a rank with more parameters - or another element type - is named too") {
   std::string msg;
-  CHECK_THROWS_AS(lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
-                    std::vector<int> dims = ctx.rank() == 1 ? std::vector<int>{5, 4, 3, 2} : std::vector<int>{5, 4, 3};
-                    TestMlp<float> m(dims, 1);
-                    try {
-                      lockstep::DataParallel<TestMlp<float>, lockstep::ThreadComm> dp(ctx, m);
-                    } catch (const lockstep::mismatch_error& e) {
-                      if (ctx.rank() == 0) msg = e.what();
-                      throw;
-                    }
-                  }),
+  CHECK_THROWS_AS(lockstep::run(lockstep::Threads{2},
+                                [&](auto& ctx) {
+                                  std::vector<int> dims =
+                                      ctx.rank() == 1 ? std::vector<int>{5, 4, 3, 2} : std::vector<int>{5, 4, 3};
+                                  TestMlp<float> m(dims, 1);
+                                  try {
+                                    lockstep::DataParallel<TestMlp<float>, lockstep::ThreadComm> dp(ctx, m);
+                                  } catch (const lockstep::mismatch_error& e) {
+                                    if (ctx.rank() == 0) msg = e.what();
+                                    throw;
+                                  }
+                                }),
                   lockstep::mismatch_error);
   CHECK(msg.find("parameter 4") != std::string::npos);
   CHECK(msg.find("nothing (it has 4 parameters)") != std::string::npos);
@@ -167,7 +171,8 @@ TEST_CASE("the bucket plan is rebuilt once from rank 0's arrival order - identic
   std::vector<std::vector<double>> vals(3);
   lockstep::run(lockstep::Threads{3}, [&](auto& ctx) {
     TestMlp<double> m({6, 5, 4, 3}, seed);
-    lockstep::DataParallel<TestMlp<double>, lockstep::ThreadComm> dp(ctx, m, {.buckets = {.first_bytes = 48, .cap_bytes = 96}});
+    lockstep::DataParallel<TestMlp<double>, lockstep::ThreadComm> dp(ctx, m,
+                                                                     {.buckets = {.first_bytes = 48, .cap_bytes = 96}});
     std::mt19937_64 rng(seed);
     auto X = random_vector<double>(6 * 8, rng);
     std::vector<int> y{0, 1, 2, 0, 1, 2, 0, 1};
@@ -291,7 +296,8 @@ TEST_CASE("policies and options by instance in any order - deduced from the cont
     CHECK(c.scaler().scale() == 64.0);
     // Named types, the arguments in any order, options among them; what is not given is default.
     lockstep::DataParallel<TestMlp<double>, lockstep::ThreadComm, lockstep::Accumulate<>, lockstep::StaticScale> d(
-        ctx, m, lockstep::StaticScale(4.0), lockstep::DataParallelOptions{.zero_copy = false}, lockstep::Accumulate<>(5));
+        ctx, m, lockstep::StaticScale(4.0), lockstep::DataParallelOptions{.zero_copy = false},
+        lockstep::Accumulate<>(5));
     CHECK(d.accumulation().steps() == 5);
     CHECK(d.scaler().scale() == 4.0);
     lockstep::DataParallel<TestMlp<double>, lockstep::ThreadComm, lockstep::Accumulate<>, lockstep::StaticScale> e(
@@ -335,9 +341,7 @@ TEST_CASE("run(Threads{n}) refuses a negative count") {
 TEST_CASE("a model whose bind_gradient does not take effect is rejected") {
   struct Liar {
     std::vector<float> w{1, 2, 3}, g{0, 0, 0};
-    std::vector<lockstep::parameter> parameters() {
-      return {lockstep::param<float>("w", std::span(w), std::span(g))};
-    }
+    std::vector<lockstep::parameter> parameters() { return {lockstep::param<float>("w", std::span(w), std::span(g))}; }
     void bind_gradient(std::size_t, void*) {}  // ignores the storage
   };
   lockstep::run(lockstep::Threads{1}, [&](auto& ctx) {
@@ -385,7 +389,8 @@ TEST_CASE("bind_gradient is called once per parameter in the final layout - a mo
       auto step = dp.step();
       std::vector<std::size_t> rows;
       for (std::size_t r = 0; r < batch; ++r)
-        rows.push_back((static_cast<std::size_t>(s) * 2 * batch + static_cast<std::size_t>(ctx.rank()) * batch + r) % d.samples);
+        rows.push_back((static_cast<std::size_t>(s) * 2 * batch + static_cast<std::size_t>(ctx.rank()) * batch + r) %
+                       d.samples);
       m.forward_backward(d.X64, d.y, rows, [](std::size_t) {});
       const auto ready = step.on_gradient_ready();
       for (std::size_t i = 0; i < 6; ++i) ready(i);  // first layer first: unlike the initial layout
@@ -417,7 +422,8 @@ TEST_CASE("ranks that report gradients differently still issue the same collecti
   std::vector<lockstep::sync_stats> st(3);
   lockstep::run(lockstep::Threads{3}, [&](auto& ctx) {
     TestMlp<double> m({7, 9, 4}, seed);
-    lockstep::DataParallel<TestMlp<double>, lockstep::ThreadComm> dp(ctx, m, {.buckets = {.first_bytes = 64, .cap_bytes = 160}});
+    lockstep::DataParallel<TestMlp<double>, lockstep::ThreadComm> dp(
+        ctx, m, {.buckets = {.first_bytes = 64, .cap_bytes = 160}});
     std::mt19937_64 rng(seed + static_cast<std::uint64_t>(ctx.rank()));
     auto X = random_vector<double>(7 * 6, rng);
     std::vector<int> y{0, 1, 2, 3, 0, 1};
@@ -441,7 +447,8 @@ TEST_CASE("ranks that report gradients differently still issue the same collecti
 TEST_CASE("a model that never reports is reduced with one all-reduce per step after the first") {
   lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
     TestMlp<float> m({6, 8, 3}, 5);
-    lockstep::DataParallel<TestMlp<float>, lockstep::ThreadComm> dp(ctx, m, {.buckets = {.first_bytes = 32, .cap_bytes = 64}});
+    lockstep::DataParallel<TestMlp<float>, lockstep::ThreadComm> dp(ctx, m,
+                                                                    {.buckets = {.first_bytes = 32, .cap_bytes = 64}});
     const two_samples b(6, 0.25f, 1, -0.5f);
     auto once = [&] {
       auto s = dp.step();
@@ -462,17 +469,19 @@ TEST_CASE("a model that never reports is reduced with one all-reduce per step af
 TEST_SUITE("cpu") {
 TEST_CASE("ranks with different bucket policies fail on every rank instead of pairing wrong ranges") {
   std::vector<std::string> msgs(2);
-  CHECK_THROWS_AS(lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
-                    TestMlp<float> m({20, 30, 10}, 1);  // 940 floats
-                    lockstep::BucketPolicy bp{.first_bytes = 1024, .cap_bytes = ctx.rank() == 0 ? 1024u : 2048u};
-                    try {
-                      lockstep::DataParallel<TestMlp<float>, lockstep::ThreadComm> dp(ctx, m, {.buckets = bp});
-                    } catch (const lockstep::mismatch_error& e) {
-                      msgs[static_cast<std::size_t>(ctx.rank())] = e.what();
-                      throw;
-                    }
-                  }),
-                  lockstep::mismatch_error);
+  CHECK_THROWS_AS(
+      lockstep::run(lockstep::Threads{2},
+                    [&](auto& ctx) {
+                      TestMlp<float> m({20, 30, 10}, 1);  // 940 floats
+                      lockstep::BucketPolicy bp{.first_bytes = 1024, .cap_bytes = ctx.rank() == 0 ? 1024u : 2048u};
+                      try {
+                        lockstep::DataParallel<TestMlp<float>, lockstep::ThreadComm> dp(ctx, m, {.buckets = bp});
+                      } catch (const lockstep::mismatch_error& e) {
+                        msgs[static_cast<std::size_t>(ctx.rank())] = e.what();
+                        throw;
+                      }
+                    }),
+      lockstep::mismatch_error);
   for (auto& m : msgs) CHECK(m.find("different gradient bucket plans") != std::string::npos);
 }
 }  // TEST_SUITE

@@ -15,7 +15,8 @@ using namespace lockstep_test;
 
 TEST_SUITE("cpu") {
 
-TEST_CASE("DataParallel + DynamicScale: same parameters as unscaled single-rank SGD - inf on one rank skips everywhere") {
+TEST_CASE(
+    "DataParallel + DynamicScale: same parameters as unscaled single-rank SGD - inf on one rank skips everywhere") {
   const auto seed = fresh_seed();
   CAPTURE(seed);
   const std::vector<int> dims{9, 12, 4};

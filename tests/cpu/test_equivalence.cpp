@@ -15,9 +15,9 @@ namespace {
 
 struct config {
   int ranks = 2;
-  std::size_t batch = 4;   // per rank, per micro-step
+  std::size_t batch = 4;  // per rank, per micro-step
   int accumulate = 1;
-  int steps = 4;           // optimizer steps
+  int steps = 4;  // optimizer steps
   bool hooks = true;
   lockstep::BucketPolicy buckets{};
 };
@@ -29,22 +29,21 @@ std::vector<T> reference(const dataset& d, const config& c, std::uint64_t init_s
 }
 
 template <class T, bool Bindable, class Acc>
-std::vector<std::vector<T>> data_parallel(const dataset& d, const config& c, std::uint64_t init_seed,
-                                          double lr, Acc acc, lockstep::sync_stats* stats0 = nullptr) {
+std::vector<std::vector<T>> data_parallel(const dataset& d, const config& c, std::uint64_t init_seed, double lr,
+                                          Acc acc, lockstep::sync_stats* stats0 = nullptr) {
   std::vector<std::vector<T>> out(static_cast<std::size_t>(c.ranks));
   lockstep::run(lockstep::Threads{c.ranks}, [&](auto& ctx) {
     // Different initial values per rank: construction must broadcast rank 0's.
     TestMlp<T, Bindable> m(d.dims, init_seed + static_cast<std::uint64_t>(ctx.rank()) * 7919);
-    lockstep::DataParallel<TestMlp<T, Bindable>, lockstep::ThreadComm, Acc> dp(
-        ctx, m, {.buckets = c.buckets}, acc);
+    lockstep::DataParallel<TestMlp<T, Bindable>, lockstep::ThreadComm, Acc> dp(ctx, m, {.buckets = c.buckets}, acc);
     const std::size_t global = c.batch * static_cast<std::size_t>(c.ranks * c.accumulate);
     for (int s = 0; s < c.steps; ++s) {
       for (int k = 0; k < c.accumulate; ++k) {
         auto step = dp.step();
         CHECK(step.synchronizes() == (k + 1 == c.accumulate));
         std::vector<std::size_t> rows(c.batch);
-        const std::size_t first = static_cast<std::size_t>(s) * global +
-                                  (static_cast<std::size_t>(k) * c.ranks + ctx.rank()) * c.batch;
+        const std::size_t first =
+            static_cast<std::size_t>(s) * global + (static_cast<std::size_t>(k) * c.ranks + ctx.rank()) * c.batch;
         for (std::size_t i = 0; i < c.batch; ++i) rows[i] = (first + i) % d.samples;
         if (c.hooks) m.forward_backward(inputs<T>(d), d.y, rows, step.on_gradient_ready());
         else m.forward_backward(inputs<T>(d), d.y, rows, [](std::size_t) {});
@@ -63,7 +62,11 @@ template <class T, bool Bindable>
 void check_equivalence(const config& c) {
   const auto seed = fresh_seed();
   CAPTURE(seed);
-  CAPTURE(c.ranks); CAPTURE(c.batch); CAPTURE(c.accumulate); CAPTURE(c.hooks); CAPTURE(Bindable);
+  CAPTURE(c.ranks);
+  CAPTURE(c.batch);
+  CAPTURE(c.accumulate);
+  CAPTURE(c.hooks);
+  CAPTURE(Bindable);
   CAPTURE(c.buckets.cap_bytes);
   const double tol = std::is_same_v<T, double> ? 1e-12 : 1e-5;
   auto d = make_data(seed, 997);

@@ -38,11 +38,10 @@ std::string parse_error(const std::string& text) {
 }
 
 // ranks=2: 0.1 ms + 1 ms per MB, exactly, at 1, 2 and 4 MB.
-const char* linear_probe =
-    "lockstep-probe 1\n"
-    "all_reduce ranks=2 bytes=1000000 ms=1.1\n"
-    "all_reduce ranks=2 bytes=2000000 ms=2.1\n"
-    "all_reduce ranks=2 bytes=4000000 ms=4.1\n";
+const char* linear_probe = "lockstep-probe 1\n"
+                           "all_reduce ranks=2 bytes=1000000 ms=1.1\n"
+                           "all_reduce ranks=2 bytes=2000000 ms=2.1\n"
+                           "all_reduce ranks=2 bytes=4000000 ms=4.1\n";
 
 // GPT-2 small in registration order (shared/data/gpt2_124m_shapes.txt): 148 tensors,
 // 124,439,808 elements; the tied embedding wte is final only at the end of backward.
@@ -88,13 +87,12 @@ probe bench_probe(const char* name) {
 TEST_SUITE("cpu") {
 
 TEST_CASE("estimate: probe parser reads points and notes and skips comments") {
-  const probe p = parse(
-      "# written by hand\n"
-      "\n"
-      "lockstep-probe 1\n"
-      "  # device: two CPUs\n"
-      "all_reduce ranks=2 bytes=1048576 ms=0.25   # trailing comment\n"
-      "all_reduce  ranks=4 bytes=268435456 ms=1.203 dtype=bf16\n");
+  const probe p = parse("# written by hand\n"
+                        "\n"
+                        "lockstep-probe 1\n"
+                        "  # device: two CPUs\n"
+                        "all_reduce ranks=2 bytes=1048576 ms=0.25   # trailing comment\n"
+                        "all_reduce  ranks=4 bytes=268435456 ms=1.203 dtype=bf16\n");
   REQUIRE(p.points.size() == 2);
   CHECK(p.points[0].ranks == 2);
   CHECK(p.points[0].bytes == 1048576u);
@@ -130,7 +128,8 @@ TEST_CASE("estimate: probe parser names the line and what is wrong in a bad file
     read_probe("/nonexistent/lockstep.probe");
     FAIL("no error for a missing file");
   } catch (const config_error& e) {
-    CHECK(std::string(e.what()) == "cannot open probe file /nonexistent/lockstep.probe (give a file written by --save-probe)");
+    CHECK(std::string(e.what()) ==
+          "cannot open probe file /nonexistent/lockstep.probe (give a file written by --save-probe)");
   }
 }
 
@@ -154,11 +153,11 @@ TEST_CASE("estimate: write_probe output reads back the same points and notes") {
 TEST_CASE("estimate: comm_curve interpolates and extrapolates with the fitted latency and bandwidth") {
   const comm_curve c(parse(linear_probe));
   CHECK(c.latency(2) == doctest::Approx(0.1e-3));
-  CHECK(c.bus_bandwidth(2) == doctest::Approx(1e9));        // k(2) = 1: 1 GB/s
-  CHECK(c.all_reduce(2, 3e6) == doctest::Approx(3.1e-3));   // between 2 and 4 MB
-  CHECK(c.all_reduce(2, 0.5e6) == doctest::Approx(0.6e-3)); // α + (1.1 − α)·0.5
-  CHECK(c.all_reduce(2, 8e6) == doctest::Approx(8.1e-3));   // 4.1 ms + 4 MB at 1 GB/s
-  CHECK(c.reduce_scatter(2, 3e6) == doctest::Approx(1.6e-3)); // α + (3.1 − α)/2
+  CHECK(c.bus_bandwidth(2) == doctest::Approx(1e9));           // k(2) = 1: 1 GB/s
+  CHECK(c.all_reduce(2, 3e6) == doctest::Approx(3.1e-3));      // between 2 and 4 MB
+  CHECK(c.all_reduce(2, 0.5e6) == doctest::Approx(0.6e-3));    // α + (1.1 − α)·0.5
+  CHECK(c.all_reduce(2, 8e6) == doctest::Approx(8.1e-3));      // 4.1 ms + 4 MB at 1 GB/s
+  CHECK(c.reduce_scatter(2, 3e6) == doctest::Approx(1.6e-3));  // α + (3.1 − α)/2
   CHECK(c.all_reduce(1, 3e6) == 0);
   // 4 ranks, not probed: the 2-rank curve with the bus factor k(4)/k(2) = 1.5 on its bandwidth part.
   CHECK(c.probed_ranks(4) == 2);
@@ -207,7 +206,8 @@ TEST_CASE("estimate: launch units follow buckets and join the buckets of one ten
 
 TEST_CASE("estimate: step times of the three modes on hand-computed inputs") {
   // 1 ms per MB on 2 ranks (no latency): A(x) = x·1e-9 s, RS(x) = AG(x) = x·0.5e-9 s.
-  const comm_curve c(parse("lockstep-probe 1\nall_reduce ranks=2 bytes=1000000 ms=1\nall_reduce ranks=2 bytes=2000000 ms=2\n"));
+  const comm_curve c(
+      parse("lockstep-probe 1\nall_reduce ranks=2 bytes=1000000 ms=1\nall_reduce ranks=2 bytes=2000000 ms=2\n"));
   estimate_input in;
   in.params = 1000000;  // 4 MB of f32: four 1 MB buckets, final at 1, 2, 3, 4 ms
   in.first_bucket_bytes = in.bucket_bytes = 1000000;
@@ -243,7 +243,8 @@ TEST_CASE("estimate: step times of the three modes on hand-computed inputs") {
     CHECK(rows[1].sharded.step_seconds == doctest::Approx(0.0105));
   }
   SUBCASE("communication slower than backward: all of it minus the backward after the first bucket") {
-    const comm_curve slow(parse("lockstep-probe 1\nall_reduce ranks=2 bytes=1000000 ms=3\nall_reduce ranks=2 bytes=2000000 ms=6\n"));
+    const comm_curve slow(
+        parse("lockstep-probe 1\nall_reduce ranks=2 bytes=1000000 ms=3\nall_reduce ranks=2 bytes=2000000 ms=6\n"));
     // Ends at 4, 7, 10, 13 ms: exposed 13 − 4 = 9 ms = 12 ms of all-reduces − (4 − 1) ms.
     CHECK(estimate(in, slow, 2)[1].overlap.step_seconds == doctest::Approx(0.019));
   }
@@ -251,7 +252,8 @@ TEST_CASE("estimate: step times of the three modes on hand-computed inputs") {
 
 TEST_CASE("estimate: the docs example runs on the probe of bench") {
   const std::string probe_path =
-      (std::filesystem::path(__FILE__).parent_path().parent_path().parent_path() / "bench" / "probe_h200x4_run3.txt").string();
+      (std::filesystem::path(__FILE__).parent_path().parent_path().parent_path() / "bench" / "probe_h200x4_run3.txt")
+          .string();
   std::vector<double> efficiency;
   // [snippet docs/observe.md#3]
   lockstep::estimate_input in;
@@ -301,10 +303,11 @@ TEST_CASE("estimate: shapes file parser") {
   CHECK(t[0].bytes == 50257ull * 768 * 2);
   CHECK(t[1].bytes == 768u * 2);
   std::istringstream bad("w 768 x3\n");
-  CHECK_THROWS_WITH_AS(parse_shapes(bad, "s.txt", 4), "s.txt:1: 'x3' is not a positive dimension (a line is: name 768 3072)",
-                       config_error);
+  CHECK_THROWS_WITH_AS(parse_shapes(bad, "s.txt", 4),
+                       "s.txt:1: 'x3' is not a positive dimension (a line is: name 768 3072)", config_error);
   std::istringstream none("w\n");
-  CHECK_THROWS_WITH_AS(parse_shapes(none, "s.txt", 4), "s.txt:1: w has no dimensions (a line is: name 768 3072)", config_error);
+  CHECK_THROWS_WITH_AS(parse_shapes(none, "s.txt", 4), "s.txt:1: w has no dimensions (a line is: name 768 3072)",
+                       config_error);
 }
 
 TEST_CASE("estimate: measure_all_reduce on CPU ranks gives one point per size on every rank") {
@@ -336,8 +339,11 @@ TEST_CASE("estimate: a rank count probed at large sizes only takes the latency o
   // 2 GPUs: two large all-reduces, whose straight line crosses zero high (a loose latency);
   // 4 GPUs: a 1 MiB point pins its latency at about 30 µs.
   probe p;
-  p.points = {{2, 250000000, 0.848e-3}, {2, 500000000, 1.590e-3},
-              {4, 1048576, 0.037e-3}, {4, 250000000, 1.112e-3}, {4, 500000000, 2.172e-3}};
+  p.points = {{2, 250000000, 0.848e-3},
+              {2, 500000000, 1.590e-3},
+              {4, 1048576, 0.037e-3},
+              {4, 250000000, 1.112e-3},
+              {4, 500000000, 2.172e-3}};
   const comm_curve c(p);
   CHECK(c.latency(4) < 40e-6);
   CHECK(c.latency(2) <= c.latency(4));
@@ -354,8 +360,8 @@ TEST_CASE("estimate: predictions for benchmarks b and c of RESULTS.md run 3 with
     const char* bench;
     int gpus, cap_mib;
     double measured_ms;
-    double params_ms, shapes_ms;                // probe_h200x4_run3.txt
-    double params_small_ms, shapes_small_ms;    // probe_h200x4_run3_small_sizes.txt
+    double params_ms, shapes_ms;              // probe_h200x4_run3.txt
+    double params_small_ms, shapes_small_ms;  // probe_h200x4_run3_small_sizes.txt
     bool documented_miss;
   };
   const row rows[] = {
@@ -400,7 +406,7 @@ TEST_CASE("estimate: predictions for benchmarks b and c of RESULTS.md run 3 with
       const double err = got[i] / r.measured_ms - 1;
       INFO(r.bench << " on " << r.gpus << " GPUs cap " << r.cap_mib << " MiB: measured " << r.measured_ms
                    << " ms, predicted " << got[i] << " ms (" << 100 * err << " %), column " << i);
-      CHECK(std::abs(got[i] - table[i]) <= 0.0006);  // the documented table, to its 3 decimals
+      CHECK(std::abs(got[i] - table[i]) <= 0.0006);        // the documented table, to its 3 decimals
       if (r.documented_miss) CHECK(std::abs(err) > 0.15);  // explained in docs/observe.md
       else CHECK(std::abs(err) <= 0.15);
     }

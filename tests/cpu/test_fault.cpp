@@ -75,13 +75,16 @@ struct data {
 template <class Change>
 std::vector<std::string> messages_around(int n, std::uint64_t seed, Change&& change, double& seconds) {
   const data d(seed);
-  return messages_of(n, [&](auto& ctx) {
-    Model m(dims, seed);
-    lockstep::DataParallel dp(ctx, m, {.buckets = equal_buckets});
-    train_sgd(m, dp, 2, d.x, d.y);
-    change(ctx, m);
-    train_sgd(m, dp, 2, d.x, d.y);
-  }, seconds);
+  return messages_of(
+      n,
+      [&](auto& ctx) {
+        Model m(dims, seed);
+        lockstep::DataParallel dp(ctx, m, {.buckets = equal_buckets});
+        train_sgd(m, dp, 2, d.x, d.y);
+        change(ctx, m);
+        train_sgd(m, dp, 2, d.x, d.y);
+      },
+      seconds);
 }
 
 }  // namespace
@@ -93,11 +96,14 @@ TEST_CASE("fault_skip_collective: a rank that skips one bucket of equal size is 
   CAPTURE(seed);
   const data d(seed);
   double secs = 0;
-  const auto msgs = messages_of(3, [&](auto& ctx) {
-    Model m(dims, seed);
-    lockstep::DataParallel dp(ctx, m, {.buckets = equal_buckets}, SkipOne{.rank = 1, .at = 11});  // step 1's 4th
-    train_sgd(m, dp, 4, d.x, d.y);
-  }, secs);
+  const auto msgs = messages_of(
+      3,
+      [&](auto& ctx) {
+        Model m(dims, seed);
+        lockstep::DataParallel dp(ctx, m, {.buckets = equal_buckets}, SkipOne{.rank = 1, .at = 11});  // step 1's 4th
+        train_sgd(m, dp, 4, d.x, d.y);
+      },
+      secs);
   for (const auto& msg : msgs) {
     CAPTURE(msg);
     CHECK(msg == msgs[0]);  // every rank prints the same cause
@@ -111,12 +117,15 @@ TEST_CASE("fault_skip_collective: a rank that skips one bucket of equal size is 
 TEST_CASE("fault_extra_collective: one rank's extra metrics all-reduce is named on every rank") {
   const auto seed = lockstep_test::fresh_seed();
   double secs = 0;
-  const auto msgs = messages_around(3, seed, [&](auto& ctx, Model&) {
-    if (ctx.rank() == 2) {  // an evaluation only this rank runs
-      double acc[2] = {0.5, 1.0};
-      lockstep::all_reduce_scalars(ctx.comm(), std::span<double>(acc), lockstep::reduce_op::sum);
-    }
-  }, secs);
+  const auto msgs = messages_around(
+      3, seed,
+      [&](auto& ctx, Model&) {
+        if (ctx.rank() == 2) {  // an evaluation only this rank runs
+          double acc[2] = {0.5, 1.0};
+          lockstep::all_reduce_scalars(ctx.comm(), std::span<double>(acc), lockstep::reduce_op::sum);
+        }
+      },
+      secs);
   for (const auto& msg : msgs) {
     CAPTURE(msg);
     CHECK(msg == msgs[0]);
@@ -129,14 +138,18 @@ TEST_CASE("fault_extra_collective: one rank's extra metrics all-reduce is named 
 TEST_CASE("fault_shapes_changed: a rank that rebuilds its model after start is caught at its next step") {
   const auto seed = lockstep_test::fresh_seed();
   double secs = 0;
-  const auto msgs = messages_around(3, seed, [&](auto& ctx, Model& m) {
-    if (ctx.rank() == 1) m = Model({8, 8, 9, 8, 8}, seed);  // "loaded another checkpoint's architecture"
-  }, secs);
+  const auto msgs = messages_around(
+      3, seed,
+      [&](auto& ctx, Model& m) {
+        if (ctx.rank() == 1) m = Model({8, 8, 9, 8, 8}, seed);  // "loaded another checkpoint's architecture"
+      },
+      secs);
   CAPTURE(msgs[1]);
   CHECK(msgs[1].find("rank 1: the model changed after DataParallel was built: parameter 2 is 'layer1.weight' "
                      "[9,8] f32 in new storage, but DataParallel was built with 'layer1.weight' [8,8] f32") !=
         std::string::npos);
-  for (int r : {0, 2}) CHECK(msgs[static_cast<std::size_t>(r)].find("because another rank failed: rank 1 failed") != std::string::npos);
+  for (int r : {0, 2})
+    CHECK(msgs[static_cast<std::size_t>(r)].find("because another rank failed: rank 1 failed") != std::string::npos);
   CHECK(secs < 5);
 }
 
@@ -168,9 +181,12 @@ TEST_CASE("fault_gradients_unbound: a gradient taken out of the arena (zero_grad
   const auto seed = lockstep_test::fresh_seed();
   double secs = 0;
   std::vector<float> own(64, 0.0f);
-  const auto msgs = messages_around(2, seed, [&](auto& ctx, Model& m) {
-    if (ctx.rank() == 0) m.bind_gradient(2, own.data());  // as if .grad had been reset and reallocated
-  }, secs);
+  const auto msgs = messages_around(
+      2, seed,
+      [&](auto& ctx, Model& m) {
+        if (ctx.rank() == 0) m.bind_gradient(2, own.data());  // as if .grad had been reset and reallocated
+      },
+      secs);
   CAPTURE(msgs[0]);
   CHECK(msgs[0].find("rank 0: the model changed after DataParallel was built: the gradient of parameter 2 "
                      "('layer1.weight') no longer is the storage DataParallel gave it") != std::string::npos);
@@ -184,32 +200,43 @@ template <bool Sharded>
 void check_nonfinite_forever(int bad, int from, int clean, int want_steps, const std::string& want_scale,
                              const std::string& want_origin) {
   const auto seed = lockstep_test::fresh_seed();
-  CAPTURE(seed); CAPTURE(bad); CAPTURE(from); CAPTURE(clean); CAPTURE(Sharded);
+  CAPTURE(seed);
+  CAPTURE(bad);
+  CAPTURE(from);
+  CAPTURE(clean);
+  CAPTURE(Sharded);
   const data d(seed);
   double secs = 0;
   int steps_run = 0;
-  const auto msgs = messages_of(3, [&](auto& ctx) {
-    using Comm = std::remove_cvref_t<decltype(ctx.comm())>;
-    using Scale = lockstep::DynamicScale;
-    using DP = std::conditional_t<Sharded,
-                                  lockstep::DataParallel<Model, Comm, lockstep::EveryStep, Scale, lockstep::ShardedOptimizer>,
-                                  lockstep::DataParallel<Model, Comm, lockstep::EveryStep, Scale>>;
-    Model m(dims, seed);
-    DP dp(ctx, m, {.buckets = equal_buckets}, lockstep::EveryStep{}, Scale({.init_scale = 1024, .max_consecutive_skips = 5}));
-    lockstep::Sgd opt({.lr = 0.1});
-    const std::vector<std::size_t> rows{0, 1, 2, 3};
-    for (int s = 0; s < 30; ++s) {
-      auto st = dp.step();
-      const bool poison = ctx.rank() == bad && s >= from && s != clean;
-      m.forward_backward(d.x, d.y, rows, [&](std::size_t i) {
-        if (poison && i == 2) static_cast<float*>(m.parameters()[2].grad)[3] = std::nanf("");
-        st.gradient_ready(i);
-      }, st.loss_scale());
-      if constexpr (Sharded) (void)st.finish([&](std::span<const lockstep::param_slice> sl) { opt.step(sl); });
-      else if (st.finish()) m.sgd(0.1);
-      if (ctx.rank() == 0) steps_run = s + 1;
-    }
-  }, secs);
+  const auto msgs = messages_of(
+      3,
+      [&](auto& ctx) {
+        using Comm = std::remove_cvref_t<decltype(ctx.comm())>;
+        using Scale = lockstep::DynamicScale;
+        using DP = std::conditional_t<
+            Sharded, lockstep::DataParallel<Model, Comm, lockstep::EveryStep, Scale, lockstep::ShardedOptimizer>,
+            lockstep::DataParallel<Model, Comm, lockstep::EveryStep, Scale>>;
+        Model m(dims, seed);
+        DP dp(ctx, m, {.buckets = equal_buckets}, lockstep::EveryStep{},
+              Scale({.init_scale = 1024, .max_consecutive_skips = 5}));
+        lockstep::Sgd opt({.lr = 0.1});
+        const std::vector<std::size_t> rows{0, 1, 2, 3};
+        for (int s = 0; s < 30; ++s) {
+          auto st = dp.step();
+          const bool poison = ctx.rank() == bad && s >= from && s != clean;
+          m.forward_backward(
+              d.x, d.y, rows,
+              [&](std::size_t i) {
+                if (poison && i == 2) static_cast<float*>(m.parameters()[2].grad)[3] = std::nanf("");
+                st.gradient_ready(i);
+              },
+              st.loss_scale());
+          if constexpr (Sharded) (void)st.finish([&](std::span<const lockstep::param_slice> sl) { opt.step(sl); });
+          else if (st.finish()) m.sgd(0.1);
+          if (ctx.rank() == 0) steps_run = s + 1;
+        }
+      },
+      secs);
   CHECK(steps_run == want_steps);  // the next finish() threw
   for (const auto& msg : msgs) {
     CAPTURE(msg);
@@ -244,10 +271,13 @@ TEST_CASE("fault_nonfinite_forever: another error from the scaler keeps its type
       const std::vector<std::size_t> rows{0, 1, 2, 3};
       for (int s = 0; s < 10; ++s) {
         auto st = dp.step();
-        m.forward_backward(d.x, d.y, rows, [&](std::size_t i) {
-          if (ctx.rank() == 1 && i == 1) static_cast<float*>(m.parameters()[1].grad)[0] = std::nanf("");
-          st.gradient_ready(i);
-        }, st.loss_scale());
+        m.forward_backward(
+            d.x, d.y, rows,
+            [&](std::size_t i) {
+              if (ctx.rank() == 1 && i == 1) static_cast<float*>(m.parameters()[1].grad)[0] = std::nanf("");
+              st.gradient_ready(i);
+            },
+            st.loss_scale());
         if (st.finish()) m.sgd(0.1);
       }
     });
@@ -266,7 +296,8 @@ TEST_CASE("fault_nonfinite_forever: a loss that stays NaN on one rank ends every
   check_nonfinite_forever<true>(bad, 0, -1, 4, "32.0", origin);
   // Skips from step 3 on, a clean step 5, then for good: the run that ends it starts at step 6
   // (its first checked step is the 8th optimizer step); step 4's finding is forgotten.
-  const std::string later = "came from rank " + std::to_string(bad) + ": its own gradients held inf/NaN before "
+  const std::string later = "came from rank " + std::to_string(bad) +
+                            ": its own gradients held inf/NaN before "
                             "averaging (first seen in optimizer step 8,";
   check_nonfinite_forever<false>(bad, 3, 5, 10, "8.0", later);  // 1024 / 2^2, then / 2^5
 }

@@ -38,8 +38,8 @@
 
 using namespace std::chrono_literals;
 using lockstep::FileStore;
-using lockstep::TcpStore;
 using lockstep::run_id_of;
+using lockstep::TcpStore;
 using clk = std::chrono::steady_clock;
 
 namespace {
@@ -166,7 +166,8 @@ struct stderr_capture : lockstep_test::stderr_capture {
 
 TEST_SUITE("cpu") {
 
-TEST_CASE("fault_stale_rendezvous_other_run_refused: a new run meeting an earlier run's store is refused on every rank") {
+TEST_CASE(
+    "fault_stale_rendezvous_other_run_refused: a new run meeting an earlier run's store is refused on every rank") {
   LOCKSTEP_SEEDED(std::mt19937_64 rng);
   const std::string token_old = random_token(rng), token_new = random_token(rng);
   const std::string id_old = run_id_of(token_old), id_new = run_id_of(token_new);
@@ -232,13 +233,17 @@ TEST_CASE("fault_stale_rendezvous_other_run_refused: a new run meeting an earlie
   CHECK(exit_code(fresh[1]) == 3);
   CHECK(exit_code(old0) == 0);  // the earlier run is untouched: no key of the new one
   // Rank 0 cannot host: the port is held.
-  CHECK(has(msg0, "TcpStore: cannot listen on port " + p + ": Address already in use (another job, or an earlier run "
-                  "of this one, holds it: stop it (on this host, `ss -ltnp 'sport = :" + p + "'` names it) or choose "
-                  "another MASTER_PORT)"));
+  CHECK(has(msg0, "TcpStore: cannot listen on port " + p +
+                      ": Address already in use (another job, or an earlier run "
+                      "of this one, holds it: stop it (on this host, `ss -ltnp 'sport = :" +
+                      p +
+                      "'` names it) or choose "
+                      "another MASTER_PORT)"));
   // Rank 1 reached the earlier run's store and was refused, naming both runs.
   CHECK(has(msg1, "TcpStore(127.0.0.1:" + p + ") refused this process: the store at this address belongs to run " +
-                      id_old + ", this process is of run " + id_new + ". A process of another run listens at 127.0.0.1:" +
-                      p + ": an earlier run still alive, or another job."));
+                      id_old + ", this process is of run " + id_new +
+                      ". A process of another run listens at 127.0.0.1:" + p +
+                      ": an earlier run still alive, or another job."));
   CHECK(has(msg1, "give every rank the same job token (LOCKSTEP_JOB_TOKEN)"));
   CHECK_FALSE(has(msg1, token_old));
   CHECK_FALSE(has(msg1, token_new));
@@ -274,9 +279,10 @@ TEST_CASE("fault_stale_rendezvous_left_over_process_refused: a process of an ear
   CHECK(has(msg, "TcpStore(127.0.0.1:" + p + ") refused this process: this process joined store "));
   CHECK(has(msg, " at this address, which is gone; store "));
   CHECK(has(msg, " of run " + run_id_of(token_new) + " listens there now (this process is of run " +
-                     run_id_of(token_old) + "). The rank 0 that hosted this process's store exited and another run "
-                     "now listens at 127.0.0.1:" + p +
-                     ": this process is left over from that earlier run and must not join the new one; stop it"));
+                     run_id_of(token_old) +
+                     "). The rank 0 that hosted this process's store exited and another run "
+                     "now listens at 127.0.0.1:" +
+                     p + ": this process is left over from that earlier run and must not join the new one; stop it"));
   CHECK(fault_to_throw < 2.0);
   // The new run goes on, and never sees the earlier run's value.
   CHECK(lockstep::string_of(host.get("lockstep/nccl_id")) == "new");
@@ -287,7 +293,8 @@ TEST_CASE("fault_stale_rendezvous_left_over_process_refused: a process of an ear
   CHECK(has(log, ": a process left over from an earlier run (run " + run_id_of(token_old) + ") reconnected"));
 }
 
-TEST_CASE("fault_stale_rendezvous_same_token_left_over_refused: runs that share a token (or have none) still never mix") {
+TEST_CASE(
+    "fault_stale_rendezvous_same_token_left_over_refused: runs that share a token (or have none) still never mix") {
   LOCKSTEP_SEEDED(std::mt19937_64 rng);
   // A fixed LOCKSTEP_JOB_TOKEN exported for every run, torchrun's default "none", or no token.
   const int pick = static_cast<int>(rng() % 3);
@@ -303,9 +310,10 @@ TEST_CASE("fault_stale_rendezvous_same_token_left_over_refused: runs that share 
   TcpStore host("127.0.0.1", port, true, 2, token, 5s);
   const auto t0 = clk::now();
   CHECK_THROWS_AS(left_over.add("lockstep/barrier/step/count", 1), lockstep::aborted_error);  // lost
-  CHECK_THROWS_WITH_AS(left_over.add("lockstep/barrier/step/count", 1),
-                       doctest::Contains("this process is left over from that earlier run and must not join the new one"),
-                       lockstep::aborted_error);
+  CHECK_THROWS_WITH_AS(
+      left_over.add("lockstep/barrier/step/count", 1),
+      doctest::Contains("this process is left over from that earlier run and must not join the new one"),
+      lockstep::aborted_error);
   CHECK(seconds_since(t0) < 2.0);
   // The new store's counter never saw the earlier run's arrivals.
   CHECK(host.add("lockstep/barrier/step/count", 0) == 0);
@@ -345,7 +353,8 @@ TEST_CASE("fault_stale_rendezvous_same_run_admitted: clients of one run still me
       }
     });
   for (auto& t : ranks) t.join();
-  for (int r = 0; r < world; ++r) CHECK_MESSAGE(errors[static_cast<std::size_t>(r)].empty(), "rank ", r, ": ", errors[static_cast<std::size_t>(r)]);
+  for (int r = 0; r < world; ++r)
+    CHECK_MESSAGE(errors[static_cast<std::size_t>(r)].empty(), "rank ", r, ": ", errors[static_cast<std::size_t>(r)]);
 }
 
 TEST_CASE("fault_stale_store_reused: a FileStore directory of an earlier run is refused to a new one") {
@@ -370,14 +379,16 @@ TEST_CASE("fault_stale_store_reused: a FileStore directory of an earlier run is 
                    " but this process is of run " + run_id_of(token_new) +
                    ". A store directory serves one run: another run's keys (an NCCL id, barrier counts) must not be "
                    "read by this one, and a process of that run may still write there. Give this run a directory of "
-                   "its own (e.g. named after the job id), or remove " + path + " once no process of run " +
-                   run_id_of(token_old) + " runs");
+                   "its own (e.g. named after the job id), or remove " +
+                   path + " once no process of run " + run_id_of(token_old) + " runs");
   CHECK(fault_to_throw < 1.0);
   // An unnamed run is another run too, both ways.
-  CHECK_THROWS_WITH_AS(FileStore(path, 2, 2s, {}, ""), doctest::Contains("this process is of an unnamed run (no job token)"),
-                       lockstep::config_error);
+  CHECK_THROWS_WITH_AS(FileStore(path, 2, 2s, {}, ""),
+                       doctest::Contains("this process is of an unnamed run (no job token)"), lockstep::config_error);
   const std::string unnamed = dir.path + "/unnamed";
-  { FileStore first(unnamed, 2, 2s); }
+  {
+    FileStore first(unnamed, 2, 2s);
+  }
   CHECK_THROWS_WITH_AS(FileStore(unnamed, 2, 2s, {}, token_new),
                        doctest::Contains("holds the store of an unnamed run (no job token)"), lockstep::config_error);
   // A fresh directory serves the new run, which never sees the earlier run's key.
@@ -386,7 +397,8 @@ TEST_CASE("fault_stale_store_reused: a FileStore directory of an earlier run is 
   CHECK(fresh.add("lockstep/barrier/start/count", 0) == 0);
 }
 
-TEST_CASE("fault_stale_store_two_runs_race: processes of two runs starting on one fresh directory - exactly one run wins") {
+TEST_CASE(
+    "fault_stale_store_two_runs_race: processes of two runs starting on one fresh directory - exactly one run wins") {
   LOCKSTEP_SEEDED(std::mt19937_64 rng);
   const std::string tokens[2] = {random_token(rng), random_token(rng)};
   const int per_run = 2 + static_cast<int>(rng() % 3);

@@ -62,7 +62,9 @@ struct memory_sink {
   void flush() {}
 };
 
-double elapsed_ms(std::chrono::steady_clock::time_point t0) { return ms(std::chrono::steady_clock::now() - t0).count(); }
+double elapsed_ms(std::chrono::steady_clock::time_point t0) {
+  return ms(std::chrono::steady_clock::now() - t0).count();
+}
 
 }  // namespace
 
@@ -103,8 +105,9 @@ TEST_CASE("gpu_monitor: a missing library and a library without NVML's functions
 
   CHECK_THROWS_WITH_AS(lockstep::GpuMonitor({.require = true, .nvml_library = "/nonexistent/libnvidia-ml.so"}),
                        doctest::Contains("GpuMonitor: NVML not found"), lockstep::config_error);
-  CHECK(lockstep::describe_gpus_now("/nonexistent/libnvidia-ml.so.1").find("GPU monitor: unavailable (NVML not found") ==
-        0);
+  CHECK(
+      lockstep::describe_gpus_now("/nonexistent/libnvidia-ml.so.1").find("GPU monitor: unavailable (NVML not found") ==
+      0);
   CHECK_THROWS_AS(lockstep::GpuMonitor({.period = 0ms}), lockstep::config_error);
 }
 
@@ -185,7 +188,7 @@ TEST_CASE("gpu_monitor: exceptions of the sampler and of on_sample are kept - sa
   CHECK(mon.errors() >= 5);
   CHECK(mon.last_error().find("the GPU sampler threw: fake sensor broke at call ") == 0);
   CHECK_THROWS_WITH_AS(mon.rethrow_error(), "callback broke", std::logic_error);  // the first stays
-  CHECK(!mon.latest().empty());  // the last good sample is kept
+  CHECK(!mon.latest().empty());                                                   // the last good sample is kept
   mon.stop();
 }
 
@@ -201,7 +204,8 @@ TEST_CASE("gpu_monitor: format_gpu_samples and log_gpu_samples write what the sa
   b.device = 3;
   b.mem_used_bytes = 1ull << 29;
   b.mem_total_bytes = 1ull << 34;
-  CHECK(lockstep::format_gpu_samples({a, b}) == "GPU0 97% 61.2/79.6 GiB 64\u00b0C 512 W | GPU3 ?% 0.5/16.0 GiB ?\u00b0C ? W");
+  CHECK(lockstep::format_gpu_samples({a, b}) ==
+        "GPU0 97% 61.2/79.6 GiB 64\u00b0C 512 W | GPU3 ?% 0.5/16.0 GiB ?\u00b0C ? W");
   CHECK(lockstep::format_gpu_samples({}).empty());
   lockstep::gpu_sample c;  // nothing at all
   c.device = 1;
@@ -239,9 +243,9 @@ TEST_CASE("gpu_monitor: the documented uses compile and run") {
   {
     const std::int64_t step = 1;
     // [snippet include/lockstep/observe/gpu_monitor.hpp#1]
-    lockstep::GpuMonitor mon;                      // starts sampling, or says why it cannot
-    std::printf("%s\n", mon.summary().c_str());    // GPU0 97% 61.2/79.6 GiB 64°C 512 W | ...
-    mon.log(log, step);                            // gpu0/util, gpu0/mem_used_gib, ... to a ScalarLog
+    lockstep::GpuMonitor mon;                    // starts sampling, or says why it cannot
+    std::printf("%s\n", mon.summary().c_str());  // GPU0 97% 61.2/79.6 GiB 64°C 512 W | ...
+    mon.log(log, step);                          // gpu0/util, gpu0/mem_used_gib, ... to a ScalarLog
     // [end snippet]
   }
   std::ostringstream out;

@@ -46,8 +46,9 @@ std::uint16_t nearest(double x, double (*value)(std::uint16_t), std::uint16_t in
   std::uint16_t r;
   if (hi == inf_code) {
     const double ulp = top - value(static_cast<std::uint16_t>(inf_code - 2));
-    r = a - top < ulp / 2 || (a - top == ulp / 2 && ((inf_code - 1) & 1) == 0) ? static_cast<std::uint16_t>(inf_code - 1)
-                                                                              : inf_code;
+    r = a - top < ulp / 2 || (a - top == ulp / 2 && ((inf_code - 1) & 1) == 0)
+            ? static_cast<std::uint16_t>(inf_code - 1)
+            : inf_code;
   } else {
     const double dl = a - value(lo), dh = value(hi) - a;
     r = dl < dh ? lo : dh < dl ? hi : ((lo & 1) == 0 ? lo : hi);
@@ -98,7 +99,7 @@ TEST_CASE("halves: random floats round to the nearest code - ties to even") {
     REQUIRE(bf16_of_float(x) == nearest(x, bf16_value, 0x7f80));
   }
   CHECK(f16_of_float(std::numeric_limits<float>::infinity()) == 0x7c00);
-  CHECK(f16_of_float(65520.0f) == 0x7c00);   // halfway to the next binade rounds to even: inf
+  CHECK(f16_of_float(65520.0f) == 0x7c00);  // halfway to the next binade rounds to even: inf
   CHECK(f16_of_float(65519.0f) == 0x7bff);
   CHECK(bf16_of_float(-std::numeric_limits<float>::infinity()) == 0xff80);
 }

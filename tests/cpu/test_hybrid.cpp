@@ -120,7 +120,7 @@ TEST_CASE("hybrid: the mesh's axes (parallel/mesh.hpp)") {
   const std::size_t n = 40;
   // [snippet include/lockstep/parallel/mesh.hpp#1]
   lockstep::run(lockstep::Threads{4}, [&](auto& ctx) {
-    auto mesh = lockstep::make_mesh(ctx, {.model_parallel = 2});   // 2 replicas × 2 parts
+    auto mesh = lockstep::make_mesh(ctx, {.model_parallel = 2});      // 2 replicas × 2 parts
     TpMlp model(dims, mesh.part(), mesh.parts(), &mesh.model, seed);  // all-reduces on mesh.model
     lockstep::DataParallel dp(mesh.data, model);                      // averages over the replicas
     lockstep::DistributedSampler sampler(n, mesh.data, {.seed = 7});  // a batch per replica
@@ -136,15 +136,18 @@ TEST_CASE("hybrid: the mesh's axes (parallel/mesh.hpp)") {
 }
 
 TEST_CASE("hybrid: a model-parallel degree that does not divide the job is refused") {
-  CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{4}, [](auto& ctx) { (void)lockstep::make_mesh(ctx, {.model_parallel = 3}); }),
-                       doctest::Contains("model_parallel = 3 does not divide the 4 ranks"), lockstep::config_error);
+  CHECK_THROWS_WITH_AS(
+      lockstep::run(lockstep::Threads{4}, [](auto& ctx) { (void)lockstep::make_mesh(ctx, {.model_parallel = 3}); }),
+      doctest::Contains("model_parallel = 3 does not divide the 4 ranks"), lockstep::config_error);
 }
 
-TEST_CASE("hybrid: run(Hybrid) over threads - each rank's replica and part - data axis averages replicas only - model axis sums parts only") {
+TEST_CASE("hybrid: run(Hybrid) over threads - each rank's replica and part - data axis averages replicas only - model "
+          "axis sums parts only") {
   for (auto [ranks, parts] : {std::pair{4, 2}, {4, 1}, {4, 4}, {6, 3}}) {
     CAPTURE(ranks);
     CAPTURE(parts);
-    const auto got = run_and_record(lockstep::Hybrid{.model_parallel = parts, .inner = lockstep::Threads{ranks}}, ranks);
+    const auto got =
+        run_and_record(lockstep::Hybrid{.model_parallel = parts, .inner = lockstep::Threads{ranks}}, ranks);
     const int replicas = ranks / parts;
     for (int r = 0; r < ranks; ++r) {
       CAPTURE(r);
@@ -209,8 +212,7 @@ TEST_CASE("hybrid: the run(Hybrid) code of docs/hybrid.md and lockstep/run.hpp")
     TpMlp model(dims, mesh.part(), mesh.parts(), &mesh.model, seed);  // all-reduces on mesh.model
     lockstep::DataParallel dp(mesh.data, model);                      // averages over the 2 replicas
     lockstep::DistributedSampler sampler(n, mesh.data, {.seed = 7});  // a batch per replica
-    if (mesh.world().is_root())
-      std::printf("%d replicas x %d parts\n", mesh.replicas(), mesh.parts());
+    if (mesh.world().is_root()) std::printf("%d replicas x %d parts\n", mesh.replicas(), mesh.parts());
     // [end snippet]
     CHECK(sampler.batches(5).size() == n / 2 / 5);
     // [snippet docs/hybrid.md#1]
@@ -254,8 +256,8 @@ TEST_CASE("hybrid: run(Auto) refuses LOCKSTEP_MODEL_PARALLEL above 1 - its body 
   {
     scoped_env m("LOCKSTEP_MODEL_PARALLEL", "2");
     bool ran = false;
-    CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Auto{}, [&](auto&) { ran = true; }),
-                         doctest::Contains("run(Hybrid{}"), lockstep::config_error);
+    CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Auto{}, [&](auto&) { ran = true; }), doctest::Contains("run(Hybrid{}"),
+                         lockstep::config_error);
     CHECK(!ran);
   }
   scoped_env one("LOCKSTEP_MODEL_PARALLEL", "1");  // a model axis of one asks for nothing
@@ -276,9 +278,9 @@ TEST_CASE("hybrid: a degree that does not divide the job fails on every rank - n
   CHECK(failed == 4);
   const auto t0 = std::chrono::steady_clock::now();
   bool ran = false;
-  CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Hybrid{.model_parallel = 3, .inner = lockstep::Threads{4}},
-                                     [&](auto&) { ran = true; }),
-                       doctest::Contains("model_parallel = 3 does not divide the 4 ranks"), lockstep::config_error);
+  CHECK_THROWS_WITH_AS(
+      lockstep::run(lockstep::Hybrid{.model_parallel = 3, .inner = lockstep::Threads{4}}, [&](auto&) { ran = true; }),
+      doctest::Contains("model_parallel = 3 does not divide the 4 ranks"), lockstep::config_error);
   {
     scoped_env e("LOCKSTEP_MODEL_PARALLEL", "3");
     CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Hybrid{.inner = lockstep::Threads{4}}, [&](auto&) { ran = true; }),
@@ -306,7 +308,8 @@ TEST_CASE_TEMPLATE("hybrid: hierarchical reduction (within nodes - across - with
         const auto body = [&](auto& dp) {
           for (int s = 0; s < 4; ++s) {
             std::vector<std::size_t> rows;
-            for (std::size_t i = 0; i < 3; ++i) rows.push_back((static_cast<std::size_t>(s * ranks + ctx.rank()) * 3 + i) % d.samples);
+            for (std::size_t i = 0; i < 3; ++i)
+              rows.push_back((static_cast<std::size_t>(s * ranks + ctx.rank()) * 3 + i) % d.samples);
             auto st = dp.step();
             m.forward_backward(inputs<T>(d), d.y, rows, st.on_gradient_ready());
             if (st.finish()) m.sgd(0.2);
@@ -329,9 +332,8 @@ TEST_CASE_TEMPLATE("hybrid: hierarchical reduction (within nodes - across - with
     TestMlp<T> init(d.dims, seed);
     CHECK(max_rel_diff(init.flat_values(), flat[0]) > 1e-3);  // it trained
     if (per_node > 1 && per_node < ranks)
-      CHECK(hier_calls < flat_calls);  // the buckets went through the node and cross-node communicators
-    else
-      CHECK(hier_calls == flat_calls);  // one rank per node, or one node: the flat all-reduce
+      CHECK(hier_calls < flat_calls);      // the buckets went through the node and cross-node communicators
+    else CHECK(hier_calls == flat_calls);  // one rank per node, or one node: the flat all-reduce
     for (int r = 0; r < ranks; ++r) {
       CAPTURE(r);
       CHECK(hier[static_cast<std::size_t>(r)] == hier[0]);
@@ -341,10 +343,10 @@ TEST_CASE_TEMPLATE("hybrid: hierarchical reduction (within nodes - across - with
 }
 
 TEST_CASE("hybrid: hierarchical reduction refuses a node size that does not divide the job") {
-  CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{4}, [](auto& ctx) {
-                         (void)lockstep::Hierarchical(ctx.comm(), {.ranks_per_node = 3});
-                       }),
-                       doctest::Contains("ranks_per_node = 3 does not divide the 4 ranks"), lockstep::config_error);
+  CHECK_THROWS_WITH_AS(
+      lockstep::run(lockstep::Threads{4},
+                    [](auto& ctx) { (void)lockstep::Hierarchical(ctx.comm(), {.ranks_per_node = 3}); }),
+      doctest::Contains("ranks_per_node = 3 does not divide the 4 ranks"), lockstep::config_error);
 }
 
 }  // TEST_SUITE

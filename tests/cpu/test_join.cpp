@@ -91,8 +91,8 @@ struct join_outcome {
 };
 
 template <class T, bool Bindable, class Acc, class Scaler>
-join_outcome<T> run_join(const dataset& d, const join_config& c, std::uint64_t init_seed, double lr,
-                         Acc acc, Scaler scaler, bool use_join = true) {
+join_outcome<T> run_join(const dataset& d, const join_config& c, std::uint64_t init_seed, double lr, Acc acc,
+                         Scaler scaler, bool use_join = true) {
   const auto n = static_cast<std::size_t>(c.ranks());
   join_outcome<T> out{std::vector<std::vector<T>>(n), std::vector<std::size_t>(n, 0),
                       std::vector<lockstep::loss_scale_state>(n), std::vector<lockstep::sync_stats>(n)};
@@ -102,8 +102,7 @@ join_outcome<T> run_join(const dataset& d, const join_config& c, std::uint64_t i
     // Different initial values per rank: construction broadcasts rank 0's.
     TestMlp<T, Bindable> m(d.dims, init_seed + static_cast<std::uint64_t>(r) * 7919);
     lockstep::DataParallel<TestMlp<T, Bindable>, lockstep::ThreadComm, Acc, Scaler> dp(
-        ctx, m, {.buckets = c.buckets, .average_over_accumulation = c.average_over_accumulation},
-        acc, scaler);
+        ctx, m, {.buckets = c.buckets, .average_over_accumulation = c.average_over_accumulation}, acc, scaler);
     auto update = [&](lockstep::step_result res) {
       CHECK(res.synced);
       if (res) m.sgd(lr);
@@ -113,8 +112,7 @@ join_outcome<T> run_join(const dataset& d, const join_config& c, std::uint64_t i
         auto step = dp.step();
         double ls = step.loss_scale();
         if (!c.average_over_accumulation) ls /= c.accumulate;  // PyTorch's way: loss / K
-        if (r == c.inf_rank && j == c.inf_cycle * c.accumulate)
-          ls = std::numeric_limits<double>::infinity();
+        if (r == c.inf_rank && j == c.inf_cycle * c.accumulate) ls = std::numeric_limits<double>::infinity();
         auto rows = rows_of(d, c, r, j);
         if (c.hooks) m.forward_backward(inputs<T>(d), d.y, rows, step.on_gradient_ready(), ls);
         else m.forward_backward(inputs<T>(d), d.y, rows, [](std::size_t) {}, ls);
@@ -141,8 +139,13 @@ template <class T, bool Bindable, class Scaler = lockstep::NoScaling>
 void check_join(const join_config& c, Scaler scaler = {}) {
   const auto seed = fresh_seed();
   CAPTURE(seed);
-  CAPTURE(c.ranks()); CAPTURE(c.accumulate); CAPTURE(c.hooks); CAPTURE(Bindable);
-  CAPTURE(c.buckets.cap_bytes); CAPTURE(c.average_over_accumulation); CAPTURE(c.inf_cycle);
+  CAPTURE(c.ranks());
+  CAPTURE(c.accumulate);
+  CAPTURE(c.hooks);
+  CAPTURE(Bindable);
+  CAPTURE(c.buckets.cap_bytes);
+  CAPTURE(c.average_over_accumulation);
+  CAPTURE(c.inf_cycle);
   std::string counts;
   for (int b : c.batches) counts += std::to_string(b) + " ";
   CAPTURE(counts);
@@ -151,10 +154,8 @@ void check_join(const join_config& c, Scaler scaler = {}) {
   auto d = make_data(seed);
   auto ref = reference<T>(d, c, seed + 1, lr);
   join_outcome<T> got;
-  if (c.accumulate == 1)
-    got = run_join<T, Bindable>(d, c, seed + 1, lr, lockstep::EveryStep{}, scaler);
-  else
-    got = run_join<T, Bindable>(d, c, seed + 1, lr, lockstep::Accumulate<>(c.accumulate), scaler);
+  if (c.accumulate == 1) got = run_join<T, Bindable>(d, c, seed + 1, lr, lockstep::EveryStep{}, scaler);
+  else got = run_join<T, Bindable>(d, c, seed + 1, lr, lockstep::Accumulate<>(c.accumulate), scaler);
   TestMlp<T> init(d.dims, seed + 1);
   if (c.cycles() > (c.inf_cycle >= 0 ? 1 : 0)) CHECK(max_rel_diff(init.flat_values(), ref) > 1e-3);
   const int K = c.accumulate;
@@ -206,8 +207,8 @@ struct MixedModel {
             lockstep::param<double>("c", c.data(), gc.data(), {50})};
   }
   template <class P, class G, class Hook>
-  static void add_grad(const std::vector<double>& X, std::span<const std::size_t> rows, const P& p,
-                       G& g, std::size_t shift, double scale, Hook& hook, std::size_t index) {
+  static void add_grad(const std::vector<double>& X, std::span<const std::size_t> rows, const P& p, G& g,
+                       std::size_t shift, double scale, Hook& hook, std::size_t index) {
     for (std::size_t j = 0; j < p.size(); ++j) {
       double s = 0;
       for (auto row : rows) s += static_cast<double>(p[j]) - X[row * D + (j + shift) % D];
@@ -216,8 +217,7 @@ struct MixedModel {
     hook(index);
   }
   template <class Hook>
-  void backward(const std::vector<double>& X, std::span<const std::size_t> rows, Hook hook,
-                double scale = 1.0) {
+  void backward(const std::vector<double>& X, std::span<const std::size_t> rows, Hook hook, double scale = 1.0) {
     add_grad(X, rows, c, gc, 13, scale, hook, 2);
     add_grad(X, rows, b, gb, 7, scale, hook, 1);
     add_grad(X, rows, a, ga, 0, scale, hook, 0);
@@ -235,16 +235,14 @@ void run_short(int n, std::chrono::milliseconds timeout, F&& body) {
   auto comms = lockstep::ThreadComm::create_group(n, timeout);
   lockstep::ThreadComm aborter = comms[0];
   lockstep::detail::run_ranks(
-      n, [&](int r) { body(comms[static_cast<std::size_t>(r)]); },
-      [&](const std::string& why) { aborter.abort(why); });
+      n, [&](int r) { body(comms[static_cast<std::size_t>(r)]); }, [&](const std::string& why) { aborter.abort(why); });
 }
 
 }  // namespace
 
 TEST_SUITE("cpu") {
 
-TEST_CASE_TEMPLATE("join: uneven batches end together and average over the ranks that had data", T,
-                   double, float) {
+TEST_CASE_TEMPLATE("join: uneven batches end together and average over the ranks that had data", T, double, float) {
   for (int n : {2, 3, 4}) {
     auto c = uneven(n);
     check_join<T, true>(c);
@@ -305,7 +303,8 @@ struct MlpWithStats : TestMlp<double> {
     return {lockstep::param<double>("stats", stats.data(), static_cast<double*>(nullptr), {5})};
   }
   void move_stats(int rank) {
-    for (std::size_t i = 0; i < stats.size(); ++i) stats[i] = 0.5 * stats[i] + rank + 1.0 + 0.1 * static_cast<double>(i);
+    for (std::size_t i = 0; i < stats.size(); ++i)
+      stats[i] = 0.5 * stats[i] + rank + 1.0 + 0.1 * static_cast<double>(i);
   }
 };
 }  // namespace
@@ -322,8 +321,10 @@ TEST_CASE("join with broadcast_buffers: buffers come from a rank still stepping 
       const int r = ctx.rank();
       MlpWithStats m(d.dims, 11);
       std::fill(m.stats.begin(), m.stats.end(), 100.0 * (r + 1));  // another start on every rank
-      lockstep::DataParallel dp(ctx, m);  // broadcast_buffers: on by default
-      const auto update = [&](lockstep::step_result res) { if (res) m.sgd(0.01); };
+      lockstep::DataParallel dp(ctx, m);                           // broadcast_buffers: on by default
+      const auto update = [&](lockstep::step_result res) {
+        if (res) m.sgd(0.01);
+      };
       {
         auto join = dp.join(update);
         for (int b = 0; b < 1 + 2 * r; ++b) {  // rank r: 1 + 2r batches
@@ -388,8 +389,7 @@ TEST_CASE("join with equal batch counts changes nothing (bit for bit)") {
     c.batches = {4, 4, 4};
     c.accumulate = k;
     auto with = run_join<double, true>(d, c, seed, 0.1, lockstep::Accumulate<>(k), lockstep::NoScaling{});
-    auto without = run_join<double, true>(d, c, seed, 0.1, lockstep::Accumulate<>(k), lockstep::NoScaling{},
-                                          false);
+    auto without = run_join<double, true>(d, c, seed, 0.1, lockstep::Accumulate<>(k), lockstep::NoScaling{}, false);
     CHECK(with.params == without.params);
     CHECK(max_rel_diff(with.params[0], reference<double>(d, c, seed, 0.1)) <= 1e-12);
     for (auto s : with.shadow) CHECK(s == 0);
@@ -437,9 +437,11 @@ TEST_CASE("join with two element types: a shadowing rank replays the launch orde
   lockstep::run(lockstep::Threads{n}, [&](auto& ctx) {
     const int r = ctx.rank();
     auto& m = models[static_cast<std::size_t>(r)];
-    lockstep::DataParallel<MixedModel, lockstep::ThreadComm> dp(
-        ctx, m, {.buckets = {.first_bytes = 64, .cap_bytes = 96}});
-    auto update = [&](lockstep::step_result res) { if (res) m.sgd(lr); };
+    lockstep::DataParallel<MixedModel, lockstep::ThreadComm> dp(ctx, m,
+                                                                {.buckets = {.first_bytes = 64, .cap_bytes = 96}});
+    auto update = [&](lockstep::step_result res) {
+      if (res) m.sgd(lr);
+    };
     auto join = dp.join(update);
     for (int j = 0; j < counts[static_cast<std::size_t>(r)]; ++j) {
       auto step = dp.step();
@@ -473,14 +475,15 @@ TEST_CASE_TEMPLATE("join with ShardedOptimizer: a rank out of data still steps i
     CAPTURE(n);
     join_config c = uneven(n);
     c.buckets = {.first_bytes = 4 * sizeof(T) * 7, .cap_bytes = 4 * sizeof(T) * 19};  // tensors over several shards
-    if (n == 4) c.batches[1] = 0;  // a rank with no batch at all
+    if (n == 4) c.batches[1] = 0;                                                     // a rank with no batch at all
     const auto ref = reference<T>(d, c, seed + 1, lr);
     std::vector<std::vector<T>> got(static_cast<std::size_t>(n));
     std::vector<std::size_t> shadow(got.size());
     lockstep::run(lockstep::Threads{n}, [&](auto& ctx) {
       const auto ri = static_cast<std::size_t>(ctx.rank());
       TestMlp<T> m(d.dims, seed + 1 + ri * 7919);
-      lockstep::DataParallel<TestMlp<T>, lockstep::ThreadComm, lockstep::ShardedOptimizer> dp(ctx, m, {.buckets = c.buckets});
+      lockstep::DataParallel<TestMlp<T>, lockstep::ThreadComm, lockstep::ShardedOptimizer> dp(ctx, m,
+                                                                                              {.buckets = c.buckets});
       lockstep::Sgd opt({.lr = lr});
       const auto on_shard = [&](std::span<const lockstep::param_slice> s) { opt.step(s); };
       auto join = dp.join([](lockstep::step_result r) { CHECK(r.synced); }, on_shard);

@@ -23,15 +23,43 @@ namespace {
 
 //! Every variable detect_launcher reads. The guard clears them all (CI may run under a
 //! launcher itself) and restores them afterwards.
-const char* const all_vars[] = {
-    "LOCKSTEP_RANK", "LOCKSTEP_WORLD_SIZE", "LOCKSTEP_LOCAL_RANK", "LOCKSTEP_LOCAL_WORLD_SIZE",
-    "LOCKSTEP_MASTER_ADDR", "LOCKSTEP_MASTER_PORT", "LOCKSTEP_JOB_TOKEN", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_RANK",
-    "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_PROCID",
-    "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS_PER_NODE",
-    "SLURM_TASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_JOB_NODELIST", "SLURM_NODELIST",
-    "SLURM_STEP_NODELIST", "SLURM_JOB_ID", "SLURM_JOBID", "SLURM_STEP_ID", "SLURM_STEPID", "PMI_RANK", "PMI_SIZE",
-    "MPI_LOCALRANKID", "MPI_LOCALNRANKS"};
+const char* const all_vars[] = {"LOCKSTEP_RANK",
+                                "LOCKSTEP_WORLD_SIZE",
+                                "LOCKSTEP_LOCAL_RANK",
+                                "LOCKSTEP_LOCAL_WORLD_SIZE",
+                                "LOCKSTEP_MASTER_ADDR",
+                                "LOCKSTEP_MASTER_PORT",
+                                "LOCKSTEP_JOB_TOKEN",
+                                "RANK",
+                                "WORLD_SIZE",
+                                "LOCAL_RANK",
+                                "LOCAL_WORLD_SIZE",
+                                "MASTER_ADDR",
+                                "MASTER_PORT",
+                                "TORCHELASTIC_RUN_ID",
+                                "OMPI_COMM_WORLD_RANK",
+                                "OMPI_COMM_WORLD_SIZE",
+                                "OMPI_COMM_WORLD_LOCAL_RANK",
+                                "OMPI_COMM_WORLD_LOCAL_SIZE",
+                                "SLURM_PROCID",
+                                "SLURM_NTASKS",
+                                "SLURM_NPROCS",
+                                "SLURM_LOCALID",
+                                "SLURM_NODEID",
+                                "SLURM_NTASKS_PER_NODE",
+                                "SLURM_TASKS_PER_NODE",
+                                "SLURM_STEP_TASKS_PER_NODE",
+                                "SLURM_JOB_NODELIST",
+                                "SLURM_NODELIST",
+                                "SLURM_STEP_NODELIST",
+                                "SLURM_JOB_ID",
+                                "SLURM_JOBID",
+                                "SLURM_STEP_ID",
+                                "SLURM_STEPID",
+                                "PMI_RANK",
+                                "PMI_SIZE",
+                                "MPI_LOCALRANKID",
+                                "MPI_LOCALNRANKS"};
 
 class env_guard {
  public:
@@ -164,33 +192,75 @@ TEST_CASE("detect_launcher: torchrun invalid combinations name the variables") {
   };
   base();
   REQUIRE(detect_launcher());
-  base(); g.unset("WORLD_SIZE"); expect_config_error({"RANK", "WORLD_SIZE"});
-  base(); g.unset("RANK"); expect_config_error({"RANK", "WORLD_SIZE"});
-  base(); g.unset("LOCAL_RANK"); expect_config_error({"LOCAL_RANK"});
-  base(); g.unset("LOCAL_WORLD_SIZE"); expect_config_error({"LOCAL_WORLD_SIZE"});
-  base(); g.clear(); g.set("LOCAL_RANK", 0); expect_config_error({"RANK"});
-  base(); g.set("RANK", 4); expect_config_error({"RANK=4", "WORLD_SIZE=4"});
-  base(); g.set("RANK", 9); expect_config_error({"RANK", "WORLD_SIZE"});
-  base(); g.set("LOCAL_RANK", 2); expect_config_error({"LOCAL_RANK=2", "LOCAL_WORLD_SIZE=2"});
-  base(); g.set("LOCAL_WORLD_SIZE", 8); g.set("LOCAL_RANK", 5); expect_config_error({"LOCAL_WORLD_SIZE", "WORLD_SIZE"});
-  base(); g.set("WORLD_SIZE", 0); expect_config_error({"WORLD_SIZE"});
-  base(); g.set("LOCAL_WORLD_SIZE", 0); expect_config_error({"LOCAL_WORLD_SIZE"});
+  base();
+  g.unset("WORLD_SIZE");
+  expect_config_error({"RANK", "WORLD_SIZE"});
+  base();
+  g.unset("RANK");
+  expect_config_error({"RANK", "WORLD_SIZE"});
+  base();
+  g.unset("LOCAL_RANK");
+  expect_config_error({"LOCAL_RANK"});
+  base();
+  g.unset("LOCAL_WORLD_SIZE");
+  expect_config_error({"LOCAL_WORLD_SIZE"});
+  base();
+  g.clear();
+  g.set("LOCAL_RANK", 0);
+  expect_config_error({"RANK"});
+  base();
+  g.set("RANK", 4);
+  expect_config_error({"RANK=4", "WORLD_SIZE=4"});
+  base();
+  g.set("RANK", 9);
+  expect_config_error({"RANK", "WORLD_SIZE"});
+  base();
+  g.set("LOCAL_RANK", 2);
+  expect_config_error({"LOCAL_RANK=2", "LOCAL_WORLD_SIZE=2"});
+  base();
+  g.set("LOCAL_WORLD_SIZE", 8);
+  g.set("LOCAL_RANK", 5);
+  expect_config_error({"LOCAL_WORLD_SIZE", "WORLD_SIZE"});
+  base();
+  g.set("WORLD_SIZE", 0);
+  expect_config_error({"WORLD_SIZE"});
+  base();
+  g.set("LOCAL_WORLD_SIZE", 0);
+  expect_config_error({"LOCAL_WORLD_SIZE"});
   for (const char* bad : {"abc", "1a", " 1", "1 ", "+1", "0x1", "1.0", "-", "99999999999999999999"}) {
     const std::string value = bad;
     CAPTURE(value);
-    base(); g.set("RANK", std::string(bad)); expect_config_error({"RANK"});
-    base(); g.set("WORLD_SIZE", std::string(bad)); expect_config_error({"WORLD_SIZE"});
-    base(); g.set("LOCAL_RANK", std::string(bad)); expect_config_error({"LOCAL_RANK"});
-    base(); g.set("MASTER_PORT", std::string(bad)); expect_config_error({"MASTER_PORT"});
+    base();
+    g.set("RANK", std::string(bad));
+    expect_config_error({"RANK"});
+    base();
+    g.set("WORLD_SIZE", std::string(bad));
+    expect_config_error({"WORLD_SIZE"});
+    base();
+    g.set("LOCAL_RANK", std::string(bad));
+    expect_config_error({"LOCAL_RANK"});
+    base();
+    g.set("MASTER_PORT", std::string(bad));
+    expect_config_error({"MASTER_PORT"});
   }
-  base(); g.set("RANK", -1); expect_config_error({"RANK", "negative"});
-  base(); g.set("LOCAL_RANK", -3); expect_config_error({"LOCAL_RANK", "negative"});
+  base();
+  g.set("RANK", -1);
+  expect_config_error({"RANK", "negative"});
+  base();
+  g.set("LOCAL_RANK", -3);
+  expect_config_error({"LOCAL_RANK", "negative"});
   for (long port : {0L, -1L, 65536L, 100000L}) {
     CAPTURE(port);
-    base(); g.set("MASTER_PORT", port); expect_config_error({"MASTER_PORT", "65535"});
+    base();
+    g.set("MASTER_PORT", port);
+    expect_config_error({"MASTER_PORT", "65535"});
   }
-  base(); g.set("MASTER_PORT", 65535); CHECK(detect_launcher()->master_port == 65535);
-  base(); g.set("MASTER_PORT", 1); CHECK(detect_launcher()->master_port == 1);
+  base();
+  g.set("MASTER_PORT", 65535);
+  CHECK(detect_launcher()->master_port == 65535);
+  base();
+  g.set("MASTER_PORT", 1);
+  CHECK(detect_launcher()->master_port == 1);
 }
 
 TEST_CASE("detect_launcher: lockstep-run variables win and must agree with torchrun's") {
@@ -246,7 +316,9 @@ TEST_CASE("detect_launcher: Open MPI") {
   for (int trial = 0; trial < 100; ++trial) {
     g.clear();
     const layout l = random_layout(rng);
-    set_layout(g, {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"}, l);
+    set_layout(
+        g, {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"},
+        l);
     const int addr_kind = static_cast<int>(rng() % 3);  // none, MASTER_*, LOCKSTEP_MASTER_*
     if (addr_kind == 1) {
       g.set("MASTER_ADDR", "m1");
@@ -351,8 +423,8 @@ TEST_CASE("Slurm hostlist: first host") {
   CHECK(slurm_first_host("r[1-2]-n[08-09],x") == "r1-n08");
   CHECK(slurm_first_host("[5-6]x") == "5x");
   CHECK(slurm_first_host("node[001-100]-ib,other[1-3]") == "node001-ib");
-  for (const char* bad : {"", ",a", "node[1-2", "node1-2]", "n[]", "n[a-b]", "n[1-]", "n[,1]", "n[1,]", "n[[1]]",
-                          "n[1-2x]", "a b"}) {
+  for (const char* bad :
+       {"", ",a", "node[1-2", "node1-2]", "n[]", "n[a-b]", "n[1-]", "n[,1]", "n[1,]", "n[[1]]", "n[1-2x]", "a b"}) {
     const std::string list = bad;
     CAPTURE(list);
     CHECK_THROWS_AS(slurm_first_host(bad), config_error);
@@ -459,40 +531,76 @@ TEST_CASE("detect_launcher: Slurm") {
   CHECK(info->master_port == 15000 + ((123456 % 17000) * 16 + 2) % 17000);
   CHECK(info->job_token == "slurm-123456.2");
 
-  base(); g.set("SLURM_NODEID", 1); g.set("SLURM_PROCID", 3); g.set("SLURM_LOCALID", 1);
+  base();
+  g.set("SLURM_NODEID", 1);
+  g.set("SLURM_PROCID", 3);
+  g.set("SLURM_LOCALID", 1);
   CHECK(detect_launcher()->local_world == 2);
-  base(); g.set("SLURM_STEP_TASKS_PER_NODE", "1(x3),4"); g.set("SLURM_LOCALID", 3);  // the step's list wins
+  base();
+  g.set("SLURM_STEP_TASKS_PER_NODE", "1(x3),4");
+  g.set("SLURM_LOCALID", 3);  // the step's list wins
   CHECK(detect_launcher()->local_world == 4);
-  base(); g.set("SLURM_STEP_NODELIST", "step[2-3]");
+  base();
+  g.set("SLURM_STEP_NODELIST", "step[2-3]");
   CHECK(detect_launcher()->master_addr == "step2");
-  base(); g.set("MASTER_ADDR", "explicit-host"); g.set("MASTER_PORT", 3000); g.set("LOCKSTEP_JOB_TOKEN", "s3cret");
+  base();
+  g.set("MASTER_ADDR", "explicit-host");
+  g.set("MASTER_PORT", 3000);
+  g.set("LOCKSTEP_JOB_TOKEN", "s3cret");
   info = detect_launcher();
   CHECK(info->master_addr == "explicit-host");
   CHECK(info->master_port == 3000);
   CHECK(info->job_token == "s3cret");
-  base(); g.unset("SLURM_NODEID"); g.set("SLURM_NTASKS_PER_NODE", 2); g.set("SLURM_PROCID", 1); g.set("SLURM_LOCALID", 1);
+  base();
+  g.unset("SLURM_NODEID");
+  g.set("SLURM_NTASKS_PER_NODE", 2);
+  g.set("SLURM_PROCID", 1);
+  g.set("SLURM_LOCALID", 1);
   CHECK(detect_launcher()->local_world == 2);
-  base(); g.unset("SLURM_NODEID");  // uneven list, no node id, no per-node count: cannot tell
+  base();
+  g.unset("SLURM_NODEID");  // uneven list, no node id, no per-node count: cannot tell
   expect_config_error({"SLURM_NTASKS_PER_NODE"});
-  base(); g.unset("SLURM_NODEID"); g.set("SLURM_TASKS_PER_NODE", "3(x2)"); g.set("SLURM_NTASKS", 6);
-  g.set("SLURM_PROCID", 5); g.set("SLURM_LOCALID", 2);
+  base();
+  g.unset("SLURM_NODEID");
+  g.set("SLURM_TASKS_PER_NODE", "3(x2)");
+  g.set("SLURM_NTASKS", 6);
+  g.set("SLURM_PROCID", 5);
+  g.set("SLURM_LOCALID", 2);
   CHECK(detect_launcher()->local_world == 3);
-  base(); g.set("SLURM_LOCALID", 1);  // node 3 holds one task
+  base();
+  g.set("SLURM_LOCALID", 1);  // node 3 holds one task
   expect_config_error({"SLURM_LOCALID=1", "SLURM_TASKS_PER_NODE"});
-  base(); g.set("SLURM_PROCID", 7); expect_config_error({"SLURM_PROCID=7", "SLURM_NTASKS=7"});
-  base(); g.unset("SLURM_NTASKS"); g.set("SLURM_NPROCS", 7);
+  base();
+  g.set("SLURM_PROCID", 7);
+  expect_config_error({"SLURM_PROCID=7", "SLURM_NTASKS=7"});
+  base();
+  g.unset("SLURM_NTASKS");
+  g.set("SLURM_NPROCS", 7);
   CHECK(detect_launcher()->world == 7);
-  base(); g.unset("SLURM_NTASKS"); expect_config_error({"SLURM_NTASKS"});
-  base(); g.set("SLURM_JOB_NODELIST", "bad[1-"); expect_config_error({"SLURM_JOB_NODELIST", "MASTER_ADDR"});
-  base(); g.set("SLURM_NODEID", 9); expect_config_error({"SLURM_NODEID=9"});
-  base(); g.set("SLURM_LOCALID", "x"); expect_config_error({"SLURM_LOCALID"});
-  base(); g.unset("SLURM_JOB_ID"); g.unset("SLURM_JOB_NODELIST");
+  base();
+  g.unset("SLURM_NTASKS");
+  expect_config_error({"SLURM_NTASKS"});
+  base();
+  g.set("SLURM_JOB_NODELIST", "bad[1-");
+  expect_config_error({"SLURM_JOB_NODELIST", "MASTER_ADDR"});
+  base();
+  g.set("SLURM_NODEID", 9);
+  expect_config_error({"SLURM_NODEID=9"});
+  base();
+  g.set("SLURM_LOCALID", "x");
+  expect_config_error({"SLURM_LOCALID"});
+  base();
+  g.unset("SLURM_JOB_ID");
+  g.unset("SLURM_JOB_NODELIST");
   info = detect_launcher();
   CHECK(info->master_addr.empty());
   CHECK(info->master_port == 0);
   CHECK(info->job_token.empty());
-  base(); g.set("OMPI_COMM_WORLD_RANK", 0); g.set("OMPI_COMM_WORLD_SIZE", 1);  // mpirun inside an allocation
-  g.set("OMPI_COMM_WORLD_LOCAL_RANK", 0); g.set("OMPI_COMM_WORLD_LOCAL_SIZE", 1);
+  base();
+  g.set("OMPI_COMM_WORLD_RANK", 0);
+  g.set("OMPI_COMM_WORLD_SIZE", 1);  // mpirun inside an allocation
+  g.set("OMPI_COMM_WORLD_LOCAL_RANK", 0);
+  g.set("OMPI_COMM_WORLD_LOCAL_SIZE", 1);
   CHECK(detect_launcher()->launcher == "openmpi");
 }
 

@@ -75,8 +75,8 @@ bool same_bits(const std::vector<std::vector<T>>& a, const std::vector<std::vect
 // Checks after = before / scale elementwise against long double arithmetic: exactly when
 // scale is a power of two, else within rel_ulps units of T's epsilon.
 template <class T>
-void check_unscaled(const std::vector<std::vector<T>>& before,
-                    const std::vector<std::vector<T>>& after, double scale, double rel_ulps) {
+void check_unscaled(const std::vector<std::vector<T>>& before, const std::vector<std::vector<T>>& after, double scale,
+                    double rel_ulps) {
   REQUIRE(before.size() == after.size());
   int exp = 0;
   const bool pow2 = std::frexp(scale, &exp) == 0.5;
@@ -88,8 +88,7 @@ void check_unscaled(const std::vector<std::vector<T>>& before,
       if (pow2) {
         if (static_cast<T>(ref) != after[i][j]) ++bad;
       } else {
-        const long double tol =
-            std::fabs(ref) * rel_ulps * static_cast<long double>(std::numeric_limits<T>::epsilon());
+        const long double tol = std::fabs(ref) * rel_ulps * static_cast<long double>(std::numeric_limits<T>::epsilon());
         if (std::fabs(got - ref) > tol) ++bad;
       }
     }
@@ -241,9 +240,7 @@ TEST_CASE("loss scaling: DynamicScaleOptions are validated") {
   CHECK_THROWS_AS(DynamicScale(with([](auto& o) { o.growth_interval = 0; })), config_error);
   CHECK_THROWS_AS(DynamicScale(with([](auto& o) { o.init_scale = 0.5; })), config_error);
   CHECK_THROWS_AS(DynamicScale(with([](auto& o) { o.init_scale = 1e9; })), config_error);
-  CHECK_THROWS_AS(DynamicScale(with([](auto& o) {
-                    o.init_scale = std::numeric_limits<double>::quiet_NaN();
-                  })),
+  CHECK_THROWS_AS(DynamicScale(with([](auto& o) { o.init_scale = std::numeric_limits<double>::quiet_NaN(); })),
                   config_error);
   CHECK_THROWS_AS(DynamicScale(with([](auto& o) { o.min_scale = -1.0; })), config_error);
   CHECK_THROWS_AS(StaticScale(0.0), config_error);
@@ -315,9 +312,8 @@ TEST_CASE("loss scaling: inf/NaN on one rank only: every rank skips and the stat
         grads<float> f(rng, s.scale());
         grads<double> d(rng, s.scale());
         if (plan[static_cast<std::size_t>(step)].rank == rank) {
-          const double bad = plan[static_cast<std::size_t>(step)].nan
-                                 ? std::numeric_limits<double>::quiet_NaN()
-                                 : -std::numeric_limits<double>::infinity();
+          const double bad = plan[static_cast<std::size_t>(step)].nan ? std::numeric_limits<double>::quiet_NaN()
+                                                                      : -std::numeric_limits<double>::infinity();
           if (step % 2) f.at(rng) = static_cast<float>(bad);
           else d.at(rng) = bad;
         }
@@ -335,8 +331,7 @@ TEST_CASE("loss scaling: inf/NaN on one rank only: every rank skips and the stat
       expect_skipped += expect ? 1 : 0;
       for (int r = 0; r < n; ++r) {
         CAPTURE(r);
-        CHECK(static_cast<bool>(found[static_cast<std::size_t>(r)][static_cast<std::size_t>(step)]) ==
-              expect);
+        CHECK(static_cast<bool>(found[static_cast<std::size_t>(r)][static_cast<std::size_t>(step)]) == expect);
         CHECK(states[static_cast<std::size_t>(r)][static_cast<std::size_t>(step)] ==
               states[0][static_cast<std::size_t>(step)]);
       }

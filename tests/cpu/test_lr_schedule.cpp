@@ -62,12 +62,10 @@ TEST_CASE("lr: LinearWarmup decays linearly or by cosine to final_lr") {
     CAPTURE(w);
     CAPTURE(total);
     const lockstep::LinearWarmup none{.peak_lr = peak, .warmup_steps = w};
-    const lockstep::LinearWarmup lin{.peak_lr = peak, .warmup_steps = w,
-                                     .decay = lockstep::Decay::linear, .total_steps = total,
-                                     .final_lr = fin};
-    const lockstep::LinearWarmup cos{.peak_lr = peak, .warmup_steps = w,
-                                     .decay = lockstep::Decay::cosine, .total_steps = total,
-                                     .final_lr = fin};
+    const lockstep::LinearWarmup lin{
+        .peak_lr = peak, .warmup_steps = w, .decay = lockstep::Decay::linear, .total_steps = total, .final_lr = fin};
+    const lockstep::LinearWarmup cos{
+        .peak_lr = peak, .warmup_steps = w, .decay = lockstep::Decay::cosine, .total_steps = total, .final_lr = fin};
     for (std::uint64_t s = 0; s < w; ++s) {
       CHECK(lin(s) == lockstep::warmup_lr(s, w, peak));
       CHECK(cos(s) == lockstep::warmup_lr(s, w, peak));
@@ -88,8 +86,8 @@ TEST_CASE("lr: LinearWarmup decays linearly or by cosine to final_lr") {
       if (s > w) CHECK(lin(s) <= lin(s - 1));
     }
   }
-  const lockstep::LinearWarmup bad{.peak_lr = 0.1, .warmup_steps = 100,
-                                   .decay = lockstep::Decay::linear, .total_steps = 50};
+  const lockstep::LinearWarmup bad{
+      .peak_lr = 0.1, .warmup_steps = 100, .decay = lockstep::Decay::linear, .total_steps = 50};
   CHECK_THROWS_AS(bad(0), lockstep::config_error);
   const lockstep::LinearWarmup nan{.peak_lr = std::nan("")};
   CHECK_THROWS_AS(nan(0), lockstep::config_error);
@@ -106,11 +104,13 @@ TEST_CASE("lr_schedule: the scaling rule from LOCKSTEP_LR_SCALING (lockstep-run'
   ::setenv("LOCKSTEP_LR_SCALING", "linear", 1);
   CHECK(lockstep::scaled_lr(base, b0, eb, lockstep::lr_scaling_from_env()) == doctest::Approx(base * r).epsilon(1e-15));
   ::setenv("LOCKSTEP_LR_SCALING", "sqrt", 1);
-  CHECK(lockstep::scaled_lr(base, b0, eb, lockstep::lr_scaling_from_env()) == doctest::Approx(base * std::sqrt(r)).epsilon(1e-15));
+  CHECK(lockstep::scaled_lr(base, b0, eb, lockstep::lr_scaling_from_env()) ==
+        doctest::Approx(base * std::sqrt(r)).epsilon(1e-15));
   ::setenv("LOCKSTEP_LR_SCALING", "none", 1);
   CHECK(lockstep::scaled_lr(base, b0, eb, lockstep::lr_scaling_from_env()) == base);
   ::setenv("LOCKSTEP_LR_SCALING", "quadratic", 1);
-  CHECK_THROWS_WITH_AS(lockstep::lr_scaling_from_env(), doctest::Contains("give none, linear or sqrt"), lockstep::config_error);
+  CHECK_THROWS_WITH_AS(lockstep::lr_scaling_from_env(), doctest::Contains("give none, linear or sqrt"),
+                       lockstep::config_error);
   ::unsetenv("LOCKSTEP_LR_SCALING");
   CHECK_THROWS_AS(lockstep::scaled_lr(base, 0, eb, lockstep::LrScaling::sqrt), lockstep::config_error);
 }

@@ -90,8 +90,7 @@ TEST_CASE("metrics: mean_across_ranks and global accuracy") {
   for (int r = 0; r < n; ++r) {
     values[static_cast<std::size_t>(r)] = std::uniform_real_distribution<double>(-5, 5)(rng);
     const auto total = std::uniform_int_distribution<std::int64_t>(1, 100000)(rng);
-    counts[static_cast<std::size_t>(r)] = {std::uniform_int_distribution<std::int64_t>(0, total)(rng),
-                                           total};
+    counts[static_cast<std::size_t>(r)] = {std::uniform_int_distribution<std::int64_t>(0, total)(rng), total};
   }
   std::vector<double> means(n), accs(n);
   std::vector<eval_counts> globals(n);
@@ -205,8 +204,7 @@ TEST_CASE("metrics: Rank0Logger and log0 print on rank 0 only") {
     log.end_progress();
     log.progress("plain", false);
   });
-  CHECK(outs[0].str() ==
-        "epoch 2 loss 0.5\nrank says 0\nx=7\n\rstep 1/10\rstep 10/10 done\rend            \nplain\n");
+  CHECK(outs[0].str() == "epoch 2 loss 0.5\nrank says 0\nx=7\n\rstep 1/10\rstep 10/10 done\rend            \nplain\n");
   CHECK(outs[1].str().empty());
   CHECK(outs[2].str().empty());
 

@@ -23,7 +23,8 @@
 TEST_SUITE("cpu") {
 
 #ifdef LOCKSTEP_NVTX_INJECTION
-TEST_CASE("nvtx: a tool attached through NVTX sees every step phase and the collective - wait - callback of each bucket") {
+TEST_CASE(
+    "nvtx: a tool attached through NVTX sees every step phase and the collective - wait - callback of each bucket") {
   static_assert(LOCKSTEP_NVTX == 1, "the test is built with LOCKSTEP_WITH_NVTX and the NVTX3 headers");
   ::setenv("NVTX_INJECTION64_PATH", LOCKSTEP_NVTX_INJECTION, 1);  // before the first NVTX call
   const auto seed = lockstep_test::fresh_seed();
@@ -31,7 +32,8 @@ TEST_CASE("nvtx: a tool attached through NVTX sees every step phase and the coll
   const int steps = 4, bad_step = 2, ranks = 3;
   std::size_t buckets = 0;
   lockstep::run(lockstep::Threads{ranks}, [&](auto& ctx) {
-    const auto n = lockstep_test::observed_run(ctx, seed, steps, bad_step, [](std::span<const lockstep::param_slice>) {});
+    const auto n =
+        lockstep_test::observed_run(ctx, seed, steps, bad_step, [](std::span<const lockstep::param_slice>) {});
     if (ctx.rank() == 0) buckets = n;
   });
   REQUIRE(buckets > 2);
@@ -97,7 +99,8 @@ TEST_CASE("nvtx: a tool attached through NVTX sees every step phase and the coll
 }
 #else
 TEST_CASE("nvtx: not built") {
-  MESSAGE("[lockstep-skip] the NVTX3 headers (CUDA toolkit, nvtx3/nvToolsExt.h) were not found: the NVTX test is not built");
+  MESSAGE("[lockstep-skip] the NVTX3 headers (CUDA toolkit, nvtx3/nvToolsExt.h) were not found: the NVTX test is not "
+          "built");
 }
 #endif
 }

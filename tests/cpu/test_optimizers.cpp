@@ -109,7 +109,9 @@ std::vector<std::vector<long double>> widen(const std::vector<std::vector<T>>& x
 }
 
 template <class T>
-double tolerance() { return std::is_same_v<T, float> ? 4e-6 : 1e-12; }
+double tolerance() {
+  return std::is_same_v<T, float> ? 4e-6 : 1e-12;
+}
 
 template <class T>
 void check_close(const Model<T>& m, const std::vector<std::vector<long double>>& ref) {
@@ -194,8 +196,7 @@ TEST_CASE_TEMPLATE("optimizers: AdamW matches the scalar reference", T, float, d
   }
 }
 
-TEST_CASE_TEMPLATE("optimizers: skip leaves parameters and state bit-identical", Opt, lockstep::Sgd,
-                   lockstep::AdamW) {
+TEST_CASE_TEMPLATE("optimizers: skip leaves parameters and state bit-identical", Opt, lockstep::Sgd, lockstep::AdamW) {
   const auto seed = fresh_seed();
   INFO("seed = ", seed);
   std::mt19937_64 rng(seed);
@@ -225,8 +226,7 @@ TEST_CASE_TEMPLATE("optimizers: skip leaves parameters and state bit-identical",
   CHECK_FALSE(model.same_bits(snapshot));
 }
 
-TEST_CASE_TEMPLATE("optimizers: per-subset steps equal one full step", Opt, lockstep::Sgd,
-                   lockstep::AdamW) {
+TEST_CASE_TEMPLATE("optimizers: per-subset steps equal one full step", Opt, lockstep::Sgd, lockstep::AdamW) {
   const auto seed = fresh_seed();
   INFO("seed = ", seed);
   std::mt19937_64 rng(seed);
@@ -256,14 +256,14 @@ TEST_CASE_TEMPLATE("optimizers: per-subset steps equal one full step", Opt, lock
   CHECK(lockstep::to_bytes(full) == lockstep::to_bytes(parts));
 }
 
-TEST_CASE_TEMPLATE("optimizers: save/load continues bit-identically", Opt, lockstep::Sgd,
-                   lockstep::AdamW) {
+TEST_CASE_TEMPLATE("optimizers: save/load continues bit-identically", Opt, lockstep::Sgd, lockstep::AdamW) {
   const auto seed = fresh_seed();
   INFO("seed = ", seed);
   std::mt19937_64 rng(seed);
   Model<double> model(rng, kSizes);
   auto make = [](double lr) {
-    if constexpr (std::is_same_v<Opt, lockstep::Sgd>) return Opt({.lr = lr, .momentum = 0.9, .dampening = 0.1, .weight_decay = 0.01});
+    if constexpr (std::is_same_v<Opt, lockstep::Sgd>)
+      return Opt({.lr = lr, .momentum = 0.9, .dampening = 0.1, .weight_decay = 0.01});
     else return Opt({.lr = lr, .beta1 = 0.85});
   };
   Opt opt = make(0.01);

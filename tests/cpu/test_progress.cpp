@@ -70,8 +70,14 @@ struct scoped_env {
 };
 
 lockstep::launch_info job(int rank, int world, int port) {
-  return {.rank = rank, .world = world, .local_rank = rank, .local_world = world, .master_addr = "127.0.0.1",
-          .master_port = port, .launcher = "explicit", .job_token = "progress-test"};
+  return {.rank = rank,
+          .world = world,
+          .local_rank = rank,
+          .local_world = world,
+          .master_addr = "127.0.0.1",
+          .master_port = port,
+          .launcher = "explicit",
+          .job_token = "progress-test"};
 }
 
 //! A checkpoint of about `bytes` bytes of parameters.
@@ -160,8 +166,8 @@ TEST_CASE("progress throttles its lines under an injected clock") {
   CHECK(out.get().size() == 3);
   {
     scoped_env bad("LOCKSTEP_PROGRESS", "yes");
-    CHECK_THROWS_WITH_AS(lockstep::detail::progress(out.options(), 0ms, 1ms), doctest::Contains("LOCKSTEP_PROGRESS='yes'"),
-                         lockstep::config_error);
+    CHECK_THROWS_WITH_AS(lockstep::detail::progress(out.options(), 0ms, 1ms),
+                         doctest::Contains("LOCKSTEP_PROGRESS='yes'"), lockstep::config_error);
   }
   CHECK_THROWS_AS(lockstep::detail::progress(out.options(0ms, 0ms), 0ms, 1ms), lockstep::config_error);
 }
@@ -233,8 +239,14 @@ TEST_CASE("progress of a fast rendezvous prints nothing") {
   stderr_capture err;
   {
     auto host = lockstep::job_store(job(0, 3, port), 10s, {}, out.options(600ms, 100ms));
-    std::thread r1([&] { auto s = lockstep::job_store(job(1, 3, port), 10s); lockstep::barrier(s, "met", 10s); });
-    std::thread r2([&] { auto s = lockstep::job_store(job(2, 3, port), 10s); lockstep::barrier(s, "met", 10s); });
+    std::thread r1([&] {
+      auto s = lockstep::job_store(job(1, 3, port), 10s);
+      lockstep::barrier(s, "met", 10s);
+    });
+    std::thread r2([&] {
+      auto s = lockstep::job_store(job(2, 3, port), 10s);
+      lockstep::barrier(s, "met", 10s);
+    });
     lockstep::barrier(host, "met", 10s);
     r1.join();
     r2.join();

@@ -112,17 +112,19 @@ TEST_CASE("resume from a checkpoint reproduces the uninterrupted run bit for bit
   CHECK(max_rel_diff(init.flat_values(), uninterrupted) > 1e-3);
 
   // A checkpoint of another model is refused and leaves the model untouched.
-  CHECK_THROWS_AS(lockstep::run(lockstep::Threads{1}, [&](auto& ctx) {
-                    TestMlp<double> other({11, 17, 5}, 1);
-                    lockstep::DataParallel<TestMlp<double>, lockstep::ThreadComm> dp(ctx, other);
-                    auto before = other.flat_values();
-                    try {
-                      lockstep::restore_parameters(lockstep::load_checkpoint(ck), dp.parameters(), ctx.comm().memory());
-                    } catch (...) {
-                      CHECK(other.flat_values() == before);
-                      throw;
-                    }
-                  }),
+  CHECK_THROWS_AS(lockstep::run(lockstep::Threads{1},
+                                [&](auto& ctx) {
+                                  TestMlp<double> other({11, 17, 5}, 1);
+                                  lockstep::DataParallel<TestMlp<double>, lockstep::ThreadComm> dp(ctx, other);
+                                  auto before = other.flat_values();
+                                  try {
+                                    lockstep::restore_parameters(lockstep::load_checkpoint(ck), dp.parameters(),
+                                                                 ctx.comm().memory());
+                                  } catch (...) {
+                                    CHECK(other.flat_values() == before);
+                                    throw;
+                                  }
+                                }),
                   lockstep::checkpoint_error);
   fs::remove_all(dir);
 }

@@ -36,8 +36,8 @@ std::size_t torch_num_samples(std::size_t len, std::size_t world, bool drop_last
 
 // PyTorch's __iter__ after the shuffle: pad by repeating from the start (tiled when the
 // padding is longer than the list) or truncate, then take list[rank : total : world].
-std::vector<std::size_t> torch_rank_indices(std::vector<std::size_t> list, std::size_t world,
-                                            std::size_t rank, bool drop_last) {
+std::vector<std::size_t> torch_rank_indices(std::vector<std::size_t> list, std::size_t world, std::size_t rank,
+                                            bool drop_last) {
   const std::size_t len = list.size();
   const std::size_t total = torch_num_samples(len, world, drop_last) * world;
   if (!drop_last) {
@@ -75,8 +75,7 @@ bool is_permutation_of_iota(std::vector<std::size_t> v) {
 }
 
 template <class Order, class Tail>
-void check_against_torch(std::size_t len, std::size_t world, std::uint64_t seed,
-                         std::uint64_t epoch) {
+void check_against_torch(std::size_t len, std::size_t world, std::uint64_t seed, std::uint64_t epoch) {
   constexpr bool drop = std::is_same_v<Tail, DropLast>;
   CAPTURE(len);
   CAPTURE(world);
@@ -87,8 +86,7 @@ void check_against_torch(std::size_t len, std::size_t world, std::uint64_t seed,
   const std::size_t expected = torch_num_samples(len, world, drop);
   for (std::size_t r = 0; r < world; ++r) {
     CAPTURE(r);
-    DistributedSampler<Order, Tail> s(len, static_cast<int>(r), static_cast<int>(world),
-                                      {.seed = seed});
+    DistributedSampler<Order, Tail> s(len, static_cast<int>(r), static_cast<int>(world), {.seed = seed});
     s.set_epoch(epoch);
     CHECK(s.size() == expected);
     CHECK(s.total_size() == expected * world);
@@ -291,8 +289,7 @@ TEST_CASE("sampler: golden values of the documented shuffle") {
   // Computed with an independent Python transcription of the algorithm documented in
   // distributed_sampler.hpp (SplitMix64 from detail::sampler_key, Lemire's bounded draw,
   // Fisher–Yates from the top): these pin the order on every platform and compiler.
-  CHECK(lockstep::detail::permutation(10, 42, 3) ==
-        std::vector<std::size_t>{2, 7, 5, 0, 3, 8, 1, 6, 4, 9});
+  CHECK(lockstep::detail::permutation(10, 42, 3) == std::vector<std::size_t>{2, 7, 5, 0, 3, 8, 1, 6, 4, 9});
   CHECK(lockstep::detail::permutation(16, 0, 0) ==
         std::vector<std::size_t>{3, 0, 12, 1, 11, 10, 7, 14, 8, 4, 9, 5, 15, 2, 13, 6});
   CHECK(lockstep::detail::permutation(1, 5, 5) == std::vector<std::size_t>{0});
@@ -300,15 +297,13 @@ TEST_CASE("sampler: golden values of the documented shuffle") {
   // Lemire's bounded draw, including its rejection path: with n = 2^63 + 1 about half the
   // candidates are rejected (10 times in these 8 draws), with n = 3·2^62 a quarter (2 times).
   using lockstep::SplitMix64;
-  const std::uint64_t big1[] = {1889100008830663798ULL, 1102585717339666702ULL,
-                                4425244153875356811ULL, 1702875918339116738ULL,
-                                7057181614276279346ULL, 8951156463191064200ULL,
+  const std::uint64_t big1[] = {1889100008830663798ULL, 1102585717339666702ULL, 4425244153875356811ULL,
+                                1702875918339116738ULL, 7057181614276279346ULL, 8951156463191064200ULL,
                                 7234133431497328526ULL, 4696173240441134095ULL};
   SplitMix64 g1(12345);
   for (auto v : big1) CHECK(lockstep::detail::bounded(g1, (std::uint64_t{1} << 63) + 1) == v);
-  const std::uint64_t big2[] = {2833650013245995697ULL, 1653878576009500053ULL,
-                                2436600087803032087ULL, 7012717208619588272ULL,
-                                4662892491721603234ULL, 1696900514627103409ULL,
+  const std::uint64_t big2[] = {2833650013245995697ULL, 1653878576009500053ULL, 2436600087803032087ULL,
+                                7012717208619588272ULL, 4662892491721603234ULL, 1696900514627103409ULL,
                                 6637866230813035217ULL, 12002216188126887707ULL};
   SplitMix64 g2(12345);
   for (auto v : big2) CHECK(lockstep::detail::bounded(g2, std::uint64_t{3} << 62) == v);
@@ -328,8 +323,7 @@ TEST_CASE("sampler: the portable 64x64 multiply agrees with exact arithmetic") {
     for (int x = 0; x < 4; ++x) {
       std::uint64_t carry = 0;
       for (int y = 0; y < 4; ++y) {
-        const std::uint64_t t = ((a >> (16 * x)) & 0xffff) * ((b >> (16 * y)) & 0xffff) +
-                                digits[x + y] + carry;
+        const std::uint64_t t = ((a >> (16 * x)) & 0xffff) * ((b >> (16 * y)) & 0xffff) + digits[x + y] + carry;
         digits[x + y] = t & 0xffff;
         carry = t >> 16;
       }
@@ -356,8 +350,7 @@ TEST_CASE("sampler: batches with both last-batch policies") {
     CAPTURE(world);
     CAPTURE(len);
     CAPTURE(batch);
-    DistributedSampler<> s(len, static_cast<int>(rng() % static_cast<std::uint64_t>(world)), world,
-                           {.seed = seed});
+    DistributedSampler<> s(len, static_cast<int>(rng() % static_cast<std::uint64_t>(world)), world, {.seed = seed});
     s.set_epoch(rng() % 50);
     const std::size_t n = s.size();
 
@@ -434,8 +427,7 @@ TEST_CASE("sampler: invalid rank or world is a config_error") {
   CHECK_THROWS_AS(DistributedSampler<>(10, 0, 0), lockstep::config_error);
   CHECK_THROWS_AS(DistributedSampler<>(10, -1, 4), lockstep::config_error);
   CHECK_THROWS_AS(DistributedSampler<>(10, 4, 4), lockstep::config_error);
-  CHECK_THROWS_WITH_AS(DistributedSampler<>(10, 5, 4), doctest::Contains("rank 5"),
-                       lockstep::config_error);
+  CHECK_THROWS_WITH_AS(DistributedSampler<>(10, 5, 4), doctest::Contains("rank 5"), lockstep::config_error);
   CHECK_NOTHROW(DistributedSampler<>(10, 3, 4));
 }
 

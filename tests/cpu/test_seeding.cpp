@@ -72,8 +72,7 @@ TEST_CASE("seeding: one flipped input bit changes about half the output bits") {
     const int bit = static_cast<int>(rng() % 12);
     const std::uint64_t s = lockstep::rank_epoch_seed(base, rank, epoch);
     rank_flip += std::popcount(s ^ lockstep::rank_epoch_seed(base, rank ^ (1 << bit), epoch));
-    base_flip += std::popcount(s ^ lockstep::rank_epoch_seed(base ^ (std::uint64_t{1} << (rng() % 64)),
-                                                             rank, epoch));
+    base_flip += std::popcount(s ^ lockstep::rank_epoch_seed(base ^ (std::uint64_t{1} << (rng() % 64)), rank, epoch));
     epoch_flip += std::popcount(s ^ lockstep::rank_epoch_seed(base, rank, epoch ^ (1u << bit)));
   }
   CHECK(rank_flip / trials == doctest::Approx(32).epsilon(0.05));

@@ -26,8 +26,7 @@ using config = sharded_config;
 using outcome = sharded_outcome;
 
 template <class T, bool Sharded, bool Bindable, class Hold = std::nullptr_t, class Start = std::nullptr_t>
-outcome train(const dataset& d, const config& c, std::uint64_t init_seed, Hold hold = nullptr,
-              Start start = nullptr) {
+outcome train(const dataset& d, const config& c, std::uint64_t init_seed, Hold hold = nullptr, Start start = nullptr) {
   outcome out;
   out.values.resize(static_cast<std::size_t>(c.ranks));
   lockstep::run(lockstep::Threads{c.ranks},
@@ -39,8 +38,13 @@ template <class T, bool Bindable>
 void check_sharded_equals_unsharded(const config& c) {
   const auto seed = fresh_seed();
   CAPTURE(seed);
-  CAPTURE(c.ranks); CAPTURE(c.accumulate); CAPTURE(c.hooks); CAPTURE(Bindable); CAPTURE(c.buckets.cap_bytes);
-  CAPTURE(c.max_norm); CAPTURE(c.inf_step);
+  CAPTURE(c.ranks);
+  CAPTURE(c.accumulate);
+  CAPTURE(c.hooks);
+  CAPTURE(Bindable);
+  CAPTURE(c.buckets.cap_bytes);
+  CAPTURE(c.max_norm);
+  CAPTURE(c.inf_step);
   const auto d = make_data(seed, 211);
   const auto plain = train<T, false, Bindable>(d, c, seed + 1);
   const auto sharded = train<T, true, Bindable>(d, c, seed + 1);
@@ -174,7 +178,8 @@ TEST_CASE_TEMPLATE("sharded: a checkpoint of the sharded state resumes bit for b
 // rows per step, split otherwise) and on 4 ranks with other bucket sizes (another shard
 // layout): each rank cuts its new shards from the saved ones through their shard maps. The
 // run ends where the uninterrupted 4-rank run ends, up to the rounding of sums split otherwise.
-TEST_CASE_TEMPLATE("sharded: a checkpoint saved on 4 ranks resumes on 1 - 2 - 3 ranks and on other buckets", T, float, double) {
+TEST_CASE_TEMPLATE("sharded: a checkpoint saved on 4 ranks resumes on 1 - 2 - 3 ranks and on other buckets", T, float,
+                   double) {
   const auto seed = fresh_seed();
   CAPTURE(seed);
   const auto d = make_data(seed, 211);
@@ -194,7 +199,8 @@ TEST_CASE_TEMPLATE("sharded: a checkpoint saved on 4 ranks resumes on 1 - 2 - 3 
   };
   for (const target t : {target{1, 12, c.buckets}, target{2, 6, c.buckets}, target{3, 4, c.buckets},
                          target{4, 3, {.first_bytes = 200, .cap_bytes = 1500}}}) {
-    CAPTURE(t.ranks); CAPTURE(t.buckets.cap_bytes);
+    CAPTURE(t.ranks);
+    CAPTURE(t.buckets.cap_bytes);
     config rest = c;
     rest.ranks = t.ranks;
     rest.batch = t.batch;
@@ -236,7 +242,7 @@ TEST_CASE("sharded: resharding moves moments and fp32 masters with their element
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   const lockstep::AdamWOptions o{.lr = 0.01, .weight_decay = 0.05};
   // one saved rank: one slot of n elements, 2 moments and masters, stepped 7 times
-  const auto blob = [&](std::size_t n, std::vector<float> (&arr)[3]) {
+  const auto blob = [&](std::size_t n, std::vector<float>(&arr)[3]) {
     lockstep::byte_writer w;
     w.write_bytes(Rule::magic_with_masters, 8);
     lockstep::detail::save_options<Rule>(w, o);
@@ -256,17 +262,15 @@ TEST_CASE("sharded: resharding moves moments and fp32 masters with their element
   };
   std::vector<float> a[3], b[3];  // moment 1, moment 2, masters of saved ranks 0 and 1
   const auto bytes0 = blob(4, a), bytes1 = blob(4, b);
-  std::vector<lockstep::detail::saved_optimizer> saved{
-      lockstep::detail::index_saved_optimizer<Rule>(bytes0, "rank 0"),
-      lockstep::detail::index_saved_optimizer<Rule>(bytes1, "rank 1")};
+  std::vector<lockstep::detail::saved_optimizer> saved{lockstep::detail::index_saved_optimizer<Rule>(bytes0, "rank 0"),
+                                                       lockstep::detail::index_saved_optimizer<Rule>(bytes1, "rank 1")};
   std::vector<std::vector<std::vector<shard_segment>>> maps{{{{0, 0, 3, 0}}}, {{{0, 3, 2, 0}, {1, 0, 2, 2}}}};
   const std::vector<std::vector<shard_segment>> mine{{{0, 0, 5, 0}, {1, 0, 2, 5}}};
   const std::vector<std::size_t> counts{8};
   const auto out = lockstep::detail::reshard_optimizer_state<Rule>(saved, maps, mine, counts);
   // Expected, element by element, from the hand-made inputs.
   std::vector<float> want[3];
-  for (int k = 0; k < 3; ++k)
-    want[k] = {a[k][0], a[k][1], a[k][2], b[k][0], b[k][1], b[k][2], b[k][3], 0.0f};
+  for (int k = 0; k < 3; ++k) want[k] = {a[k][0], a[k][1], a[k][2], b[k][0], b[k][1], b[k][2], b[k][3], 0.0f};
   lockstep::byte_reader r(out, "resharded");
   r.expect_magic(std::string_view(Rule::magic_with_masters, 8), "reshard");
   CHECK(lockstep::detail::load_options<Rule>(r).lr == o.lr);
@@ -292,8 +296,8 @@ TEST_CASE("sharded: resharding moves moments and fp32 masters with their element
                        doctest::Contains("covers 5 of the 6 elements of parameter 0"), lockstep::checkpoint_error);
 }
 
-TEST_CASE_TEMPLATE("sharded gather_in_forward: the all-gather waited for in the next forward equals the unsharded run", T,
-                   float, double) {
+TEST_CASE_TEMPLATE("sharded gather_in_forward: the all-gather waited for in the next forward equals the unsharded run",
+                   T, float, double) {
   std::mt19937_64 rng(fresh_seed());
   for (int n : {1, 2, 3, 4}) {
     config c;
@@ -322,7 +326,8 @@ TEST_CASE("sharded gather_in_forward: finish() leaves the parameters to the next
   using DP = lockstep::DataParallel<Model, lockstep::ThreadComm, lockstep::ShardedOptimizer>;
   lockstep::run(lockstep::Threads{3}, [&](auto& ctx) {
     Model m(d.dims, seed);
-    DP dp(ctx, m, {.buckets = {.first_bytes = 300, .cap_bytes = 700}}, lockstep::ShardedOptimizer{.gather_in_forward = true});
+    DP dp(ctx, m, {.buckets = {.first_bytes = 300, .cap_bytes = 700}},
+          lockstep::ShardedOptimizer{.gather_in_forward = true});
     lockstep::Sgd opt({.lr = 0.1});
     std::vector<std::size_t> rows{static_cast<std::size_t>(ctx.rank()), 7};
     auto step = dp.step();
@@ -332,10 +337,10 @@ TEST_CASE("sharded gather_in_forward: finish() leaves the parameters to the next
     CHECK(m.flat_values() == before);  // nothing unpacked yet: deferred to the forward
     dp.wait_parameters(0);
     const auto one = m.flat_values();
-    CHECK(one != before);               // parameter 0's units are in
+    CHECK(one != before);  // parameter 0's units are in
     dp.wait_all_parameters();
     const auto after = m.flat_values();
-    CHECK(after != one);                // and the rest followed
+    CHECK(after != one);      // and the rest followed
     auto second = dp.step();  // every parameter waited for: accepted
     m.forward_backward(d.X32, d.y, rows, second.on_gradient_ready());
     (void)second.finish([&](std::span<const lockstep::param_slice> s) { opt.step(s); });
@@ -389,11 +394,13 @@ TEST_CASE("sharded: bound values - the model trains in the shards' arena and get
     void bind_value(std::size_t, void*) {}
     void unbind_values() {}
   };
-  CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
-                         Ignoring m(d.dims, seed);
-                         lockstep::DataParallel<Ignoring, lockstep::ThreadComm, lockstep::ShardedOptimizer> dp(ctx, m);
-                       }),
-                       doctest::Contains("model.bind_value(5, storage) did not take effect"), lockstep::config_error);
+  CHECK_THROWS_WITH_AS(
+      lockstep::run(lockstep::Threads{2},
+                    [&](auto& ctx) {
+                      Ignoring m(d.dims, seed);
+                      lockstep::DataParallel<Ignoring, lockstep::ThreadComm, lockstep::ShardedOptimizer> dp(ctx, m);
+                    }),
+      doctest::Contains("model.bind_value(5, storage) did not take effect"), lockstep::config_error);
 }
 
 TEST_CASE("sharded: wrong use is refused with what to do") {
@@ -402,29 +409,32 @@ TEST_CASE("sharded: wrong use is refused with what to do") {
   using Model = TestMlp<float>;
   using DP = lockstep::DataParallel<Model, lockstep::ThreadComm, lockstep::ShardedOptimizer>;
   SUBCASE("finish() without the optimizer") {
-    CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
-                           Model m(d.dims, seed);
-                           DP dp(ctx, m);
-                           auto step = dp.step();
-                           std::vector<std::size_t> rows{0, 1};
-                           m.forward_backward(d.X32, d.y, rows, step.on_gradient_ready());
-                           (void)step.finish();
-                         }),
+    CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{2},
+                                       [&](auto& ctx) {
+                                         Model m(d.dims, seed);
+                                         DP dp(ctx, m);
+                                         auto step = dp.step();
+                                         std::vector<std::size_t> rows{0, 1};
+                                         m.forward_backward(d.X32, d.y, rows, step.on_gradient_ready());
+                                         (void)step.finish();
+                                       }),
                          doctest::Contains("finish(on_shard)"), lockstep::config_error);
   }
   SUBCASE("join") {
-    CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
-                           Model m(d.dims, seed);
-                           DP dp(ctx, m);
-                           auto j = dp.join([](lockstep::step_result) {});
-                         }),
+    CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{2},
+                                       [&](auto& ctx) {
+                                         Model m(d.dims, seed);
+                                         DP dp(ctx, m);
+                                         auto j = dp.join([](lockstep::step_result) {});
+                                       }),
                          doctest::Contains("pass the optimizer's shard step too"), lockstep::config_error);
   }
   SUBCASE("a negative max_grad_norm") {
-    CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
-                           Model m(d.dims, seed);
-                           DP dp(ctx, m, {.max_grad_norm = -1});
-                         }),
+    CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{2},
+                                       [&](auto& ctx) {
+                                         Model m(d.dims, seed);
+                                         DP dp(ctx, m, {.max_grad_norm = -1});
+                                       }),
                          doctest::Contains("max_grad_norm"), lockstep::config_error);
   }
   SUBCASE("damaged state or another model's is not loaded") {
@@ -442,12 +452,13 @@ TEST_CASE("sharded: wrong use is refused with what to do") {
     });
     auto other_dims = d.dims;
     other_dims[1] += 1;
-    CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{3}, [&](auto& ctx) {
-                           Model m(other_dims, seed);
-                           DP dp(ctx, m);
-                           lockstep::AdamW opt({.lr = 0.01});
-                           lockstep::load_sharded(dp, opt, two);
-                         }),
+    CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{3},
+                                       [&](auto& ctx) {
+                                         Model m(other_dims, seed);
+                                         DP dp(ctx, m);
+                                         lockstep::AdamW opt({.lr = 0.01});
+                                         lockstep::load_sharded(dp, opt, two);
+                                       }),
                          doctest::Contains("saved from another model"), lockstep::checkpoint_error);
     auto cut = two;
     cut.resize(cut.size() - 5);

@@ -56,13 +56,16 @@ TEST_CASE("split: equal keys keep the parent's order - splits nest - one colour 
 
 TEST_CASE("split: a rank that fails releases the ranks waiting in other groups at once") {
   const auto t0 = std::chrono::steady_clock::now();
-  CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{4}, [](auto& ctx) {
-                         auto sub = ctx.comm().split(ctx.rank() % 2, ctx.rank());
-                         if (ctx.rank() == 1) throw lockstep::config_error("deliberate failure on rank 1");
-                         float v = 1;
-                         sub.all_reduce(&v, &v, 1, lockstep::dtype::f32, lockstep::reduce_op::sum);  // rank 3 waits for 1
-                         ctx.comm().barrier();
-                       }),
+  CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{4},
+                                     [](auto& ctx) {
+                                       auto sub = ctx.comm().split(ctx.rank() % 2, ctx.rank());
+                                       if (ctx.rank() == 1)
+                                         throw lockstep::config_error("deliberate failure on rank 1");
+                                       float v = 1;
+                                       sub.all_reduce(&v, &v, 1, lockstep::dtype::f32,
+                                                      lockstep::reduce_op::sum);  // rank 3 waits for 1
+                                       ctx.comm().barrier();
+                                     }),
                        doctest::Contains("deliberate failure on rank 1"), lockstep::config_error);
   CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10));  // not the 60 s timeout
 }
@@ -73,27 +76,29 @@ TEST_CASE("split: every released rank names the rank that failed first - in ever
   // every group, whichever report gets there first.
   for (int round = 0; round < 40; ++round) {
     std::vector<std::string> seen(8);
-    CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{8}, [&](auto& ctx) {
-                           const int r = ctx.rank();
-                           auto pair = ctx.comm().split(r / 2, r);
-                           auto four = ctx.comm().split(r / 4, r);
-                           if (r == 4) throw lockstep::config_error("deliberate failure on rank 4");
-                           try {
-                             float v = 1;
-                             pair.all_reduce(&v, &v, 1, lockstep::dtype::f32, lockstep::reduce_op::sum);
-                             four.all_reduce(&v, &v, 1, lockstep::dtype::f32, lockstep::reduce_op::sum);
-                             ctx.comm().barrier();
-                           } catch (const lockstep::aborted_error& e) {
-                             seen[static_cast<std::size_t>(r)] = e.what();
-                             throw;
-                           }
-                         }),
+    CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{8},
+                                       [&](auto& ctx) {
+                                         const int r = ctx.rank();
+                                         auto pair = ctx.comm().split(r / 2, r);
+                                         auto four = ctx.comm().split(r / 4, r);
+                                         if (r == 4) throw lockstep::config_error("deliberate failure on rank 4");
+                                         try {
+                                           float v = 1;
+                                           pair.all_reduce(&v, &v, 1, lockstep::dtype::f32, lockstep::reduce_op::sum);
+                                           four.all_reduce(&v, &v, 1, lockstep::dtype::f32, lockstep::reduce_op::sum);
+                                           ctx.comm().barrier();
+                                         } catch (const lockstep::aborted_error& e) {
+                                           seen[static_cast<std::size_t>(r)] = e.what();
+                                           throw;
+                                         }
+                                       }),
                          doctest::Contains("deliberate failure on rank 4"), lockstep::config_error);
     for (int r = 0; r < 8; ++r) {
       if (r == 4) continue;
       INFO("round " << round << ", rank " << r << ": " << seen[static_cast<std::size_t>(r)]);
-      const std::string want = "rank " + std::to_string(r) +
-                               " stopped waiting because another rank failed: rank 4 failed: deliberate failure on rank 4";
+      const std::string want =
+          "rank " + std::to_string(r) +
+          " stopped waiting because another rank failed: rank 4 failed: deliberate failure on rank 4";
       CHECK(seen[static_cast<std::size_t>(r)].starts_with(want));
     }
   }
@@ -101,13 +106,15 @@ TEST_CASE("split: every released rank names the rank that failed first - in ever
 
 TEST_CASE("split: a rank whose body returned is reported to a sub-group peer waiting for it") {
   const auto t0 = std::chrono::steady_clock::now();
-  CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{4}, [](auto& ctx) {
-                         auto sub = ctx.comm().split(ctx.rank() % 2, ctx.rank());
-                         if (ctx.rank() == 3) return;
-                         float v = 1;
-                         sub.all_reduce(&v, &v, 1, lockstep::dtype::f32, lockstep::reduce_op::sum);
-                       }),
-                       doctest::Contains("rank 3 has left the training body; rank 1 is waiting"), lockstep::mismatch_error);
+  CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{4},
+                                     [](auto& ctx) {
+                                       auto sub = ctx.comm().split(ctx.rank() % 2, ctx.rank());
+                                       if (ctx.rank() == 3) return;
+                                       float v = 1;
+                                       sub.all_reduce(&v, &v, 1, lockstep::dtype::f32, lockstep::reduce_op::sum);
+                                     }),
+                       doctest::Contains("rank 3 has left the training body; rank 1 is waiting"),
+                       lockstep::mismatch_error);
   CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10));
 }
 

@@ -95,8 +95,8 @@ void scenario(S& s, S& quick, int rank, const scenario_cfg& cfg) {
   expect(s.check(keys), "check after the barrier: not every rank's key is there");
   s.wait(keys, 2s);
   for (int i = 0; i < world; ++i)
-    expect(s.get("v/" + std::to_string(i)) == value_for(cfg.seed, i, cfg.cap), "rank " + r + ": value of rank " +
-                                                                                   std::to_string(i) + " differs");
+    expect(s.get("v/" + std::to_string(i)) == value_for(cfg.seed, i, cfg.cap),
+           "rank " + r + ": value of rank " + std::to_string(i) + " differs");
   // Counters: each rank adds its own random delta a few times; the expected total is
   // computed here from the seed.
   constexpr int adds = 4;
@@ -118,7 +118,8 @@ void scenario(S& s, S& quick, int rank, const scenario_cfg& cfg) {
     const double dt = seconds_since(t0);
     const double want = std::chrono::duration<double>(quick.timeout()).count();
     expect(dt >= want * 0.9 && dt < want + 5.0, "get timed out after " + std::to_string(dt) + " s");
-    expect(std::string(e.what()).find("missing/" + r) != std::string::npos, "message lacks the key: " + std::string(e.what()));
+    expect(std::string(e.what()).find("missing/" + r) != std::string::npos,
+           "message lacks the key: " + std::string(e.what()));
   }
   t0 = clk::now();
   try {
@@ -142,7 +143,7 @@ void scenario(S& s, S& quick, int rank, const scenario_cfg& cfg) {
   lockstep::barrier(s, "overwritten");
   expect(s.get("shared") == value_for(cfg.seed + 7, 3, cfg.cap / 3), "rank " + r + ": overwritten value");
   for (int i = 0; i < 3; ++i) lockstep::barrier(s, "loop");  // reuse of one barrier name
-  lockstep::final_barrier(s, "end", rank);  // rank 0 may host the store: it leaves last
+  lockstep::final_barrier(s, "end", rank);                   // rank 0 may host the store: it leaves last
 }
 
 //! Runs body(rank) on `world` threads; rethrows the first failure here.
@@ -160,7 +161,8 @@ void run_threads(int world, const std::function<void(int)>& body) {
       }
     });
   for (auto& t : ts) t.join();
-  for (int r = 0; r < world; ++r) CHECK_MESSAGE(errors[static_cast<std::size_t>(r)].empty(), "rank ", r, ": ", errors[static_cast<std::size_t>(r)]);
+  for (int r = 0; r < world; ++r)
+    CHECK_MESSAGE(errors[static_cast<std::size_t>(r)].empty(), "rank ", r, ": ", errors[static_cast<std::size_t>(r)]);
 }
 
 //! Forks ranks 1..world-1 running body(rank), each exiting 0 on success; returns their pids.
@@ -213,8 +215,8 @@ void reap(std::vector<pid_t> pids, std::chrono::seconds limit) {
       FAIL_CHECK("forked rank ", i + 1, " did not finish within ", limit.count(), " s (killed)");
       continue;
     }
-    CHECK_MESSAGE((WIFEXITED(status[i]) && WEXITSTATUS(status[i]) == 0), "forked rank ", i + 1,
-                  " failed (status ", status[i], "; its message is on stderr)");
+    CHECK_MESSAGE((WIFEXITED(status[i]) && WEXITSTATUS(status[i]) == 0), "forked rank ", i + 1, " failed (status ",
+                  status[i], "; its message is on stderr)");
   }
 }
 
@@ -331,7 +333,8 @@ TEST_CASE("final_barrier with an abort key: a failure set by a rank ends the oth
     });
   for (auto& t : ts) t.join();
   CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5));
-  for (int r = 0; r < 2; ++r) CHECK(got[static_cast<std::size_t>(r)].find("rank 2 failed: deliberately") != std::string::npos);
+  for (int r = 0; r < 2; ++r)
+    CHECK(got[static_cast<std::size_t>(r)].find("rank 2 failed: deliberately") != std::string::npos);
 }
 
 TEST_CASE("stores refuse oversized values and keys before sending") {
@@ -537,7 +540,8 @@ TEST_CASE("TcpStore: the server admits 2 x world + 8 connections") {
   const int world = 1 + static_cast<int>(std::random_device{}() % 3);
   TcpStore server("127.0.0.1", 0, true, world, "t", 5s);  // its own client is the first
   std::vector<std::unique_ptr<TcpStore>> clients;
-  for (int i = 1; i < 2 * world + 8; ++i) clients.push_back(std::make_unique<TcpStore>("127.0.0.1", server.port(), false, 1, "t", 5s));
+  for (int i = 1; i < 2 * world + 8; ++i)
+    clients.push_back(std::make_unique<TcpStore>("127.0.0.1", server.port(), false, 1, "t", 5s));
   try {
     TcpStore one_too_many("127.0.0.1", server.port(), false, 1, "t", 5s);
     FAIL_CHECK("a connection beyond the cap was admitted");
@@ -636,9 +640,20 @@ TEST_CASE("FileStore: awkward keys map to distinct files") {
   temp_dir d("lockstep_store_test");
   FileStore s(d.path, 1, 2s);
   HashStore ref(1, 2s);  // the reference
-  std::vector<std::string> keys = {"a", "a.v", "a.d", "a%2E", "../x", "/abs", ".", "..", std::string("nul\0in", 6),
-                                   std::string(64, 'p'), std::string(64, 'p') + "q", std::string(128, 'p'),
-                                   std::string(512, '/'), std::string(512, 'z')};
+  std::vector<std::string> keys = {"a",
+                                   "a.v",
+                                   "a.d",
+                                   "a%2E",
+                                   "../x",
+                                   "/abs",
+                                   ".",
+                                   "..",
+                                   std::string("nul\0in", 6),
+                                   std::string(64, 'p'),
+                                   std::string(64, 'p') + "q",
+                                   std::string(128, 'p'),
+                                   std::string(512, '/'),
+                                   std::string(512, 'z')};
   for (int i = 0; i < 40; ++i) {
     std::string k(1 + rng() % 512, ' ');
     for (auto& c : k) c = static_cast<char>(rng() % 4 == 0 ? rng() % 256 : 'a' + rng() % 3);
@@ -666,12 +681,12 @@ TEST_CASE("wire: random frames survive any split - corruption never yields a fra
     for (int i = 0; i < n; ++i) {
       wire::frame f;
       const int kind = static_cast<int>(rng() % 6);
-      constexpr wire::op kinds[] = {wire::op::set, wire::op::get, wire::op::add, wire::op::wait, wire::op::watch,
-                                    wire::op::unwatch};
+      constexpr wire::op kinds[] = {wire::op::set,  wire::op::get,   wire::op::add,
+                                    wire::op::wait, wire::op::watch, wire::op::unwatch};
       f.type = kinds[kind];
-      f.arg = f.type == wire::op::set ? static_cast<std::int64_t>(rng() % 2)   // flags: 0, or 1 = if absent
+      f.arg = f.type == wire::op::set       ? static_cast<std::int64_t>(rng() % 2)  // flags: 0, or 1 = if absent
               : f.type == wire::op::unwatch ? 0
-                                              : static_cast<std::int64_t>(rng() % 100000);
+                                            : static_cast<std::int64_t>(rng() % 100000);
       if (f.type != wire::op::wait && f.type != wire::op::unwatch) {
         f.key.resize(1 + rng() % lim.max_key_bytes);
         for (auto& c : f.key) c = static_cast<char>(rng());
@@ -827,7 +842,8 @@ TEST_CASE("wire: a hello of another run or for a gone store is refused naming bo
   CHECK(closes);
   std::string m = lockstep::string_of(r.value);
   CHECK_MESSAGE(m == "the store at this address belongs to run " + lockstep::run_id_of(ours) +
-                         ", this process is of run " + lockstep::run_id_of(theirs), m);
+                         ", this process is of run " + lockstep::run_id_of(theirs),
+                m);
   CHECK(m.find(ours) == std::string::npos);
   CHECK(m.find(theirs) == std::string::npos);
   // No token (an unnamed run) against a named store.
@@ -841,9 +857,10 @@ TEST_CASE("wire: a hello of another run or for a gone store is refused naming bo
   CHECK(is_other_run(r));
   CHECK(closes);
   m = lockstep::string_of(r.value);
-  CHECK_MESSAGE(m == "this process joined store " + wire::instance_text(old) + " at this address, which is gone; store " +
-                         wire::instance_text(instance) + " of run " + lockstep::run_id_of(ours) +
-                         " listens there now (this process is of run " + lockstep::run_id_of(ours) + ")",
+  CHECK_MESSAGE(m == "this process joined store " + wire::instance_text(old) +
+                         " at this address, which is gone; store " + wire::instance_text(instance) + " of run " +
+                         lockstep::run_id_of(ours) + " listens there now (this process is of run " +
+                         lockstep::run_id_of(ours) + ")",
                 m);
   // A hello too short to hold its instance, and one of another protocol version.
   std::vector<std::byte> f;

@@ -29,9 +29,10 @@ using key = std::tuple<std::string, std::string, std::int64_t>;  // source, tag,
 //! What read_scalars.py prints, by (source, tag, step): the value text.
 std::map<key, std::string> read_back(const fs::path& dir, const fs::path& csv, const fs::path& jsonl) {
   int rc = 0;
-  const std::string text = lockstep_test::command_output(std::string(LOCKSTEP_PYTHON) + " " + LOCKSTEP_READ_SCALARS + " '" +
-                                                         dir.string() + "' '" + csv.string() + "' '" + jsonl.string() + "'",
-                                                         rc);
+  const std::string text =
+      lockstep_test::command_output(std::string(LOCKSTEP_PYTHON) + " " + LOCKSTEP_READ_SCALARS + " '" + dir.string() +
+                                        "' '" + csv.string() + "' '" + jsonl.string() + "'",
+                                    rc);
   INFO("read_scalars.py printed:\n" << text);
   REQUIRE_MESSAGE(rc == 0, "reading the files back failed (is the Python package tensorboard installed? "
                            "scripts/install_deps.sh installs it)");
@@ -55,7 +56,8 @@ TEST_SUITE("cpu") {
 TEST_CASE("tensorboard: ScalarLog's event file - CSV and JSON lines read back by their readers") {
   LOCKSTEP_SEEDED(std::mt19937_64 rng);
   scratch s;
-  const lockstep::ScalarLogOptions o{.tensorboard = s.dir / "tb", .csv = s.dir / "log.csv", .jsonl = s.dir / "log.jsonl"};
+  const lockstep::ScalarLogOptions o{
+      .tensorboard = s.dir / "tb", .csv = s.dir / "log.csv", .jsonl = s.dir / "log.jsonl"};
   const std::vector<std::string> tags{"train/loss", "test/accuracy", "odd, \"quoted\" tag"};
   std::map<std::pair<std::string, std::int64_t>, double> wrote;
   {
@@ -99,7 +101,8 @@ TEST_CASE("tensorboard: only rank 0 writes - lockstep's training scalars come th
   const auto seed = lockstep_test::fresh_seed();
   CAPTURE(seed);
   scratch s;
-  const lockstep::ScalarLogOptions o{.tensorboard = s.dir / "tb", .csv = s.dir / "log.csv", .jsonl = s.dir / "log.jsonl"};
+  const lockstep::ScalarLogOptions o{
+      .tensorboard = s.dir / "tb", .csv = s.dir / "log.csv", .jsonl = s.dir / "log.jsonl"};
   std::vector<double> scales;
   lockstep::run(lockstep::Threads{3}, [&](auto& ctx) {
     lockstep_test::TestMlp<float> m({6, 8, 3}, seed);
@@ -135,7 +138,9 @@ TEST_CASE("tensorboard: only rank 0 writes - lockstep's training scalars come th
 TEST_CASE("tensorboard: a log directory that cannot be made is named") {
   scratch s;
   fs::create_directories(s.dir);
-  { std::ofstream(s.dir / "file") << "x"; }
+  {
+    std::ofstream(s.dir / "file") << "x";
+  }
   CHECK_THROWS_WITH_AS(lockstep::ScalarLog(0, {.tensorboard = s.dir / "file" / "tb"}),
                        doctest::Contains("cannot create"), lockstep::config_error);
 }

@@ -22,9 +22,8 @@ namespace {
 
 void collectives_on(int n) {
   const auto o = lockstep_test::thread_comm_options(lockstep_test::fresh_seed());
-  lockstep::run(lockstep::Threads{n}, [&](lockstep::context<lockstep::ThreadComm>& ctx) {
-    lockstep_test::check_collectives(ctx.comm(), o);
-  });
+  lockstep::run(lockstep::Threads{n},
+                [&](lockstep::context<lockstep::ThreadComm>& ctx) { lockstep_test::check_collectives(ctx.comm(), o); });
 }
 
 }  // namespace
@@ -39,9 +38,8 @@ TEST_CASE("ThreadComm conformance: every collective on 4 ranks") { collectives_o
 TEST_CASE("ThreadComm conformance: a collective mismatch is named on every rank instead of hanging") {
   // ThreadComm checks every call: no switch to turn on. Each check wants a fresh group.
   const auto o = lockstep_test::thread_comm_options(lockstep_test::fresh_seed());
-  lockstep::run(lockstep::Threads{3}, [&](lockstep::context<lockstep::ThreadComm>& ctx) {
-    lockstep_test::check_order(ctx.comm(), o);
-  });
+  lockstep::run(lockstep::Threads{3},
+                [&](lockstep::context<lockstep::ThreadComm>& ctx) { lockstep_test::check_order(ctx.comm(), o); });
   lockstep::run(lockstep::Threads{3}, [&](lockstep::context<lockstep::ThreadComm>& ctx) {
     lockstep_test::check_order_barrier(ctx.comm(), o);
   });
@@ -55,7 +53,8 @@ TEST_CASE("ThreadComm conformance: a rank that never arrives times out - naming 
   std::vector<std::thread> ranks;
   for (int r = 0; r < 3; ++r)
     ranks.emplace_back([&, r] {
-      seen[static_cast<std::size_t>(r)] = lockstep_test::check_timeout(comms[static_cast<std::size_t>(r)], o, 2, timeout);
+      seen[static_cast<std::size_t>(r)] =
+          lockstep_test::check_timeout(comms[static_cast<std::size_t>(r)], o, 2, timeout);
     });
   for (auto& t : ranks) t.join();
   // Whichever waiting rank times out first throws timeout_error and aborts the group; the other
@@ -69,10 +68,11 @@ TEST_CASE("ThreadComm conformance: a rank that never arrives times out - naming 
 
 TEST_CASE("run(): one rank's exception releases the others and is rethrown on the caller") {
   auto t0 = std::chrono::steady_clock::now();
-  CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{4}, [&](auto& ctx) {
-                         if (ctx.rank() == 2) throw std::runtime_error("boom on rank 2");
-                         ctx.comm().barrier();  // would wait forever for rank 2
-                       }),
+  CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{4},
+                                     [&](auto& ctx) {
+                                       if (ctx.rank() == 2) throw std::runtime_error("boom on rank 2");
+                                       ctx.comm().barrier();  // would wait forever for rank 2
+                                     }),
                        "boom on rank 2", std::runtime_error);
   CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < 10.0);
 }

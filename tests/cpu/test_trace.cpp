@@ -30,8 +30,8 @@ struct event {
 
 std::vector<event> read_trace(const fs::path& file, std::string& process) {
   int rc = 0;
-  const std::string text =
-      lockstep_test::command_output(std::string(LOCKSTEP_PYTHON) + " " + LOCKSTEP_READ_TRACE + " '" + file.string() + "'", rc);
+  const std::string text = lockstep_test::command_output(
+      std::string(LOCKSTEP_PYTHON) + " " + LOCKSTEP_READ_TRACE + " '" + file.string() + "'", rc);
   INFO(text);
   REQUIRE(rc == 0);
   std::vector<event> out;
@@ -75,11 +75,13 @@ TEST_CASE("trace: LOCKSTEP_TRACE writes each rank's steps as Chrome-trace JSON")
   std::size_t buckets = 0;
   lockstep::run(lockstep::Threads{3}, [&](auto& ctx) {
     lockstep::Sgd opt({.lr = 0.05});
-    const auto n = lockstep_test::observed_run(ctx, seed, steps, bad_step, [&](std::span<const lockstep::param_slice> sl) {
-      for (const auto& p : sl) opt.step_segments(std::vector<std::size_t>{p.param * 1000 + p.offset},
-                                                 std::vector<lockstep::segment>{{p.value, p.count}},
-                                                 std::vector<lockstep::segment>{{p.grad, p.count}}, p.type);
-    });
+    const auto n =
+        lockstep_test::observed_run(ctx, seed, steps, bad_step, [&](std::span<const lockstep::param_slice> sl) {
+          for (const auto& p : sl)
+            opt.step_segments(std::vector<std::size_t>{p.param * 1000 + p.offset},
+                              std::vector<lockstep::segment>{{p.value, p.count}},
+                              std::vector<lockstep::segment>{{p.grad, p.count}}, p.type);
+        });
     if (ctx.rank() == 0) buckets = n;
   });
   ::unsetenv("LOCKSTEP_TRACE");

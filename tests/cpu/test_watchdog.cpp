@@ -343,12 +343,13 @@ TEST_CASE("Watchdog: a rank whose main thread never returns is ended after the g
 TEST_CASE("Watchdog: bad options and an unreachable store are clear errors") {
   lockstep::watchdog_options bad;
   bad.period = 0ms;
-  CHECK_THROWS_AS(lockstep::Watchdog("127.0.0.1", 1, 1, 2, "t", [](const std::string&) {}, {}, bad),
-                  lockstep::config_error);
+  CHECK_THROWS_AS(
+      lockstep::Watchdog("127.0.0.1", 1, 1, 2, "t", [](const std::string&) {}, {}, bad), lockstep::config_error);
   CHECK_THROWS_AS(lockstep::Watchdog("127.0.0.1", 1, 1, 2, "t", {}), lockstep::config_error);
   lockstep::watchdog_options quick;
   quick.timeout = 600ms;
-  CHECK_THROWS_WITH_AS(lockstep::Watchdog("127.0.0.1", free_port(), 1, 2, "t", [](const std::string&) {}, {}, quick),
+  CHECK_THROWS_WITH_AS(lockstep::Watchdog(
+                           "127.0.0.1", free_port(), 1, 2, "t", [](const std::string&) {}, {}, quick),
                        doctest::Contains("could not connect"), lockstep::timeout_error);
 }
 

@@ -17,7 +17,8 @@
 namespace lockstep_test {
 
 namespace k {
-__global__ void linear_fwd(const float* W, const float* b, const float* x, float* y, int B, int in, int out, bool relu) {
+__global__ void linear_fwd(const float* W, const float* b, const float* x, float* y, int B, int in, int out,
+                           bool relu) {
   int t = blockIdx.x * blockDim.x + threadIdx.x;
   if (t >= B * out) return;
   int r = t / out, o = t % out;
@@ -30,7 +31,8 @@ __global__ void gather_rows(const float* X, const int* rows, float* x, int B, in
   if (t >= B * in) return;
   x[t] = X[static_cast<std::size_t>(rows[t / in]) * in + t % in];
 }
-__global__ void softmax_ce_grad(const float* logits, const int* y, const int* rows, float* d, int B, int C, float scale) {
+__global__ void softmax_ce_grad(const float* logits, const int* y, const int* rows, float* d, int B, int C,
+                                float scale) {
   int r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= B) return;
   float m = logits[r * C];
@@ -88,7 +90,8 @@ class GpuMlp {
     const std::size_t L = dims_.size() - 1;
     for (std::size_t l = 0; l < L; ++l) {
       for (int which = 0; which < 2; ++which) {
-        const std::size_t n = which == 0 ? static_cast<std::size_t>(dims_[l] * dims_[l + 1]) : static_cast<std::size_t>(dims_[l + 1]);
+        const std::size_t n =
+            which == 0 ? static_cast<std::size_t>(dims_[l] * dims_[l + 1]) : static_cast<std::size_t>(dims_[l + 1]);
         float *v = nullptr, *g = nullptr;
         LOCKSTEP_TRY_CUDA(cudaMalloc(&v, n * sizeof(float)));
         LOCKSTEP_TRY_CUDA(cudaMalloc(&g, n * sizeof(float)));
@@ -112,8 +115,10 @@ class GpuMlp {
   std::vector<lockstep::parameter> parameters() {
     std::vector<lockstep::parameter> ps;
     for (std::size_t l = 0; l + 1 < dims_.size(); ++l) {
-      ps.push_back(lockstep::param<float>("layer" + std::to_string(l) + ".weight", vals_[2 * l], grads_[2 * l], {dims_[l + 1], dims_[l]}));
-      ps.push_back(lockstep::param<float>("layer" + std::to_string(l) + ".bias", vals_[2 * l + 1], grads_[2 * l + 1], {dims_[l + 1]}));
+      ps.push_back(lockstep::param<float>("layer" + std::to_string(l) + ".weight", vals_[2 * l], grads_[2 * l],
+                                          {dims_[l + 1], dims_[l]}));
+      ps.push_back(lockstep::param<float>("layer" + std::to_string(l) + ".bias", vals_[2 * l + 1], grads_[2 * l + 1],
+                                          {dims_[l + 1]}));
     }
     return ps;
   }
@@ -125,7 +130,8 @@ class GpuMlp {
   }
   void unbind_values() {
     for (std::size_t i = 0; i < vals_.size(); ++i) {
-      LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(own_vals_[i], vals_[i], sizes_[i] * sizeof(float), cudaMemcpyDeviceToDevice, s_));
+      LOCKSTEP_TRY_CUDA(
+          cudaMemcpyAsync(own_vals_[i], vals_[i], sizes_[i] * sizeof(float), cudaMemcpyDeviceToDevice, s_));
       vals_[i] = own_vals_[i];
     }
     LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s_));  // before lockstep frees its arena
@@ -140,7 +146,8 @@ class GpuMlp {
     k::gather_rows<<<k::blocks(B * dims_[0]), 128, 0, s_>>>(X, rows, act[0], B, dims_[0]);
     LOCKSTEP_CHECK_LAUNCH();
     for (std::size_t l = 0; l < L; ++l) {
-      k::linear_fwd<<<k::blocks(B * dims_[l + 1]), 128, 0, s_>>>(vals_[2 * l], vals_[2 * l + 1], act[l], act[l + 1], B, dims_[l], dims_[l + 1], l + 1 < L);
+      k::linear_fwd<<<k::blocks(B * dims_[l + 1]), 128, 0, s_>>>(vals_[2 * l], vals_[2 * l + 1], act[l], act[l + 1], B,
+                                                                 dims_[l], dims_[l + 1], l + 1 < L);
       LOCKSTEP_CHECK_LAUNCH();
     }
     float* d = scratch(L + 1, static_cast<std::size_t>(B * dims_[L]));
@@ -164,7 +171,8 @@ class GpuMlp {
   }
   void sgd(float lr) {
     for (std::size_t i = 0; i < vals_.size(); ++i) {
-      k::sgd<<<k::blocks(static_cast<long>(sizes_[i])), 128, 0, s_>>>(vals_[i], grads_[i], static_cast<int>(sizes_[i]), lr);
+      k::sgd<<<k::blocks(static_cast<long>(sizes_[i])), 128, 0, s_>>>(vals_[i], grads_[i], static_cast<int>(sizes_[i]),
+                                                                      lr);
       LOCKSTEP_CHECK_LAUNCH();
     }
   }

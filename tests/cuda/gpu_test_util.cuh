@@ -116,16 +116,15 @@ inline parsed_blob parse_blob(const std::vector<std::byte>& blob, bool adamw) {
 //! First statement of a test case that needs n GPUs: with fewer visible, prints
 //! "[lockstep-skip] needs n GPUs, found k" (ctest's SKIP_REGULAR_EXPRESSION turns that into
 //! SKIPPED) and returns from the test case.
-#define LOCKSTEP_REQUIRE_GPUS(n)                                                          \
-  do {                                                                                    \
-    const int lockstep_found_gpus_ = ::lockstep::test::visible_gpus();                    \
-    if (lockstep_found_gpus_ < (n)) {                                                     \
-      const char* lockstep_why_ = ::lockstep::test::gpu_query_error();                    \
-      std::printf("[lockstep-skip] needs %d GPU%s, found %d%s%s%s\n", static_cast<int>(n), \
-                  (n) == 1 ? "" : "s", lockstep_found_gpus_,                              \
-                  lockstep_why_[0] ? " (cudaGetDeviceCount: " : "", lockstep_why_,        \
-                  lockstep_why_[0] ? ")" : "");                                           \
-      std::fflush(stdout);                                                                \
-      return;                                                                             \
-    }                                                                                     \
+#define LOCKSTEP_REQUIRE_GPUS(n)                                                                                \
+  do {                                                                                                          \
+    const int lockstep_found_gpus_ = ::lockstep::test::visible_gpus();                                          \
+    if (lockstep_found_gpus_ < (n)) {                                                                           \
+      const char* lockstep_why_ = ::lockstep::test::gpu_query_error();                                          \
+      std::printf("[lockstep-skip] needs %d GPU%s, found %d%s%s%s\n", static_cast<int>(n), (n) == 1 ? "" : "s", \
+                  lockstep_found_gpus_, lockstep_why_[0] ? " (cudaGetDeviceCount: " : "", lockstep_why_,        \
+                  lockstep_why_[0] ? ")" : "");                                                                 \
+      std::fflush(stdout);                                                                                      \
+      return;                                                                                                   \
+    }                                                                                                           \
   } while (0)

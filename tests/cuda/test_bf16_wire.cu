@@ -48,7 +48,11 @@ std::vector<int> first_gpus(int n) {
 // offset of 1 takes the unaligned kernels), and reduce-scatter of n·per.
 void check_hook(int n, std::size_t count, std::size_t offset, std::size_t per) {
   const auto seed = lockstep_test::fresh_seed();
-  CAPTURE(seed); CAPTURE(n); CAPTURE(count); CAPTURE(offset); CAPTURE(per);
+  CAPTURE(seed);
+  CAPTURE(n);
+  CAPTURE(count);
+  CAPTURE(offset);
+  CAPTURE(per);
   std::mt19937_64 rng(seed);
   const std::size_t total = per * static_cast<std::size_t>(n);
   std::vector<std::vector<float>> x(static_cast<std::size_t>(n)), y(x.size());
@@ -91,7 +95,8 @@ void check_hook(int n, std::size_t count, std::size_t offset, std::size_t per) {
   }
   CHECK(off_bf16 == 0);
   CHECK(off_tail == 0);
-  for (int r = 1; r < n; ++r) CHECK(std::memcmp(got[static_cast<std::size_t>(r)].data(), got[0].data(), count * sizeof(float)) == 0);
+  for (int r = 1; r < n; ++r)
+    CHECK(std::memcmp(got[static_cast<std::size_t>(r)].data(), got[0].data(), count * sizeof(float)) == 0);
   std::size_t off_rs = 0;
   for (int r = 0; r < n; ++r)
     for (std::size_t i = 0; i < per; ++i) {
@@ -131,7 +136,8 @@ struct given_grads {
   std::vector<lockstep::parameter> parameters() {
     std::vector<lockstep::parameter> ps;
     for (std::size_t i = 0; i < sizes.size(); ++i)
-      ps.push_back(lockstep::param<float>("p" + std::to_string(i), vals[i], grads[i], {static_cast<std::int64_t>(sizes[i])}));
+      ps.push_back(
+          lockstep::param<float>("p" + std::to_string(i), vals[i], grads[i], {static_cast<std::int64_t>(sizes[i])}));
     return ps;
   }
   void bind_gradient(std::size_t i, void* p) { grads[i] = static_cast<float*>(p); }
@@ -142,7 +148,10 @@ struct given_grads {
 template <bool Sharded>
 void check_data_parallel(int n, bool copy_engines = false) {
   const auto seed = lockstep_test::fresh_seed();
-  CAPTURE(seed); CAPTURE(n); CAPTURE(Sharded); CAPTURE(copy_engines);
+  CAPTURE(seed);
+  CAPTURE(n);
+  CAPTURE(Sharded);
+  CAPTURE(copy_engines);
   std::mt19937_64 rng(seed);
   const std::vector<std::size_t> sizes{4096, 37, 1000, 5, 20000, 333};
   std::vector<std::vector<std::vector<float>>> x(sizes.size());  // [param][rank][element]
@@ -153,17 +162,16 @@ void check_data_parallel(int n, bool copy_engines = false) {
     const auto r = static_cast<std::size_t>(ctx.rank());
     cudaStream_t cs = ctx.comm().compute_stream();
     given_grads m(sizes);
-    using DP = std::conditional_t<Sharded,
-                                  lockstep::DataParallel<given_grads, lockstep::NcclComm, lockstep::Bf16Wire,
-                                                         lockstep::ShardedOptimizer>,
-                                  lockstep::DataParallel<given_grads, lockstep::NcclComm, lockstep::Bf16Wire>>;
+    using DP = std::conditional_t<
+        Sharded,
+        lockstep::DataParallel<given_grads, lockstep::NcclComm, lockstep::Bf16Wire, lockstep::ShardedOptimizer>,
+        lockstep::DataParallel<given_grads, lockstep::NcclComm, lockstep::Bf16Wire>>;
     const lockstep::DataParallelOptions o{.buckets = {.first_bytes = 4000, .cap_bytes = 30000}};
     auto dp = [&] {
       if constexpr (Sharded)
-        return DP(ctx, m, o, lockstep::ShardedOptimizer{.copy_engine_gather = copy_engines,
-                                                        .copy_engine_scatter = copy_engines});
-      else
-        return DP(ctx, m, o);
+        return DP(ctx, m, o,
+                  lockstep::ShardedOptimizer{.copy_engine_gather = copy_engines, .copy_engine_scatter = copy_engines});
+      else return DP(ctx, m, o);
     }();
     const auto& stepped = [&]() -> const std::vector<lockstep::parameter>& {
       if constexpr (Sharded) return dp.shard_parameters();
@@ -174,8 +182,8 @@ void check_data_parallel(int n, bool copy_engines = false) {
       auto st = dp.step();
       for (std::size_t p = sizes.size(); p-- > 0;) {
         const auto params = dp.parameters();  // where the gradient lives now (the arena once bound)
-        LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(params[p].grad, x[p][r].data(), sizes[p] * sizeof(float),
-                                          cudaMemcpyHostToDevice, cs));
+        LOCKSTEP_TRY_CUDA(
+            cudaMemcpyAsync(params[p].grad, x[p][r].data(), sizes[p] * sizeof(float), cudaMemcpyHostToDevice, cs));
         LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(cs));
         st.gradient_ready(p);
       }

@@ -55,7 +55,8 @@ struct rs_case {
 
 void check_group(int n) {
   const auto seed = lockstep_test::fresh_seed();
-  CAPTURE(seed); CAPTURE(n);
+  CAPTURE(seed);
+  CAPTURE(n);
   std::mt19937_64 rng(seed);
   // Unaligned-length and vector-length blocks, f32 and bf16, sum and mean, in and out of place;
   // the third is larger than the first two (the staging grows between them).
@@ -67,7 +68,8 @@ void check_group(int n) {
   std::vector<std::vector<std::vector<float>>> x(cases.size());  // [case][rank][element]
   for (std::size_t c = 0; c < cases.size(); ++c)
     for (int r = 0; r < n; ++r) {
-      auto v = lockstep_test::random_vector<float>(cases[c].per * static_cast<std::size_t>(n), rng, -4.0 * (r + 1), 3.0);
+      auto v =
+          lockstep_test::random_vector<float>(cases[c].per * static_cast<std::size_t>(n), rng, -4.0 * (r + 1), 3.0);
       if (cases[c].t == dtype::bf16)
         for (auto& f : v) f = bf16_round(f);
       x[c].push_back(std::move(v));
@@ -132,10 +134,12 @@ void check_group(int n) {
     {  // the all-gather in place into a window
       auto [win, taken] = engine.allocate_window(gather_per * static_cast<std::size_t>(n) * 4);
       float* all = static_cast<float*>(win.get());
-      LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(all + r * gather_per, gathered[r].data(), gather_per * 4, cudaMemcpyHostToDevice, cs));
+      LOCKSTEP_TRY_CUDA(
+          cudaMemcpyAsync(all + r * gather_per, gathered[r].data(), gather_per * 4, cudaMemcpyHostToDevice, cs));
       engine.all_gather(all + r * gather_per, all, gather_per, dtype::f32).wait();
       got_gather[r].resize(gather_per * static_cast<std::size_t>(n));
-      LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(got_gather[r].data(), all, got_gather[r].size() * 4, cudaMemcpyDeviceToHost, cs));
+      LOCKSTEP_TRY_CUDA(
+          cudaMemcpyAsync(got_gather[r].data(), all, got_gather[r].size() * 4, cudaMemcpyDeviceToHost, cs));
       LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(cs));
     }
     LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(cs));
@@ -154,7 +158,8 @@ void check_group(int n) {
   }
   for (std::size_t c = 0; c < cases.size(); ++c) {
     const rs_case& k = cases[c];
-    CAPTURE(c); CAPTURE(k.per);
+    CAPTURE(c);
+    CAPTURE(k.per);
     const float scale = k.op == reduce_op::avg ? 1.0f / static_cast<float>(n) : 1.0f;
     std::size_t off = 0;
     for (int r = 0; r < n; ++r)
@@ -171,7 +176,8 @@ void check_group(int n) {
       double s = 0;
       for (int q = 0; q < n; ++q) s += plain[static_cast<std::size_t>(q)][static_cast<std::size_t>(r) * plain_per + i];
       const double want = s / n;
-      if (std::abs(got_plain[static_cast<std::size_t>(r)][i] - want) > 1e-6 * std::max(1.0, std::abs(want))) ++off_plain;
+      if (std::abs(got_plain[static_cast<std::size_t>(r)][i] - want) > 1e-6 * std::max(1.0, std::abs(want)))
+        ++off_plain;
     }
     for (int q = 0; q < n; ++q)
       if (std::memcmp(got_gather[static_cast<std::size_t>(r)].data() + static_cast<std::size_t>(q) * gather_per,
@@ -202,11 +208,13 @@ struct two_params {
 }  // namespace
 
 TEST_SUITE("multigpu") {
-TEST_CASE("NcclComm copy-engine group on 2 GPUs: reduce-scatter of a window == fp32 sum in rank order - bf16 - staging grows - plain memory - all-gather") {
+TEST_CASE("NcclComm copy-engine group on 2 GPUs: reduce-scatter of a window == fp32 sum in rank order - bf16 - staging "
+          "grows - plain memory - all-gather") {
   LOCKSTEP_REQUIRE_GPUS(2);
   check_group(2);
 }
-TEST_CASE("NcclComm copy-engine group on 4 GPUs: reduce-scatter of a window == fp32 sum in rank order - bf16 - staging grows - plain memory - all-gather") {
+TEST_CASE("NcclComm copy-engine group on 4 GPUs: reduce-scatter of a window == fp32 sum in rank order - bf16 - staging "
+          "grows - plain memory - all-gather") {
   LOCKSTEP_REQUIRE_GPUS(4);
   check_group(4);
 }

@@ -59,7 +59,9 @@ struct DevBuf {
   DevBuf(const DevBuf&) = delete;
   DevBuf& operator=(const DevBuf&) = delete;
   template <class T>
-  T* as() const { return static_cast<T*>(p); }
+  T* as() const {
+    return static_cast<T*>(p);
+  }
 };
 
 using lockstep::test::Stream;
@@ -455,7 +457,11 @@ void check_fused(std::mt19937_64& rng) {
         const std::size_t cut = std::uniform_int_distribution<std::size_t>(0, sizes[i])(rng);
         const std::size_t es = sizeof(T);
         auto slice = [&](std::size_t off, std::size_t n) {
-          return lockstep::param_slice{i, off, n, dtype_v<T>, static_cast<char*>(vals[i]->p) + off * es,
+          return lockstep::param_slice{i,
+                                       off,
+                                       n,
+                                       dtype_v<T>,
+                                       static_cast<char*>(vals[i]->p) + off * es,
                                        static_cast<char*>(grads[i]->p) + off * es};
         };
         if (cut == 0) {
@@ -518,8 +524,8 @@ void check_fused(std::mt19937_64& rng) {
     auto copy_vals = cpu_vals;
     std::vector<lockstep::parameter> copy_params;
     for (std::size_t i = 0; i < P; ++i)
-      copy_params.push_back(lockstep::param<float>("p", copy_vals[i].data(), cpu_grads[i].data(),
-                                                   {static_cast<std::int64_t>(sizes[i])}));
+      copy_params.push_back(
+          lockstep::param<float>("p", copy_vals[i].data(), cpu_grads[i].data(), {static_cast<std::int64_t>(sizes[i])}));
     gpu2.step_all(gpu_params, st.s, flag.as<int>());
     cpu2.step(copy_params);
     cpu.step(cpu_params);
@@ -536,7 +542,8 @@ void check_fused(std::mt19937_64& rng) {
 namespace kern {
 __global__ void mul(float* g, std::size_t n, const float* d_scale, float h_scale) {
   const float f = d_scale != nullptr ? *d_scale : h_scale;
-  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x)
+  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n;
+       i += std::size_t(gridDim.x) * blockDim.x)
     g[i] *= f;
 }
 __global__ void poison(float* g, float v) { *g = v; }
@@ -562,7 +569,7 @@ struct dp_config {
   bool capture = false;    // capture step `warmup` in a CUDA graph, replay it twice
   bool zero_copy = true;
   lockstep::BucketPolicy buckets{};
-  double clip = 0;         // DataParallelOptions::max_grad_norm (the reference clips alike)
+  double clip = 0;                 // DataParallelOptions::max_grad_norm (the reference clips alike)
   bool gather_in_forward = false;  // sharded: each parameter waited for just before the forward
   bool copy_engine = true;         // sharded: ShardedOptimizer::copy_engine_gather
   bool copy_scatter = true;        // sharded: ShardedOptimizer::copy_engine_scatter
@@ -595,10 +602,22 @@ void check_dp_scaled(const dp_config& c) {
   const lockstep::DynamicScaleOptions so{.init_scale = std::ldexp(1.0, 4 + static_cast<int>(rng() % 9)),
                                          .growth_interval = 3};
   const lockstep::SgdOptions sgd{.lr = 0.05, .momentum = 0.9, .dampening = 0.0, .weight_decay = 1e-3};
-  CAPTURE(seed); CAPTURE(c.gpus); CAPTURE(c.per_bucket); CAPTURE(c.capture); CAPTURE(c.zero_copy);
-  CAPTURE(c.buckets.cap_bytes); CAPTURE(on_device); CAPTURE(inf_step); CAPTURE(inf_rank); CAPTURE(inf_param);
-  CAPTURE(so.init_scale); CAPTURE(Sharded); CAPTURE(c.clip); CAPTURE(c.gather_in_forward);
-  CAPTURE(c.copy_engine); CAPTURE(c.copy_scatter);
+  CAPTURE(seed);
+  CAPTURE(c.gpus);
+  CAPTURE(c.per_bucket);
+  CAPTURE(c.capture);
+  CAPTURE(c.zero_copy);
+  CAPTURE(c.buckets.cap_bytes);
+  CAPTURE(on_device);
+  CAPTURE(inf_step);
+  CAPTURE(inf_rank);
+  CAPTURE(inf_param);
+  CAPTURE(so.init_scale);
+  CAPTURE(Sharded);
+  CAPTURE(c.clip);
+  CAPTURE(c.gather_in_forward);
+  CAPTURE(c.copy_engine);
+  CAPTURE(c.copy_scatter);
 
   const std::size_t samples = 2048;
   const int batch = 16;
@@ -645,10 +664,10 @@ void check_dp_scaled(const dp_config& c) {
     cudaStream_t s = ctx.comm().compute_stream();
     TestMlp<float> init(dims, seed + 1 + rank * 7919);  // differs per rank: rank 0's is broadcast
     GpuMlp m(dims, split_params(init), s);
-    using DP = std::conditional_t<Sharded,
-                                  lockstep::DataParallel<GpuMlp, lockstep::NcclComm, lockstep::EveryStep, Scaler,
-                                                         lockstep::ShardedOptimizer>,
-                                  lockstep::DataParallel<GpuMlp, lockstep::NcclComm, lockstep::EveryStep, Scaler>>;
+    using DP = std::conditional_t<
+        Sharded,
+        lockstep::DataParallel<GpuMlp, lockstep::NcclComm, lockstep::EveryStep, Scaler, lockstep::ShardedOptimizer>,
+        lockstep::DataParallel<GpuMlp, lockstep::NcclComm, lockstep::EveryStep, Scaler>>;
     const lockstep::DataParallelOptions o{.buckets = c.buckets, .zero_copy = c.zero_copy, .max_grad_norm = c.clip};
     auto dp = [&] {
       if constexpr (Sharded)
@@ -656,8 +675,7 @@ void check_dp_scaled(const dp_config& c) {
                   lockstep::ShardedOptimizer{.gather_in_forward = c.gather_in_forward,
                                              .copy_engine_gather = c.copy_engine,
                                              .copy_engine_scatter = c.copy_scatter});
-      else
-        return DP(ctx, m, o, lockstep::EveryStep{}, Scaler(so));
+      else return DP(ctx, m, o, lockstep::EveryStep{}, Scaler(so));
     }();
     const float* d_scale = nullptr;
     const int* d_flag = nullptr;
@@ -787,7 +805,9 @@ void check_dp_scaled(const dp_config& c) {
     if (exec) LOCKSTEP_TRY_CUDA(cudaGraphExecDestroy(exec));
     dp.wait_all_parameters();
     got[rank] = m.flat_values();
-    cudaFree(dX); cudaFree(dy); cudaFree(drows);
+    cudaFree(dX);
+    cudaFree(dy);
+    cudaFree(drows);
   });
 
   TestMlp<float> init(dims, seed + 1);
@@ -825,7 +845,12 @@ void check_device_origin(int gpus, int log_every) {
   const int bad = static_cast<int>(rng() % static_cast<unsigned>(gpus));
   const int first_bad = static_cast<int>(rng() % 4);
   const int limit = (log_every == 1 ? 3 : 2 * log_every + 5) + static_cast<int>(rng() % 4);
-  CAPTURE(seed); CAPTURE(gpus); CAPTURE(bad); CAPTURE(first_bad); CAPTURE(limit); CAPTURE(log_every);
+  CAPTURE(seed);
+  CAPTURE(gpus);
+  CAPTURE(bad);
+  CAPTURE(first_bad);
+  CAPTURE(limit);
+  CAPTURE(log_every);
   const std::vector<int> dims{19, 32, 10};
   const int batch = 8;
   const std::size_t samples = 256;
@@ -887,7 +912,8 @@ void check_device_origin(int gpus, int log_every) {
   // Every rank stopped within a few steps of the limit (the host runs ahead of the device);
   // a rank that threw on its own gives the same cause.
   for (std::size_t r = 0; r < devices.size(); ++r) {
-    CAPTURE(r); CAPTURE(seen[r]);
+    CAPTURE(r);
+    CAPTURE(seen[r]);
     CHECK(steps[r] >= first_bad + limit);
     CHECK(steps[r] <= first_bad + limit + 2 * log_every + 2);
     if (seen[r].find("DeviceDynamicScale") != std::string::npos) CHECK(seen[r].find(origin) != std::string::npos);
@@ -998,10 +1024,11 @@ TEST_CASE("DeviceDynamicScale: max_consecutive_skips stops training - a clean st
   one(true);  // the limit-th in a row: the device raises the word...
   CHECK(sc.stalled_steps() == limit);
   // ...and the next call says so, naming the count, the floor and the option.
-  CHECK_THROWS_WITH_AS(one(true),
-                       doctest::Contains(("DeviceDynamicScale: " + std::to_string(limit) +
-                                          " steps in a row had inf/NaN gradients").c_str()),
-                       lockstep::error);
+  CHECK_THROWS_WITH_AS(
+      one(true),
+      doctest::Contains(
+          ("DeviceDynamicScale: " + std::to_string(limit) + " steps in a row had inf/NaN gradients").c_str()),
+      lockstep::error);
   CHECK_THROWS_WITH_AS(one(false), doctest::Contains("max_consecutive_skips sets this limit"), lockstep::error);
   try {  // no DataParallel checked the ranks' own gradients: the error names no rank
     one(true);
@@ -1040,7 +1067,8 @@ TEST_CASE("sharded on 1 GPU: FusedSgd over the shards == CPU reference - device 
 }
 
 TEST_SUITE("multigpu") {
-TEST_CASE("DataParallel + DeviceDynamicScale + FusedSgd: 2 GPUs - inf on one GPU skips everywhere - graph-captured step") {
+TEST_CASE(
+    "DataParallel + DeviceDynamicScale + FusedSgd: 2 GPUs - inf on one GPU skips everywhere - graph-captured step") {
   LOCKSTEP_REQUIRE_GPUS(2);
   check_dp_scaled<lockstep::DeviceDynamicScale>({.gpus = 2, .capture = true});
   check_dp_scaled<lockstep::DeviceDynamicScale>(
@@ -1055,11 +1083,13 @@ TEST_CASE("DeviceDynamicScale names the rank whose gradients were non-finite: 2 
 }
 // ShardedOptimizer on GPUs: reduce-scatter as backward goes, FusedSgd updates this GPU's
 // shard, all-gather; an inf on one GPU skips the step on all; clipping sums the shards' squares.
-TEST_CASE("sharded on 2 GPUs: FusedSgd over the shards == CPU reference - inf on one GPU - clipping - graph - gather in forward") {
+TEST_CASE("sharded on 2 GPUs: FusedSgd over the shards == CPU reference - inf on one GPU - clipping - graph - gather "
+          "in forward") {
   LOCKSTEP_REQUIRE_GPUS(2);
   check_dp_scaled<lockstep::DeviceDynamicScale, true>({.gpus = 2, .buckets = {.first_bytes = 1000, .cap_bytes = 3000}});
   check_dp_scaled<lockstep::DeviceDynamicScale, true>({.gpus = 2, .zero_copy = false});
-  check_dp_scaled<lockstep::DynamicScale, true>({.gpus = 2, .buckets = {.first_bytes = 1000, .cap_bytes = 3000}, .clip = 0.5});
+  check_dp_scaled<lockstep::DynamicScale, true>(
+      {.gpus = 2, .buckets = {.first_bytes = 1000, .cap_bytes = 3000}, .clip = 0.5});
   check_dp_scaled<lockstep::DeviceDynamicScale, true>({.gpus = 2, .clip = 0.5});
   check_dp_scaled<lockstep::DeviceDynamicScale, true>({.gpus = 2, .capture = true});
   check_dp_scaled<lockstep::DeviceDynamicScale, true>({.gpus = 2, .gather_in_forward = true});
@@ -1068,8 +1098,10 @@ TEST_CASE("sharded on 2 GPUs: FusedSgd over the shards == CPU reference - inf on
   // the collectives on NCCL's SM kernels instead of the copy engines, or only one kind there
   check_dp_scaled<lockstep::DeviceDynamicScale, true>(
       {.gpus = 2, .gather_in_forward = true, .copy_engine = false, .copy_scatter = false});
-  check_dp_scaled<lockstep::DeviceDynamicScale, true>({.gpus = 2, .capture = true, .copy_engine = false, .copy_scatter = false});
-  check_dp_scaled<lockstep::DynamicScale, true>({.gpus = 2, .clip = 0.5, .gather_in_forward = true, .copy_engine = false});
+  check_dp_scaled<lockstep::DeviceDynamicScale, true>(
+      {.gpus = 2, .capture = true, .copy_engine = false, .copy_scatter = false});
+  check_dp_scaled<lockstep::DynamicScale, true>(
+      {.gpus = 2, .clip = 0.5, .gather_in_forward = true, .copy_engine = false});
   check_dp_scaled<lockstep::DeviceDynamicScale, true>({.gpus = 2, .gather_in_forward = true, .copy_scatter = false});
 }
 

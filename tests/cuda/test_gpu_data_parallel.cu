@@ -25,7 +25,11 @@ struct gpu_config {
 
 void check_gpu_equivalence(const gpu_config& c) {
   const auto seed = fresh_seed();
-  CAPTURE(seed); CAPTURE(c.gpus); CAPTURE(c.accumulate); CAPTURE(c.zero_copy); CAPTURE(c.buckets.cap_bytes);
+  CAPTURE(seed);
+  CAPTURE(c.gpus);
+  CAPTURE(c.accumulate);
+  CAPTURE(c.zero_copy);
+  CAPTURE(c.buckets.cap_bytes);
   const std::vector<int> dims{37, 64, 33, 10};
   const std::size_t samples = 2048;
   std::mt19937_64 rng(seed);
@@ -77,7 +81,9 @@ void check_gpu_equivalence(const gpu_config& c) {
       }
     }
     got[static_cast<std::size_t>(ctx.rank())] = m.flat_values();
-    cudaFree(dX); cudaFree(dy); cudaFree(drows);
+    cudaFree(dX);
+    cudaFree(dy);
+    cudaFree(drows);
   });
   TestMlp<float> init(dims, seed + 1);
   CHECK(max_rel_diff(init.flat_values(), want) > 1e-3);  // training moved the parameters
@@ -99,16 +105,19 @@ TEST_CASE("GPU equivalence: 1 GPU - batch B == CPU reference") {
 }
 
 TEST_SUITE("multigpu") {
-TEST_CASE("GPU equivalence: 2 GPUs × batch B == 1 CPU rank × batch 2B (zero-copy - packed - tiny buckets - accumulation)") {
+TEST_CASE(
+    "GPU equivalence: 2 GPUs × batch B == 1 CPU rank × batch 2B (zero-copy - packed - tiny buckets - accumulation)") {
   LOCKSTEP_REQUIRE_GPUS(2);
   check_gpu_equivalence({.gpus = 2});
   check_gpu_equivalence({.gpus = 2, .zero_copy = false});
   check_gpu_equivalence({.gpus = 2, .accumulate = 2, .buckets = {.first_bytes = 1000, .cap_bytes = 3000}});
-  check_gpu_equivalence({.gpus = 2, .accumulate = 3, .zero_copy = false, .buckets = {.first_bytes = 1000, .cap_bytes = 3000}});
+  check_gpu_equivalence(
+      {.gpus = 2, .accumulate = 3, .zero_copy = false, .buckets = {.first_bytes = 1000, .cap_bytes = 3000}});
 }
 TEST_CASE("GPU equivalence: 4 GPUs") {
   LOCKSTEP_REQUIRE_GPUS(4);
   check_gpu_equivalence({.gpus = 4});
-  check_gpu_equivalence({.gpus = 4, .accumulate = 2, .zero_copy = false, .buckets = {.first_bytes = 1000, .cap_bytes = 5000}});
+  check_gpu_equivalence(
+      {.gpus = 4, .accumulate = 2, .zero_copy = false, .buckets = {.first_bytes = 1000, .cap_bytes = 5000}});
 }
 }

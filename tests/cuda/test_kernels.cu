@@ -81,7 +81,9 @@ struct DevBuf {
   DevBuf(const DevBuf&) = delete;
   DevBuf& operator=(const DevBuf&) = delete;
   template <class T>
-  T* as() const { return static_cast<T*>(p); }
+  T* as() const {
+    return static_cast<T*>(p);
+  }
   void poison() { LOCKSTEP_TRY_CUDA(cudaMemset(p, 0xFF, bytes)); }
   template <class T>
   void upload(const std::vector<T>& h) {
@@ -89,7 +91,9 @@ struct DevBuf {
     LOCKSTEP_TRY_CUDA(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
   }
   template <class T>
-  void upload_value(T v) { upload(std::vector<T>{v}); }
+  void upload_value(T v) {
+    upload(std::vector<T>{v});
+  }
   template <class T>
   std::vector<T> download(std::size_t n) const {
     REQUIRE(n * sizeof(T) <= bytes);
@@ -98,7 +102,9 @@ struct DevBuf {
     return h;
   }
   template <class T>
-  T value() const { return download<T>(1)[0]; }
+  T value() const {
+    return download<T>(1)[0];
+  }
 };
 
 using lockstep::test::Stream;
@@ -161,24 +167,22 @@ constexpr dtype dt() {
 
 // The start of a randomised test on one GPU: skips the test case where none is visible, then
 // declares `seed` (fresh; INFO reports it with any failure), `rng` seeded with it and a stream `s`.
-#define SEEDED_GPU_TEST()           \
-  LOCKSTEP_REQUIRE_GPUS(1);         \
-  const auto seed = fresh_seed();   \
-  INFO("seed = ", seed);            \
-  std::mt19937_64 rng(seed);        \
+#define SEEDED_GPU_TEST()         \
+  LOCKSTEP_REQUIRE_GPUS(1);       \
+  const auto seed = fresh_seed(); \
+  INFO("seed = ", seed);          \
+  std::mt19937_64 rng(seed);      \
   Stream s
 
 TEST_SUITE("gpu") {
 
-TEST_CASE_TEMPLATE("kernels: pack - unpack and scale match the host", T, float, double, __half,
-                   __nv_bfloat16) {
+TEST_CASE_TEMPLATE("kernels: pack - unpack and scale match the host", T, float, double, __half, __nv_bfloat16) {
   using H = host_el<T>;
   using A = typename H::acc;
   SEEDED_GPU_TEST();
   for (int variant = 0; variant < 2; ++variant) {
     CAPTURE(variant);
-    const Layout L = variant == 0 ? make_layout(rng, kManySmall, kSpecial, true)
-                                  : make_layout(rng, 0, kFew, true);
+    const Layout L = variant == 0 ? make_layout(rng, kManySmall, kSpecial, true) : make_layout(rng, 0, kFew, true);
     const auto src = random_values<T>(rng, L.span, 1.0);
     std::vector<T> concat;
     for (std::size_t i = 0; i < L.cnt.size(); ++i)
@@ -214,8 +218,7 @@ TEST_CASE_TEMPLATE("kernels: pack - unpack and scale match the host", T, float, 
     s.sync();
     const auto back = d_back.download<T>(L.span);
     std::vector<char> inside(L.span, 0);
-    for (std::size_t i = 0; i < L.cnt.size(); ++i)
-      std::fill_n(inside.begin() + L.off[i], L.cnt[i], 1);
+    for (std::size_t i = 0; i < L.cnt.size(); ++i) std::fill_n(inside.begin() + L.off[i], L.cnt[i], 1);
     std::size_t bad = 0;
     for (std::size_t e = 0; e < L.span; ++e)
       if (inside[e] ? !same_bits(back[e], src[e]) : !poisoned(back[e])) ++bad;
@@ -295,8 +298,9 @@ TEST_CASE_TEMPLATE("kernels: unscale multiplies in place - flags inf/NaN results
         d_factor.upload_value(f);
         d_found.upload_value(0);
         d_partials.poison();
-        const std::size_t n = k::unscale(segs, dt<T>(), on_device ? 0.5 : f, on_device ? d_factor.as<double>() : nullptr,
-                                         d_found.as<int>(), d_partials.as<double>(), s.s);
+        const std::size_t n =
+            k::unscale(segs, dt<T>(), on_device ? 0.5 : f, on_device ? d_factor.as<double>() : nullptr,
+                       d_found.as<int>(), d_partials.as<double>(), s.s);
         s.sync();
         CHECK(n == chunks);
         const auto g = d_g.download<T>(L.span);
@@ -334,7 +338,9 @@ TEST_CASE_TEMPLATE("kernels: unscale multiplies in place - flags inf/NaN results
     // factor pushes past the largest finite value (the result is checked, as on the host).
     const T specials[] = {H::from(std::numeric_limits<A>::infinity()), H::from(-std::numeric_limits<A>::infinity()),
                           H::from(std::numeric_limits<A>::quiet_NaN()),
-                          H::from(static_cast<A>(std::is_same_v<T, __half> ? 60000.0 : std::is_same_v<T, double> ? 1e308 : 3e38))};
+                          H::from(static_cast<A>(std::is_same_v<T, __half>   ? 60000.0
+                                                 : std::is_same_v<T, double> ? 1e308
+                                                                             : 3e38))};
     for (int kind = 0; kind < 4; ++kind)
       for (int where = 0; where < 3; ++where) {
         CAPTURE(kind);
@@ -342,8 +348,9 @@ TEST_CASE_TEMPLATE("kernels: unscale multiplies in place - flags inf/NaN results
         const double f = kind == 3 ? 4.0 : 0.5;
         const std::size_t ti = std::uniform_int_distribution<std::size_t>(0, L.cnt.size() - 1)(rng);
         const std::size_t n = L.cnt[ti];
-        const std::size_t pos =
-            L.off[ti] + (where == 0 ? 0 : where == 1 ? n - 1 : std::uniform_int_distribution<std::size_t>(0, n - 1)(rng));
+        const std::size_t pos = L.off[ti] + (where == 0   ? 0
+                                             : where == 1 ? n - 1
+                                                          : std::uniform_int_distribution<std::size_t>(0, n - 1)(rng));
         auto g = g0;
         for (auto& x : g) x = H::from(H::to(x) / static_cast<A>(64));  // small enough for f = 4
         g[pos] = specials[kind];
@@ -363,8 +370,8 @@ TEST_CASE_TEMPLATE("kernels: unscale multiplies in place - flags inf/NaN results
   }
 }
 
-TEST_CASE_TEMPLATE("kernels: sum_of_squares over groups is the host's - clip_grad_norm on device scales by its rule",
-                   T, float, double, __half, __nv_bfloat16) {
+TEST_CASE_TEMPLATE("kernels: sum_of_squares over groups is the host's - clip_grad_norm on device scales by its rule", T,
+                   float, double, __half, __nv_bfloat16) {
   using H = host_el<T>;
   using A = typename H::acc;
   SEEDED_GPU_TEST();
@@ -380,7 +387,8 @@ TEST_CASE_TEMPLATE("kernels: sum_of_squares over groups is the host's - clip_gra
   const std::vector<lockstep::grad_group> groups{{dt<T>(), segs}, {dtype::f32, fsegs}};
   long double ref = 0;
   for (std::size_t i = 0; i < L.cnt.size(); ++i)
-    for (std::size_t e = L.off[i]; e < L.off[i] + L.cnt[i]; ++e) ref += static_cast<long double>(H::to(g0[e])) * H::to(g0[e]);
+    for (std::size_t e = L.off[i]; e < L.off[i] + L.cnt[i]; ++e)
+      ref += static_cast<long double>(H::to(g0[e])) * H::to(g0[e]);
   for (float x : f0) ref += static_cast<long double>(x) * x;
   const double norm_ref = std::sqrt(static_cast<double>(ref));
   for (double max_norm : {0.25 * norm_ref, 4.0 * norm_ref}) {  // clips, then leaves alone
@@ -412,8 +420,12 @@ TEST_CASE("kernels: update_scale is DynamicScale::update on the device") {
   namespace kk = lockstep::cuda::kernels;
   for (lockstep::DynamicScaleOptions o :
        {lockstep::DynamicScaleOptions{.init_scale = 1024, .growth_interval = 3, .min_scale = 1, .max_scale = 65536},
-        lockstep::DynamicScaleOptions{.init_scale = 3, .growth_factor = 1.5, .backoff_factor = 0.3,
-                                      .growth_interval = 5, .min_scale = 0.01, .max_scale = 1e6},
+        lockstep::DynamicScaleOptions{.init_scale = 3,
+                                      .growth_factor = 1.5,
+                                      .backoff_factor = 0.3,
+                                      .growth_interval = 5,
+                                      .min_scale = 0.01,
+                                      .max_scale = 1e6},
         lockstep::DynamicScaleOptions{.growth_interval = 1}}) {
     CAPTURE(o.growth_interval);
     lockstep::DynamicScale host(o);
@@ -475,8 +487,10 @@ TEST_CASE("kernels: update_scale skip watch records the ranks that voted - clean
     for (std::size_t r = 1; r < after.size(); ++r) REQUIRE(after[r] == 0);  // consumed
   };
   const int a = static_cast<int>(rng() % static_cast<unsigned>(world));
-  const int b = static_cast<int>((static_cast<unsigned>(a) + 1 + rng() % static_cast<unsigned>(world - 1)) % static_cast<unsigned>(world));
-  CAPTURE(a); CAPTURE(b);
+  const int b = static_cast<int>((static_cast<unsigned>(a) + 1 + rng() % static_cast<unsigned>(world - 1)) %
+                                 static_cast<unsigned>(world));
+  CAPTURE(a);
+  CAPTURE(b);
   one(1, {});  // a skip nobody checked: nothing recorded
   CHECK(w->in_a_row == 1);
   CHECK(w->origin_step == 0);
@@ -517,8 +531,7 @@ TEST_CASE("kernels: device_permutation is a seeded permutation") {
     k::device_permutation(seed, n, b.as<std::uint64_t>(), s.s);
     k::device_permutation(seed + 1, n, c.as<std::uint64_t>(), s.s);
     s.sync();
-    const auto pa = a.download<std::uint64_t>(n), pb = b.download<std::uint64_t>(n),
-               pc = c.download<std::uint64_t>(n);
+    const auto pa = a.download<std::uint64_t>(n), pb = b.download<std::uint64_t>(n), pc = c.download<std::uint64_t>(n);
     CHECK(pa == pb);  // deterministic
     auto sorted = pa;
     std::sort(sorted.begin(), sorted.end());
@@ -564,8 +577,8 @@ struct OptWorld {
   std::vector<lockstep::parameter> params() const {
     std::vector<lockstep::parameter> out;
     for (std::size_t i = 0; i < L.cnt.size(); ++i)
-      out.push_back(lockstep::param<T>(std::to_string(i), p.as<T>() + L.off[i],
-                                       g.as<T>() + L.off[i] + shift, {static_cast<std::int64_t>(L.cnt[i])}));
+      out.push_back(lockstep::param<T>(std::to_string(i), p.as<T>() + L.off[i], g.as<T>() + L.off[i] + shift,
+                                       {static_cast<std::int64_t>(L.cnt[i])}));
     return out;
   }
   //! New random gradients: device copy, and the CPU view (as A) in `hg`.
@@ -618,8 +631,8 @@ void check_rule(std::mt19937_64& rng, const typename Cpu::options_type& o, int s
       const bool skip = std::find(skipped.begin(), skipped.end(), st) != skipped.end();
       found.upload_value(skip ? 1 : 0);
       const auto before = skip ? w.p.template download<unsigned char>(w.p.bytes) : std::vector<unsigned char>{};
-      const auto state_before = skip ? lockstep::test::parse_blob(lockstep::to_bytes(gpu), Rule::saves_step)
-                                     : lockstep::test::parsed_blob{};
+      const auto state_before =
+          skip ? lockstep::test::parse_blob(lockstep::to_bytes(gpu), Rule::saves_step) : lockstep::test::parsed_blob{};
       gpu.step_all(w.params(), s.s, found.template as<int>());
       s.sync();
       if (skip) {  // parameters, states and step counters as they were, bit for bit
@@ -637,7 +650,8 @@ void check_rule(std::mt19937_64& rng, const typename Cpu::options_type& o, int s
         if constexpr (OptWorld<T>::half)
           for (const auto& [slot, m] : after.masters)
             for (std::size_t j = 0; j < m.size(); ++j)
-              if (!same_bits(host_el<T>::from(m[j]), host_el<T>::from(static_cast<float>(w.host_w[w.L.off[slot] + j])))) ++changed;
+              if (!same_bits(host_el<T>::from(m[j]), host_el<T>::from(static_cast<float>(w.host_w[w.L.off[slot] + j]))))
+                ++changed;
         CHECK(changed == 0);
       }
       w.step_cpu(cpu, hg, skip);
@@ -681,9 +695,10 @@ TEST_CASE_TEMPLATE("kernels: FusedSgd matches lockstep::Sgd on many tensors - an
   const auto seed = fresh_seed();
   INFO("seed = ", seed);
   std::mt19937_64 rng(seed);
-  for (const lockstep::SgdOptions& o : {lockstep::SgdOptions{.lr = 0.05, .momentum = 0.9, .dampening = 0.1, .weight_decay = 0.01},
-                                         lockstep::SgdOptions{.lr = 0.02, .momentum = 0.8, .weight_decay = 0.05, .nesterov = true},
-                                         lockstep::SgdOptions{.lr = 0.1, .weight_decay = 0.1}}) {
+  for (const lockstep::SgdOptions& o :
+       {lockstep::SgdOptions{.lr = 0.05, .momentum = 0.9, .dampening = 0.1, .weight_decay = 0.01},
+        lockstep::SgdOptions{.lr = 0.02, .momentum = 0.8, .weight_decay = 0.05, .nesterov = true},
+        lockstep::SgdOptions{.lr = 0.1, .weight_decay = 0.1}}) {
     CAPTURE(o.momentum);
     check_rule<lockstep::Sgd, T>(rng, o, 5, {2});
   }

@@ -129,7 +129,8 @@ __global__ void slow_fill(float* p, std::size_t n, float base, long long cycles)
   const long long start = clock64();
   while (clock64() - start < cycles) {
   }
-  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += static_cast<std::size_t>(blockDim.x) * gridDim.x)
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(blockDim.x) * gridDim.x)
     p[i] = static_cast<float>(i % 4096) + base;
 }
 
@@ -218,417 +219,418 @@ void check_abort_releases_waiter(NcclComm::work& w, Stop&& stop) {
 
 // =======================================================================================
 TEST_SUITE("gpu") {
-  TEST_CASE("to_nccl maps every element type and reduction") {
-    CHECK(lockstep::to_nccl(dtype::u8) == ncclUint8);
-    CHECK(lockstep::to_nccl(dtype::i32) == ncclInt32);
-    CHECK(lockstep::to_nccl(dtype::i64) == ncclInt64);
-    CHECK(lockstep::to_nccl(dtype::f16) == ncclFloat16);
-    CHECK(lockstep::to_nccl(dtype::bf16) == ncclBfloat16);
-    CHECK(lockstep::to_nccl(dtype::f32) == ncclFloat32);
-    CHECK(lockstep::to_nccl(dtype::f64) == ncclFloat64);
-    CHECK(lockstep::to_nccl(reduce_op::sum) == ncclSum);
-    CHECK(lockstep::to_nccl(reduce_op::avg) == ncclAvg);
-    CHECK(lockstep::to_nccl(reduce_op::max) == ncclMax);
-    CHECK(lockstep::to_nccl(reduce_op::min) == ncclMin);
+TEST_CASE("to_nccl maps every element type and reduction") {
+  CHECK(lockstep::to_nccl(dtype::u8) == ncclUint8);
+  CHECK(lockstep::to_nccl(dtype::i32) == ncclInt32);
+  CHECK(lockstep::to_nccl(dtype::i64) == ncclInt64);
+  CHECK(lockstep::to_nccl(dtype::f16) == ncclFloat16);
+  CHECK(lockstep::to_nccl(dtype::bf16) == ncclBfloat16);
+  CHECK(lockstep::to_nccl(dtype::f32) == ncclFloat32);
+  CHECK(lockstep::to_nccl(dtype::f64) == ncclFloat64);
+  CHECK(lockstep::to_nccl(reduce_op::sum) == ncclSum);
+  CHECK(lockstep::to_nccl(reduce_op::avg) == ncclAvg);
+  CHECK(lockstep::to_nccl(reduce_op::max) == ncclMax);
+  CHECK(lockstep::to_nccl(reduce_op::min) == ncclMin);
+}
+
+TEST_CASE("a failed CUDA call throws cuda_error naming the call and the place") {
+  // Fails on every machine: an invalid device without a GPU, no device/driver without one.
+  const std::string msg = what_of([] { LOCKSTEP_TRY_CUDA(cudaSetDevice(-1)); });
+  CHECK(msg.find("cudaSetDevice(-1) failed at") != std::string::npos);
+  CHECK(msg.find("test_nccl_comm.cu:") != std::string::npos);
+  CHECK(msg.find("cudaError") != std::string::npos);  // the error's name
+  CHECK_THROWS_AS(LOCKSTEP_TRY_CUDA(cudaSetDevice(-1)), lockstep::cuda_error);
+  CHECK(lockstep::test::visible_gpus() >= 0);
+}
+
+TEST_CASE("CudaMemory and kernel launches report CUDA failures as cuda_error") {
+  LOCKSTEP_REQUIRE_GPUS(1);
+  lockstep::CudaMemory mem(0, nullptr);
+  const std::string msg = what_of([&] { (void)mem.allocate(std::size_t{1} << 60); });
+  CHECK(msg.find("cudaMalloc") != std::string::npos);
+  CHECK(msg.find("cudaErrorMemoryAllocation") != std::string::npos);
+  CHECK_THROWS_AS((void)mem.allocate(std::size_t{1} << 60), lockstep::cuda_error);
+  // The failure was reported once, not left behind for the next check.
+  CHECK(cudaGetLastError() == cudaSuccess);
+  auto p = mem.allocate(16);
+  CHECK(p != nullptr);
+
+  LOCKSTEP_TRY_CUDA(cudaSetDevice(0));
+  slow_fill<<<1, 4096>>>(static_cast<float*>(p.get()), 4, 0.f, 0);  // too many threads per block
+  const std::string launch = what_of([] { LOCKSTEP_CHECK_LAUNCH(); });
+  INFO("message: " << launch);
+  CHECK(launch.find("kernel launch (cudaGetLastError) failed at") != std::string::npos);
+  CHECK(launch.find("test_nccl_comm.cu:") != std::string::npos);
+  CHECK(launch.find("cudaError") != std::string::npos);
+  CHECK(cudaGetLastError() == cudaSuccess);
+}
+
+TEST_CASE("a failed NCCL call throws nccl_error naming the call") {
+  LOCKSTEP_REQUIRE_GPUS(1);
+  auto comms = NcclComm::create_local({0});
+  auto buf = comms[0].memory().allocate(64);
+  ncclComm_t raw = nullptr;  // one GPU's NcclComm has none (raw() is nullptr): a communicator of NCCL's own
+  const int device = 0;
+  LOCKSTEP_TRY_NCCL(ncclCommInitAll(&raw, 1, &device));
+  const std::shared_ptr<ncclComm> owner(raw, [](ncclComm_t c) { (void)ncclCommDestroy(c); });
+  auto bad = [&] {  // an element type NCCL does not know: rejected before anything runs
+    LOCKSTEP_TRY_NCCL(ncclAllReduce(buf.get(), buf.get(), 1, static_cast<ncclDataType_t>(ncclNumTypes), ncclSum, raw,
+                                    comms[0].comm_stream()));
+  };
+  CHECK_THROWS_AS(bad(), lockstep::nccl_error);
+  const std::string msg = what_of(bad);
+  CHECK(msg.find("ncclAllReduce(") != std::string::npos);
+  CHECK(msg.find("ncclInvalidArgument") != std::string::npos);
+  CHECK(msg.find("test_nccl_comm.cu:") != std::string::npos);
+  CHECK_NOTHROW(comms[0].check_async_error());
+}
+
+TEST_CASE("NcclComm rejects bad arguments with config_error") {
+  LOCKSTEP_REQUIRE_GPUS(1);
+  const int visible = lockstep::test::visible_gpus();
+  CHECK_THROWS_AS(NcclComm::create_local(std::span<const int>{}), lockstep::config_error);
+  const std::string missing = what_of([&] { (void)NcclComm::create_local({visible}); });
+  CHECK(missing.find("does not exist") != std::string::npos);
+  CHECK_THROWS_AS(NcclComm::create_local({0, visible + 3}), lockstep::config_error);
+  CHECK_THROWS_AS(NcclComm::create_local({-1}), lockstep::config_error);
+  CHECK(what_of([] { (void)NcclComm::create_local({0, 0}); }).find("twice") != std::string::npos);
+  ncclUniqueId id{};
+  CHECK_THROWS_AS(NcclComm(id, 2, 2, 0), lockstep::config_error);
+  CHECK_THROWS_AS(NcclComm(id, 0, 1, visible), lockstep::config_error);
+
+  // (Bad roots: the conformance suite's misuse check.)
+  auto comms = NcclComm::create_local({0});
+  auto buf = comms[0].memory().allocate(16);
+  CHECK_THROWS_AS(comms[0].all_reduce(nullptr, buf.get(), 1, dtype::f32, reduce_op::sum), lockstep::config_error);
+
+  NcclComm moved = std::move(comms[0]);
+  CHECK(moved.rank() == 0);
+  CHECK_THROWS_AS(comms[0].all_reduce(buf.get(), buf.get(), 1, dtype::f32, reduce_op::sum), lockstep::config_error);
+}
+
+TEST_CASE("NcclComm: collectives wait for the compute stream and work handles order or block on the result") {
+  LOCKSTEP_REQUIRE_GPUS(1);
+  auto comms = NcclComm::create_local({0});
+  NcclComm& comm = comms[0];
+  LOCKSTEP_TRY_CUDA(cudaSetDevice(0));
+  cudaStream_t user = nullptr;
+  LOCKSTEP_TRY_CUDA(cudaStreamCreateWithFlags(&user, cudaStreamNonBlocking));
+  comm.set_compute_stream(user);
+  CHECK(comm.compute_stream() == user);
+  CHECK(comm.memory().stream() == user);
+  CHECK(comm.comm_stream() != user);
+
+  const std::size_t n = std::size_t{1} << 20;
+  auto mem = comm.memory();
+  auto src = mem.allocate(n * sizeof(float));
+  auto dst = mem.allocate(n * sizeof(float));
+  poison(comm, src.get(), n * sizeof(float));
+  poison(comm, dst.get(), n * sizeof(float));
+  const float base = static_cast<float>(std::random_device{}() % 1000) + 1.f;
+  INFO("base = " << base);
+  slow_fill<<<64, 256, 0, user>>>(static_cast<float*>(src.get()), n, base, kSpinCycles);
+  LOCKSTEP_CHECK_LAUNCH();
+  NcclComm::work w = comm.all_reduce(src.get(), dst.get(), n, dtype::f32, reduce_op::sum);
+  // The collective waits behind the slow producer, so it cannot have finished yet.
+  CHECK_FALSE(w.query());
+  NcclComm::work moved = std::move(w);
+  CHECK(w.query());  // a moved-from handle is empty, hence complete
+  moved.synchronize();
+  CHECK(moved.query());
+  moved.wait();
+  std::vector<float> out(n);
+  mem.download(out.data(), dst.get(), n * sizeof(float));
+  std::size_t wrong = 0;
+  for (std::size_t i = 0; i < n; ++i)
+    if (out[i] != static_cast<float>(i % 4096) + base) ++wrong;
+  CHECK_MESSAGE(wrong == 0, wrong << " of " << n << " elements do not hold the producer's values");
+
+  NcclComm::work empty;
+  CHECK(empty.query());
+  empty.wait();
+  empty.synchronize();
+  CHECK(comm.all_reduce(nullptr, nullptr, 0, dtype::f32, reduce_op::sum).query());  // zero length
+
+  comm.set_compute_stream(nullptr);  // before `user` goes away
+  LOCKSTEP_TRY_CUDA(cudaStreamDestroy(user));
+}
+
+TEST_CASE("NcclComm: abort() stops the communicator and later calls say why") {
+  LOCKSTEP_REQUIRE_GPUS(1);
+  auto comms = NcclComm::create_local({0});
+  auto buf = comms[0].memory().allocate(16);
+  comms[0].barrier();
+  CHECK_FALSE(comms[0].aborted());
+  comms[0].abort("test-requested abort");
+  comms[0].abort("second call is a no-op");
+  CHECK(comms[0].aborted());
+  CHECK_THROWS_AS(comms[0].all_reduce(buf.get(), buf.get(), 1, dtype::f32, reduce_op::sum), lockstep::aborted_error);
+  CHECK(what_of([&] { comms[0].barrier(); }).find("test-requested abort") != std::string::npos);
+}
+
+TEST_CASE("NcclComm on 1 GPU: conformance - every collective matches the reference") {
+  LOCKSTEP_REQUIRE_GPUS(1);
+  conformance_on_gpus(1);
+}
+
+// A group of one rank makes no NCCL communicator (NCCL's takes about half a GiB of device
+// memory on an H100 for nothing to exchange): its collectives are copies, and so are those of
+// its splits, which pass the conformance suite too (the group itself: conformance_on_gpus(1)).
+TEST_CASE("NcclComm on 1 GPU: no NCCL communicator - little device memory and splits that work") {
+  LOCKSTEP_REQUIRE_GPUS(1);
+  LOCKSTEP_TRY_CUDA(cudaSetDevice(0));
+  LOCKSTEP_TRY_CUDA(cudaFree(nullptr));  // the context first: it is not the communicator's
+  std::size_t free_before = 0, free_after = 0, total = 0;
+  LOCKSTEP_TRY_CUDA(cudaMemGetInfo(&free_before, &total));
+  auto comms = NcclComm::create_local({0});
+  comms[0].barrier();
+  LOCKSTEP_TRY_CUDA(cudaMemGetInfo(&free_after, &total));
+  const double taken_mib = (static_cast<double>(free_before) - static_cast<double>(free_after)) / (1 << 20);
+  INFO("device memory taken by a one-GPU NcclComm: " << taken_mib << " MiB");
+  CHECK(taken_mib < 64.0);
+  CHECK(comms[0].raw() == nullptr);
+  CHECK(comms[0].size() == 1);
+  auto sub = comms[0].split(3, 0);
+  CHECK(sub.size() == 1);
+  CHECK(sub.rank() == 0);
+  CHECK(sub.raw() == nullptr);
+  CHECK(sub.compute_stream() == comms[0].compute_stream());
+  lockstep_test::check_collectives(sub, nccl_options());
+  CHECK_THROWS_WITH_AS((void)comms[0].split(-2, 0), doctest::Contains("colour -2 is negative"), lockstep::config_error);
+  // Out of place: recv gets send's random values, on the communication stream, ordered for
+  // the compute stream by the work handle.
+  std::mt19937 rng(std::random_device{}());
+  std::uniform_real_distribution<float> u(-4.f, 4.f);
+  std::vector<float> in(4099), out(in.size());
+  for (auto& x : in) x = u(rng);
+  auto a = comms[0].memory().allocate(in.size() * sizeof(float));
+  auto b = comms[0].memory().allocate(in.size() * sizeof(float));
+  comms[0].memory().upload(a.get(), in.data(), in.size() * sizeof(float));
+  for (const reduce_op op : {reduce_op::sum, reduce_op::avg, reduce_op::max}) {
+    poison(comms[0], b.get(), in.size() * sizeof(float));
+    comms[0].all_reduce(a.get(), b.get(), in.size(), dtype::f32, op).wait();
+    comms[0].memory().download(out.data(), b.get(), out.size() * sizeof(float));
+    CHECK(out == in);
   }
-
-  TEST_CASE("a failed CUDA call throws cuda_error naming the call and the place") {
-    // Fails on every machine: an invalid device without a GPU, no device/driver without one.
-    const std::string msg = what_of([] { LOCKSTEP_TRY_CUDA(cudaSetDevice(-1)); });
-    CHECK(msg.find("cudaSetDevice(-1) failed at") != std::string::npos);
-    CHECK(msg.find("test_nccl_comm.cu:") != std::string::npos);
-    CHECK(msg.find("cudaError") != std::string::npos);  // the error's name
-    CHECK_THROWS_AS(LOCKSTEP_TRY_CUDA(cudaSetDevice(-1)), lockstep::cuda_error);
-    CHECK(lockstep::test::visible_gpus() >= 0);
-  }
-
-  TEST_CASE("CudaMemory and kernel launches report CUDA failures as cuda_error") {
-    LOCKSTEP_REQUIRE_GPUS(1);
-    lockstep::CudaMemory mem(0, nullptr);
-    const std::string msg = what_of([&] { (void)mem.allocate(std::size_t{1} << 60); });
-    CHECK(msg.find("cudaMalloc") != std::string::npos);
-    CHECK(msg.find("cudaErrorMemoryAllocation") != std::string::npos);
-    CHECK_THROWS_AS((void)mem.allocate(std::size_t{1} << 60), lockstep::cuda_error);
-    // The failure was reported once, not left behind for the next check.
-    CHECK(cudaGetLastError() == cudaSuccess);
-    auto p = mem.allocate(16);
-    CHECK(p != nullptr);
-
-    LOCKSTEP_TRY_CUDA(cudaSetDevice(0));
-    slow_fill<<<1, 4096>>>(static_cast<float*>(p.get()), 4, 0.f, 0);  // too many threads per block
-    const std::string launch = what_of([] { LOCKSTEP_CHECK_LAUNCH(); });
-    INFO("message: " << launch);
-    CHECK(launch.find("kernel launch (cudaGetLastError) failed at") != std::string::npos);
-    CHECK(launch.find("test_nccl_comm.cu:") != std::string::npos);
-    CHECK(launch.find("cudaError") != std::string::npos);
-    CHECK(cudaGetLastError() == cudaSuccess);
-  }
-
-  TEST_CASE("a failed NCCL call throws nccl_error naming the call") {
-    LOCKSTEP_REQUIRE_GPUS(1);
-    auto comms = NcclComm::create_local({0});
-    auto buf = comms[0].memory().allocate(64);
-    ncclComm_t raw = nullptr;  // one GPU's NcclComm has none (raw() is nullptr): a communicator of NCCL's own
-    const int device = 0;
-    LOCKSTEP_TRY_NCCL(ncclCommInitAll(&raw, 1, &device));
-    const std::shared_ptr<ncclComm> owner(raw, [](ncclComm_t c) { (void)ncclCommDestroy(c); });
-    auto bad = [&] {  // an element type NCCL does not know: rejected before anything runs
-      LOCKSTEP_TRY_NCCL(ncclAllReduce(buf.get(), buf.get(), 1, static_cast<ncclDataType_t>(ncclNumTypes),
-                                      ncclSum, raw, comms[0].comm_stream()));
-    };
-    CHECK_THROWS_AS(bad(), lockstep::nccl_error);
-    const std::string msg = what_of(bad);
-    CHECK(msg.find("ncclAllReduce(") != std::string::npos);
-    CHECK(msg.find("ncclInvalidArgument") != std::string::npos);
-    CHECK(msg.find("test_nccl_comm.cu:") != std::string::npos);
-    CHECK_NOTHROW(comms[0].check_async_error());
-  }
-
-  TEST_CASE("NcclComm rejects bad arguments with config_error") {
-    LOCKSTEP_REQUIRE_GPUS(1);
-    const int visible = lockstep::test::visible_gpus();
-    CHECK_THROWS_AS(NcclComm::create_local(std::span<const int>{}), lockstep::config_error);
-    const std::string missing = what_of([&] { (void)NcclComm::create_local({visible}); });
-    CHECK(missing.find("does not exist") != std::string::npos);
-    CHECK_THROWS_AS(NcclComm::create_local({0, visible + 3}), lockstep::config_error);
-    CHECK_THROWS_AS(NcclComm::create_local({-1}), lockstep::config_error);
-    CHECK(what_of([] { (void)NcclComm::create_local({0, 0}); }).find("twice") != std::string::npos);
-    ncclUniqueId id{};
-    CHECK_THROWS_AS(NcclComm(id, 2, 2, 0), lockstep::config_error);
-    CHECK_THROWS_AS(NcclComm(id, 0, 1, visible), lockstep::config_error);
-
-    // (Bad roots: the conformance suite's misuse check.)
-    auto comms = NcclComm::create_local({0});
-    auto buf = comms[0].memory().allocate(16);
-    CHECK_THROWS_AS(comms[0].all_reduce(nullptr, buf.get(), 1, dtype::f32, reduce_op::sum), lockstep::config_error);
-
-    NcclComm moved = std::move(comms[0]);
-    CHECK(moved.rank() == 0);
-    CHECK_THROWS_AS(comms[0].all_reduce(buf.get(), buf.get(), 1, dtype::f32, reduce_op::sum), lockstep::config_error);
-  }
-
-  TEST_CASE("NcclComm: collectives wait for the compute stream and work handles order or block on the result") {
-    LOCKSTEP_REQUIRE_GPUS(1);
-    auto comms = NcclComm::create_local({0});
-    NcclComm& comm = comms[0];
-    LOCKSTEP_TRY_CUDA(cudaSetDevice(0));
-    cudaStream_t user = nullptr;
-    LOCKSTEP_TRY_CUDA(cudaStreamCreateWithFlags(&user, cudaStreamNonBlocking));
-    comm.set_compute_stream(user);
-    CHECK(comm.compute_stream() == user);
-    CHECK(comm.memory().stream() == user);
-    CHECK(comm.comm_stream() != user);
-
-    const std::size_t n = std::size_t{1} << 20;
-    auto mem = comm.memory();
-    auto src = mem.allocate(n * sizeof(float));
-    auto dst = mem.allocate(n * sizeof(float));
-    poison(comm, src.get(), n * sizeof(float));
-    poison(comm, dst.get(), n * sizeof(float));
-    const float base = static_cast<float>(std::random_device{}() % 1000) + 1.f;
-    INFO("base = " << base);
-    slow_fill<<<64, 256, 0, user>>>(static_cast<float*>(src.get()), n, base, kSpinCycles);
-    LOCKSTEP_CHECK_LAUNCH();
-    NcclComm::work w = comm.all_reduce(src.get(), dst.get(), n, dtype::f32, reduce_op::sum);
-    // The collective waits behind the slow producer, so it cannot have finished yet.
-    CHECK_FALSE(w.query());
-    NcclComm::work moved = std::move(w);
-    CHECK(w.query());  // a moved-from handle is empty, hence complete
-    moved.synchronize();
-    CHECK(moved.query());
-    moved.wait();
-    std::vector<float> out(n);
-    mem.download(out.data(), dst.get(), n * sizeof(float));
-    std::size_t wrong = 0;
-    for (std::size_t i = 0; i < n; ++i)
-      if (out[i] != static_cast<float>(i % 4096) + base) ++wrong;
-    CHECK_MESSAGE(wrong == 0, wrong << " of " << n << " elements do not hold the producer's values");
-
-    NcclComm::work empty;
-    CHECK(empty.query());
-    empty.wait();
-    empty.synchronize();
-    CHECK(comm.all_reduce(nullptr, nullptr, 0, dtype::f32, reduce_op::sum).query());  // zero length
-
-    comm.set_compute_stream(nullptr);  // before `user` goes away
-    LOCKSTEP_TRY_CUDA(cudaStreamDestroy(user));
-  }
-
-  TEST_CASE("NcclComm: abort() stops the communicator and later calls say why") {
-    LOCKSTEP_REQUIRE_GPUS(1);
-    auto comms = NcclComm::create_local({0});
-    auto buf = comms[0].memory().allocate(16);
-    comms[0].barrier();
-    CHECK_FALSE(comms[0].aborted());
-    comms[0].abort("test-requested abort");
-    comms[0].abort("second call is a no-op");
-    CHECK(comms[0].aborted());
-    CHECK_THROWS_AS(comms[0].all_reduce(buf.get(), buf.get(), 1, dtype::f32, reduce_op::sum), lockstep::aborted_error);
-    CHECK(what_of([&] { comms[0].barrier(); }).find("test-requested abort") != std::string::npos);
-  }
-
-  TEST_CASE("NcclComm on 1 GPU: conformance - every collective matches the reference") {
-    LOCKSTEP_REQUIRE_GPUS(1);
-    conformance_on_gpus(1);
-  }
-
-  // A group of one rank makes no NCCL communicator (NCCL's takes about half a GiB of device
-  // memory on an H100 for nothing to exchange): its collectives are copies, and so are those of
-  // its splits, which pass the conformance suite too (the group itself: conformance_on_gpus(1)).
-  TEST_CASE("NcclComm on 1 GPU: no NCCL communicator - little device memory and splits that work") {
-    LOCKSTEP_REQUIRE_GPUS(1);
-    LOCKSTEP_TRY_CUDA(cudaSetDevice(0));
-    LOCKSTEP_TRY_CUDA(cudaFree(nullptr));  // the context first: it is not the communicator's
-    std::size_t free_before = 0, free_after = 0, total = 0;
-    LOCKSTEP_TRY_CUDA(cudaMemGetInfo(&free_before, &total));
-    auto comms = NcclComm::create_local({0});
-    comms[0].barrier();
-    LOCKSTEP_TRY_CUDA(cudaMemGetInfo(&free_after, &total));
-    const double taken_mib = (static_cast<double>(free_before) - static_cast<double>(free_after)) / (1 << 20);
-    INFO("device memory taken by a one-GPU NcclComm: " << taken_mib << " MiB");
-    CHECK(taken_mib < 64.0);
-    CHECK(comms[0].raw() == nullptr);
-    CHECK(comms[0].size() == 1);
-    auto sub = comms[0].split(3, 0);
-    CHECK(sub.size() == 1);
-    CHECK(sub.rank() == 0);
-    CHECK(sub.raw() == nullptr);
-    CHECK(sub.compute_stream() == comms[0].compute_stream());
-    lockstep_test::check_collectives(sub, nccl_options());
-    CHECK_THROWS_WITH_AS((void)comms[0].split(-2, 0), doctest::Contains("colour -2 is negative"),
-                         lockstep::config_error);
-    // Out of place: recv gets send's random values, on the communication stream, ordered for
-    // the compute stream by the work handle.
-    std::mt19937 rng(std::random_device{}());
-    std::uniform_real_distribution<float> u(-4.f, 4.f);
-    std::vector<float> in(4099), out(in.size());
-    for (auto& x : in) x = u(rng);
-    auto a = comms[0].memory().allocate(in.size() * sizeof(float));
-    auto b = comms[0].memory().allocate(in.size() * sizeof(float));
-    comms[0].memory().upload(a.get(), in.data(), in.size() * sizeof(float));
-    for (const reduce_op op : {reduce_op::sum, reduce_op::avg, reduce_op::max}) {
-      poison(comms[0], b.get(), in.size() * sizeof(float));
-      comms[0].all_reduce(a.get(), b.get(), in.size(), dtype::f32, op).wait();
-      comms[0].memory().download(out.data(), b.get(), out.size() * sizeof(float));
-      CHECK(out == in);
-    }
-    // abort() on a group with no NCCL communicator: later calls say why.
-    comms[0].abort("one-rank abort");
-    CHECK(comms[0].aborted());
-    CHECK(sub.aborted());
-    CHECK(what_of([&] { comms[0].barrier(); }).find("one-rank abort") != std::string::npos);
-  }
+  // abort() on a group with no NCCL communicator: later calls say why.
+  comms[0].abort("one-rank abort");
+  CHECK(comms[0].aborted());
+  CHECK(sub.aborted());
+  CHECK(what_of([&] { comms[0].barrier(); }).find("one-rank abort") != std::string::npos);
+}
 }
 
 TEST_SUITE("multigpu") {
-  TEST_CASE("NcclComm on 2 GPUs: conformance - every collective matches the reference") {
-    LOCKSTEP_REQUIRE_GPUS(2);
-    conformance_on_gpus(2);
-  }
+TEST_CASE("NcclComm on 2 GPUs: conformance - every collective matches the reference") {
+  LOCKSTEP_REQUIRE_GPUS(2);
+  conformance_on_gpus(2);
+}
 
-  TEST_CASE("NcclComm with LOCKSTEP_DEBUG=1 names a collective that differs across GPUs on every rank") {
-    LOCKSTEP_REQUIRE_GPUS(2);
-    const auto o = nccl_options();
-    with_order_check(2, [&](lockstep::context<NcclComm>& ctx) { lockstep_test::check_order(ctx.comm(), o); });
-  }
+TEST_CASE("NcclComm with LOCKSTEP_DEBUG=1 names a collective that differs across GPUs on every rank") {
+  LOCKSTEP_REQUIRE_GPUS(2);
+  const auto o = nccl_options();
+  with_order_check(2, [&](lockstep::context<NcclComm>& ctx) { lockstep_test::check_order(ctx.comm(), o); });
+}
 
-  // NcclComm::barrier() is an all_reduce of one i32 underneath, but numbered and checked as a
-  // barrier: the order check tells it from a user's one-element i32 sum.
-  TEST_CASE("NcclComm with LOCKSTEP_DEBUG=1 tells a barrier from an all_reduce") {
-    LOCKSTEP_REQUIRE_GPUS(2);
-    const auto o = nccl_options();
-    with_order_check(2, [&](lockstep::context<NcclComm>& ctx) { lockstep_test::check_order_barrier(ctx.comm(), o); });
-  }
+// NcclComm::barrier() is an all_reduce of one i32 underneath, but numbered and checked as a
+// barrier: the order check tells it from a user's one-element i32 sum.
+TEST_CASE("NcclComm with LOCKSTEP_DEBUG=1 tells a barrier from an all_reduce") {
+  LOCKSTEP_REQUIRE_GPUS(2);
+  const auto o = nccl_options();
+  with_order_check(2, [&](lockstep::context<NcclComm>& ctx) { lockstep_test::check_order_barrier(ctx.comm(), o); });
+}
 
-  TEST_CASE("NcclComm: overdue() names a collective a peer never issued and abort() releases its waiter") {
-    LOCKSTEP_REQUIRE_GPUS(2);
-    using namespace std::chrono_literals;
-    hang_guard guard(120s);
-    guard.stage("create_local");
-    auto comms = NcclComm::create_local(first_devices(2));
-    for (auto& c : comms) c.track_collectives();
-    std::random_device rd;
-    const std::size_t n = 1 + rd() % 100000;
-    CAPTURE(n);
-    // Matched collectives complete: nothing is overdue, even with a zero limit.
-    guard.stage("a matched all_reduce");
-    on_ranks(2, [&](int r) {
-      auto& c = comms[static_cast<std::size_t>(r)];
-      auto buf = c.memory().allocate(n * sizeof(float));
-      REQUIRE(completes_within(c.all_reduce(buf.get(), buf.get(), n, dtype::f32, reduce_op::sum), 60s));
-      // The overdue() marker is recorded just after the work's event: let it land too.
-      LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(c.comm_stream()));
-    });
-    CHECK_FALSE(comms[0].overdue(0ms).has_value());
-    CHECK_FALSE(comms[1].overdue(0ms).has_value());
-    // Rank 0 issues a second all_reduce that rank 1 never joins.
-    guard.stage("rank 0's unmatched all_reduce");
-    auto buf0 = comms[0].memory().allocate(n * sizeof(float));
-    auto w = comms[0].all_reduce(buf0.get(), buf0.get(), n, dtype::f32, reduce_op::sum);
-    std::this_thread::sleep_for(400ms);
-    CHECK_FALSE(w.query());
-    CHECK_FALSE(comms[0].overdue(30s).has_value());  // not yet past a long limit
-    const auto why = comms[0].overdue(300ms);
-    REQUIRE(why.has_value());
-    CAPTURE(*why);
-    // (With the order check on, the default, its all-gather ahead of the collective is what waits.)
-    CHECK(why->find("rank 0: ") == 0);
-    CHECK(why->find("all_reduce #1 of " + std::to_string(n) + " f32 (sum) has not completed") != std::string::npos);
-    CHECK_FALSE(comms[1].overdue(0ms).has_value());
-    guard.stage("abort() releasing the waiter");
-    check_abort_releases_waiter(w, [&] {
-      comms[0].abort(*why);
-      comms[1].abort("test: the peer of an aborted rank");
-    });
-    CHECK(what_of([&] { comms[0].barrier(); }).find("has not completed") != std::string::npos);
-    guard.stage("teardown");
-  }
+TEST_CASE("NcclComm: overdue() names a collective a peer never issued and abort() releases its waiter") {
+  LOCKSTEP_REQUIRE_GPUS(2);
+  using namespace std::chrono_literals;
+  hang_guard guard(120s);
+  guard.stage("create_local");
+  auto comms = NcclComm::create_local(first_devices(2));
+  for (auto& c : comms) c.track_collectives();
+  std::random_device rd;
+  const std::size_t n = 1 + rd() % 100000;
+  CAPTURE(n);
+  // Matched collectives complete: nothing is overdue, even with a zero limit.
+  guard.stage("a matched all_reduce");
+  on_ranks(2, [&](int r) {
+    auto& c = comms[static_cast<std::size_t>(r)];
+    auto buf = c.memory().allocate(n * sizeof(float));
+    REQUIRE(completes_within(c.all_reduce(buf.get(), buf.get(), n, dtype::f32, reduce_op::sum), 60s));
+    // The overdue() marker is recorded just after the work's event: let it land too.
+    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(c.comm_stream()));
+  });
+  CHECK_FALSE(comms[0].overdue(0ms).has_value());
+  CHECK_FALSE(comms[1].overdue(0ms).has_value());
+  // Rank 0 issues a second all_reduce that rank 1 never joins.
+  guard.stage("rank 0's unmatched all_reduce");
+  auto buf0 = comms[0].memory().allocate(n * sizeof(float));
+  auto w = comms[0].all_reduce(buf0.get(), buf0.get(), n, dtype::f32, reduce_op::sum);
+  std::this_thread::sleep_for(400ms);
+  CHECK_FALSE(w.query());
+  CHECK_FALSE(comms[0].overdue(30s).has_value());  // not yet past a long limit
+  const auto why = comms[0].overdue(300ms);
+  REQUIRE(why.has_value());
+  CAPTURE(*why);
+  // (With the order check on, the default, its all-gather ahead of the collective is what waits.)
+  CHECK(why->find("rank 0: ") == 0);
+  CHECK(why->find("all_reduce #1 of " + std::to_string(n) + " f32 (sum) has not completed") != std::string::npos);
+  CHECK_FALSE(comms[1].overdue(0ms).has_value());
+  guard.stage("abort() releasing the waiter");
+  check_abort_releases_waiter(w, [&] {
+    comms[0].abort(*why);
+    comms[1].abort("test: the peer of an aborted rank");
+  });
+  CHECK(what_of([&] { comms[0].barrier(); }).find("has not completed") != std::string::npos);
+  guard.stage("teardown");
+}
 
-  // split: on 2 GPUs a group of both in reverse order and two groups of one; with 3 or more,
-  // groups of uneven sizes. Every group passes the suite, and the parent still works.
-  TEST_CASE("NcclComm split: sub-groups pass the conformance suite - ranked by key") {
-    LOCKSTEP_REQUIRE_GPUS(2);
-    const int n = lockstep::test::visible_gpus();
-    const auto o = nccl_options();
-    lockstep::run(lockstep::Gpus{first_devices(n)}, [&](lockstep::context<NcclComm>& ctx) {
-      const int r = ctx.rank();
-      auto reversed = ctx.comm().split(7, -r);
-      CHECK(reversed.size() == n);
-      CHECK(reversed.rank() == n - 1 - r);
-      CHECK(reversed.device() == ctx.device());
-      CHECK(reversed.compute_stream() == ctx.comm().compute_stream());
-      {  // a sub-group follows the parent's later compute stream, until given its own
-        const cudaStream_t before = ctx.comm().compute_stream();
-        lockstep::test::Stream later, own;
-        ctx.comm().set_compute_stream(later.s);
-        CHECK(reversed.compute_stream() == later.s);
-        CHECK(reversed.memory().stream() == later.s);
-        reversed.set_compute_stream(own.s);
-        CHECK(reversed.compute_stream() == own.s);
-        CHECK(ctx.comm().compute_stream() == later.s);
-        reversed.set_compute_stream(before);
-        ctx.comm().set_compute_stream(before);  // before the streams go
-      }
-      const int half = (n + 1) / 2;  // sizes ceil(n/2) and floor(n/2)
-      auto sub = ctx.comm().split(r < half ? 0 : 1, r);
-      CHECK(sub.size() == (r < half ? half : n - half));
-      CHECK(sub.rank() == (r < half ? r : r - half));
-      // Which world ranks are in my group, in its order (an all_gather over it).
-      std::vector<std::int64_t> who(static_cast<std::size_t>(reversed.size()));
-      auto buf = reversed.memory().allocate(sizeof(std::int64_t) * who.size());
-      const std::int64_t me = r;
-      reversed.memory().upload(static_cast<std::int64_t*>(buf.get()) + reversed.rank(), &me, sizeof me);
-      reversed.all_gather(static_cast<std::int64_t*>(buf.get()) + reversed.rank(), buf.get(), 1, dtype::i64).wait();
-      reversed.memory().download(who.data(), buf.get(), sizeof(std::int64_t) * who.size());
-      for (int i = 0; i < n; ++i) CHECK(who[static_cast<std::size_t>(i)] == n - 1 - i);
-      lockstep_test::check_collectives(sub, o);
-      lockstep_test::check_collectives(reversed, o);
-      lockstep_test::check_collectives(ctx.comm(), o);
-      CHECK_THROWS_WITH_AS((void)ctx.comm().split(-1, 0), doctest::Contains("colour -1 is negative"),
-                           lockstep::config_error);
-    });
-  }
+// split: on 2 GPUs a group of both in reverse order and two groups of one; with 3 or more,
+// groups of uneven sizes. Every group passes the suite, and the parent still works.
+TEST_CASE("NcclComm split: sub-groups pass the conformance suite - ranked by key") {
+  LOCKSTEP_REQUIRE_GPUS(2);
+  const int n = lockstep::test::visible_gpus();
+  const auto o = nccl_options();
+  lockstep::run(lockstep::Gpus{first_devices(n)}, [&](lockstep::context<NcclComm>& ctx) {
+    const int r = ctx.rank();
+    auto reversed = ctx.comm().split(7, -r);
+    CHECK(reversed.size() == n);
+    CHECK(reversed.rank() == n - 1 - r);
+    CHECK(reversed.device() == ctx.device());
+    CHECK(reversed.compute_stream() == ctx.comm().compute_stream());
+    {  // a sub-group follows the parent's later compute stream, until given its own
+      const cudaStream_t before = ctx.comm().compute_stream();
+      lockstep::test::Stream later, own;
+      ctx.comm().set_compute_stream(later.s);
+      CHECK(reversed.compute_stream() == later.s);
+      CHECK(reversed.memory().stream() == later.s);
+      reversed.set_compute_stream(own.s);
+      CHECK(reversed.compute_stream() == own.s);
+      CHECK(ctx.comm().compute_stream() == later.s);
+      reversed.set_compute_stream(before);
+      ctx.comm().set_compute_stream(before);  // before the streams go
+    }
+    const int half = (n + 1) / 2;  // sizes ceil(n/2) and floor(n/2)
+    auto sub = ctx.comm().split(r < half ? 0 : 1, r);
+    CHECK(sub.size() == (r < half ? half : n - half));
+    CHECK(sub.rank() == (r < half ? r : r - half));
+    // Which world ranks are in my group, in its order (an all_gather over it).
+    std::vector<std::int64_t> who(static_cast<std::size_t>(reversed.size()));
+    auto buf = reversed.memory().allocate(sizeof(std::int64_t) * who.size());
+    const std::int64_t me = r;
+    reversed.memory().upload(static_cast<std::int64_t*>(buf.get()) + reversed.rank(), &me, sizeof me);
+    reversed.all_gather(static_cast<std::int64_t*>(buf.get()) + reversed.rank(), buf.get(), 1, dtype::i64).wait();
+    reversed.memory().download(who.data(), buf.get(), sizeof(std::int64_t) * who.size());
+    for (int i = 0; i < n; ++i) CHECK(who[static_cast<std::size_t>(i)] == n - 1 - i);
+    lockstep_test::check_collectives(sub, o);
+    lockstep_test::check_collectives(reversed, o);
+    lockstep_test::check_collectives(ctx.comm(), o);
+    CHECK_THROWS_WITH_AS((void)ctx.comm().split(-1, 0), doctest::Contains("colour -1 is negative"),
+                         lockstep::config_error);
+  });
+}
 
-  // The order check as it runs by default (deferred): on a split, so that the mismatch it
-  // keeps ends with the sub-group and run(Gpus)'s last check of the family passes.
-  TEST_CASE("NcclComm: the deferred order check (the default) names a bucket paired with another on every GPU") {
-    LOCKSTEP_REQUIRE_GPUS(2);
-    const auto o = nccl_options();
-    lockstep::run(lockstep::Gpus{first_devices(2)}, [&](lockstep::context<NcclComm>& ctx) {
-      CHECK(ctx.comm().order_check() == lockstep::order_check_mode::deferred);
-      auto sub = ctx.comm().split(0, ctx.rank());
-      lockstep_test::check_order_deferred(sub, o);
-    });
-  }
+// The order check as it runs by default (deferred): on a split, so that the mismatch it
+// keeps ends with the sub-group and run(Gpus)'s last check of the family passes.
+TEST_CASE("NcclComm: the deferred order check (the default) names a bucket paired with another on every GPU") {
+  LOCKSTEP_REQUIRE_GPUS(2);
+  const auto o = nccl_options();
+  lockstep::run(lockstep::Gpus{first_devices(2)}, [&](lockstep::context<NcclComm>& ctx) {
+    CHECK(ctx.comm().order_check() == lockstep::order_check_mode::deferred);
+    auto sub = ctx.comm().split(0, ctx.rank());
+    lockstep_test::check_order_deferred(sub, o);
+  });
+}
 
-  // A sub-group's collectives are numbered and checked on their own, and labels are compared:
-  // two ranks that pair different buckets of the same size are told apart, both named.
-  TEST_CASE("NcclComm split: LOCKSTEP_DEBUG=1 names both labels of a mismatch in a sub-group") {
-    LOCKSTEP_REQUIRE_GPUS(2);
-    std::random_device rd;
-    const std::size_t count = 1 + rd() % 5000;
-    with_order_check(2, [&](lockstep::context<NcclComm>& ctx) {
-      auto sub = ctx.comm().split(0, ctx.rank());
-      auto buf = sub.memory().allocate(count * sizeof(float));
-      sub.label_next("bucket 1: same on both");
-      sub.all_reduce(buf.get(), buf.get(), count, dtype::f32, reduce_op::sum).wait();
-      sub.label_next("bucket " + std::to_string(2 + ctx.rank()) + ": differs");
-      const std::string why = what_of([&] { sub.all_reduce(buf.get(), buf.get(), count, dtype::f32, reduce_op::sum); });
-      CAPTURE(why);
-      CHECK(why.find("all_reduce #1 of " + std::to_string(count) + " f32 (sum) for bucket 2: differs") != std::string::npos);
-      CHECK(why.find("rank 1 called all_reduce #1 of " + std::to_string(count) + " f32 (sum) for bucket 3: differs") !=
-            std::string::npos);
-      CHECK(why.find("in split 0 (colour 0)") != std::string::npos);
-      // The parent's own numbering is untouched by the sub-group's calls.
-      ctx.comm().label_next("parent");
-      ctx.comm().all_reduce(buf.get(), buf.get(), count, dtype::f32, reduce_op::sum).wait();
-    });
-  }
+// A sub-group's collectives are numbered and checked on their own, and labels are compared:
+// two ranks that pair different buckets of the same size are told apart, both named.
+TEST_CASE("NcclComm split: LOCKSTEP_DEBUG=1 names both labels of a mismatch in a sub-group") {
+  LOCKSTEP_REQUIRE_GPUS(2);
+  std::random_device rd;
+  const std::size_t count = 1 + rd() % 5000;
+  with_order_check(2, [&](lockstep::context<NcclComm>& ctx) {
+    auto sub = ctx.comm().split(0, ctx.rank());
+    auto buf = sub.memory().allocate(count * sizeof(float));
+    sub.label_next("bucket 1: same on both");
+    sub.all_reduce(buf.get(), buf.get(), count, dtype::f32, reduce_op::sum).wait();
+    sub.label_next("bucket " + std::to_string(2 + ctx.rank()) + ": differs");
+    const std::string why = what_of([&] { sub.all_reduce(buf.get(), buf.get(), count, dtype::f32, reduce_op::sum); });
+    CAPTURE(why);
+    CHECK(why.find("all_reduce #1 of " + std::to_string(count) + " f32 (sum) for bucket 2: differs") !=
+          std::string::npos);
+    CHECK(why.find("rank 1 called all_reduce #1 of " + std::to_string(count) + " f32 (sum) for bucket 3: differs") !=
+          std::string::npos);
+    CHECK(why.find("in split 0 (colour 0)") != std::string::npos);
+    // The parent's own numbering is untouched by the sub-group's calls.
+    ctx.comm().label_next("parent");
+    ctx.comm().all_reduce(buf.get(), buf.get(), count, dtype::f32, reduce_op::sum).wait();
+  });
+}
 
-  // The watchdog holds the rank's first communicator: its overdue() must see a sub-group's
-  // stuck collective (label and group named) and its abort() must release the waiter there.
-  // A new communicator connects its peers at its first collective (NCCL_RUNTIME_CONNECT=1,
-  // NCCL's default), inside the host call, which waits there for the peer: an unmatched first
-  // collective would block this thread in ncclAllReduce instead of leaving a kernel waiting —
-  // the probable cause of this test's two hangs on 2 × H100 with NCCL 2.28.9, when it had no
-  // warm-up (a reading of NCCL's source, not yet confirmed on GPUs). So every rank first runs a
-  // matched all_reduce of the same size (so the same algorithm) on its sub-group, as a training
-  // step's first bucket does; the unmatched one then finds its connections made.
-  TEST_CASE("NcclComm split: the parent's overdue() and abort() reach a sub-group") {
-    LOCKSTEP_REQUIRE_GPUS(2);
-    using namespace std::chrono_literals;
-    hang_guard guard(120s);
-    guard.stage("create_local");
-    auto comms = NcclComm::create_local(first_devices(2));
-    for (auto& c : comms) c.track_collectives();
-    guard.stage("split");
-    std::vector<std::optional<NcclComm>> subs(2);  // made concurrently, one per rank thread
-    on_ranks(2, [&](int r) { subs[static_cast<std::size_t>(r)].emplace(comms[static_cast<std::size_t>(r)].split(0, -r)); });
-    std::random_device rd;
-    const std::size_t n = 1 + rd() % 100000;
-    CAPTURE(n);
-    guard.stage("the sub-group's matched warm-up all_reduce");
-    std::vector<std::shared_ptr<void>> bufs(2);
-    on_ranks(2, [&](int r) {
-      auto& sub = *subs[static_cast<std::size_t>(r)];
-      auto& buf = bufs[static_cast<std::size_t>(r)];
-      buf = sub.memory().allocate(n * sizeof(float));
-      REQUIRE(completes_within(sub.all_reduce(buf.get(), buf.get(), n, dtype::f32, reduce_op::sum), 60s));
-      LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(sub.comm_stream()));  // its overdue() marker too
-    });
-    CHECK_FALSE(comms[0].overdue(0ms).has_value());
-    CHECK_FALSE(comms[1].overdue(0ms).has_value());
-    guard.stage("rank 0's unmatched all_reduce on the sub-group");
-    subs[0]->label_next("bucket 5: " + std::to_string(n) + " f32 at 0");
-    auto w = subs[0]->all_reduce(bufs[0].get(), bufs[0].get(), n, dtype::f32, reduce_op::sum);  // rank 1 never joins
-    std::this_thread::sleep_for(400ms);
-    CHECK_FALSE(w.query());
-    CHECK_FALSE(comms[0].overdue(30s).has_value());  // not yet past a long limit
-    const auto why = comms[0].overdue(300ms);
-    REQUIRE(why.has_value());
-    CAPTURE(*why);
-    // (With the order check on, the default, its all-gather ahead of the collective is what waits.)
-    CHECK(why->find("rank 0 (rank 1 of split 0 (colour 0)): ") == 0);
-    CHECK(why->find("all_reduce #1 of " + std::to_string(n) + " f32 (sum) for bucket 5: " + std::to_string(n) +
-                    " f32 at 0 has not completed") != std::string::npos);
-    // Past the warm-up, NCCL's call returned: the kernel waits, not the host.
-    CHECK(why->find("its NCCL call has not returned") == std::string::npos);
-    CHECK_FALSE(comms[1].overdue(0ms).has_value());
-    guard.stage("the parent's abort() releasing the sub-group's waiter");
-    check_abort_releases_waiter(w, [&] {
-      comms[0].abort(*why);  // the parent: the sub-group goes with it
-      comms[1].abort("test: the peer of an aborted rank");
-    });
-    CHECK(subs[0]->aborted());
-    CHECK(subs[1]->aborted());
-    CHECK(what_of([&] { subs[0]->barrier(); }).find("has not completed") != std::string::npos);
-    // The family stays aborted: a later split is refused, naming the reason.
-    CHECK(what_of([&] { (void)comms[0].split(0, 0); }).find("has not completed") != std::string::npos);
-    guard.stage("teardown");
-  }
+// The watchdog holds the rank's first communicator: its overdue() must see a sub-group's
+// stuck collective (label and group named) and its abort() must release the waiter there.
+// A new communicator connects its peers at its first collective (NCCL_RUNTIME_CONNECT=1,
+// NCCL's default), inside the host call, which waits there for the peer: an unmatched first
+// collective would block this thread in ncclAllReduce instead of leaving a kernel waiting —
+// the probable cause of this test's two hangs on 2 × H100 with NCCL 2.28.9, when it had no
+// warm-up (a reading of NCCL's source, not yet confirmed on GPUs). So every rank first runs a
+// matched all_reduce of the same size (so the same algorithm) on its sub-group, as a training
+// step's first bucket does; the unmatched one then finds its connections made.
+TEST_CASE("NcclComm split: the parent's overdue() and abort() reach a sub-group") {
+  LOCKSTEP_REQUIRE_GPUS(2);
+  using namespace std::chrono_literals;
+  hang_guard guard(120s);
+  guard.stage("create_local");
+  auto comms = NcclComm::create_local(first_devices(2));
+  for (auto& c : comms) c.track_collectives();
+  guard.stage("split");
+  std::vector<std::optional<NcclComm>> subs(2);  // made concurrently, one per rank thread
+  on_ranks(2,
+           [&](int r) { subs[static_cast<std::size_t>(r)].emplace(comms[static_cast<std::size_t>(r)].split(0, -r)); });
+  std::random_device rd;
+  const std::size_t n = 1 + rd() % 100000;
+  CAPTURE(n);
+  guard.stage("the sub-group's matched warm-up all_reduce");
+  std::vector<std::shared_ptr<void>> bufs(2);
+  on_ranks(2, [&](int r) {
+    auto& sub = *subs[static_cast<std::size_t>(r)];
+    auto& buf = bufs[static_cast<std::size_t>(r)];
+    buf = sub.memory().allocate(n * sizeof(float));
+    REQUIRE(completes_within(sub.all_reduce(buf.get(), buf.get(), n, dtype::f32, reduce_op::sum), 60s));
+    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(sub.comm_stream()));  // its overdue() marker too
+  });
+  CHECK_FALSE(comms[0].overdue(0ms).has_value());
+  CHECK_FALSE(comms[1].overdue(0ms).has_value());
+  guard.stage("rank 0's unmatched all_reduce on the sub-group");
+  subs[0]->label_next("bucket 5: " + std::to_string(n) + " f32 at 0");
+  auto w = subs[0]->all_reduce(bufs[0].get(), bufs[0].get(), n, dtype::f32, reduce_op::sum);  // rank 1 never joins
+  std::this_thread::sleep_for(400ms);
+  CHECK_FALSE(w.query());
+  CHECK_FALSE(comms[0].overdue(30s).has_value());  // not yet past a long limit
+  const auto why = comms[0].overdue(300ms);
+  REQUIRE(why.has_value());
+  CAPTURE(*why);
+  // (With the order check on, the default, its all-gather ahead of the collective is what waits.)
+  CHECK(why->find("rank 0 (rank 1 of split 0 (colour 0)): ") == 0);
+  CHECK(why->find("all_reduce #1 of " + std::to_string(n) + " f32 (sum) for bucket 5: " + std::to_string(n) +
+                  " f32 at 0 has not completed") != std::string::npos);
+  // Past the warm-up, NCCL's call returned: the kernel waits, not the host.
+  CHECK(why->find("its NCCL call has not returned") == std::string::npos);
+  CHECK_FALSE(comms[1].overdue(0ms).has_value());
+  guard.stage("the parent's abort() releasing the sub-group's waiter");
+  check_abort_releases_waiter(w, [&] {
+    comms[0].abort(*why);  // the parent: the sub-group goes with it
+    comms[1].abort("test: the peer of an aborted rank");
+  });
+  CHECK(subs[0]->aborted());
+  CHECK(subs[1]->aborted());
+  CHECK(what_of([&] { subs[0]->barrier(); }).find("has not completed") != std::string::npos);
+  // The family stays aborted: a later split is refused, naming the reason.
+  CHECK(what_of([&] { (void)comms[0].split(0, 0); }).find("has not completed") != std::string::npos);
+  guard.stage("teardown");
+}
 
-  TEST_CASE("NcclComm on all visible GPUs: conformance - every collective matches the reference") {
-    LOCKSTEP_REQUIRE_GPUS(3);  // with 2 visible, the 2-GPU test already covers it
-    conformance_on_gpus(lockstep::test::visible_gpus());
-  }
+TEST_CASE("NcclComm on all visible GPUs: conformance - every collective matches the reference") {
+  LOCKSTEP_REQUIRE_GPUS(3);  // with 2 visible, the 2-GPU test already covers it
+  conformance_on_gpus(lockstep::test::visible_gpus());
+}
 }

@@ -235,7 +235,8 @@ TEST_CASE("prefetch: bad configuration is a config_error naming what to give") {
   LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s.s));
 }
 
-TEST_CASE("prefetch: every batch arrives intact and in order - slow and fast consumers - slots 1 to 4 - workers 1 to 3") {
+TEST_CASE(
+    "prefetch: every batch arrives intact and in order - slow and fast consumers - slots 1 to 4 - workers 1 to 3") {
   LOCKSTEP_REQUIRE_GPUS(1);
   const std::uint64_t seed = fresh_seed();
   const std::vector<run_config> configs = {

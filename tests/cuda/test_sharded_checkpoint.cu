@@ -103,8 +103,8 @@ std::vector<std::vector<float>> train(const data& d, const plan& p, std::uint64_
     for (int st = p.first_step; st < steps; ++st) {
       std::vector<int> r(static_cast<std::size_t>(batch));
       for (int i = 0; i < batch; ++i)
-        r[static_cast<std::size_t>(i)] =
-            static_cast<int>((static_cast<std::size_t>(st) * global_rows + rank * static_cast<std::size_t>(batch) + i) % d.samples);
+        r[static_cast<std::size_t>(i)] = static_cast<int>(
+            (static_cast<std::size_t>(st) * global_rows + rank * static_cast<std::size_t>(batch) + i) % d.samples);
       LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(rows.p, r.data(), r.size() * sizeof(int), cudaMemcpyHostToDevice, s));
       LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s));  // r goes out of scope
       auto step = dp.step();
@@ -156,7 +156,8 @@ void check_resume(const Options& o, bool across_world_sizes) {
 }  // namespace
 
 TEST_SUITE("multigpu") {
-TEST_CASE("sharded checkpoint on GPUs: saved on 4 resumes bit for bit on 4 - resharded onto 2 and 1 - FusedSgd and FusedAdamW") {
+TEST_CASE("sharded checkpoint on GPUs: saved on 4 resumes bit for bit on 4 - resharded onto 2 and 1 - FusedSgd and "
+          "FusedAdamW") {
   LOCKSTEP_REQUIRE_GPUS(4);
   // SGD with momentum: linear in the gradients, so another split of the batch changes the run
   // only by rounding — the resharded resume is checked against the 4-GPU run.

@@ -26,8 +26,8 @@ int main() {
       }
       loss = lockstep::mean_across_ranks(ctx.comm(), loss / static_cast<double>(batches.size()));
       if (ctx.is_root())
-        std::printf("epoch %llu: mean loss %.5f over %d ranks\n",
-                    static_cast<unsigned long long>(sampler.epoch() + 1), loss, ctx.size());
+        std::printf("epoch %llu: mean loss %.5f over %d ranks\n", static_cast<unsigned long long>(sampler.epoch() + 1),
+                    loss, ctx.size());
     }
   });
 }

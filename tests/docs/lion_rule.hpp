@@ -19,14 +19,13 @@ struct LionRule {
   using options = LionOptions;
   static constexpr const char* name = "Lion";
   static constexpr const char* fused_name = "FusedLion";
-  static constexpr char magic[9] = "MYLION01";            // checkpoint tags, 8 characters
+  static constexpr char magic[9] = "MYLION01";  // checkpoint tags, 8 characters
   static constexpr char magic_with_masters[9] = "MYLIONM1";
-  static constexpr bool saves_step = false;               // the update ignores the step count
-  static constexpr int max_states = 1;                    // the momentum m
+  static constexpr bool saves_step = false;  // the update ignores the step count
+  static constexpr int max_states = 1;       // the momentum m
   static int states(const LionOptions&) noexcept { return 1; }
   static void validate(const LionOptions& o) {
-    if (!(o.lr >= 0) || !(o.weight_decay >= 0) || !(o.beta1 >= 0 && o.beta1 < 1) ||
-        !(o.beta2 >= 0 && o.beta2 < 1))
+    if (!(o.lr >= 0) || !(o.weight_decay >= 0) || !(o.beta1 >= 0 && o.beta1 < 1) || !(o.beta2 >= 0 && o.beta2 < 1))
       throw lockstep::config_error("Lion: lr and weight_decay must be ≥ 0, beta1 and beta2 in [0, 1)");
   }
   static constexpr auto fields(auto& o) noexcept {  // the checkpoint's order
@@ -40,8 +39,7 @@ struct LionRule {
   };
   template <class A>
   LOCKSTEP_HOST_DEVICE static coefficients<A> prepare(const LionOptions& o, std::int64_t step) {
-    return {A(o.lr), A(o.beta1), A(1 - o.beta1), A(o.beta2), A(1 - o.beta2), A(o.lr * o.weight_decay),
-            step == 1};
+    return {A(o.lr), A(o.beta1), A(1 - o.beta1), A(o.beta2), A(1 - o.beta2), A(o.lr * o.weight_decay), step == 1};
   }
   template <class A>  // one element: parameter w, gradient g, state s[0] = m
   LOCKSTEP_HOST_DEVICE static void update(const coefficients<A>& c, A& w, A g, A* s) {

@@ -42,25 +42,28 @@ struct scratch_dir {
   }
 };
 
-
-
 }  // namespace
 
 // [snippet include/lockstep/core/concepts.hpp#1]
 struct Linear {
   std::vector<float> w, gw;
-  std::vector<lockstep::parameter> parameters() {
-    return {lockstep::param<float>("w", std::span(w), std::span(gw))};
-  }
+  std::vector<lockstep::parameter> parameters() { return {lockstep::param<float>("w", std::span(w), std::span(gw))}; }
 };
 // [end snippet]
 static_assert(lockstep::model<Linear>);
 
 // [snippet include/lockstep/core/codec.hpp#1]
 struct MyOptimizerState {
-  double lr; std::vector<float> momentum;
-  void save(lockstep::byte_writer& w) const { w.write(lr); w.write_array(momentum); }
-  void load(lockstep::byte_reader& r) { r.read(lr); momentum = r.read_array<float>(); }
+  double lr;
+  std::vector<float> momentum;
+  void save(lockstep::byte_writer& w) const {
+    w.write(lr);
+    w.write_array(momentum);
+  }
+  void load(lockstep::byte_reader& r) {
+    r.read(lr);
+    momentum = r.read_array<float>();
+  }
 };
 // [end snippet]
 static_assert(lockstep::serializable<MyOptimizerState>);
@@ -78,7 +81,7 @@ bool finish_step(Scaler& scaler, Comm& comm, const std::vector<lockstep::grad_gr
   // [snippet include/lockstep/scaling/loss_scaler.hpp#1]
   bool found_inf = scaler.unscale_and_check(comm, std::span<const grad_group>(groups));
   scaler.update(found_inf);
-  return !found_inf;   // false: skip the optimizer step
+  return !found_inf;  // false: skip the optimizer step
   // [end snippet]
 }
 
@@ -91,12 +94,12 @@ TEST_CASE("snippets: DataParallel's loop (data_parallel.hpp) + a non-template ba
   const PlainSgd optimizer;
   // [snippet include/lockstep/parallel/data_parallel.hpp#1]
   lockstep::run(lockstep::Threads{4}, [&](auto& ctx) {
-    Mlp model(seed);                                     // same shapes on every rank
-    lockstep::DataParallel dp(ctx, model);               // rank 0's values everywhere
+    Mlp model(seed);                        // same shapes on every rank
+    lockstep::DataParallel dp(ctx, model);  // rank 0's values everywhere
     for (auto& batch : my_batches) {
       auto step = dp.step();
-      model.backward(batch, step.on_gradient_ready());   // optional: overlap
-      if (step.finish()) optimizer.update(model);        // averaged over all ranks
+      model.backward(batch, step.on_gradient_ready());  // optional: overlap
+      if (step.finish()) optimizer.update(model);       // averaged over all ranks
     }
   });
   // [end snippet]
@@ -122,16 +125,18 @@ TEST_CASE("snippets: Join with uneven batches (join.hpp + docs/join.md)") {
     lockstep::DataParallel dp(ctx, model);
     const auto my_batches = snippet_env::batches(static_cast<std::size_t>(ctx.rank()) * 2);  // 0, 2, 4
     // [snippet include/lockstep/parallel/join.hpp#1]
-    auto update = [&](lockstep::step_result r) { if (r) optimizer.update(model); };
+    auto update = [&](lockstep::step_result r) {
+      if (r) optimizer.update(model);
+    };
     {
-      auto join = dp.join(update);                  // every rank enters, between steps
-      for (auto& batch : my_batches) {              // any number, 0 included
-        auto step = dp.step();                      // syncing steps agree who contributes
+      auto join = dp.join(update);      // every rank enters, between steps
+      for (auto& batch : my_batches) {  // any number, 0 included
+        auto step = dp.step();          // syncing steps agree who contributes
         model.backward(batch, step.on_gradient_ready());
         update(step.finish());
       }
-    }   // leaving: while other ranks still step, take part in their averages with zero
-        // gradients and call update(result) for each; then every rank leaves together
+    }  // leaving: while other ranks still step, take part in their averages with zero
+       // gradients and call update(result) for each; then every rank leaves together
     // [end snippet]
     CHECK(same_on_every_rank(ctx.comm(), values_of(model)));
   });
@@ -141,15 +146,17 @@ TEST_CASE("snippets: Join with uneven batches (join.hpp + docs/join.md)") {
     const auto my_batches = snippet_env::batches(ctx.rank() == 0 ? 1 : 3);
     // [snippet docs/join.md#1]
 
-    auto update = [&](lockstep::step_result r) { if (r) optimizer.update(model); };
+    auto update = [&](lockstep::step_result r) {
+      if (r) optimizer.update(model);
+    };
     {
-      auto join = dp.join(update);                 // every rank enters, between steps
-      for (auto& batch : my_batches) {             // any count per rank, 0 included
+      auto join = dp.join(update);      // every rank enters, between steps
+      for (auto& batch : my_batches) {  // any count per rank, 0 included
         auto step = dp.step();
         model.backward(batch, step.on_gradient_ready());
         update(step.finish());
       }
-      join.leave();                                // optional (the destructor leaves too); returns the steps shadowed
+      join.leave();  // optional (the destructor leaves too); returns the steps shadowed
     }
     // [end snippet]
     CHECK(same_on_every_rank(ctx.comm(), values_of(model)));
@@ -166,7 +173,10 @@ TEST_CASE("snippets: sampler + seeds + learning-rate helpers (data/ + docs/sampl
     lockstep::DistributedSampler sampler(train.size(), ctx, {.seed = 42});
     for (std::uint64_t epoch = 0; epoch < epochs; ++epoch) {
       sampler.set_epoch(epoch);
-      for (auto batch : sampler.batches(64)) { train_step(batch); sampler.advance(batch.size()); }
+      for (auto batch : sampler.batches(64)) {
+        train_step(batch);
+        sampler.advance(batch.size());
+      }
     }
     // [end snippet]
     CHECK(seen == epochs * sampler.size());
@@ -181,10 +191,13 @@ TEST_CASE("snippets: sampler + seeds + learning-rate helpers (data/ + docs/sampl
     auto step = [&](std::span<const std::size_t> batch) { order.insert(order.end(), batch.begin(), batch.end()); };
     {
       // [snippet docs/sampler.md#1]
-      lockstep::DistributedSampler sampler(train.size(), ctx, {.seed = 42});   // <Shuffle, Pad>
-      if (resuming) sampler.load_state(saved);       // seed, epoch, position (a used-up epoch: the next)
+      lockstep::DistributedSampler sampler(train.size(), ctx, {.seed = 42});  // <Shuffle, Pad>
+      if (resuming) sampler.load_state(saved);  // seed, epoch, position (a used-up epoch: the next)
       for (; sampler.epoch() < epochs; sampler.set_epoch(sampler.epoch() + 1)) {  // set_epoch: position 0
-        for (auto batch : sampler.batches(64)) { step(batch); sampler.advance(batch.size()); }
+        for (auto batch : sampler.batches(64)) {
+          step(batch);
+          sampler.advance(batch.size());
+        }
         // a checkpoint here or mid-epoch: saved = sampler.state() (or add_training_state(ck, dp, sampler))
       }
       // [end snippet]
@@ -193,26 +206,26 @@ TEST_CASE("snippets: sampler + seeds + learning-rate helpers (data/ + docs/sampl
     CHECK(std::vector<std::size_t>(all.begin() + 64, all.end()) == order);
 
     {
-    const int step = 700;
-    lockstep::Sgd optimizer({.lr = 0.1});
-    // [snippet include/lockstep/data/lr_schedule.hpp#1]
-    const auto eb = lockstep::effective_batch(64, ctx.size(), 4);        // 64 · N · 4
-    const lockstep::LinearWarmup sched{.peak_lr = lockstep::scaled_lr(0.1, 256, eb),
-                                       .warmup_steps = 500,
-                                       .decay = lockstep::Decay::cosine,
-                                       .total_steps = 20000};
-    optimizer.set_lr(sched(step));                                       // step from 0
-    // [end snippet]
-    CHECK(eb == 64u * 3u * 4u);
-    CHECK(optimizer.options().lr == doctest::Approx(sched(step)));
-    CHECK(optimizer.options().lr > 0.0);
-    CHECK(optimizer.options().lr <= 0.1 * 768.0 / 256.0);
+      const int step = 700;
+      lockstep::Sgd optimizer({.lr = 0.1});
+      // [snippet include/lockstep/data/lr_schedule.hpp#1]
+      const auto eb = lockstep::effective_batch(64, ctx.size(), 4);  // 64 · N · 4
+      const lockstep::LinearWarmup sched{.peak_lr = lockstep::scaled_lr(0.1, 256, eb),
+                                         .warmup_steps = 500,
+                                         .decay = lockstep::Decay::cosine,
+                                         .total_steps = 20000};
+      optimizer.set_lr(sched(step));  // step from 0
+      // [end snippet]
+      CHECK(eb == 64u * 3u * 4u);
+      CHECK(optimizer.options().lr == doctest::Approx(sched(step)));
+      CHECK(optimizer.options().lr > 0.0);
+      CHECK(optimizer.options().lr <= 0.1 * 768.0 / 256.0);
     }
 
     const std::uint64_t epoch = 3;
     // [snippet include/lockstep/data/seeding.hpp#1]
-    std::mt19937_64 init(lockstep::model_seed(42));                       // same on all ranks
-    std::mt19937_64 aug(lockstep::rank_epoch_seed(42, ctx.rank(), epoch)); // differs per rank
+    std::mt19937_64 init(lockstep::model_seed(42));                         // same on all ranks
+    std::mt19937_64 aug(lockstep::rank_epoch_seed(42, ctx.rank(), epoch));  // differs per rank
     // [end snippet]
     std::vector<float> draws{static_cast<float>(init() >> 40), static_cast<float>(aug() >> 40)};
     std::vector<float> root = draws;
@@ -326,9 +339,9 @@ TEST_CASE("snippets: checkpoints (checkpoint.hpp + training_state.hpp + docs/che
           lockstep::save_checkpoint_rank0(comm, "run/ckpt.lsck", [&](lockstep::Checkpoint& ck) {
             ck.meta = {.step = step, .epoch = epoch, .sample_position = pos};
             ck.add_parameters(model.parameters(), comm.memory());
-            ck.add("optimizer", optimizer);          // lockstep::serializable
-            ck.add_value("loss_scale", scaler_state); // trivially copyable struct
-            ck.add_streamed("rng", rng);              // anything with << and >>
+            ck.add("optimizer", optimizer);            // lockstep::serializable
+            ck.add_value("loss_scale", scaler_state);  // trivially copyable struct
+            ck.add_streamed("rng", rng);               // anything with << and >>
           });
           // [end snippet]
         } else {
@@ -338,7 +351,7 @@ TEST_CASE("snippets: checkpoints (checkpoint.hpp + training_state.hpp + docs/che
             ck.meta = {.step = step, .epoch = epoch, .sample_position = pos};
             ck.add_parameters(model.parameters(), comm.memory());  // values may live on the device
             ck.add("optimizer", optimizer);                        // lockstep::serializable
-            ck.add_value("loss_scale", scaler_state);               // trivially copyable struct
+            ck.add_value("loss_scale", scaler_state);              // trivially copyable struct
             ck.add_streamed("rng", rng);                           // std::mt19937_64 etc. (<< and >>)
           });
           // [end snippet]
@@ -348,7 +361,8 @@ TEST_CASE("snippets: checkpoints (checkpoint.hpp + training_state.hpp + docs/che
       Mlp other(seed + 1);
       const auto mine = model.parameters(), theirs = other.parameters();
       for (std::size_t i = 0; i < mine.size(); ++i)
-        std::copy_n(static_cast<const std::byte*>(theirs[i].value), mine[i].bytes(), static_cast<std::byte*>(mine[i].value));
+        std::copy_n(static_cast<const std::byte*>(theirs[i].value), mine[i].bytes(),
+                    static_cast<std::byte*>(mine[i].value));
       lockstep::Sgd fresh({.lr = 0.1, .momentum = 0.9});
       optimizer = fresh;
       scaler_state = {};
@@ -363,7 +377,9 @@ TEST_CASE("snippets: checkpoints (checkpoint.hpp + training_state.hpp + docs/che
         ck.restore_value("loss_scale", scaler_state);
         ck.restore_streamed("rng", rng);
         // [end snippet]
-        step = ck.meta.step; epoch = ck.meta.epoch; pos = ck.meta.sample_position;
+        step = ck.meta.step;
+        epoch = ck.meta.epoch;
+        pos = ck.meta.sample_position;
       } else {
         // [snippet docs/checkpoint.md#1]
         // Resume (every rank reads the same file).
@@ -372,7 +388,9 @@ TEST_CASE("snippets: checkpoints (checkpoint.hpp + training_state.hpp + docs/che
         ck.restore("optimizer", optimizer);
         ck.restore_value("loss_scale", scaler_state);
         ck.restore_streamed("rng", rng);
-        step = ck.meta.step; epoch = ck.meta.epoch; pos = ck.meta.sample_position;
+        step = ck.meta.step;
+        epoch = ck.meta.epoch;
+        pos = ck.meta.sample_position;
         // [end snippet]
       }
       CHECK(values_of(model) == values);
@@ -436,16 +454,19 @@ TEST_CASE("snippets: stores and the watchdog (store.hpp + watchdog.hpp + docs/la
   std::mt19937_64 rng(lockstep_test::fresh_seed());
   const auto id_bytes = lockstep_test::random_vector<float>(8, rng);  // as bytes below
   const auto id_span = std::as_bytes(std::span(id_bytes));
-  lockstep::launch_info info{.rank = 0, .world = 1, .master_addr = "127.0.0.1", .master_port = 0,
-                             .launcher = "explicit", .job_token = "snippets"};
+  lockstep::launch_info info{.rank = 0,
+                             .world = 1,
+                             .master_addr = "127.0.0.1",
+                             .master_port = 0,
+                             .launcher = "explicit",
+                             .job_token = "snippets"};
   {
     const auto& id_bytes = id_span;
     // [snippet include/lockstep/store/store.hpp#1]
-    lockstep::TcpStore st(info.master_addr, info.master_port, info.rank == 0, info.world,
-                          info.job_token);
+    lockstep::TcpStore st(info.master_addr, info.master_port, info.rank == 0, info.world, info.job_token);
     if (info.rank == 0) st.set("nccl_id", id_bytes);
-    auto id = st.get("nccl_id");           // waits for rank 0, bounded by LOCKSTEP_TIMEOUT
-    lockstep::barrier(st, "ready");        // everyone got it
+    auto id = st.get("nccl_id");     // waits for rank 0, bounded by LOCKSTEP_TIMEOUT
+    lockstep::barrier(st, "ready");  // everyone got it
     // [end snippet]
     CHECK(std::ranges::equal(id, id_bytes));
 
@@ -467,11 +488,11 @@ TEST_CASE("snippets: stores and the watchdog (store.hpp + watchdog.hpp + docs/la
     // Not started by a launcher here (ctest): the block does nothing unless one is seen.
     // [snippet docs/launch_and_store.md#1]
 
-    auto info = lockstep::detect_launcher();          // std::nullopt: not started by a launcher
+    auto info = lockstep::detect_launcher();  // std::nullopt: not started by a launcher
     if (info) {
-      auto store = lockstep::job_store(*info);        // a TcpStore; rank 0 hosts at MASTER_ADDR:MASTER_PORT
+      auto store = lockstep::job_store(*info);  // a TcpStore; rank 0 hosts at MASTER_ADDR:MASTER_PORT
       if (info->rank == 0) store.set("nccl_id", id_bytes);
-      auto id = store.get("nccl_id");                 // waits, at most LOCKSTEP_TIMEOUT (60 s)
+      auto id = store.get("nccl_id");  // waits, at most LOCKSTEP_TIMEOUT (60 s)
       lockstep::barrier(store, "ready");
     }
     // [end snippet]
@@ -598,7 +619,7 @@ TEST_CASE("snippets: ShardedOptimizer (checkpoint/sharded.hpp + docs/sharding.md
     const std::string path = "sharded.ckpt";
     const auto before = values_of(model);
     // [snippet include/lockstep/checkpoint/sharded.hpp#1]
-    auto opt_state = lockstep::gather_sharded(dp, opt);        // collective: every rank
+    auto opt_state = lockstep::gather_sharded(dp, opt);  // collective: every rank
     lockstep::save_checkpoint_rank0(dp.comm(), path, [&](lockstep::Checkpoint& ck) {
       lockstep::add_training_state(ck, dp);
       ck.add_blob("optimizer", std::move(opt_state));
@@ -627,8 +648,8 @@ TEST_CASE("snippets: ScalarLog (observe/scalars.hpp)") {
     {
       // [snippet include/lockstep/observe/scalars.hpp#1]
       lockstep::ScalarLog log(ctx.rank(), {.tensorboard = "runs/mlp", .csv = "runs/mlp.csv"});
-      log.scalar("train/loss", step, loss);      // rank 0 writes; elsewhere a no-op
-      log.training(step, dp, r);                 // lockstep's own: loss scale, grad norm, ...
+      log.scalar("train/loss", step, loss);  // rank 0 writes; elsewhere a no-op
+      log.training(step, dp, r);             // lockstep's own: loss scale, grad norm, ...
       // [end snippet]
     }
     ctx.comm().barrier();

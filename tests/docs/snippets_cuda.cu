@@ -24,8 +24,8 @@ void fused_optimizer_snippet(lockstep::context<lockstep::NcclComm>& ctx, GpuMode
   dp.scaler().attach(dp.comm());
   cudaStream_t stream = ctx.comm().compute_stream();
   // [snippet include/lockstep/cuda/fused_optimizer.cuh#1]
-  lockstep::FusedAdamW opt({.lr = 1e-3}, dp.parameters());     // on the rank's device
-  const int* found_inf = dp.scaler().device_found_inf();              // DeviceDynamicScale
+  lockstep::FusedAdamW opt({.lr = 1e-3}, dp.parameters());  // on the rank's device
+  const int* found_inf = dp.scaler().device_found_inf();    // DeviceDynamicScale
   auto step = dp.step();
   model.backward(batch, step.on_gradient_ready());
   step.finish([&](std::span<const lockstep::param_slice> s) { opt.step(s, stream, found_inf); });
@@ -52,7 +52,7 @@ void device_dynamic_scale_snippet(lockstep::context<lockstep::NcclComm>& ctx, Mo
   cudaStream_t stream = ctx.comm().compute_stream();
   // [snippet include/lockstep/cuda/device_dynamic_scale.cuh#1]
   lockstep::DataParallel<Model, lockstep::NcclComm, lockstep::DeviceDynamicScale> dp(ctx, model);
-  dp.scaler().attach(dp.comm());                 // once: allocates the state on the device
+  dp.scaler().attach(dp.comm());  // once: allocates the state on the device
   const float* scale = dp.scaler().device_scale();
   const int* found_inf = dp.scaler().device_found_inf();
   lockstep::FusedAdamW opt({.lr = 1e-3}, dp.parameters());

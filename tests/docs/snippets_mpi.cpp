@@ -16,8 +16,6 @@
 
 namespace {
 
-
-
 //! optimizer.update(model) that also keeps what it left in the model.
 struct RecordingSgd {
   double lr = 0.05;
@@ -42,7 +40,7 @@ TEST_CASE("snippets: run(Mpi) with DataParallel (mpi/run_mpi.hpp, docs/mpi.md)")
   // mpirun -np 4 ./train
   lockstep::run(lockstep::Mpi{}, [&](lockstep::context<lockstep::MpiComm>& ctx) {
     Mlp model(seed);
-    lockstep::DataParallel dp(ctx, model);   // a Distributed<Mlp, MpiComm>
+    lockstep::DataParallel dp(ctx, model);  // a Distributed<Mlp, MpiComm>
     for (auto& batch : my_batches) {
       auto step = dp.step();
       model.backward(batch, step.on_gradient_ready());
@@ -63,7 +61,7 @@ TEST_CASE("snippets: run(Mpi) with DataParallel (mpi/run_mpi.hpp, docs/mpi.md)")
 
   lockstep::run(lockstep::Mpi{}, [&](lockstep::context<lockstep::MpiComm>& ctx) {
     Mlp model(seed);
-    lockstep::DataParallel dp(ctx, model);   // a DataParallel<Mlp, MpiComm>; rank 0's values everywhere
+    lockstep::DataParallel dp(ctx, model);  // a DataParallel<Mlp, MpiComm>; rank 0's values everywhere
     lockstep::DistributedSampler sampler(train.size(), ctx, {.seed = 42});
     for (; sampler.epoch() < epochs; sampler.set_epoch(sampler.epoch() + 1))
       for (auto batch : sampler.batches(64)) {
@@ -74,8 +72,8 @@ TEST_CASE("snippets: run(Mpi) with DataParallel (mpi/run_mpi.hpp, docs/mpi.md)")
       }
   });
   // [end snippet]
-  const std::size_t per_rank = (train.size() + static_cast<std::size_t>(world.size()) - 1) /
-                               static_cast<std::size_t>(world.size());
+  const std::size_t per_rank =
+      (train.size() + static_cast<std::size_t>(world.size()) - 1) / static_cast<std::size_t>(world.size());
   CHECK(optimizer.updates == static_cast<int>(epochs * ((per_rank + 63) / 64)));
   CHECK(same_on_every_rank(world, optimizer.last));
 }
@@ -89,7 +87,7 @@ TEST_CASE("snippets: MpiComm and MpiStore (mpi/mpi_comm.hpp, mpi/mpi_store.hpp)"
   }
   const auto n = static_cast<std::size_t>(count[0]);
   // [snippet include/lockstep/mpi/mpi_comm.hpp#1]
-  auto comm = lockstep::MpiComm::world();          // MPI_Init_thread if not yet done
+  auto comm = lockstep::MpiComm::world();  // MPI_Init_thread if not yet done
   std::vector<float> g(n, 1.0f);
   comm.all_reduce(g.data(), g.data(), n, lockstep::dtype::f32, lockstep::reduce_op::avg).wait();
   // [end snippet]
@@ -102,10 +100,10 @@ TEST_CASE("snippets: MpiComm and MpiStore (mpi/mpi_comm.hpp, mpi/mpi_store.hpp)"
   std::vector<std::byte> got, broadcast;
   {
     // [snippet include/lockstep/mpi/mpi_store.hpp#1]
-    lockstep::MpiStore st;                                   // over MPI_COMM_WORLD
+    lockstep::MpiStore st;  // over MPI_COMM_WORLD
     if (st.rank() == 0) st.set("nccl_id", id_bytes);
-    auto id = st.get("nccl_id");                              // every rank
-    auto cfg = st.broadcast_bytes(0, local_bytes);            // or simply: rank 0's bytes
+    auto id = st.get("nccl_id");                    // every rank
+    auto cfg = st.broadcast_bytes(0, local_bytes);  // or simply: rank 0's bytes
     // [end snippet]
     got = id;
     broadcast = cfg;

@@ -186,7 +186,9 @@ void fuzz_engine(reader r) {
             wire::encode(frame, wire::op::hello, wire::protocol_version, {}, wire::encode_hello(0, token));
             if (id && views[who % 4].fresh) views[who % 4].expect = 0;
             break;
-          case 1: wire::encode(frame, wire::op::hello, arg, {}, r.take(r.byte() % 16)); break;  // any version, any value
+          case 1:
+            wire::encode(frame, wire::op::hello, arg, {}, r.take(r.byte() % 16));
+            break;   // any version, any value
           case 9: {  // the handshake of this protocol: which run, which store it joined
             const std::uint8_t pick = r.byte();
             std::uint64_t joined = 0;
@@ -222,7 +224,9 @@ void fuzz_engine(reader r) {
                          wire::encode_key_list(keys));
             break;
           }
-          case 7: wire::encode(frame, wire::op::watch, arg, key, r.take(1 + r.byte() % 12)); break;  // may be empty: malformed
+          case 7:
+            wire::encode(frame, wire::op::watch, arg, key, r.take(1 + r.byte() % 12));
+            break;  // may be empty: malformed
           case 8: wire::encode(frame, wire::op::unwatch, 0, {}, {}); break;
         }
         if (!id) break;
@@ -334,14 +338,14 @@ int main(int argc, char** argv) {
   }
   seeds.push_back(bytes({1, 0x12, 1, 0, 0, 3, 0x02, 4, 1, 200, 0, 0x02, 2, 1, 80, 1, 2, 3}));
   // watches: one goes silent past its limit, one closes, one leaves cleanly
-  seeds.push_back(bytes({1, 0x02, 0, 0, 0, 0, 0x02, 7, 1, 50, 3, 'r', 'a', 'n', 'k', 0, 0x04, 100,
-                         0x12, 0, 0, 0, 0, 0x12, 7, 1, 0, 2, 'r', '2', 'x', 0, 0x16,
-                         0x22, 0, 0, 0, 0, 0x22, 7, 1, 9, 0, 'q', 0, 0x22, 8, 0, 0, 0, 0x26}));
+  seeds.push_back(bytes({1,   0x02, 0, 0, 0,    0, 0x02, 7, 1, 50,  3, 'r',  'a', 'n', 'k', 0,    0x04,
+                         100, 0x12, 0, 0, 0,    0, 0x12, 7, 1, 0,   2, 'r',  '2', 'x', 0,   0x16, 0x22,
+                         0,   0,    0, 0, 0x22, 7, 1,    9, 0, 'q', 0, 0x22, 8,   0,   0,   0,    0x26}));
   // the handshake: this run's hello, a reconnection to this store, another run's token, a
   // reconnection to a store that is gone (the fourth connection is over the cap of 3)
-  seeds.push_back(bytes({1, 0x02, 0, 0, 0, 0, 0x12, 9, 0, 0, 1, 0, 0x22, 9, 0, 0, 4, 3, 't', 'o', 'x', 5,
-                         0x32, 9, 0, 0, 2, 1, 2, 3, 4, 5, 6, 7, 8, 0, 0x05, 255, 0x15, 255, 0x25, 255, 0x35, 255,
-                         0x26, 0x42, 9, 0, 0, 3, 9, 9, 9, 9, 9, 9, 9, 9, 7, 0x45, 255}));
+  seeds.push_back(bytes({1,    0x02, 0,    0,    0, 0, 0x12, 9, 0, 0, 1, 0, 0x22, 9, 0, 0,    4,   3,    't', 'o',  'x',
+                         5,    0x32, 9,    0,    0, 2, 1,    2, 3, 4, 5, 6, 7,    8, 0, 0x05, 255, 0x15, 255, 0x25, 255,
+                         0x35, 255,  0x26, 0x42, 9, 0, 0,    3, 9, 9, 9, 9, 9,    9, 9, 9,    7,   0x45, 255}));
   fs::create_directories(argv[1]);
   for (std::size_t i = 0; i < seeds.size(); ++i) {
     std::ofstream f(fs::path(argv[1]) / ("seed" + std::to_string(i)), std::ios::binary);

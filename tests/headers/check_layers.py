@@ -5,7 +5,7 @@
      its own folder (a folder's detail/ counts as the folder);
   2. no include cycle among lockstep's headers;
   3. lockstep/detail/ holds leaf utilities: they include nothing of lockstep but detail/;
-  4. at most 10 headers directly in include/lockstep/, none over 500 lines.
+  4. at most 10 headers directly in include/lockstep/, none over 450 lines.
 
 Usage: check_layers.py <include dir>. Exit status 1 with one line per violation.
 """
@@ -26,7 +26,7 @@ LAYERS = {
     "cuda.cuh": 8, "mpi.hpp": 8, "torch.hpp": 8,  # umbrellas of the optional parts
 }
 MAX_TOP_LEVEL = 10
-MAX_LINES = 500
+MAX_LINES = 450
 INCLUDE = re.compile(r'^\s*#\s*include\s*[<"](lockstep/[^">]+)[">]', re.M)
 
 

@@ -87,11 +87,11 @@ int main(int argc, char** argv) {
     const std::string name = a.substr(0, eq);
     const std::string value = eq == std::string::npos ? "" : a.substr(eq + 1);
     if (name == "env") {
-      for (const char* v : {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                            "LOCKSTEP_RANK", "LOCKSTEP_LOCAL_RANK", "LOCKSTEP_WORLD_SIZE",
-                            "LOCKSTEP_LOCAL_WORLD_SIZE", "LOCKSTEP_MASTER_ADDR", "LOCKSTEP_MASTER_PORT",
-                            "LOCKSTEP_JOB_TOKEN", "LOCKSTEP_LAUNCHER", "NCCL_NVLS_ENABLE", "LAUNCHER_TEST_CANARY",
-                            "LOCKSTEP_LR_SCALING", "LOCKSTEP_CPU_RANKS", "LOCKSTEP_DEVICES"}) {
+      for (const char* v :
+           {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCKSTEP_RANK",
+            "LOCKSTEP_LOCAL_RANK", "LOCKSTEP_WORLD_SIZE", "LOCKSTEP_LOCAL_WORLD_SIZE", "LOCKSTEP_MASTER_ADDR",
+            "LOCKSTEP_MASTER_PORT", "LOCKSTEP_JOB_TOKEN", "LOCKSTEP_LAUNCHER", "NCCL_NVLS_ENABLE",
+            "LAUNCHER_TEST_CANARY", "LOCKSTEP_LR_SCALING", "LOCKSTEP_CPU_RANKS", "LOCKSTEP_DEVICES"}) {
         const char* val = std::getenv(v);
         write_str(STDOUT_FILENO, std::string(v) + "=" + (val ? val : "<unset>") + "\n");
       }

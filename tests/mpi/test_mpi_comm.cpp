@@ -40,7 +40,7 @@ TEST_CASE("MpiComm::world and run(Mpi): ranks, sizes, local ranks") {
   auto comm = lockstep::MpiComm::world();
   CHECK(comm.rank() == world_rank());
   CHECK(comm.size() == world_size());
-  CHECK(comm.size() >= 2);  // the tests are meant to run under mpirun -np ≥ 2
+  CHECK(comm.size() >= 2);                 // the tests are meant to run under mpirun -np ≥ 2
   CHECK(comm.native() != MPI_COMM_WORLD);  // a dup: its traffic cannot meet the application's
   int calls = 0;
   lockstep::run(lockstep::Mpi{}, [&](lockstep::context<lockstep::MpiComm>& ctx) {
@@ -141,7 +141,8 @@ TEST_CASE("works: destroyed unwaited, moved from, counted by sequence()") {
   const int n = comm.size(), me = comm.rank();
   constexpr std::size_t count = 10007;
   std::vector<std::vector<unsigned char>> bufs;
-  for (std::uint64_t s = 0; s < 2; ++s) bufs.push_back(lockstep_test::conformance_input(dtype::f64, o.seed, 500 + s, me, 0, count));
+  for (std::uint64_t s = 0; s < 2; ++s)
+    bufs.push_back(lockstep_test::conformance_input(dtype::f64, o.seed, 500 + s, me, 0, count));
   {
     auto w0 = comm.all_reduce(bufs[0].data(), bufs[0].data(), count, dtype::f64, reduce_op::sum);
     auto w1 = comm.all_reduce(bufs[1].data(), bufs[1].data(), count, dtype::f64, reduce_op::avg);

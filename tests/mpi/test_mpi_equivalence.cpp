@@ -25,7 +25,7 @@ namespace {
 struct config {
   std::size_t batch = 4;  // per rank, per micro-step
   int accumulate = 1;
-  int steps = 4;          // optimizer steps
+  int steps = 4;  // optimizer steps
   bool hooks = true;
   lockstep::BucketPolicy buckets{};
 };
@@ -50,8 +50,8 @@ std::vector<T> data_parallel(lockstep::context<lockstep::MpiComm>& ctx, const da
       auto step = dp.step();
       CHECK(step.synchronizes() == (k + 1 == c.accumulate));
       std::vector<std::size_t> rows(c.batch);
-      const std::size_t first = static_cast<std::size_t>(s) * global +
-                                (static_cast<std::size_t>(k) * ranks + ctx.rank()) * c.batch;
+      const std::size_t first =
+          static_cast<std::size_t>(s) * global + (static_cast<std::size_t>(k) * ranks + ctx.rank()) * c.batch;
       for (std::size_t i = 0; i < c.batch; ++i) rows[i] = (first + i) % d.samples;
       if (c.hooks) m.forward_backward(inputs<T>(d), d.y, rows, step.on_gradient_ready());
       else m.forward_backward(inputs<T>(d), d.y, rows, [](std::size_t) {});
@@ -68,8 +68,13 @@ template <class T, bool Bindable>
 void check_equivalence(lockstep::context<lockstep::MpiComm>& ctx, const config& c) {
   const auto seed = shared_seed();
   CAPTURE(seed);
-  CAPTURE(ctx.rank()); CAPTURE(ctx.size()); CAPTURE(c.batch); CAPTURE(c.accumulate); CAPTURE(c.hooks);
-  CAPTURE(Bindable); CAPTURE(c.buckets.cap_bytes);
+  CAPTURE(ctx.rank());
+  CAPTURE(ctx.size());
+  CAPTURE(c.batch);
+  CAPTURE(c.accumulate);
+  CAPTURE(c.hooks);
+  CAPTURE(Bindable);
+  CAPTURE(c.buckets.cap_bytes);
   const double tol = std::is_same_v<T, double> ? 1e-12 : 1e-5;
   const auto d = make_data(seed, 997);
   const double lr = 0.2;

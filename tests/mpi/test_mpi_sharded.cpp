@@ -26,8 +26,13 @@ template <class T, bool Bindable>
 void check(Ctx& ctx, sharded_config c) {
   c.ranks = ctx.size();
   const auto seed = shared_seed();
-  CAPTURE(seed); CAPTURE(ctx.rank()); CAPTURE(Bindable); CAPTURE(c.accumulate); CAPTURE(c.max_norm);
-  CAPTURE(c.inf_step); CAPTURE(c.buckets.cap_bytes);
+  CAPTURE(seed);
+  CAPTURE(ctx.rank());
+  CAPTURE(Bindable);
+  CAPTURE(c.accumulate);
+  CAPTURE(c.max_norm);
+  CAPTURE(c.inf_step);
+  CAPTURE(c.buckets.cap_bytes);
   const auto d = make_data(seed, 211);
   sharded_outcome plain, sharded;
   plain.values.resize(static_cast<std::size_t>(c.ranks));

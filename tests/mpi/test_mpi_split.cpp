@@ -25,7 +25,7 @@ TEST_SUITE("mpi") {
 TEST_CASE("MpiComm split: uneven sub-communicators pass the conformance suite - ranked by key") {
   auto world = lockstep::MpiComm::world();
   const int r = world.rank(), n = world.size();
-  const int color = r == 0 ? 0 : 1;  // sizes 1 and n − 1
+  const int color = r == 0 ? 0 : 1;   // sizes 1 and n − 1
   auto sub = world.split(color, -r);  // reverse order
   CHECK(sub.size() == (color == 0 ? 1 : n - 1));
   std::vector<std::int64_t> ranks(static_cast<std::size_t>(sub.size()));
@@ -70,7 +70,8 @@ TEST_CASE("hybrid over MPI: hierarchical reduction equals the flat all-reduce") 
         auto body = [&](auto& dp) {
           for (int s = 0; s < 4; ++s) {
             std::vector<std::size_t> rows;
-            for (std::size_t i = 0; i < 3; ++i) rows.push_back((static_cast<std::size_t>(s * ctx.size() + ctx.rank()) * 3 + i) % d.samples);
+            for (std::size_t i = 0; i < 3; ++i)
+              rows.push_back((static_cast<std::size_t>(s * ctx.size() + ctx.rank()) * 3 + i) % d.samples);
             auto st = dp.step();
             m.forward_backward(d.X64, d.y, rows, st.on_gradient_ready());
             if (st.finish()) m.sgd(0.2);

@@ -75,7 +75,7 @@ struct conformance_options {
 inline conformance_options thread_comm_options(std::uint64_t seed) {
   conformance_options o;
   o.seed = seed;
-  o.types = {lockstep::dtype::u8,  lockstep::dtype::i32, lockstep::dtype::i64, lockstep::dtype::f16,
+  o.types = {lockstep::dtype::u8,   lockstep::dtype::i32, lockstep::dtype::i64, lockstep::dtype::f16,
              lockstep::dtype::bf16, lockstep::dtype::f32, lockstep::dtype::f64};
   o.unsupported = {};
   o.rank_order_sums = true;
@@ -168,9 +168,10 @@ struct elem<dtype::f16> {
   }
   static double to_double(type b) {
     const int e = (b >> 10) & 0x1f, m = b & 0x3ff;
-    const double v = e == 0    ? std::ldexp(m, -24)
-                     : e == 31 ? (m ? std::numeric_limits<double>::quiet_NaN() : std::numeric_limits<double>::infinity())
-                               : std::ldexp(1024 + m, e - 25);
+    const double v = e == 0 ? std::ldexp(m, -24)
+                     : e == 31
+                         ? (m ? std::numeric_limits<double>::quiet_NaN() : std::numeric_limits<double>::infinity())
+                         : std::ldexp(1024 + m, e - 25);
     return (b & 0x8000) ? -v : v;
   }
   static constexpr double epsilon = 0x1p-10;
@@ -250,8 +251,8 @@ std::string judge(std::size_t count, Ok&& ok) {
 // The reference. Public so a backend's own tests (other placements, work handles) can use it.
 
 //! Rank `rank`'s input elements [first, first + count) for case `salt`, as bytes.
-inline std::vector<unsigned char> conformance_input(lockstep::dtype t, std::uint64_t seed, std::uint64_t salt,
-                                                    int rank, std::size_t first, std::size_t count) {
+inline std::vector<unsigned char> conformance_input(lockstep::dtype t, std::uint64_t seed, std::uint64_t salt, int rank,
+                                                    std::size_t first, std::size_t count) {
   using namespace conformance_detail;
   return with_elem(t, [&]<class E>(E) {
     using T = typename E::type;
@@ -267,8 +268,8 @@ inline std::vector<unsigned char> conformance_input(lockstep::dtype t, std::uint
 
 //! "" if `got` (count elements of t, host memory) is rank `rank`'s input [first, first + count)
 //! bit for bit, else what differs.
-inline std::string conformance_compare_input(lockstep::dtype t, const void* got, std::size_t count,
-                                             std::uint64_t seed, std::uint64_t salt, int rank, std::size_t first) {
+inline std::string conformance_compare_input(lockstep::dtype t, const void* got, std::size_t count, std::uint64_t seed,
+                                             std::uint64_t salt, int rank, std::size_t first) {
   using namespace conformance_detail;
   return with_elem(t, [&]<class E>(E) {
     using T = typename E::type;
@@ -288,8 +289,8 @@ inline std::string conformance_compare_input(lockstep::dtype t, const void* got,
 //! divided by N, truncating). max/min: exact. Float sums: bit for bit when rank_order_sums
 //! (summed in T in rank order, avg = sum / T(N)), else within (N+1)·ε(T)·Σ|x| (÷N for avg).
 inline std::string conformance_compare_reduced(lockstep::dtype t, const void* got, std::size_t count,
-                                               std::uint64_t seed, std::uint64_t salt, int ranks,
-                                               std::size_t first, lockstep::reduce_op op, bool rank_order_sums) {
+                                               std::uint64_t seed, std::uint64_t salt, int ranks, std::size_t first,
+                                               lockstep::reduce_op op, bool rank_order_sums) {
   using namespace conformance_detail;
   std::vector<std::uint64_t> base;
   for (int q = 0; q < ranks; ++q) base.push_back(rank_base(seed, salt, q));
@@ -428,9 +429,9 @@ inline std::string describe(const char* what, dtype t, std::size_t count, const 
 
 }  // namespace conformance_detail
 
-#define LOCKSTEP_CONFORMANCE_INFO(comm, o)                                                      \
-  INFO("conformance seed " << (o).seed << " (LOCKSTEP_TEST_SEED=" << (o).seed                  \
-                           << " replays it), rank " << (comm).rank() << " of " << (comm).size())
+#define LOCKSTEP_CONFORMANCE_INFO(comm, o)                                                             \
+  INFO("conformance seed " << (o).seed << " (LOCKSTEP_TEST_SEED=" << (o).seed << " replays it), rank " \
+                           << (comm).rank() << " of " << (comm).size())
 
 // ---------------------------------------------------------------------------------------
 // One case of each collective (public: a backend may add a case of its own, e.g. a huge count).
@@ -449,8 +450,8 @@ void check_all_reduce_case(Comm& comm, const conformance_options& o, lockstep::d
   const auto recv = in_place ? send : to_memory(mem, poison(nbytes));
   comm.all_reduce(send.get(), recv.get(), count, t, op).wait();
   const bytes got = from_memory(mem, recv.get(), nbytes);
-  const std::string what = describe("all_reduce", t, count, lockstep::name_of(op),
-                                    in_place ? "in place" : "out of place", me, n);
+  const std::string what =
+      describe("all_reduce", t, count, lockstep::name_of(op), in_place ? "in place" : "out of place", me, n);
   const std::string bad = conformance_compare_reduced(t, got.data(), count, o.seed, salt, n, 0, op, o.rank_order_sums);
   CHECK_MESSAGE(bad.empty(), what << ": " << bad);
   if (!in_place) CHECK_MESSAGE(from_memory(mem, send.get(), nbytes) == mine, what << ": the send buffer changed");
@@ -526,9 +527,10 @@ void check_reduce_scatter_case(Comm& comm, const conformance_options& o, lockste
   }
   comm.reduce_scatter(send.get(), into, count, t, op).wait();
   const bytes got = from_memory(mem, into, block);
-  const std::string what = describe("reduce_scatter", t, count, lockstep::name_of(op),
-                                    in_place ? "in place" : "out of place", me, n);
-  const std::string bad = conformance_compare_reduced(t, got.data(), count, o.seed, salt, n, first, op, o.rank_order_sums);
+  const std::string what =
+      describe("reduce_scatter", t, count, lockstep::name_of(op), in_place ? "in place" : "out of place", me, n);
+  const std::string bad =
+      conformance_compare_reduced(t, got.data(), count, o.seed, salt, n, first, op, o.rank_order_sums);
   CHECK_MESSAGE(bad.empty(), what << ": " << bad);
   if (!in_place) CHECK_MESSAGE(from_memory(mem, send.get(), mine.size()) == mine, what << ": the send buffer changed");
 }
@@ -602,8 +604,8 @@ void check_ranks(Comm& comm, const conformance_options& o) {
   const auto ranks = conformance_detail::host_all_gather<std::int32_t>(comm, me);
   const auto sizes = conformance_detail::host_all_gather<std::int32_t>(comm, n);
   for (int q = 0; q < n; ++q) {
-    CHECK_MESSAGE(ranks[static_cast<std::size_t>(q)] == q, "block " << q << " of an all_gather of rank() holds "
-                                                                    << ranks[static_cast<std::size_t>(q)]);
+    CHECK_MESSAGE(ranks[static_cast<std::size_t>(q)] == q,
+                  "block " << q << " of an all_gather of rank() holds " << ranks[static_cast<std::size_t>(q)]);
     CHECK(sizes[static_cast<std::size_t>(q)] == n);
   }
 }
@@ -618,7 +620,8 @@ void check_barrier(Comm& comm, const conformance_options& o) {
   comm.barrier();
   if (!o.shared_clock) return;
   const auto ns = [](clock::time_point t) {
-    return static_cast<std::int64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count());
+    return static_cast<std::int64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count());
   };
   std::vector<int> late_ranks{0};
   if (n > 1) late_ranks.push_back(n - 1);
@@ -658,8 +661,8 @@ void check_works_in_flight(Comm& comm, const conformance_options& o) {
   moved.wait();
   for (int k = 0; k < 3; ++k) {
     const bytes got = from_memory(mem, bufs[static_cast<std::size_t>(k)].get(), nbytes);
-    const std::string bad = conformance_compare_reduced(t, got.data(), count, o.seed, 900 + static_cast<std::uint64_t>(k),
-                                                        n, 0, ops[k], o.rank_order_sums);
+    const std::string bad = conformance_compare_reduced(
+        t, got.data(), count, o.seed, 900 + static_cast<std::uint64_t>(k), n, 0, ops[k], o.rank_order_sums);
     CHECK_MESSAGE(bad.empty(), "all_reduce " << k << " of 3 in flight together (" << lockstep::name_of(ops[k])
                                              << "), waited in reverse order: " << bad);
   }
@@ -678,7 +681,8 @@ void check_misuse(Comm& comm, const conformance_options& o) {
   CHECK_THROWS_AS(comm.broadcast(buf.get(), 1, lockstep::dtype::f32, -1).wait(), lockstep::config_error);
   for (auto t : o.unsupported) {
     CAPTURE(std::string(lockstep::name_of(t)));
-    CHECK_THROWS_AS(comm.all_reduce(buf.get(), buf.get(), 4, t, lockstep::reduce_op::sum).wait(), lockstep::config_error);
+    CHECK_THROWS_AS(comm.all_reduce(buf.get(), buf.get(), 4, t, lockstep::reduce_op::sum).wait(),
+                    lockstep::config_error);
     CHECK_THROWS_AS(comm.reduce_scatter(buf.get(), buf.get(), 1, t, lockstep::reduce_op::sum).wait(),
                     lockstep::config_error);
   }
@@ -768,7 +772,8 @@ void check_order(Comm& comm, const conformance_options& o) {
   // #5: another count. Nothing is reduced; #6 then works.
   auto d = mem.allocate(5 * sizeof(double));
   upload_from(mem, d, std::vector<double>(5, 1.0));
-  std::string msg = mismatch_of([&] { comm.all_reduce(d.get(), d.get(), me == odd ? 5 : 4, dtype::f64, reduce_op::sum).wait(); });
+  std::string msg =
+      mismatch_of([&] { comm.all_reduce(d.get(), d.get(), me == odd ? 5 : 4, dtype::f64, reduce_op::sum).wait(); });
   CAPTURE(msg);
   CHECK(has(msg, "rank 0 called all_reduce #5 of 4 f64 (sum)"));
   CHECK(has(msg, odd_called + "all_reduce #5 of 5 f64 (sum)"));
@@ -790,13 +795,13 @@ void check_order(Comm& comm, const conformance_options& o) {
   });
   CHECK(has(msg, "rank 0 called all_reduce #8 of 3 i32 (sum) but " + odd_called + "all_reduce #8 of 6 u8 (sum)"));
   // #9: another reduction.
-  msg = mismatch_of([&] {
-    comm.all_reduce(v.get(), v.get(), 3, dtype::i32, me == odd ? reduce_op::max : reduce_op::sum).wait();
-  });
+  msg = mismatch_of(
+      [&] { comm.all_reduce(v.get(), v.get(), 3, dtype::i32, me == odd ? reduce_op::max : reduce_op::sum).wait(); });
   CHECK(has(msg, odd_called + "all_reduce #9 of 3 i32 (max)"));
   // #10: another root.
   msg = mismatch_of([&] { comm.broadcast(v.get(), 3, dtype::i32, me == odd ? 1 : 0).wait(); });
-  CHECK(has(msg, "rank 0 called broadcast #10 of 3 i32 from root 0 but " + odd_called + "broadcast #10 of 3 i32 from root 1"));
+  CHECK(has(msg, "rank 0 called broadcast #10 of 3 i32 from root 0 but " + odd_called +
+                     "broadcast #10 of 3 i32 from root 1"));
   // #11: all_gather against reduce_scatter.
   msg = mismatch_of([&] {
     if (me == odd) comm.reduce_scatter(vg.get(), v.get(), 3, dtype::i32, reduce_op::sum).wait();
@@ -869,9 +874,9 @@ void check_order_deferred(Comm& comm, const conformance_options& o) {
 
 //! What one rank saw in check_timeout.
 struct timeout_outcome {
-  bool waited = false;      //!< this rank called the collective (it is not the absent one)
-  std::string what;         //!< the timeout_error / aborted_error message
-  double seconds = 0;       //!< how long the call took to fail
+  bool waited = false;  //!< this rank called the collective (it is not the absent one)
+  std::string what;     //!< the timeout_error / aborted_error message
+  double seconds = 0;   //!< how long the call took to fail
   //! The collective's buffers. A communicator that cannot cancel a collective (MPI) may still
   //! write into them: keep them until the absent rank has matched it, or for good.
   std::vector<std::shared_ptr<void>> keep_alive;

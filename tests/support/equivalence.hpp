@@ -31,7 +31,8 @@ inline dataset make_data(std::uint64_t seed, std::size_t samples) {
 
 template <class T>
 const std::vector<T>& inputs(const dataset& d) {
-  if constexpr (std::is_same_v<T, double>) return d.X64; else return d.X32;
+  if constexpr (std::is_same_v<T, double>) return d.X64;
+  else return d.X32;
 }
 
 //! Parameters after `steps` optimizer steps of one rank over batches of batch·ranks·accumulate.

@@ -52,8 +52,8 @@ int main(int argc, char** argv) {
     from = to + 4;
     if (want.empty()) continue;
     int times = 1;
-    if (const auto star = want.find('*'); star != std::string::npos && star > 0 &&
-                                          want.find_first_not_of("0123456789") == star) {
+    if (const auto star = want.find('*');
+        star != std::string::npos && star > 0 && want.find_first_not_of("0123456789") == star) {
       times = std::atoi(want.substr(0, star).c_str());
       want = want.substr(star + 1);
     }

@@ -26,15 +26,16 @@ inline hybrid_data make_hybrid_data(std::uint64_t seed, std::size_t n) {
   h.n = n;
   std::mt19937_64 rng(seed);
   h.x = random_vector<float>(n * static_cast<std::size_t>(h.d.in), rng, -2, 2);
-  for (std::size_t i = 0; i < n; ++i) h.y.push_back(static_cast<std::uint8_t>(rng() % static_cast<std::uint64_t>(h.d.classes)));
+  for (std::size_t i = 0; i < n; ++i)
+    h.y.push_back(static_cast<std::uint8_t>(rng() % static_cast<std::uint64_t>(h.d.classes)));
   return h;
 }
 
 //! The batch of `replica` (of `replicas`, `batch` rows each) at step s: consecutive rows.
 inline std::vector<std::size_t> hybrid_rows(const hybrid_data& h, int s, int replica, int replicas, std::size_t batch) {
   std::vector<std::size_t> rows;
-  const std::size_t first = (static_cast<std::size_t>(s) * static_cast<std::size_t>(replicas) +
-                             static_cast<std::size_t>(replica)) * batch;
+  const std::size_t first =
+      (static_cast<std::size_t>(s) * static_cast<std::size_t>(replicas) + static_cast<std::size_t>(replica)) * batch;
   for (std::size_t i = 0; i < batch; ++i) rows.push_back((first + i) % h.n);
   return rows;
 }
@@ -45,7 +46,8 @@ inline void hybrid_batch(const hybrid_data& h, const std::vector<std::size_t>& r
   x.clear();
   y.clear();
   for (auto r : rows) {
-    x.insert(x.end(), h.x.begin() + static_cast<std::ptrdiff_t>(r * in), h.x.begin() + static_cast<std::ptrdiff_t>((r + 1) * in));
+    x.insert(x.end(), h.x.begin() + static_cast<std::ptrdiff_t>(r * in),
+             h.x.begin() + static_cast<std::ptrdiff_t>((r + 1) * in));
     y.push_back(h.y[r]);
   }
 }

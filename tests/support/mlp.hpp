@@ -20,7 +20,14 @@ class TestMlp {
   TestMlp(std::vector<int> dims, std::uint64_t seed) : dims_(std::move(dims)) {
     std::mt19937_64 rng(seed);
     const std::size_t L = dims_.size() - 1;
-    w_.resize(L); b_.resize(L); gw_.resize(L); gb_.resize(L); wp_.resize(L); bp_.resize(L); gwp_.resize(L); gbp_.resize(L);
+    w_.resize(L);
+    b_.resize(L);
+    gw_.resize(L);
+    gb_.resize(L);
+    wp_.resize(L);
+    bp_.resize(L);
+    gwp_.resize(L);
+    gbp_.resize(L);
     for (std::size_t l = 0; l < L; ++l) {
       const int in = dims_[l], out = dims_[l + 1];
       std::normal_distribution<double> nd(0.0, std::sqrt(2.0 / in));
@@ -40,10 +47,9 @@ class TestMlp {
   std::vector<lockstep::parameter> parameters() {
     std::vector<lockstep::parameter> ps;
     for (std::size_t l = 0; l < w_.size(); ++l) {
-      ps.push_back(lockstep::param<T>("layer" + std::to_string(l) + ".weight", wp_[l], gwp_[l],
-                                      {dims_[l + 1], dims_[l]}));
-      ps.push_back(lockstep::param<T>("layer" + std::to_string(l) + ".bias", bp_[l], gbp_[l],
-                                      {dims_[l + 1]}));
+      ps.push_back(
+          lockstep::param<T>("layer" + std::to_string(l) + ".weight", wp_[l], gwp_[l], {dims_[l + 1], dims_[l]}));
+      ps.push_back(lockstep::param<T>("layer" + std::to_string(l) + ".bias", bp_[l], gbp_[l], {dims_[l + 1]}));
     }
     return ps;
   }
@@ -77,8 +83,8 @@ class TestMlp {
   //! Mean cross-entropy over the rows `rows` of X (row-major, dims[0] wide); adds the
   //! gradient of that mean into the gradient buffers; calls hook(i) as gradients finish.
   template <class Hook>
-  double forward_backward(const std::vector<T>& X, const std::vector<int>& y,
-                          std::span<const std::size_t> rows, Hook&& hook, double loss_scale = 1.0) {
+  double forward_backward(const std::vector<T>& X, const std::vector<int>& y, std::span<const std::size_t> rows,
+                          Hook&& hook, double loss_scale = 1.0) {
     const std::size_t L = w_.size(), B = rows.size();
     std::vector<std::vector<T>> act(L + 1);
     act[0].resize(B * dims_[0]);
@@ -105,8 +111,8 @@ class TestMlp {
       const int label = y[rows[r]];
       loss += -(static_cast<double>(act[L][r * C + label] - m) - std::log(static_cast<double>(z)));
       for (int c = 0; c < C; ++c)
-        delta[r * C + c] = static_cast<T>((std::exp(act[L][r * C + c] - m) / z - (c == label ? 1 : 0)) *
-                                          loss_scale / static_cast<double>(B));
+        delta[r * C + c] = static_cast<T>((std::exp(act[L][r * C + c] - m) / z - (c == label ? 1 : 0)) * loss_scale /
+                                          static_cast<double>(B));
     }
     for (std::size_t l = L; l-- > 0;) {
       const int in = dims_[l], out = dims_[l + 1];
@@ -165,7 +171,7 @@ class TestMlp {
  private:
   std::vector<int> dims_;
   std::vector<std::vector<T>> w_, b_, gw_, gb_;  // own storage
-  std::vector<T*> wp_, bp_, gwp_, gbp_;         // what is used: own, or lockstep's once bound
+  std::vector<T*> wp_, bp_, gwp_, gbp_;          // what is used: own, or lockstep's once bound
 };
 
 //! TestMlp with a frozen table (lockstep::model (g)): values that are never trained but must

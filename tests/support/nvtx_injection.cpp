@@ -16,8 +16,8 @@
 namespace {
 
 std::mutex m;
-std::string events;           // "thread\tkind\tname\tpayload\n" per call
-std::string copy;             // what lockstep_nvtx_events() last returned
+std::string events;  // "thread\tkind\tname\tpayload\n" per call
+std::string copy;    // what lockstep_nvtx_events() last returned
 std::atomic<std::uint64_t> next_id{1};
 
 std::string thread_name() {
@@ -76,11 +76,12 @@ __attribute__((visibility("default"))) int InitializeInjectionNvtx2(NvtxGetExpor
   NvtxFunctionTable table = nullptr;
   unsigned size = 0;
   if (!callbacks->GetModuleFunctionTable(NVTX_CB_MODULE_CORE2, &table, &size)) return 0;
-  const bool ok = set(table, size, NVTX_CBID_CORE2_DomainCreateA, reinterpret_cast<NvtxFunctionPointer>(&domain_create)) &&
-                  set(table, size, NVTX_CBID_CORE2_DomainRangePushEx, reinterpret_cast<NvtxFunctionPointer>(&push)) &&
-                  set(table, size, NVTX_CBID_CORE2_DomainRangePop, reinterpret_cast<NvtxFunctionPointer>(&pop)) &&
-                  set(table, size, NVTX_CBID_CORE2_DomainRangeStartEx, reinterpret_cast<NvtxFunctionPointer>(&start)) &&
-                  set(table, size, NVTX_CBID_CORE2_DomainRangeEnd, reinterpret_cast<NvtxFunctionPointer>(&end));
+  const bool ok =
+      set(table, size, NVTX_CBID_CORE2_DomainCreateA, reinterpret_cast<NvtxFunctionPointer>(&domain_create)) &&
+      set(table, size, NVTX_CBID_CORE2_DomainRangePushEx, reinterpret_cast<NvtxFunctionPointer>(&push)) &&
+      set(table, size, NVTX_CBID_CORE2_DomainRangePop, reinterpret_cast<NvtxFunctionPointer>(&pop)) &&
+      set(table, size, NVTX_CBID_CORE2_DomainRangeStartEx, reinterpret_cast<NvtxFunctionPointer>(&start)) &&
+      set(table, size, NVTX_CBID_CORE2_DomainRangeEnd, reinterpret_cast<NvtxFunctionPointer>(&end));
   return ok ? 1 : 0;
 }
 

@@ -27,8 +27,10 @@ int main(int argc, char** argv) {
   lockstep::run(lockstep::Threads{ranks}, [&](auto& ctx) {
     const std::vector<int> dims{64, 192, 192, 192, 10};
     lockstep_test::TestMlp<float> m(dims, 42);
-    const lockstep::BucketPolicy small{.first_bytes = 16 << 10, .cap_bytes = 64 << 10, .rebuild_after_first_step = false};
-    lockstep::DataParallel dp(ctx, m, {.buckets = small, .max_grad_norm = 1.0}, lockstep::DynamicScale({.init_scale = 256}));
+    const lockstep::BucketPolicy small{
+        .first_bytes = 16 << 10, .cap_bytes = 64 << 10, .rebuild_after_first_step = false};
+    lockstep::DataParallel dp(ctx, m, {.buckets = small, .max_grad_norm = 1.0},
+                              lockstep::DynamicScale({.init_scale = 256}));
     lockstep::Sgd opt({.lr = 0.01});
     std::mt19937_64 rng(7 + static_cast<std::uint64_t>(ctx.rank()));
     const std::size_t rows_n = 48;
@@ -43,11 +45,14 @@ int main(int argc, char** argv) {
     }
     for (int s = 0; s < steps; ++s) {
       auto st = dp.step();
-      m.forward_backward(x, y, rows, [&](std::size_t i) {
-        if (s == bad && ctx.rank() == 1 && i == 0)
-          static_cast<float*>(m.parameters()[0].grad)[0] = std::numeric_limits<float>::quiet_NaN();
-        st.gradient_ready(i);
-      }, st.loss_scale());
+      m.forward_backward(
+          x, y, rows,
+          [&](std::size_t i) {
+            if (s == bad && ctx.rank() == 1 && i == 0)
+              static_cast<float*>(m.parameters()[0].grad)[0] = std::numeric_limits<float>::quiet_NaN();
+            st.gradient_ready(i);
+          },
+          st.loss_scale());
       (void)st.finish([&](std::span<const lockstep::param_slice> sl) {
         for (const auto& p : sl)
           opt.step_segments(std::vector<std::size_t>{p.param * 1000000 + p.offset},

@@ -23,10 +23,10 @@ struct sharded_config {
   int steps = 5;
   bool hooks = true;
   lockstep::BucketPolicy buckets{};
-  double max_norm = 0;   // DataParallelOptions::max_grad_norm
-  int inf_step = -1;     // this step's gradients get an inf on the last rank
+  double max_norm = 0;  // DataParallelOptions::max_grad_norm
+  int inf_step = -1;    // this step's gradients get an inf on the last rank
   std::size_t inf_at = 0;
-  int first_step = 0;    // resume: the step the loop starts at
+  int first_step = 0;              // resume: the step the loop starts at
   bool gather_in_forward = false;  // sharded: each parameter waited for just before the forward
 };
 
@@ -35,9 +35,9 @@ struct sharded_outcome {
   std::vector<int> applied;                 // rank 0, per step
   std::vector<double> norms;                // rank 0, per step
   double final_scale = 0;
-  std::size_t state_elements = 0;           // rank 0: optimizer state per buffer
+  std::size_t state_elements = 0;  // rank 0: optimizer state per buffer
   std::size_t shard_bytes = 0;
-  bool values_bound = false;                // rank 0: the model's values live in the shards' arena
+  bool values_bound = false;  // rank 0: the model's values live in the shards' arena
 };
 
 using Scale = lockstep::DynamicScale;
@@ -67,18 +67,23 @@ void train_rank(Ctx& ctx, const dataset& d, const sharded_config& c, std::uint64
     for (int k = 0; k < c.accumulate; ++k) {
       auto step = p.step();
       std::vector<std::size_t> rows(c.batch);
-      const std::size_t first = static_cast<std::size_t>(s) * global +
-                                (static_cast<std::size_t>(k) * c.ranks + ctx.rank()) * c.batch;
+      const std::size_t first =
+          static_cast<std::size_t>(s) * global + (static_cast<std::size_t>(k) * c.ranks + ctx.rank()) * c.batch;
       for (std::size_t i = 0; i < c.batch; ++i) rows[i] = (first + i) % d.samples;
       // The inf goes in before parameter 0's gradient is reported final (and reduced).
       const bool inject = s == c.inf_step && ctx.rank() == c.ranks - 1 && step.synchronizes();
-      const auto poison = [&] { static_cast<T*>(m.parameters()[0].grad)[c.inf_at] = std::numeric_limits<T>::infinity(); };
+      const auto poison = [&] {
+        static_cast<T*>(m.parameters()[0].grad)[c.inf_at] = std::numeric_limits<T>::infinity();
+      };
       if (deferred)  // what a layer-by-layer forward does, here all before TestMlp's forward
         for (std::size_t i = 0; i < m.parameters().size(); ++i) p.wait_parameters(i);
-      m.forward_backward(inputs<T>(d), d.y, rows, [&](std::size_t i) {
-        if (inject && i == 0) poison();
-        if (c.hooks) step.gradient_ready(i);
-      }, step.loss_scale());
+      m.forward_backward(
+          inputs<T>(d), d.y, rows,
+          [&](std::size_t i) {
+            if (inject && i == 0) poison();
+            if (c.hooks) step.gradient_ready(i);
+          },
+          step.loss_scale());
       if constexpr (Sharded) {
         r = step.finish([&](std::span<const lockstep::param_slice> sl) { opt.step(sl); });
       } else {

@@ -25,10 +25,8 @@ using namespace lockstep_test;
 
 struct TwoHeadsImpl : torch::nn::Module {
   TwoHeadsImpl()
-      : trunk(register_module("trunk", torch::nn::Linear(5, 7))),
-        a(register_module("a", torch::nn::Linear(7, 3))),
-        b(register_module("b", torch::nn::Linear(7, 3))),
-        never(register_module("never", torch::nn::Linear(7, 3))) {}
+      : trunk(register_module("trunk", torch::nn::Linear(5, 7))), a(register_module("a", torch::nn::Linear(7, 3))),
+        b(register_module("b", torch::nn::Linear(7, 3))), never(register_module("never", torch::nn::Linear(7, 3))) {}
   torch::Tensor forward(const torch::Tensor& x, bool use_a) { return (use_a ? a : b)(torch::tanh(trunk(x))); }
   torch::nn::Linear trunk, a, b, never;
 };
@@ -63,13 +61,13 @@ std::string construction_mismatch(int ranks, Pick&& pick) {
 
 // [snippet docs/torch.md#1]
 void train(auto& ctx, Net& net, const std::vector<Batch>& my_batches) {  // once per rank
-  lockstep::TorchModule tm(net);                           // DDP(model)
-  lockstep::DataParallel dp(ctx, tm);                       // rank 0's parameters and buffers
+  lockstep::TorchModule tm(net);                                         // DDP(model)
+  lockstep::DataParallel dp(ctx, tm);                                    // rank 0's parameters and buffers
   torch::optim::AdamW opt(tm.tensors(), torch::optim::AdamWOptions(3e-4));
   for (const auto& b : my_batches) {
     auto step = dp.step();
     tm.backward(net->loss(b.x, b.y), step.on_gradient_ready());  // buckets reduced during backward
-    if (step.finish()) opt.step();                         // .grad holds the average over ranks
+    if (step.finish()) opt.step();                               // .grad holds the average over ranks
   }
 }
 // [end snippet]
@@ -106,7 +104,10 @@ TEST_CASE("TorchModule: docs/torch.md's loop leaves every rank with the same par
 void check_equivalence(int ranks, int B, int micro) {
   torch::set_num_threads(1);
   const auto seed = lockstep_test::fresh_seed();
-  CAPTURE(seed); CAPTURE(ranks); CAPTURE(B); CAPTURE(micro);
+  CAPTURE(seed);
+  CAPTURE(ranks);
+  CAPTURE(B);
+  CAPTURE(micro);
   const auto c = tiny();
   constexpr int steps = 4;
   const int per_rank = B * micro;
@@ -197,7 +198,8 @@ TEST_CASE("TorchModule: 2 CPU ranks x 3 accumulated micro-batches == 1 rank x th
 // all-gather just before using it (gather_in_forward, gpt2::before_fn + indices_of). It must end
 // where the unsharded run ends, and the module must hold its trained values after the
 // DataParallel is gone.
-TEST_CASE("TorchModule sharded: 3 CPU ranks - values bound - gathers waited for block by block == unsharded (tiny GPT-2)") {
+TEST_CASE(
+    "TorchModule sharded: 3 CPU ranks - values bound - gathers waited for block by block == unsharded (tiny GPT-2)") {
   torch::set_num_threads(1);
   const auto seed = lockstep_test::fresh_seed();
   CAPTURE(seed);

@@ -2,8 +2,8 @@
 // lockstep's compute stream): the tiny GPT-2 trained on N GPUs x batch B equals one GPU x batch
 // N·B (fp32, lockstep's FusedAdamW per bucket, torch::optim::AdamW on the averaged .grad, and
 // ShardedOptimizer: FusedAdamW over the shards, the values bound into the shards' arena and
-// waited for block by block in the forward), and one GPU equals plain libtorch on the CPU; fp16 autocast with DeviceDynamicScale learns,
-// and an inf on one GPU skips that step on every GPU. Built where libtorch has CUDA.
+// waited for block by block in the forward), and one GPU equals plain libtorch on the CPU; fp16 autocast with
+// DeviceDynamicScale learns, and an inf on one GPU skips that step on every GPU. Built where libtorch has CUDA.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -106,17 +106,24 @@ trained train_fp32(int gpus, int B, int steps, const torch::Tensor& data, gpt2::
     if (mode == how::sharded) {
       lockstep::DataParallel dp(ctx, tm, o, lockstep::ShardedOptimizer{.gather_in_forward = true});
       lockstep::FusedAdamW opt(ao, dp.shard_parameters(), ctx.device());
-      loop(dp, [&](torch::nn::Module& sub) { for (auto i : tm.indices_of(sub)) dp.wait_parameters(i); },
-           [&](auto& step) { return step.finish([&](std::span<const lockstep::param_slice> b) { opt.step(b, s); }); });
+      loop(
+          dp,
+          [&](torch::nn::Module& sub) {
+            for (auto i : tm.indices_of(sub)) dp.wait_parameters(i);
+          },
+          [&](auto& step) { return step.finish([&](std::span<const lockstep::param_slice> b) { opt.step(b, s); }); });
       if (!dp.stats().values_bound) problem("the parameters were not bound into the shards' arena");
       if (tm.tensors()[0].data_ptr() != dp.parameters()[0].value) problem("parameter 0 is not a view of the arena");
     } else {
       lockstep::DataParallel dp(ctx, tm, o);
       if (mode == how::fused) {
         lockstep::FusedAdamW opt(ao, dp.parameters(), ctx.device());
-        loop(dp, {}, [&](auto& step) { return step.finish([&](std::span<const lockstep::param_slice> b) { opt.step(b, s); }); });
+        loop(dp, {}, [&](auto& step) {
+          return step.finish([&](std::span<const lockstep::param_slice> b) { opt.step(b, s); });
+        });
       } else {
-        torch::optim::AdamW opt(tm.tensors(), torch::optim::AdamWOptions(lr).betas({0.9, 0.999}).eps(1e-8).weight_decay(wd));
+        torch::optim::AdamW opt(tm.tensors(),
+                                torch::optim::AdamWOptions(lr).betas({0.9, 0.999}).eps(1e-8).weight_decay(wd));
         loop(dp, {}, [&](auto& step) {
           const bool applied = static_cast<bool>(step.finish());
           if (applied) opt.step();
@@ -149,7 +156,9 @@ void check_fp32(int gpus, how mode) {
   torch::set_num_threads(1);
   at::globalContext().setAllowTF32CuBLAS(false);
   const auto seed = fresh_seed();
-  CAPTURE(seed); CAPTURE(gpus); CAPTURE(static_cast<int>(mode));
+  CAPTURE(seed);
+  CAPTURE(gpus);
+  CAPTURE(static_cast<int>(mode));
   const auto c = tiny();
   const int B = 2, steps = 5;
   const auto data = tokens(gpus * B, c, seed + 1);
@@ -158,7 +167,8 @@ void check_fp32(int gpus, how mode) {
 
   gpt2::Gpt cpu(c);  // the CPU reference: plain libtorch, the whole batch
   copy_parameters(*cpu, *init);
-  torch::optim::AdamW cpu_opt(cpu->parameters(), torch::optim::AdamWOptions(lr).betas({0.9, 0.999}).eps(1e-8).weight_decay(wd));
+  torch::optim::AdamW cpu_opt(cpu->parameters(),
+                              torch::optim::AdamWOptions(lr).betas({0.9, 0.999}).eps(1e-8).weight_decay(wd));
   for (int k = 0; k < steps; ++k) {
     cpu_opt.zero_grad();
     cpu->loss(data.narrow(1, 0, c.context), data.narrow(1, 1, c.context)).backward();
@@ -193,7 +203,10 @@ void check_fp16_device_scaling(int gpus) {
   std::mt19937_64 rng(seed);
   const int steps = 30, inf_step = 3 + static_cast<int>(rng() % 20);
   const int inf_rank = static_cast<int>(rng() % static_cast<unsigned>(gpus));
-  CAPTURE(seed); CAPTURE(gpus); CAPTURE(inf_step); CAPTURE(inf_rank);
+  CAPTURE(seed);
+  CAPTURE(gpus);
+  CAPTURE(inf_step);
+  CAPTURE(inf_rank);
   const auto c = tiny();
   const int B = 4;
   const auto data = tokens(gpus * B, c, seed + 1);
@@ -217,8 +230,8 @@ void check_fp16_device_scaling(int gpus) {
     lockstep::TorchModule tm(model);
     set_autocast(at::kHalf, true);
     // [snippet docs/torch.md#2]
-    lockstep::DataParallel<lockstep::TorchModule, lockstep::NcclComm, lockstep::EveryStep, lockstep::DeviceDynamicScale> dp(
-        ctx, tm, {}, lockstep::EveryStep{}, lockstep::DeviceDynamicScale({.init_scale = 1024.0}));
+    lockstep::DataParallel<lockstep::TorchModule, lockstep::NcclComm, lockstep::EveryStep, lockstep::DeviceDynamicScale>
+        dp(ctx, tm, {}, lockstep::EveryStep{}, lockstep::DeviceDynamicScale({.init_scale = 1024.0}));
     dp.scaler().attach(dp.comm());  // the scale lives on the GPU from here on
     const auto fopts = torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA, dev);
     const auto scale = torch::from_blob(const_cast<float*>(dp.scaler().device_scale()), {}, fopts);
@@ -240,7 +253,8 @@ void check_fp16_device_scaling(int gpus) {
       // [snippet docs/torch.md#2]
       tm.backward(scaled, step.on_gradient_ready());
       at::autocast::clear_cache();
-      (void)step.finish([&](std::span<const lockstep::param_slice> b) { opt.step(b, s, found); });  // skipped on inf/NaN
+      (void)step.finish(
+          [&](std::span<const lockstep::param_slice> b) { opt.step(b, s, found); });  // skipped on inf/NaN
       // [end snippet]
       if (k == inf_step) {
         auto ps = model->parameters();

@@ -88,8 +88,8 @@ struct checkpoint_tensor {
   template <element T>
   std::vector<T> values() const {
     if (dtype_of<T> != type)
-      throw config_error("checkpoint parameter '" + name + "' holds " + name_of(type) +
-                         " elements, but was read as " + name_of(dtype_of<T>));
+      throw config_error("checkpoint parameter '" + name + "' holds " + name_of(type) + " elements, but was read as " +
+                         name_of(dtype_of<T>));
     std::vector<T> v(numel());
     if (!data.empty()) std::memcpy(v.data(), data.data(), data.size());
     return v;
@@ -97,8 +97,7 @@ struct checkpoint_tensor {
 };
 
 namespace detail {
-inline void fingerprint_add(fnv1a64& h, std::string_view name, std::span<const std::int64_t> shape,
-                            dtype t) {
+inline void fingerprint_add(fnv1a64& h, std::string_view name, std::span<const std::int64_t> shape, dtype t) {
   h.update_u64(name.size());
   h.update(name.data(), name.size());
   h.update_u64(static_cast<std::uint64_t>(t));
@@ -198,8 +197,7 @@ class Checkpoint {
   template <class T>
     requires std::is_trivially_copyable_v<T>
   Checkpoint& add_value(std::string name, const T& v) {
-    return add_blob(std::move(name),
-                    std::span<const std::byte>(reinterpret_cast<const std::byte*>(&v), sizeof(T)));
+    return add_blob(std::move(name), std::span<const std::byte>(reinterpret_cast<const std::byte*>(&v), sizeof(T)));
   }
   //! A named section holding the text `out << v` writes (classic locale), e.g. the state
   //! of a std::mt19937_64. Restored with `in >> v`.
@@ -209,9 +207,7 @@ class Checkpoint {
     std::ostringstream out;
     out.imbue(std::locale::classic());
     out << v;
-    if (!out)
-      throw config_error("Checkpoint::add_streamed: writing section '" + name +
-                         "' with operator<< failed");
+    if (!out) throw config_error("Checkpoint::add_streamed: writing section '" + name + "' with operator<< failed");
     return add_blob(std::move(name), std::string_view(out.str()));
   }
 
@@ -245,9 +241,8 @@ class Checkpoint {
     auto run = [&](T& target) {
       target.load(r);
       if (!r.at_end())
-        throw checkpoint_error(r.what() + ": load() read " + std::to_string(r.position()) +
-                               " of its " + std::to_string(s.bytes.size()) +
-                               " bytes; save() and load() of this type disagree");
+        throw checkpoint_error(r.what() + ": load() read " + std::to_string(r.position()) + " of its " +
+                               std::to_string(s.bytes.size()) + " bytes; save() and load() of this type disagree");
     };
     if constexpr (std::copy_constructible<T> && std::is_move_assignable_v<T>) {
       T tmp(obj);
@@ -262,15 +257,13 @@ class Checkpoint {
   void restore_value(std::string_view name, T& v) const {
     const auto& s = get(name);
     if (s.bytes.size() != sizeof(T))
-      throw checkpoint_error(describe() + " section '" + s.name + "' holds " +
-                             std::to_string(s.bytes.size()) + " bytes, but the value to restore has " +
-                             std::to_string(sizeof(T)) +
+      throw checkpoint_error(describe() + " section '" + s.name + "' holds " + std::to_string(s.bytes.size()) +
+                             " bytes, but the value to restore has " + std::to_string(sizeof(T)) +
                              " (a different type, or one whose layout changed since the save)");
     std::memcpy(static_cast<void*>(&v), s.bytes.data(), sizeof(T));
   }
   template <class T>
-    requires requires(std::istream& i, T& x) { i >> x; } && std::copy_constructible<T> &&
-             std::is_move_assignable_v<T>
+    requires requires(std::istream& i, T& x) { i >> x; } && std::copy_constructible<T> && std::is_move_assignable_v<T>
   void restore_streamed(std::string_view name, T& v) const {
     const auto& s = get(name);
     std::istringstream in(std::string(reinterpret_cast<const char*>(s.bytes.data()), s.bytes.size()));
@@ -307,13 +300,11 @@ class Checkpoint {
     std::string have;
     for (const auto& b : blobs_) have += (have.empty() ? "'" : ", '") + b.name + "'";
     throw checkpoint_error(describe() + " has no section '" + std::string(name) + "' (it has " +
-                           (have.empty() ? std::string("none") : have) +
-                           "); was it saved with this name?");
+                           (have.empty() ? std::string("none") : have) + "); was it saved with this name?");
   }
   void check_new_name(const std::string& name) const {
     if (name.empty()) throw config_error("Checkpoint: a section needs a non-empty name");
-    if (find(name))
-      throw config_error("Checkpoint: section '" + name + "' was added twice; names must be unique");
+    if (find(name)) throw config_error("Checkpoint: section '" + name + "' was added twice; names must be unique");
   }
 
   friend Checkpoint load_checkpoint(const std::filesystem::path& path, const progress_options& progress);

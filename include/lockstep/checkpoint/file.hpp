@@ -65,8 +65,7 @@ struct checkpoint_header {
     store_le(out + 44, crc32_of(out, 44));
   }
   std::string writer_version() const {
-    return std::to_string(writer_major) + "." + std::to_string(writer_minor) + "." +
-           std::to_string(writer_patch);
+    return std::to_string(writer_major) + "." + std::to_string(writer_minor) + "." + std::to_string(writer_patch);
   }
 };
 
@@ -100,8 +99,7 @@ struct unique_fd {
 //! checkpoint_error saying what failed and what to do. (POSIX only.) A save that runs past
 //! progress.first (default 2 s) reports bytes written and rate, then every progress.every
 //! (5 s), and closes with the total.
-inline void save_checkpoint(const std::filesystem::path& path, const Checkpoint& ck,
-                            const progress_options& progress) {
+inline void save_checkpoint(const std::filesystem::path& path, const Checkpoint& ck, const progress_options& progress) {
   namespace fs = std::filesystem;
   const std::string target = path.string();
   if (!path.has_filename())
@@ -110,8 +108,7 @@ inline void save_checkpoint(const std::filesystem::path& path, const Checkpoint&
   const fs::path dir = path.has_parent_path() ? path.parent_path() : fs::path(".");
   detail::progress meter(progress, std::chrono::seconds(2), std::chrono::seconds(5));
   static std::atomic<std::uint64_t> counter{0};
-  const std::string tmp = target + ".tmp-" + std::to_string(::getpid()) + "-" +
-                          std::to_string(counter.fetch_add(1));
+  const std::string tmp = target + ".tmp-" + std::to_string(::getpid()) + "-" + std::to_string(counter.fetch_add(1));
   auto fail = [&](const std::string& problem, const std::string& todo) -> checkpoint_error {
     return checkpoint_error("cannot save checkpoint '" + target + "': " + problem + " (" + todo +
                             "); the previous checkpoint at that path, if any, is unchanged");
@@ -167,7 +164,8 @@ inline void save_checkpoint(const std::filesystem::path& path, const Checkpoint&
       n -= static_cast<std::size_t>(k);
       if (!positioned) written += static_cast<std::uint64_t>(k);
       if (meter.due())
-        meter.report("lockstep: saving " + subject + ": " + detail::transfer_text(written, file_bytes, meter.seconds()));
+        meter.report("lockstep: saving " + subject + ": " +
+                     detail::transfer_text(written, file_bytes, meter.seconds()));
     }
   };
 
@@ -232,8 +230,8 @@ inline void save_checkpoint(const std::filesystem::path& path, const Checkpoint&
   detail::unique_fd dfd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (dfd.fd < 0 || (::fsync(dfd.fd) != 0 && errno != EINVAL && errno != ENOTSUP)) {
     const int e = errno;
-    throw checkpoint_error("checkpoint '" + target + "' was written, but syncing directory '" +
-                           dir.string() + "' failed: " + detail::file_errno_text(e) +
+    throw checkpoint_error("checkpoint '" + target + "' was written, but syncing directory '" + dir.string() +
+                           "' failed: " + detail::file_errno_text(e) +
                            " (after a power loss the previous file may reappear; check the "
                            "file system)");
   }
@@ -249,9 +247,8 @@ inline void save_checkpoint(const std::filesystem::path& path, const Checkpoint&
 inline Checkpoint load_checkpoint(const std::filesystem::path& path, const progress_options& progress) {
   const std::string name = path.string();
   const std::string subject = "checkpoint '" + name + "'";
-  const std::string use_other =
-      "the file was damaged after it was written (disk, copy or transfer): use an earlier "
-      "checkpoint or copy it again";
+  const std::string use_other = "the file was damaged after it was written (disk, copy or transfer): use an earlier "
+                                "checkpoint or copy it again";
 
   detail::unique_fd fd(::open(name.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.fd < 0) {
@@ -259,13 +256,12 @@ inline Checkpoint load_checkpoint(const std::filesystem::path& path, const progr
     throw checkpoint_error("cannot open " + subject + ": " + detail::file_errno_text(e) +
                            (e == ENOENT ? " (check the path; was the checkpoint saved?)" : ""));
   }
-  struct stat st {};
+  struct stat st{};
   if (::fstat(fd.fd, &st) != 0) {
     const int e = errno;
     throw checkpoint_error("cannot stat " + subject + ": " + detail::file_errno_text(e));
   }
-  if (!S_ISREG(st.st_mode))
-    throw checkpoint_error(subject + " is not a regular file; check the path");
+  if (!S_ISREG(st.st_mode)) throw checkpoint_error(subject + " is not a regular file; check the path");
   const auto size = static_cast<std::size_t>(st.st_size);
   auto data = std::shared_ptr<std::byte[]>(new std::byte[size == 0 ? 1 : size]);
   constexpr std::size_t H = detail::checkpoint_header_bytes;
@@ -286,7 +282,8 @@ inline Checkpoint load_checkpoint(const std::filesystem::path& path, const progr
     const std::size_t end = got + static_cast<std::size_t>(k), from = std::max(got, H);
     if (end > from) running.update(data.get() + from, end - from);
     got = end;
-    if (meter.due()) meter.report("lockstep: loading " + subject + ": " + detail::transfer_text(got, size, meter.seconds()));
+    if (meter.due())
+      meter.report("lockstep: loading " + subject + ": " + detail::transfer_text(got, size, meter.seconds()));
   }
   fd.reset();
   const std::byte* b = data.get();
@@ -299,8 +296,8 @@ inline Checkpoint load_checkpoint(const std::filesystem::path& path, const progr
                            "' is not a lockstep checkpoint (it does not start with the "
                            "checkpoint magic bytes); check the path");
   if (n < H)
-    throw checkpoint_error(subject + " is truncated: it holds " + std::to_string(n) +
-                           " bytes, less than the " + std::to_string(H) +
+    throw checkpoint_error(subject + " is truncated: it holds " + std::to_string(n) + " bytes, less than the " +
+                           std::to_string(H) +
                            "-byte header (the write or copy was cut short): use an earlier "
                            "checkpoint or copy it again");
   detail::checkpoint_header h;
@@ -317,21 +314,18 @@ inline Checkpoint load_checkpoint(const std::filesystem::path& path, const progr
   const auto header_len = detail::load_le<std::uint32_t>(b + 20);
   if (header_len < H || header_len > n ||
       detail::load_le<std::uint32_t>(b + header_len - 4) != detail::crc32_of(b, header_len - 4))
-    throw checkpoint_error(subject + " has a corrupt header (its checksum does not match): " +
-                           use_other);
+    throw checkpoint_error(subject + " has a corrupt header (its checksum does not match): " + use_other);
   if (h.format_version != detail::checkpoint_format_version || header_len != H)
     throw checkpoint_error(subject + " has format version " + std::to_string(h.format_version) +
-                           " (written by lockstep " + h.writer_version() + "), but lockstep " +
-                           version_string + " reads format version " +
-                           std::to_string(detail::checkpoint_format_version) +
+                           " (written by lockstep " + h.writer_version() + "), but lockstep " + version_string +
+                           " reads format version " + std::to_string(detail::checkpoint_format_version) +
                            ": load it with a matching lockstep version");
   if (h.flags != detail::native_tensor_flags())
     throw checkpoint_error(subject + " was written on a host of the other byte order; load it "
-                           "on a host like the one that saved it");
+                                     "on a host like the one that saved it");
   if (h.payload_bytes > n - H)
-    throw checkpoint_error(subject + " is truncated: its header announces " +
-                           std::to_string(h.payload_bytes) + " payload bytes but only " +
-                           std::to_string(n - H) +
+    throw checkpoint_error(subject + " is truncated: its header announces " + std::to_string(h.payload_bytes) +
+                           " payload bytes but only " + std::to_string(n - H) +
                            " follow the header (the write or copy was cut short): use an "
                            "earlier checkpoint or copy it again");
   if (h.payload_bytes < n - H)
@@ -342,8 +336,7 @@ inline Checkpoint load_checkpoint(const std::filesystem::path& path, const progr
   if (crc != h.payload_crc) {
     char msg[64];
     std::snprintf(msg, sizeof msg, "CRC-32 0x%08x, header records 0x%08x", crc, h.payload_crc);
-    throw checkpoint_error(subject + " is corrupt: checksum mismatch (payload " + msg + "): " +
-                           use_other);
+    throw checkpoint_error(subject + " is corrupt: checksum mismatch (payload " + msg + "): " + use_other);
   }
 
   // Structure. The CRC matched, so a failure here is a writer bug, not damage.
@@ -371,10 +364,9 @@ inline Checkpoint load_checkpoint(const std::filesystem::path& path, const progr
       numel *= static_cast<std::uint64_t>(d);
     }
     const auto bytes = r.read<std::uint64_t>();
-    if (numel > std::numeric_limits<std::uint64_t>::max() / size_of(t.type) ||
-        bytes != numel * size_of(t.type))
-      r.fail("parameter '" + t.name + "' " + t.shape_string() + " stores " +
-             std::to_string(bytes) + " bytes, not " + std::to_string(numel * size_of(t.type)));
+    if (numel > std::numeric_limits<std::uint64_t>::max() / size_of(t.type) || bytes != numel * size_of(t.type))
+      r.fail("parameter '" + t.name + "' " + t.shape_string() + " stores " + std::to_string(bytes) + " bytes, not " +
+             std::to_string(numel * size_of(t.type)));
     t.data = r.take(static_cast<std::size_t>(bytes));
     ck.params_.push_back(std::move(t));
   }
@@ -390,7 +382,7 @@ inline Checkpoint load_checkpoint(const std::filesystem::path& path, const progr
   if (!r.at_end()) r.fail("has " + std::to_string(r.remaining()) + " bytes after its last section");
   if (ck.fingerprint() != h.fingerprint)
     throw checkpoint_error(subject + ": the parameter fingerprint in the header does not match "
-                           "its parameter table (a writer bug): use an earlier checkpoint");
+                                     "its parameter table (a writer bug): use an earlier checkpoint");
   ck.owners_.push_back(std::shared_ptr<const void>(data, data.get()));
   meter.finish("lockstep: loaded " + subject + ": " + detail::transfer_done_text(n, meter.seconds()));
   return ck;

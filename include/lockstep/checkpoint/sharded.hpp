@@ -51,9 +51,9 @@ inline constexpr std::string_view sharded_magic_v1 = "LSSHARD1";  // no shard ma
 
 //! One saved rank's part of the section: its shard map and its optimizer's bytes.
 struct sharded_part {
-  std::vector<std::size_t> counts;                  // per shard: its length
-  std::vector<std::vector<shard_segment>> map;      // per shard: the model's elements in it
-  std::span<const std::byte> state;                 // what opt.save() wrote
+  std::vector<std::size_t> counts;              // per shard: its length
+  std::vector<std::vector<shard_segment>> map;  // per shard: the model's elements in it
+  std::span<const std::byte> state;             // what opt.save() wrote
 };
 
 inline sharded_part read_sharded_part(std::span<const std::byte> bytes, std::uint32_t rank) {
@@ -138,7 +138,8 @@ void load_sharded(DP& dp, Opt& opt, std::span<const std::byte> section) {
     const bool same = ranks == static_cast<std::uint32_t>(dp.size()) && layout == dp.shard_layout();
     if (v1 && !same)
       throw checkpoint_error("the sharded optimizer state was saved by " + std::to_string(ranks) + " ranks with " +
-                             (layout == dp.shard_layout() ? "this" : "another") + " shard layout, by a lockstep "
+                             (layout == dp.shard_layout() ? "this" : "another") +
+                             " shard layout, by a lockstep "
                              "that saved no shard maps: resume on the same number of ranks, model and BucketPolicy");
     if (!v1) {
       const auto& ps = dp.parameters();
@@ -162,14 +163,17 @@ void load_sharded(DP& dp, Opt& opt, std::span<const std::byte> section) {
     if (v1) {
       state = parts[static_cast<std::size_t>(dp.rank())];
     } else if (same) {
-      state = detail::read_sharded_part(parts[static_cast<std::size_t>(dp.rank())], static_cast<std::uint32_t>(dp.rank())).state;
+      state =
+          detail::read_sharded_part(parts[static_cast<std::size_t>(dp.rank())], static_cast<std::uint32_t>(dp.rank()))
+              .state;
     } else if constexpr (requires { typename Opt::rule_type; }) {
       using Rule = typename Opt::rule_type;
       std::vector<detail::saved_optimizer> saved;
       std::vector<std::vector<std::vector<detail::shard_segment>>> maps;
       for (std::uint32_t k = 0; k < ranks; ++k) {
         auto part = detail::read_sharded_part(parts[k], k);
-        saved.push_back(detail::index_saved_optimizer<Rule>(part.state, "rank " + std::to_string(k) + "'s optimizer state"));
+        saved.push_back(
+            detail::index_saved_optimizer<Rule>(part.state, "rank " + std::to_string(k) + "'s optimizer state"));
         maps.push_back(std::move(part.map));
       }
       std::vector<std::size_t> counts;

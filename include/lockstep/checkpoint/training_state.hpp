@@ -50,9 +50,8 @@ void restore_parameters(const Checkpoint& ck, R&& params, Ops&& ops) {
   const std::string subject = ck.describe();
   if (!ck.has_parameters())
     throw checkpoint_error(subject + " holds no parameters (it was saved without "
-                           "add_parameters); restore only its sections");
-  const std::string todo =
-      "; load it into the model it was saved from (same parameters, order, shapes and types)";
+                                     "add_parameters); restore only its sections");
+  const std::string todo = "; load it into the model it was saved from (same parameters, order, shapes and types)";
   // Field by field rather than by fingerprint alone, to name the first difference (and
   // so that a hash collision can never pass).
   const std::size_t common = std::min(ps.size(), ts.size());
@@ -60,18 +59,16 @@ void restore_parameters(const Checkpoint& ck, R&& params, Ops&& ops) {
     const auto& p = ps[i];
     const auto& t = ts[i];
     if (p.name != t.name || p.shape != t.shape || p.type != t.type)
-      throw checkpoint_error(subject + " does not match the model at parameter #" +
-                             std::to_string(i) + ": the checkpoint has '" + t.name + "' " +
-                             t.shape_string() + ", the model has '" + p.name + "' " +
-                             p.shape_string() + todo);
+      throw checkpoint_error(subject + " does not match the model at parameter #" + std::to_string(i) +
+                             ": the checkpoint has '" + t.name + "' " + t.shape_string() + ", the model has '" +
+                             p.name + "' " + p.shape_string() + todo);
   }
   if (ps.size() != ts.size()) {
-    const std::string extra = ps.size() > ts.size()
-                                  ? "the model's '" + ps[common].name + "' is not in the checkpoint"
-                                  : "the checkpoint's '" + ts[common].name + "' is not in the model";
-    throw checkpoint_error(subject + " holds " + std::to_string(ts.size()) +
-                           " parameters but the model has " + std::to_string(ps.size()) +
-                           " (parameter #" + std::to_string(common) + ": " + extra + ")" + todo);
+    const std::string extra = ps.size() > ts.size() ? "the model's '" + ps[common].name + "' is not in the checkpoint"
+                                                    : "the checkpoint's '" + ts[common].name + "' is not in the model";
+    throw checkpoint_error(subject + " holds " + std::to_string(ts.size()) + " parameters but the model has " +
+                           std::to_string(ps.size()) + " (parameter #" + std::to_string(common) + ": " + extra + ")" +
+                           todo);
   }
   for (const auto& p : ps)
     if (p.bytes() != 0 && p.value == nullptr)

@@ -45,13 +45,21 @@ struct collective {
   //! buckets of equal size are told apart. Not part of encode(): see label_hash().
   std::string label{};
 
-  static collective all_reduce(std::size_t n, dtype t, reduce_op o) { return {collective_kind::all_reduce, n, t, o, 0, 0}; }
-  static collective broadcast(std::size_t n, dtype t, int r) { return {collective_kind::broadcast, n, t, reduce_op::sum, r, 0}; }
-  static collective all_gather(std::size_t n, dtype t) { return {collective_kind::all_gather, n, t, reduce_op::sum, 0, 0}; }
+  static collective all_reduce(std::size_t n, dtype t, reduce_op o) {
+    return {collective_kind::all_reduce, n, t, o, 0, 0};
+  }
+  static collective broadcast(std::size_t n, dtype t, int r) {
+    return {collective_kind::broadcast, n, t, reduce_op::sum, r, 0};
+  }
+  static collective all_gather(std::size_t n, dtype t) {
+    return {collective_kind::all_gather, n, t, reduce_op::sum, 0, 0};
+  }
   static collective reduce_scatter(std::size_t n, dtype t, reduce_op o) {
     return {collective_kind::reduce_scatter, n, t, o, 0, 0};
   }
-  static collective all_to_all(std::size_t n, dtype t) { return {collective_kind::all_to_all, n, t, reduce_op::sum, 0, 0}; }
+  static collective all_to_all(std::size_t n, dtype t) {
+    return {collective_kind::all_to_all, n, t, reduce_op::sum, 0, 0};
+  }
   static collective barrier() { return {}; }
 
   //! "all_reduce #12 of 1048576 f32 (avg)", "broadcast #0 of 10 f64 from root 1", "barrier #3".
@@ -78,8 +86,8 @@ struct collective {
   static constexpr std::size_t encoded_size = 6;
   using encoded = std::array<std::int64_t, encoded_size>;
   encoded encode() const {
-    return {static_cast<std::int64_t>(seq), static_cast<std::int64_t>(kind), static_cast<std::int64_t>(count),
-            static_cast<std::int64_t>(type), static_cast<std::int64_t>(op), root};
+    return {static_cast<std::int64_t>(seq),  static_cast<std::int64_t>(kind), static_cast<std::int64_t>(count),
+            static_cast<std::int64_t>(type), static_cast<std::int64_t>(op),   root};
   }
   static collective decode(std::span<const std::int64_t, encoded_size> f) {
     collective c;
@@ -108,9 +116,9 @@ void label_next_collective(Comm& comm, Make&& make) {
 inline std::optional<std::string> collective_mismatch(std::span<const collective> all, const std::string& how) {
   for (std::size_t r = 1; r < all.size(); ++r) {
     if (all[r] == all[0]) continue;
-    return "ranks called different collectives: rank 0 called " + all[0].describe() + " but rank " +
-           std::to_string(r) + " called " + all[r].describe() +
-           " (every rank must issue the same collectives in the same order; " + how + ")";
+    return "ranks called different collectives: rank 0 called " + all[0].describe() + " but rank " + std::to_string(r) +
+           " called " + all[r].describe() + " (every rank must issue the same collectives in the same order; " + how +
+           ")";
   }
   return std::nullopt;
 }

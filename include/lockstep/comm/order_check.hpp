@@ -87,8 +87,7 @@ inline std::vector<collective> decode_order(std::span<const std::int64_t> all, i
     text[sizeof text - 1] = '\0';
     c.label = text;
     const std::int64_t hash = w[collective::encoded_size];
-    if (c.label.size() == sizeof text - 1 || (hash != 0 && c.label.empty()))
-      c.label += "…#" + std::to_string(hash);
+    if (c.label.size() == sizeof text - 1 || (hash != 0 && c.label.empty())) c.label += "…#" + std::to_string(hash);
     calls.push_back(std::move(c));
   }
   return calls;

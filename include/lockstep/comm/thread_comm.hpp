@@ -51,7 +51,8 @@ struct thread_family {
 
 struct thread_group {
   thread_group(int n, std::chrono::milliseconds timeout, std::shared_ptr<thread_family> f, std::vector<int> world)
-      : sync(n, timeout, world), calls(static_cast<std::size_t>(n)), family(std::move(f)), world_ranks(std::move(world)) {}
+      : sync(n, timeout, world), calls(static_cast<std::size_t>(n)), family(std::move(f)),
+        world_ranks(std::move(world)) {}
   local_rendezvous sync;
   std::vector<posted_call> calls;
   std::shared_ptr<thread_family> family;
@@ -138,8 +139,7 @@ class ThreadComm {
   using work_type = ready_work;
 
   //! One communicator per rank of a new group of n ranks. Hand element r to thread r.
-  static std::vector<ThreadComm> create_group(
-      int n, std::chrono::milliseconds timeout = detail::default_timeout()) {
+  static std::vector<ThreadComm> create_group(int n, std::chrono::milliseconds timeout = detail::default_timeout()) {
     if (n < 1) throw config_error("ThreadComm: a group needs at least 1 rank, got " + std::to_string(n));
     std::vector<int> world(static_cast<std::size_t>(n));
     for (int r = 0; r < n; ++r) world[static_cast<std::size_t>(r)] = r;
@@ -177,7 +177,7 @@ class ThreadComm {
     std::vector<std::int64_t> all(2 * static_cast<std::size_t>(size()));
     all_gather(mine, all.data(), 2, dtype::i64);
     const std::size_t id = seq_;  // the same on every rank: this split's number
-    std::vector<int> members;  // ranks of this group with my colour, in their new order
+    std::vector<int> members;     // ranks of this group with my colour, in their new order
     for (int r = 0; r < size(); ++r)
       if (all[2 * static_cast<std::size_t>(r)] == color) members.push_back(r);
     std::stable_sort(members.begin(), members.end(), [&](int a, int b) {
@@ -214,8 +214,8 @@ class ThreadComm {
 
   ready_work broadcast(void* buf, std::size_t count, dtype t, int root) {
     if (root < 0 || root >= size())
-      throw config_error("ThreadComm::broadcast: root " + std::to_string(root) +
-                         " is not a rank of this group of " + std::to_string(size()));
+      throw config_error("ThreadComm::broadcast: root " + std::to_string(root) + " is not a rank of this group of " +
+                         std::to_string(size()));
     run({collective::broadcast(count, t, root), buf, buf}, [&](const auto& calls, auto& tmp) {
       const std::size_t bytes = count * size_of(t);
       tmp.resize(bytes);

@@ -83,8 +83,7 @@ class byte_reader {
   //! A view of the next n bytes (valid while the underlying buffer lives).
   std::span<const std::byte> take(std::size_t n) {
     if (n > remaining())
-      fail("needs " + std::to_string(n) + " more bytes but only " + std::to_string(remaining()) +
-           " remain");
+      fail("needs " + std::to_string(n) + " more bytes but only " + std::to_string(remaining()) + " remain");
     auto s = data_.subspan(pos_, n);
     pos_ += n;
     return s;
@@ -132,8 +131,8 @@ class byte_reader {
   void read_array(std::span<T> out) {
     const auto n = read_count<T>();
     if (n != out.size())
-      fail("holds an array of " + std::to_string(n) + " elements where " +
-           std::to_string(out.size()) + " were expected (was it saved from a different model?)");
+      fail("holds an array of " + std::to_string(n) + " elements where " + std::to_string(out.size()) +
+           " were expected (was it saved from a different model?)");
     read_elements(out);
   }
 
@@ -141,8 +140,8 @@ class byte_reader {
   template <detail::le_scalar T>
   void read_elements(std::span<T> out) {
     if (out.size() > remaining() / sizeof(T))
-      fail("needs " + std::to_string(out.size()) + " elements of " + std::to_string(sizeof(T)) +
-           " bytes but only " + std::to_string(remaining()) + " bytes remain");
+      fail("needs " + std::to_string(out.size()) + " elements of " + std::to_string(sizeof(T)) + " bytes but only " +
+           std::to_string(remaining()) + " bytes remain");
     if constexpr (std::endian::native == std::endian::little) {
       read_bytes(out.data(), out.size_bytes());
     } else {
@@ -175,8 +174,8 @@ class byte_reader {
   std::size_t read_count() {
     const auto n = read<std::uint64_t>();
     if (n > remaining() / sizeof(T))
-      fail("holds an array of " + std::to_string(n) + " elements of " +
-           std::to_string(sizeof(T)) + " bytes, past its end");
+      fail("holds an array of " + std::to_string(n) + " elements of " + std::to_string(sizeof(T)) +
+           " bytes, past its end");
     return static_cast<std::size_t>(n);
   }
   std::span<const std::byte> data_;

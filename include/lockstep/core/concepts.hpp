@@ -80,9 +80,7 @@ template <class M>
 concept model = model_has_parameters<M>;
 
 template <class M>
-concept gradient_binding_model = model<M> && requires(M& m, std::size_t i, void* p) {
-  m.bind_gradient(i, p);
-};
+concept gradient_binding_model = model<M> && requires(M& m, std::size_t i, void* p) { m.bind_gradient(i, p); };
 
 template <class M>
 concept buffer_model = model<M> && requires(M& m) {
@@ -127,16 +125,16 @@ struct ready_work {
 //!  5. `unpack(src, span<const segment> dst, t)`: scatter contiguous src into dst.
 //!  6. `scale(ptr, count, t, factor)`.
 template <class O>
-concept memory_ops = requires(O& o, void* p, const void* cp, std::size_t n, dtype t, double s,
-                              std::span<const segment> segs) {
-  { o.allocate(n) } -> std::convertible_to<std::shared_ptr<void>>;
-  o.upload(p, cp, n);
-  o.download(p, cp, n);
-  o.zero(p, n);
-  o.pack(segs, p, t, s);
-  o.unpack(cp, segs, t);
-  o.scale(p, n, t, s);
-};
+concept memory_ops =
+    requires(O& o, void* p, const void* cp, std::size_t n, dtype t, double s, std::span<const segment> segs) {
+      { o.allocate(n) } -> std::convertible_to<std::shared_ptr<void>>;
+      o.upload(p, cp, n);
+      o.download(p, cp, n);
+      o.zero(p, n);
+      o.pack(segs, p, t, s);
+      o.unpack(cp, segs, t);
+      o.scale(p, n, t, s);
+    };
 
 // ---------------------------------------------------------------------------------------
 //! lockstep::communicator — how bytes move between the ranks of one job.
@@ -173,8 +171,7 @@ concept communicator_has_memory = requires(C& c) {
   { c.memory() } -> memory_ops;
 };
 template <class C>
-concept communicator =
-    communicator_has_rank<C> && communicator_has_collectives<C> && communicator_has_memory<C>;
+concept communicator = communicator_has_rank<C> && communicator_has_collectives<C> && communicator_has_memory<C>;
 
 //! lockstep::splittable_communicator — a communicator that makes sub-communicators (a mesh of
 //! data × model parallelism, parallel/mesh.hpp).

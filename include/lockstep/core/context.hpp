@@ -14,8 +14,7 @@ class context {
   using comm_type = Comm;
 
   //! device: the GPU this rank drives, or -1 for a CPU rank.
-  context(Comm comm, int local_rank, int device)
-      : comm_(std::move(comm)), local_rank_(local_rank), device_(device) {}
+  context(Comm comm, int local_rank, int device) : comm_(std::move(comm)), local_rank_(local_rank), device_(device) {}
 
   int rank() const { return comm_.rank(); }
   int size() const { return comm_.size(); }

@@ -71,8 +71,7 @@ class checkpoint_error : public error {
 
 namespace detail {
 //! "call failed at file:line: library message" — the shape of every library-call error.
-inline std::string call_failure(const char* call, const char* file, int line,
-                                const std::string& what) {
+inline std::string call_failure(const char* call, const char* file, int line, const std::string& what) {
   return std::string(call) + " failed at " + file + ":" + std::to_string(line) + ": " + what;
 }
 }  // namespace detail

@@ -95,10 +95,8 @@ struct compensated_sum {
   double carry = 0.0;
   void add(double v) noexcept {
     const double t = sum + v;
-    if (std::fabs(sum) >= std::fabs(v))
-      carry += (sum - t) + v;
-    else
-      carry += (v - t) + sum;
+    if (std::fabs(sum) >= std::fabs(v)) carry += (sum - t) + v;
+    else carry += (v - t) + sum;
     sum = t;
   }
   double value() const noexcept { return std::isfinite(sum) ? sum + carry : sum; }
@@ -134,8 +132,7 @@ concept has_grad_ops = requires(Mem& m, std::span<const grad_group> g, double d,
 
 template <>
 struct grad_ops<HostMemory> {
-  static void unscale_and_flag(const HostMemory&, std::span<const grad_group> groups,
-                               double inv_scale, void* flag) {
+  static void unscale_and_flag(const HostMemory&, std::span<const grad_group> groups, double inv_scale, void* flag) {
     detail::require_floating(groups, "unscale_and_check");
     bool bad = false;
     detail::for_each_host_segment(groups, [&]<class T>(T* x, std::size_t n) {

@@ -17,15 +17,14 @@
 namespace lockstep {
 
 struct parameter {
-  std::string name;                //!< for error messages ("layer1.weight")
-  std::vector<std::int64_t> shape; //!< logical shape; numel() is its product
+  std::string name;                 //!< for error messages ("layer1.weight")
+  std::vector<std::int64_t> shape;  //!< logical shape; numel() is its product
   dtype type = dtype::f32;
-  void* value = nullptr;           //!< in the communicator's memory space (host or device)
-  void* grad = nullptr;            //!< same element type and length as value
+  void* value = nullptr;  //!< in the communicator's memory space (host or device)
+  void* grad = nullptr;   //!< same element type and length as value
 
   std::size_t numel() const {
-    return static_cast<std::size_t>(
-        std::accumulate(shape.begin(), shape.end(), std::int64_t{1}, std::multiplies<>{}));
+    return static_cast<std::size_t>(std::accumulate(shape.begin(), shape.end(), std::int64_t{1}, std::multiplies<>{}));
   }
   std::size_t bytes() const { return numel() * size_of(type); }
 
@@ -53,8 +52,8 @@ struct parameter {
   template <class T>
   void check_type() const {
     if (dtype_of<T> != type)
-      throw config_error("parameter '" + name + "' holds " + name_of(type) +
-                         " elements, but was read as " + name_of(dtype_of<T>));
+      throw config_error("parameter '" + name + "' holds " + name_of(type) + " elements, but was read as " +
+                         name_of(dtype_of<T>));
   }
 };
 
@@ -74,8 +73,8 @@ struct param_slice {
   std::size_t offset = 0;  //!< first element within the parameter
   std::size_t count = 0;
   dtype type = dtype::f32;
-  void* value = nullptr;   //!< value + offset
-  void* grad = nullptr;    //!< grad + offset
+  void* value = nullptr;  //!< value + offset
+  void* grad = nullptr;   //!< grad + offset
 };
 
 //! Builds a parameter from raw pointers. shape's product is the element count.
@@ -88,14 +87,12 @@ parameter param(std::string name, T* value, T* grad, std::vector<std::int64_t> s
 
 //! Builds a parameter from spans; their lengths must agree with each other and the shape.
 template <element T>
-parameter param(std::string name, std::span<T> value, std::span<T> grad,
-                std::vector<std::int64_t> shape) {
+parameter param(std::string name, std::span<T> value, std::span<T> grad, std::vector<std::int64_t> shape) {
   auto p = param<T>(std::move(name), value.data(), grad.data(), std::move(shape));
   if (value.size() != p.numel() || grad.size() != p.numel())
     throw config_error("parameter '" + p.name + "': value has " + std::to_string(value.size()) +
-                       " elements and gradient " + std::to_string(grad.size()) +
-                       ", but shape " + p.shape_string() + " needs " +
-                       std::to_string(p.numel()));
+                       " elements and gradient " + std::to_string(grad.size()) + ", but shape " + p.shape_string() +
+                       " needs " + std::to_string(p.numel()));
   return p;
 }
 

@@ -22,10 +22,10 @@ namespace lockstep {
 //! When and where a long phase reports. Unset intervals take the phase's own defaults (the
 //! rendezvous: first after 5 s, then every 10 s; a checkpoint save or load: 2 s, then 5 s).
 struct progress_options {
-  bool enabled = true;                              //!< false (or LOCKSTEP_PROGRESS=0): no lines
-  std::optional<std::chrono::milliseconds> first{}; //!< the first line once the phase ran this long
-  std::optional<std::chrono::milliseconds> every{}; //!< then at most one line per this
-  std::function<void(std::string_view)> sink{};     //!< each line, without '\n'; empty: stderr
+  bool enabled = true;                               //!< false (or LOCKSTEP_PROGRESS=0): no lines
+  std::optional<std::chrono::milliseconds> first{};  //!< the first line once the phase ran this long
+  std::optional<std::chrono::milliseconds> every{};  //!< then at most one line per this
+  std::function<void(std::string_view)> sink{};      //!< each line, without '\n'; empty: stderr
 };
 
 namespace detail {
@@ -49,7 +49,10 @@ inline std::string bytes_text(double bytes) {
     ++u;
   }
   char buf[32];
-  std::snprintf(buf, sizeof buf, bytes < 10.0 && u > 0 ? "%.2f %s" : bytes < 100.0 && u > 0 ? "%.1f %s" : "%.0f %s",
+  std::snprintf(buf, sizeof buf,
+                bytes < 10.0 && u > 0    ? "%.2f %s"
+                : bytes < 100.0 && u > 0 ? "%.1f %s"
+                                         : "%.0f %s",
                 bytes, units[u]);
   return buf;
 }
@@ -89,9 +92,7 @@ class progress {
   //! (a malformed value is a config_error).
   progress(const progress_options& opt, std::chrono::milliseconds first, std::chrono::milliseconds every,
            now_fn now = {})
-      : enabled_(opt.enabled && progress_allowed_by_env()),
-        every_(opt.every.value_or(every)),
-        sink_(opt.sink),
+      : enabled_(opt.enabled && progress_allowed_by_env()), every_(opt.every.value_or(every)), sink_(opt.sink),
         now_(std::move(now)) {
     const auto f = opt.first.value_or(first);
     if (f.count() < 0 || every_.count() <= 0)

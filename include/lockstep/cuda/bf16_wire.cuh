@@ -50,9 +50,7 @@ inline NcclComm::work bf16_wire_all_reduce(NcclComm& comm, wire_staging& st, voi
   std::uint16_t* mine = send + static_cast<std::size_t>(comm.rank()) * per;
   (void)comm.enqueue([&](cudaStream_t s) { cuda::kernels::to_bf16(f, send, main, 1.0f, s); });
   (void)comm.all_to_all(send, recv, per, dtype::bf16);
-  (void)comm.enqueue([&](cudaStream_t s) {
-    cuda::kernels::mean_blocks(recv, comm.size(), per, nullptr, mine, s);
-  });
+  (void)comm.enqueue([&](cudaStream_t s) { cuda::kernels::mean_blocks(recv, comm.size(), per, nullptr, mine, s); });
   (void)comm.all_gather(mine, recv, per, dtype::bf16);
   return comm.enqueue([&](cudaStream_t s) { cuda::kernels::from_bf16(recv, f, main, s); });
 }
@@ -63,7 +61,8 @@ inline NcclComm::work bf16_wire_reduce_scatter(NcclComm& comm, wire_staging& st,
   const std::size_t total = per * static_cast<std::size_t>(comm.size());
   auto* send = static_cast<std::uint16_t*>(st.get(detail::wire_memory{comm}, data, 2 * total * sizeof(std::uint16_t)));
   auto* recv = send + total;
-  (void)comm.enqueue([&](cudaStream_t s) { cuda::kernels::to_bf16(static_cast<const float*>(data), send, total, 1.0f, s); });
+  (void)comm.enqueue(
+      [&](cudaStream_t s) { cuda::kernels::to_bf16(static_cast<const float*>(data), send, total, 1.0f, s); });
   (void)comm.all_to_all(send, recv, per, dtype::bf16);
   return comm.enqueue([&](cudaStream_t s) {
     cuda::kernels::mean_blocks(recv, comm.size(), per, static_cast<float*>(mine), nullptr, s);

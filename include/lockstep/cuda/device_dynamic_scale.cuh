@@ -131,7 +131,8 @@ class DeviceDynamicScale {
     CudaMemory mem = comm.memory();
     // The state, then the votes: [found-inf, rank 0's own flag, ..., rank N-1's] (zeroed).
     const int world = comm.size();
-    auto buf = mem.allocate(sizeof(cuda::kernels::device_scale_state) + sizeof(int) * (1 + static_cast<std::size_t>(world)));
+    auto buf =
+        mem.allocate(sizeof(cuda::kernels::device_scale_state) + sizeof(int) * (1 + static_cast<std::size_t>(world)));
     const auto dev = cuda::kernels::make_device_scale_state(st);
     mem.upload(buf.get(), &dev, sizeof dev);
     if (!watch_ && opts_.max_consecutive_skips > 0) watch_ = new_watch(mem.device());
@@ -157,15 +158,18 @@ class DeviceDynamicScale {
     if (const std::int64_t n = stalled_steps(); n > 0)
       throw error("lockstep::DeviceDynamicScale: " + std::to_string(n) +
                   " steps in a row had inf/NaN gradients (the loss scale backed off each time, to no less "
-                  "than its floor " + std::to_string(opts_.min_scale) + ")" + detail::stalled_advice + origin());
+                  "than its floor " +
+                  std::to_string(opts_.min_scale) + ")" + detail::stalled_advice + origin());
     detail::device_guard g(mem_.device());
     auto* st = state_ptr();
     int* votes = votes_ptr();
     const cudaStream_t s = mem_.stream();
     LOCKSTEP_TRY_CUDA(cudaMemsetAsync(votes, 0, sizeof(int), s));  // the ranks' own flags are the update's
-    for (const auto& grp : groups) cuda::kernels::unscale(grp.segments, grp.type, 1.0, &st->inv_scale, votes, nullptr, s);
+    for (const auto& grp : groups)
+      cuda::kernels::unscale(grp.segments, grp.type, 1.0, &st->inv_scale, votes, nullptr, s);
     // Stream ordered: the compute stream waits for the all-reduce, the host does not.
-    if (comm.size() > 1) comm.all_reduce(votes, votes, 1 + static_cast<std::size_t>(world_), dtype::i32, reduce_op::max).wait();
+    if (comm.size() > 1)
+      comm.all_reduce(votes, votes, 1 + static_cast<std::size_t>(world_), dtype::i32, reduce_op::max).wait();
     cuda::kernels::update_scale(st, opts_, votes, world_, s, watch_ ? device_watch() : nullptr);
     return false;
   }
@@ -177,15 +181,15 @@ class DeviceDynamicScale {
   //! Rank r's slot of the found-inf vote (device memory, int32): raised when r's own
   //! gradients held inf/NaN before averaging; the update names such ranks in the skip-limit error.
   int* device_vote(int r) const {
-    if (r < 0 || r >= world_) throw config_error("DeviceDynamicScale::device_vote: rank " + std::to_string(r) + " of " + std::to_string(world_));
+    if (r < 0 || r >= world_)
+      throw config_error("DeviceDynamicScale::device_vote: rank " + std::to_string(r) + " of " +
+                         std::to_string(world_));
     return votes_ptr() + 1 + r;
   }
 
   //! The skipped steps in a row at which the device reached max_consecutive_skips, or 0 (not
   //! yet, or no limit). Reads host memory the device writes: no synchronisation; it may lag.
-  std::int64_t stalled_steps() const noexcept {
-    return watch_ ? watch_field(&cuda::kernels::skip_watch::stalled) : 0;
-  }
+  std::int64_t stalled_steps() const noexcept { return watch_ ? watch_field(&cuda::kernels::skip_watch::stalled) : 0; }
 
   //! Nothing to do: unscale_and_check already updated the state on the device.
   void update(bool) noexcept {}
@@ -239,7 +243,7 @@ class DeviceDynamicScale {
   volatile watch_t* host_watch() const noexcept { return reinterpret_cast<volatile watch_t*>(watch_.get()); }
   watch_t* device_watch() const { return reinterpret_cast<watch_t*>(detail::device_view(watch_.get())); }
   template <class T>
-  T watch_field(T watch_t::*field) const noexcept {
+  T watch_field(T watch_t::* field) const noexcept {
     return host_watch()->*field;
   }
   void clear_watch() noexcept {
@@ -270,8 +274,8 @@ class DeviceDynamicScale {
   }
 
   DynamicScaleOptions opts_;
-  loss_scale_state host_;      // the state while not attached
-  std::shared_ptr<void> buf_;  // one cuda::kernels::device_scale_state
+  loss_scale_state host_;                // the state while not attached
+  std::shared_ptr<void> buf_;            // one cuda::kernels::device_scale_state
   std::shared_ptr<std::int64_t> watch_;  // a cuda::kernels::skip_watch in mapped pinned host memory
   CudaMemory mem_{0, nullptr};
   const void* owner_ = nullptr;

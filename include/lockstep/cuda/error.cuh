@@ -43,9 +43,7 @@ inline std::string describe_cuda(cudaError_t e) {
            "under compute-sanitizer to find the kernel";
       break;
     case cudaErrorNoDevice:
-    case cudaErrorInsufficientDriver:
-      s += "; check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES";
-      break;
+    case cudaErrorInsufficientDriver: s += "; check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES"; break;
     default: break;
   }
   return s;
@@ -98,8 +96,14 @@ inline void check_nccl(ncclResult_t r, const char* call, const char* file, int l
 
 // ----------------------------------------------------------------------------------------
 // Half and bfloat16 storage types as lockstep element types.
-template <> struct dtype_traits<__half> { static constexpr dtype value = dtype::f16; };
-template <> struct dtype_traits<__nv_bfloat16> { static constexpr dtype value = dtype::bf16; };
+template <>
+struct dtype_traits<__half> {
+  static constexpr dtype value = dtype::f16;
+};
+template <>
+struct dtype_traits<__nv_bfloat16> {
+  static constexpr dtype value = dtype::bf16;
+};
 
 //! The NCCL element type for a lockstep dtype.
 inline ncclDataType_t to_nccl(dtype t) {
@@ -112,8 +116,7 @@ inline ncclDataType_t to_nccl(dtype t) {
     case dtype::f32: return ncclFloat32;
     case dtype::f64: return ncclFloat64;
   }
-  throw config_error("to_nccl: unknown element type tag " +
-                     std::to_string(static_cast<int>(t)));
+  throw config_error("to_nccl: unknown element type tag " + std::to_string(static_cast<int>(t)));
 }
 
 //! The NCCL reduction for a lockstep reduce_op (avg is NCCL's own ncclAvg, one pass).
@@ -133,6 +136,5 @@ inline ncclRedOp_t to_nccl(reduce_op op) {
 #define LOCKSTEP_TRY_NCCL(call) ::lockstep::detail::check_nccl((call), #call, __FILE__, __LINE__)
 //! After `kernel<<<...>>>(...)`: reports a failed launch (bad configuration, no kernel image
 //! for this GPU, ...) at the launch site rather than at some later call.
-#define LOCKSTEP_CHECK_LAUNCH()                                                               \
-  ::lockstep::detail::check_cuda(cudaGetLastError(), "kernel launch (cudaGetLastError)",      \
-                                 __FILE__, __LINE__)
+#define LOCKSTEP_CHECK_LAUNCH() \
+  ::lockstep::detail::check_cuda(cudaGetLastError(), "kernel launch (cudaGetLastError)", __FILE__, __LINE__)

@@ -95,17 +95,20 @@ class FusedOptimizer : public detail::rule_options<Rule> {
       cuda::kernels::visit_float(t, Rule::fused_name, [&]<class Element>(std::type_identity<Element>) {
         using op_t = cuda::kernels::rule_op<Rule, Element>;
         const op_t op{{}, opt_, Rule::states(opt_)};
-        cuda::kernels::launch(op, refs_.size(), [&](std::size_t i) {
-          const param_slice& sl = *refs_[i];
-          cuda::kernels::tensor_ref<op_t::lists> r{};
-          r.p[0] = sl.value;
-          r.p[1] = sl.grad;
-          for (int k = 0; k < Rule::max_states; ++k) r.p[2 + k] = st_.state(sl.param, k, sl.offset);
-          r.p[op_t::master_list] = st_.master(sl.param, sl.offset);
-          r.count = sl.count;
-          r.step = st_.counters() + sl.param;
-          return r;
-        }, s, Rule::fused_name, d_found_inf);
+        cuda::kernels::launch(
+            op, refs_.size(),
+            [&](std::size_t i) {
+              const param_slice& sl = *refs_[i];
+              cuda::kernels::tensor_ref<op_t::lists> r{};
+              r.p[0] = sl.value;
+              r.p[1] = sl.grad;
+              for (int k = 0; k < Rule::max_states; ++k) r.p[2 + k] = st_.state(sl.param, k, sl.offset);
+              r.p[op_t::master_list] = st_.master(sl.param, sl.offset);
+              r.count = sl.count;
+              r.step = st_.counters() + sl.param;
+              return r;
+            },
+            s, Rule::fused_name, d_found_inf);
       });
     }
   }

@@ -44,14 +44,14 @@ inline bool primary_context_active(int device) noexcept {
     void* get_state = nullptr;
     cudaDriverEntryPointQueryResult q1{}, q2{};
 #if CUDART_VERSION >= 12050
-    const bool found = cudaGetDriverEntryPointByVersion("cuDeviceGet", &get_device, 12000, cudaEnableDefault, &q1) ==
-                           cudaSuccess &&
-                       cudaGetDriverEntryPointByVersion("cuDevicePrimaryCtxGetState", &get_state, 12000,
-                                                        cudaEnableDefault, &q2) == cudaSuccess;
+    const bool found =
+        cudaGetDriverEntryPointByVersion("cuDeviceGet", &get_device, 12000, cudaEnableDefault, &q1) == cudaSuccess &&
+        cudaGetDriverEntryPointByVersion("cuDevicePrimaryCtxGetState", &get_state, 12000, cudaEnableDefault, &q2) ==
+            cudaSuccess;
 #else
-    const bool found = cudaGetDriverEntryPoint("cuDeviceGet", &get_device, cudaEnableDefault, &q1) == cudaSuccess &&
-                       cudaGetDriverEntryPoint("cuDevicePrimaryCtxGetState", &get_state, cudaEnableDefault, &q2) ==
-                           cudaSuccess;
+    const bool found =
+        cudaGetDriverEntryPoint("cuDeviceGet", &get_device, cudaEnableDefault, &q1) == cudaSuccess &&
+        cudaGetDriverEntryPoint("cuDevicePrimaryCtxGetState", &get_state, cudaEnableDefault, &q2) == cudaSuccess;
 #endif
     if (found && q1 == cudaDriverEntryPointSuccess && q2 == cudaDriverEntryPointSuccess) {
       r.get_device = reinterpret_cast<CUresult (*)(CUdevice*, int)>(get_device);
@@ -145,10 +145,9 @@ class CudaMemory {
     const cudaError_t e = cudaMalloc(&p, bytes == 0 ? 1 : bytes);
     if (e != cudaSuccess) {
       (void)cudaGetLastError();  // out of memory is not sticky: leave no stale error behind
-      throw cuda_error(detail::call_failure(
-          "cudaMalloc", __FILE__, __LINE__,
-          detail::describe_cuda(e) + " while allocating " + std::to_string(bytes) +
-              " bytes on device " + std::to_string(device_)));
+      throw cuda_error(detail::call_failure("cudaMalloc", __FILE__, __LINE__,
+                                            detail::describe_cuda(e) + " while allocating " + std::to_string(bytes) +
+                                                " bytes on device " + std::to_string(device_)));
     }
     // The shared_ptr frees p (through the deleter) if its own allocation throws.
     std::shared_ptr<void> owner(p, deleter{device_});
@@ -205,8 +204,7 @@ class CudaMemory {
       detail::device_guard g(device, std::nothrow);
       const cudaError_t e = cudaFree(p);
       if (e != cudaSuccess && e != cudaErrorCudartUnloading)
-        std::fprintf(stderr, "lockstep: cudaFree on device %d failed: %s\n", device,
-                     cudaGetErrorString(e));
+        std::fprintf(stderr, "lockstep: cudaFree on device %d failed: %s\n", device, cudaGetErrorString(e));
     }
   };
 

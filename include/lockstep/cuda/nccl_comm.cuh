@@ -167,8 +167,8 @@ class NcclComm : private detail::nccl_handle {
   work broadcast(void* buf, std::size_t count, dtype t, int root) {
     state& s = live("broadcast");
     if (root < 0 || root >= s.size)
-      throw config_error("NcclComm::broadcast: root " + std::to_string(root) +
-                         " is not a rank of this group of " + std::to_string(s.size));
+      throw config_error("NcclComm::broadcast: root " + std::to_string(root) + " is not a rank of this group of " +
+                         std::to_string(s.size));
     const collective c = detail::nccl_check_order(s, collective::broadcast(count, t, root));
     if (count == 0) return {};
     detail::nccl_require(buf, "buf", "broadcast");
@@ -240,7 +240,8 @@ class NcclComm : private detail::nccl_handle {
     const ncclDataType_t nt = to_nccl(t);
     const ncclRedOp_t nop = detail::nccl_reduction(s, op);
     if (detail::copy_engine_reducible(s, send, count, t, op))  // cuda/detail/nccl_window.cuh
-      return issue(s, c, [&](cudaStream_t cs) { detail::copy_engine_reduce_scatter(s, send, recv, count, t, op, nt, cs); });
+      return issue(s, c,
+                   [&](cudaStream_t cs) { detail::copy_engine_reduce_scatter(s, send, recv, count, t, op, nt, cs); });
     return issue(s, c, [&](cudaStream_t cs) {
       if (!s.comm) return detail::nccl_local(send, recv, count * size_of(t), cs);
       LOCKSTEP_TRY_NCCL(ncclReduceScatter(send, recv, count, nt, nop, s.comm, cs));
@@ -274,7 +275,7 @@ class NcclComm : private detail::nccl_handle {
     if (!s_) return std::nullopt;
     for (const auto& m : s_->family->live()) {
       if (m->aborted.load(std::memory_order_acquire)) continue;  // its seals died with it
-      detail::device_guard g(m->device, std::nothrow);             // a watchdog's thread: no context on GPU 0
+      detail::device_guard g(m->device, std::nothrow);           // a watchdog's thread: no context on GPU 0
       if (auto why = m->seals.poll([&] { return detail::nccl_order_how(*m); })) return why;
     }
     return std::nullopt;
@@ -285,7 +286,8 @@ class NcclComm : private detail::nccl_handle {
     state& s = live("verify_order");
     detail::device_guard g(s.device);
     if (!s.seals.drain(detail::default_timeout()))
-      throw timeout_error("NcclComm::verify_order: " + s.who() + ": the order check of earlier collectives did not "
+      throw timeout_error("NcclComm::verify_order: " + s.who() +
+                          ": the order check of earlier collectives did not "
                           "complete within LOCKSTEP_TIMEOUT (a peer never issued them)");
     live("verify_order");  // aborted meanwhile: that, not what the killed checks left
     if (auto why = order_failure()) throw mismatch_error(*why);

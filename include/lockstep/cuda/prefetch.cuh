@@ -93,9 +93,9 @@ struct PrefetchOptions {
 
 //! One batch on the device, as next() returns it: valid until the following next().
 struct prefetched_batch {
-  void* data = nullptr;    //!< device memory of the slot (slot_bytes, 256-byte aligned)
-  std::size_t bytes = 0;   //!< what the producer wrote (and was copied)
-  std::size_t index = 0;   //!< the batch's number in this run
+  void* data = nullptr;   //!< device memory of the slot (slot_bytes, 256-byte aligned)
+  std::size_t bytes = 0;  //!< what the producer wrote (and was copied)
+  std::size_t index = 0;  //!< the batch's number in this run
   template <class T>
   T* as(std::size_t byte_offset = 0) const noexcept {
     return reinterpret_cast<T*>(static_cast<std::byte*>(data) + byte_offset);
@@ -172,8 +172,7 @@ class Prefetcher {
   //! batch; config_error past the end of the run or before start(); timeout_error after
   //! PrefetchOptions::timeout.
   prefetched_batch next() {
-    if (!running_)
-      throw config_error("Prefetcher::next: no run is started; call start(count, producer) first");
+    if (!running_) throw config_error("Prefetcher::next: no run is started; call start(count, producer) first");
     const std::size_t i = taken_;
     if (i >= count_)
       throw config_error("Prefetcher::next: all " + std::to_string(count_) +
@@ -368,9 +367,9 @@ class Prefetcher {
   // Shared with the helper threads, under m_.
   std::mutex m_;
   std::condition_variable cv_;
-  std::size_t count_ = 0;    // batches in this run
-  std::size_t claimed_ = 0;  // next index a helper thread takes
-  std::size_t released_ = 0; // batches the consumer has given back
+  std::size_t count_ = 0;            // batches in this run
+  std::size_t claimed_ = 0;          // next index a helper thread takes
+  std::size_t released_ = 0;         // batches the consumer has given back
   std::vector<std::size_t> issued_;  // per slot: 1 + the batch last copied into it this run
   std::size_t error_at_ = none;      // the first batch that failed, and why
   std::exception_ptr error_;

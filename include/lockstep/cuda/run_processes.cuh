@@ -69,10 +69,11 @@ inline int process_device(const launch_info& info) {
     from = "LOCKSTEP_DEVICES";
   }
   if (device >= visible)
-    throw config_error("rank " + std::to_string(info.rank) + " would drive GPU " + std::to_string(device) +
-                       " (from " + from + "), but " + std::to_string(visible) +
+    throw config_error("rank " + std::to_string(info.rank) + " would drive GPU " + std::to_string(device) + " (from " +
+                       from + "), but " + std::to_string(visible) +
                        " GPU(s) are visible on this host: start at most one process per GPU "
-                       "(lockstep-run --nproc " + std::to_string(visible) + ")");
+                       "(lockstep-run --nproc " +
+                       std::to_string(visible) + ")");
   return device;
 }
 

@@ -29,8 +29,8 @@ namespace lockstep {
 //! Samples per optimizer step: per_rank_batch · ranks · accumulation.
 inline std::size_t effective_batch(std::size_t per_rank_batch, int ranks, int accumulation = 1) {
   if (per_rank_batch == 0 || ranks < 1 || accumulation < 1)
-    throw config_error("effective_batch(" + std::to_string(per_rank_batch) + ", " +
-                       std::to_string(ranks) + ", " + std::to_string(accumulation) +
+    throw config_error("effective_batch(" + std::to_string(per_rank_batch) + ", " + std::to_string(ranks) + ", " +
+                       std::to_string(accumulation) +
                        "): the batch per rank, the number of ranks and the accumulation "
                        "steps must all be at least 1");
   return per_rank_batch * static_cast<std::size_t>(ranks) * static_cast<std::size_t>(accumulation);
@@ -40,9 +40,8 @@ inline std::size_t effective_batch(std::size_t per_rank_batch, int ranks, int ac
 //! base_lr · effective_batch / base_batch.
 inline double scaled_lr(double base_lr, std::size_t base_batch, std::size_t effective_batch) {
   if (base_batch == 0 || effective_batch == 0)
-    throw config_error("scaled_lr: base_batch (" + std::to_string(base_batch) +
-                       ") and effective_batch (" + std::to_string(effective_batch) +
-                       ") must be at least 1");
+    throw config_error("scaled_lr: base_batch (" + std::to_string(base_batch) + ") and effective_batch (" +
+                       std::to_string(effective_batch) + ") must be at least 1");
   return base_lr * (static_cast<double>(effective_batch) / static_cast<double>(base_batch));
 }
 
@@ -107,8 +106,8 @@ struct LinearWarmup {
                          "); set total_steps to the length of the whole run");
     if (step < warmup_steps || decay == Decay::none) return warmup_lr(step, warmup_steps, peak_lr);
     if (step >= total_steps) return final_lr;
-    const double t = static_cast<double>(step - warmup_steps) /
-                     static_cast<double>(total_steps - warmup_steps);  // in [0, 1)
+    const double t =
+        static_cast<double>(step - warmup_steps) / static_cast<double>(total_steps - warmup_steps);  // in [0, 1)
     if (decay == Decay::linear) return peak_lr + (final_lr - peak_lr) * t;
     return final_lr + (peak_lr - final_lr) * 0.5 * (1.0 + std::cos(std::numbers::pi * t));
   }

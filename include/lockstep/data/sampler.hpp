@@ -103,8 +103,7 @@ concept rank_group = requires(const G& g) {
 
 //! (a · b) as (high, low) 64-bit halves from 32-bit pieces: for compilers without a
 //! 128-bit integer (MSVC); kept always compiled so the tests check it against the other.
-constexpr std::pair<std::uint64_t, std::uint64_t> mul_64x64_portable(std::uint64_t a,
-                                                                     std::uint64_t b) noexcept {
+constexpr std::pair<std::uint64_t, std::uint64_t> mul_64x64_portable(std::uint64_t a, std::uint64_t b) noexcept {
   const std::uint64_t a_lo = a & 0xffffffffULL, a_hi = a >> 32;
   const std::uint64_t b_lo = b & 0xffffffffULL, b_hi = b >> 32;
   const std::uint64_t ll = a_lo * b_lo, lh = a_lo * b_hi, hl = a_hi * b_lo, hh = a_hi * b_hi;
@@ -113,8 +112,7 @@ constexpr std::pair<std::uint64_t, std::uint64_t> mul_64x64_portable(std::uint64
 }
 
 //! (a · b) as (high, low) 64-bit halves, the same on every platform.
-constexpr std::pair<std::uint64_t, std::uint64_t> mul_64x64(std::uint64_t a,
-                                                            std::uint64_t b) noexcept {
+constexpr std::pair<std::uint64_t, std::uint64_t> mul_64x64(std::uint64_t a, std::uint64_t b) noexcept {
 #if defined(__SIZEOF_INT128__)
   __extension__ using u128 = unsigned __int128;  // __extension__: quiet under -Wpedantic
   const u128 m = static_cast<u128>(a) * b;
@@ -135,8 +133,7 @@ constexpr std::uint64_t bounded(SplitMix64& gen, std::uint64_t n) noexcept {
 }
 
 //! The documented Fisher–Yates shuffle of [0, len) for (seed, epoch).
-inline std::vector<std::size_t> permutation(std::size_t len, std::uint64_t seed,
-                                            std::uint64_t epoch) {
+inline std::vector<std::size_t> permutation(std::size_t len, std::uint64_t seed, std::uint64_t epoch) {
   std::vector<std::size_t> a(len);
   std::iota(a.begin(), a.end(), std::size_t{0});
   SplitMix64 gen(sampler_key(seed, epoch));
@@ -172,9 +169,8 @@ class DistributedSampler {
       throw config_error("DistributedSampler: world size is " + std::to_string(world) +
                          "; it must be at least 1 (the number of ranks)");
     if (rank < 0 || rank >= world)
-      throw config_error("DistributedSampler: rank " + std::to_string(rank) +
-                         " is outside [0, " + std::to_string(world) +
-                         "); pass this process's rank and the number of ranks");
+      throw config_error("DistributedSampler: rank " + std::to_string(rank) + " is outside [0, " +
+                         std::to_string(world) + "); pass this process's rank and the number of ranks");
     num_samples_ = samples_per_rank(len, world);
     fill();
   }
@@ -182,8 +178,7 @@ class DistributedSampler {
   //! Takes rank and world from a context or communicator (anything with rank(), size()).
   template <detail::rank_group G>
   DistributedSampler(std::size_t len, const G& group, SamplerOptions opts = {})
-      : DistributedSampler(len, static_cast<int>(group.rank()), static_cast<int>(group.size()),
-                           opts) {}
+      : DistributedSampler(len, static_cast<int>(group.rank()), static_cast<int>(group.size()), opts) {}
 
   //! This rank's number of samples per epoch (PyTorch's num_samples); the same on all ranks.
   std::size_t size() const noexcept { return num_samples_; }
@@ -211,8 +206,8 @@ class DistributedSampler {
   //! Resume after `k` consumed samples of the current epoch; 0 <= k <= size().
   void set_position(std::size_t k) {
     if (k > num_samples_)
-      throw config_error("DistributedSampler::set_position(" + std::to_string(k) +
-                         "): this rank has only " + std::to_string(num_samples_) +
+      throw config_error("DistributedSampler::set_position(" + std::to_string(k) + "): this rank has only " +
+                         std::to_string(num_samples_) +
                          " samples per epoch; a checkpoint from a different data set size "
                          "or number of ranks cannot be resumed mid-epoch");
     position_ = k;
@@ -222,9 +217,7 @@ class DistributedSampler {
 
   //! Where the sampler stands (for checkpoints; the same on every rank but the position's
   //! meaning, which is per rank — and equal on every rank that steps in lockstep).
-  sampler_state state() const noexcept {
-    return {seed_, epoch_, position_, len_, world_};
-  }
+  sampler_state state() const noexcept { return {seed_, epoch_, position_, len_, world_}; }
   //! Resumes a saved state: its seed and epoch, and its position — or, when the epoch was
   //! used up, the start of the next epoch. A state from another data set size is refused;
   //! so is a mid-epoch one from another number of ranks (an epoch boundary is fine: the
@@ -280,10 +273,9 @@ class DistributedSampler {
   //! The rest of this epoch (from position()) cut into batches of `batch_size` indices.
   //! The spans point into indices(): they stay valid until set_epoch() with a new epoch
   //! or the sampler's destruction.
-  std::vector<std::span<const std::size_t>> batches(
-      std::size_t batch_size, LastBatch last = LastBatch::keep_partial) const {
-    if (batch_size == 0)
-      throw config_error("DistributedSampler::batches: batch size is 0; pass at least 1");
+  std::vector<std::span<const std::size_t>> batches(std::size_t batch_size,
+                                                    LastBatch last = LastBatch::keep_partial) const {
+    if (batch_size == 0) throw config_error("DistributedSampler::batches: batch size is 0; pass at least 1");
     const std::span<const std::size_t> rest = std::span(indices_).subspan(position_);
     std::size_t n = rest.size() / batch_size;
     if (last == LastBatch::keep_partial && rest.size() % batch_size != 0) ++n;

@@ -43,9 +43,7 @@ class SplitMix64 {
   constexpr std::uint64_t state() const noexcept { return state_; }
 
   static constexpr std::uint64_t min() noexcept { return 0; }
-  static constexpr std::uint64_t max() noexcept {
-    return std::numeric_limits<std::uint64_t>::max();
-  }
+  static constexpr std::uint64_t max() noexcept { return std::numeric_limits<std::uint64_t>::max(); }
 
  private:
   std::uint64_t state_;
@@ -58,9 +56,9 @@ constexpr std::uint64_t seed_combine(std::uint64_t h, std::uint64_t v) noexcept 
   return splitmix64_mix(h ^ splitmix64_mix(v + SplitMix64::gamma));
 }
 // Domain tags (ASCII) keep the model, per-rank and sampler streams apart for one base seed.
-inline constexpr std::uint64_t model_domain = 0x6d6f64656cULL;          // "model"
-inline constexpr std::uint64_t rank_domain = 0x72616e6bULL;             // "rank"
-inline constexpr std::uint64_t sampler_domain = 0x73616d706c6572ULL;    // "sampler"
+inline constexpr std::uint64_t model_domain = 0x6d6f64656cULL;        // "model"
+inline constexpr std::uint64_t rank_domain = 0x72616e6bULL;           // "rank"
+inline constexpr std::uint64_t sampler_domain = 0x73616d706c6572ULL;  // "sampler"
 
 //! The key of DistributedSampler's shuffle for (seed, epoch): the SplitMix64 state it
 //! starts from. Hashed (not seed + epoch) so that epochs start at unrelated points of the
@@ -88,8 +86,7 @@ constexpr std::uint64_t rank_seed(std::uint64_t base, int rank) noexcept {
 //! A per-rank, per-epoch seed: distinct for distinct epochs of one (base, rank), so
 //! augmentation is not replayed identically each epoch, yet reproducible after a resume.
 //! Defined as seed_combine(rank_seed(base, rank), epoch).
-constexpr std::uint64_t rank_epoch_seed(std::uint64_t base, int rank,
-                                        std::uint64_t epoch) noexcept {
+constexpr std::uint64_t rank_epoch_seed(std::uint64_t base, int rank, std::uint64_t epoch) noexcept {
   return detail::seed_combine(rank_seed(base, rank), epoch);
 }
 

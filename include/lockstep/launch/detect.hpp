@@ -27,23 +27,23 @@ namespace lockstep {
 struct gpu_info {
   int id = 0;
   std::string name;
-  std::size_t total_memory = 0;   //!< bytes
-  std::size_t free_memory = 0;    //!< bytes, when detected
+  std::size_t total_memory = 0;  //!< bytes
+  std::size_t free_memory = 0;   //!< bytes, when detected
   int cc_major = 0, cc_minor = 0;
   int multiprocessors = 0;
   std::vector<bool> peer_access;  //!< peer_access[j]: this GPU can access GPU j directly
 };
 
 struct environment {
-  int hardware_threads = 1;            //!< std::thread::hardware_concurrency (≥ 1)
-  std::optional<int> cpu_ranks;        //!< LOCKSTEP_CPU_RANKS, when set
-  bool cuda_built = false;             //!< this build has lockstep::cuda
-  std::vector<gpu_info> gpus;          //!< visible GPUs (empty without CUDA or a driver)
-  std::string cuda_error;              //!< why no GPU was found, when the runtime said so
-  int nccl_version = 0;                //!< e.g. 22805 for 2.28.5; 0 when unknown
+  int hardware_threads = 1;                 //!< std::thread::hardware_concurrency (≥ 1)
+  std::optional<int> cpu_ranks;             //!< LOCKSTEP_CPU_RANKS, when set
+  bool cuda_built = false;                  //!< this build has lockstep::cuda
+  std::vector<gpu_info> gpus;               //!< visible GPUs (empty without CUDA or a driver)
+  std::string cuda_error;                   //!< why no GPU was found, when the runtime said so
+  int nccl_version = 0;                     //!< e.g. 22805 for 2.28.5; 0 when unknown
   std::optional<std::vector<int>> devices;  //!< LOCKSTEP_DEVICES="0,2": the GPUs to use
   std::optional<launch_info> launcher;      //!< set when a launcher started this process
-  std::optional<int> model_parallel;   //!< LOCKSTEP_MODEL_PARALLEL, when set: ranks per model replica
+  std::optional<int> model_parallel;        //!< LOCKSTEP_MODEL_PARALLEL, when set: ranks per model replica
 };
 
 namespace detail {
@@ -119,9 +119,9 @@ inline environment detect() {
   if (e.devices)
     for (int d : *e.devices)
       if (d >= n)
-        throw config_error("LOCKSTEP_DEVICES names GPU " + std::to_string(d) + ", but " +
-                           std::to_string(n) + " GPU(s) are visible (ids 0.." +
-                           std::to_string(n - 1) + "; CUDA_VISIBLE_DEVICES renumbers them)");
+        throw config_error("LOCKSTEP_DEVICES names GPU " + std::to_string(d) + ", but " + std::to_string(n) +
+                           " GPU(s) are visible (ids 0.." + std::to_string(n - 1) +
+                           "; CUDA_VISIBLE_DEVICES renumbers them)");
 #endif
   if (auto n = detail::env_long("LOCKSTEP_CPU_RANKS")) {
     if (*n < 1 || *n > 4096)
@@ -158,16 +158,18 @@ struct plan {
 inline plan decide(const environment& e, bool gpus_usable = false, bool mpi_usable = false) {
   if (e.launcher) {
     const auto& l = *e.launcher;
-    const std::string who = "rank " + std::to_string(l.rank) + " of " + std::to_string(l.world) + " (" + l.launcher + ")";
+    const std::string who =
+        "rank " + std::to_string(l.rank) + " of " + std::to_string(l.world) + " (" + l.launcher + ")";
     if (gpus_usable && !e.gpus.empty() && !e.cpu_ranks)
       return {mode_kind::gpu_processes, l.world, {}, who + ": one process per GPU"};
     if (mpi_usable && (l.launcher == "openmpi" || l.launcher == "mpich" || l.launcher == "slurm"))
       return {mode_kind::mpi_processes, l.world, {}, who + ": one CPU process per rank over MPI"};
-    throw config_error("this process was started by " + l.launcher + " as " + who +
-                       ", but this build cannot run one process per rank here: " +
-                       (e.gpus.empty() ? std::string("no GPU is visible") : std::string("it was not compiled with CUDA")) +
-                       (mpi_usable ? " and it was not launched by mpirun/srun" : " and has no MPI (lockstep::mpi)") +
-                       ". Run CPU ranks as threads (unset the launcher variables, or use Threads{})");
+    throw config_error(
+        "this process was started by " + l.launcher + " as " + who +
+        ", but this build cannot run one process per rank here: " +
+        (e.gpus.empty() ? std::string("no GPU is visible") : std::string("it was not compiled with CUDA")) +
+        (mpi_usable ? " and it was not launched by mpirun/srun" : " and has no MPI (lockstep::mpi)") +
+        ". Run CPU ranks as threads (unset the launcher variables, or use Threads{})");
   }
   if (gpus_usable && !e.gpus.empty() && !e.cpu_ranks) {
     plan p{mode_kind::local_gpus, 0, {}, {}};
@@ -183,9 +185,10 @@ inline plan decide(const environment& e, bool gpus_usable = false, bool mpi_usab
     return p;
   }
   if (e.cpu_ranks)
-    return {mode_kind::cpu_threads, *e.cpu_ranks, {},
-            std::to_string(*e.cpu_ranks) + " CPU ranks (LOCKSTEP_CPU_RANKS)"};
-  return {mode_kind::cpu_threads, e.hardware_threads, {},
+    return {mode_kind::cpu_threads, *e.cpu_ranks, {}, std::to_string(*e.cpu_ranks) + " CPU ranks (LOCKSTEP_CPU_RANKS)"};
+  return {mode_kind::cpu_threads,
+          e.hardware_threads,
+          {},
           std::to_string(e.hardware_threads) + " CPU ranks (one per hardware thread" +
               std::string(e.gpus.empty() ? ", no GPU visible" : "") + ")"};
 }

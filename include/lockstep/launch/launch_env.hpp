@@ -41,14 +41,14 @@ namespace lockstep {
 
 //! Where this process sits in a job started by a launcher.
 struct launch_info {
-  int rank = 0;              //!< 0..world-1
-  int world = 1;             //!< processes in the job
-  int local_rank = 0;        //!< 0..local_world-1: index on this host (picks the GPU)
-  int local_world = 1;       //!< processes on this host
-  std::string master_addr;   //!< host of the rank-0 store; empty when unknown
-  int master_port = 0;       //!< its port; 0 when unknown
-  std::string launcher;      //!< "lockstep-run", "torchrun", "openmpi", "slurm" or "explicit"
-  std::string job_token;     //!< shared by the job's processes, and its run id (run_id_of); may be empty
+  int rank = 0;             //!< 0..world-1
+  int world = 1;            //!< processes in the job
+  int local_rank = 0;       //!< 0..local_world-1: index on this host (picks the GPU)
+  int local_world = 1;      //!< processes on this host
+  std::string master_addr;  //!< host of the rank-0 store; empty when unknown
+  int master_port = 0;      //!< its port; 0 when unknown
+  std::string launcher;     //!< "lockstep-run", "torchrun", "openmpi", "slurm" or "explicit"
+  std::string job_token;    //!< shared by the job's processes, and its run id (run_id_of); may be empty
 };
 
 //! Values given in code; each set field beats every environment variable.
@@ -233,8 +233,8 @@ inline std::optional<launch_partial> launch_from_lockstep_run() {
     const int v = parse_launch_int(*other, pairs[i].first, -(1L << 30), 1L << 30, "an integer");
     if (v != **pairs[i].second)
       throw config_error(std::string(ours[i]) + "=" + std::to_string(**pairs[i].second) + " but " + pairs[i].first +
-                         "=" + *other + ": the two launchers' variables disagree; unset the stale " +
-                         pairs[i].first + " (lockstep-run sets both)");
+                         "=" + *other + ": the two launchers' variables disagree; unset the stale " + pairs[i].first +
+                         " (lockstep-run sets both)");
   }
   // lockstep-run starts all ranks on one host: local defaults to global.
   if (!p.local_rank && !p.local_world) {
@@ -249,10 +249,10 @@ inline std::optional<launch_partial> launch_from_torchrun() {
 }
 
 inline std::optional<launch_partial> launch_from_openmpi() {
-  auto p = launch_from_vars("openmpi",
-                            {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                             "OMPI_COMM_WORLD_LOCAL_SIZE"},
-                            2, true);
+  auto p = launch_from_vars(
+      "openmpi",
+      {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"}, 2,
+      true);
   // mpirun names each job's PMIx namespace afresh: a run id that no earlier run shares.
   if (p && !p->job_token)
     if (auto ns = env("PMIX_NAMESPACE"); ns && !ns->empty()) p->job_token = "openmpi-" + *ns;
@@ -268,8 +268,9 @@ inline std::optional<launch_partial> launch_from_pmi() {
 inline std::optional<launch_partial> launch_from_slurm() {
   if (!env("SLURM_PROCID")) return std::nullopt;
   const bool has_ntasks = env("SLURM_NTASKS") || !env("SLURM_NPROCS");
-  launch_partial p{"slurm", {}, {}, {}, {}, {}, {}, {},
-                   "SLURM_PROCID", has_ntasks ? "SLURM_NTASKS" : "SLURM_NPROCS", "SLURM_LOCALID", ""};
+  launch_partial p{
+      "slurm",         {}, {}, {}, {}, {}, {}, {}, "SLURM_PROCID", has_ntasks ? "SLURM_NTASKS" : "SLURM_NPROCS",
+      "SLURM_LOCALID", ""};
   p.rank = launch_env_int("SLURM_PROCID", 0, 1 << 30, rank_meaning);
   p.world = launch_env_int(has_ntasks ? "SLURM_NTASKS" : "SLURM_NPROCS", 1, 1 << 30, world_meaning);
   p.local_rank = launch_env_int("SLURM_LOCALID", 0, 1 << 30, rank_meaning);
@@ -288,7 +289,8 @@ inline std::optional<launch_partial> launch_from_slurm() {
     p.local_world = slurm_tasks_on_node(*list, -1, list_var);
     if (p.local_world) p.local_world_var = list_var;
   }
-  if (p.local_world_var.empty()) p.local_world_var = "SLURM_NTASKS_PER_NODE (or SLURM_NODEID with SLURM_TASKS_PER_NODE)";
+  if (p.local_world_var.empty())
+    p.local_world_var = "SLURM_NTASKS_PER_NODE (or SLURM_NODEID with SLURM_TASKS_PER_NODE)";
   launch_common(p, true);
   if (!p.master_addr) {
     for (const char* v : {"SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"})
@@ -328,16 +330,25 @@ inline std::optional<launch_info> detect_launcher(const launch_overrides& o = {}
     found = pmi && !agree ? std::move(pmi) : std::move(slurm);
   }
 
-  const bool any_override = o.rank || o.world || o.local_rank || o.local_world || o.master_addr ||
-                            o.master_port || o.job_token;
+  const bool any_override =
+      o.rank || o.world || o.local_rank || o.local_world || o.master_addr || o.master_port || o.job_token;
   if (!found && !any_override) return std::nullopt;
   if (!found) {
     if (!o.rank || !o.world)
       throw config_error("launch_overrides gives no rank and world and no launcher variables are set "
                          "(RANK/WORLD_SIZE, LOCKSTEP_*, OMPI_COMM_WORLD_*, PMI_*, SLURM_*): set rank and world, "
                          "or start the program with a launcher (torchrun, lockstep-run, mpirun, srun)");
-    found = launch_partial{"explicit", {}, {}, {}, {}, {}, {}, {},
-                           "launch_overrides::rank", "launch_overrides::world", "launch_overrides::local_rank",
+    found = launch_partial{"explicit",
+                           {},
+                           {},
+                           {},
+                           {},
+                           {},
+                           {},
+                           {},
+                           "launch_overrides::rank",
+                           "launch_overrides::world",
+                           "launch_overrides::local_rank",
                            "launch_overrides::local_world"};
     if (!o.local_rank && !o.local_world) {  // nothing says otherwise: one host
       found->local_rank = *o.rank;
@@ -378,7 +389,8 @@ inline std::optional<launch_info> detect_launcher(const launch_overrides& o = {}
   const int local_world = need(p.local_world, p.local_world_var, p.local_rank_var);
   auto check_range = [&](int v, const char* what, int lo) {
     if (v < lo)
-      throw config_error(std::string(what) + "=" + std::to_string(v) + " must be at least " + std::to_string(lo) + from);
+      throw config_error(std::string(what) + "=" + std::to_string(v) + " must be at least " + std::to_string(lo) +
+                         from);
   };
   check_range(rank, p.rank_var.c_str(), 0);
   check_range(world, p.world_var.c_str(), 1);

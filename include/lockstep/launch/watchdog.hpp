@@ -73,16 +73,10 @@ class Watchdog {
 
   //! host/port: the job's TcpStore (rank 0 connects over loopback). Connects, registers the
   //! watch and starts the thread; throws like TcpStore when the store cannot be reached.
-  Watchdog(const std::string& host, int port, int rank, int world, const std::string& token,
-           failure_fn on_failure, poll_fn poll = {}, watchdog_options opt = {})
-      : rank_(rank),
-        world_(world),
-        port_(port),
-        host_(rank == 0 ? std::string("127.0.0.1") : host),
-        token_(token),
-        opt_(opt),
-        on_failure_(std::move(on_failure)),
-        poll_(std::move(poll)) {
+  Watchdog(const std::string& host, int port, int rank, int world, const std::string& token, failure_fn on_failure,
+           poll_fn poll = {}, watchdog_options opt = {})
+      : rank_(rank), world_(world), port_(port), host_(rank == 0 ? std::string("127.0.0.1") : host), token_(token),
+        opt_(opt), on_failure_(std::move(on_failure)), poll_(std::move(poll)) {
     if (opt_.period.count() <= 0 || opt_.timeout.count() <= 0 || opt_.grace.count() < 0)
       throw config_error("Watchdog: period and timeout must be positive and grace not negative");
     if (!on_failure_) throw config_error("Watchdog: on_failure is empty; pass what to do when a peer fails");
@@ -214,8 +208,7 @@ class Watchdog {
         }
       } catch (const timeout_error& e) {
         if (rank_ == 0) throw;
-        return std::string("rank 0 stopped responding: the store it hosts did not answer in time (") + e.what() +
-               ")";
+        return std::string("rank 0 stopped responding: the store it hosts did not answer in time (") + e.what() + ")";
       } catch (const aborted_error& e) {
         if (rank_ == 0) throw;
         return std::string("rank 0 left: the store it hosts closed (rank 0 exited or was killed; ") + e.what() + ")";

@@ -265,8 +265,7 @@ class MpiComm {
     if (!in_place) std::memcpy(mine, send, bytes);
     for (int r = 0; r < size(); ++r)
       for_chunks(count, [&](std::size_t off, int len) {
-        issue(w, MPI_Ibcast(out + static_cast<std::size_t>(r) * bytes + off * es, len, mt, r,
-                            s_->comm, &next(w)));
+        issue(w, MPI_Ibcast(out + static_cast<std::size_t>(r) * bytes + off * es, len, mt, r, s_->comm, &next(w)));
       });
     return w;
   }
@@ -289,15 +288,15 @@ class MpiComm {
     }
     const auto* in = static_cast<const unsigned char*>(send);
     if (!big) {
-      issue(w, MPI_Ireduce_scatter_block(send, out, static_cast<int>(count),
-                                         mt, detail::mpi_op_of(op, t), s_->comm, &next(w)));
+      issue(w, MPI_Ireduce_scatter_block(send, out, static_cast<int>(count), mt, detail::mpi_op_of(op, t), s_->comm,
+                                         &next(w)));
     } else {
       // Too large for one int count: one reduction to each rank, in chunks.
       for (int r = 0; r < size(); ++r)
         for_chunks(count, [&](std::size_t off, int len) {
-          issue(w, MPI_Ireduce(in + static_cast<std::size_t>(r) * bytes + off * es,
-                               r == rank() ? out + off * es : nullptr, len, mt,
-                               detail::mpi_op_of(op, t), r, s_->comm, &next(w)));
+          issue(w,
+                MPI_Ireduce(in + static_cast<std::size_t>(r) * bytes + off * es, r == rank() ? out + off * es : nullptr,
+                            len, mt, detail::mpi_op_of(op, t), r, s_->comm, &next(w)));
         });
     }
     const bool staged = out != recv;
@@ -378,8 +377,8 @@ class MpiComm {
     if (rc == MPI_SUCCESS) return;
     w.reqs_.pop_back();
     s_->broken = w.what_ + " failed to start: " + detail::mpi_error_string(rc);
-    std::string msg = detail::call_failure(("MPI call for " + w.what_).c_str(), __FILE__, __LINE__,
-                                           detail::mpi_error_string(rc));
+    std::string msg =
+        detail::call_failure(("MPI call for " + w.what_).c_str(), __FILE__, __LINE__, detail::mpi_error_string(rc));
     w.abandon();
     throw mpi_error(msg);
   }

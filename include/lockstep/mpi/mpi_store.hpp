@@ -56,8 +56,8 @@ class MpiStore {
   //! Root's bytes on every rank (collective; the others' `bytes` are ignored).
   std::vector<std::byte> broadcast_bytes(int root, std::span<const std::byte> bytes) {
     if (root < 0 || root >= world())
-      throw config_error("MpiStore::broadcast_bytes: root " + std::to_string(root) +
-                         " is not a rank of this job of " + std::to_string(world()));
+      throw config_error("MpiStore::broadcast_bytes: root " + std::to_string(root) + " is not a rank of this job of " +
+                         std::to_string(world()));
     std::int64_t n = static_cast<std::int64_t>(bytes.size());
     comm_.broadcast(&n, 1, dtype::i64, root).wait();
     std::vector<std::byte> out(static_cast<std::size_t>(n));
@@ -83,8 +83,8 @@ class MpiStore {
                           ": no rank set this key before every rank called get (MpiStore's get "
                           "is collective: set the key first, on any rank)");
     const auto it = values_.find(std::string(key));
-    return broadcast_bytes(owner, owner == rank() ? std::span<const std::byte>(it->second)
-                                                  : std::span<const std::byte>());
+    return broadcast_bytes(owner,
+                           owner == rank() ? std::span<const std::byte>(it->second) : std::span<const std::byte>());
   }
 
   //! Collective: throws timeout_error naming the keys that no rank has set.

@@ -63,10 +63,13 @@ inline std::vector<grad_tensor> parse_shapes(std::istream& in, const std::string
     int dims = 0;
     for (std::string d; ss >> d; ++dims) {
       if (d.find_first_not_of("0123456789") != std::string::npos || d.size() > 12 || std::stoull(d) == 0)
-        throw config_error(source + ":" + std::to_string(n) + ": '" + d + "' is not a positive dimension (a line is: name 768 3072)");
+        throw config_error(source + ":" + std::to_string(n) + ": '" + d +
+                           "' is not a positive dimension (a line is: name 768 3072)");
       count *= std::stoull(d);
     }
-    if (dims == 0) throw config_error(source + ":" + std::to_string(n) + ": " + t.name + " has no dimensions (a line is: name 768 3072)");
+    if (dims == 0)
+      throw config_error(source + ":" + std::to_string(n) + ": " + t.name +
+                         " has no dimensions (a line is: name 768 3072)");
     t.bytes = count * element_bytes;
     out.push_back(t);
   }
@@ -82,7 +85,7 @@ struct estimate_input {
   std::vector<grad_tensor> tensors;  //!< optional, registration order; bytes already × element
   double step_seconds = 0;           //!< T: one step on one GPU, everything included
   double backward_fraction = 2.0 / 3.0;
-  double optimizer_seconds = 0;      //!< O: part of T, run per bucket after backward
+  double optimizer_seconds = 0;  //!< O: part of T, run per bucket after backward
   std::uint64_t first_bucket_bytes = std::uint64_t{1} << 20;
   std::uint64_t bucket_bytes = std::uint64_t{25} << 20;
 
@@ -122,7 +125,11 @@ inline std::vector<launch_unit> launch_units(const estimate_input& in) {
   for (const auto& x : in.tensors)
     if (x.late) order.push_back({&x, B});
   // Buckets: byte ranges in that order; `only`: the bucket's one tensor (null when several).
-  struct bucket { std::uint64_t bytes = 0, cap = 0; double ready = 0; const grad_tensor* only = nullptr; };
+  struct bucket {
+    std::uint64_t bytes = 0, cap = 0;
+    double ready = 0;
+    const grad_tensor* only = nullptr;
+  };
   std::vector<bucket> buckets;
   for (const auto& [x, ready] : order) {
     for (std::uint64_t left = x->bytes; left > 0;) {
@@ -163,10 +170,12 @@ struct estimate_row {
 inline void check_input(const estimate_input& in) {
   if (in.gradient_bytes() == 0) throw config_error("estimate: no gradients (give a parameter count or tensors)");
   if (in.element_bytes == 0) throw config_error("estimate: element_bytes is 0 (4 for f32, 2 for bf16/f16)");
-  if (!(in.step_seconds > 0)) throw config_error("estimate: the 1-GPU step time must be > 0 (measure one step on one GPU)");
+  if (!(in.step_seconds > 0))
+    throw config_error("estimate: the 1-GPU step time must be > 0 (measure one step on one GPU)");
   if (!(in.backward_fraction > 0 && in.backward_fraction <= 1))
     throw config_error("estimate: backward_fraction must be in (0, 1] (default 2/3)");
-  if (!(in.optimizer_seconds >= 0) || in.backward_fraction * in.step_seconds + in.optimizer_seconds > in.step_seconds * (1 + 1e-12))
+  if (!(in.optimizer_seconds >= 0) ||
+      in.backward_fraction * in.step_seconds + in.optimizer_seconds > in.step_seconds * (1 + 1e-12))
     throw config_error("estimate: backward (backward_fraction × step) plus the optimizer time exceed the step time");
   if (in.bucket_bytes == 0 || in.first_bucket_bytes == 0) throw config_error("estimate: bucket sizes must be > 0");
 }
@@ -183,7 +192,7 @@ inline std::vector<estimate_row> estimate(const estimate_input& in, const comm_c
     estimate_row r{g, mode(g, T), mode(g, T), mode(g, T)};
     if (g > 1) {
       r.no_overlap = mode(g, T + curve.all_reduce(g, S));
-      double e = 0, o = B;  // overlap
+      double e = 0, o = B;                   // overlap
       std::vector<double> es(units.size());  // sharded: reduce-scatters end
       for (std::size_t i = 0; i < units.size(); ++i) {
         const double s = static_cast<double>(units[i].bytes);

@@ -57,8 +57,9 @@ inline std::string format_gpu_samples(const std::vector<gpu_sample>& samples) {
     if (!out.empty()) out += " | ";
     out += "GPU" + std::to_string(s.device) + " " + num(s.util_pct, "%.0f") + "% ";
     if (s.mem_total_bytes == 0) out += "?";
-    else out += num(static_cast<double>(s.mem_used_bytes) / gib, "%.1f") + "/" +
-                num(static_cast<double>(s.mem_total_bytes) / gib, "%.1f");
+    else
+      out += num(static_cast<double>(s.mem_used_bytes) / gib, "%.1f") + "/" +
+             num(static_cast<double>(s.mem_total_bytes) / gib, "%.1f");
     out += " GiB " + num(s.temp_c, "%.0f") + "\u00b0C " + num(s.power_w, "%.0f") + " W";
   }
   return out;
@@ -87,8 +88,8 @@ struct GpuMonitorOptions {
   std::vector<std::string> pci_bus_ids{};
   //! Called on the monitor's thread after each sample (keep it short; see the file comment for errors).
   std::function<void(const std::vector<gpu_sample>&)> on_sample{};
-  bool start = true;        //!< start sampling at construction (else call start())
-  bool require = false;     //!< throw config_error at construction when unavailable
+  bool start = true;           //!< start sampling at construction (else call start())
+  bool require = false;        //!< throw config_error at construction when unavailable
   std::string nvml_library{};  //!< NVML's file; empty: libnvidia-ml.so.1, then libnvidia-ml.so
 };
 
@@ -241,8 +242,8 @@ inline std::string describe_gpus_now(const std::string& nvml_library = {}) {
   std::string out;
   for (const auto& g : s.sample()) {
     std::string line = format_gpu_samples({g});
-    line.insert(line.find(' '), (g.name.empty() ? "" : " " + g.name) +
-                                    (g.pci_bus_id.empty() ? "" : " [" + g.pci_bus_id + "]") + ":");
+    line.insert(line.find(' '),
+                (g.name.empty() ? "" : " " + g.name) + (g.pci_bus_id.empty() ? "" : " [" + g.pci_bus_id + "]") + ":");
     out += line + "\n";
   }
   return out;

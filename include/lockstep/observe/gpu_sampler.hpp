@@ -23,16 +23,16 @@ namespace lockstep {
 //! One reading of one GPU. A value the GPU does not report (power on some boards,
 //! utilisation under MIG) is NaN, or 0 for the memory sizes.
 struct gpu_sample {
-  int device = 0;                  //!< the label: NVML index, or position in pci_bus_ids
-  std::string name;                //!< e.g. "NVIDIA H100 80GB HBM3" ("" when not reported)
-  std::string pci_bus_id;          //!< e.g. "00000000:18:00.0" ("" when not reported)
-  double util_pct = std::numeric_limits<double>::quiet_NaN();      //!< kernel time share, 0..100
+  int device = 0;                                              //!< the label: NVML index, or position in pci_bus_ids
+  std::string name;                                            //!< e.g. "NVIDIA H100 80GB HBM3" ("" when not reported)
+  std::string pci_bus_id;                                      //!< e.g. "00000000:18:00.0" ("" when not reported)
+  double util_pct = std::numeric_limits<double>::quiet_NaN();  //!< kernel time share, 0..100
   double mem_util_pct = std::numeric_limits<double>::quiet_NaN();  //!< memory-controller busy share
   std::uint64_t mem_used_bytes = 0;
   std::uint64_t mem_total_bytes = 0;
   double temp_c = std::numeric_limits<double>::quiet_NaN();   //!< GPU die, °C
   double power_w = std::numeric_limits<double>::quiet_NaN();  //!< board power draw, W
-  double wall_time = 0;  //!< when it was read: seconds since the Unix epoch
+  double wall_time = 0;                                       //!< when it was read: seconds since the Unix epoch
 };
 
 //! Where a GpuMonitor's readings come from. NvmlSampler reads real GPUs; tests inject fakes.

@@ -82,16 +82,14 @@ class ThroughputMeter {
   using clock = std::chrono::steady_clock;
 
   void start() {
-    if (running_)
-      throw config_error("ThroughputMeter::start: already started; call stop(samples) first");
+    if (running_) throw config_error("ThroughputMeter::start: already started; call stop(samples) first");
     running_ = true;
     t0_ = clock::now();
   }
   //! Ends the interval begun by start(), counting `samples` processed in it.
   void stop(std::int64_t samples) {
     const auto t1 = clock::now();
-    if (!running_)
-      throw config_error("ThroughputMeter::stop: not started; call start() first");
+    if (!running_) throw config_error("ThroughputMeter::stop: not started; call start() first");
     running_ = false;
     add(samples, std::chrono::duration<double>(t1 - t0_).count());
   }
@@ -113,14 +111,10 @@ class ThroughputMeter {
   bool running() const noexcept { return running_; }
 
   //! This rank's rate; 0 before any time was counted.
-  double samples_per_s() const noexcept {
-    return seconds_ > 0.0 ? static_cast<double>(samples_) / seconds_ : 0.0;
-  }
+  double samples_per_s() const noexcept { return seconds_ > 0.0 ? static_cast<double>(samples_) / seconds_ : 0.0; }
   //! The job's rate estimated from this rank alone: per-rank rate × ranks (ranks in step
   //! process equal batches in equal time). No communication.
-  double total_samples_per_s(int ranks) const noexcept {
-    return samples_per_s() * static_cast<double>(ranks);
-  }
+  double total_samples_per_s(int ranks) const noexcept { return samples_per_s() * static_cast<double>(ranks); }
   //! The job's rate measured (collective): samples summed over ranks divided by the longest
   //! rank's time, since the job is only as fast as its slowest rank. 0 if no time was counted.
   template <communicator C>
@@ -170,8 +164,7 @@ straggler_report stragglers(DP& dp) {
 
 //! How much of n ranks' ideal speed-up a run achieves: total / (n · one_rank), 1.0 = perfect.
 //! Both rates are whole-job samples per second (one rank alone; n ranks together).
-inline double scaling_efficiency(double one_rank_samples_per_s, double n_rank_total_samples_per_s,
-                                 int n) {
+inline double scaling_efficiency(double one_rank_samples_per_s, double n_rank_total_samples_per_s, int n) {
   if (n < 1) throw config_error("scaling_efficiency: n must be >= 1, got " + std::to_string(n));
   if (!(one_rank_samples_per_s > 0.0) || !std::isfinite(one_rank_samples_per_s))
     throw config_error("scaling_efficiency: the one-rank rate must be finite and > 0, got " +
@@ -180,8 +173,7 @@ inline double scaling_efficiency(double one_rank_samples_per_s, double n_rank_to
 }
 
 //! "epoch 3 | step 120/469 | loss 0.432100 | 12345.6 samples/s"
-inline std::string progress_line(int epoch, std::int64_t step, std::int64_t steps, double loss,
-                                 double samples_per_s) {
+inline std::string progress_line(int epoch, std::int64_t step, std::int64_t steps, double loss, double samples_per_s) {
   char buf[160];
   std::snprintf(buf, sizeof buf, "epoch %d | step %lld/%lld | loss %.6f | %.1f samples/s", epoch,
                 static_cast<long long>(step), static_cast<long long>(steps), loss, samples_per_s);
@@ -193,8 +185,7 @@ class Rank0Logger {
  public:
   explicit Rank0Logger(int rank, std::ostream& out = std::cout) : out_(&out), rank_(rank) {}
   template <communicator C>
-  explicit Rank0Logger(const C& comm, std::ostream& out = std::cout)
-      : Rank0Logger(comm.rank(), out) {}
+  explicit Rank0Logger(const C& comm, std::ostream& out = std::cout) : Rank0Logger(comm.rank(), out) {}
 
   bool active() const noexcept { return rank_ == 0; }
 

@@ -84,7 +84,7 @@ inline probe parse_probe(std::istream& in, const std::string& source) {
         else if (key == "ranks") pt.ranks = std::stoi(val, &used);
         else if (key == "bytes") pt.bytes = std::stoull(val, &used);
         else if (key == "ms") pt.seconds = std::stod(val, &used) / 1e3, has_ms = true;
-        else used = val.size();  // dtype: a note on what was measured
+        else used = val.size();            // dtype: a note on what was measured
       } catch (const std::logic_error&) {  // stoi/stod: not a number, or out of range
         used = 0;
       }
@@ -136,7 +136,8 @@ class comm_curve {
       if (it == lines_.end()) it = lines_.insert(lines_.end(), line{pt.ranks, {}, 0, 0});
       it->pts.push_back({static_cast<double>(pt.bytes), pt.seconds, 1});
     }
-    if (lines_.empty()) throw config_error("comm_curve: the probe has no points; measure one (lockstep-info --estimate)");
+    if (lines_.empty())
+      throw config_error("comm_curve: the probe has no points; measure one (lockstep-info --estimate)");
     for (auto& l : lines_) fit(l);
     std::sort(lines_.begin(), lines_.end(), [](const line& a, const line& b) { return a.ranks < b.ranks; });
     // A ring's latency grows with its length: fewer ranks take at most the latency fitted for
@@ -175,7 +176,10 @@ class comm_curve {
   }
 
  private:
-  struct pt { double x, t; int n; };
+  struct pt {
+    double x, t;
+    int n;
+  };
   struct line {
     int ranks;
     std::vector<pt> pts;
@@ -251,7 +255,8 @@ std::vector<probe_point> measure_all_reduce(C& comm, std::span<const std::uint64
   const double barrier_alone = slowest_median(v);
   for (const std::uint64_t bytes : sizes) {
     const std::size_t count = bytes / size_of(t);
-    const int reps = static_cast<int>(std::clamp<std::uint64_t>((std::uint64_t{256} << 20) / std::max<std::uint64_t>(bytes, 1), 2, 64));
+    const int reps = static_cast<int>(
+        std::clamp<std::uint64_t>((std::uint64_t{256} << 20) / std::max<std::uint64_t>(bytes, 1), 2, 64));
     for (int i = 0; i < 3; ++i) comm.all_reduce(buf.get(), buf.get(), count, t, reduce_op::avg).wait();
     for (auto& x : v) {
       comm.barrier();

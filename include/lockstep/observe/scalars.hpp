@@ -79,7 +79,9 @@ inline void pb_varint(std::string& out, std::uint64_t v) {
   }
   out.push_back(static_cast<char>(v));
 }
-inline void pb_tag(std::string& out, int field, int wire) { pb_varint(out, static_cast<std::uint64_t>(field << 3 | wire)); }
+inline void pb_tag(std::string& out, int field, int wire) {
+  pb_varint(out, static_cast<std::uint64_t>(field << 3 | wire));
+}
 template <class U>
 void pb_le(std::string& out, U v) {
   for (std::size_t i = 0; i < sizeof(U); ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xFF));
@@ -142,7 +144,8 @@ inline std::string host_name() {
 class TensorBoardWriter {
  public:
   explicit TensorBoardWriter(const std::filesystem::path& dir)
-      : now_(detail::wall_seconds()), f_(events_file(dir, now_), std::ios::binary | std::ios::trunc, "TensorBoardWriter") {
+      : now_(detail::wall_seconds()),
+        f_(events_file(dir, now_), std::ios::binary | std::ios::trunc, "TensorBoardWriter") {
     f_.out << detail::tf_record(detail::tf_event(now_, 0, "brain.Event:2", {}, 0));
     flush();
   }
@@ -196,7 +199,8 @@ class JsonLinesWriter {
   explicit JsonLinesWriter(const std::filesystem::path& file) : f_(file, std::ios::trunc, "JsonLinesWriter") {}
   void scalar(std::string_view tag, std::int64_t step, double value, double wall_time) {
     char num[96];
-    std::snprintf(num, sizeof num, "{\"wall_time\":%.6f,\"step\":%lld,\"tag\":\"", wall_time, static_cast<long long>(step));
+    std::snprintf(num, sizeof num, "{\"wall_time\":%.6f,\"step\":%lld,\"tag\":\"", wall_time,
+                  static_cast<long long>(step));
     f_.out << num;
     for (unsigned char c : tag) {
       if (c == '"' || c == '\\') f_.out << '\\' << c;
@@ -258,8 +262,8 @@ class ScalarLog {
     if (now - last_flush_ >= 1.0) flush();
   }
 
-  //! What lockstep knows of an optimizer step (dp: a DataParallel, r: its step_result): "lockstep/loss_scale", "lockstep/skipped_steps"
-  //! (so far), "lockstep/grad_norm" (when finish() clipped), "lockstep/comm_seconds" (host
+  //! What lockstep knows of an optimizer step (dp: a DataParallel, r: its step_result): "lockstep/loss_scale",
+  //! "lockstep/skipped_steps" (so far), "lockstep/grad_norm" (when finish() clipped), "lockstep/comm_seconds" (host
   //! time in collectives since the previous call).
   template <class DP, class StepResult>
   void training(std::int64_t step, DP& dp, const StepResult& r) {

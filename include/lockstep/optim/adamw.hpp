@@ -46,14 +46,12 @@ struct AdamWRule {
   static void validate(const AdamWOptions& o) {
     detail::check_learning_rate(name, o.lr);
     if (!(o.beta1 >= 0 && o.beta1 < 1) || !(o.beta2 >= 0 && o.beta2 < 1))
-      throw config_error("AdamW: beta1 and beta2 must lie in [0, 1), got " + std::to_string(o.beta1) +
-                         " and " + std::to_string(o.beta2));
+      throw config_error("AdamW: beta1 and beta2 must lie in [0, 1), got " + std::to_string(o.beta1) + " and " +
+                         std::to_string(o.beta2));
     if (!(o.eps > 0) || !(o.weight_decay >= 0) || !std::isfinite(o.weight_decay))
       throw config_error("AdamW: eps must be > 0 and weight_decay a finite number ≥ 0");
   }
-  static constexpr auto fields(auto& o) noexcept {
-    return std::tie(o.lr, o.beta1, o.beta2, o.eps, o.weight_decay);
-  }
+  static constexpr auto fields(auto& o) noexcept { return std::tie(o.lr, o.beta1, o.beta2, o.eps, o.weight_decay); }
 
   template <class A>
   struct coefficients {
@@ -88,9 +86,13 @@ class AdamW : public Optimizer<AdamWRule> {
   using Optimizer::Optimizer;
   //! First and second moments of a slot (empty before its first step or for another T).
   template <class T>
-  std::span<const T> exp_avg(std::size_t slot) const { return state<T>(slot, 0); }
+  std::span<const T> exp_avg(std::size_t slot) const {
+    return state<T>(slot, 0);
+  }
   template <class T>
-  std::span<const T> exp_avg_sq(std::size_t slot) const { return state<T>(slot, 1); }
+  std::span<const T> exp_avg_sq(std::size_t slot) const {
+    return state<T>(slot, 1);
+  }
 };
 static_assert(serializable<AdamW>);
 

@@ -109,19 +109,18 @@ inline void check_learning_rate(const char* who, double lr) {
 //!     adds go through detail::rn_mul / rn_add so that host and GPU agree bit for bit.
 //! Example: lockstep::SgdRule (optim/sgd.hpp).
 template <class R>
-concept optimizer_rule =
-    std::is_trivially_copyable_v<typename R::options> &&
-    requires(const typename R::options& o, byte_writer& w, byte_reader& r, float a, float* s) {
-      { R::name } -> std::convertible_to<const char*>;
-      { R::fused_name } -> std::convertible_to<const char*>;
-      { R::max_states } -> std::convertible_to<int>;
-      { R::states(o) } -> std::convertible_to<int>;
-      R::validate(o);
-      { R::saves_step } -> std::convertible_to<bool>;
-      R::fields(o);
-      R::update(R::template prepare<float>(o, std::int64_t{1}), a, a, s);
-      { o.lr } -> std::convertible_to<double>;
-    };
+concept optimizer_rule = std::is_trivially_copyable_v<typename R::options> &&
+                         requires(const typename R::options& o, byte_writer& w, byte_reader& r, float a, float* s) {
+                           { R::name } -> std::convertible_to<const char*>;
+                           { R::fused_name } -> std::convertible_to<const char*>;
+                           { R::max_states } -> std::convertible_to<int>;
+                           { R::states(o) } -> std::convertible_to<int>;
+                           R::validate(o);
+                           { R::saves_step } -> std::convertible_to<bool>;
+                           R::fields(o);
+                           R::update(R::template prepare<float>(o, std::int64_t{1}), a, a, s);
+                           { o.lr } -> std::convertible_to<double>;
+                         };
 
 namespace detail {
 
@@ -182,17 +181,14 @@ typename Rule::options checked_loaded_options(byte_reader& r, const char* who) {
 
 inline void check_segment_pair(const segment& v, const segment& g, std::size_t slot, const char* who) {
   if (v.count != g.count)
-    throw config_error(std::string(who) + ": slot " + std::to_string(slot) + " has " +
-                       std::to_string(v.count) + " values but " + std::to_string(g.count) +
-                       " gradients; pass matching segments");
+    throw config_error(std::string(who) + ": slot " + std::to_string(slot) + " has " + std::to_string(v.count) +
+                       " values but " + std::to_string(g.count) + " gradients; pass matching segments");
   if (v.count != 0 && (v.ptr == nullptr || g.ptr == nullptr))
-    throw config_error(std::string(who) + ": slot " + std::to_string(slot) +
-                       " has a null value or gradient pointer");
+    throw config_error(std::string(who) + ": slot " + std::to_string(slot) + " has a null value or gradient pointer");
 }
 
 template <class R>
-concept parameter_range = std::ranges::input_range<R> &&
-                          std::convertible_to<std::ranges::range_value_t<R>, parameter>;
+concept parameter_range = std::ranges::input_range<R> && std::convertible_to<std::ranges::range_value_t<R>, parameter>;
 
 //! What the host and the fused optimizer of a rule share: its options, validated at
 //! construction and on every change.
@@ -223,7 +219,8 @@ class rule_options {
 //! Optimizer<Rule> — a rule applied to host parameters (f32/f64), in their own type.
 //! State lives in *slots*: slot i belongs to the i-th parameter of `parameters()`.
 //! `step(params)` updates every slot; `step(slices)` the slots the slices name (whole), and
-//! `step_segments(slots, values, grads, t)` a subset (e.g. one bucket as soon as it is reduced). serializable: save(byte_writer&) / load(byte_reader&).
+//! `step_segments(slots, values, grads, t)` a subset (e.g. one bucket as soon as it is reduced). serializable:
+//! save(byte_writer&) / load(byte_reader&).
 template <optimizer_rule Rule>
 class Optimizer : public detail::rule_options<Rule> {
   using base = detail::rule_options<Rule>;
@@ -269,9 +266,9 @@ class Optimizer : public detail::rule_options<Rule> {
   void step_segments(std::span<const std::size_t> slots, std::span<const segment> values,
                      std::span<const segment> grads, dtype t, bool skip = false) {
     if (slots.size() != values.size() || slots.size() != grads.size())
-      throw config_error(std::string(Rule::name) + "::step_segments: " + std::to_string(slots.size()) +
-                         " slots, " + std::to_string(values.size()) + " value and " +
-                         std::to_string(grads.size()) + " gradient segments; pass one of each per slot");
+      throw config_error(std::string(Rule::name) + "::step_segments: " + std::to_string(slots.size()) + " slots, " +
+                         std::to_string(values.size()) + " value and " + std::to_string(grads.size()) +
+                         " gradient segments; pass one of each per slot");
     if (skip) return;
     for (std::size_t k = 0; k < slots.size(); ++k) update(slots[k], values[k], grads[k], t);
   }
@@ -350,8 +347,8 @@ class Optimizer : public detail::rule_options<Rule> {
   //! type and length as the slot saw before.
   slot& checked_slot(std::size_t i, const segment& v, const segment& g, dtype t) {
     if (t != dtype::f32 && t != dtype::f64)
-      throw config_error(std::string(Rule::name) + " on the CPU updates f32 or f64 parameters, not " +
-                         name_of(t) + "; use lockstep::cuda::" + Rule::fused_name + " for half precision");
+      throw config_error(std::string(Rule::name) + " on the CPU updates f32 or f64 parameters, not " + name_of(t) +
+                         "; use lockstep::cuda::" + Rule::fused_name + " for half precision");
     detail::check_segment_pair(v, g, i, Rule::name);
     if (i >= slots_.size()) slots_.resize(i + 1);
     slot& s = slots_[i];

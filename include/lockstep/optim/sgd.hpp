@@ -60,8 +60,13 @@ struct SgdRule {
   };
   template <class A>
   LOCKSTEP_HOST_DEVICE static coefficients<A> prepare(const SgdOptions& o, std::int64_t step) {
-    return {static_cast<A>(o.lr), static_cast<A>(o.momentum), static_cast<A>(1.0 - o.dampening),
-            static_cast<A>(o.weight_decay), o.nesterov, o.momentum != 0, step == 1};
+    return {static_cast<A>(o.lr),
+            static_cast<A>(o.momentum),
+            static_cast<A>(1.0 - o.dampening),
+            static_cast<A>(o.weight_decay),
+            o.nesterov,
+            o.momentum != 0,
+            step == 1};
   }
   template <class A>
   LOCKSTEP_HOST_DEVICE static void update(const coefficients<A>& c, A& w, A g, A* s) {
@@ -83,7 +88,9 @@ class Sgd : public Optimizer<SgdRule> {
   using Optimizer::Optimizer;
   //! The momentum buffer of a slot (empty before its first step or when momentum = 0).
   template <class T>
-  std::span<const T> momentum_buffer(std::size_t slot) const { return state<T>(slot, 0); }
+  std::span<const T> momentum_buffer(std::size_t slot) const {
+    return state<T>(slot, 0);
+  }
 };
 static_assert(serializable<Sgd>);
 

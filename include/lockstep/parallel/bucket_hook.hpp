@@ -35,10 +35,10 @@ namespace lockstep {
 //!
 //! Example: AllReduceMean below.
 template <class H, class Comm>
-concept bucket_hook = std::semiregular<H> && communicator<Comm> &&
-                      requires(H& h, Comm& comm, void* data, std::size_t count, dtype t) {
-                        { h.reduce(comm, data, count, t) } -> work;
-                      };
+concept bucket_hook =
+    std::semiregular<H> && communicator<Comm> && requires(H& h, Comm& comm, void* data, std::size_t count, dtype t) {
+      { h.reduce(comm, data, count, t) } -> work;
+    };
 
 //! The default hook: one all-reduce with reduce_op::avg, in place (NCCL folds the 1/N into its
 //! reduction: no extra pass over the gradients).
@@ -56,9 +56,9 @@ struct AllReduceMean {
 //! `detect_launcher()->local_world`). A tail the node size does not divide goes through one flat
 //! all-reduce. With L = 1 or one node (L = the job's size) it is the flat all-reduce, since the
 //! three steps cost more than one on a single node (measured: 0.78× on 4 × H200 with L = 2).
-//! Default-constructed (no nodes given): the flat all-reduce, as AllReduceMean. The three steps run one after the other: on host
-//! communicators the call returns when the first two are done; on NCCL each step's stream waits
-//! for the one before, and the call returns at once.
+//! Default-constructed (no nodes given): the flat all-reduce, as AllReduceMean. The three steps run one after the
+//! other: on host communicators the call returns when the first two are done; on NCCL each step's stream waits for the
+//! one before, and the call returns at once.
 //! \code
 //!   lockstep::DataParallel dp(ctx, model, lockstep::Hierarchical(ctx.comm(), {.ranks_per_node = 8}));
 //! \endcode
@@ -102,10 +102,12 @@ class Hierarchical {
   //! a host communicator waits.
   template <class Work>
   static void then(Work& w, Comm& next) {
-    if constexpr (requires { next.comm_stream(); w.wait(next.comm_stream()); })
+    if constexpr (requires {
+                    next.comm_stream();
+                    w.wait(next.comm_stream());
+                  })
       w.wait(next.comm_stream());
-    else
-      w.wait();
+    else w.wait();
   }
 
   //! The communicators within this rank's node and across nodes (null when default-constructed).
@@ -197,8 +199,9 @@ class Bf16Wire {
  private:
   template <class Comm>
   static void host_only(Comm& comm) {
-    static_assert(!requires { comm.comm_stream(); },
-                  "lockstep::Bf16Wire on a device communicator: include lockstep/cuda.cuh (its wire kernels)");
+    static_assert(
+        !requires { comm.comm_stream(); },
+        "lockstep::Bf16Wire on a device communicator: include lockstep/cuda.cuh (its wire kernels)");
   }
   static void round(void* data, std::size_t n) {
     auto* f = static_cast<float*>(data);
@@ -214,8 +217,7 @@ template <class Hook, class Comm>
 auto hook_reduce_scatter(Hook& h, Comm& comm, void* data, void* mine, std::size_t per, dtype t) {
   if constexpr (requires { h.reduce_scatter(comm, data, mine, per, t); })
     return h.reduce_scatter(comm, data, mine, per, t);
-  else
-    return comm.reduce_scatter(data, mine, per, t, reduce_op::avg);
+  else return comm.reduce_scatter(data, mine, per, t, reduce_op::avg);
 }
 
 }  // namespace lockstep

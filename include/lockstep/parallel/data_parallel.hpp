@@ -65,16 +65,14 @@ class DataParallel {
   static_assert(model_has_parameters<Model>,
                 "lockstep::DataParallel: Model does not satisfy lockstep::model: requirement 1 "
                 "— it needs parameters() returning a range of lockstep::parameter");
-  static_assert(communicator_has_rank<Comm>,
-                "lockstep::DataParallel: Comm does not satisfy lockstep::communicator: "
-                "requirement 1 — it needs rank() and size()");
+  static_assert(communicator_has_rank<Comm>, "lockstep::DataParallel: Comm does not satisfy lockstep::communicator: "
+                                             "requirement 1 — it needs rank() and size()");
   static_assert(communicator_has_collectives<Comm>,
                 "lockstep::DataParallel: Comm does not satisfy lockstep::communicator: "
                 "requirements 2-6 — it needs all_reduce, broadcast, all_gather, "
                 "reduce_scatter and barrier returning lockstep::work");
-  static_assert(communicator_has_memory<Comm>,
-                "lockstep::DataParallel: Comm does not satisfy lockstep::communicator: "
-                "requirement 7 — it needs memory() returning lockstep::memory_ops");
+  static_assert(communicator_has_memory<Comm>, "lockstep::DataParallel: Comm does not satisfy lockstep::communicator: "
+                                               "requirement 7 — it needs memory() returning lockstep::memory_ops");
 
  public:
   using model_type = Model;
@@ -171,7 +169,8 @@ class DataParallel {
       throw config_error("lockstep: step() called while the previous step is still open; "
                          "call finish() on each step before starting the next");
     if (!in_cycle_) {
-      detail::check_unchanged(reducer_.params(), detail::collect_parameters(model_), comm_.rank(), reducer_.zero_copy());
+      detail::check_unchanged(reducer_.params(), detail::collect_parameters(model_), comm_.rank(),
+                              reducer_.zero_copy());
       k_ = acc_.steps();
       if (k_ < 1) throw config_error("lockstep: the accumulation policy returned steps() < 1");
       micro_ = 0;
@@ -245,8 +244,7 @@ class DataParallel {
   int size() const { return comm_.size(); }
 
  private:
-  static std::vector<parameter> initial_parameters(Comm& comm, Model& model,
-                                                   const DataParallelOptions& opts) {
+  static std::vector<parameter> initial_parameters(Comm& comm, Model& model, const DataParallelOptions& opts) {
     auto ps = detail::collect_parameters(model);
     for (const auto& p : ps)
       if (!is_floating(p.type))
@@ -303,9 +301,9 @@ class DataParallel {
     // armed, the check listens to the next step's launch units.
     origin_.settle(comm_, [&] { return scaler_.state().steps + 1; });  // this step's number
     if (auto* check = origin_.arm_for(scaler_, found_inf, comm_.rank()))
-      recorder_.listen_launches([check, this](const detail::unit_launch& u) { check->check(comm_, u.data, u.count, u.type); });
-    else
-      recorder_.listen_launches(nullptr);
+      recorder_.listen_launches(
+          [check, this](const detail::unit_launch& u) { check->check(comm_, u.data, u.count, u.type); });
+    else recorder_.listen_launches(nullptr);
     origin_.name_in([&] { scaler_.update(found_inf); }, found_inf);
     r.applied = !found_inf;
     if constexpr (device_scaler<scaler_type>) r.device_found_inf = scaler_.device_found_inf();
@@ -355,9 +353,10 @@ class DataParallel {
                scaler_type scaler, hook_type hook, const strategy_type& strategy)
       : comm_(comm), model_(model), opts_(opts), acc_(std::move(acc)), scaler_(std::move(scaler)),
         hook_(std::move(hook)), recorder_(comm.rank()),
-        reducer_(comm, hook_, recorder_, initial_parameters(comm, model, opts), opts.buckets,
-                 detail::gradient_binder(model, opts), [&model] { return detail::collect_parameters(model); }, strategy,
-                 detail::value_binder(model, opts, strategy)),
+        reducer_(
+            comm, hook_, recorder_, initial_parameters(comm, model, opts), opts.buckets,
+            detail::gradient_binder(model, opts), [&model] { return detail::collect_parameters(model); }, strategy,
+            detail::value_binder(model, opts, strategy)),
         buffers_(detail::collect_buffers(model)), frozen_(detail::collect_frozen(model)) {
     if (!(opts_.max_grad_norm >= 0))
       throw config_error("DataParallelOptions::max_grad_norm must be >= 0 (0: no clipping), got " +
@@ -388,17 +387,17 @@ class DataParallel {
   hook_type hook_;
   detail::step_recorder recorder_;  // the step's events: NVTX, LOCKSTEP_TRACE, sync_stats
   detail::reducer<Comm, hook_type, units_type> reducer_;
-  std::vector<parameter> buffers_;  // the model's buffers (model (c)), empty without
-  std::vector<parameter> frozen_;   // its frozen parameters (model (g)), empty without
+  std::vector<parameter> buffers_;                       // the model's buffers (model (c)), empty without
+  std::vector<parameter> frozen_;                        // its frozen parameters (model (g)), empty without
   detail::coalesced_broadcast<Comm> broadcast_buffers_;  // buffers: one broadcast per element type
   int k_ = 1;
   int micro_ = 0;
   bool in_cycle_ = false;
   bool open_ = false;
-  bool joining_ = false;            // a Join scope is open on this rank
-  bool stepped_ = false;            // in it: this rank contributed to the latest cycle (sync_buffers)
-  int join_active_ = 0;             // contributing ranks at the latest agreement
-  std::shared_ptr<void> join_buf_;  // the agreement's buffer, in comm's memory space
+  bool joining_ = false;                   // a Join scope is open on this rank
+  bool stepped_ = false;                   // in it: this rank contributed to the latest cycle (sync_buffers)
+  int join_active_ = 0;                    // contributing ranks at the latest agreement
+  std::shared_ptr<void> join_buf_;         // the agreement's buffer, in comm's memory space
   detail::nonfinite_origin<Comm> origin_;  // after a skip: whose gradients were non-finite
 };
 
@@ -412,7 +411,8 @@ DataParallel(context<Comm>&, Model&, const DataParallelOptions&, Ps&&...)
     -> DataParallel<Model, Comm, std::remove_cvref_t<Ps>...>;
 template <class Comm, class Model, class P, class... Ps>
   requires(!detail::is_options_v<P>)
-DataParallel(context<Comm>&, Model&, P&&, Ps&&...) -> DataParallel<Model, Comm, std::remove_cvref_t<P>, std::remove_cvref_t<Ps>...>;
+DataParallel(context<Comm>&, Model&, P&&, Ps&&...)
+    -> DataParallel<Model, Comm, std::remove_cvref_t<P>, std::remove_cvref_t<Ps>...>;
 
 // The old positional form with braces (see the constructor that explains it).
 template <class Comm, class Model, class... Ps>

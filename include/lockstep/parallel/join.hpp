@@ -64,10 +64,11 @@ class Join {
       : dp_(dp), on_shadow_step_(std::move(on_shadow_step)), on_shard_(std::move(on_shard)),
         uncaught_(std::uncaught_exceptions()) {
     if (DP::sharded != static_cast<bool>(on_shard_))
-      throw config_error(DP::sharded ? "lockstep::Join with ShardedOptimizer: pass the optimizer's shard step too, "
-                                       "dp.join(on_shadow_step, [&](std::span<const lockstep::param_slice> s) { "
-                                       "opt.step(s); }): each rank updates its own shard, with data or without"
-                                     : "lockstep::Join: on_shard is for ShardedOptimizer; this DataParallel is not sharded");
+      throw config_error(DP::sharded
+                             ? "lockstep::Join with ShardedOptimizer: pass the optimizer's shard step too, "
+                               "dp.join(on_shadow_step, [&](std::span<const lockstep::param_slice> s) { "
+                               "opt.step(s); }): each rank updates its own shard, with data or without"
+                             : "lockstep::Join: on_shard is for ShardedOptimizer; this DataParallel is not sharded");
     if (!on_shadow_step_)
       throw config_error("lockstep::Join: on_shadow_step is empty; pass the optimizer update "
                          "the stepping ranks apply (e.g. [&](lockstep::step_result r) { if (r) "

@@ -42,9 +42,7 @@ struct Accumulate<dynamic_steps> {
   explicit Accumulate(int k) { set_steps(k); }
   int steps() const noexcept { return k_; }
   void set_steps(int k) {
-    if (k < 1)
-      throw config_error("lockstep::Accumulate: steps must be at least 1, got " +
-                         std::to_string(k));
+    if (k < 1) throw config_error("lockstep::Accumulate: steps must be at least 1, got " + std::to_string(k));
     k_ = k;
   }
 
@@ -166,16 +164,18 @@ struct policy_set {
   template <class P>
   struct is_hook : std::bool_constant<bucket_hook<P, Comm>> {};
   template <class P>
-  struct is_policy : std::bool_constant<accumulation_policy<P> || loss_scaler<P> || bucket_hook<P, Comm> ||
-                                        is_strategy<P>::value> {};
-  static_assert((is_policy<Policies>::value && ...),
-                "lockstep::DataParallel: every policy must be an accumulation_policy "
-                "(EveryStep, Accumulate<K>), a loss_scaler (NoScaling, StaticScale, "
-                "DynamicScale), a bucket_hook (AllReduceMean) or a strategy (Replicated, ShardedOptimizer) — one of the "
-                "Policies is none of these (an accumulation policy needs steps(); a loss scaler needs scale(), "
-                "update(), state(); a hook needs reduce(comm, data, count, dtype)). When the "
-                "policies are deduced (DataParallel dp(ctx, model, ...)), DataParallelOptions "
-                "must come first");
+  struct is_policy
+      : std::bool_constant<accumulation_policy<P> || loss_scaler<P> || bucket_hook<P, Comm> || is_strategy<P>::value> {
+  };
+  static_assert(
+      (is_policy<Policies>::value && ...),
+      "lockstep::DataParallel: every policy must be an accumulation_policy "
+      "(EveryStep, Accumulate<K>), a loss_scaler (NoScaling, StaticScale, "
+      "DynamicScale), a bucket_hook (AllReduceMean) or a strategy (Replicated, ShardedOptimizer) — one of the "
+      "Policies is none of these (an accumulation policy needs steps(); a loss scaler needs scale(), "
+      "update(), state(); a hook needs reduce(comm, data, count, dtype)). When the "
+      "policies are deduced (DataParallel dp(ctx, model, ...)), DataParallelOptions "
+      "must come first");
   static_assert(detail::count_v<detail::is_accumulation_policy, Policies...> <= 1,
                 "lockstep::DataParallel: give at most one accumulation_policy");
   static_assert(detail::count_v<detail::is_loss_scaler, Policies...> <= 1,
@@ -188,12 +188,13 @@ struct policy_set {
   using hook = pick_t<is_hook, AllReduceMean, Policies...>;
   // AllReduceMean named beside ShardedOptimizer is the default spelled out: its mean becomes
   // the communicator's reduce-scatter (hook_reduce_scatter).
-  static_assert(detail::count_v<detail::is_sharded, Policies...> == 0 || detail::count_v<is_hook, Policies...> == 0 ||
-                    std::is_same_v<hook, AllReduceMean> ||
-                    requires(hook& h, Comm& c, void* p, std::size_t n, dtype t) { h.reduce_scatter(c, p, p, n, t); },
-                "lockstep::DataParallel: ShardedOptimizer reduce-scatters every bucket itself; it combines "
-                "only with AllReduceMean (the default) or a bucket_hook that has "
-                "reduce_scatter(comm, data, mine, per, dtype) (Bf16Wire)");
+  static_assert(
+      detail::count_v<detail::is_sharded, Policies...> == 0 || detail::count_v<is_hook, Policies...> == 0 ||
+          std::is_same_v<hook, AllReduceMean> ||
+          requires(hook& h, Comm& c, void* p, std::size_t n, dtype t) { h.reduce_scatter(c, p, p, n, t); },
+      "lockstep::DataParallel: ShardedOptimizer reduce-scatters every bucket itself; it combines "
+      "only with AllReduceMean (the default) or a bucket_hook that has "
+      "reduce_scatter(comm, data, mine, per, dtype) (Bf16Wire)");
   static constexpr bool sharded = count_v<is_sharded, Policies...> > 0;
   //! The strategy policy (Replicated when none is given) and the reduction units it runs.
   using strategy = pick_t<is_strategy, Replicated, Policies...>;

@@ -45,17 +45,17 @@ struct sync_stats {
   //! the time spent in collectives meanwhile, summed over its micro-steps (on GPUs, the time to
   //! launch the work). stragglers() compares it across ranks.
   double model_seconds = 0;
-  bool zero_copy = false;             //!< the model's gradients live in the arena
-  bool values_bound = false;          //!< sharded: its values live in the shards' arena (model (e))
-  bool gathers_by_copy_engine = false;  //!< sharded: the all-gathers go to a window of the copy-engine split
+  bool zero_copy = false;                //!< the model's gradients live in the arena
+  bool values_bound = false;             //!< sharded: its values live in the shards' arena (model (e))
+  bool gathers_by_copy_engine = false;   //!< sharded: the all-gathers go to a window of the copy-engine split
   bool scatters_by_copy_engine = false;  //!< sharded: so do the reduce-scatters (copy_engine_scatter)
-  bool rebuilt = false;               //!< the plan was reordered after the first step
+  bool rebuilt = false;                  //!< the plan was reordered after the first step
 };
 
 //! What finish() reports. Converts to true when the optimizer should step.
 struct step_result {
-  bool synced = false;   //!< this micro-step averaged gradients (last of its cycle)
-  bool applied = true;   //!< false: the step must be skipped (non-finite gradients)
+  bool synced = false;  //!< this micro-step averaged gradients (last of its cycle)
+  bool applied = true;  //!< false: the step must be skipped (non-finite gradients)
   //! With a device-side scaler (DeviceDynamicScale): its found-inf flag agreed over ranks, an
   //! int32 in device memory (non-zero: skip the step), valid in stream order on the compute
   //! stream; hand it to the optimizer (FusedSgd / FusedAdamW). `applied` is then true:

@@ -24,8 +24,7 @@ namespace lockstep {
 
 namespace detail {
 inline void check_max_norm(double max_norm) {
-  if (!(max_norm >= 0.0))
-    throw config_error("clip_grad_norm: max_norm must be >= 0, got " + std::to_string(max_norm));
+  if (!(max_norm >= 0.0)) throw config_error("clip_grad_norm: max_norm must be >= 0, got " + std::to_string(max_norm));
 }
 //! Scales the groups by max_norm / (norm + 1e-6) when that is below 1; returns norm.
 template <memory_ops Mem>
@@ -46,9 +45,7 @@ template <memory_ops Mem>
 double grad_norm(Mem mem, std::span<const grad_group> groups) {
   return std::sqrt(grad_ops<Mem>::sum_of_squares(mem, groups));
 }
-inline double grad_norm(std::span<const grad_group> groups) {
-  return grad_norm(HostMemory{}, groups);
-}
+inline double grad_norm(std::span<const grad_group> groups) { return grad_norm(HostMemory{}, groups); }
 
 //! Clips the global L2 norm to max_norm and returns the norm before clipping. As PyTorch:
 //! coef = max_norm / (norm + 1e-6); when coef < 1 every gradient is multiplied by coef
@@ -85,8 +82,7 @@ double clip_grad_norm_sharded(C& comm, std::span<const grad_group> groups, doubl
 template <memory_ops Mem>
   requires has_grad_ops<Mem>
 void clip_grad_value(Mem mem, std::span<const grad_group> groups, double clip) {
-  if (!(clip >= 0.0))
-    throw config_error("clip_grad_value: clip must be >= 0, got " + std::to_string(clip));
+  if (!(clip >= 0.0)) throw config_error("clip_grad_value: clip must be >= 0, got " + std::to_string(clip));
   grad_ops<Mem>::clamp(mem, groups, -clip, clip);
 }
 inline void clip_grad_value(std::span<const grad_group> groups, double clip) {

@@ -20,10 +20,10 @@ namespace lockstep {
 
 //! What a loss scaler saves in a checkpoint. Equal on every rank after every update.
 struct loss_scale_state {
-  double scale = 1.0;             //!< the factor the loss is multiplied by
-  std::int64_t good_steps = 0;    //!< consecutive clean steps since the last skip or scale change
-  std::int64_t skipped_steps = 0; //!< steps skipped for inf/NaN gradients, in total
-  std::int64_t steps = 0;         //!< update() calls, in total (clean + skipped)
+  double scale = 1.0;              //!< the factor the loss is multiplied by
+  std::int64_t good_steps = 0;     //!< consecutive clean steps since the last skip or scale change
+  std::int64_t skipped_steps = 0;  //!< steps skipped for inf/NaN gradients, in total
+  std::int64_t steps = 0;          //!< update() calls, in total (clean + skipped)
 
   bool operator==(const loss_scale_state&) const = default;
 };
@@ -64,20 +64,18 @@ struct loss_scale_state {
 //!   return !found_inf;   // false: skip the optimizer step
 //! \endcode
 template <class S>
-concept loss_scaler = std::semiregular<S> &&
-    requires(S& s, const S& cs, bool found_inf, const loss_scale_state& st) {
-      { cs.scale() } -> std::convertible_to<double>;
-      s.update(found_inf);
-      { cs.state() } -> std::same_as<loss_scale_state>;
-      s.load_state(st);
-    };
+concept loss_scaler = std::semiregular<S> && requires(S& s, const S& cs, bool found_inf, const loss_scale_state& st) {
+  { cs.scale() } -> std::convertible_to<double>;
+  s.update(found_inf);
+  { cs.state() } -> std::same_as<loss_scale_state>;
+  s.load_state(st);
+};
 
 //! loss_scaler<S> whose unscale_and_check (requirement 3) accepts communicator C.
 template <class S, class C>
-concept loss_scaler_for = loss_scaler<S> && communicator<C> &&
-    requires(S& s, C& c, std::span<const grad_group> g) {
-      { s.unscale_and_check(c, g) } -> std::same_as<bool>;
-    };
+concept loss_scaler_for = loss_scaler<S> && communicator<C> && requires(S& s, C& c, std::span<const grad_group> g) {
+  { s.unscale_and_check(c, g) } -> std::same_as<bool>;
+};
 
 //! Optional member (a): whether this step's unscale_and_check does anything.
 template <class S>
@@ -103,18 +101,16 @@ namespace detail {
 //! Throws unless `s` can be a loss scale. `who` names the caller.
 inline void require_valid_scale(double s, const char* who) {
   if (!(std::isfinite(s) && s > 0.0 && std::isfinite(1.0 / s)))
-    throw config_error(std::string(who) + ": the loss scale must be finite and > 0, got " +
-                       std::to_string(s));
+    throw config_error(std::string(who) + ": the loss scale must be finite and > 0, got " + std::to_string(s));
 }
 
 //! Throws checkpoint_error unless `st` could have been written by a scaler.
 inline void require_valid_state(const loss_scale_state& st, const char* who) {
-  if (!(std::isfinite(st.scale) && st.scale > 0.0) || st.good_steps < 0 ||
-      st.skipped_steps < 0 || st.steps < 0 || st.skipped_steps > st.steps)
-    throw checkpoint_error(std::string(who) + "::load_state: the state is not one a scaler " +
-                           "writes (scale " + std::to_string(st.scale) + ", good_steps " +
-                           std::to_string(st.good_steps) + ", skipped_steps " +
-                           std::to_string(st.skipped_steps) + ", steps " +
+  if (!(std::isfinite(st.scale) && st.scale > 0.0) || st.good_steps < 0 || st.skipped_steps < 0 || st.steps < 0 ||
+      st.skipped_steps > st.steps)
+    throw checkpoint_error(std::string(who) + "::load_state: the state is not one a scaler " + "writes (scale " +
+                           std::to_string(st.scale) + ", good_steps " + std::to_string(st.good_steps) +
+                           ", skipped_steps " + std::to_string(st.skipped_steps) + ", steps " +
                            std::to_string(st.steps) + "); the checkpoint is damaged");
 }
 

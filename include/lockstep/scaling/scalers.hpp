@@ -51,10 +51,9 @@ class NoScaling {
     if constexpr (has_grad_ops<memory_of_t<C>>) {
       return flag_.unscale_and_agree(comm, groups, 1.0);
     } else {
-      throw config_error(
-          "NoScaling{.check_finite = true}: this communicator's memory space has no "
-          "lockstep::grad_ops specialisation to check gradients with; include the backend's "
-          "header that provides it, or turn check_finite off");
+      throw config_error("NoScaling{.check_finite = true}: this communicator's memory space has no "
+                         "lockstep::grad_ops specialisation to check gradients with; include the backend's "
+                         "header that provides it, or turn check_finite off");
     }
   }
 
@@ -128,12 +127,12 @@ static_assert(loss_scaler<StaticScale>);
 //! towards 0; the ceiling 2^24 keeps scaled fp16/bf16 gradients far from overflow by growth
 //! alone. Powers of two keep unscaling exact.
 struct DynamicScaleOptions {
-  double init_scale = 65536.0;       //!< 2^16
-  double growth_factor = 2.0;        //!< > 1
-  double backoff_factor = 0.5;       //!< in (0, 1)
-  int growth_interval = 2000;        //!< clean steps between growths, >= 1
-  double min_scale = 1.0;            //!< floor, > 0
-  double max_scale = 16777216.0;     //!< ceiling, 2^24
+  double init_scale = 65536.0;    //!< 2^16
+  double growth_factor = 2.0;     //!< > 1
+  double backoff_factor = 0.5;    //!< in (0, 1)
+  int growth_interval = 2000;     //!< clean steps between growths, >= 1
+  double min_scale = 1.0;         //!< floor, > 0
+  double max_scale = 16777216.0;  //!< ceiling, 2^24
   //! This many skipped steps in a row end training with an error on every rank: lowering the
   //! scale cannot fix a loss that is itself inf/NaN (0: skip forever, as GradScaler does).
   //! Counted since construction or load_state (not checkpointed). DynamicScale only.
@@ -175,8 +174,8 @@ inline void validate(const DynamicScaleOptions& o) {
   require_valid_scale(o.max_scale, "DynamicScaleOptions::max_scale");
   require_valid_scale(o.init_scale, "DynamicScaleOptions::init_scale");
   if (!(o.min_scale <= o.init_scale && o.init_scale <= o.max_scale))
-    fail("need min_scale <= init_scale <= max_scale, got " + std::to_string(o.min_scale) + " <= " +
-         std::to_string(o.init_scale) + " <= " + std::to_string(o.max_scale));
+    fail("need min_scale <= init_scale <= max_scale, got " + std::to_string(o.min_scale) +
+         " <= " + std::to_string(o.init_scale) + " <= " + std::to_string(o.max_scale));
 }
 
 //! Throws checkpoint_error unless `st` (already require_valid_state) could come from a dynamic
@@ -186,9 +185,8 @@ inline void require_state_fits(const loss_scale_state& st, const DynamicScaleOpt
     throw checkpoint_error(std::string(who) + "::load_state: the checkpoint's scale " + std::to_string(st.scale) +
                            " / good_steps " + std::to_string(st.good_steps) +
                            " cannot come from these options (scale in [" + std::to_string(o.min_scale) + ", " +
-                           std::to_string(o.max_scale) + "], growth_interval " +
-                           std::to_string(o.growth_interval) + "); construct " + who +
-                           " with the options the checkpoint was written with");
+                           std::to_string(o.max_scale) + "], growth_interval " + std::to_string(o.growth_interval) +
+                           "); construct " + who + " with the options the checkpoint was written with");
 }
 }  // namespace detail
 
@@ -223,8 +221,7 @@ class DynamicScale {
       if (opts_.max_consecutive_skips > 0 && skips_in_a_row_ >= opts_.max_consecutive_skips)
         throw error("lockstep::DynamicScale: " + std::to_string(skips_in_a_row_) +
                     " steps in a row had inf/NaN gradients (the loss scale is now " + std::to_string(scale_) +
-                    ", its floor " + std::to_string(opts_.min_scale) +
-                    ")" + detail::stalled_advice);
+                    ", its floor " + std::to_string(opts_.min_scale) + ")" + detail::stalled_advice);
     } else if (counters_.good_steps >= opts_.growth_interval) {
       counters_.good_steps = 0;
       scale_ = std::min(scale_ * opts_.growth_factor, opts_.max_scale);

@@ -135,7 +135,7 @@ class FileStore {
       bool mine = ::link(tmp.c_str(), entry.c_str()) == 0;
       if (!mine && errno == EEXIST) {
         // NFS may retry a link that succeeded and report EEXIST: the link count tells.
-        struct stat st {};
+        struct stat st{};
         mine = ::stat(tmp.c_str(), &st) == 0 && st.st_nlink == 2;
       } else if (!mine) {
         const int e = errno;
@@ -172,7 +172,9 @@ class FileStore {
  private:
   using clock = std::chrono::steady_clock;
   static constexpr std::chrono::milliseconds first_backoff{1};
-  static std::chrono::milliseconds next(std::chrono::milliseconds b) { return std::min(b * 2, std::chrono::milliseconds(50)); }
+  static std::chrono::milliseconds next(std::chrono::milliseconds b) {
+    return std::min(b * 2, std::chrono::milliseconds(50));
+  }
 
   struct counter_cache {
     std::uint64_t next = 0;  // entries [0, next) are summed
@@ -206,8 +208,8 @@ class FileStore {
                        " but this process is of " + detail::run_label(run_) +
                        ". A store directory serves one run: another run's keys (an NCCL id, barrier counts) must "
                        "not be read by this one, and a process of that run may still write there. Give this run "
-                       "a directory of its own (e.g. named after the job id), or remove " + dir_ +
-                       " once no process of " + detail::run_label(theirs) + " runs");
+                       "a directory of its own (e.g. named after the job id), or remove " +
+                       dir_ + " once no process of " + detail::run_label(theirs) + " runs");
   }
 
   void make_dirs(const std::string& path) const {
@@ -307,12 +309,12 @@ class FileStore {
 
   bool exists(const std::string& key) const {
     detail::check_store_key(key, limits_, "FileStore");
-    struct stat st {};
+    struct stat st{};
     return ::stat(key_path("values", key, ".v", false).c_str(), &st) == 0;
   }
 
   static bool entry_exists(const std::string& path) {
-    struct stat st {};
+    struct stat st{};
     return ::stat(path.c_str(), &st) == 0;
   }
 

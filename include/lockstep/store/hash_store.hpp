@@ -25,8 +25,7 @@ namespace lockstep {
 //! threads of one process, and as the reference the other stores are checked against.
 class HashStore {
  public:
-  explicit HashStore(int world, std::chrono::milliseconds timeout = detail::default_timeout(),
-                     store_limits limits = {})
+  explicit HashStore(int world, std::chrono::milliseconds timeout = detail::default_timeout(), store_limits limits = {})
       : world_(world), timeout_(timeout), limits_(limits) {
     if (world < 1) throw config_error("HashStore: world is " + std::to_string(world) + "; give at least 1");
     if (timeout.count() <= 0) throw config_error("HashStore: the timeout must be positive");

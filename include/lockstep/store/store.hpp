@@ -32,10 +32,10 @@ namespace lockstep {
 //! Bounds every store enforces; the TCP server also uses them to cap what one client may
 //! make it hold. A client learns the server's value limit when it connects.
 struct store_limits {
-  std::size_t max_key_bytes = 512;                         //!< keys are 1..512 bytes
-  std::size_t max_value_bytes = std::size_t{1} << 20;      //!< one value: 1 MiB
-  std::size_t max_total_bytes = std::size_t{256} << 20;    //!< all values of one store
-  std::size_t max_wait_keys = 4096;                        //!< keys in one wait()/check()
+  std::size_t max_key_bytes = 512;                       //!< keys are 1..512 bytes
+  std::size_t max_value_bytes = std::size_t{1} << 20;    //!< one value: 1 MiB
+  std::size_t max_total_bytes = std::size_t{256} << 20;  //!< all values of one store
+  std::size_t max_wait_keys = 4096;                      //!< keys in one wait()/check()
 };
 
 //! A rendezvous key-value store shared by the `world()` processes of one job.
@@ -65,8 +65,7 @@ struct store_limits {
 //! \endcode
 template <class S>
 concept store = requires(S& s, const S& cs, std::string_view key, std::span<const std::byte> value,
-                         const std::vector<std::string>& keys, std::chrono::milliseconds t,
-                         std::int64_t d) {
+                         const std::vector<std::string>& keys, std::chrono::milliseconds t, std::int64_t d) {
   s.set(key, value);
   { s.get(key) } -> std::same_as<std::vector<std::byte>>;
   s.wait(keys, t);
@@ -141,24 +140,23 @@ inline std::string seconds_text(std::chrono::milliseconds t) {
 inline void check_store_key(std::string_view key, const store_limits& lim, const char* who) {
   if (key.empty()) throw config_error(std::string(who) + ": empty key; give every key a name");
   if (key.size() > lim.max_key_bytes)
-    throw config_error(std::string(who) + ": key " + printable_key(key) + " has " +
-                       std::to_string(key.size()) + " bytes, more than the limit of " +
-                       std::to_string(lim.max_key_bytes) + " (store_limits::max_key_bytes)");
+    throw config_error(std::string(who) + ": key " + printable_key(key) + " has " + std::to_string(key.size()) +
+                       " bytes, more than the limit of " + std::to_string(lim.max_key_bytes) +
+                       " (store_limits::max_key_bytes)");
 }
 
 inline void check_store_value(std::string_view key, std::size_t n, std::size_t limit, const char* who) {
   if (n > limit)
-    throw config_error(std::string(who) + ": value for key " + printable_key(key) + " has " +
-                       std::to_string(n) + " bytes, more than the store's limit of " +
-                       std::to_string(limit) +
+    throw config_error(std::string(who) + ": value for key " + printable_key(key) + " has " + std::to_string(n) +
+                       " bytes, more than the store's limit of " + std::to_string(limit) +
                        " (store_limits::max_value_bytes); split it or raise the limit on every rank");
 }
 
 inline void check_store_keys(const std::vector<std::string>& keys, const store_limits& lim, const char* who) {
   if (keys.size() > lim.max_wait_keys)
     throw config_error(std::string(who) + ": " + std::to_string(keys.size()) +
-                       " keys in one wait/check, more than the limit of " +
-                       std::to_string(lim.max_wait_keys) + " (store_limits::max_wait_keys)");
+                       " keys in one wait/check, more than the limit of " + std::to_string(lim.max_wait_keys) +
+                       " (store_limits::max_wait_keys)");
   for (const auto& k : keys) check_store_key(k, lim, who);
 }
 
@@ -166,8 +164,8 @@ inline void check_store_keys(const std::vector<std::string>& keys, const store_l
 inline std::string store_timeout_message(const std::string& who, const char* op,
                                          const std::vector<std::string>& missing, std::size_t asked,
                                          std::chrono::milliseconds t, int world) {
-  std::string m = who + ": " + op + " timed out after " + seconds_text(t) + " (world of " +
-                  std::to_string(world) + "); ";
+  std::string m =
+      who + ": " + op + " timed out after " + seconds_text(t) + " (world of " + std::to_string(world) + "); ";
   if (missing.empty()) {
     m += "no reply in time";
   } else {
@@ -200,14 +198,14 @@ void wait_unless(S& s, const std::vector<std::string>& keys, std::chrono::millis
   }
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   for (;;) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     const auto slice = std::min(std::max(left, std::chrono::milliseconds(1)), std::chrono::milliseconds(200));
     try {
       s.wait(keys, slice);
       return;
     } catch (const timeout_error&) {
-      if (s.check({std::string(abort_key)}))
-        throw aborted_error("stopped waiting: " + string_of(s.get(abort_key)));
+      if (s.check({std::string(abort_key)})) throw aborted_error("stopped waiting: " + string_of(s.get(abort_key)));
       if (left <= slice) throw;
     }
   }
@@ -239,9 +237,8 @@ void barrier(S& s, std::string_view name, std::chrono::milliseconds timeout, std
       arrived = std::min(world, s.add(counter, 0) - generation * world);
     } catch (const error&) {
     }
-    throw timeout_error("barrier '" + std::string(name) + "' timed out after " +
-                        detail::seconds_text(timeout) + ": " + std::to_string(arrived) + " of " +
-                        std::to_string(world) +
+    throw timeout_error("barrier '" + std::string(name) + "' timed out after " + detail::seconds_text(timeout) + ": " +
+                        std::to_string(arrived) + " of " + std::to_string(world) +
                         " ranks arrived. The others failed, hang, or never call this barrier; "
                         "raise LOCKSTEP_TIMEOUT (seconds) if they are only slow");
   }

@@ -98,7 +98,8 @@ class TcpStore {
 
   std::vector<std::byte> get(std::string_view key) {
     detail::check_store_key(key, limits_, "TcpStore");
-    return request(detail::wire::op::get, timeout_.count(), key, {}, "get " + detail::printable_key(key), timeout_).value;
+    return request(detail::wire::op::get, timeout_.count(), key, {}, "get " + detail::printable_key(key), timeout_)
+        .value;
   }
 
   void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
@@ -161,11 +162,10 @@ class TcpStore {
   void report_arrivals(const progress_options& opt = {}) {
     if (!server_)
       throw config_error(who() + ": report_arrivals() is for the process that hosts the store (rank 0, "
-                         "is_server = true); the other ranks call announce(rank)");
+                                 "is_server = true); the other ranks call announce(rank)");
     detail::progress p(opt, std::chrono::seconds(5), std::chrono::seconds(10));
     if (!p.enabled()) return;
-    server_->watch_arrivals(
-        detail::arrival_watch(world_, host_ + ":" + std::to_string(port_), std::move(p)));
+    server_->watch_arrivals(detail::arrival_watch(world_, host_ + ":" + std::to_string(port_), std::move(p)));
   }
 
   std::int64_t add(std::string_view key, std::int64_t delta) {
@@ -296,12 +296,13 @@ class TcpStore {
     const std::string at = host_ + ":" + std::to_string(port_);
     if (joined_ != 0)
       throw aborted_error(who() + " refused this process: " + why +
-                          ". The rank 0 that hosted this process's store exited and another run now listens at " +
-                          at + ": this process is left over from that earlier run and must not join the new one; "
+                          ". The rank 0 that hosted this process's store exited and another run now listens at " + at +
+                          ": this process is left over from that earlier run and must not join the new one; "
                           "stop it");
     throw config_error(who() + " refused this process: " + why + ". A process of another run listens at " + at +
                        ": an earlier run still alive, or another job. Stop it (on that host, `ss -ltnp 'sport = :" +
-                       std::to_string(port_) + "'` names it) or give this run another MASTER_PORT; if both are "
+                       std::to_string(port_) +
+                       "'` names it) or give this run another MASTER_PORT; if both are "
                        "meant to be one run, give every rank the same job token (LOCKSTEP_JOB_TOKEN)");
   }
 
@@ -372,8 +373,8 @@ class TcpStore {
     const auto code = static_cast<detail::wire::err_code>(f.arg);
     const std::string msg = string_of(f.value);
     if (code == detail::wire::err_code::timeout)
-      throw timeout_error(who() + ": " + what + " timed out after " + detail::seconds_text(wait_for) +
-                          " (world of " + std::to_string(world_) + "); " + msg +
+      throw timeout_error(who() + ": " + what + " timed out after " + detail::seconds_text(wait_for) + " (world of " +
+                          std::to_string(world_) + "); " + msg +
                           ". The rank that sets it failed, hangs, or is slow (then raise LOCKSTEP_TIMEOUT, seconds)");
     if (code == detail::wire::err_code::malformed || code == detail::wire::err_code::bad_token) {
       detail::close_fd(fd_);

@@ -88,8 +88,7 @@ inline std::optional<dtype> carried_dtype(c10::ScalarType t) {
 //! The same, or config_error; what = a name for the message.
 inline dtype dtype_of_torch(c10::ScalarType t, const std::string& what) {
   if (const auto d = carried_dtype(t)) return *d;
-  throw config_error("lockstep::TorchModule: " + what + " has torch element type " +
-                     std::string(c10::toString(t)) +
+  throw config_error("lockstep::TorchModule: " + what + " has torch element type " + std::string(c10::toString(t)) +
                      "; lockstep carries float, double, half, bfloat16, int32, int64, uint8 and bool");
 }
 
@@ -110,7 +109,7 @@ class torch_ready_hook final : public torch::autograd::FunctionPostHook {
     gradient_ready_fn ready;
     {
       std::lock_guard<std::mutex> lock(st_->m);
-      if (!st_->ready) return outputs;  // a backward outside a step: nothing to report
+      if (!st_->ready) return outputs;         // a backward outside a step: nothing to report
       if (st_->fired[index_]) return outputs;  // twice in one backward (retain_graph): once is enough
       st_->fired[index_] = 1;
       ready = st_->ready;
@@ -289,7 +288,8 @@ class TorchModule {
     } else {
       std::vector<std::int64_t> dims, ones;
       for (std::int64_t d = 0; d < t.dim(); ++d) (t.size(d) > 1 ? dims : ones).push_back(d);
-      std::stable_sort(dims.begin(), dims.end(), [&](std::int64_t a, std::int64_t b) { return t.stride(a) > t.stride(b); });
+      std::stable_sort(dims.begin(), dims.end(),
+                       [&](std::int64_t a, std::int64_t b) { return t.stride(a) > t.stride(b); });
       for (auto d : dims) p.shape.push_back(t.size(d));
       for (auto d : ones) p.shape.push_back(t.size(d));
     }

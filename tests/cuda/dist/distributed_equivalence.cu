@@ -37,7 +37,8 @@ int main(int argc, char** argv) {
       return 0;
     }
     // The same seed everywhere: rank 0's, through the environment the test sets (or fixed).
-    const std::uint64_t seed = std::getenv("LOCKSTEP_TEST_SEED") ? std::strtoull(std::getenv("LOCKSTEP_TEST_SEED"), nullptr, 10) : 20261126;
+    const std::uint64_t seed =
+        std::getenv("LOCKSTEP_TEST_SEED") ? std::strtoull(std::getenv("LOCKSTEP_TEST_SEED"), nullptr, 10) : 20261126;
     const std::vector<int> dims{37, 64, 33, 10};
     const std::size_t samples = 2048;
     const int batch = 16, steps = 5, accumulate = 2;
@@ -103,7 +104,9 @@ int main(int argc, char** argv) {
       std::printf("rank %d/%d (GPU %d, launcher %s): rel. diff to the CPU reference %.3g, ranks identical: %s\n",
                   ctx.rank(), world, ctx.device(), info->launcher.c_str(), err, same ? "yes" : "NO");
       if (!(err <= 1e-5) || !(moved > 1e-3) || !same) ++failures;
-      cudaFree(dX); cudaFree(dy); cudaFree(drows);
+      cudaFree(dX);
+      cudaFree(dy);
+      cudaFree(drows);
       // No CUDA context on another rank's GPU (each takes about half a GiB there): neither
       // detect() above nor the watchdog's thread, which polls the communicator every 200 ms
       // (restoring its "previous" device 0 after each poll), may leave one on GPU 0. Wait

@@ -29,8 +29,7 @@ int main() {
   for (int r = 0; r < ranks; ++r)
     threads.emplace_back([&, r] {
       try {
-        comms[r].all_reduce(in[r].data(), out[r].data(), n, lockstep::dtype::f64,
-                            lockstep::reduce_op::sum).wait();
+        comms[r].all_reduce(in[r].data(), out[r].data(), n, lockstep::dtype::f64, lockstep::reduce_op::sum).wait();
       } catch (...) {
         errors[r] = std::current_exception();
         comms[r].abort("rank failed");
@@ -51,8 +50,8 @@ int main() {
   for (int r = 0; r < ranks; ++r)
     for (std::size_t i = 0; i < n; ++i)
       if (out[r][i] != in[0][i] + in[1][i]) {
-        std::fprintf(stderr, "mismatch (seed %u): rank %d element %zu: %.17g, expected %.17g\n",
-                     seed, r, i, out[r][i], in[0][i] + in[1][i]);
+        std::fprintf(stderr, "mismatch (seed %u): rank %d element %zu: %.17g, expected %.17g\n", seed, r, i, out[r][i],
+                     in[0][i] + in[1][i]);
         return 1;
       }
   std::printf("all_reduce of %zu doubles on %d ranks: ok\n", n, ranks);

@@ -13,7 +13,6 @@ int main() {
     std::fprintf(stderr, "MPI_Initialized failed or says yes before MPI_Init\n");
     return 1;
   }
-  std::printf("lockstep %s with MPI %d.%d: ok\n", lockstep::version_string, MPI_VERSION,
-              MPI_SUBVERSION);
+  std::printf("lockstep %s with MPI %d.%d: ok\n", lockstep::version_string, MPI_VERSION, MPI_SUBVERSION);
   return 0;
 }

@@ -63,8 +63,10 @@ int main() {
     ok = ok && torch::equal(a, b) && torch::allclose(a, reference->parameters()[i], 1e-5, 1e-6);
   }
   if (!ok) {
-    std::fprintf(stderr, "lockstep::torch: after %d steps the ranks' weights differ, did not move, "
-                         "or differ from plain libtorch on the whole batch\n", steps);
+    std::fprintf(stderr,
+                 "lockstep::torch: after %d steps the ranks' weights differ, did not move, "
+                 "or differ from plain libtorch on the whole batch\n",
+                 steps);
     return 1;
   }
   std::printf("lockstep %s with libtorch %s: %d DataParallel steps of a Linear on %d ranks: ok\n",

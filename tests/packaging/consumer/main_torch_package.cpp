@@ -16,7 +16,7 @@
 
 int main() {
   const auto gpus = torch::cuda::device_count();  // a call into libtorch: 0 on a CPU build
-  std::printf("lockstep %s with libtorch %s (%zu CUDA device(s)): ok\n", lockstep::version_string,
-              TORCH_VERSION, static_cast<std::size_t>(gpus));
+  std::printf("lockstep %s with libtorch %s (%zu CUDA device(s)): ok\n", lockstep::version_string, TORCH_VERSION,
+              static_cast<std::size_t>(gpus));
   return 0;
 }

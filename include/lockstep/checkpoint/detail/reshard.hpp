@@ -32,7 +32,7 @@ struct saved_optimizer {
     bool has_master = false;
   };
   std::span<const std::byte> bytes;
-  bool masters = false;            // written with Rule::magic_with_masters
+  bool masters = false;  // written with Rule::magic_with_masters
   std::span<const std::byte> options;
   std::vector<slot> slots;
 };
@@ -132,7 +132,8 @@ std::vector<std::byte> reshard_optimizer_state(std::span<const saved_optimizer> 
           const std::size_t a = std::max(g.param_offset, p.seg.param_offset);
           const std::size_t e = std::min(g.param_offset + g.count, p.seg.param_offset + p.seg.count);
           if (a >= e) continue;
-          runs.push_back({slot_of(p), p.rank, p.seg.slot_offset + (a - p.seg.param_offset), g.slot_offset + (a - g.param_offset), e - a});
+          runs.push_back({slot_of(p), p.rank, p.seg.slot_offset + (a - p.seg.param_offset),
+                          g.slot_offset + (a - g.param_offset), e - a});
           covered += e - a;
         }
       if (covered != g.count)

@@ -19,8 +19,8 @@ class local_rendezvous {
   //! names: the job's rank number of each member, for messages (default: 0..n−1; a group
   //! split from the job's names its members as the job does).
   local_rendezvous(int n, std::chrono::milliseconds timeout, std::vector<int> names = {})
-      : n_(n), timeout_(timeout), present_(static_cast<std::size_t>(n), false), left_(static_cast<std::size_t>(n), false),
-        names_(std::move(names)) {
+      : n_(n), timeout_(timeout), present_(static_cast<std::size_t>(n), false),
+        left_(static_cast<std::size_t>(n), false), names_(std::move(names)) {
     if (names_.size() != static_cast<std::size_t>(n)) {
       names_.resize(static_cast<std::size_t>(n));
       for (int r = 0; r < n; ++r) names_[static_cast<std::size_t>(r)] = r;
@@ -64,8 +64,7 @@ class local_rendezvous {
     std::string missing;
     for (int r = 0; r < n_; ++r)
       if (!present_[static_cast<std::size_t>(r)]) missing += (missing.empty() ? "" : ", ") + name(r);
-    std::string msg = "rank " + name(rank) + " waited " +
-                      std::to_string(timeout_.count() / 1000.0) + " s in " + what +
+    std::string msg = "rank " + name(rank) + " waited " + std::to_string(timeout_.count() / 1000.0) + " s in " + what +
                       " for rank(s) " + missing +
                       " that never arrived (raise LOCKSTEP_TIMEOUT if they are only slow; "
                       "otherwise they hang or called a different collective)";

@@ -24,8 +24,7 @@ inline std::optional<long> env_long(const char* name) {
   char* end = nullptr;
   long x = std::strtol(v->c_str(), &end, 10);
   if (end == v->c_str() || *end != '\0')
-    throw config_error(std::string("environment variable ") + name + "='" + *v +
-                       "' is not an integer");
+    throw config_error(std::string("environment variable ") + name + "='" + *v + "' is not an integer");
   return x;
 }
 
@@ -36,8 +35,7 @@ inline std::chrono::milliseconds default_timeout() {
   char* end = nullptr;
   double s = std::strtod(v->c_str(), &end);
   if (end == v->c_str() || *end != '\0' || !(s > 0))
-    throw config_error("LOCKSTEP_TIMEOUT='" + *v +
-                       "' is not a positive number of seconds (e.g. LOCKSTEP_TIMEOUT=120)");
+    throw config_error("LOCKSTEP_TIMEOUT='" + *v + "' is not a positive number of seconds (e.g. LOCKSTEP_TIMEOUT=120)");
   return std::chrono::milliseconds(static_cast<long long>(s * 1000.0));
 }
 

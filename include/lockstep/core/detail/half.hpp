@@ -12,7 +12,9 @@
 
 namespace lockstep::detail {
 
-inline float float_of_bf16(std::uint16_t b) noexcept { return std::bit_cast<float>(static_cast<std::uint32_t>(b) << 16); }
+inline float float_of_bf16(std::uint16_t b) noexcept {
+  return std::bit_cast<float>(static_cast<std::uint32_t>(b) << 16);
+}
 
 inline std::uint16_t bf16_of_float(float f) noexcept {
   std::uint32_t x = std::bit_cast<std::uint32_t>(f);

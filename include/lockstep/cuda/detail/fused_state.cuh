@@ -114,9 +114,10 @@ class fused_state {
         const void* whole = static_cast<const char*>(sl.value) - sl.offset * size_of(m.type);
         void* dst = master(sl.param, 0);
         cuda::kernels::visit_float(m.type, who_, [&]<class Element>(std::type_identity<Element>) {
-          cuda::kernels::launch(cuda::kernels::widen_op<Element>{}, 1,
-                          [&](std::size_t) { return cuda::kernels::tensor_ref<2>{{const_cast<void*>(whole), dst}, m.numel}; },
-                          s, who_);
+          cuda::kernels::launch(
+              cuda::kernels::widen_op<Element>{}, 1,
+              [&](std::size_t) { return cuda::kernels::tensor_ref<2>{{const_cast<void*>(whole), dst}, m.numel}; }, s,
+              who_);
         });
         master_ready_[sl.param] = true;
       }

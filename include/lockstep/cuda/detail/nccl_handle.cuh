@@ -51,10 +51,9 @@ class nccl_handle {
     if (c) LOCKSTEP_TRY_NCCL(ncclCommCount(c, &nccl_size));
     if (c) LOCKSTEP_TRY_NCCL(ncclCommCuDevice(c, &nccl_device));
     if (nccl_rank != rank || nccl_size != world || nccl_device != device)
-      throw nccl_error("NcclComm: NCCL reports rank " + std::to_string(nccl_rank) + " of " +
-                       std::to_string(nccl_size) + " on device " + std::to_string(nccl_device) +
-                       ", expected rank " + std::to_string(rank) + " of " + std::to_string(world) +
-                       " on device " + std::to_string(device));
+      throw nccl_error("NcclComm: NCCL reports rank " + std::to_string(nccl_rank) + " of " + std::to_string(nccl_size) +
+                       " on device " + std::to_string(nccl_device) + ", expected rank " + std::to_string(rank) +
+                       " of " + std::to_string(world) + " on device " + std::to_string(device));
     int least = 0, greatest = 0;
     LOCKSTEP_TRY_CUDA(cudaDeviceGetStreamPriorityRange(&least, &greatest));
     LOCKSTEP_TRY_CUDA(cudaStreamCreateWithPriority(&s.comm_stream, cudaStreamNonBlocking, greatest));
@@ -105,8 +104,8 @@ class nccl_handle {
     const ncclResult_t qn = qr == ncclSuccess ? ncclCommCount(sub, &n) : qr;
     if (qn != ncclSuccess) {
       nccl_destroy(sub, s.device);
-      throw nccl_error(std::string("NcclComm::") + what + ": the new communicator does not say its rank and size: " +
-                       describe_nccl(qn));
+      throw nccl_error(std::string("NcclComm::") + what +
+                       ": the new communicator does not say its rank and size: " + describe_nccl(qn));
     }
     return {sub, r, n, name};
   }
@@ -114,9 +113,8 @@ class nccl_handle {
   state& live(const char* what) const {
     if (!s_) throw config_error(std::string("NcclComm::") + what + ": this communicator was moved from");
     if (s_->aborted.load(std::memory_order_acquire))
-      throw aborted_error(std::string("NcclComm::") + what + ": rank " + std::to_string(s_->rank) +
-                          " was aborted (" + s_->abort_reason +
-                          "); create a new communicator to continue");
+      throw aborted_error(std::string("NcclComm::") + what + ": rank " + std::to_string(s_->rank) + " was aborted (" +
+                          s_->abort_reason + "); create a new communicator to continue");
     return *s_;
   }
 

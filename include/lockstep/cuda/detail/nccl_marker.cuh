@@ -36,9 +36,8 @@ inline std::optional<std::string> nccl_overdue(nccl_state& s, std::chrono::milli
   const auto age = std::chrono::steady_clock::now() - p.issued;
   if (age < limit) return std::nullopt;
   const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(age).count();
-  return s.who() + ": " + (p.order_check ? "the order check of " : "") + p.what.describe() +
-         " has not completed " + std::to_string(ms / 1000) + "." + std::to_string(ms % 1000 / 100) +
-         " s after it was issued" +
+  return s.who() + ": " + (p.order_check ? "the order check of " : "") + p.what.describe() + " has not completed " +
+         std::to_string(ms / 1000) + "." + std::to_string(ms % 1000 / 100) + " s after it was issued" +
          (p.recorded ? "" : " (its NCCL call has not returned: NCCL may be waiting there to connect to a peer)") +
          ": a peer never issued it (it died, hangs, or called a different collective)";
 }

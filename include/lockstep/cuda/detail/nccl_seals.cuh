@@ -169,7 +169,7 @@ class nccl_seals {
   mutable std::mutex m_;              // the rank's thread and a watchdog
   std::deque<entry> pending_;         // issued, not yet compared
   std::vector<entry> spare_;
-  std::string mismatch_;              // the first one found
+  std::string mismatch_;  // the first one found
 };
 
 }  // namespace lockstep::detail

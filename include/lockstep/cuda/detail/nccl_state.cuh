@@ -109,7 +109,7 @@ struct nccl_state {
   std::shared_ptr<nccl_family> family;
   //! A sub-communicator keeps the one it was split from alive (it may use its compute stream).
   std::shared_ptr<nccl_state> parent;
-  std::string group_name;  //!< "" for a rank's first communicator, else e.g. "split 1 (colour 0)"
+  std::string group_name;             //!< "" for a rank's first communicator, else e.g. "split 1 (colour 0)"
   std::atomic<bool> released{false};  // the comm was destroyed or aborted: exactly once
   std::mutex abort_m;                 // ncclCommAbort vs a watchdog's ncclCommGetAsyncError
   std::atomic<bool> aborted{false};   // set after abort_reason is written
@@ -196,9 +196,7 @@ struct nccl_state {
     return parent->who() + " (rank " + std::to_string(rank) + " of " + group_name + ")";
   }
 
-  cudaStream_t compute_stream() const noexcept {
-    return follows_parent && parent ? parent->compute_stream() : compute;
-  }
+  cudaStream_t compute_stream() const noexcept { return follows_parent && parent ? parent->compute_stream() : compute; }
 
   // Whether ncclCommDestroy may end the communicator (and whether a window's memory may go,
   // nccl_window.cuh). It waits for every collective in flight, and a communicator being
@@ -261,7 +259,7 @@ inline void nccl_require(const void* p, const char* name, const char* what) {
 //! Throws nccl_error if NCCL recorded an asynchronous failure on a member of the family.
 inline void nccl_check_async_error(nccl_family& family) {
   for (const auto& m : family.live()) {
-    std::lock_guard lk(m->abort_m);  // not while abort() frees the communicator
+    std::lock_guard lk(m->abort_m);                          // not while abort() frees the communicator
     if (m->released.load() || m->comm == nullptr) continue;  // aborted, destroyed, or one rank: nothing to ask
     ncclResult_t r = ncclSuccess;
     LOCKSTEP_TRY_NCCL(ncclCommGetAsyncError(m->comm, &r));

@@ -72,12 +72,13 @@ inline std::pair<void*, ncclWindow_t> nccl_window_raw(nccl_state& s, std::size_t
                                       " bytes of window memory on device " + std::to_string(s.device) + "; turn " +
                                       option + " off to use cudaMalloc"));
   ncclWindow_t win = nullptr;
-  if (const ncclResult_t r = ncclCommWindowRegister(s.comm, p, bytes, &win, NCCL_WIN_COLL_SYMMETRIC); r != ncclSuccess) {
+  if (const ncclResult_t r = ncclCommWindowRegister(s.comm, p, bytes, &win, NCCL_WIN_COLL_SYMMETRIC);
+      r != ncclSuccess) {
     (void)ncclMemFree(p);
     throw nccl_error(call_failure("ncclCommWindowRegister", __FILE__, __LINE__,
                                   describe_nccl(r) + " while registering " + std::to_string(bytes) +
-                                      " bytes as a symmetric window on device " + std::to_string(s.device) +
-                                      "; turn " + option + " off to run without one"));
+                                      " bytes as a symmetric window on device " + std::to_string(s.device) + "; turn " +
+                                      option + " off to run without one"));
   }
   return {p, win};
 }

@@ -34,11 +34,11 @@ struct owned_stream {
   }
 };
 struct prefetch_slot {
-  std::unique_ptr<std::byte, pinned_free> host;   // pinned, bytes_
-  std::shared_ptr<void> dev;                       // bytes_ on device_
-  owned_event copied;                              // E_copy: recorded on P after the copy
-  owned_event done;                                // E_done: recorded on C at release
-  std::size_t used = 0;                            // bytes of the batch in it (under m_)
+  std::unique_ptr<std::byte, pinned_free> host;  // pinned, bytes_
+  std::shared_ptr<void> dev;                     // bytes_ on device_
+  owned_event copied;                            // E_copy: recorded on P after the copy
+  owned_event done;                              // E_done: recorded on C at release
+  std::size_t used = 0;                          // bytes of the batch in it (under m_)
 };
 
 //! Fills slot `index` of `count` with `bytes` of pinned host and device memory (`mem`) and its events.
@@ -48,11 +48,10 @@ inline void allocate_prefetch_slot(prefetch_slot& s, std::size_t bytes, const Cu
   const cudaError_t e = cudaHostAlloc(&h, bytes, cudaHostAllocPortable);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
-    throw cuda_error(call_failure(
-        "cudaHostAlloc", __FILE__, __LINE__,
-        describe_cuda(e) + " while pinning " + std::to_string(bytes) + " bytes for slot " +
-            std::to_string(index) + " of " + std::to_string(count) +
-            "; give fewer slots or a smaller slot_bytes"));
+    throw cuda_error(call_failure("cudaHostAlloc", __FILE__, __LINE__,
+                                  describe_cuda(e) + " while pinning " + std::to_string(bytes) + " bytes for slot " +
+                                      std::to_string(index) + " of " + std::to_string(count) +
+                                      "; give fewer slots or a smaller slot_bytes"));
   }
   s.host.reset(static_cast<std::byte*>(h));
   s.dev = mem.allocate(bytes);

@@ -39,8 +39,7 @@ struct element_traits<double> {
   __device__ static double to_compute(double x) { return x; }
   __device__ static double to_storage(double x) { return x; }
   __device__ static bool finite(double x) {
-    return (static_cast<unsigned long long>(__double_as_longlong(x)) & 0x7ff0000000000000ull) !=
-           0x7ff0000000000000ull;
+    return (static_cast<unsigned long long>(__double_as_longlong(x)) & 0x7ff0000000000000ull) != 0x7ff0000000000000ull;
   }
 };
 template <>
@@ -80,10 +79,22 @@ void visit_float(dtype t, const char* who, F&& f) {
 //! Unsigned storage of a given byte size, for type-blind copies.
 template <std::size_t Bytes>
 struct raw_bits;
-template <> struct raw_bits<1> { using type = unsigned char; };
-template <> struct raw_bits<2> { using type = unsigned short; };
-template <> struct raw_bits<4> { using type = unsigned int; };
-template <> struct raw_bits<8> { using type = unsigned long long; };
+template <>
+struct raw_bits<1> {
+  using type = unsigned char;
+};
+template <>
+struct raw_bits<2> {
+  using type = unsigned short;
+};
+template <>
+struct raw_bits<4> {
+  using type = unsigned int;
+};
+template <>
+struct raw_bits<8> {
+  using type = unsigned long long;
+};
 
 //! Calls f(std::type_identity<raw_bits<size_of(t)>::type>{}) for any dtype.
 template <class F>
@@ -111,10 +122,22 @@ template <std::size_t Bytes>
 struct access_word {
   using type = uint4;
 };
-template <> struct access_word<8> { using type = uint2; };
-template <> struct access_word<4> { using type = unsigned int; };
-template <> struct access_word<2> { using type = unsigned short; };
-template <> struct access_word<1> { using type = unsigned char; };
+template <>
+struct access_word<8> {
+  using type = uint2;
+};
+template <>
+struct access_word<4> {
+  using type = unsigned int;
+};
+template <>
+struct access_word<2> {
+  using type = unsigned short;
+};
+template <>
+struct access_word<1> {
+  using type = unsigned char;
+};
 
 template <class Fragment>
 __device__ __forceinline__ Fragment load_as(const void* at) {
@@ -142,11 +165,10 @@ __device__ __forceinline__ void store_as(void* at, const Fragment& f) {
 #pragma unroll
   for (int k = 0; k < words; ++k) {
     if constexpr (sizeof(word_t) == 16)  // the one form the compiler never splits
-      asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(static_cast<word_t*>(at) + k),
-                   "r"(w[k].x), "r"(w[k].y), "r"(w[k].z), "r"(w[k].w)
+      asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(static_cast<word_t*>(at) + k), "r"(w[k].x),
+                   "r"(w[k].y), "r"(w[k].z), "r"(w[k].w)
                    : "memory");
-    else
-      static_cast<word_t*>(at)[k] = w[k];
+    else static_cast<word_t*>(at)[k] = w[k];
   }
 }
 template <int N, class Storage>
@@ -197,8 +219,8 @@ struct pair_ops<__half> {
 template <class Element, int N>
 inline constexpr bool paired = sizeof(storage_of<Element>) == 2 && N % 2 == 0;
 template <class Element, int N>
-using vfrag = std::conditional_t<paired<Element, N>, pack_of<unsigned, N / 2 + (N % 2)>,
-                                 pack_of<storage_of<Element>, N>>;
+using vfrag =
+    std::conditional_t<paired<Element, N>, pack_of<unsigned, N / 2 + (N % 2)>, pack_of<storage_of<Element>, N>>;
 
 //! v[j] ← f(v[j]) for each element in order, f on the compute type (one rounding to Element).
 template <class Element, int N, class F>

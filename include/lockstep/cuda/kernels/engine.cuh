@@ -50,8 +50,8 @@ namespace lockstep::cuda::kernels {
 
 //! What the engine tells an op about its block besides the chunk.
 struct block_info {
-  std::size_t chunk = 0;              //!< this block's chunk among all chunks of the call
-  const std::int64_t* step = nullptr; //!< the tensor's step counter (stepped ops), else null
+  std::size_t chunk = 0;               //!< this block's chunk among all chunks of the call
+  const std::int64_t* step = nullptr;  //!< the tensor's step counter (stepped ops), else null
 };
 
 //! An op's defaults (CUTLASS's op-base idea): one list of Storage, streaming, no step
@@ -66,7 +66,9 @@ struct op_base {
   __host__ __device__ constexpr bool list_required(int /*list*/) const { return true; }
   struct local {};
   template <class Local>
-  __device__ bool begin(Local&, const block_info&) const { return true; }
+  __device__ bool begin(Local&, const block_info&) const {
+    return true;
+  }
   template <class Local>
   __device__ void end(Local&, const block_info&) const {}
 };
@@ -102,8 +104,8 @@ struct tensor_table : table_steps<Cap, Stepped> {
   std::size_t count[Cap];
   unsigned block_begin[Cap + 1];  // tensor t owns blocks [block_begin[t], block_begin[t+1])
   int n;
-  const int* skip;                // nullable: *skip ≠ 0 means every block returns at once
-  std::size_t chunk_base;         // chunks of the call's earlier launches
+  const int* skip;         // nullable: *skip ≠ 0 means every block returns at once
+  std::size_t chunk_base;  // chunks of the call's earlier launches
 };
 
 //! Tensors per launch so that the table and the op fit the 32 KB parameter limit.
@@ -116,8 +118,8 @@ inline constexpr int table_capacity =
 //! bits as base + a compile-time offset, so each access is one base register plus an
 //! immediate (a 32-bit vector index widened per access costs two registers and an IMAD each).
 template <tuning Tune, class Op>
-__device__ __forceinline__ void run_chunk(const Op& op, typename Op::local& st, void* const* p,
-                                          std::size_t start, unsigned n) {
+__device__ __forceinline__ void run_chunk(const Op& op, typename Op::local& st, void* const* p, std::size_t start,
+                                          unsigned n) {
   constexpr int lists = Op::lists, width = Tune.width(Op::elem_bytes(0)), unroll = Tune.unroll;
   constexpr unsigned threads = Tune.block_threads;
   // Vectorise only when every list is misaligned by the same number of elements.
@@ -204,8 +206,8 @@ template <class Op, tuning Tune>
 void report_tuning(const char* who) {
   static const bool once = [&] {
     if (const auto v = lockstep::detail::env("LOCKSTEP_DEBUG_KERNELS"); v && *v != "0")
-      std::fprintf(stderr, "lockstep kernels: %s (%d lists, %s) runs with %s\n", who, Op::lists,
-                   name_of(Op::kind), to_string(Tune).c_str());
+      std::fprintf(stderr, "lockstep kernels: %s (%d lists, %s) runs with %s\n", who, Op::lists, name_of(Op::kind),
+                   to_string(Tune).c_str());
     return true;
   }();
   (void)once;
@@ -223,8 +225,7 @@ constexpr std::size_t chunks_of(std::size_t count) {
 //! as few launches as fit. skip (device int, nullable): when *skip ≠ 0 at run time, nothing is
 //! written. `who` names the caller in errors. Returns the number of chunks (blocks) launched.
 template <class Op, tuning Tune = tuning_of<Op>, class Get>
-std::size_t launch(const Op& op, std::size_t n, Get&& get, cudaStream_t s, const char* who,
-                   const int* skip = nullptr) {
+std::size_t launch(const Op& op, std::size_t n, Get&& get, cudaStream_t s, const char* who, const int* skip = nullptr) {
   constexpr int lists = Op::lists;
   constexpr int cap = detail::table_capacity<lists, sizeof(Op), Op::stepped>;
   using big_t = detail::tensor_table<lists, cap, Op::stepped>;
@@ -258,7 +259,8 @@ std::size_t launch(const Op& op, std::size_t n, Get&& get, cudaStream_t s, const
       }
       sm.block_begin[tab.n] = blocks;
       detail::multi_tensor_kernel<Op, Tune.block_threads, Tune.chunk_elems, Tune.vector_bytes, Tune.unroll,
-                                  Tune.min_blocks, detail::small_capacity><<<blocks, Tune.block_threads, 0, s>>>(sm, op);
+                                  Tune.min_blocks, detail::small_capacity>
+          <<<blocks, Tune.block_threads, 0, s>>>(sm, op);
     } else {
       detail::multi_tensor_kernel<Op, Tune.block_threads, Tune.chunk_elems, Tune.vector_bytes, Tune.unroll,
                                   Tune.min_blocks, cap><<<blocks, Tune.block_threads, 0, s>>>(tab, op);
@@ -274,14 +276,14 @@ std::size_t launch(const Op& op, std::size_t n, Get&& get, cudaStream_t s, const
     if (r.count == 0) continue;
     for (int k = 0; k < lists; ++k)
       if (r.p[k] == nullptr && op.list_required(k))
-        throw config_error(std::string(who) + ": tensor " + std::to_string(i) + " has " +
-                           std::to_string(r.count) + " elements but a null pointer");
+        throw config_error(std::string(who) + ": tensor " + std::to_string(i) + " has " + std::to_string(r.count) +
+                           " elements but a null pointer");
     if (Op::stepped && r.step == nullptr)
       throw config_error(std::string(who) + ": tensor " + std::to_string(i) + " has no step counter");
     const std::size_t chunks = chunks_of<Op, Tune>(r.count);
     if (chunks > detail::max_blocks)
-      throw config_error(std::string(who) + ": tensor " + std::to_string(i) + " has " +
-                         std::to_string(r.count) + " elements, more than one launch can cover; "
+      throw config_error(std::string(who) + ": tensor " + std::to_string(i) + " has " + std::to_string(r.count) +
+                         " elements, more than one launch can cover; "
                          "split it into several segments");
     if (tab.n == cap || tab.block_begin[tab.n] + chunks > detail::max_blocks) flush();
     for (int k = 0; k < lists; ++k) tab.ptr[tab.n][k] = r.p[k];
@@ -298,8 +300,8 @@ std::size_t launch(const Op& op, std::size_t n, Get&& get, cudaStream_t s, const
 inline void check_segments(std::span<const segment> segs, const char* who) {
   for (std::size_t i = 0; i < segs.size(); ++i)
     if (segs[i].count != 0 && segs[i].ptr == nullptr)
-      throw config_error(std::string(who) + ": segment " + std::to_string(i) + " has " +
-                         std::to_string(segs[i].count) + " elements but a null pointer");
+      throw config_error(std::string(who) + ": segment " + std::to_string(i) + " has " + std::to_string(segs[i].count) +
+                         " elements but a null pointer");
 }
 
 }  // namespace lockstep::cuda::kernels

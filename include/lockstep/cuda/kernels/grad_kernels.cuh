@@ -98,8 +98,7 @@ struct unscale_op : op_base<storage_of<Element>> {
     // The flag needs no block barrier: a warp that saw inf/NaN stores the 1 itself (rare, so
     // the atomic costs nothing in the common case; atomic only so that concurrent stores of
     // the same value are well defined).
-    if (flag != nullptr && __any_sync(0xffffffffu, st.bad != 0) && (threadIdx.x & 31) == 0)
-      atomicExch(flag, 1);
+    if (flag != nullptr && __any_sync(0xffffffffu, st.bad != 0) && (threadIdx.x & 31) == 0) atomicExch(flag, 1);
     if constexpr (Partials) {
       using reduce_t = cub::BlockReduce<double, tuning_of<unscale_op>.block_threads>;
       __shared__ typename reduce_t::TempStorage temp;
@@ -139,7 +138,8 @@ struct clamp_op : op_base<storage_of<Element>> {
 namespace detail {
 
 template <int BlockThreads>
-__global__ void __launch_bounds__(BlockThreads) sum_partials_kernel(const double* partials, std::size_t n, double* out) {
+__global__ void __launch_bounds__(BlockThreads)
+    sum_partials_kernel(const double* partials, std::size_t n, double* out) {
   double s = 0.0;
   for (std::size_t i = threadIdx.x; i < n; i += BlockThreads) s += partials[i];
   using reduce_t = cub::BlockReduce<double, BlockThreads>;
@@ -233,16 +233,16 @@ std::size_t unscale_chunks(std::span<const segment> segs) {
 //! One unscale_op pass over `segs` (element type t): see unscale_op. d_flag and d_partials
 //! (device memory) may be null; partials are written from d_partials[0] (unscale_chunks of
 //! them). Returns the number of chunks. Queued on s.
-inline std::size_t unscale(std::span<const segment> segs, dtype t, double factor, const double* d_factor,
-                           int* d_flag, double* d_partials, cudaStream_t s) {
+inline std::size_t unscale(std::span<const segment> segs, dtype t, double factor, const double* d_factor, int* d_flag,
+                           double* d_partials, cudaStream_t s) {
   check_segments(segs, "unscale");
   std::size_t chunks = 0;
   visit_float(t, "unscale", [&]<class Element>(std::type_identity<Element>) {
     const auto tensor = [&](std::size_t i) { return tensor_ref<1>{{segs[i].ptr}, segs[i].count}; };
     if (d_partials != nullptr)
-      chunks = launch(unscale_op<Element, true>{{}, factor, d_factor, d_flag, d_partials}, segs.size(), tensor, s, "unscale");
-    else
-      chunks = launch(unscale_op<Element>{{}, factor, d_factor, d_flag, nullptr}, segs.size(), tensor, s, "unscale");
+      chunks = launch(unscale_op<Element, true>{{}, factor, d_factor, d_flag, d_partials}, segs.size(), tensor, s,
+                      "unscale");
+    else chunks = launch(unscale_op<Element>{{}, factor, d_factor, d_flag, nullptr}, segs.size(), tensor, s, "unscale");
   });
   return chunks;
 }

@@ -16,9 +16,9 @@ namespace lockstep::cuda::kernels {
 //! The device-resident state of a DeviceDynamicScale.
 struct device_scale_state {
   double scale;
-  double inv_scale;       //!< 1.0 / scale, as the host computes it
-  float scale_f32;        //!< scale rounded to float: what the loss kernel multiplies by
-  std::int32_t found_inf; //!< this step's flag, agreed over ranks
+  double inv_scale;        //!< 1.0 / scale, as the host computes it
+  float scale_f32;         //!< scale rounded to float: what the loss kernel multiplies by
+  std::int32_t found_inf;  //!< this step's flag, agreed over ranks
   std::int64_t good_steps;
   std::int64_t skipped_steps;
   std::int64_t steps;

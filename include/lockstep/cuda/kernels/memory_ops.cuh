@@ -65,12 +65,15 @@ template <class Bits>
 void copy_segments(std::span<const segment> segs, void* packed, bool to_packed, cudaStream_t s, const char* who) {
   auto* base = static_cast<Bits*>(packed);
   std::size_t offset = 0;  // get() is called in order, so a running offset suffices
-  launch(copy_op<Bits>{}, segs.size(), [&](std::size_t i) {
-    tensor_ref<2> r{{segs[i].ptr, base + offset}, segs[i].count};
-    if (!to_packed) std::swap(r.p[0], r.p[1]);
-    offset += segs[i].count;
-    return r;
-  }, s, who);
+  launch(
+      copy_op<Bits>{}, segs.size(),
+      [&](std::size_t i) {
+        tensor_ref<2> r{{segs[i].ptr, base + offset}, segs[i].count};
+        if (!to_packed) std::swap(r.p[0], r.p[1]);
+        offset += segs[i].count;
+        return r;
+      },
+      s, who);
 }
 }  // namespace detail
 
@@ -83,17 +86,21 @@ inline void pack(std::span<const segment> src, void* dst, dtype t, double scale,
     return;
   }
   if (scale == 1.0) {
-    visit_size(t, [&]<class Bits>(std::type_identity<Bits>) { detail::copy_segments<Bits>(src, dst, true, s, "pack"); });
+    visit_size(t,
+               [&]<class Bits>(std::type_identity<Bits>) { detail::copy_segments<Bits>(src, dst, true, s, "pack"); });
     return;
   }
   visit_float(t, "pack with a scale ≠ 1", [&]<class Element>(std::type_identity<Element>) {
     auto* base = static_cast<storage_of<Element>*>(dst);
     std::size_t offset = 0;
-    launch(scale_op<Element>{{}, static_cast<compute_of<Element>>(scale)}, src.size(), [&](std::size_t i) {
-      tensor_ref<2> r{{src[i].ptr, base + offset}, src[i].count};
-      offset += src[i].count;
-      return r;
-    }, s, "pack");
+    launch(
+        scale_op<Element>{{}, static_cast<compute_of<Element>>(scale)}, src.size(),
+        [&](std::size_t i) {
+          tensor_ref<2> r{{src[i].ptr, base + offset}, src[i].count};
+          offset += src[i].count;
+          return r;
+        },
+        s, "pack");
   });
 }
 
@@ -115,8 +122,9 @@ inline void scale(void* p, std::size_t count, dtype t, double factor, cudaStream
   if (count == 0 || factor == 1.0) return;
   if (p == nullptr) throw config_error("scale: null pointer for " + std::to_string(count) + " elements");
   visit_float(t, "scale", [&]<class Element>(std::type_identity<Element>) {
-    launch(scale_op<Element>{{}, static_cast<compute_of<Element>>(factor)}, 1,
-           [&](std::size_t) { return tensor_ref<2>{{p, p}, count}; }, s, "scale");
+    launch(
+        scale_op<Element>{{}, static_cast<compute_of<Element>>(factor)}, 1,
+        [&](std::size_t) { return tensor_ref<2>{{p, p}, count}; }, s, "scale");
   });
 }
 

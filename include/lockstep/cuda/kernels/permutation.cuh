@@ -28,8 +28,7 @@ __device__ __forceinline__ std::uint64_t permutation_key(std::uint64_t i, std::u
 }
 
 template <int = 0>
-__global__ void permutation_init_kernel(std::uint64_t* keys, std::uint64_t* values, std::size_t n,
-                                        std::uint64_t seed) {
+__global__ void permutation_init_kernel(std::uint64_t* keys, std::uint64_t* values, std::size_t n, std::uint64_t seed) {
   for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n;
        i += std::size_t(gridDim.x) * blockDim.x) {
     keys[i] = permutation_key(i, seed);
@@ -49,12 +48,11 @@ inline void device_permutation(std::uint64_t seed, std::size_t n, std::uint64_t*
   std::uint64_t *keys_in = nullptr, *keys_out = nullptr, *values_in = nullptr;
   void* temp = nullptr;
   std::size_t temp_bytes = 0;
-  LOCKSTEP_TRY_CUDA((cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, keys_in, keys_out, values_in,
-                                                     d_out, n, 0, 64, s)));
+  LOCKSTEP_TRY_CUDA(
+      (cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, keys_in, keys_out, values_in, d_out, n, 0, 64, s)));
   LOCKSTEP_TRY_CUDA(cudaMallocAsync(reinterpret_cast<void**>(&keys_in), n * sizeof(std::uint64_t), s));
   auto release = [&] {  // best effort on the error path; the first error is the one reported
-    for (void* p : {static_cast<void*>(keys_in), static_cast<void*>(keys_out),
-                    static_cast<void*>(values_in), temp})
+    for (void* p : {static_cast<void*>(keys_in), static_cast<void*>(keys_out), static_cast<void*>(values_in), temp})
       if (p != nullptr) (void)cudaFreeAsync(p, s);
   };
   try {
@@ -64,8 +62,8 @@ inline void device_permutation(std::uint64_t seed, std::size_t n, std::uint64_t*
     const unsigned blocks = static_cast<unsigned>(std::min<std::size_t>((n + 255) / 256, 4096));
     detail::permutation_init_kernel<<<blocks, 256, 0, s>>>(keys_in, values_in, n, seed);
     LOCKSTEP_CHECK_LAUNCH();
-    LOCKSTEP_TRY_CUDA((cub::DeviceRadixSort::SortPairs(temp, temp_bytes, keys_in, keys_out, values_in,
-                                                       d_out, n, 0, 64, s)));
+    LOCKSTEP_TRY_CUDA(
+        (cub::DeviceRadixSort::SortPairs(temp, temp_bytes, keys_in, keys_out, values_in, d_out, n, 0, 64, s)));
   } catch (...) {
     release();
     throw;

@@ -21,11 +21,11 @@ enum class op_kind {
 inline const char* name_of(op_kind k) { return k == op_kind::streaming ? "streaming" : "optimizer"; }
 
 struct tuning {
-  int block_threads = 512;    //!< threads per block
-  int chunk_elems = 16384;    //!< elements per block (a multiple of every vector width)
-  int vector_bytes = 16;      //!< bytes per vector access of list 0
-  int unroll = 1;             //!< vector accesses a thread issues before the first use
-  int min_blocks = 1;         //!< resident blocks per SM compiled for (caps registers)
+  int block_threads = 512;  //!< threads per block
+  int chunk_elems = 16384;  //!< elements per block (a multiple of every vector width)
+  int vector_bytes = 16;    //!< bytes per vector access of list 0
+  int unroll = 1;           //!< vector accesses a thread issues before the first use
+  int min_blocks = 1;       //!< resident blocks per SM compiled for (caps registers)
 
   //! Elements per vector access when list 0 holds elem_bytes-byte elements.
   constexpr int width(int elem_bytes) const { return vector_bytes / elem_bytes; }
@@ -33,9 +33,8 @@ struct tuning {
 };
 
 inline std::ostream& operator<<(std::ostream& os, const tuning& t) {
-  return os << "{block_threads " << t.block_threads << ", chunk_elems " << t.chunk_elems
-            << ", vector_bytes " << t.vector_bytes << ", unroll " << t.unroll << ", min_blocks "
-            << t.min_blocks << "}";
+  return os << "{block_threads " << t.block_threads << ", chunk_elems " << t.chunk_elems << ", vector_bytes "
+            << t.vector_bytes << ", unroll " << t.unroll << ", min_blocks " << t.min_blocks << "}";
 }
 inline std::string to_string(const tuning& t) {
   std::ostringstream os;
@@ -67,7 +66,6 @@ constexpr tuning select_tuning(op_kind kind, int elem_bytes) {
 }
 
 static_assert(select_tuning(op_kind::streaming, 4).unroll == 8);
-static_assert(select_tuning(op_kind::streaming, 2).unroll == 4 &&
-              select_tuning(op_kind::streaming, 2).min_blocks == 3);
+static_assert(select_tuning(op_kind::streaming, 2).unroll == 4 && select_tuning(op_kind::streaming, 2).min_blocks == 3);
 
 }  // namespace lockstep::cuda::kernels

@@ -123,7 +123,7 @@ void launch_mean_blocks(const In* blocks, int ranks, std::size_t per, float scal
   if (per == 0) return;
   const bool vec = (per % 8 == 0) && aligned16(blocks) && (!out32 || aligned16(out32)) && (!out16 || aligned16(out16));
   mean_blocks<In><<<blocks_for(vec ? per / 8 : per), threads, 0, s>>>(blocks, ranks, per, scale, out32,
-                                                                        static_cast<__nv_bfloat16*>(out16), vec);
+                                                                      static_cast<__nv_bfloat16*>(out16), vec);
   LOCKSTEP_CHECK_LAUNCH();
 }
 

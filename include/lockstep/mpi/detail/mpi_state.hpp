@@ -62,8 +62,7 @@ struct mpi_state {
   void live() const {
     if (!mismatch.empty()) throw mismatch_error(mismatch);
     if (!broken.empty())
-      throw aborted_error("MpiComm (rank " + std::to_string(rank) +
-                          "): unusable after an earlier failure: " + broken);
+      throw aborted_error("MpiComm (rank " + std::to_string(rank) + "): unusable after an earlier failure: " + broken);
   }
 
   //! Issues the seal of `c` (all-gathered with MPI_Iallgather); immediate: waits for it and
@@ -142,8 +141,7 @@ struct mpi_state {
       if (rc != MPI_SUCCESS) {
         if (found) throw mismatch_error(mismatch);
         broken = what + " failed: " + mpi_error_string(rc);
-        throw mpi_error(call_failure("MPI_Testall", __FILE__, __LINE__,
-                                     mpi_error_string(rc) + " (in " + what + ")"));
+        throw mpi_error(call_failure("MPI_Testall", __FILE__, __LINE__, mpi_error_string(rc) + " (in " + what + ")"));
       }
       if (done) {
         reqs.clear();
@@ -162,8 +160,8 @@ struct mpi_state {
   std::string timeout_message(const std::string& what) const {
     char secs[32];
     std::snprintf(secs, sizeof secs, "%g", static_cast<double>(timeout.count()) / 1000.0);
-    return "MpiComm (rank " + std::to_string(rank) + "): " + what + " did not complete within " +
-           secs + " s (LOCKSTEP_TIMEOUT): another rank is stuck, has died, or called a different "
+    return "MpiComm (rank " + std::to_string(rank) + "): " + what + " did not complete within " + secs +
+           " s (LOCKSTEP_TIMEOUT): another rank is stuck, has died, or called a different "
            "collective (LOCKSTEP_DEBUG=1 checks the order of collectives). The communicator "
            "cannot be used again; end the job (lockstep::run(Mpi{}) calls MPI_Abort).";
   }

@@ -92,8 +92,7 @@ inline void mpi_init() {
     finalizer() {
       int provided = 0;
       int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);
-      if (rc != MPI_SUCCESS)
-        throw mpi_error(call_failure("MPI_Init_thread", __FILE__, __LINE__, mpi_error_string(rc)));
+      if (rc != MPI_SUCCESS) throw mpi_error(call_failure("MPI_Init_thread", __FILE__, __LINE__, mpi_error_string(rc)));
     }
     ~finalizer() {
       int done = 0;

@@ -89,8 +89,8 @@ class trace_log {
           << ",\"args\":{\"name\":\"" << names[t] << "\"}}";
     char num[64];
     for (const auto& e : events_) {
-      out << ",\n{\"ph\":\"" << e.ph << "\",\"name\":\"" << escaped(e.name) << "\",\"cat\":\"lockstep\",\"pid\":" << rank_
-          << ",\"tid\":" << static_cast<int>(e.t);
+      out << ",\n{\"ph\":\"" << e.ph << "\",\"name\":\"" << escaped(e.name)
+          << "\",\"cat\":\"lockstep\",\"pid\":" << rank_ << ",\"tid\":" << static_cast<int>(e.t);
       std::snprintf(num, sizeof num, ",\"ts\":%.3f", e.ts);
       out << num;
       if (e.ph == 'X') {
@@ -116,7 +116,9 @@ class trace_log {
     char ph;
   };
   // Microseconds on the steady clock's own scale: the ranks of one host line up.
-  static double us(clock::time_point t) { return std::chrono::duration<double, std::micro>(t.time_since_epoch()).count(); }
+  static double us(clock::time_point t) {
+    return std::chrono::duration<double, std::micro>(t.time_since_epoch()).count();
+  }
   static std::string escaped(const std::string& s) {
     std::string o;
     for (char c : s) {

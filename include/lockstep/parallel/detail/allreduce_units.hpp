@@ -48,7 +48,9 @@ class allreduce_units {
 
   //! Zero-copy arenas align each gradient to 256 bytes (vector loads, cuBLAS); packed ones
   //! stay dense (one pack per bucket fills them).
-  static std::size_t align(dtype t, bool zero_copy) { return zero_copy ? std::max<std::size_t>(1, 256 / size_of(t)) : 1; }
+  static std::size_t align(dtype t, bool zero_copy) {
+    return zero_copy ? std::max<std::size_t>(1, 256 / size_of(t)) : 1;
+  }
   static std::size_t split() { return 1; }
   std::shared_ptr<void> allocate(std::size_t bytes) { return comm_.memory().allocate(bytes); }
 
@@ -80,8 +82,8 @@ class allreduce_units {
   void launch(std::size_t g, std::size_t first, void* buf, std::size_t count) {
     if (comm_.size() == 1 || count == 0) return;
     const auto t = plans_[g]->type;
-    const auto s = rec_.issue(step_event::issue_reduce, static_cast<std::int64_t>(first), key(g, first),
-                              count * size_of(t), t);
+    const auto s =
+        rec_.issue(step_event::issue_reduce, static_cast<std::int64_t>(first), key(g, first), count * size_of(t), t);
     label_next_collective(comm_, [&] { return bucket_label(*plans_[g], first, count); });
     works_[g][first].emplace(hook_.reduce(comm_, buf, count, t));
     label_next_collective(comm_, [] { return std::string{}; });  // a hook that did not use it

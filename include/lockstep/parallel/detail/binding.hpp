@@ -49,11 +49,12 @@ bind_fn value_binder(Model& model, const DataParallelOptions& opts, const Strate
 //! fresh (the model's parameters re-read after binding), checked: every (i, storage) in given
 //! is now what parameters()[i].*field points at — else the binder (named fn) did not take effect.
 inline std::vector<parameter> checked_binding(std::vector<parameter> fresh, std::span<const binding> given,
-                                              void* parameter::*field, const char* fn) {
+                                              void* parameter::* field, const char* fn) {
   for (const auto& [i, storage] : given)
     if (i >= fresh.size() || fresh[i].*field != storage)
-      throw config_error(std::string("model.") + fn + "(" + std::to_string(i) + ", storage) did not take effect: parameters()[" +
-                         std::to_string(i) + "]." + (field == &parameter::grad ? "grad" : "value") +
+      throw config_error(std::string("model.") + fn + "(" + std::to_string(i) +
+                         ", storage) did not take effect: parameters()[" + std::to_string(i) + "]." +
+                         (field == &parameter::grad ? "grad" : "value") +
                          " does not point at the storage lockstep gave it (" + fn + " must make the model use it)");
   return fresh;
 }

@@ -71,9 +71,9 @@ struct launch_unit {
 struct bucket_plan {
   dtype type = dtype::f32;
   std::vector<launch_unit> units;
-  std::vector<std::size_t> order;        //!< global parameter indices, arena order
-  std::vector<std::size_t> offset;       //!< arena offset per entry of order
-  std::size_t total = 0;                 //!< arena length in elements (with padding)
+  std::vector<std::size_t> order;   //!< global parameter indices, arena order
+  std::vector<std::size_t> offset;  //!< arena offset per entry of order
+  std::size_t total = 0;            //!< arena length in elements (with padding)
   std::vector<bucket> buckets;
   std::vector<std::vector<std::size_t>> buckets_of;  //!< per entry of order: bucket indices
 };
@@ -88,10 +88,8 @@ struct gradient_locator {
 inline std::size_t round_up(std::size_t x, std::size_t a) { return a <= 1 ? x : (x + a - 1) / a * a; }
 
 //! sizes[i]: element count of global parameter i (only those listed in order are used).
-inline bucket_plan make_bucket_plan(dtype t, std::vector<std::size_t> order,
-                                    const std::vector<std::size_t>& sizes,
-                                    const BucketPolicy& policy, std::size_t align,
-                                    std::size_t ways = 1) {
+inline bucket_plan make_bucket_plan(dtype t, std::vector<std::size_t> order, const std::vector<std::size_t>& sizes,
+                                    const BucketPolicy& policy, std::size_t align, std::size_t ways = 1) {
   if (policy.first_bytes == 0 || policy.cap_bytes == 0)
     throw config_error("BucketPolicy: first_bytes and cap_bytes must be positive");
   bucket_plan p;
@@ -107,7 +105,8 @@ inline bucket_plan make_bucket_plan(dtype t, std::vector<std::size_t> order,
   // Bucket boundaries: element counts from the byte caps, kept aligned (and divisible by ways).
   const std::size_t grain = std::lcm(std::max<std::size_t>(align, 1), std::max<std::size_t>(ways, 1));
   p.total = round_up(at, grain);
-  const std::size_t first = std::max<std::size_t>(round_up(std::max<std::size_t>(policy.first_bytes / es, 1), grain), 1);
+  const std::size_t first =
+      std::max<std::size_t>(round_up(std::max<std::size_t>(policy.first_bytes / es, 1), grain), 1);
   const std::size_t cap = std::max<std::size_t>(round_up(std::max<std::size_t>(policy.cap_bytes / es, 1), grain), 1);
   for (std::size_t b = 0; b < p.total;) {
     const std::size_t len = p.buckets.empty() ? first : cap;
@@ -154,7 +153,8 @@ inline bucket_plan make_bucket_plan(dtype t, std::vector<std::size_t> order,
 
 //! "bucket 3: 262144 f32 at 786432" — which bucket's collective a call is (a collective's
 //! label): the first bucket of the unit, the elements it reduces and where in the arena.
-inline std::string bucket_label(const bucket_plan& p, std::size_t first, std::size_t count, const char* what = "bucket ") {
+inline std::string bucket_label(const bucket_plan& p, std::size_t first, std::size_t count,
+                                const char* what = "bucket ") {
   return what + std::to_string(first) + ": " + std::to_string(count) + " " + name_of(p.type) + " at " +
          std::to_string(p.buckets[first].begin);
 }
@@ -173,8 +173,8 @@ inline std::uint64_t order_hash(const std::vector<std::size_t>& order) {
 inline std::string describe_plan(const bucket_plan& p) {
   return std::string(name_of(p.type)) + ": " + std::to_string(p.total) + " elements in " +
          std::to_string(p.buckets.size()) + " buckets (first " +
-         std::to_string(p.buckets.empty() ? 0 : p.buckets[0].elements()) + ", units " +
-         std::to_string(p.units.size()) + ", order hash " + std::to_string(order_hash(p.order)) + "); ";
+         std::to_string(p.buckets.empty() ? 0 : p.buckets[0].elements()) + ", units " + std::to_string(p.units.size()) +
+         ", order hash " + std::to_string(order_hash(p.order)) + "); ";
 }
 
 //! The settled layout as a checkpoint holds it: {format 1, observed, fused, n, order...}.

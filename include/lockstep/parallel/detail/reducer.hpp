@@ -47,8 +47,8 @@ class reducer {
   //! units: the strategy's reduction units, built over the same communicator, hook and
   //! recorder. With Units::fixed_layout, policy.rebuild_after_first_step is ignored.
   template <class Strategy>
-  reducer(Comm& comm, Hook& hook, step_recorder& rec, std::vector<parameter> params, BucketPolicy policy,
-          bind_fn bind, refresh_fn refresh, const Strategy& strategy, bind_fn bind_value)
+  reducer(Comm& comm, Hook& hook, step_recorder& rec, std::vector<parameter> params, BucketPolicy policy, bind_fn bind,
+          refresh_fn refresh, const Strategy& strategy, bind_fn bind_value)
       : comm_(comm), rec_(rec), params_(std::move(params)), policy_(policy), bind_(std::move(bind)),
         refresh_(std::move(refresh)), units_(comm, hook, rec, strategy, std::move(bind_value)) {
     if constexpr (Units::fixed_layout) policy_.rebuild_after_first_step = false;
@@ -146,7 +146,8 @@ class reducer {
     units_.finish(on_bucket, [&](std::size_t gi, std::size_t b) {
       const auto& g = groups_[gi];
       const auto& bk = g.plan.buckets[b];
-      if (!zero_copy() && !bk.slices.empty()) comm_.memory().unpack(g.arena_at(bk.begin), bk.segments_in(params_), g.plan.type);
+      if (!zero_copy() && !bk.slices.empty())
+        comm_.memory().unpack(g.arena_at(bk.begin), bk.segments_in(params_), g.plan.type);
       if (on_bucket) hand_over(on_bucket, gi, b);
     });
     end_sync();
@@ -203,9 +204,7 @@ class reducer {
     std::vector<std::size_t> pending;
     std::size_t next = 0;
     std::vector<segment> grads;  // what this rank unscales, checks and clips (the units' choice)
-    void* arena_at(std::size_t elem) const {
-      return static_cast<char*>(arena.get()) + elem * size_of(plan.type);
-    }
+    void* arena_at(std::size_t elem) const { return static_cast<char*>(arena.get()) + elem * size_of(plan.type); }
   };
 
   void end_sync() {
@@ -363,8 +362,8 @@ class reducer {
     auto all = host_all_gather_strings(comm_, mine);
     for (std::size_t r = 1; r < all.size(); ++r)
       if (all[r] != all[0])
-        throw mismatch_error("ranks built different gradient bucket plans: rank 0 has " + all[0] +
-                             "rank " + std::to_string(r) + " has " + all[r] +
+        throw mismatch_error("ranks built different gradient bucket plans: rank 0 has " + all[0] + "rank " +
+                             std::to_string(r) + " has " + all[r] +
                              "(give every rank the same BucketPolicy and zero_copy setting)");
   }
 
@@ -385,8 +384,8 @@ class reducer {
   std::vector<bool> ready_;
   bool observed_ = false;
   bool fused_ = false;
-  bool bound_ = false;  // the model's gradients live in the arena
-  Units units_;          // the strategy: the units' collectives and what finish() does with them
+  bool bound_ = false;               // the model's gradients live in the arena
+  Units units_;                      // the strategy: the units' collectives and what finish() does with them
   std::vector<param_slice> slices_;  // hand_over's scratch
   bool sync_ = false;
   double prescale_ = 1.0;

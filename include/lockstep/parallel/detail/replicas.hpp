@@ -107,9 +107,11 @@ inline void check_unchanged(const std::vector<parameter>& was, const std::vector
   // (libtorch 2.x optimizer.zero_grad() sets it to none) would leave lockstep averaging zeros.
   for (std::size_t i = 0; why.empty() && bound && i < now.size(); ++i)
     if (now[i].grad != was[i].grad)
-      why = "the gradient of parameter " + std::to_string(i) + " ('" + now[i].name + "') no longer is the storage "
-            "DataParallel gave it (was it reset, e.g. by optimizer.zero_grad() with set_to_none? call zero_grad(false), "
-            "or leave zeroing to DataParallel)";
+      why =
+          "the gradient of parameter " + std::to_string(i) + " ('" + now[i].name +
+          "') no longer is the storage "
+          "DataParallel gave it (was it reset, e.g. by optimizer.zero_grad() with set_to_none? call zero_grad(false), "
+          "or leave zeroing to DataParallel)";
   if (!why.empty())
     throw mismatch_error("rank " + std::to_string(rank) + ": the model changed after DataParallel was built: " + why +
                          " (rebuild the DataParallel after changing the model, on every rank alike; to load "

@@ -79,7 +79,7 @@ class shard_units {
   //! returns those bindings (then re-read the parameters), empty without.
   std::span<const binding> built(std::span<const bucket_plan* const> plans, std::span<void* const> arenas,
                                  const std::vector<parameter>& params) {
-    wait_all_parameters();  // a rebuild must not drop values still in flight
+    wait_all_parameters();                // a rebuild must not drop values still in flight
     const auto old = std::move(groups_);  // the values a binding copies from stay alive until it has
     groups_.clear();
     bindings_.clear();
@@ -127,7 +127,10 @@ class shard_units {
         params_.push_back(parameter{"shard " + std::to_string(r) + "/" + std::to_string(n) + " of " +
                                         name_of(plan.type) + " elements [" + std::to_string(sh.begin) + ", " +
                                         std::to_string(sh.begin + len) + ")",
-                                    {static_cast<std::int64_t>(sh.count)}, plan.type, value, grad});
+                                    {static_cast<std::int64_t>(sh.count)},
+                                    plan.type,
+                                    value,
+                                    grad});
         slices_.push_back({sh.index, 0, sh.count, plan.type, value, grad});
         if (sh.count) g.grads.push_back({grad, sh.count});
         bytes_ += sh.count * es;
@@ -208,7 +211,8 @@ class shard_units {
     if (!deferred_) return;
     for (const auto& [g, u] : units_of_.at(i))
       if (groups_[g].pending[u])
-        throw config_error("parameter " + std::to_string(i) + " ('" + name + "') got a gradient, but its values were "
+        throw config_error("parameter " + std::to_string(i) + " ('" + name +
+                           "') got a gradient, but its values were "
                            "not waited for in this forward (gather_in_forward): call dp.wait_parameters(i) first");
   }
   //! Every deferred all-gather waited for and unpacked (before reading all parameters:
@@ -267,17 +271,15 @@ class shard_units {
   };
   struct group {
     const bucket_plan* plan = nullptr;
-    std::shared_ptr<void> values;  // the value arena, the plan's layout
-    std::vector<shard> shards;     // per launch unit
-    std::vector<segment> grads;    // the gradient shards
+    std::shared_ptr<void> values;                    // the value arena, the plan's layout
+    std::vector<shard> shards;                       // per launch unit
+    std::vector<segment> grads;                      // the gradient shards
     std::vector<std::optional<work_type>> scatters;  // by the unit's first bucket
     std::vector<std::optional<work_type>> gathers;   // by unit
     std::vector<char> pending;                       // by unit: all-gather issued, not yet unpacked
     bool by_engine = false;                          // values: a window of engine_ (gathered there)
     bool scatter_by_engine = false;                  // gradients: a window of engine_ (scattered there)
-    void* values_at(std::size_t elem) const {
-      return static_cast<char*>(values.get()) + elem * size_of(plan->type);
-    }
+    void* values_at(std::size_t elem) const { return static_cast<char*>(values.get()) + elem * size_of(plan->type); }
   };
 
   static constexpr bool engines_offered = requires(Comm& c) {
@@ -393,13 +395,13 @@ class shard_units {
   bool agreed_ = false;           // engines_agreed() has checked the options across ranks
   std::unique_ptr<Comm> engine_;  // the zero-CTA split the collectives run on (outlives groups_)
   std::vector<std::pair<const void*, bool>> grad_windows_;  // allocate_gradients: (arena, window taken)
-  std::vector<binding> bindings_;  // what build() bound
+  std::vector<binding> bindings_;                           // what build() bound
   std::vector<group> groups_;
-  std::vector<parameter> params_;    // this rank's shard of each unit
-  std::vector<param_slice> slices_;  // the same, as the optimizer's slices
-  std::vector<std::vector<shard_segment>> map_;  // the same, as the model's elements
+  std::vector<parameter> params_;                                           // this rank's shard of each unit
+  std::vector<param_slice> slices_;                                         // the same, as the optimizer's slices
+  std::vector<std::vector<shard_segment>> map_;                             // the same, as the model's elements
   std::vector<std::vector<std::pair<std::size_t, std::size_t>>> units_of_;  // parameter → (group, unit)s
-  bool deferred_ = false;  // ShardedOptimizer::gather_in_forward
+  bool deferred_ = false;                                                   // ShardedOptimizer::gather_in_forward
   std::size_t bytes_ = 0;
 };
 

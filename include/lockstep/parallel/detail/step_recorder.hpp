@@ -29,16 +29,16 @@ namespace lockstep::detail {
 
 //! What a step does, as the recorder sees it. issue_* and wait_* are communication.
 enum class step_event : int {
-  finish,          // finish(): unscaling, checks, clipping, callbacks and the waits in it
-  unscale,         // unscale + inf/NaN check
-  clip,            // clip by global norm
-  callback,        // a bucket (or shard) handed to the optimizer; index: the bucket
-  issue_reduce,    // a unit's all-reduce issued; index: its first bucket
-  issue_scatter,   // a unit's reduce-scatter issued
-  issue_gather,    // a unit's all-gather issued (its values, after the optimizer)
-  wait_reduce,     // waiting for a unit's all-reduce
-  wait_scatter,    // waiting for a unit's reduce-scatter
-  wait_gather,     // waiting for a unit's all-gather
+  finish,         // finish(): unscaling, checks, clipping, callbacks and the waits in it
+  unscale,        // unscale + inf/NaN check
+  clip,           // clip by global norm
+  callback,       // a bucket (or shard) handed to the optimizer; index: the bucket
+  issue_reduce,   // a unit's all-reduce issued; index: its first bucket
+  issue_scatter,  // a unit's reduce-scatter issued
+  issue_gather,   // a unit's all-gather issued (its values, after the optimizer)
+  wait_reduce,    // waiting for a unit's all-reduce
+  wait_scatter,   // waiting for a unit's reduce-scatter
+  wait_gather,    // waiting for a unit's all-gather
 };
 
 //! One launch unit's local gradients, just before its collective (prescaled, packed).
@@ -136,9 +136,7 @@ class step_recorder {
     dtype type = dtype::f32;
   };
 
-  static const char* model_name(bool sync) {
-    return sync ? "forward + backward" : "forward + backward (accumulating)";
-  }
+  static const char* model_name(bool sync) { return sync ? "forward + backward" : "forward + backward (accumulating)"; }
   static bool is_comm(step_event e) { return e >= step_event::issue_reduce; }
   static bool is_wait(step_event e) { return e >= step_event::wait_reduce; }
   // The NVTX range's name (docs/observe.md lists them).
@@ -159,8 +157,9 @@ class step_recorder {
   }
   // The collective's name on the trace's communication track.
   static std::string collective_name(step_event e, std::int64_t index) {
-    const char* what = e == step_event::wait_gather ? "gather into bucket " :
-                       e == step_event::wait_scatter ? "reduce-scatter from bucket " : "reduce from bucket ";
+    const char* what = e == step_event::wait_gather    ? "gather into bucket "
+                       : e == step_event::wait_scatter ? "reduce-scatter from bucket "
+                                                       : "reduce from bucket ";
     return what + std::to_string(index);
   }
 
@@ -183,7 +182,7 @@ class step_recorder {
   }
 
   sync_stats stats_;
-  std::unique_ptr<trace_log> trace_;  // LOCKSTEP_TRACE, else null
+  std::unique_ptr<trace_log> trace_;           // LOCKSTEP_TRACE, else null
   std::map<std::uint64_t, flight> in_flight_;  // traced collectives issued, not yet waited for
   launch_listener launch_;
   clock::time_point step_t0_{};  // the current micro-step's step()

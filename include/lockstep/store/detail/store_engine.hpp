@@ -35,8 +35,8 @@ class store_engine {
 
   //! token: the job token, which is the run id. instance: this server's random non-zero
   //! number (0 is taken as 1), which a client presents when it reconnects.
-  store_engine(std::string token, store_limits lim, std::size_t max_connections,
-               std::chrono::milliseconds auth_timeout, std::uint64_t instance = 1)
+  store_engine(std::string token, store_limits lim, std::size_t max_connections, std::chrono::milliseconds auth_timeout,
+               std::uint64_t instance = 1)
       : token_(std::move(token)), run_(run_id_of(token_)), lim_(lim), max_conns_(max_connections),
         auth_timeout_(auth_timeout), instance_(instance == 0 ? 1 : instance) {}
 
@@ -65,7 +65,8 @@ class store_engine {
     if (it == conns_.end()) return;
     unpark(it->second, id);
     if (it->second.watched)
-      fire(it->second, "left: its connection to the store closed before it finished (the process exited or was killed)");
+      fire(it->second,
+           "left: its connection to the store closed before it finished (the process exited or was killed)");
     conns_.erase(it);
   }
 
@@ -95,10 +96,9 @@ class store_engine {
         std::vector<std::string> missing;
         for (std::size_t i = c.cursor; i < c.keys.size(); ++i)
           if (values_.find(c.keys[i]) == values_.end()) missing.push_back(c.keys[i]);
-        std::string msg = std::to_string(missing.size()) + " of " + std::to_string(c.keys.size()) +
-                          " key(s) never set: ";
-        for (std::size_t i = 0; i < missing.size() && i < 4; ++i)
-          msg += (i ? ", " : "") + printable_key(missing[i]);
+        std::string msg =
+            std::to_string(missing.size()) + " of " + std::to_string(c.keys.size()) + " key(s) never set: ";
+        for (std::size_t i = 0; i < missing.size() && i < 4; ++i) msg += (i ? ", " : "") + printable_key(missing[i]);
         if (missing.size() > 4) msg += " (+" + std::to_string(missing.size() - 4) + " more)";
         unpark(c, id);
         reply_err(c, err_code::timeout, msg);
@@ -213,8 +213,9 @@ class store_engine {
         c.closing = true;
       } else if (f.arg != protocol_version) {
         log_.push_back("rejected the connection from " + c.peer + ": protocol version " + std::to_string(f.arg));
-        reply_err(c, err_code::bad_token, "protocol version " + std::to_string(f.arg) + " is not " +
-                                              std::to_string(protocol_version) + "; use the same lockstep on every rank");
+        reply_err(c, err_code::bad_token,
+                  "protocol version " + std::to_string(f.arg) + " is not " + std::to_string(protocol_version) +
+                      "; use the same lockstep on every rank");
         c.closing = true;
       } else {
         hello(c, f);
@@ -225,8 +226,9 @@ class store_engine {
       case op::set: {
         if (f.arg == 1 && values_.find(f.key) != values_.end()) return reply_ok(c, 0);  // only if absent: it is not
         if (!put_value(f.key, std::move(f.value)))
-          return reply_err(c, err_code::full, "the store would hold more than " + std::to_string(lim_.max_total_bytes) +
-                                                  " bytes (store_limits::max_total_bytes)");
+          return reply_err(c, err_code::full,
+                           "the store would hold more than " + std::to_string(lim_.max_total_bytes) +
+                               " bytes (store_limits::max_total_bytes)");
         return reply_ok(c, 1);
       }
       case op::watch:
@@ -235,9 +237,7 @@ class store_engine {
         c.watch_who.assign(reinterpret_cast<const char*>(f.value.data()), f.value.size());
         c.watch_limit = std::chrono::milliseconds(std::min<std::int64_t>(f.arg, 86'400'000));
         return reply_ok(c, 0);
-      case op::unwatch:
-        c.watched = false;
-        return reply_ok(c, 0);
+      case op::unwatch: c.watched = false; return reply_ok(c, 0);
       case op::get: {
         auto it = values_.find(f.key);
         if (it != values_.end()) return reply_ok(c, 0, it->second);
@@ -290,13 +290,13 @@ class store_engine {
     const std::string ours = run_label(run_);
     if (joined != 0 && joined != instance_) {
       // Its store is gone and this is a new one at the same address: it is left over.
-      log_.push_back("refused the connection from " + c.peer + ": a process left over from an earlier run (" +
-                     theirs + ") reconnected; it joined store " + instance_text(joined) +
-                     " at this address, this is store " + instance_text(instance_) + " of " + ours +
-                     ". This run goes on");
+      log_.push_back("refused the connection from " + c.peer + ": a process left over from an earlier run (" + theirs +
+                     ") reconnected; it joined store " + instance_text(joined) + " at this address, this is store " +
+                     instance_text(instance_) + " of " + ours + ". This run goes on");
       reply_err(c, err_code::other_run,
                 "this process joined store " + instance_text(joined) + " at this address, which is gone; store " +
-                    instance_text(instance_) + " of " + ours + " listens there now (this process is of " + theirs + ")");
+                    instance_text(instance_) + " of " + ours + " listens there now (this process is of " + theirs +
+                    ")");
       c.closing = true;
     } else if (!same_token) {
       log_.push_back("refused the connection from " + c.peer + ": it is of " + theirs + ", this store belongs to " +

@@ -56,8 +56,10 @@ class tcp_store_server {
       close_fd(listen_fd_);
       throw config_error("TcpStore: cannot listen on port " + std::to_string(port) + ": " + errno_text(e) +
                          (e == EADDRINUSE ? " (another job, or an earlier run of this one, holds it: stop it (on this "
-                                            "host, `ss -ltnp 'sport = :" + std::to_string(port) + "'` names it) or "
-                                            "choose another MASTER_PORT)"
+                                            "host, `ss -ltnp 'sport = :" +
+                                                std::to_string(port) +
+                                                "'` names it) or "
+                                                "choose another MASTER_PORT)"
                                           : ""));
     }
     if (::listen(listen_fd_, 1024) != 0) {
@@ -120,8 +122,9 @@ class tcp_store_server {
   static std::uint64_t fresh_instance() {
     std::random_device rd;
     std::uint64_t v = 0;
-    while (v == 0) v = (static_cast<std::uint64_t>(rd()) << 32) ^ rd() ^
-                       static_cast<std::uint64_t>(clock::now().time_since_epoch().count());
+    while (v == 0)
+      v = (static_cast<std::uint64_t>(rd()) << 32) ^ rd() ^
+          static_cast<std::uint64_t>(clock::now().time_since_epoch().count());
     return v;
   }
 

@@ -60,21 +60,21 @@ inline constexpr std::size_t trailer_bytes = 4;
 inline constexpr std::size_t max_token_bytes = 256;
 inline constexpr std::size_t max_hello_bytes = 8 + max_token_bytes;  //!< joined instance + token
 inline constexpr std::size_t welcome_bytes = 32;                     //!< limits + instance
-inline constexpr std::size_t max_message_bytes = 4096;  //!< err reply text
+inline constexpr std::size_t max_message_bytes = 4096;               //!< err reply text
 //! Upper bound on any size a server may announce, so a client never trusts a huge one.
 inline constexpr std::size_t max_announced_value = std::size_t{1} << 30;
 
 enum class op : std::uint8_t {
-  hello = 1,  //!< value: u64 joined instance (0: none), job token; arg: protocol version
-  set = 2,    //!< key, value
-  get = 3,    //!< key; arg: timeout ms. Answered once the key exists or at the timeout
-  add = 4,    //!< key; arg: delta
-  wait = 5,   //!< value: key list; arg: timeout ms
-  check = 6,  //!< value: key list
-  watch = 7,  //!< key: set on failure; value: who (1..max_message bytes); arg: heartbeat limit ms (0: none)
+  hello = 1,    //!< value: u64 joined instance (0: none), job token; arg: protocol version
+  set = 2,      //!< key, value
+  get = 3,      //!< key; arg: timeout ms. Answered once the key exists or at the timeout
+  add = 4,      //!< key; arg: delta
+  wait = 5,     //!< value: key list; arg: timeout ms
+  check = 6,    //!< value: key list
+  watch = 7,    //!< key: set on failure; value: who (1..max_message bytes); arg: heartbeat limit ms (0: none)
   unwatch = 8,  //!< no key, no value: a clean leave, the watch no longer fires
-  ok = 0x81,  //!< reply. get: value; add: arg = new total; check: arg = 0/1; hello: limits + instance
-  err = 0x82  //!< reply. arg: err_code; value: message text
+  ok = 0x81,    //!< reply. get: value; add: arg = new total; check: arg = 0/1; hello: limits + instance
+  err = 0x82    //!< reply. arg: err_code; value: message text
 };
 
 enum class err_code : std::int64_t {
@@ -249,7 +249,8 @@ class frame_parser {
         std::copy_n(in.data() + used, n, head_.data() + head_n_);
         head_n_ += n;
         used += n;
-        if (head_[0] != magic0 || (head_n_ >= 2 && head_[1] != magic1)) return fail(used, "bad magic (not a lockstep store frame)");
+        if (head_[0] != magic0 || (head_n_ >= 2 && head_[1] != magic1))
+          return fail(used, "bad magic (not a lockstep store frame)");
         if (head_n_ == header_bytes && !check_header()) return used;
         continue;
       }
