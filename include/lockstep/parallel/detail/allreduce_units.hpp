@@ -57,7 +57,8 @@ class allreduce_units {
   std::span<const binding> built(std::span<const bucket_plan* const> plans, std::span<void* const>,
                                  const std::vector<parameter>&) {
     plans_.assign(plans.begin(), plans.end());
-    works_.assign(plans.size(), {});
+    works_.clear();
+    works_.resize(plans.size());  // (move-only works: no assign)
     return {};
   }
 
