@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <functional>
 #include <optional>
@@ -360,13 +361,21 @@ double train_step_time(const std::vector<shape>& shapes, int ngpu, int iters, do
     using Hook = std::conditional_t<Wire, lockstep::Bf16Wire, lockstep::AllReduceMean>;
     using DP = lockstep::DataParallel<M, C, Hook, Strategy>;
     Strategy strategy{};
-    if constexpr (Sharded)
-      strategy = {
-          .gather_in_forward = Deferred, .copy_engine_gather = !g_sm_gather, .copy_engine_scatter = g_ce_scatter};
+    if constexpr (Sharded) {  // field by field: nvcc 13.0 assigned `strategy = {.a = x, .c = y}` positionally
+      strategy.gather_in_forward = Deferred;
+      strategy.copy_engine_gather = !g_sm_gather;
+      strategy.copy_engine_scatter = g_ce_scatter;
+    }
     // The DataParallel hands the model its values back when it goes (unbind_values): it holds
     // the model, so the model outlives it whatever order the closures release them in.
     auto dp = std::shared_ptr<DP>(new DP(ctx, *m, lockstep::DataParallelOptions{.buckets = buckets}, strategy),
                                   [m](DP* p) { delete p; });
+    if constexpr (Sharded) {  // where the time goes: did the options take effect?
+      const auto& st = dp->stats();
+      if (ctx.rank() == 0 && std::getenv("BENCH_SYNC_STATS"))
+        std::printf("   [sharded: values bound %d, gathers on copy engines %d, scatters on copy engines %d]\n",
+                    st.values_bound, st.gathers_by_copy_engine, st.scatters_by_copy_engine);
+    }
     const std::size_t n = shapes.size(), per_layer = n / fwd_us.size();
     auto body = [=, &fwd_us, &bwd_us] {
       auto step = dp->step();

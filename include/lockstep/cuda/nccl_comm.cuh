@@ -360,7 +360,7 @@ class NcclComm : private detail::nccl_handle {
     if (ncclGetVersion(&v) != ncclSuccess || v < NCCL_VERSION(2, 28, 0))
       throw config_error("NcclComm::copy_engine_group: the NCCL loaded at run time is " + std::to_string(v) +
                          ", copy-engine collectives need 2.28 or later (22800); load a newer libnccl or "
-                         "turn DataParallelOptions::copy_engine_gather and copy_engine_scatter off");
+                         "turn ShardedOptimizer::copy_engine_gather and copy_engine_scatter off");
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.CTAPolicy = NCCL_CTA_POLICY_ZERO;
     NcclComm group = split_with(0, rank(), &config, "copy_engine_group");
