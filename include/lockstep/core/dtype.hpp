@@ -49,29 +49,17 @@ inline constexpr bool is_floating(dtype t) {
 template <class T>
 struct dtype_traits;
 template <>
-struct dtype_traits<std::uint8_t> {
-  static constexpr dtype value = dtype::u8;
-};
+struct dtype_traits<std::uint8_t> : std::integral_constant<dtype, dtype::u8> {};
 template <>
-struct dtype_traits<char> {
-  static constexpr dtype value = dtype::u8;
-};
+struct dtype_traits<char> : std::integral_constant<dtype, dtype::u8> {};
 template <>
-struct dtype_traits<std::int32_t> {
-  static constexpr dtype value = dtype::i32;
-};
+struct dtype_traits<std::int32_t> : std::integral_constant<dtype, dtype::i32> {};
 template <>
-struct dtype_traits<std::int64_t> {
-  static constexpr dtype value = dtype::i64;
-};
+struct dtype_traits<std::int64_t> : std::integral_constant<dtype, dtype::i64> {};
 template <>
-struct dtype_traits<float> {
-  static constexpr dtype value = dtype::f32;
-};
+struct dtype_traits<float> : std::integral_constant<dtype, dtype::f32> {};
 template <>
-struct dtype_traits<double> {
-  static constexpr dtype value = dtype::f64;
-};
+struct dtype_traits<double> : std::integral_constant<dtype, dtype::f64> {};
 
 template <class T>
 concept element = requires { dtype_traits<std::remove_cv_t<T>>::value; };

@@ -97,13 +97,9 @@ inline void check_nccl(ncclResult_t r, const char* call, const char* file, int l
 // ----------------------------------------------------------------------------------------
 // Half and bfloat16 storage types as lockstep element types.
 template <>
-struct dtype_traits<__half> {
-  static constexpr dtype value = dtype::f16;
-};
+struct dtype_traits<__half> : std::integral_constant<dtype, dtype::f16> {};
 template <>
-struct dtype_traits<__nv_bfloat16> {
-  static constexpr dtype value = dtype::bf16;
-};
+struct dtype_traits<__nv_bfloat16> : std::integral_constant<dtype, dtype::bf16> {};
 
 //! The NCCL element type for a lockstep dtype.
 inline ncclDataType_t to_nccl(dtype t) {

@@ -14,35 +14,22 @@ template <class T>
 concept le_scalar = (std::is_arithmetic_v<T> || std::is_enum_v<T>) && !std::is_same_v<T, bool> &&
                     (sizeof(T) == 1 || sizeof(T) == 2 || sizeof(T) == 4 || sizeof(T) == 8);
 
+//! The unsigned integer of N bytes (N: 1, 2, 4 or 8, as le_scalar allows).
 template <std::size_t N>
-struct uint_of_size;
-template <>
-struct uint_of_size<1> {
-  using type = std::uint8_t;
-};
-template <>
-struct uint_of_size<2> {
-  using type = std::uint16_t;
-};
-template <>
-struct uint_of_size<4> {
-  using type = std::uint32_t;
-};
-template <>
-struct uint_of_size<8> {
-  using type = std::uint64_t;
-};
+using uint_of_size = std::conditional_t<
+    N == 1, std::uint8_t,
+    std::conditional_t<N == 2, std::uint16_t, std::conditional_t<N == 4, std::uint32_t, std::uint64_t>>>;
 
 template <le_scalar T>
 void store_le(std::byte* dst, T v) noexcept {
-  using U = typename uint_of_size<sizeof(T)>::type;
+  using U = uint_of_size<sizeof(T)>;
   const U u = std::bit_cast<U>(v);
   for (std::size_t i = 0; i < sizeof(T); ++i) dst[i] = static_cast<std::byte>(u >> (8 * i));
 }
 
 template <le_scalar T>
 T load_le(const std::byte* src) noexcept {
-  using U = typename uint_of_size<sizeof(T)>::type;
+  using U = uint_of_size<sizeof(T)>;
   U u = 0;
   for (std::size_t i = 0; i < sizeof(T); ++i) u |= static_cast<U>(static_cast<U>(src[i]) << (8 * i));
   return std::bit_cast<T>(u);
