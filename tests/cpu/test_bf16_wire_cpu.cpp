@@ -15,6 +15,7 @@
 #include <lockstep/lockstep.hpp>
 
 #include "equivalence.hpp"
+#include "equivalence_run.hpp"
 #include "mlp.hpp"
 #include "test_util.hpp"
 
@@ -50,11 +51,8 @@ std::vector<float> train(const dataset& d, int ranks, std::uint64_t seed) {
     DP dp(ctx, m, {.buckets = {.first_bytes = 200, .cap_bytes = 700}});
     lockstep::Sgd opt({.lr = 0.1, .momentum = 0.9});
     for (int s = 0; s < 6; ++s) {
-      std::vector<std::size_t> rows;
-      for (std::size_t i = 0; i < 4; ++i)
-        rows.push_back((static_cast<std::size_t>(s * ranks + ctx.rank()) * 4 + i) % d.samples);
       auto st = dp.step();
-      m.forward_backward(inputs<float>(d), d.y, rows, st.on_gradient_ready());
+      m.forward_backward(inputs<float>(d), d.y, rank_rows(d, 4, ranks, ctx.rank(), s), st.on_gradient_ready());
       if constexpr (Sharded) {
         (void)st.finish([&](std::span<const lockstep::param_slice> sl) { opt.step(sl); });
       } else if (st.finish()) {

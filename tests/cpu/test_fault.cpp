@@ -42,21 +42,27 @@ struct SkipOne {
   }
 };
 
-//! Runs body on n ranks; returns every rank's error message (the job must fail).
+//! What a failed job left: every rank's error message, and how long the job took.
+struct failure {
+  std::vector<std::string> msgs;
+  double secs = 0;
+};
+
+//! Runs body on n ranks (the job must fail).
 template <class Body>
-std::vector<std::string> messages_of(int n, Body&& body, double& seconds) {
-  std::vector<std::string> msgs(static_cast<std::size_t>(n));
+failure messages_of(int n, Body&& body) {
+  failure f{std::vector<std::string>(static_cast<std::size_t>(n))};
   const auto t0 = clock_type::now();
   CHECK_THROWS(lockstep::run(lockstep::Threads{n}, [&](auto& ctx) {
     try {
       body(ctx);
     } catch (const std::exception& e) {
-      msgs[static_cast<std::size_t>(ctx.rank())] = e.what();
+      f.msgs[static_cast<std::size_t>(ctx.rank())] = e.what();
       throw;
     }
   }));
-  seconds = std::chrono::duration<double>(clock_type::now() - t0).count();
-  return msgs;
+  f.secs = std::chrono::duration<double>(clock_type::now() - t0).count();
+  return f;
 }
 
 using lockstep_test::train_sgd;
@@ -70,21 +76,18 @@ struct data {
   }
 };
 
-//! Every rank's error message from n ranks that each train two steps, call change(ctx, m) (the
-//! fault), then train two more.
+//! The failure of n ranks that each train two steps, call change(ctx, m) (the fault), then train
+//! two more.
 template <class Change>
-std::vector<std::string> messages_around(int n, std::uint64_t seed, Change&& change, double& seconds) {
+failure messages_around(int n, std::uint64_t seed, Change&& change) {
   const data d(seed);
-  return messages_of(
-      n,
-      [&](auto& ctx) {
-        Model m(dims, seed);
-        lockstep::DataParallel dp(ctx, m, {.buckets = equal_buckets});
-        train_sgd(m, dp, 2, d.x, d.y);
-        change(ctx, m);
-        train_sgd(m, dp, 2, d.x, d.y);
-      },
-      seconds);
+  return messages_of(n, [&](auto& ctx) {
+    Model m(dims, seed);
+    lockstep::DataParallel dp(ctx, m, {.buckets = equal_buckets});
+    train_sgd(m, dp, 2, d.x, d.y);
+    change(ctx, m);
+    train_sgd(m, dp, 2, d.x, d.y);
+  });
 }
 
 }  // namespace
@@ -95,15 +98,11 @@ TEST_CASE("fault_skip_collective: a rank that skips one bucket of equal size is 
   const auto seed = lockstep_test::fresh_seed();
   CAPTURE(seed);
   const data d(seed);
-  double secs = 0;
-  const auto msgs = messages_of(
-      3,
-      [&](auto& ctx) {
-        Model m(dims, seed);
-        lockstep::DataParallel dp(ctx, m, {.buckets = equal_buckets}, SkipOne{.rank = 1, .at = 11});  // step 1's 4th
-        train_sgd(m, dp, 4, d.x, d.y);
-      },
-      secs);
+  const auto [msgs, secs] = messages_of(3, [&](auto& ctx) {
+    Model m(dims, seed);
+    lockstep::DataParallel dp(ctx, m, {.buckets = equal_buckets}, SkipOne{.rank = 1, .at = 11});  // step 1's 4th
+    train_sgd(m, dp, 4, d.x, d.y);
+  });
   for (const auto& msg : msgs) {
     CAPTURE(msg);
     CHECK(msg == msgs[0]);  // every rank prints the same cause
@@ -116,16 +115,12 @@ TEST_CASE("fault_skip_collective: a rank that skips one bucket of equal size is 
 
 TEST_CASE("fault_extra_collective: one rank's extra metrics all-reduce is named on every rank") {
   const auto seed = lockstep_test::fresh_seed();
-  double secs = 0;
-  const auto msgs = messages_around(
-      3, seed,
-      [&](auto& ctx, Model&) {
-        if (ctx.rank() == 2) {  // an evaluation only this rank runs
-          double acc[2] = {0.5, 1.0};
-          lockstep::all_reduce_scalars(ctx.comm(), std::span<double>(acc), lockstep::reduce_op::sum);
-        }
-      },
-      secs);
+  const auto [msgs, secs] = messages_around(3, seed, [&](auto& ctx, Model&) {
+    if (ctx.rank() == 2) {  // an evaluation only this rank runs
+      double acc[2] = {0.5, 1.0};
+      lockstep::all_reduce_scalars(ctx.comm(), std::span<double>(acc), lockstep::reduce_op::sum);
+    }
+  });
   for (const auto& msg : msgs) {
     CAPTURE(msg);
     CHECK(msg == msgs[0]);
@@ -137,13 +132,9 @@ TEST_CASE("fault_extra_collective: one rank's extra metrics all-reduce is named 
 
 TEST_CASE("fault_shapes_changed: a rank that rebuilds its model after start is caught at its next step") {
   const auto seed = lockstep_test::fresh_seed();
-  double secs = 0;
-  const auto msgs = messages_around(
-      3, seed,
-      [&](auto& ctx, Model& m) {
-        if (ctx.rank() == 1) m = Model({8, 8, 9, 8, 8}, seed);  // "loaded another checkpoint's architecture"
-      },
-      secs);
+  const auto [msgs, secs] = messages_around(3, seed, [&](auto& ctx, Model& m) {
+    if (ctx.rank() == 1) m = Model({8, 8, 9, 8, 8}, seed);  // "loaded another checkpoint's architecture"
+  });
   CAPTURE(msgs[1]);
   CHECK(msgs[1].find("rank 1: the model changed after DataParallel was built: parameter 2 is 'layer1.weight' "
                      "[9,8] f32 in new storage, but DataParallel was built with 'layer1.weight' [8,8] f32") !=
@@ -179,14 +170,10 @@ TEST_CASE("fault_straggler: a rank 10x slower is no failure - and is named as th
 
 TEST_CASE("fault_gradients_unbound: a gradient taken out of the arena (zero_grad set_to_none) is named") {
   const auto seed = lockstep_test::fresh_seed();
-  double secs = 0;
   std::vector<float> own(64, 0.0f);
-  const auto msgs = messages_around(
-      2, seed,
-      [&](auto& ctx, Model& m) {
-        if (ctx.rank() == 0) m.bind_gradient(2, own.data());  // as if .grad had been reset and reallocated
-      },
-      secs);
+  const auto [msgs, secs] = messages_around(2, seed, [&](auto& ctx, Model& m) {
+    if (ctx.rank() == 0) m.bind_gradient(2, own.data());  // as if .grad had been reset and reallocated
+  });
   CAPTURE(msgs[0]);
   CHECK(msgs[0].find("rank 0: the model changed after DataParallel was built: the gradient of parameter 2 "
                      "('layer1.weight') no longer is the storage DataParallel gave it") != std::string::npos);
@@ -206,37 +193,34 @@ void check_nonfinite_forever(int bad, int from, int clean, int want_steps, const
   CAPTURE(clean);
   CAPTURE(Sharded);
   const data d(seed);
-  double secs = 0;
   int steps_run = 0;
-  const auto msgs = messages_of(
-      3,
-      [&](auto& ctx) {
-        using Comm = std::remove_cvref_t<decltype(ctx.comm())>;
-        using Scale = lockstep::DynamicScale;
-        using DP = std::conditional_t<
-            Sharded, lockstep::DataParallel<Model, Comm, lockstep::EveryStep, Scale, lockstep::ShardedOptimizer>,
-            lockstep::DataParallel<Model, Comm, lockstep::EveryStep, Scale>>;
-        Model m(dims, seed);
-        DP dp(ctx, m, {.buckets = equal_buckets}, lockstep::EveryStep{},
-              Scale({.init_scale = 1024, .max_consecutive_skips = 5}));
-        lockstep::Sgd opt({.lr = 0.1});
-        const std::vector<std::size_t> rows{0, 1, 2, 3};
-        for (int s = 0; s < 30; ++s) {
-          auto st = dp.step();
-          const bool poison = ctx.rank() == bad && s >= from && s != clean;
-          m.forward_backward(
-              d.x, d.y, rows,
-              [&](std::size_t i) {
-                if (poison && i == 2) static_cast<float*>(m.parameters()[2].grad)[3] = std::nanf("");
-                st.gradient_ready(i);
-              },
-              st.loss_scale());
-          if constexpr (Sharded) (void)st.finish([&](std::span<const lockstep::param_slice> sl) { opt.step(sl); });
-          else if (st.finish()) m.sgd(0.1);
-          if (ctx.rank() == 0) steps_run = s + 1;
-        }
-      },
-      secs);
+  const auto [msgs, secs] = messages_of(3, [&](auto& ctx) {
+    using Comm = std::remove_cvref_t<decltype(ctx.comm())>;
+    using Scale = lockstep::DynamicScale;
+    using DP =
+        std::conditional_t<Sharded,
+                           lockstep::DataParallel<Model, Comm, lockstep::EveryStep, Scale, lockstep::ShardedOptimizer>,
+                           lockstep::DataParallel<Model, Comm, lockstep::EveryStep, Scale>>;
+    Model m(dims, seed);
+    DP dp(ctx, m, {.buckets = equal_buckets}, lockstep::EveryStep{},
+          Scale({.init_scale = 1024, .max_consecutive_skips = 5}));
+    lockstep::Sgd opt({.lr = 0.1});
+    const std::vector<std::size_t> rows{0, 1, 2, 3};
+    for (int s = 0; s < 30; ++s) {
+      auto st = dp.step();
+      const bool poison = ctx.rank() == bad && s >= from && s != clean;
+      m.forward_backward(
+          d.x, d.y, rows,
+          [&](std::size_t i) {
+            if (poison && i == 2) static_cast<float*>(m.parameters()[2].grad)[3] = std::nanf("");
+            st.gradient_ready(i);
+          },
+          st.loss_scale());
+      if constexpr (Sharded) (void)st.finish([&](std::span<const lockstep::param_slice> sl) { opt.step(sl); });
+      else if (st.finish()) m.sgd(0.1);
+      if (ctx.rank() == 0) steps_run = s + 1;
+    }
+  });
   CHECK(steps_run == want_steps);  // the next finish() threw
   for (const auto& msg : msgs) {
     CAPTURE(msg);

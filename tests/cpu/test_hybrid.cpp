@@ -21,6 +21,7 @@
 #include <lockstep/lockstep.hpp>
 
 #include "equivalence.hpp"
+#include "equivalence_run.hpp"
 #include "hybrid_check.hpp"
 #include "mlp.hpp"
 #include "test_util.hpp"
@@ -307,11 +308,8 @@ TEST_CASE_TEMPLATE("hybrid: hierarchical reduction (within nodes - across - with
         const lockstep::DataParallelOptions o{.buckets = {.first_bytes = 52 * sizeof(T), .cap_bytes = 97 * sizeof(T)}};
         const auto body = [&](auto& dp) {
           for (int s = 0; s < 4; ++s) {
-            std::vector<std::size_t> rows;
-            for (std::size_t i = 0; i < 3; ++i)
-              rows.push_back((static_cast<std::size_t>(s * ranks + ctx.rank()) * 3 + i) % d.samples);
             auto st = dp.step();
-            m.forward_backward(inputs<T>(d), d.y, rows, st.on_gradient_ready());
+            m.forward_backward(inputs<T>(d), d.y, rank_rows(d, 3, ranks, ctx.rank(), s), st.on_gradient_ready());
             if (st.finish()) m.sgd(0.2);
           }
         };

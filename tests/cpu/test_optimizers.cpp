@@ -128,6 +128,18 @@ void check_close(const Model<T>& m, const std::vector<std::vector<long double>>&
   CHECK(bad == 0);
 }
 
+// `steps` steps of random gradients through opt and through the reference; then the model's
+// parameters must be the reference's.
+template <class T, class Ref, class Opt>
+void step_with_reference(Model<T>& model, Ref& ref, Opt& opt, std::mt19937_64& rng, int steps) {
+  for (int s = 0; s < steps; ++s) {
+    model.random_grads(rng);
+    ref.step(widen(model.g));
+    opt.step(model.parameters());
+  }
+  check_close(model, ref.p);
+}
+
 std::uint64_t fresh_seed() {
   std::random_device rd;
   return (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
@@ -153,12 +165,7 @@ TEST_CASE_TEMPLATE("optimizers: Sgd matches the scalar reference", T, float, dou
     Model<T> model(rng, kSizes);
     RefSgd ref{configs[c], widen(model.w), {}};
     lockstep::Sgd opt(configs[c]);
-    for (int s = 0; s < 6; ++s) {
-      model.random_grads(rng);
-      ref.step(widen(model.g));
-      opt.step(model.parameters());
-    }
-    check_close(model, ref.p);
+    step_with_reference(model, ref, opt, rng, 6);
     if (configs[c].momentum != 0) {  // the state is the reference's buffer too
       auto b = opt.template momentum_buffer<T>(4);
       REQUIRE(b.size() == kSizes[4]);
@@ -184,12 +191,7 @@ TEST_CASE_TEMPLATE("optimizers: AdamW matches the scalar reference", T, float, d
     Model<T> model(rng, kSizes);
     RefAdamW ref{configs[c], widen(model.w), {}, {}};
     lockstep::AdamW opt(configs[c]);
-    for (int s = 0; s < 7; ++s) {
-      model.random_grads(rng);
-      ref.step(widen(model.g));
-      opt.step(model.parameters());
-    }
-    check_close(model, ref.p);
+    step_with_reference(model, ref, opt, rng, 7);
     CHECK(opt.step_count(0) == 7);
     CHECK(opt.template exp_avg<T>(3).size() == kSizes[3]);
     CHECK(opt.template exp_avg_sq<T>(3).size() == kSizes[3]);

@@ -92,6 +92,19 @@ outcome train_saving(const dataset& d, const config& c, std::uint64_t init_seed,
   });
 }
 
+// The sharded run of config c from step `at` on, with fresh models (other initial values): the
+// training state and the sharded optimizer state come from `saved`; then loaded(dp, opt).
+template <class T, class Loaded = std::nullptr_t>
+outcome resume(const dataset& d, config c, int at, const lockstep::Checkpoint& saved, std::uint64_t init_seed,
+               Loaded loaded = nullptr) {
+  c.first_step = at;
+  return train<T, true, true>(d, c, init_seed, nullptr, [&](auto& dp, auto& opt) {
+    lockstep::restore_training_state(saved, dp);
+    lockstep::load_sharded(dp, opt, saved.blob("optimizer"));
+    if constexpr (!std::is_same_v<Loaded, std::nullptr_t>) loaded(dp, opt);
+  });
+}
+
 }  // namespace
 
 TEST_SUITE("cpu") {
@@ -140,11 +153,7 @@ TEST_CASE("sharded: the skipped step is skipped on every rank and clipping repor
   const auto seed = fresh_seed();
   CAPTURE(seed);
   const auto d = make_data(seed, 211);
-  config c;
-  c.ranks = 3;
-  c.steps = 4;
-  c.inf_step = 1;
-  c.max_norm = 0.05;
+  const config c{.ranks = 3, .steps = 4, .max_norm = 0.05, .inf_step = 1};
   const auto got = train<float, true, true>(d, c, seed + 1);
   CHECK(got.applied == std::vector<int>{1, 0, 1, 1});
   CHECK(got.final_scale == 512.0);  // halved once; 3 clean steps (growth_interval) not reached after it
@@ -156,20 +165,12 @@ TEST_CASE_TEMPLATE("sharded: a checkpoint of the sharded state resumes bit for b
   const auto seed = fresh_seed();
   CAPTURE(seed);
   const auto d = make_data(seed, 211);
-  config c;
-  c.ranks = 3;
-  c.steps = 6;
-  c.buckets = {.first_bytes = 300, .cap_bytes = 700};
+  const config c{.ranks = 3, .steps = 6, .buckets = {.first_bytes = 300, .cap_bytes = 700}};
   const int at = 3;
   lockstep::Checkpoint saved;
   const auto whole = train_saving<T>(d, c, seed + 1, at, saved);
-  config rest = c;
-  rest.first_step = at;
   // Fresh models (other initial values) take everything from the checkpoint.
-  const auto resumed = train<T, true, true>(d, rest, seed + 99, nullptr, [&](auto& dp, auto& opt) {
-    lockstep::restore_training_state(saved, dp);
-    lockstep::load_sharded(dp, opt, saved.blob("optimizer"));
-  });
+  const auto resumed = resume<T>(d, c, at, saved, seed + 99);
   for (int r = 0; r < c.ranks; ++r) CHECK(resumed.values[static_cast<std::size_t>(r)] == whole.values[0]);
   CHECK(resumed.final_scale == whole.final_scale);
 }
@@ -183,11 +184,7 @@ TEST_CASE_TEMPLATE("sharded: a checkpoint saved on 4 ranks resumes on 1 - 2 - 3 
   const auto seed = fresh_seed();
   CAPTURE(seed);
   const auto d = make_data(seed, 211);
-  config c;
-  c.ranks = 4;
-  c.batch = 3;
-  c.steps = 6;
-  c.buckets = {.first_bytes = 300, .cap_bytes = 700};
+  const config c{.ranks = 4, .batch = 3, .steps = 6, .buckets = {.first_bytes = 300, .cap_bytes = 700}};
   const int at = 3;
   lockstep::Checkpoint saved;
   const auto whole = train_saving<T>(d, c, seed + 1, at, saved);
@@ -205,11 +202,8 @@ TEST_CASE_TEMPLATE("sharded: a checkpoint saved on 4 ranks resumes on 1 - 2 - 3 
     rest.ranks = t.ranks;
     rest.batch = t.batch;
     rest.buckets = t.buckets;
-    rest.first_step = at;
     std::size_t saved_state = 0;
-    const auto resumed = train<T, true, true>(d, rest, seed + 99, nullptr, [&](auto& dp, auto& opt) {
-      lockstep::restore_training_state(saved, dp);
-      lockstep::load_sharded(dp, opt, saved.blob("optimizer"));
+    const auto resumed = resume<T>(d, rest, at, saved, seed + 99, [&](auto& dp, auto& opt) {
       if (dp.rank() == 0) saved_state = opt.slot_count();
     });
     CHECK(saved_state > 0);  // the state was loaded, not started afresh

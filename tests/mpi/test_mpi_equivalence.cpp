@@ -14,6 +14,7 @@
 #include <lockstep/mpi/run_mpi.hpp>
 
 #include "equivalence.hpp"
+#include "equivalence_run.hpp"
 #include "mlp.hpp"
 #include "mpi_util.hpp"
 
@@ -22,47 +23,7 @@ using namespace lockstep_mpi_test;
 
 namespace {
 
-struct config {
-  std::size_t batch = 4;  // per rank, per micro-step
-  int accumulate = 1;
-  int steps = 4;  // optimizer steps
-  bool hooks = true;
-  lockstep::BucketPolicy buckets{};
-};
-
-// One rank, batch N·K·B per optimizer step.
-template <class T>
-std::vector<T> reference(const dataset& d, const config& c, int ranks, std::uint64_t init_seed, double lr) {
-  return one_rank_reference<T>(d, c.batch, ranks, c.accumulate, c.steps, init_seed, lr);
-}
-
-// This process' rank of the data-parallel run: batch B of the N·K·B samples of each step.
-template <class T, bool Bindable, class Acc>
-std::vector<T> data_parallel(lockstep::context<lockstep::MpiComm>& ctx, const dataset& d, const config& c,
-                             std::uint64_t init_seed, double lr, Acc acc, lockstep::sync_stats& stats) {
-  // Different initial values per rank: construction must broadcast rank 0's.
-  TestMlp<T, Bindable> m(d.dims, init_seed + static_cast<std::uint64_t>(ctx.rank()) * 7919);
-  lockstep::DataParallel<TestMlp<T, Bindable>, lockstep::MpiComm, Acc> dp(ctx, m, {.buckets = c.buckets}, acc);
-  const int ranks = ctx.size();
-  const std::size_t global = c.batch * static_cast<std::size_t>(ranks * c.accumulate);
-  for (int s = 0; s < c.steps; ++s) {
-    for (int k = 0; k < c.accumulate; ++k) {
-      auto step = dp.step();
-      CHECK(step.synchronizes() == (k + 1 == c.accumulate));
-      std::vector<std::size_t> rows(c.batch);
-      const std::size_t first =
-          static_cast<std::size_t>(s) * global + (static_cast<std::size_t>(k) * ranks + ctx.rank()) * c.batch;
-      for (std::size_t i = 0; i < c.batch; ++i) rows[i] = (first + i) % d.samples;
-      if (c.hooks) m.forward_backward(inputs<T>(d), d.y, rows, step.on_gradient_ready());
-      else m.forward_backward(inputs<T>(d), d.y, rows, [](std::size_t) {});
-      auto r = step.finish();
-      CHECK(r.synced == (k + 1 == c.accumulate));
-      if (r) m.sgd(lr);
-    }
-  }
-  stats = dp.stats();
-  return m.flat_values();
-}
+using config = equivalence_config;
 
 template <class T, bool Bindable>
 void check_equivalence(lockstep::context<lockstep::MpiComm>& ctx, const config& c) {
@@ -70,23 +31,14 @@ void check_equivalence(lockstep::context<lockstep::MpiComm>& ctx, const config& 
   CAPTURE(seed);
   CAPTURE(ctx.rank());
   CAPTURE(ctx.size());
-  CAPTURE(c.batch);
-  CAPTURE(c.accumulate);
-  CAPTURE(c.hooks);
+  CAPTURE(c);  // batch, accumulate, hooks, bucket size
   CAPTURE(Bindable);
-  CAPTURE(c.buckets.cap_bytes);
-  const double tol = std::is_same_v<T, double> ? 1e-12 : 1e-5;
   const auto d = make_data(seed, 997);
-  const double lr = 0.2;
-  const auto ref = reference<T>(d, c, ctx.size(), seed + 1, lr);
   lockstep::sync_stats st;
-  std::vector<T> got;
-  if (c.accumulate == 1) got = data_parallel<T, Bindable>(ctx, d, c, seed + 1, lr, lockstep::EveryStep{}, st);
-  else got = data_parallel<T, Bindable>(ctx, d, c, seed + 1, lr, lockstep::Accumulate<>(c.accumulate), st);
-  // The parameters moved (the comparison is not between initial values).
-  TestMlp<T> init(d.dims, seed + 1);
-  CHECK(max_rel_diff(init.flat_values(), ref) > 1e-3);
-  CHECK(max_rel_diff(got, ref) <= tol);
+  const auto [ref, got] = reference_and_run<T>(d, c, ctx.size(), seed + 1, [&](auto acc) {
+    return data_parallel_rank<T, Bindable>(ctx, d, c, seed + 1, equivalence_lr, acc, st);
+  });
+  CHECK(max_rel_diff(got, ref) <= equivalence_tolerance<T>);
   CHECK(same_on_all_ranks(got));  // all processes agree bit for bit
   CHECK(st.zero_copy == Bindable);
   CHECK(st.buckets_reduced > 0);
@@ -141,12 +93,10 @@ TEST_CASE("Accumulate<4> at compile time over MPI matches the reference") {
   const auto seed = shared_seed();
   CAPTURE(seed);
   const auto d = make_data(seed, 301);
-  config c;
-  c.accumulate = 4;
-  c.batch = 2;
+  const config c{.batch = 2, .accumulate = 4};
   lockstep::sync_stats st;
-  auto got = data_parallel<double, true>(ctx, d, c, seed, 0.1, lockstep::Accumulate<4>{}, st);
-  CHECK(max_rel_diff(got, reference<double>(d, c, ctx.size(), seed, 0.1)) <= 1e-12);
+  auto got = data_parallel_rank<double, true>(ctx, d, c, seed, 0.1, lockstep::Accumulate<4>{}, st);
+  CHECK(max_rel_diff(got, equivalence_reference<double>(d, c, ctx.size(), seed, 0.1)) <= 1e-12);
   CHECK(same_on_all_ranks(got));
 }
 
