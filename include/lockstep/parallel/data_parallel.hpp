@@ -228,8 +228,8 @@ class DataParallel {
   }
   //! ShardedOptimizer::gather_in_forward: before the forward uses parameter i (its units
   //! gathered, unpacked); all of them. Nothing to wait for otherwise.
-  void wait_parameters(std::size_t i) { reducer_.wait_parameters(i); }
-  void wait_all_parameters() { reducer_.wait_all_parameters(); }
+  void wait_parameters(std::size_t i) { reducer_.units().wait_parameters(i); }
+  void wait_all_parameters() { reducer_.units().wait_all_parameters(); }
   //! Sharded: a fingerprint of the shard layout (see save_sharded / load_sharded).
   std::uint64_t shard_layout() const
     requires sharded

@@ -64,9 +64,9 @@ inline std::vector<parameter> checked_binding(std::vector<parameter> fresh, std:
 template <class Model, class Reducer>
 void release_model(Model& model, Reducer& reducer) noexcept {
   try {
-    reducer.wait_all_parameters();
+    reducer.units().wait_all_parameters();
     if constexpr (value_binding_model<Model>)
-      if (reducer.values_bound()) model.unbind_values();
+      if (reducer.units().values_bound()) model.unbind_values();
     if constexpr (gradient_unbinding_model<Model>)
       if (reducer.zero_copy()) model.unbind_gradients();
   } catch (...) {  // a destructor must not throw; the model keeps the (dead) views

@@ -159,13 +159,8 @@ class reducer {
     units_.update(fn, [&](std::size_t gi, std::size_t b) { hand_over(fn, gi, b); });
   }
 
-  void wait_parameters(std::size_t i) { units_.wait_parameters(i); }
-  void wait_all_parameters() { units_.wait_all_parameters(); }
-
   //! Whether the model's gradients live in the arena now (after the binding, see bind_fn).
   bool zero_copy() const { return bound_; }
-  //! Whether the model's values live in the strategy's value arena (model (e)).
-  bool values_bound() const { return units_.values_bound(); }
 
   //! A fingerprint of the gradient order, for the units' layout hash.
   std::uint64_t order_fingerprint() const { return order_hash(current_order_); }
