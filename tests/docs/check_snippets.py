@@ -6,8 +6,10 @@ right after a line `<!-- synopsis ... -->` is a declaration listing and is not c
 the \\code ... \\endcode blocks of the comments in include/lockstep (numbered likewise).
 Regions: the lines between `// [snippet <file>#<n>]` and `// [end snippet]` in tests/ and
 examples/. A block matches when one region, or the regions of one file for it taken in
-order, hold its lines (compared stripped, blank lines ignored). A block's #include lines
-must appear in that file instead (a region may sit inside a function).
+order, hold its code (compared as the compiler reads it, as far as clang-format may change
+it: whitespace dropped — alignment, line breaks —, but a // comment still ends its line;
+blank lines ignored). A block's #include lines must appear in that file instead (a region
+may sit inside a function).
 
 Usage: check_snippets.py <repository root>. Exit status 1 lists every block without a
 matching region and every region whose block does not exist.
@@ -23,6 +25,25 @@ SOURCE_SUFFIXES = {".cpp", ".hpp", ".cu", ".cuh", ".h"}
 
 def normal(lines):
     return [l.strip() for l in lines if l.strip()]
+
+
+def canon(lines):
+    """The code of `lines` with the whitespace a formatter may move dropped; a line holding a
+    // comment keeps its end (what follows it is code again)."""
+    out = []
+    for line in lines:
+        s = "".join(line.split())
+        if s:
+            out.append(s + ("\n" if "//" in s else ""))
+    return "".join(out)
+
+
+def first_difference(got, want):
+    """Where two canonical texts part, with some context of each."""
+    k = next((i for i in range(min(len(got), len(want))) if got[i] != want[i]), min(len(got), len(want)))
+    def around(t):
+        return t[max(0, k - 30) : k + 30].replace("\n", "⏎") or "(end)"
+    return k, around(got), around(want)
 
 
 def is_include(line):
@@ -117,14 +138,16 @@ def main():
             errors.append(f"{where}: [snippet {key[0]}#{key[1]}] names no code block (blocks there: "
                           f"{sorted(n for d, n in blocks if d == key[0]) or 'none'})")
     for key, (line, body) in sorted(blocks.items()):
-        want = [l for l in normal(body) if not is_include(l)]
+        want = canon(l for l in normal(body) if not is_include(l))
         includes = [include_target(l) for l in normal(body) if is_include(l)]
         files = found.get(key, {})
         ok = False
         for f, regs in files.items():
             text_lines = file_includes(f)
             cands = [normal(r) for r in regs] + [normal(sum(regs, []))]
-            if any([l for l in c if not is_include(l)] == want for c in cands) and all(i in text_lines for i in includes):
+            if any(canon(l for l in c if not is_include(l)) == want for c in cands) and all(
+                i in text_lines for i in includes
+            ):
                 ok = True
                 break
         if ok:
@@ -136,13 +159,12 @@ def main():
                           f"`<!-- synopsis -->`")
             continue
         for f, regs in files.items():
-            got = [l for l in normal(sum(regs, [])) if not is_include(l)]
-            diff = next((k for k in range(max(len(got), len(want))) if k >= len(got) or k >= len(want) or got[k] != want[k]), None)
-            g = got[diff] if diff is not None and diff < len(got) else "(end)"
-            w = want[diff] if diff is not None and diff < len(want) else "(end)"
+            got = canon(l for l in normal(sum(regs, [])) if not is_include(l))
+            at, g, w = first_difference(got, want)
             missing = [i for i in includes if i not in file_includes(f)]
             errors.append(f"{key[0]}:{line}: code block #{key[1]} differs from its copy in "
-                          f"{f.relative_to(root)}: at line {(diff or 0) + 1} the doc has `{w}`, the test `{g}`"
+                          f"{f.relative_to(root)}: at character {at} of the code without whitespace "
+                          f"(⏎: a comment's end) the doc has `{w}`, the test `{g}`"
                           + (f"; the test lacks {missing}" if missing else "") +
                           " — change both together")
     for e in errors:
