@@ -146,7 +146,8 @@ estimate_options parse_estimate(int argc, char** argv) {
       o.first_bucket_mib = positive("the first bucket's cap in MiB (> 0), e.g. 1");
     } else if (a == "--gpus") {
       const double x = positive("a whole number of GPUs ≥ 1, e.g. --gpus 8");
-      if (x != std::floor(x) || x > 4096) throw usage_error("--gpus needs a whole number of GPUs ≥ 1, got '" + v + "'");
+      const bool whole = x == std::floor(x) && x <= 4096;
+      if (!whole) throw usage_error("--gpus needs a whole number of GPUs ≥ 1, got '" + v + "'");
       o.gpus = static_cast<int>(x);
     } else if (a == "--probe") {
       o.probe_in = v;
@@ -399,8 +400,10 @@ int main(int argc, char** argv) {
       std::printf("CUDA: not built in (configure with -DLOCKSTEP_ENABLE_CUDA=ON for GPUs)\n");
     } else {
       std::printf("NCCL: %d.%d.%d\n", env.nccl_version / 10000, (env.nccl_version / 100) % 100, env.nccl_version % 100);
-      if (env.gpus.empty())
-        std::printf("GPUs: none visible%s%s\n", env.cuda_error.empty() ? "" : " — CUDA says: ", env.cuda_error.c_str());
+      if (env.gpus.empty()) {
+        const std::string why = env.cuda_error.empty() ? "" : " — CUDA says: " + env.cuda_error;
+        std::printf("GPUs: none visible%s\n", why.c_str());
+      }
       for (const auto& g : env.gpus)
         std::printf("GPU %d: %s, %.1f GiB, compute capability %d.%d, %d SMs\n", g.id, g.name.c_str(),
                     g.total_memory / 1073741824.0, g.cc_major, g.cc_minor, g.multiprocessors);

@@ -3,7 +3,8 @@
 // (Megatron's MLP block): with `parts` ranks per replica, part k holds rows k of fc2 (a
 // column-parallel layer) and the matching columns of fc3 (a row-parallel layer).
 //
-//   x ─ fc1 ─ relu ─ f ─ fc2 (part k's hidden units) ─ relu ─ fc3 (part k's inputs) ─ g ─ relu ─ fc4 ─ logits
+//   x ─ fc1 ─ relu ─ f ─ fc2 (part k's hidden units) ─ relu
+//     ─ fc3 (part k's inputs) ─ g ─ relu ─ fc4 ─ logits
 //
 //   f: identity forward; backward, the gradient of its input summed over the parts (all-reduce)
 //   g: forward, the parts' partial outputs summed (all-reduce); identity backward
