@@ -60,6 +60,19 @@ struct segment {
 //!      never reduced, but like trained ones checked across ranks (names, shapes, types) and
 //!      given rank 0's values at construction — PyTorch DDP broadcasts them too. Checked by
 //!      `frozen_model`.
+//!  (h) `m.blocks()`: with ShardedGradients / FullySharded, a range of integers, one per
+//!      parameter: the block it belongs to (0, 1, … in forward order; a transformer block, an
+//!      embedding). A block is the unit that is gathered and reduce-scattered at once; its
+//!      parameters are used together. Without it the whole model is block 0. Checked by
+//!      `block_model`.
+//!  (i) `m.attach(i, void* value, void* grad)`: with ShardedGradients / FullySharded,
+//!      parameter i's values are at `value` and its gradient at `grad` from now on — no copy:
+//!      lockstep has put them there. Either may be null: not held now, the model must not
+//!      touch it. lockstep calls it around every use of the parameter's block (so the pointers
+//!      change from use to use: read them after DataParallel::use_block, never cache them);
+//!      at construction it takes the values over (the model may then free its own storage),
+//!      and when DataParallel is destroyed it attaches them whole once more and calls (f)
+//!      unbind_values if the model has it. Checked by `attaching_model`.
 //!
 //! Example:
 //! \code
@@ -103,6 +116,15 @@ concept value_binding_model = model<M> && requires(M& m, std::size_t i, void* p)
   m.unbind_values();
 };
 
+template <class M>
+concept block_model = model<M> && requires(M& m) {
+  { m.blocks() } -> std::ranges::input_range;
+  requires std::convertible_to<std::ranges::range_value_t<decltype(m.blocks())>, std::size_t>;
+};
+
+template <class M>
+concept attaching_model = model<M> && requires(M& m, std::size_t i, void* p) { m.attach(i, p, p); };
+
 // ---------------------------------------------------------------------------------------
 //! lockstep::work — a handle to a collective that may still be in flight.
 //!  1. `w.wait()` returns once the result is in the receive buffer (for device
@@ -124,6 +146,8 @@ struct ready_work {
 //!  4. `pack(span<const segment> src, dst, t, scale)`: dst ← concat(src) · scale.
 //!  5. `unpack(src, span<const segment> dst, t)`: scatter contiguous src into dst.
 //!  6. `scale(ptr, count, t, factor)`.
+//! Optional: `add(dst, src, count, t)`: dst ← dst + src (ShardedGradients and FullySharded
+//! accumulate each micro-step's reduced gradient shard with it; `memory_ops_with_add`).
 template <class O>
 concept memory_ops =
     requires(O& o, void* p, const void* cp, std::size_t n, dtype t, double s, std::span<const segment> segs) {
@@ -135,6 +159,10 @@ concept memory_ops =
       o.unpack(cp, segs, t);
       o.scale(p, n, t, s);
     };
+
+template <class O>
+concept memory_ops_with_add =
+    memory_ops<O> && requires(O& o, void* p, const void* cp, std::size_t n, dtype t) { o.add(p, cp, n, t); };
 
 // ---------------------------------------------------------------------------------------
 //! lockstep::communicator — how bytes move between the ranks of one job.

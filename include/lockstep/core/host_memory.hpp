@@ -84,12 +84,28 @@ struct HostMemory {
       for (std::size_t i = 0; i < count; ++i) x[i] *= f;
     });
   }
+  //! dst ← dst + src (count elements of t; halves summed in float, rounded once).
+  void add(void* dst, const void* src, std::size_t count, dtype t) const {
+    if (detail::is_half(t)) {
+      detail::with_half_codec(t, [&](auto to_float, auto from_float) {
+        auto* x = static_cast<std::uint16_t*>(dst);
+        const auto* y = static_cast<const std::uint16_t*>(src);
+        for (std::size_t i = 0; i < count; ++i) x[i] = from_float(to_float(x[i]) + to_float(y[i]));
+      });
+      return;
+    }
+    visit_host_dtype(t, [&]<class T>(T) {
+      T* x = static_cast<T*>(dst);
+      const T* y = static_cast<const T*>(src);
+      for (std::size_t i = 0; i < count; ++i) x[i] += y[i];
+    });
+  }
 
  private:
   static void copy(void* dst, const void* src, std::size_t bytes) {
     if (bytes && dst != src) std::memmove(dst, src, bytes);
   }
 };
-static_assert(memory_ops<HostMemory>);
+static_assert(memory_ops_with_add<HostMemory>);
 
 }  // namespace lockstep

@@ -194,6 +194,11 @@ class CudaMemory {
     detail::device_guard g(device_);
     cuda::kernels::scale(p, count, t, factor, stream_);
   }
+  //! dst ← dst + src, one launch.
+  void add(void* dst, const void* src, std::size_t count, dtype t) const {
+    detail::device_guard g(device_);
+    cuda::kernels::add(dst, src, count, t, stream_);
+  }
 
  private:
   struct deleter {
@@ -212,6 +217,6 @@ class CudaMemory {
   cudaStream_t stream_ = nullptr;
 };
 
-static_assert(memory_ops<CudaMemory>);
+static_assert(memory_ops_with_add<CudaMemory>);
 
 }  // namespace lockstep

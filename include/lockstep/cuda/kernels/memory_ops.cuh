@@ -59,6 +59,31 @@ struct scale_op : op_base<storage_of<Element>> {
   }
 };
 
+//! dst ← dst + src in Element's compute type, one rounding. Lists: 0 = src, 1 = dst.
+template <class Element>
+struct add_op : op_base<storage_of<Element>> {
+  using compute_t = compute_of<Element>;
+  using local = typename op_base<storage_of<Element>>::local;
+  static constexpr int lists = 2;
+  template <int N>
+  using frag = vfrag<Element, N>;
+  template <int N>
+  __device__ void load(frag<N>& f, void* const* p, std::size_t i, local&) const {
+    f = load_as<frag<N>>(static_cast<const storage_of<Element>*>(p[0]) + i);
+  }
+  template <int N>
+  __device__ void store(frag<N>& f, void* const* p, std::size_t i, local&) const {
+    compute_t x[N];
+    int k = 0;
+    visit_elems<Element, N>(f, [&](compute_t v) { x[k++] = v; });
+    auto* at = static_cast<storage_of<Element>*>(p[1]) + i;
+    frag<N> d = load_as<frag<N>>(at);
+    k = 0;
+    map_elems<Element, N>(d, [&](compute_t y) { return y + x[k++]; });
+    store_as(at, d);
+  }
+};
+
 namespace detail {
 //! Copies between scattered segments and one packed range, in segment order.
 template <class Bits>
@@ -125,6 +150,18 @@ inline void scale(void* p, std::size_t count, dtype t, double factor, cudaStream
     launch(
         scale_op<Element>{{}, static_cast<compute_of<Element>>(factor)}, 1,
         [&](std::size_t) { return tensor_ref<2>{{p, p}, count}; }, s, "scale");
+  });
+}
+
+//! dst[0..count) ← dst + src (floating types).
+inline void add(void* dst, const void* src, std::size_t count, dtype t, cudaStream_t s) {
+  if (count == 0) return;
+  if (dst == nullptr || src == nullptr)
+    throw config_error("add: null pointer for " + std::to_string(count) + " elements");
+  visit_float(t, "add", [&]<class Element>(std::type_identity<Element>) {
+    launch(
+        add_op<Element>{}, 1, [&](std::size_t) { return tensor_ref<2>{{const_cast<void*>(src), dst}, count}; }, s,
+        "add");
   });
 }
 
