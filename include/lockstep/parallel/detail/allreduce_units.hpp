@@ -7,8 +7,10 @@
 //! A reduction-unit set is what reducer<Comm, Hook, Units> (reducer.hpp) asks of a strategy:
 //!  - fixed_layout: the layout is fixed at construction (no rebuild from the first step's
 //!    arrival order, no fused all-reduce of the rest for a model that reports nothing);
-//!  - align(type, zero_copy) and split(): how the arena is cut (element alignment of each
-//!    gradient; every unit a multiple of split() elements);
+//!  - lends_gradients: no gradient arena; the units lend a buffer per launch unit (lend(g,
+//!    first)), begin_cycle() zeroes what they accumulate, drain() ends a micro-step that does
+//!    not step (each launches its collectives: block_units.hpp);
+//!  - make_plan(type, order, sizes, policy, zero_copy): how one element type's arena is cut;
 //!  - allocate(bytes): one element type's gradient arena;
 //!  - built(plans, arenas, params): the layout is final (or rebuilt); returns the value
 //!    bindings it made (the model's values moved into its storage), empty if none;
@@ -43,15 +45,18 @@ class allreduce_units {
   using step_fn = std::function<void(std::span<const param_slice>)>;
   static constexpr bool fixed_layout = false;
 
-  allreduce_units(Comm& comm, Hook& hook, step_recorder& rec, const Replicated&, const bind_fn&)
+  static constexpr bool lends_gradients = false;
+
+  allreduce_units(Comm& comm, Hook& hook, step_recorder& rec, const Replicated&, const model_hooks&)
       : comm_(comm), hook_(hook), rec_(rec) {}
 
   //! Zero-copy arenas align each gradient to 256 bytes (vector loads, cuBLAS); packed ones
   //! stay dense (one pack per bucket fills them).
-  static std::size_t align(dtype t, bool zero_copy) {
-    return zero_copy ? std::max<std::size_t>(1, 256 / size_of(t)) : 1;
+  static bucket_plan make_plan(dtype t, std::vector<std::size_t> order, const std::vector<std::size_t>& sizes,
+                               const BucketPolicy& policy, bool zero_copy) {
+    return make_bucket_plan(t, std::move(order), sizes, policy,
+                            zero_copy ? std::max<std::size_t>(1, 256 / size_of(t)) : 1);
   }
-  static std::size_t split() { return 1; }
   std::shared_ptr<void> allocate(std::size_t bytes) { return comm_.memory().allocate(bytes); }
 
   std::span<const binding> built(std::span<const bucket_plan* const> plans, std::span<void* const>,

@@ -151,6 +151,46 @@ inline bucket_plan make_bucket_plan(dtype t, std::vector<std::size_t> order, con
   return p;
 }
 
+//! The layout of full sharding (block_units): one bucket and one launch unit per block of the
+//! model that has parameters of this type, in backward order (the last block first), each
+//! padded to a multiple of `ways` elements; within a block, parameters keep their order in
+//! `order`. block_of[i]: global parameter i's block. Fills `blocks`: per unit, its block.
+inline bucket_plan make_block_plan(dtype t, const std::vector<std::size_t>& order,
+                                   const std::vector<std::size_t>& sizes, const std::vector<std::size_t>& block_of,
+                                   std::size_t align, std::size_t ways, std::vector<std::size_t>& blocks) {
+  bucket_plan p;
+  p.type = t;
+  p.order = order;
+  std::stable_sort(p.order.begin(), p.order.end(),
+                   [&](std::size_t a, std::size_t b) { return block_of[a] > block_of[b]; });
+  const std::size_t grain = std::lcm(std::max<std::size_t>(align, 1), std::max<std::size_t>(ways, 1));
+  blocks.clear();
+  p.buckets_of.resize(p.order.size());
+  std::size_t at = 0;
+  for (std::size_t k = 0; k < p.order.size(); ++k) {
+    const std::size_t i = p.order[k];
+    if (k == 0 || block_of[i] != block_of[p.order[k - 1]]) {  // a new block: close the last one
+      if (k) {
+        at = round_up(at, grain);
+        p.buckets.back().end = at;
+      }
+      bucket bk;
+      bk.begin = at;
+      p.buckets.push_back(std::move(bk));
+      p.units.push_back({p.buckets.size() - 1, p.buckets.size()});
+      blocks.push_back(block_of[i]);
+    }
+    at = round_up(at, align);
+    p.offset.push_back(at);
+    p.buckets.back().slices.push_back({i, 0, at, sizes[i]});
+    p.buckets_of[k].push_back(p.buckets.size() - 1);
+    at += sizes[i];
+  }
+  p.total = round_up(at, grain);
+  if (!p.buckets.empty()) p.buckets.back().end = p.total;
+  return p;
+}
+
 //! "bucket 3: 262144 f32 at 786432" — which bucket's collective a call is (a collective's
 //! label): the first bucket of the unit, the elements it reduces and where in the arena.
 inline std::string bucket_label(const bucket_plan& p, std::size_t first, std::size_t count,

@@ -48,17 +48,19 @@ class shard_units {
   using step_fn = std::function<void(std::span<const param_slice>)>;
   //! The optimizer's state is laid out along the shards: no rebuild after the first step.
   static constexpr bool fixed_layout = true;
+  static constexpr bool lends_gradients = false;
 
-  //! bind_value: the model's value binder (model (e)), or empty: values packed and unpacked.
-  shard_units(Comm& comm, Hook& hook, step_recorder& rec, const ShardedOptimizer& policy, bind_fn bind_value)
-      : comm_(comm), hook_(hook), rec_(rec), bind_value_(std::move(bind_value)),
-        copy_gather_(policy.copy_engine_gather), copy_scatter_(policy.copy_engine_scatter),
-        deferred_(policy.gather_in_forward) {}
+  //! model.bind_value: the model's value binder (model (e)), or empty: values packed and unpacked.
+  shard_units(Comm& comm, Hook& hook, step_recorder& rec, const ShardedOptimizer& policy, const model_hooks& model)
+      : comm_(comm), hook_(hook), rec_(rec), bind_value_(model.bind_value), copy_gather_(policy.copy_engine_gather),
+        copy_scatter_(policy.copy_engine_scatter), deferred_(policy.gather_in_forward) {}
 
   //! Sharded arenas stay dense (one pack per bucket fills them; shards cut them evenly): every
   //! unit a multiple of size() elements.
-  static std::size_t align(dtype, bool) { return 1; }
-  std::size_t split() const { return static_cast<std::size_t>(comm_.size()); }
+  bucket_plan make_plan(dtype t, std::vector<std::size_t> order, const std::vector<std::size_t>& sizes,
+                        const BucketPolicy& policy, bool) const {
+    return make_bucket_plan(t, std::move(order), sizes, policy, 1, static_cast<std::size_t>(comm_.size()));
+  }
 
   //! The gradient arena of one group, `bytes` (before built()): with copy_engine_scatter
   //! where offered, a window of the copy-engine split.
