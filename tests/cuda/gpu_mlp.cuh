@@ -128,6 +128,17 @@ class GpuMlp {
     LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(p, vals_.at(i), sizes_[i] * sizeof(float), cudaMemcpyDeviceToDevice, s_));
     vals_[i] = static_cast<float*>(p);
   }
+  // Full sharding (lockstep::model (h), (i)): a block per layer; values and gradients where
+  // lockstep has put them (null: not held now).
+  std::vector<std::size_t> blocks() const {
+    std::vector<std::size_t> b;
+    for (std::size_t i = 0; i < vals_.size(); ++i) b.push_back(i / 2);
+    return b;
+  }
+  void attach(std::size_t i, void* v, void* g) {
+    vals_.at(i) = static_cast<float*>(v);
+    grads_.at(i) = static_cast<float*>(g);
+  }
   void unbind_values() {
     for (std::size_t i = 0; i < vals_.size(); ++i) {
       LOCKSTEP_TRY_CUDA(
@@ -138,14 +149,17 @@ class GpuMlp {
   }
 
   // X: device samples × dims[0]; y: device labels; rows: device row indices (B of them).
-  template <class Hook>
-  void forward_backward(const float* X, const int* y, const int* rows, int B, Hook&& hook, float loss_scale = 1.f) {
+  // use(l, forward) is held while layer l computes (full sharding requests its block).
+  template <class Hook, class Use = no_blocks>
+  void forward_backward(const float* X, const int* y, const int* rows, int B, Hook&& hook, float loss_scale = 1.f,
+                        Use&& use = {}) {
     const std::size_t L = dims_.size() - 1;
     std::vector<float*> act(L + 1);
     for (std::size_t l = 0; l <= L; ++l) act[l] = scratch(l, static_cast<std::size_t>(B * dims_[l]));
     k::gather_rows<<<k::blocks(B * dims_[0]), 128, 0, s_>>>(X, rows, act[0], B, dims_[0]);
     LOCKSTEP_CHECK_LAUNCH();
     for (std::size_t l = 0; l < L; ++l) {
+      const auto held = use(l, true);
       k::linear_fwd<<<k::blocks(B * dims_[l + 1]), 128, 0, s_>>>(vals_[2 * l], vals_[2 * l + 1], act[l], act[l + 1], B,
                                                                  dims_[l], dims_[l + 1], l + 1 < L);
       LOCKSTEP_CHECK_LAUNCH();
@@ -154,6 +168,7 @@ class GpuMlp {
     k::softmax_ce_grad<<<k::blocks(B), 128, 0, s_>>>(act[L], y, rows, d, B, dims_[L], loss_scale);
     LOCKSTEP_CHECK_LAUNCH();
     for (std::size_t l = L; l-- > 0;) {
+      const auto held = use(l, false);
       const int in = dims_[l], out = dims_[l + 1];
       k::grad_w<<<k::blocks(in * out), 128, 0, s_>>>(d, act[l], grads_[2 * l], B, in, out);
       LOCKSTEP_CHECK_LAUNCH();

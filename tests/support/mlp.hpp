@@ -14,9 +14,17 @@
 
 namespace lockstep_test {
 
+//! For forward_backward's `use`: no blocks to request (lockstep's full sharding requests them).
+struct no_blocks {
+  int operator()(std::size_t, bool) const { return 0; }
+};
+
 template <class T, bool Bindable = true>
 class TestMlp {
  public:
+  //! Full sharding (lockstep::model (h)): each parameter its own block instead of each layer.
+  bool block_per_parameter = false;
+
   TestMlp(std::vector<int> dims, std::uint64_t seed) : dims_(std::move(dims)) {
     std::mt19937_64 rng(seed);
     const std::size_t L = dims_.size() - 1;
@@ -69,6 +77,18 @@ class TestMlp {
     std::copy(v, v + n, static_cast<T*>(p));
     v = static_cast<T*>(p);
   }
+  //! Full sharding (lockstep::model (h), (i)): the block of each parameter, and where its
+  //! values and gradient are now (either may be null: not held, not touched).
+  std::vector<std::size_t> blocks() const {
+    std::vector<std::size_t> b;
+    for (std::size_t i = 0; i < 2 * w_.size(); ++i) b.push_back(block_per_parameter ? i : i / 2);
+    return b;
+  }
+  void attach(std::size_t i, void* v, void* g) {
+    (i % 2 == 0 ? wp_[i / 2] : bp_[i / 2]) = static_cast<T*>(v);
+    (i % 2 == 0 ? gwp_[i / 2] : gbp_[i / 2]) = static_cast<T*>(g);
+  }
+
   void unbind_values()
     requires Bindable
   {
@@ -82,15 +102,17 @@ class TestMlp {
 
   //! Mean cross-entropy over the rows `rows` of X (row-major, dims[0] wide); adds the
   //! gradient of that mean into the gradient buffers; calls hook(i) as gradients finish.
-  template <class Hook>
+  //! use(l, forward) is held while layer l computes (full sharding requests its blocks).
+  template <class Hook, class Use = no_blocks>
   double forward_backward(const std::vector<T>& X, const std::vector<int>& y, std::span<const std::size_t> rows,
-                          Hook&& hook, double loss_scale = 1.0) {
+                          Hook&& hook, double loss_scale = 1.0, Use&& use = {}) {
     const std::size_t L = w_.size(), B = rows.size();
     std::vector<std::vector<T>> act(L + 1);
     act[0].resize(B * dims_[0]);
     for (std::size_t r = 0; r < B; ++r)
       for (int j = 0; j < dims_[0]; ++j) act[0][r * dims_[0] + j] = X[rows[r] * dims_[0] + j];
     for (std::size_t l = 0; l < L; ++l) {
+      const auto held = use(l, true);
       const int in = dims_[l], out = dims_[l + 1];
       act[l + 1].assign(B * out, T(0));
       for (std::size_t r = 0; r < B; ++r)
@@ -115,6 +137,7 @@ class TestMlp {
                                           static_cast<double>(B));
     }
     for (std::size_t l = L; l-- > 0;) {
+      const auto held = use(l, false);
       const int in = dims_[l], out = dims_[l + 1];
       T* gw = gwp_[l];
       T* gb = gbp_[l];

@@ -26,8 +26,9 @@ struct sharded_config {
   double max_norm = 0;  // DataParallelOptions::max_grad_norm
   int inf_step = -1;    // this step's gradients get an inf on the last rank
   std::size_t inf_at = 0;
-  int first_step = 0;              // resume: the step the loop starts at
-  bool gather_in_forward = false;  // sharded: each parameter waited for just before the forward
+  int first_step = 0;                // resume: the step the loop starts at
+  bool gather_in_forward = false;    // sharded: each parameter waited for just before the forward
+  bool block_per_parameter = false;  // full sharding: each parameter its own block (else each layer)
 };
 
 struct sharded_outcome {
@@ -37,26 +38,29 @@ struct sharded_outcome {
   double final_scale = 0;
   std::size_t state_elements = 0;  // rank 0: optimizer state per buffer
   std::size_t shard_bytes = 0;
-  bool values_bound = false;  // rank 0: the model's values live in the shards' arena
+  bool values_bound = false;   // rank 0: the model's values live in the shards' arena
+  std::size_t lent_bytes = 0;  // rank 0, full sharding: the block buffers lent
 };
 
 using Scale = lockstep::DynamicScale;
 constexpr lockstep::DynamicScaleOptions scale_options{.init_scale = 1024.0, .growth_interval = 3};
 
-// One rank of config c (c.ranks must be ctx.size()); Sharded picks ShardedOptimizer.
-// hold(ctx, dp, opt, step) is called after each optimizer step (checkpoints); start(dp, opt)
-// before the first (resume). Fills out.values[rank], and on rank 0 the rest of out.
-template <class T, bool Sharded, bool Bindable, class Ctx, class Hold = std::nullptr_t, class Start = std::nullptr_t>
-void train_rank(Ctx& ctx, const dataset& d, const sharded_config& c, std::uint64_t init_seed, sharded_outcome& out,
-                Hold hold = nullptr, Start start = nullptr) {
+// One rank of config c (c.ranks must be ctx.size()) under Strategy (Replicated,
+// ShardedOptimizer, ShardedGradients, FullySharded: each layer's blocks used through
+// use_block). hold(ctx, dp, opt, step) is called after each optimizer step (checkpoints);
+// start(dp, opt) before the first (resume). Fills out.values[rank], and on rank 0 the rest of out.
+template <class T, class Strategy, bool Bindable, class Ctx, class Hold = std::nullptr_t, class Start = std::nullptr_t>
+void train_rank_as(Ctx& ctx, const dataset& d, const sharded_config& c, std::uint64_t init_seed, sharded_outcome& out,
+                   Hold hold = nullptr, Start start = nullptr, Strategy strategy = {}) {
   using Comm = std::remove_cvref_t<decltype(ctx.comm())>;
   using Model = TestMlp<T, Bindable>;
+  constexpr bool Sharded = !std::is_same_v<Strategy, lockstep::Replicated>;
   Model m(d.dims, init_seed + static_cast<std::uint64_t>(ctx.rank()) * 7919);
-  const bool deferred = Sharded && c.gather_in_forward;
+  m.block_per_parameter = c.block_per_parameter;
+  constexpr bool ZeRO1 = std::is_same_v<Strategy, lockstep::ShardedOptimizer>;
+  const bool deferred = ZeRO1 && c.gather_in_forward;
   const lockstep::DataParallelOptions o{.buckets = c.buckets, .max_grad_norm = c.max_norm};
-  using Strategy = std::conditional_t<Sharded, lockstep::ShardedOptimizer, lockstep::Replicated>;
-  Strategy strategy{};
-  if constexpr (Sharded) strategy.gather_in_forward = deferred;
+  if constexpr (ZeRO1) strategy.gather_in_forward = deferred;
   using DP = lockstep::DataParallel<Model, Comm, lockstep::Accumulate<>, Scale, Strategy>;
   DP p(ctx, m, o, lockstep::Accumulate<>(c.accumulate), Scale(scale_options), strategy);
   lockstep::AdamW opt({.lr = 0.01, .weight_decay = 0.05});
@@ -83,7 +87,17 @@ void train_rank(Ctx& ctx, const dataset& d, const sharded_config& c, std::uint64
             if (inject && i == 0) poison();
             if (c.hooks) step.gradient_ready(i);
           },
-          step.loss_scale());
+          step.loss_scale(),
+          [&](std::size_t l, bool forward) {
+            std::vector<lockstep::block_use<DP>> held;  // the layer's blocks, for its forward or backward
+            if constexpr (DP::block_sharded) {
+              const auto blocks = m.blocks();
+              for (std::size_t i : {2 * l, 2 * l + 1})
+                if (i == 2 * l || blocks[i] != blocks[2 * l])
+                  held.push_back(p.use_block(blocks[i], forward ? lockstep::pass::forward : lockstep::pass::backward));
+            }
+            return held;
+          });
       if constexpr (Sharded) {
         r = step.finish([&](std::span<const lockstep::param_slice> sl) { opt.step(sl); });
       } else {
@@ -97,7 +111,7 @@ void train_rank(Ctx& ctx, const dataset& d, const sharded_config& c, std::uint64
     }
     if constexpr (!std::is_same_v<Hold, std::nullptr_t>) hold(ctx, p, opt, s);
   }
-  if (deferred) p.wait_all_parameters();
+  if (deferred || DP::block_sharded) p.wait_all_parameters();
   std::vector<double> v;
   for (auto x : m.flat_values()) v.push_back(static_cast<double>(x));
   out.values[static_cast<std::size_t>(ctx.rank())] = std::move(v);
@@ -106,7 +120,15 @@ void train_rank(Ctx& ctx, const dataset& d, const sharded_config& c, std::uint64
     for (std::size_t i = 0; i < opt.slot_count(); ++i) out.state_elements += opt.template state<T>(i, 0).size();
     out.shard_bytes = p.stats().shard_bytes;
     out.values_bound = p.stats().values_bound;
+    out.lent_bytes = p.stats().lent_bytes;
   }
+}
+
+template <class T, bool Sharded, bool Bindable, class Ctx, class Hold = std::nullptr_t, class Start = std::nullptr_t>
+void train_rank(Ctx& ctx, const dataset& d, const sharded_config& c, std::uint64_t init_seed, sharded_outcome& out,
+                Hold hold = nullptr, Start start = nullptr) {
+  using Strategy = std::conditional_t<Sharded, lockstep::ShardedOptimizer, lockstep::Replicated>;
+  train_rank_as<T, Strategy, Bindable>(ctx, d, c, init_seed, out, hold, start);
 }
 
 inline std::size_t parameter_count(const dataset& d) {

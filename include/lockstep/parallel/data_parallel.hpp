@@ -45,7 +45,9 @@
 #include "lockstep/core/grad_group.hpp"
 #include "lockstep/parallel/detail/binding.hpp"
 #include "lockstep/parallel/bucket_hook.hpp"
+#include "lockstep/parallel/block_use.hpp"
 #include "lockstep/parallel/detail/allreduce_units.hpp"
+#include "lockstep/parallel/detail/block_units.hpp"
 #include "lockstep/parallel/detail/arguments.hpp"
 #include "lockstep/parallel/detail/nonfinite.hpp"
 #include "lockstep/parallel/detail/reducer.hpp"
@@ -84,6 +86,8 @@ class DataParallel {
   using hook_type = typename detail::policy_set<Comm, Policies...>::hook;
   //! Whether the optimizer state is sharded over the ranks (ShardedOptimizer).
   static constexpr bool sharded = detail::policy_set<Comm, Policies...>::sharded;
+  //! Whether the model's blocks are used through use_block (ShardedGradients, FullySharded).
+  static constexpr bool block_sharded = detail::policy_set<Comm, Policies...>::block_sharded;
   //! The strategy policy (Replicated, the default, or ShardedOptimizer) and the
   //! reduction units it runs (parallel/detail/).
   using strategy_type = typename detail::policy_set<Comm, Policies...>::strategy;
@@ -171,8 +175,8 @@ class DataParallel {
       throw config_error("lockstep: step() called while the previous step is still open; "
                          "call finish() on each step before starting the next");
     if (!in_cycle_) {
-      detail::check_unchanged(reducer_.params(), detail::collect_parameters(model_), comm_.rank(),
-                              reducer_.zero_copy());
+      detail::check_unchanged(reducer_.params(), detail::collect_parameters(model_), comm_.rank(), reducer_.zero_copy(),
+                              !block_sharded);
       k_ = acc_.steps();
       if (k_ < 1) throw config_error("lockstep: the accumulation policy returned steps() < 1");
       micro_ = 0;
@@ -201,6 +205,8 @@ class DataParallel {
   //! Sharded: on_shard (the optimizer's shard step) as well.
   [[nodiscard]] Join<DataParallel> join(std::function<void(step_result)> on_shadow_step,
                                         std::function<void(std::span<const param_slice>)> on_shard = {}) {
+    static_assert(!block_sharded, "lockstep::DataParallel::join: not available with ShardedGradients / FullySharded "
+                                  "yet (a shadowing rank would have to take part in every block's collectives)");
     return Join<DataParallel>(*this, std::move(on_shadow_step), std::move(on_shard));
   }
 
@@ -231,6 +237,16 @@ class DataParallel {
   //! ShardedOptimizer::gather_in_forward: before the forward uses parameter i (its units
   //! gathered, unpacked); all of them. Nothing to wait for otherwise.
   void wait_parameters(std::size_t i) { reducer_.units().wait_parameters(i); }
+  //! ShardedGradients / FullySharded: block k (model (h)) is used for pass p until the returned
+  //! use ends (block_use.hpp): its values, and in backward its gradient buffers, are attached
+  //! to the model (model (i)); read the pointers after this call. In a step, use each block once
+  //! in forward and once in backward (covering its recomputation), in backward order there.
+  [[nodiscard]] block_use<DataParallel> use_block(std::size_t k, pass p)
+    requires block_sharded
+  {
+    reducer_.units().use(k, p);
+    return block_use<DataParallel>(this, k, p);
+  }
   void wait_all_parameters() { reducer_.units().wait_all_parameters(); }
   //! Sharded: a fingerprint of the shard layout (see save_sharded / load_sharded).
   std::uint64_t shard_layout() const
@@ -283,7 +299,10 @@ class DataParallel {
     step_result r;
     r.synced = sync;
     ++micro_;
-    if (!sync) return r;
+    if (!sync) {
+      reducer_.end_micro();  // full sharding: this micro-step's reduce-scatters completed
+      return r;
+    }
     in_cycle_ = false;
     bool whole = opts_.max_grad_norm > 0;  // clipping needs every bucket first
     if constexpr (inspecting_scaler<scaler_type>) whole = whole || scaler_.active();
@@ -348,6 +367,16 @@ class DataParallel {
   // --- Join (join.hpp): its agreement and shadow steps work on these members ------------
   friend class Join<DataParallel>;
   friend class lockstep::step_handle<DataParallel>;  // marks gradients ready, ends the step
+  friend class lockstep::block_use<DataParallel>;    // ends a block's use
+
+  // A block's use ends: after a backward one its gradients are final (the reducer launches
+  // what became complete), then the units detach it.
+  void end_block(std::size_t k, pass p) {
+    if constexpr (block_sharded) {
+      if (p == pass::backward) reducer_.mark_all_ready(reducer_.units().params_of(k));
+      reducer_.units().end_use(k, p);
+    }
+  }
 
   struct built_t {};
   static constexpr built_t built{};
@@ -358,7 +387,7 @@ class DataParallel {
         reducer_(
             comm, hook_, recorder_, initial_parameters(comm, model, opts), opts.buckets,
             detail::gradient_binder(model, opts), [&model] { return detail::collect_parameters(model); }, strategy,
-            detail::value_binder(model, opts, strategy)),
+            detail::hooks_of(model, detail::value_binder(model, opts, strategy))),
         buffers_(detail::collect_buffers(model)), frozen_(detail::collect_frozen(model)) {
     if (!(opts_.max_grad_norm >= 0))
       throw config_error("DataParallelOptions::max_grad_norm must be >= 0 (0: no clipping), got " +

@@ -63,6 +63,8 @@ template <class Comm, class Hook>
 class allreduce_units;
 template <class Comm, class Hook>
 class shard_units;
+template <class Comm, class Hook, bool ShardValues>
+class block_units;
 }  // namespace detail
 
 //! The default strategy (PyTorch DDP's): each bucket is all-reduced, and every rank keeps the
@@ -112,6 +114,51 @@ struct ShardedOptimizer {
   using units = detail::shard_units<Comm, Hook>;
 };
 
+//! The block buffers full sharding lends (ShardedGradients, FullySharded): gathered values
+//! prefetched ahead of the block in use, and gradients on their way to the reduce-scatter.
+struct BlockBuffers {
+  //! FullySharded: blocks gathered ahead of the one in use (the next ones in forward, the
+  //! previous ones in backward) ...
+  int prefetch = 1;
+  //! ... as long as the values gathered but not in use stay within this many bytes.
+  std::size_t max_prefetch_bytes = std::size_t{1} << 30;
+  //! Reduce-scatters in flight before a block's backward waits for the oldest (reusing its
+  //! gradient buffer): at least 1; 2 lets one block's reduce-scatter overlap the next backward.
+  int scatters_in_flight = 2;
+};
+
+//! ZeRO stage 2: as ShardedOptimizer, and the gradients are sharded too. The model's
+//! parameters are grouped into blocks (model (h), blocks(); one block without it), each reduced
+//! by one reduce-scatter. A block's full gradient exists only from the start of its backward
+//! (dp.use_block(k, lockstep::pass::backward)) until its reduce-scatter has run: it lives in
+//! one of a few block-sized buffers that lockstep lends the model (model (i), attach); the
+//! rank keeps the mean of its 1/N in a shard that persists and accumulates over micro-steps
+//! (every micro-step reduce-scatters: nothing of the full gradient outlives its block's
+//! backward). The values stay whole on every rank, gathered after each update in place.
+//! docs/sharding.md.
+struct ShardedGradients {
+  BlockBuffers buffers{};
+  template <class Comm, class Hook>
+  using units = detail::block_units<Comm, Hook, false>;
+};
+
+//! ZeRO stage 3 (PyTorch FSDP2's fully_shard, DeepSpeed ZeRO-3): as ShardedGradients, and the
+//! values are sharded too — outside a block's use, a rank holds only its 1/N of them (the fp32
+//! master shard the optimizer steps). dp.use_block(k, pass) all-gathers block k's values into a
+//! lent buffer (prefetching the next blocks, within BlockBuffers) and attaches them to the
+//! model until the use ends. docs/sharding.md.
+struct FullySharded {
+  BlockBuffers buffers{};
+  //! Keep each block's gathered values from its forward until its backward (FSDP2's
+  //! reshard_after_forward = False): no second gather, the whole model's values held at once.
+  bool keep_after_forward = false;
+  template <class Comm, class Hook>
+  using units = detail::block_units<Comm, Hook, true>;
+};
+
+//! Which pass a use of a block is for (DataParallel::use_block).
+enum class pass { forward, backward };
+
 // ---- tuning ------------------------------------------------------------------------------
 
 //! Gradient buckets: the first is small so that communication starts early in backward; the
@@ -153,9 +200,11 @@ struct is_accumulation_policy : std::bool_constant<accumulation_policy<P>> {};
 template <class P>
 struct is_loss_scaler : std::bool_constant<loss_scaler<P>> {};
 template <class P>
-struct is_sharded : std::is_same<P, ShardedOptimizer> {};
+struct is_block_sharded : std::bool_constant<std::is_same_v<P, ShardedGradients> || std::is_same_v<P, FullySharded>> {};
 template <class P>
-struct is_strategy : std::bool_constant<std::is_same_v<P, ShardedOptimizer> || std::is_same_v<P, Replicated>> {};
+struct is_sharded : std::bool_constant<std::is_same_v<P, ShardedOptimizer> || is_block_sharded<P>::value> {};
+template <class P>
+struct is_strategy : std::bool_constant<is_sharded<P>::value || std::is_same_v<P, Replicated>> {};
 
 //! DataParallel's policies sorted by kind — each of a known kind, at most one of each — and
 //! the defaults for the kinds not given.
@@ -167,22 +216,23 @@ struct policy_set {
   struct is_policy
       : std::bool_constant<accumulation_policy<P> || loss_scaler<P> || bucket_hook<P, Comm> || is_strategy<P>::value> {
   };
-  static_assert(
-      (is_policy<Policies>::value && ...),
-      "lockstep::DataParallel: every policy must be an accumulation_policy "
-      "(EveryStep, Accumulate<K>), a loss_scaler (NoScaling, StaticScale, "
-      "DynamicScale), a bucket_hook (AllReduceMean) or a strategy (Replicated, ShardedOptimizer) — one of the "
-      "Policies is none of these (an accumulation policy needs steps(); a loss scaler needs scale(), "
-      "update(), state(); a hook needs reduce(comm, data, count, dtype)). When the "
-      "policies are deduced (DataParallel dp(ctx, model, ...)), DataParallelOptions "
-      "must come first");
+  static_assert((is_policy<Policies>::value && ...),
+                "lockstep::DataParallel: every policy must be an accumulation_policy "
+                "(EveryStep, Accumulate<K>), a loss_scaler (NoScaling, StaticScale, "
+                "DynamicScale), a bucket_hook (AllReduceMean) or a strategy (Replicated, ShardedOptimizer, "
+                "ShardedGradients, FullySharded) — one of the "
+                "Policies is none of these (an accumulation policy needs steps(); a loss scaler needs scale(), "
+                "update(), state(); a hook needs reduce(comm, data, count, dtype)). When the "
+                "policies are deduced (DataParallel dp(ctx, model, ...)), DataParallelOptions "
+                "must come first");
   static_assert(detail::count_v<detail::is_accumulation_policy, Policies...> <= 1,
                 "lockstep::DataParallel: give at most one accumulation_policy");
   static_assert(detail::count_v<detail::is_loss_scaler, Policies...> <= 1,
                 "lockstep::DataParallel: give at most one loss_scaler");
   static_assert(detail::count_v<is_hook, Policies...> <= 1, "lockstep::DataParallel: give at most one bucket_hook");
   static_assert(detail::count_v<detail::is_strategy, Policies...> <= 1,
-                "lockstep::DataParallel: give at most one strategy (Replicated, ShardedOptimizer)");
+                "lockstep::DataParallel: give at most one strategy (Replicated, ShardedOptimizer, ShardedGradients, "
+                "FullySharded)");
   using accumulation = pick_t<is_accumulation_policy, EveryStep, Policies...>;
   using scaler = pick_t<is_loss_scaler, NoScaling, Policies...>;
   using hook = pick_t<is_hook, AllReduceMean, Policies...>;
@@ -192,10 +242,12 @@ struct policy_set {
       detail::count_v<detail::is_sharded, Policies...> == 0 || detail::count_v<is_hook, Policies...> == 0 ||
           std::is_same_v<hook, AllReduceMean> ||
           requires(hook& h, Comm& c, void* p, std::size_t n, dtype t) { h.reduce_scatter(c, p, p, n, t); },
-      "lockstep::DataParallel: ShardedOptimizer reduce-scatters every bucket itself; it combines "
+      "lockstep::DataParallel: a sharded strategy reduce-scatters every bucket itself; it combines "
       "only with AllReduceMean (the default) or a bucket_hook that has "
       "reduce_scatter(comm, data, mine, per, dtype) (Bf16Wire)");
   static constexpr bool sharded = count_v<is_sharded, Policies...> > 0;
+  //! Blocks used through DataParallel::use_block (ShardedGradients, FullySharded).
+  static constexpr bool block_sharded = count_v<is_block_sharded, Policies...> > 0;
   //! The strategy policy (Replicated when none is given) and the reduction units it runs.
   using strategy = pick_t<is_strategy, Replicated, Policies...>;
   using units = typename strategy::template units<Comm, hook>;

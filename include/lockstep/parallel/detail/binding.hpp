@@ -22,6 +22,37 @@ using bind_fn = std::function<void(std::size_t, void*)>;
 //! (parameter index, the storage it was given)
 using binding = std::pair<std::size_t, void*>;
 
+//! attach(i, value, grad): parameter i's values and gradient are there now (model (i)).
+using attach_fn = std::function<void(std::size_t, void*, void*)>;
+
+//! What the reduction units may use of the model: its value binder (model (e), or empty), its
+//! attach (model (i), or empty) and the block of each parameter (model (h); all 0 without).
+struct model_hooks {
+  bind_fn bind_value;
+  attach_fn attach;
+  std::vector<std::size_t> blocks;
+};
+
+//! The model_hooks of a model (bind_value: value_binder's choice).
+template <class Model>
+model_hooks hooks_of(Model& model, bind_fn bind_value) {
+  std::size_t parameters = 0;
+  for (auto&& p : model.parameters()) {
+    (void)p;
+    ++parameters;
+  }
+  model_hooks h{std::move(bind_value), {}, std::vector<std::size_t>(parameters, 0)};
+  if constexpr (attaching_model<Model>) h.attach = [&model](std::size_t i, void* v, void* g) { model.attach(i, v, g); };
+  if constexpr (block_model<Model>) {
+    h.blocks.clear();
+    for (auto b : model.blocks()) h.blocks.push_back(static_cast<std::size_t>(b));
+    if (h.blocks.size() != parameters)
+      throw config_error("model.blocks() lists " + std::to_string(h.blocks.size()) + " blocks, but the model has " +
+                         std::to_string(parameters) + " parameters: give one block number per parameter");
+  }
+  return h;
+}
+
 //! The model's gradient binder, if it has one and zero_copy is on; else empty.
 template <class Model>
 bind_fn gradient_binder(Model& model, const DataParallelOptions& opts) {
@@ -65,7 +96,7 @@ template <class Model, class Reducer>
 void release_model(Model& model, Reducer& reducer) noexcept {
   try {
     reducer.units().wait_all_parameters();
-    if constexpr (value_binding_model<Model>)
+    if constexpr (requires { model.unbind_values(); })
       if (reducer.units().values_bound()) model.unbind_values();
     if constexpr (gradient_unbinding_model<Model>)
       if (reducer.zero_copy()) model.unbind_gradients();

@@ -43,12 +43,14 @@ class reducer {
   using refresh_fn = std::function<std::vector<parameter>()>;
 
   //! units: the strategy's reduction units, built over the same communicator, hook and
-  //! recorder. With Units::fixed_layout, policy.rebuild_after_first_step is ignored.
+  //! recorder, with what they may use of the model. With Units::fixed_layout,
+  //! policy.rebuild_after_first_step is ignored; with Units::lends_gradients, bind is never used.
   template <class Strategy>
   reducer(Comm& comm, Hook& hook, step_recorder& rec, std::vector<parameter> params, BucketPolicy policy, bind_fn bind,
-          refresh_fn refresh, const Strategy& strategy, bind_fn bind_value)
-      : comm_(comm), rec_(rec), params_(std::move(params)), policy_(policy), bind_(std::move(bind)),
-        refresh_(std::move(refresh)), units_(comm, hook, rec, strategy, std::move(bind_value)) {
+          refresh_fn refresh, const Strategy& strategy, const model_hooks& model)
+      : comm_(comm), rec_(rec), params_(std::move(params)), policy_(policy),
+        bind_(Units::lends_gradients ? bind_fn{} : std::move(bind)), refresh_(std::move(refresh)),
+        units_(comm, hook, rec, strategy, model) {
     if constexpr (Units::fixed_layout) policy_.rebuild_after_first_step = false;
     // Initial order: reverse registration order (backward produces the last layer first).
     std::vector<std::size_t> order;
@@ -75,6 +77,7 @@ class reducer {
   //! Start of an accumulation cycle: apply a pending rebuild, zero every gradient.
   void begin_cycle() {
     apply_pending_plan();
+    if constexpr (Units::lends_gradients) return units_.begin_cycle();
     auto mem = comm_.memory();
     for (auto& g : groups_) {
       if (zero_copy()) {
@@ -87,12 +90,15 @@ class reducer {
 
   //! Start of a micro-step. sync: this micro-step averages; prescale: applied before the
   //! all-reduce's average over ranks (1/K for accumulation, else 1).
+  //! With Units::lends_gradients every micro-step launches its units (the full gradients do
+  //! not outlive it); end_micro() then ends one that does not sync.
   void begin_micro(bool sync, double prescale) {
     sync_ = sync;
+    launching_ = sync || Units::lends_gradients;
     prescale_ = prescale;
     ready_.assign(params_.size(), false);
-    if (!sync) return;
-    sync_arrivals_.clear();
+    if (!launching_) return;
+    if (sync) sync_arrivals_.clear();
     for (auto& g : groups_) {
       g.pending.clear();
       for (auto& b : g.plan.buckets) g.pending.push_back(b.slices.size());
@@ -115,6 +121,21 @@ class reducer {
     if (!observed_) arrivals_.push_back(i);
     if (sync_) sync_arrivals_.push_back(i);
     count_ready(i);
+  }
+
+  //! The gradients of `params` are final (a block's backward use ended): those not reported yet.
+  void mark_all_ready(std::span<const std::size_t> params) {
+    for (auto i : params)
+      if (!ready_.at(i)) mark_ready(i);
+  }
+
+  //! End of a micro-step that does not sync: with Units::lends_gradients, every unit launched
+  //! and its result kept by the units (drain); nothing otherwise.
+  void end_micro() {
+    if constexpr (Units::lends_gradients) {
+      for (auto& g : groups_) launch_ready(g, true);
+      units_.drain();
+    }
   }
 
   //! Join (join.hpp): a rank without data shadows a syncing micro-step, reporting its (zero)
@@ -214,7 +235,7 @@ class reducer {
 
   // Parameter i's gradient is final: on a syncing micro-step, launch what became complete.
   void count_ready(std::size_t i) {
-    if (!sync_ || fused_) return;
+    if (!launching_ || fused_) return;
     const gradient_locator at = where_[i];
     auto& g = groups_[at.group];
     for (auto b : g.plan.buckets_of[at.position]) --g.pending[b];
@@ -245,9 +266,12 @@ class reducer {
   // Buckets [first, last) are contiguous in the arena: scale or pack them, one all-reduce.
   void launch_range(group& g, std::size_t first, std::size_t last) {
     const std::size_t begin = g.plan.buckets[first].begin, end = g.plan.buckets[last - 1].end;
-    void* buf = g.arena_at(begin);
+    const auto gi = static_cast<std::size_t>(&g - groups_.data());
+    void* buf = nullptr;
+    if constexpr (Units::lends_gradients) buf = units_.lend(gi, first);
+    else buf = g.arena_at(begin);
     auto mem = comm_.memory();
-    if (zero_copy()) {
+    if (zero_copy() || Units::lends_gradients) {
       mem.scale(buf, end - begin, g.plan.type, prescale_);
     } else {
       std::vector<segment> segs;
@@ -258,7 +282,7 @@ class reducer {
       mem.pack(segs, buf, g.plan.type, prescale_);
     }
     rec_.launching(buf, end - begin, g.plan.type);  // listeners: the non-finite origin check
-    units_.launch(static_cast<std::size_t>(&g - groups_.data()), first, buf, end - begin);
+    units_.launch(gi, first, buf, end - begin);
   }
 
   // After the first syncing step: take rank 0's arrival order (unreported parameters
@@ -308,11 +332,11 @@ class reducer {
     st.arena_bytes = 0;
     for (auto& [t, idx] : by_type) {
       group g;
-      g.plan = make_bucket_plan(t, idx, sizes, policy_, units_.align(t, zero_copy()), units_.split());
+      g.plan = units_.make_plan(t, idx, sizes, policy_, zero_copy());
       const std::size_t bytes = g.plan.total * size_of(t);
-      g.arena = units_.allocate(bytes);
+      if constexpr (!Units::lends_gradients) g.arena = units_.allocate(bytes);
       st.bucket_count += g.plan.buckets.size();
-      st.arena_bytes += bytes;
+      st.arena_bytes += Units::lends_gradients ? 0 : bytes;
       groups_.push_back(std::move(g));
     }
     for (std::size_t gi = 0; gi < groups_.size(); ++gi)
@@ -335,7 +359,7 @@ class reducer {
       arenas.push_back(g.arena.get());
     }
     const auto moved = units_.built(plans, arenas, params_);
-    if (!moved.empty())  // the model's values moved into the units' value arena
+    if (!moved.empty() || Units::lends_gradients)  // the model's values moved into the units' storage
       params_ = checked_binding(refresh_(), moved, &parameter::value, "bind_value");
     grad_groups_.clear();
     for (std::size_t gi = 0; gi < groups_.size(); ++gi) {
@@ -381,6 +405,7 @@ class reducer {
   Units units_;                      // the strategy: the units' collectives and what finish() does with them
   std::vector<param_slice> slices_;  // hand_over's scratch
   bool sync_ = false;
+  bool launching_ = false;  // this micro-step launches units (it syncs, or the units lend gradients)
   double prescale_ = 1.0;
 };
 

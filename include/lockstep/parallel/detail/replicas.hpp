@@ -90,8 +90,10 @@ void check_same_tensors(Comm& comm, const std::vector<parameter>& ps, const std:
 //! write freed memory). Local, no communication: the rank that changed throws, and the job's
 //! failure handling ends the others. `was`: DataParallel's view; `bound`: its gradients are
 //! the model's (zero-copy), which must then stay in place too.
-inline void check_unchanged(const std::vector<parameter>& was, const std::vector<parameter>& now, int rank,
-                            bool bound) {
+//! storage: check that values (and, bound, gradients) are where they were (not under full
+//! sharding, which attaches them anew at each use).
+inline void check_unchanged(const std::vector<parameter>& was, const std::vector<parameter>& now, int rank, bool bound,
+                            bool storage = true) {
   const auto what = [](const parameter& p) { return "'" + p.name + "' " + p.shape_string(); };
   std::string why;
   if (now.size() != was.size())
@@ -99,13 +101,14 @@ inline void check_unchanged(const std::vector<parameter>& was, const std::vector
           std::to_string(was.size());
   for (int pass = 0; pass < 2; ++pass)  // a different shape or type first, else new storage
     for (std::size_t i = 0; why.empty() && i < now.size(); ++i)
-      if (now[i].type != was[i].type || now[i].shape != was[i].shape || (pass == 1 && now[i].value != was[i].value))
+      if (now[i].type != was[i].type || now[i].shape != was[i].shape ||
+          (pass == 1 && storage && now[i].value != was[i].value))
         why = "parameter " + std::to_string(i) + " is " + what(now[i]) +
               (now[i].value != was[i].value ? " in new storage" : "") + ", but DataParallel was built with " +
               what(was[i]);
   // Bound (zero-copy), the gradients must stay the arena's views: a .grad reset elsewhere
   // (libtorch 2.x optimizer.zero_grad() sets it to none) would leave lockstep averaging zeros.
-  for (std::size_t i = 0; why.empty() && bound && i < now.size(); ++i)
+  for (std::size_t i = 0; why.empty() && bound && storage && i < now.size(); ++i)
     if (now[i].grad != was[i].grad)
       why =
           "the gradient of parameter " + std::to_string(i) + " ('" + now[i].name +

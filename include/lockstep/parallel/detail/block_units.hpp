@@ -1,0 +1,568 @@
+#pragma once
+//! block_units — the reduction units of ShardedGradients (ZeRO-2, ShardValues = false) and
+//! FullySharded (ZeRO-3, ShardValues = true), policies.hpp; the reducer's strategy (the
+//! interface: allreduce_units.hpp). One launch unit per block of the model (model (h)) and
+//! element type: the plan lays the blocks out in backward order, each padded to a multiple of
+//! size(). Per unit this rank keeps its shard of the gradient — the mean over ranks, summed
+//! over micro-steps — and of the values: ZeRO-3 in a shard arena, ZeRO-2 as its block of a
+//! whole value arena the model's values live in (the all-gather after the update lands there).
+//!
+//! Full gradients and (ZeRO-3) gathered values exist only while a block is in use: use(k, pass)
+//! lends the block buffers from a pool per element type (as many as are in use or in flight at
+//! once: a pool grows, never waits), and attaches them to the model (model (i)); end_use(k,
+//! pass) detaches them. A backward use's gradient buffer goes to its reduce-scatter (launched
+//! by the reducer once the block's gradients are final) and back to the pool when that is done
+//! and added into the shard. ZeRO-3 gathers block k's values when it is first used (waits for
+//! them: stream-ordered on device communicators) and prefetches the next blocks — k + 1, … in
+//! forward, k − 1, … in backward — within BlockBuffers; a buffer released after a use is
+//! gathered into again only by a collective issued later, so the communicator's stream
+//! ordering keeps it from overwriting values still being read.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "lockstep/comm/collective.hpp"
+#include "lockstep/core/concepts.hpp"
+#include "lockstep/core/error.hpp"
+#include "lockstep/core/parameter.hpp"
+#include "lockstep/parallel/bucket_hook.hpp"
+#include "lockstep/parallel/detail/binding.hpp"
+#include "lockstep/parallel/detail/bucket_plan.hpp"
+#include "lockstep/parallel/detail/step_recorder.hpp"
+#include "lockstep/parallel/policies.hpp"
+
+namespace lockstep::detail {
+
+template <class Comm, class Hook, bool ShardValues>
+class block_units {
+ public:
+  using work_type = decltype(std::declval<Comm&>().all_gather(nullptr, nullptr, std::size_t{}, dtype::f32));
+  using step_fn = std::function<void(std::span<const param_slice>)>;
+  using policy_type = std::conditional_t<ShardValues, FullySharded, ShardedGradients>;
+  static constexpr bool fixed_layout = true;     // the optimizer's state is laid out along the shards
+  static constexpr bool lends_gradients = true;  // no gradient arena: block buffers, lent per use
+  static_assert(memory_ops_with_add<memory_of_t<Comm>>,
+                "lockstep::ShardedGradients / FullySharded: the communicator's memory space needs "
+                "add(dst, src, count, dtype) (memory_ops_with_add) to sum the gradient shards over micro-steps");
+
+  block_units(Comm& comm, Hook& hook, step_recorder& rec, const policy_type& policy, const model_hooks& model)
+      : comm_(comm), hook_(hook), rec_(rec), buffers_(policy.buffers), attach_(model.attach), block_of_(model.blocks) {
+    if constexpr (ShardValues) keep_ = policy.keep_after_forward;
+    if (!attach_)
+      throw config_error("ShardedGradients / FullySharded: the model must lend its storage to lockstep: give it "
+                         "attach(i, value, grad) (lockstep::model (i))");
+    if (buffers_.prefetch < 0 || buffers_.scatters_in_flight < 1)
+      throw config_error("BlockBuffers: prefetch must be >= 0 and scatters_in_flight >= 1");
+    std::size_t nb = 0;
+    for (auto b : block_of_) nb = std::max(nb, b + 1);
+    blocks_.resize(nb);
+    for (std::size_t i = 0; i < block_of_.size(); ++i) blocks_[block_of_[i]].params.push_back(i);
+    for (std::size_t b = 0; b < nb; ++b)
+      if (blocks_[b].params.empty())
+        throw config_error("model.blocks(): block " + std::to_string(b) +
+                           " has no parameter (number the blocks 0, 1, "
+                           "… without gaps, in forward order)");
+  }
+  block_units(const block_units&) = delete;
+  block_units& operator=(const block_units&) = delete;
+
+  //! One unit per block (backward order), each a multiple of size() elements.
+  bucket_plan make_plan(dtype t, std::vector<std::size_t> order, const std::vector<std::size_t>& sizes,
+                        const BucketPolicy&, bool) const {
+    std::vector<std::size_t> unused;
+    return make_block_plan(t, order, sizes, block_of_, 1, static_cast<std::size_t>(comm_.size()), unused);
+  }
+  static std::shared_ptr<void> allocate(std::size_t) { return nullptr; }  // never called: lends_gradients
+
+  std::span<const binding> built(std::span<const bucket_plan* const> plans, std::span<void* const>,
+                                 const std::vector<parameter>& params) {
+    const auto n = static_cast<std::size_t>(comm_.size()), r = static_cast<std::size_t>(comm_.rank());
+    auto mem = comm_.memory();
+    for (auto& b : blocks_) b.units.clear();
+    for (std::size_t gi = 0; gi < plans.size(); ++gi) {
+      const bucket_plan& plan = *plans[gi];
+      const std::size_t es = size_of(plan.type);
+      group& g = groups_.emplace_back();
+      g.plan = &plan;
+      std::size_t shard_total = 0, largest = 0;
+      for (const auto& lu : plan.units) {
+        const bucket& bk = plan.buckets[lu.first];
+        unit u{bk.begin, bk.elements() / n, shard_total, block_of_[bk.slices.front().param]};
+        shard_total += u.per;
+        largest = std::max(largest, bk.elements());
+        blocks_[u.block].units.push_back({gi, g.units.size()});
+        g.units.push_back(u);
+      }
+      g.grads = mem.allocate(shard_total * es);
+      g.values = mem.allocate((ShardValues ? shard_total : plan.total) * es);
+      g.buffer_elems = largest;
+      for (std::size_t k = 0; k < g.units.size(); ++k) {
+        const unit& u = g.units[k];
+        const bucket& bk = plan.buckets[plan.units[k].first];
+        const std::size_t lo = u.begin + r * u.per, hi = lo + u.per;
+        auto& seg = map_.emplace_back();
+        std::vector<segment> mine, all;
+        for (const auto& s : bk.slices) {
+          char* v = static_cast<char*>(params[s.param].value);
+          all.push_back({v, s.count});
+          const std::size_t a = std::max(lo, s.arena_offset), e = std::min(hi, s.arena_offset + s.count);
+          if (a >= e) continue;
+          mine.push_back({v + (a - s.arena_offset) * es, e - a});
+          seg.push_back({s.param, a - s.arena_offset, e - a, a - lo});
+        }
+        // The values move in: ZeRO-3 this rank's block only, ZeRO-2 all of them (the model's
+        // own storage may be freed once attach has been called).
+        if constexpr (ShardValues) mem.pack(mine, g.at(g.values, u.shard), plan.type, 1.0);
+        else
+          for (std::size_t j = 0; j < bk.slices.size(); ++j)
+            mem.pack(std::span(&all[j], 1), g.at(g.values, bk.slices[j].arena_offset), plan.type, 1.0);
+        void* value = ShardValues ? g.at(g.values, u.shard) : g.at(g.values, lo);
+        void* grad = g.at(g.grads, u.shard);
+        params_.push_back(parameter{"shard " + std::to_string(r) + "/" + std::to_string(n) + " of block " +
+                                        std::to_string(u.block) + " (" + name_of(plan.type) + ")",
+                                    {static_cast<std::int64_t>(u.per)},
+                                    plan.type,
+                                    value,
+                                    grad});
+        slices_.push_back({params_.size() - 1, 0, u.per, plan.type, value, grad});
+        if (u.per) g.shard_grads.push_back({grad, u.per});
+        bytes_ += u.per * es;
+      }
+    }
+    for (auto& b : blocks_) {
+      b.bytes = 0;
+      for (auto [gi, k] : b.units) b.bytes += groups_[gi].plan->buckets[groups_[gi].plan->units[k].first].elements();
+      b.gathered.assign(b.units.size(), {});
+      b.gathers.resize(b.units.size());
+      b.grads.assign(b.units.size(), {});
+    }
+    for (std::size_t i = 0; i < params.size(); ++i) attach(i, !ShardValues, false);
+    auto& st = rec_.stats();
+    st.shard_bytes = bytes_;
+    st.values_bound = true;
+    if constexpr (!ShardValues) {  // the model's values are the value arena's: checked like model (e)
+      for (std::size_t i = 0; i < params.size(); ++i) bindings_.emplace_back(i, value_of(i, false));
+      return bindings_;
+    }
+    return {};
+  }
+
+  static constexpr bool values_bound() noexcept { return true; }
+  const std::vector<parameter>& parameters() const noexcept { return params_; }
+  std::vector<segment> grads(std::size_t g, const bucket_plan&, const std::vector<parameter>&) const {
+    return groups_[g].shard_grads;
+  }
+  std::span<const std::vector<shard_segment>> map() const noexcept { return map_; }
+  std::size_t bytes() const noexcept { return bytes_; }
+  std::size_t blocks() const noexcept { return blocks_.size(); }
+  //! The parameters of block k (registration order).
+  std::span<const std::size_t> params_of(std::size_t k) const { return blocks_.at(k).params; }
+
+  std::uint64_t layout_hash(std::uint64_t h) const {
+    const auto mix = [&h](std::uint64_t v) {
+      h ^= v;
+      h *= 1099511628211ull;
+    };
+    mix(static_cast<std::uint64_t>(comm_.size()));
+    mix(ShardValues ? 3 : 2);
+    for (const auto& g : groups_) {
+      mix(static_cast<std::uint64_t>(g.plan->type));
+      for (const auto& u : g.units) mix(u.per);
+    }
+    return h;
+  }
+
+  //! A cycle begins: the gradient shards start from zero.
+  void begin_cycle() {
+    for (auto& g : groups_) comm_.memory().zero(g.grads.get(), g.units.empty() ? 0 : bytes_of(g, g.shard_total()));
+  }
+  //! A micro-step begins (every one launches its reduce-scatters): forward and backward anew.
+  void begin_sync() {
+    drop_whole();
+    for (std::size_t k = 0; k < blocks_.size(); ++k) {
+      block& b = blocks_[k];
+      if (b.in_use) throw config_error(unfinished(k));
+      if (b.held()) release_values(k);  // kept after a forward that had no backward (evaluation)
+      b.forward = b.backward = false;
+    }
+    open_ = true;
+  }
+
+  //! DataParallel::use_block: block k's values (and, in backward, gradient buffers) attached.
+  void use(std::size_t k, pass p) {
+    check_use(k, p);
+    block& b = blocks_[k];
+    if constexpr (ShardValues) {
+      gather(k);
+      for (auto& w : b.gathers) wait_work(w, step_event::wait_gather, k);
+      prefetch(k, p);
+    } else {
+      for (auto& w : b.gathers) wait_work(w, step_event::wait_gather, k);
+    }
+    if (p == pass::backward)
+      for (std::size_t j = 0; j < b.units.size(); ++j) {
+        auto [gi, u] = b.units[j];
+        b.grads[j] = take_gradient_buffer(gi);
+        comm_.memory().zero(b.grads[j].get(), bytes_of(groups_[gi], groups_[gi].span_of(u)));
+      }
+    b.in_use = true;
+    (p == pass::forward ? b.forward : b.backward) = true;
+    for (auto i : b.params) attach(i, true, p == pass::backward);
+  }
+  //! The use ends: gradients detached (the reducer has launched the block's reduce-scatter, or
+  //! will), ZeRO-3 values released unless kept for the backward.
+  void end_use(std::size_t k, pass p) {
+    block& b = blocks_[k];
+    if (!b.in_use) throw config_error("block " + std::to_string(k) + " is not in use");
+    b.in_use = false;
+    const bool keep = ShardValues && p == pass::forward && keep_ && open_;
+    for (auto i : b.params) attach(i, keep || !ShardValues, false);
+    if (ShardValues && !keep) release_values(k);
+  }
+
+  //! Parameter i got its gradient: its block must be in its backward use.
+  void check_reported(std::size_t i, const std::string& name) const {
+    const block& b = blocks_[block_of_.at(i)];
+    if (!b.in_use || !b.backward || b.grads.empty() || !b.grads.front())
+      throw config_error("parameter " + std::to_string(i) + " ('" + name +
+                         "') got a gradient outside the backward use "
+                         "of its block " +
+                         std::to_string(block_of_[i]) + ": call dp.use_block(" + std::to_string(block_of_[i]) +
+                         ", lockstep::pass::backward) before its backward");
+  }
+
+  //! The buffer of the unit of group g from bucket `first`: the gradients the block's backward
+  //! wrote (a zeroed one for a block that had no backward this micro-step).
+  void* lend(std::size_t gi, std::size_t first) {
+    const std::size_t u = unit_of(gi, first);
+    block& b = blocks_[groups_[gi].units[u].block];
+    const std::size_t j = slot_in(b, gi, u);
+    if (!b.grads[j]) {
+      b.grads[j] = take_gradient_buffer(gi);
+      comm_.memory().zero(b.grads[j].get(), bytes_of(groups_[gi], groups_[gi].span_of(u)));
+    }
+    return b.grads[j].get();
+  }
+
+  //! Reduce-scatters the unit (already prescaled) through the hook, in place: this rank's
+  //! block of the buffer gets the mean; complete() adds it into the shard.
+  void launch(std::size_t gi, std::size_t first, void* buf, std::size_t count) {
+    group& g = groups_[gi];
+    const std::size_t u = unit_of(gi, first);
+    block& b = blocks_[g.units[u].block];
+    const std::size_t j = slot_in(b, gi, u);
+    const auto t = g.plan->type;
+    rec_.reduced(count * size_of(t));
+    flight f{gi, u, std::move(b.grads[j]), std::nullopt};
+    if (comm_.size() > 1) {
+      const std::size_t per = g.units[u].per;
+      void* mine = static_cast<char*>(buf) + static_cast<std::size_t>(comm_.rank()) * per * size_of(t);
+      const auto s =
+          rec_.issue(step_event::issue_scatter, static_cast<std::int64_t>(first), key(0, gi, u), count * size_of(t), t);
+      label_next_collective(comm_, [&] { return bucket_label(*g.plan, first, count, "reduce-scatter of block "); });
+      f.work.emplace(hook_reduce_scatter(hook_, comm_, buf, mine, per, t));
+    }
+    flights_.push_back(std::move(f));
+  }
+
+  //! End of a micro-step that does not step (accumulation): every reduce-scatter completed.
+  void drain() {
+    while (!flights_.empty()) complete_oldest();
+    open_ = false;
+  }
+  template <class Each>
+  void finish(const step_fn& fn, Each&& each) {
+    drain();
+    if (fn) update(fn, each);
+  }
+  //! Hands every unit's shard to fn (the optimizer); ZeRO-2 then gathers the values in place
+  //! (waited for at the block's next use).
+  template <class Each>
+  void update(const step_fn& fn, Each&&) {
+    for (std::size_t gi = 0; gi < groups_.size(); ++gi)
+      for (std::size_t u = 0; u < groups_[gi].units.size(); ++u) {
+        {
+          const auto s = rec_.record(step_event::callback, static_cast<std::int64_t>(u));
+          fn(std::span<const param_slice>(&slices_[index_of(gi, u)], 1));
+        }
+        if constexpr (!ShardValues) gather_in_place(gi, u);
+      }
+  }
+
+  //! Every parameter's values whole and attached (evaluation outside blocks, checkpoints, the
+  //! end of training): ZeRO-2 waits for the gathers; ZeRO-3 gathers the whole model into a
+  //! buffer kept until the next step begins (the whole model's values, once).
+  void wait_all_parameters() {
+    for (std::size_t k = 0; k < blocks_.size(); ++k)
+      for (auto& w : blocks_[k].gathers) wait_work(w, step_event::wait_gather, k);
+    if constexpr (ShardValues) {
+      if (!whole_.empty()) return;
+      for (auto& g : groups_) {
+        whole_.push_back(comm_.memory().allocate(bytes_of(g, g.plan->total)));
+        for (std::size_t u = 0; u < g.units.size(); ++u) {
+          void* to = g.at(whole_.back(), g.units[u].begin);
+          all_gather(g, u, to).wait();
+        }
+      }
+      for (std::size_t i = 0; i < block_of_.size(); ++i) attach(i, true, false);
+    }
+  }
+  static void wait_parameters(std::size_t) {
+    throw config_error("with ShardedGradients / FullySharded, a block's values are there during its use: call "
+                       "dp.use_block(k, pass) instead of wait_parameters");
+  }
+
+ private:
+  struct unit {
+    std::size_t begin = 0;  // the unit's first element in the plan
+    std::size_t per = 0;    // elements per rank
+    std::size_t shard = 0;  // this rank's shard's offset in the group's shard arenas
+    std::size_t block = 0;
+  };
+  struct group {
+    const bucket_plan* plan = nullptr;
+    std::vector<unit> units;
+    std::shared_ptr<void> grads;   // the gradient shards (Σ per)
+    std::shared_ptr<void> values;  // ZeRO-3: the value shards (Σ per); ZeRO-2: the whole values (plan.total)
+    std::vector<segment> shard_grads;
+    std::size_t buffer_elems = 0;  // a lent buffer: the largest unit
+    std::vector<std::shared_ptr<void>> grad_pool, value_pool;
+    std::size_t span_of(std::size_t u) const { return plan->buckets[plan->units[u].first].elements(); }
+    std::size_t shard_total() const { return units.empty() ? 0 : units.back().shard + units.back().per; }
+    void* at(const std::shared_ptr<void>& p, std::size_t elem) const {
+      return static_cast<char*>(p.get()) + elem * size_of(plan->type);
+    }
+  };
+  struct block {
+    std::vector<std::size_t> params;
+    std::vector<std::pair<std::size_t, std::size_t>> units;  // (group, unit)
+    std::size_t bytes = 0;                                   // elements of all its units (gathered size)
+    std::vector<std::shared_ptr<void>> gathered;             // ZeRO-3, per unit: the buffer its values are in
+    std::vector<std::optional<work_type>> gathers;           // per unit: an all-gather not yet waited for
+    std::vector<std::shared_ptr<void>> grads;                // per unit: the lent gradient buffer
+    bool in_use = false, forward = false, backward = false;  // this micro-step
+    bool held() const { return !gathered.empty() && gathered.front() != nullptr; }
+  };
+  struct flight {
+    std::size_t g = 0, u = 0;
+    std::shared_ptr<void> buffer;
+    std::optional<work_type> work;
+  };
+
+  std::size_t bytes_of(const group& g, std::size_t elems) const { return elems * size_of(g.plan->type); }
+  std::size_t unit_of(std::size_t gi, std::size_t first) const {
+    const auto& us = groups_[gi].plan->units;
+    for (std::size_t u = 0; u < us.size(); ++u)
+      if (us[u].first == first) return u;
+    throw config_error("block_units: no unit starts at bucket " + std::to_string(first));
+  }
+  static std::size_t slot_in(const block& b, std::size_t gi, std::size_t u) {
+    for (std::size_t j = 0; j < b.units.size(); ++j)
+      if (b.units[j] == std::pair{gi, u}) return j;
+    return 0;
+  }
+  std::size_t index_of(std::size_t gi, std::size_t u) const {
+    std::size_t i = 0;
+    for (std::size_t h = 0; h < gi; ++h) i += groups_[h].units.size();
+    return i + u;
+  }
+  static std::uint64_t key(int kind, std::size_t g, std::size_t i) {
+    return (static_cast<std::uint64_t>(kind) << 62) | (static_cast<std::uint64_t>(g) << 32) | i;
+  }
+
+  // A buffer of group gi's largest unit: from the pool, else new (a pool grows, never waits).
+  std::shared_ptr<void> take(std::vector<std::shared_ptr<void>>& pool, std::size_t gi) {
+    if (pool.empty()) {
+      lent_ += bytes_of(groups_[gi], groups_[gi].buffer_elems);
+      rec_.stats().lent_bytes = std::max(rec_.stats().lent_bytes, lent_);
+      return comm_.memory().allocate(bytes_of(groups_[gi], groups_[gi].buffer_elems));
+    }
+    auto p = std::move(pool.back());
+    pool.pop_back();
+    return p;
+  }
+
+  // A gradient buffer: with BlockBuffers::scatters_in_flight reduce-scatters in flight, the
+  // oldest is completed first and its buffer reused (ordered after it on device streams).
+  std::shared_ptr<void> take_gradient_buffer(std::size_t gi) {
+    while (groups_[gi].grad_pool.empty() && !flights_.empty() &&
+           flights_.size() >= static_cast<std::size_t>(buffers_.scatters_in_flight))
+      complete_oldest();
+    return take(groups_[gi].grad_pool, gi);
+  }
+
+  // Where parameter i's values (and, with grad, its gradient) are now.
+  void* value_of(std::size_t i, bool held) const {
+    const block& b = blocks_[block_of_[i]];
+    for (std::size_t j = 0; j < b.units.size(); ++j) {
+      const auto [gi, u] = b.units[j];
+      const group& g = groups_[gi];
+      const auto& bk = g.plan->buckets[g.plan->units[u].first];
+      for (const auto& s : bk.slices) {
+        if (s.param != i) continue;
+        if constexpr (!ShardValues) return g.at(g.values, s.arena_offset);
+        if (!whole_.empty() && !b.in_use) return g.at(whole_[gi], s.arena_offset);
+        return held && b.gathered[j] ? g.at(b.gathered[j], s.arena_offset - g.units[u].begin) : nullptr;
+      }
+    }
+    return nullptr;
+  }
+  void attach(std::size_t i, bool values, bool grad) {
+    void* g = nullptr;
+    if (grad) {
+      const block& b = blocks_[block_of_[i]];
+      for (std::size_t j = 0; j < b.units.size() && !g; ++j) {
+        const auto [gi, u] = b.units[j];
+        for (const auto& s : groups_[gi].plan->buckets[groups_[gi].plan->units[u].first].slices)
+          if (s.param == i) g = groups_[gi].at(b.grads[j], s.arena_offset - groups_[gi].units[u].begin);
+      }
+    }
+    attach_(i, values ? value_of(i, true) : nullptr, g);
+  }
+
+  void check_use(std::size_t k, pass p) const {
+    if (k >= blocks_.size())
+      throw config_error("use_block(" + std::to_string(k) + "): the model has " + std::to_string(blocks_.size()) +
+                         " blocks (model.blocks())");
+    const block& b = blocks_[k];
+    const std::string name = "block " + std::to_string(k);
+    if (b.in_use) throw config_error(name + " is requested while still in use: end its use (the block_use) first");
+    if (p == pass::forward && open_ && b.forward)
+      throw config_error(name + " is requested twice in one forward: use each block once per forward (and once in "
+                                "backward, which also covers its recomputation)");
+    if (p == pass::backward) {
+      if (!open_) throw config_error(name + " is used in backward outside a step: call dp.step() first");
+      if (!b.forward)
+        throw config_error(name +
+                           " is used in backward but was never used in this step's forward: request it "
+                           "with dp.use_block(" +
+                           std::to_string(k) + ", lockstep::pass::forward) in the forward");
+      if (b.backward) throw config_error(name + " is used twice in one backward");
+    }
+  }
+  std::string unfinished(std::size_t k) const {
+    return "block " + std::to_string(k) + " is still in use at the next step: end every block_use before step()";
+  }
+
+  // ZeRO-3: block k's all-gathers issued (into lent buffers) unless its values are held.
+  void gather(std::size_t k) {
+    block& b = blocks_[k];
+    if (b.held()) return;
+    for (std::size_t j = 0; j < b.units.size(); ++j) {
+      const auto [gi, u] = b.units[j];
+      b.gathered[j] = take(groups_[gi].value_pool, gi);
+      b.gathers[j].emplace(all_gather(groups_[gi], u, b.gathered[j].get()));
+    }
+  }
+  work_type all_gather(group& g, std::size_t u, void* to) {
+    const unit& un = g.units[u];
+    const auto t = g.plan->type;
+    if (comm_.size() == 1) {
+      const segment s{g.at(g.values, un.shard), un.per};
+      comm_.memory().pack(std::span(&s, 1), to, t, 1.0);
+      return work_type{};
+    }
+    const auto gi = static_cast<std::size_t>(&g - groups_.data());
+    const auto s = rec_.issue(step_event::issue_gather, static_cast<std::int64_t>(u), key(1, gi, u),
+                              un.per * static_cast<std::size_t>(comm_.size()) * size_of(t), t);
+    label_next_collective(comm_, [&] {
+      return bucket_label(*g.plan, g.plan->units[u].first, un.per * static_cast<std::size_t>(comm_.size()),
+                          "all-gather of block ");
+    });
+    return comm_.all_gather(g.at(g.values, un.shard), to, un.per, t);
+  }
+  // Prefetch after block k: the next blocks in p's direction, within BlockBuffers.
+  void prefetch(std::size_t k, pass p) {
+    std::size_t ahead = 0;
+    for (const auto& b : blocks_)
+      if (b.held() && !b.in_use) ahead += b.bytes;
+    int issued = 0;
+    for (std::size_t d = 1; issued < buffers_.prefetch; ++d) {
+      if (p == pass::forward ? k + d >= blocks_.size() : d > k) return;
+      const std::size_t j = p == pass::forward ? k + d : k - d;
+      block& b = blocks_[j];
+      if (b.held()) continue;
+      std::size_t bytes = 0;
+      for (auto [gi, u] : b.units) bytes += bytes_of(groups_[gi], groups_[gi].span_of(u));
+      if (ahead + bytes > buffers_.max_prefetch_bytes) return;
+      gather(j);
+      ahead += bytes;
+      ++issued;
+    }
+  }
+  void release_values(std::size_t k) {
+    block& b = blocks_[k];
+    for (std::size_t j = 0; j < b.units.size(); ++j) {
+      if (b.gathers[j]) wait_work(b.gathers[j], step_event::wait_gather, k);
+      if (b.gathered[j]) groups_[b.units[j].first].value_pool.push_back(std::move(b.gathered[j]));
+    }
+  }
+  void drop_whole() {
+    if (whole_.empty()) return;
+    whole_.clear();
+    for (std::size_t i = 0; i < block_of_.size(); ++i) attach(i, !ShardValues, false);
+  }
+
+  // ZeRO-2: unit u's updated shard to every rank, in place in the value arena (deferred).
+  void gather_in_place(std::size_t gi, std::size_t u) {
+    group& g = groups_[gi];
+    block& b = blocks_[g.units[u].block];
+    if (comm_.size() == 1) return;
+    const unit& un = g.units[u];
+    void* from = g.at(g.values, un.begin + static_cast<std::size_t>(comm_.rank()) * un.per);
+    b.gathers[slot_in(b, gi, u)].emplace(comm_.all_gather(from, g.at(g.values, un.begin), un.per, g.plan->type));
+  }
+
+  void wait_work(std::optional<work_type>& w, step_event e, std::size_t index) {
+    if (!w) return;
+    const auto s = rec_.wait(e, static_cast<std::int64_t>(index), key(1, 0, index));
+    w->wait();
+    w.reset();
+  }
+
+  // The oldest reduce-scatter: waited for, its mean added into the shard, its buffer pooled.
+  void complete_oldest() {
+    flight f = std::move(flights_.front());
+    flights_.pop_front();
+    group& g = groups_[f.g];
+    const unit& un = g.units[f.u];
+    if (f.work) {
+      const auto s = rec_.wait(step_event::wait_scatter, static_cast<std::int64_t>(f.u), key(0, f.g, f.u));
+      f.work->wait();
+    }
+    const void* mine = g.at(f.buffer, static_cast<std::size_t>(comm_.rank()) * un.per);
+    comm_.memory().add(g.at(g.grads, un.shard), mine, un.per, g.plan->type);
+    g.grad_pool.push_back(std::move(f.buffer));
+  }
+
+  Comm& comm_;
+  Hook& hook_;
+  step_recorder& rec_;
+  BlockBuffers buffers_;
+  bool keep_ = false;  // FullySharded::keep_after_forward
+  attach_fn attach_;
+  std::vector<std::size_t> block_of_;  // per parameter
+  std::vector<block> blocks_;
+  std::vector<group> groups_;
+  std::deque<flight> flights_;                // reduce-scatters issued, in issue order
+  std::vector<std::shared_ptr<void>> whole_;  // ZeRO-3 wait_all_parameters: per group, every value
+  std::vector<binding> bindings_;
+  std::vector<parameter> params_;  // this rank's shard of each unit (the optimizer's parameters)
+  std::vector<param_slice> slices_;
+  std::vector<std::vector<shard_segment>> map_;
+  std::size_t bytes_ = 0;
+  std::size_t lent_ = 0;  // bytes of block buffers allocated
+  bool open_ = false;     // a micro-step is open (between begin_sync and its drain)
+};
+
+}  // namespace lockstep::detail

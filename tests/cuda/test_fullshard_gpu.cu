@@ -1,0 +1,209 @@
+// Full sharding on GPUs — ShardedGradients (ZeRO-2) and FullySharded (ZeRO-3) over NcclComm:
+// GpuMlp's layers are blocks used through dp.use_block, FusedSgd (momentum) steps this GPU's
+// shards in finish(on_shard); after k steps every GPU holds the parameters of a CPU reference
+// (one rank, the global batch, lockstep::Sgd) — with accumulation, dynamic loss scaling and an
+// inf planted on one GPU (the step skipped on all), clipping by the global norm, ZeRO-3's
+// prefetch and kept values; and the lent block buffers hold a few layers, not the model.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <lockstep/cuda.cuh>
+#include <lockstep/lockstep.hpp>
+
+#include "gpu_mlp.cuh"
+#include "gpu_test_util.cuh"
+#include "mlp.hpp"
+#include "test_util.hpp"
+
+using namespace lockstep_test;
+
+namespace {
+
+namespace kern {
+__global__ void mul(float* g, std::size_t n, float f) {
+  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n;
+       i += std::size_t(gridDim.x) * blockDim.x)
+    g[i] *= f;
+}
+__global__ void poison(float* g, float v) { *g = v; }
+}  // namespace kern
+
+struct fs_config {
+  int gpus = 1;
+  int accumulate = 1;
+  double clip = 0;
+  bool keep_after_forward = false;
+  int prefetch = 1;
+};
+
+template <class Strategy>
+void check_fullshard(const fs_config& c) {
+  const auto seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  const int steps = 7;
+  const int inf_step = 1 + static_cast<int>(rng() % 5);
+  const int inf_rank = static_cast<int>(rng() % static_cast<unsigned>(c.gpus));
+  const std::vector<int> dims{37, 64, 33, 19, 10};
+  const std::size_t inf_param = rng() % (2 * (dims.size() - 1));
+  const lockstep::DynamicScaleOptions so{.init_scale = 256, .growth_interval = 3};
+  const lockstep::SgdOptions sgd{.lr = 0.05, .momentum = 0.9, .dampening = 0.0, .weight_decay = 1e-3};
+  CAPTURE(seed);
+  CAPTURE(c.gpus);
+  CAPTURE(c.accumulate);
+  CAPTURE(c.clip);
+  CAPTURE(c.keep_after_forward);
+  CAPTURE(c.prefetch);
+  CAPTURE(inf_step);
+  CAPTURE(inf_rank);
+  CAPTURE(inf_param);
+
+  const std::size_t samples = 1024;
+  const int batch = 8;
+  auto X = random_vector<float>(samples * dims[0], rng, -2, 2);
+  std::vector<int> y(samples);
+  std::uniform_int_distribution<int> lab(0, 9);
+  for (auto& v : y) v = lab(rng);
+  const std::size_t global = static_cast<std::size_t>(batch * c.gpus * c.accumulate);
+
+  // CPU reference: one rank, the global batch, no scaling, the inf step skipped.
+  TestMlp<float> ref(dims, seed + 1);
+  lockstep::Sgd ref_opt(sgd);
+  for (int s = 0; s < steps; ++s) {
+    ref.zero_grad();
+    std::vector<std::size_t> rows(global);
+    for (std::size_t i = 0; i < global; ++i) rows[i] = (s * global + i) % samples;
+    ref.forward_backward(X, y, rows, [](std::size_t) {});
+    if (c.clip > 0 && s != inf_step) {  // torch.nn.utils.clip_grad_norm_'s rule, in double
+      double sq = 0;
+      for (auto& p : ref.parameters())
+        for (float g : std::span(static_cast<const float*>(p.grad), p.numel())) sq += double(g) * g;
+      const double coef = c.clip / (std::sqrt(sq) + 1e-6);
+      if (coef < 1)
+        for (auto& p : ref.parameters())
+          for (float& g : std::span(static_cast<float*>(p.grad), p.numel())) g = static_cast<float>(g * coef);
+    }
+    ref_opt.step(ref.parameters(), s == inf_step);
+  }
+  const auto want = ref.flat_values();
+
+  std::vector<int> devices(static_cast<std::size_t>(c.gpus));
+  for (int i = 0; i < c.gpus; ++i) devices[static_cast<std::size_t>(i)] = i;
+  std::vector<std::vector<float>> got(devices.size());
+  std::vector<std::vector<std::string>> problems(devices.size());
+  std::size_t lent = 0, shard_bytes = 0;
+  lockstep::run(lockstep::Gpus{devices}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
+    const auto rank = static_cast<std::size_t>(ctx.rank());
+    cudaStream_t s = ctx.comm().compute_stream();
+    TestMlp<float> init(dims, seed + 1 + rank * 7919);  // differs per rank: rank 0's is broadcast
+    GpuMlp m(dims, split_params(init), s);
+    using DP =
+        lockstep::DataParallel<GpuMlp, lockstep::NcclComm, lockstep::Accumulate<>, lockstep::DynamicScale, Strategy>;
+    Strategy strategy{};
+    strategy.buffers.prefetch = c.prefetch;
+    if constexpr (std::is_same_v<Strategy, lockstep::FullySharded>) strategy.keep_after_forward = c.keep_after_forward;
+    DP dp(ctx, m, {.max_grad_norm = c.clip}, lockstep::Accumulate<>(c.accumulate), lockstep::DynamicScale(so),
+          strategy);
+    lockstep::FusedSgd opt(sgd, dp.shard_parameters(), ctx.device());
+    float* dX = nullptr;
+    int *dy = nullptr, *drows = nullptr;
+    LOCKSTEP_TRY_CUDA(cudaMalloc(&dX, X.size() * sizeof(float)));
+    LOCKSTEP_TRY_CUDA(cudaMalloc(&dy, y.size() * sizeof(int)));
+    LOCKSTEP_TRY_CUDA(cudaMalloc(&drows, batch * sizeof(int)));
+    LOCKSTEP_TRY_CUDA(cudaMemcpy(dX, X.data(), X.size() * sizeof(float), cudaMemcpyHostToDevice));
+    LOCKSTEP_TRY_CUDA(cudaMemcpy(dy, y.data(), y.size() * sizeof(int), cudaMemcpyHostToDevice));
+    LOCKSTEP_TRY_CUDA(cudaDeviceSynchronize());
+    for (int st = 0; st < steps; ++st) {
+      lockstep::step_result r;
+      for (int k = 0; k < c.accumulate; ++k) {
+        std::vector<int> rows(batch);
+        const std::size_t first = st * global + (static_cast<std::size_t>(k) * c.gpus + rank) * batch;
+        for (int i = 0; i < batch; ++i) rows[static_cast<std::size_t>(i)] = static_cast<int>((first + i) % samples);
+        LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(drows, rows.data(), rows.size() * sizeof(int), cudaMemcpyHostToDevice, s));
+        LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s));
+        auto step = dp.step();
+        const float scale = static_cast<float>(step.loss_scale());
+        const bool plant = st == inf_step && static_cast<int>(rank) == inf_rank && step.synchronizes();
+        m.forward_backward(
+            dX, dy, drows, batch,
+            [&](std::size_t i) {  // the loss scale the loss kernel would apply, and the planted inf
+              auto p = m.parameters()[i];
+              kern::mul<<<8, 256, 0, s>>>(static_cast<float*>(p.grad), p.numel(), scale);
+              LOCKSTEP_CHECK_LAUNCH();
+              if (plant && i == inf_param) {
+                kern::poison<<<1, 1, 0, s>>>(static_cast<float*>(p.grad) + p.numel() / 2, NAN);
+                LOCKSTEP_CHECK_LAUNCH();
+              }
+              step.gradient_ready(i);
+            },
+            1.f,
+            [&](std::size_t l, bool forward) {
+              return dp.use_block(l, forward ? lockstep::pass::forward : lockstep::pass::backward);
+            });
+        r = step.finish([&](std::span<const lockstep::param_slice> sl) { opt.step(sl, s); });
+      }
+      if (static_cast<bool>(r) != (st != inf_step))
+        problems[rank].push_back("step " + std::to_string(st) + ": applied = " + std::to_string(r.applied));
+    }
+    dp.wait_all_parameters();
+    got[rank] = m.flat_values();
+    if (rank == 0) {
+      lent = dp.stats().lent_bytes;
+      shard_bytes = dp.stats().shard_bytes;
+    }
+    cudaFree(dX);
+    cudaFree(dy);
+    cudaFree(drows);
+  });
+
+  TestMlp<float> init(dims, seed + 1);
+  CHECK(max_rel_diff(init.flat_values(), want) > 1e-3);  // training moved the parameters
+  for (std::size_t r = 0; r < got.size(); ++r) {
+    CAPTURE(r);
+    for (const auto& p : problems[r]) FAIL_CHECK(p);
+    CHECK(max_rel_diff(got[r], want) <= 1e-5);
+    CHECK(got[r] == got[0]);  // bit for bit on every GPU
+  }
+  std::size_t P = 0, largest = 0;
+  for (std::size_t l = 0; l + 1 < dims.size(); ++l) {
+    const auto b = static_cast<std::size_t>(dims[l] * dims[l + 1] + dims[l + 1]);
+    P += b;
+    largest = std::max(largest, b + static_cast<std::size_t>(c.gpus));
+  }
+  MESSAGE("GPU 0: shards " << shard_bytes << " bytes, lent block buffers " << lent << " bytes, model " << P * 4
+                           << " bytes");
+  CHECK(shard_bytes <= (P / static_cast<std::size_t>(c.gpus) + 4 * static_cast<std::size_t>(c.gpus)) * 4);
+  if (!c.keep_after_forward) CHECK(lent <= 7 * largest * 4);
+}
+
+}  // namespace
+
+TEST_SUITE("gpu") {
+TEST_CASE("fullshard zero2 zero3 on 1 GPU == CPU reference - accumulation - an inf skipped - clipping") {
+  LOCKSTEP_REQUIRE_GPUS(1);
+  check_fullshard<lockstep::ShardedGradients>({.gpus = 1});
+  check_fullshard<lockstep::FullySharded>({.gpus = 1, .accumulate = 2, .clip = 0.5});
+}
+}
+
+TEST_SUITE("multigpu") {
+TEST_CASE("fullshard zero2 zero3 on 2 GPUs == CPU reference - accumulation - an inf skipped - clipping") {
+  LOCKSTEP_REQUIRE_GPUS(2);
+  check_fullshard<lockstep::ShardedGradients>({.gpus = 2});
+  check_fullshard<lockstep::ShardedGradients>({.gpus = 2, .accumulate = 2, .clip = 0.5});
+  check_fullshard<lockstep::FullySharded>({.gpus = 2});
+  check_fullshard<lockstep::FullySharded>({.gpus = 2, .accumulate = 3, .clip = 0.5});
+  check_fullshard<lockstep::FullySharded>({.gpus = 2, .keep_after_forward = true, .prefetch = 2});
+  check_fullshard<lockstep::FullySharded>({.gpus = 2, .prefetch = 0});
+}
+TEST_CASE("fullshard zero2 zero3 on 4 GPUs == CPU reference - accumulation - an inf skipped - clipping") {
+  LOCKSTEP_REQUIRE_GPUS(4);
+  check_fullshard<lockstep::ShardedGradients>({.gpus = 4, .accumulate = 2});
+  check_fullshard<lockstep::FullySharded>({.gpus = 4});
+  check_fullshard<lockstep::FullySharded>({.gpus = 4, .accumulate = 2, .clip = 0.5});
+}
+}
