@@ -7,6 +7,9 @@
 //  c. comm-bound MLP: 8 × 4096² (134M) with small per-layer compute (≈2.5 ms at 1 GPU);
 //  s. (with c) the same MLP step with ShardedOptimizer;
 //  w. (with c) the fp32 MLP step with gradients in bf16 on the wire (Bf16Wire), plain and sharded;
+//  z. (with c) the MLP step under full sharding — each layer a block: ShardedGradients (ZeRO-2),
+//     FullySharded (ZeRO-3) — beside plain and ShardedOptimizer (ZeRO-1), steps chained, with
+//     each rank's shard and lent buffer bytes;
 //  t. the fastest sharded MLP step with and without its compute (where its time goes; one
 //     configuration, for a profiler);
 //  h. Hierarchical reduction (nodes of --node-size ranks) vs the flat all-reduce (not in the
@@ -133,6 +136,17 @@ struct ShapesModel {
     return ps;
   }
   void bind_gradient(std::size_t i, void* p) { grads[i] = static_cast<T*>(p); }
+  // Full sharding (lockstep::model (h), (i)): per_block consecutive tensors form a block.
+  std::size_t per_block = 2;
+  std::vector<std::size_t> blocks() const {
+    std::vector<std::size_t> b;
+    for (std::size_t i = 0; i < shapes.size(); ++i) b.push_back(i / per_block);
+    return b;
+  }
+  void attach(std::size_t i, void* v, void* g) {
+    vals[i] = static_cast<T*>(v);
+    grads[i] = static_cast<T*>(g);
+  }
   void bind_value(std::size_t i, void* p)
     requires BindValues
   {
@@ -399,6 +413,44 @@ double train_step_time(const std::vector<shape>& shapes, int ngpu, int iters, do
   });
 }
 
+// z. The same step under full sharding (Strategy: ShardedGradients or FullySharded): each layer
+// (per_layer tensors) a block, used in forward and in backward; stats: its shard and lent bytes.
+template <class T, class Strategy>
+double block_step_time(const std::vector<shape>& shapes, int ngpu, int iters, const std::vector<double>& fwd_us,
+                       const std::vector<double>& bwd_us, lockstep::sync_stats* stats) {
+  return timed(ngpu, 5, iters, [&](auto& ctx, cudaStream_t s) {
+    using M = ShapesModel<T, false>;
+    auto m = std::make_shared<M>(shapes, 5u, s);
+    const std::size_t n = shapes.size(), per_layer = n / fwd_us.size();
+    m->per_block = per_layer;
+    using DP = lockstep::DataParallel<M, lockstep::NcclComm, Strategy>;
+    auto dp = std::shared_ptr<DP>(new DP(ctx, *m, Strategy{}), [m](DP* p) { delete p; });
+    const bool report = stats && ctx.rank() == 0;
+    if (report) *stats = dp->stats();
+    auto body = [=, &fwd_us, &bwd_us] {
+      auto step = dp->step();
+      for (std::size_t l = 0; l < fwd_us.size(); ++l) {
+        auto use = dp->use_block(l, lockstep::pass::forward);
+        compute(fwd_us[l], s);
+      }
+      for (std::size_t l = fwd_us.size(); l-- > 0;) {
+        auto use = dp->use_block(l, lockstep::pass::backward);
+        for (std::size_t i = std::min(n, (l + 1) * per_layer); i-- > l * per_layer;) {
+          compute(bwd_us[i], s);
+          fill_kernel<<<264, 256, 0, s>>>(m->grads[i], m->shapes[i].numel(), 9u);
+          step.gradient_ready(i);
+        }
+      }
+      step.finish([&](std::span<const lockstep::param_slice> slices) {
+        for (const auto& sl : slices)
+          sgd_kernel<<<528, 256, 0, s>>>(static_cast<T*>(sl.value), static_cast<const T*>(sl.grad), sl.count, 1e-3f);
+      });
+      if (report) stats->lent_bytes = dp->stats().lent_bytes;
+    };
+    return std::pair{nothing(), std::function<void()>(body)};
+  });
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -415,7 +467,7 @@ int main(int argc, char** argv) {
       else if (a == "--node-size" && i + 1 < argc) node = std::stoi(argv[++i]);
       else {
         std::fprintf(stderr,
-                     "usage: bench_sync [--shapes FILE] [--iters N] [--gpus N] [--only abcswth] [--node-size L]\n");
+                     "usage: bench_sync [--shapes FILE] [--iters N] [--gpus N] [--only abcswthz] [--node-size L]\n");
         return 2;
       }
     }
@@ -472,7 +524,7 @@ int main(int argc, char** argv) {
       }
       // c. comm-bound MLP: 8 × (4096×4096 weight + 4096 bias); small per-layer compute; bucket
       // caps swept (DDP's 25 MiB default first). s and w run on the same MLP, with or without c.
-      if (wanted('c') || wanted('s') || wanted('w') || wanted('t')) {
+      if (wanted('c') || wanted('s') || wanted('w') || wanted('t') || wanted('z')) {
         std::vector<shape> mlp;
         for (int l = 0; l < 8; ++l) {
           mlp.push_back({"l" + std::to_string(l) + ".weight", {4096, 4096}});
@@ -566,6 +618,29 @@ int main(int argc, char** argv) {
             }
             // s. The same step with ShardedOptimizer (issue 13's schedule: the all-gather after
             // each unit's update, the optimizer on 1/N of the parameters).
+            if (wanted('z')) {  // full sharding beside plain and ZeRO-1, steps chained
+              g_chained = true;
+              lockstep::sync_stats z2{}, z3{};
+              double tp = 0, t1 = 0, t2 = 0, t3 = 0;
+              if (pass == 0) {
+                tp = train_step_time<float>(mlp, g, iters, 0, fwd, bwd);
+                t1 = train_step_time<float, true, false, true>(mlp, g, iters, 0, fwd, bwd);
+                t2 = block_step_time<float, lockstep::ShardedGradients>(mlp, g, iters, fwd, bwd, &z2);
+                t3 = block_step_time<float, lockstep::FullySharded>(mlp, g, iters, fwd, bwd, &z3);
+              } else {
+                tp = train_step_time<__nv_bfloat16>(mlp, g, iters, 0, fwd, bwd);
+                t1 = train_step_time<__nv_bfloat16, true, false, true>(mlp, g, iters, 0, fwd, bwd);
+                t2 = block_step_time<__nv_bfloat16, lockstep::ShardedGradients>(mlp, g, iters, fwd, bwd, &z2);
+                t3 = block_step_time<__nv_bfloat16, lockstep::FullySharded>(mlp, g, iters, fwd, bwd, &z3);
+              }
+              g_chained = false;
+              if (g_print)
+                std::printf("z  %s %d GPU  chained steps: plain %7.3f  ZeRO-1 %7.3f  ZeRO-2 %7.3f  ZeRO-3 %7.3f ms  "
+                            "(ZeRO-2 shard %.1f MB lent %.1f MB; ZeRO-3 shard %.1f MB lent %.1f MB; model %.1f MB; "
+                            "1 GPU %6.3f ms, flat all-reduce alone %6.3f ms)\n",
+                            tn, g, tp, t1, t2, t3, z2.shard_bytes / 1e6, z2.lent_bytes / 1e6, z3.shard_bytes / 1e6,
+                            z3.lent_bytes / 1e6, total * (pass == 0 ? 4.0 : 2.0) / 1e6, one, flat);
+            }
             if (wanted('s'))
               for (std::size_t cap_mib : {std::size_t{25}, std::size_t{64}}) {
                 lockstep::BucketPolicy bp{.first_bytes = std::size_t{1} << 20, .cap_bytes = cap_mib << 20};
