@@ -4,7 +4,7 @@
 // blocks whose sizes no rank count divides, a block smaller than the rank count, hooks or
 // none, accumulation, dynamic loss scaling with an injected inf (skipped on every rank),
 // clipping — with optimizer state and gradients for 1/N of each block per rank, and lent
-// buffers of a few blocks, not the model. Misuse of the protocol is named.
+// buffers of a few blocks, not the model. Misuse of the protocol is named, alike on every rank.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -23,13 +23,13 @@ using namespace lockstep_test;
 
 namespace {
 
-template <class T, class Strategy>
-sharded_outcome train(const dataset& d, const sharded_config& c, std::uint64_t init_seed, Strategy strategy = {}) {
+template <class T, class Strategy, class Hold = std::nullptr_t, class Start = std::nullptr_t>
+sharded_outcome train(const dataset& d, const sharded_config& c, std::uint64_t init_seed, Strategy strategy = {},
+                      Hold hold = nullptr, Start start = nullptr) {
   sharded_outcome out;
   out.values.resize(static_cast<std::size_t>(c.ranks));
-  lockstep::run(lockstep::Threads{c.ranks}, [&](auto& ctx) {
-    train_rank_as<T, Strategy, true>(ctx, d, c, init_seed, out, nullptr, nullptr, strategy);
-  });
+  lockstep::run(lockstep::Threads{c.ranks},
+                [&](auto& ctx) { train_rank_as<T, Strategy, true>(ctx, d, c, init_seed, out, hold, start, strategy); });
   return out;
 }
 
@@ -167,6 +167,141 @@ TEST_CASE_TEMPLATE("fullshard zero2 zero3: accumulation - loss scaling with an i
     clip.block_per_parameter = true;
     check_equals_unsharded<T, lockstep::ShardedGradients>(d, clip);
   }
+}
+
+// A checkpoint of a fully sharded run — the whole values gathered into it on every rank and
+// saved by rank 0 (a consolidated state), the optimizer's shards through gather_sharded —
+// resumes bit for bit on as many ranks, and on other rank counts up to the rounding of sums
+// split otherwise; each rank takes its new shards from the whole values.
+TEST_CASE_TEMPLATE("fullshard zero2 zero3: a checkpoint resumes - bit for bit and on 1 - 2 - 3 ranks", T, float,
+                   double) {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  const auto d = make_data(seed, 211);
+  const sharded_config c{.ranks = 4, .batch = 3, .steps = 6};
+  const int at = 3;
+  lockstep::Checkpoint saved;
+  const auto save = [&](auto& ctx, auto& dp, auto& opt, int s) {
+    if (s != at - 1) return;
+    auto state = lockstep::gather_sharded(dp, opt);
+    lockstep::Checkpoint ck;
+    lockstep::add_training_state(ck, dp);
+    ck.add_blob("optimizer", std::move(state));
+    if (ctx.rank() == 0) saved = ck;
+  };
+  const auto whole = train<T, lockstep::FullySharded>(d, c, seed + 1, {}, save);
+  const auto load = [&](auto& dp, auto& opt) {
+    lockstep::restore_training_state(saved, dp);
+    lockstep::load_sharded(dp, opt, saved.blob("optimizer"));
+  };
+  const double tol = std::is_same_v<T, double> ? 1e-12 : 2e-6;
+  for (const auto [ranks, batch] : {std::pair{4, std::size_t{3}}, {1, 12}, {2, 6}, {3, 4}}) {
+    CAPTURE(ranks);
+    sharded_config rest = c;
+    rest.ranks = ranks;
+    rest.batch = batch;
+    rest.first_step = at;
+    const auto resumed = train<T, lockstep::FullySharded>(d, rest, seed + 99, {}, nullptr, load);
+    const auto zero2 = train<T, lockstep::ShardedGradients>(d, rest, seed + 77, {}, nullptr, load);
+    for (int r = 0; r < ranks; ++r) {
+      CAPTURE(r);
+      if (ranks == c.ranks) CHECK(resumed.values[static_cast<std::size_t>(r)] == whole.values[0]);
+      CHECK(max_rel_diff(resumed.values[static_cast<std::size_t>(r)], whole.values[0]) <= tol);
+      CHECK(max_rel_diff(zero2.values[static_cast<std::size_t>(r)], whole.values[0]) <= tol);
+    }
+    CHECK(resumed.final_scale == whole.final_scale);
+  }
+}
+
+// Each rank runs `misuse` on a fresh FullySharded DataParallel over a 3-layer TestMlp and
+// reports what it threw: every rank must end with the same message, naming the mistake.
+template <class Misuse>
+std::vector<std::string> misuse_messages(int ranks, Misuse misuse) {
+  std::vector<std::string> got(static_cast<std::size_t>(ranks));
+  const auto d = make_data(fresh_seed(), 64);
+  lockstep::run(lockstep::Threads{ranks}, [&](auto& ctx) {
+    using Comm = std::remove_cvref_t<decltype(ctx.comm())>;
+    TestMlp<float> m(d.dims, 7);
+    lockstep::DataParallel<TestMlp<float>, Comm, lockstep::FullySharded> dp(ctx, m);
+    try {
+      misuse(dp, m);
+    } catch (const lockstep::config_error& e) {
+      got[static_cast<std::size_t>(ctx.rank())] = e.what();
+    }
+  });
+  return got;
+}
+
+TEST_CASE("fullshard zero3: misuse of the block protocol is named on every rank") {
+  using lockstep::pass;
+  const auto same_on_all = [](const std::vector<std::string>& got, const char* part) {
+    CAPTURE(got[0]);
+    CHECK(got[0].find(part) != std::string::npos);
+    for (const auto& g : got) CHECK(g == got[0]);
+  };
+  same_on_all(misuse_messages(2,
+                              [](auto& dp, auto&) {
+                                auto step = dp.step();
+                                {
+                                  auto u = dp.use_block(0, pass::forward);
+                                }
+                                auto again = dp.use_block(0, pass::forward);
+                              }),
+              "requested twice in one forward");
+  same_on_all(misuse_messages(2,
+                              [](auto& dp, auto&) {
+                                auto step = dp.step();
+                                auto u = dp.use_block(1, pass::backward);
+                              }),
+              "never used in this step's forward");
+  same_on_all(misuse_messages(3,
+                              [](auto& dp, auto&) {
+                                auto step = dp.step();
+                                {
+                                  auto u = dp.use_block(2, pass::forward);
+                                }
+                                auto u = dp.use_block(2, pass::forward);
+                              }),
+              "block 2 is requested twice");
+  same_on_all(misuse_messages(2,
+                              [](auto& dp, auto&) {
+                                auto step = dp.step();
+                                {
+                                  auto u = dp.use_block(0, pass::forward);
+                                }
+                                step.gradient_ready(0);  // its backward use never began
+                              }),
+              "got a gradient outside the backward use of its block 0");
+  same_on_all(misuse_messages(2,
+                              [](auto& dp, auto&) {
+                                auto step = dp.step();
+                                auto u = dp.use_block(0, pass::forward);
+                                (void)step.finish([](std::span<const lockstep::param_slice>) {});
+                                auto next = dp.step();
+                              }),
+              "still in use at the next step");
+  same_on_all(misuse_messages(2, [](auto& dp, auto&) { auto u = dp.use_block(7, pass::forward); }),
+              "the model has 3 blocks");
+  same_on_all(misuse_messages(2, [](auto& dp, auto&) { auto u = dp.use_block(0, pass::backward); }), "outside a step");
+}
+
+TEST_CASE("fullshard zero2: blocks numbered with a gap are refused at construction") {
+  struct gapped : TestMlp<float> {
+    using TestMlp<float>::TestMlp;
+    std::vector<std::size_t> blocks() const { return {0, 0, 2, 2, 3, 3}; }
+  };
+  const auto d = make_data(fresh_seed(), 16);
+  std::string got;
+  lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
+    using Comm = std::remove_cvref_t<decltype(ctx.comm())>;
+    gapped m(d.dims, 3);
+    try {
+      lockstep::DataParallel<gapped, Comm, lockstep::ShardedGradients> dp(ctx, m);
+    } catch (const lockstep::config_error& e) {
+      if (ctx.rank() == 0) got = e.what();
+    }
+  });
+  CHECK(got.find("block 1 has no parameter") != std::string::npos);
 }
 
 }  // TEST_SUITE

@@ -103,6 +103,7 @@ void restore_training_state(const Checkpoint& ck, DP& dp) {
   std::memcpy(plan.data(), bytes.data(), bytes.size());
   dp.load_plan_state(plan);
   restore_parameters(ck, dp.parameters(), dp.comm().memory());
+  if constexpr (requires { dp.values_written(); }) dp.values_written();  // FullySharded: into its shards
   dp.scaler().load_state(st);
 }
 

@@ -45,6 +45,7 @@
 #include "lockstep/core/grad_group.hpp"
 #include "lockstep/parallel/detail/binding.hpp"
 #include "lockstep/parallel/bucket_hook.hpp"
+#include "lockstep/parallel/deduction.hpp"
 #include "lockstep/parallel/block_use.hpp"
 #include "lockstep/parallel/detail/allreduce_units.hpp"
 #include "lockstep/parallel/detail/block_units.hpp"
@@ -247,7 +248,17 @@ class DataParallel {
     reducer_.units().use(k, p);
     return block_use<DataParallel>(this, k, p);
   }
-  void wait_all_parameters() { reducer_.units().wait_all_parameters(); }
+  //! Every parameter's values current and in place (FullySharded: the whole model gathered and
+  //! attached until the next step; parameters() then points at it).
+  void wait_all_parameters() {
+    reducer_.units().wait_all_parameters();
+    if constexpr (block_sharded) reducer_.refresh_params();
+  }
+  //! After values were written into parameters() from outside (restore_training_state does
+  //! it): FullySharded takes them into its shards; nothing else needs it.
+  void values_written() {
+    if constexpr (block_sharded) reducer_.units().values_written();
+  }
   //! Sharded: a fingerprint of the shard layout (see save_sharded / load_sharded).
   std::uint64_t shard_layout() const
     requires sharded
@@ -431,37 +442,5 @@ class DataParallel {
   std::shared_ptr<void> join_buf_;         // the agreement's buffer, in comm's memory space
   detail::nonfinite_origin<Comm> origin_;  // after a skip: whose gradients were non-finite
 };
-
-// Deduction from the context, so that one body compiles for every communicator run(Auto) can
-// pick: `lockstep::DataParallel dp(ctx, model, lockstep::Accumulate<>(4), lockstep::DynamicScale());`
-// The policies are the types of the arguments (DataParallelOptions first, if given).
-template <class Comm, class Model>
-DataParallel(context<Comm>&, Model&) -> DataParallel<Model, Comm>;
-template <class Comm, class Model, class... Ps>
-DataParallel(context<Comm>&, Model&, const DataParallelOptions&, Ps&&...)
-    -> DataParallel<Model, Comm, std::remove_cvref_t<Ps>...>;
-template <class Comm, class Model, class P, class... Ps>
-  requires(!detail::is_options_v<P>)
-DataParallel(context<Comm>&, Model&, P&&, Ps&&...)
-    -> DataParallel<Model, Comm, std::remove_cvref_t<P>, std::remove_cvref_t<Ps>...>;
-
-// The old positional form with braces (see the constructor that explains it).
-template <class Comm, class Model, class... Ps>
-DataParallel(context<Comm>&, Model&, const DataParallelOptions&, detail::braced_policy, Ps&&...)
-    -> DataParallel<Model, Comm, std::remove_cvref_t<Ps>...>;
-
-//! The same with the policies named as types: `auto dp = make_data_parallel<Accumulate<2>>(ctx, model);`
-//! (instances, in any order, may follow the model as in the constructors).
-template <class... Policies, class Comm, class Model, class... Args>
-auto make_data_parallel(context<Comm>& ctx, Model& model, Args&&... args) {
-  return DataParallel<Model, Comm, Policies...>(ctx, model, std::forward<Args>(args)...);
-}
-
-//! lockstep::Distributed<Model, Comm, Policies...> — data parallelism with one process per
-//! device (run(Processes{}) with NcclComm, run(Mpi{}) with MpiComm). It is the same strategy
-//! as DataParallel — the same reducer, buckets, policies and checks — driven from a
-//! process-per-rank context instead of a thread-per-rank one; the name says how the job runs.
-template <class Model, class Comm, class... Policies>
-using Distributed = DataParallel<Model, Comm, Policies...>;
 
 }  // namespace lockstep

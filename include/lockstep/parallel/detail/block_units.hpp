@@ -37,6 +37,7 @@
 #include "lockstep/core/parameter.hpp"
 #include "lockstep/parallel/bucket_hook.hpp"
 #include "lockstep/parallel/detail/binding.hpp"
+#include "lockstep/parallel/detail/block_layout.hpp"
 #include "lockstep/parallel/detail/bucket_plan.hpp"
 #include "lockstep/parallel/detail/step_recorder.hpp"
 #include "lockstep/parallel/policies.hpp"
@@ -44,7 +45,19 @@
 namespace lockstep::detail {
 
 template <class Comm, class Hook, bool ShardValues>
-class block_units {
+class block_units
+    : private block_layout<decltype(std::declval<Comm&>().all_gather(nullptr, nullptr, std::size_t{}, dtype::f32)),
+                           ShardValues> {
+  using layout = block_layout<decltype(std::declval<Comm&>().all_gather(nullptr, nullptr, std::size_t{}, dtype::f32)),
+                              ShardValues>;
+  using layout::block_of_, layout::blocks_, layout::groups_, layout::whole_, layout::params_, layout::slices_,
+      layout::map_, layout::bytes_;
+  using layout::bytes_of, layout::unit_of, layout::slot_in, layout::index_of, layout::value_of, layout::grad_of;
+  using typename layout::block;
+  using typename layout::group;
+  using typename layout::unit;
+  using typename layout::flight;
+
  public:
   using work_type = decltype(std::declval<Comm&>().all_gather(nullptr, nullptr, std::size_t{}, dtype::f32));
   using step_fn = std::function<void(std::span<const param_slice>)>;
@@ -56,22 +69,13 @@ class block_units {
                 "add(dst, src, count, dtype) (memory_ops_with_add) to sum the gradient shards over micro-steps");
 
   block_units(Comm& comm, Hook& hook, step_recorder& rec, const policy_type& policy, const model_hooks& model)
-      : comm_(comm), hook_(hook), rec_(rec), buffers_(policy.buffers), attach_(model.attach), block_of_(model.blocks) {
+      : layout(model.blocks), comm_(comm), hook_(hook), rec_(rec), buffers_(policy.buffers), attach_(model.attach) {
     if constexpr (ShardValues) keep_ = policy.keep_after_forward;
     if (!attach_)
       throw config_error("ShardedGradients / FullySharded: the model must lend its storage to lockstep: give it "
                          "attach(i, value, grad) (lockstep::model (i))");
     if (buffers_.prefetch < 0 || buffers_.scatters_in_flight < 1)
       throw config_error("BlockBuffers: prefetch must be >= 0 and scatters_in_flight >= 1");
-    std::size_t nb = 0;
-    for (auto b : block_of_) nb = std::max(nb, b + 1);
-    blocks_.resize(nb);
-    for (std::size_t i = 0; i < block_of_.size(); ++i) blocks_[block_of_[i]].params.push_back(i);
-    for (std::size_t b = 0; b < nb; ++b)
-      if (blocks_[b].params.empty())
-        throw config_error("model.blocks(): block " + std::to_string(b) +
-                           " has no parameter (number the blocks 0, 1, "
-                           "… without gaps, in forward order)");
   }
   block_units(const block_units&) = delete;
   block_units& operator=(const block_units&) = delete;
@@ -86,71 +90,14 @@ class block_units {
 
   std::span<const binding> built(std::span<const bucket_plan* const> plans, std::span<void* const>,
                                  const std::vector<parameter>& params) {
-    const auto n = static_cast<std::size_t>(comm_.size()), r = static_cast<std::size_t>(comm_.rank());
-    auto mem = comm_.memory();
-    for (auto& b : blocks_) b.units.clear();
-    for (std::size_t gi = 0; gi < plans.size(); ++gi) {
-      const bucket_plan& plan = *plans[gi];
-      const std::size_t es = size_of(plan.type);
-      group& g = groups_.emplace_back();
-      g.plan = &plan;
-      std::size_t shard_total = 0, largest = 0;
-      for (const auto& lu : plan.units) {
-        const bucket& bk = plan.buckets[lu.first];
-        unit u{bk.begin, bk.elements() / n, shard_total, block_of_[bk.slices.front().param]};
-        shard_total += u.per;
-        largest = std::max(largest, bk.elements());
-        blocks_[u.block].units.push_back({gi, g.units.size()});
-        g.units.push_back(u);
-      }
-      g.grads = mem.allocate(shard_total * es);
-      g.values = mem.allocate((ShardValues ? shard_total : plan.total) * es);
-      g.buffer_elems = largest;
-      for (std::size_t k = 0; k < g.units.size(); ++k) {
-        const unit& u = g.units[k];
-        const bucket& bk = plan.buckets[plan.units[k].first];
-        const std::size_t lo = u.begin + r * u.per, hi = lo + u.per;
-        auto& seg = map_.emplace_back();
-        std::vector<segment> mine, all;
-        for (const auto& s : bk.slices) {
-          char* v = static_cast<char*>(params[s.param].value);
-          all.push_back({v, s.count});
-          const std::size_t a = std::max(lo, s.arena_offset), e = std::min(hi, s.arena_offset + s.count);
-          if (a >= e) continue;
-          mine.push_back({v + (a - s.arena_offset) * es, e - a});
-          seg.push_back({s.param, a - s.arena_offset, e - a, a - lo});
-        }
-        // The values move in: ZeRO-3 this rank's block only, ZeRO-2 all of them (the model's
-        // own storage may be freed once attach has been called).
-        if constexpr (ShardValues) mem.pack(mine, g.at(g.values, u.shard), plan.type, 1.0);
-        else
-          for (std::size_t j = 0; j < bk.slices.size(); ++j)
-            mem.pack(std::span(&all[j], 1), g.at(g.values, bk.slices[j].arena_offset), plan.type, 1.0);
-        void* value = ShardValues ? g.at(g.values, u.shard) : g.at(g.values, lo);
-        void* grad = g.at(g.grads, u.shard);
-        params_.push_back(parameter{"shard " + std::to_string(r) + "/" + std::to_string(n) + " of block " +
-                                        std::to_string(u.block) + " (" + name_of(plan.type) + ")",
-                                    {static_cast<std::int64_t>(u.per)},
-                                    plan.type,
-                                    value,
-                                    grad});
-        slices_.push_back({params_.size() - 1, 0, u.per, plan.type, value, grad});
-        if (u.per) g.shard_grads.push_back({grad, u.per});
-        bytes_ += u.per * es;
-      }
-    }
-    for (auto& b : blocks_) {
-      b.bytes = 0;
-      for (auto [gi, k] : b.units) b.bytes += groups_[gi].plan->buckets[groups_[gi].plan->units[k].first].elements();
-      b.gathered.assign(b.units.size(), {});
-      b.gathers.resize(b.units.size());
-      b.grads.assign(b.units.size(), {});
-    }
+    this->lay_out(plans, params, static_cast<std::size_t>(comm_.size()), static_cast<std::size_t>(comm_.rank()),
+                  comm_.memory());
     for (std::size_t i = 0; i < params.size(); ++i) attach(i, !ShardValues, false);
     auto& st = rec_.stats();
     st.shard_bytes = bytes_;
     st.values_bound = true;
     if constexpr (!ShardValues) {  // the model's values are the value arena's: checked like model (e)
+      bindings_.clear();
       for (std::size_t i = 0; i < params.size(); ++i) bindings_.emplace_back(i, value_of(i, false));
       return bindings_;
     }
@@ -317,65 +264,26 @@ class block_units {
       for (std::size_t i = 0; i < block_of_.size(); ++i) attach(i, true, false);
     }
   }
+  //! After a restore wrote into the whole values (wait_all_parameters'): ZeRO-3 copies this
+  //! rank's block of each unit into its shard (ZeRO-2's shards are the value arena itself).
+  void values_written() {
+    if constexpr (ShardValues) {
+      if (whole_.empty()) return;
+      const auto r = static_cast<std::size_t>(comm_.rank());
+      for (std::size_t gi = 0; gi < groups_.size(); ++gi)
+        for (const auto& u : groups_[gi].units) {
+          const segment mine{groups_[gi].at(whole_[gi], u.begin + r * u.per), u.per};
+          comm_.memory().pack(std::span(&mine, 1), groups_[gi].at(groups_[gi].values, u.shard),
+                              groups_[gi].plan->type, 1.0);
+        }
+    }
+  }
   static void wait_parameters(std::size_t) {
     throw config_error("with ShardedGradients / FullySharded, a block's values are there during its use: call "
                        "dp.use_block(k, pass) instead of wait_parameters");
   }
 
  private:
-  struct unit {
-    std::size_t begin = 0;  // the unit's first element in the plan
-    std::size_t per = 0;    // elements per rank
-    std::size_t shard = 0;  // this rank's shard's offset in the group's shard arenas
-    std::size_t block = 0;
-  };
-  struct group {
-    const bucket_plan* plan = nullptr;
-    std::vector<unit> units;
-    std::shared_ptr<void> grads;   // the gradient shards (Σ per)
-    std::shared_ptr<void> values;  // ZeRO-3: the value shards (Σ per); ZeRO-2: the whole values (plan.total)
-    std::vector<segment> shard_grads;
-    std::size_t buffer_elems = 0;  // a lent buffer: the largest unit
-    std::vector<std::shared_ptr<void>> grad_pool, value_pool;
-    std::size_t span_of(std::size_t u) const { return plan->buckets[plan->units[u].first].elements(); }
-    std::size_t shard_total() const { return units.empty() ? 0 : units.back().shard + units.back().per; }
-    void* at(const std::shared_ptr<void>& p, std::size_t elem) const {
-      return static_cast<char*>(p.get()) + elem * size_of(plan->type);
-    }
-  };
-  struct block {
-    std::vector<std::size_t> params;
-    std::vector<std::pair<std::size_t, std::size_t>> units;  // (group, unit)
-    std::size_t bytes = 0;                                   // elements of all its units (gathered size)
-    std::vector<std::shared_ptr<void>> gathered;             // ZeRO-3, per unit: the buffer its values are in
-    std::vector<std::optional<work_type>> gathers;           // per unit: an all-gather not yet waited for
-    std::vector<std::shared_ptr<void>> grads;                // per unit: the lent gradient buffer
-    bool in_use = false, forward = false, backward = false;  // this micro-step
-    bool held() const { return !gathered.empty() && gathered.front() != nullptr; }
-  };
-  struct flight {
-    std::size_t g = 0, u = 0;
-    std::shared_ptr<void> buffer;
-    std::optional<work_type> work;
-  };
-
-  std::size_t bytes_of(const group& g, std::size_t elems) const { return elems * size_of(g.plan->type); }
-  std::size_t unit_of(std::size_t gi, std::size_t first) const {
-    const auto& us = groups_[gi].plan->units;
-    for (std::size_t u = 0; u < us.size(); ++u)
-      if (us[u].first == first) return u;
-    throw config_error("block_units: no unit starts at bucket " + std::to_string(first));
-  }
-  static std::size_t slot_in(const block& b, std::size_t gi, std::size_t u) {
-    for (std::size_t j = 0; j < b.units.size(); ++j)
-      if (b.units[j] == std::pair{gi, u}) return j;
-    return 0;
-  }
-  std::size_t index_of(std::size_t gi, std::size_t u) const {
-    std::size_t i = 0;
-    for (std::size_t h = 0; h < gi; ++h) i += groups_[h].units.size();
-    return i + u;
-  }
   static std::uint64_t key(int kind, std::size_t g, std::size_t i) {
     return (static_cast<std::uint64_t>(kind) << 62) | (static_cast<std::uint64_t>(g) << 32) | i;
   }
@@ -401,33 +309,8 @@ class block_units {
     return take(groups_[gi].grad_pool, gi);
   }
 
-  // Where parameter i's values (and, with grad, its gradient) are now.
-  void* value_of(std::size_t i, bool held) const {
-    const block& b = blocks_[block_of_[i]];
-    for (std::size_t j = 0; j < b.units.size(); ++j) {
-      const auto [gi, u] = b.units[j];
-      const group& g = groups_[gi];
-      const auto& bk = g.plan->buckets[g.plan->units[u].first];
-      for (const auto& s : bk.slices) {
-        if (s.param != i) continue;
-        if constexpr (!ShardValues) return g.at(g.values, s.arena_offset);
-        if (!whole_.empty() && !b.in_use) return g.at(whole_[gi], s.arena_offset);
-        return held && b.gathered[j] ? g.at(b.gathered[j], s.arena_offset - g.units[u].begin) : nullptr;
-      }
-    }
-    return nullptr;
-  }
   void attach(std::size_t i, bool values, bool grad) {
-    void* g = nullptr;
-    if (grad) {
-      const block& b = blocks_[block_of_[i]];
-      for (std::size_t j = 0; j < b.units.size() && !g; ++j) {
-        const auto [gi, u] = b.units[j];
-        for (const auto& s : groups_[gi].plan->buckets[groups_[gi].plan->units[u].first].slices)
-          if (s.param == i) g = groups_[gi].at(b.grads[j], s.arena_offset - groups_[gi].units[u].begin);
-      }
-    }
-    attach_(i, values ? value_of(i, true) : nullptr, g);
+    attach_(i, values ? value_of(i, true) : nullptr, grad ? grad_of(i) : nullptr);
   }
 
   void check_use(std::size_t k, pass p) const {
@@ -551,16 +434,8 @@ class block_units {
   BlockBuffers buffers_;
   bool keep_ = false;  // FullySharded::keep_after_forward
   attach_fn attach_;
-  std::vector<std::size_t> block_of_;  // per parameter
-  std::vector<block> blocks_;
-  std::vector<group> groups_;
-  std::deque<flight> flights_;                // reduce-scatters issued, in issue order
-  std::vector<std::shared_ptr<void>> whole_;  // ZeRO-3 wait_all_parameters: per group, every value
+  std::deque<flight> flights_;  // reduce-scatters issued, in issue order
   std::vector<binding> bindings_;
-  std::vector<parameter> params_;  // this rank's shard of each unit (the optimizer's parameters)
-  std::vector<param_slice> slices_;
-  std::vector<std::vector<shard_segment>> map_;
-  std::size_t bytes_ = 0;
   std::size_t lent_ = 0;  // bytes of block buffers allocated
   bool open_ = false;     // a micro-step is open (between begin_sync and its drain)
 };

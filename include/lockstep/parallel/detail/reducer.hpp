@@ -59,6 +59,8 @@ class reducer {
   }
 
   const std::vector<parameter>& params() const { return params_; }
+  //! Re-reads the model's parameters (with lent storage, where they are now).
+  void refresh_params() { params_ = refresh_(); }
   //! The strategy's units (what only it offers: shards, their map, their layout).
   Units& units() noexcept { return units_; }
   const Units& units() const noexcept { return units_; }

@@ -1,0 +1,204 @@
+#pragma once
+//! block_layout — the layout full sharding works on (block_units.hpp, its base): per element
+//! type the plan's units (one per block of the model, make_block_plan) with this rank's shard
+//! of each — its gradient mean and, ZeRO-3, its values, in shard arenas; ZeRO-2 a whole value
+//! arena the model's values live in — and per block its parameters, its units and the buffers
+//! lent to it while in use. Where a parameter's values and gradient are now (value_of,
+//! grad_of) follows from it. The optimizer's parameters are the shards (params_, slices_), and
+//! map_ says which of the model's elements each holds (checkpoints reshard with it).
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "lockstep/core/concepts.hpp"
+#include "lockstep/core/error.hpp"
+#include "lockstep/core/parameter.hpp"
+#include "lockstep/parallel/detail/bucket_plan.hpp"
+
+namespace lockstep::detail {
+
+//! Work: the communicator's work type; ShardValues: ZeRO-3 (else ZeRO-2).
+template <class Work, bool ShardValues>
+class block_layout {
+ protected:
+  struct unit {
+    std::size_t begin = 0;  // the unit's first element in the plan
+    std::size_t per = 0;    // elements per rank
+    std::size_t shard = 0;  // this rank's shard's offset in the group's shard arenas
+    std::size_t block = 0;
+  };
+  struct group {
+    const bucket_plan* plan = nullptr;
+    std::vector<unit> units;
+    std::shared_ptr<void> grads;   // the gradient shards (Σ per)
+    std::shared_ptr<void> values;  // ZeRO-3: the value shards (Σ per); ZeRO-2: the whole values (plan.total)
+    std::vector<segment> shard_grads;
+    std::size_t buffer_elems = 0;  // a lent buffer: the largest unit
+    std::vector<std::shared_ptr<void>> grad_pool, value_pool;
+    std::size_t span_of(std::size_t u) const { return plan->buckets[plan->units[u].first].elements(); }
+    std::size_t shard_total() const { return units.empty() ? 0 : units.back().shard + units.back().per; }
+    void* at(const std::shared_ptr<void>& p, std::size_t elem) const {
+      return static_cast<char*>(p.get()) + elem * size_of(plan->type);
+    }
+  };
+  struct block {
+    std::vector<std::size_t> params;
+    std::vector<std::pair<std::size_t, std::size_t>> units;  // (group, unit)
+    std::size_t bytes = 0;                                   // elements of all its units (gathered size)
+    std::vector<std::shared_ptr<void>> gathered;             // ZeRO-3, per unit: the buffer its values are in
+    std::vector<std::optional<Work>> gathers;                // per unit: an all-gather not yet waited for
+    std::vector<std::shared_ptr<void>> grads;                // per unit: the lent gradient buffer
+    bool in_use = false, forward = false, backward = false;  // this micro-step
+    bool held() const { return !gathered.empty() && gathered.front() != nullptr; }
+  };
+  struct flight {
+    std::size_t g = 0, u = 0;
+    std::shared_ptr<void> buffer;
+    std::optional<Work> work;
+  };
+
+  //! block_of[i]: parameter i's block (0, 1, … without gaps).
+  explicit block_layout(std::vector<std::size_t> block_of) : block_of_(std::move(block_of)) {
+    std::size_t nb = 0;
+    for (auto b : block_of_) nb = std::max(nb, b + 1);
+    blocks_.resize(nb);
+    for (std::size_t i = 0; i < block_of_.size(); ++i) blocks_[block_of_[i]].params.push_back(i);
+    for (std::size_t b = 0; b < nb; ++b)
+      if (blocks_[b].params.empty())
+        throw config_error("model.blocks(): block " + std::to_string(b) +
+                           " has no parameter (number the blocks 0, 1, "
+                           "… without gaps, in forward order)");
+  }
+
+  //! Lays out the shards of every group (plans: one per element type) for rank r of n, and
+  //! moves the model's values (params) in: ZeRO-3 this rank's block of each unit, ZeRO-2 all.
+  template <class Mem>
+  void lay_out(std::span<const bucket_plan* const> plans, const std::vector<parameter>& params, std::size_t n,
+               std::size_t r, Mem mem) {
+    groups_.clear();
+    params_.clear();
+    slices_.clear();
+    map_.clear();
+    bytes_ = 0;
+    for (auto& b : blocks_) b.units.clear();
+    for (std::size_t gi = 0; gi < plans.size(); ++gi) {
+      const bucket_plan& plan = *plans[gi];
+      const std::size_t es = size_of(plan.type);
+      group& g = groups_.emplace_back();
+      g.plan = &plan;
+      std::size_t shard_total = 0, largest = 0;
+      for (const auto& lu : plan.units) {
+        const bucket& bk = plan.buckets[lu.first];
+        unit u{bk.begin, bk.elements() / n, shard_total, block_of_[bk.slices.front().param]};
+        shard_total += u.per;
+        largest = std::max(largest, bk.elements());
+        blocks_[u.block].units.push_back({gi, g.units.size()});
+        g.units.push_back(u);
+      }
+      g.grads = mem.allocate(shard_total * es);
+      g.values = mem.allocate((ShardValues ? shard_total : plan.total) * es);
+      g.buffer_elems = largest;
+      for (std::size_t k = 0; k < g.units.size(); ++k) {
+        const unit& u = g.units[k];
+        const bucket& bk = plan.buckets[plan.units[k].first];
+        const std::size_t lo = u.begin + r * u.per, hi = lo + u.per;
+        auto& seg = map_.emplace_back();
+        std::vector<segment> mine, all;
+        for (const auto& s : bk.slices) {
+          char* v = static_cast<char*>(params[s.param].value);
+          all.push_back({v, s.count});
+          const std::size_t a = std::max(lo, s.arena_offset), e = std::min(hi, s.arena_offset + s.count);
+          if (a >= e) continue;
+          mine.push_back({v + (a - s.arena_offset) * es, e - a});
+          seg.push_back({s.param, a - s.arena_offset, e - a, a - lo});
+        }
+        // The values move in: ZeRO-3 this rank's block only, ZeRO-2 all of them (the model's
+        // own storage may be freed once attach has been called).
+        if constexpr (ShardValues) mem.pack(mine, g.at(g.values, u.shard), plan.type, 1.0);
+        else
+          for (std::size_t j = 0; j < bk.slices.size(); ++j)
+            mem.pack(std::span(&all[j], 1), g.at(g.values, bk.slices[j].arena_offset), plan.type, 1.0);
+        void* value = ShardValues ? g.at(g.values, u.shard) : g.at(g.values, lo);
+        void* grad = g.at(g.grads, u.shard);
+        params_.push_back(parameter{"shard " + std::to_string(r) + "/" + std::to_string(n) + " of block " +
+                                        std::to_string(u.block) + " (" + name_of(plan.type) + ")",
+                                    {static_cast<std::int64_t>(u.per)},
+                                    plan.type,
+                                    value,
+                                    grad});
+        slices_.push_back({params_.size() - 1, 0, u.per, plan.type, value, grad});
+        if (u.per) g.shard_grads.push_back({grad, u.per});
+        bytes_ += u.per * es;
+      }
+    }
+    for (auto& b : blocks_) {
+      b.bytes = 0;
+      for (auto [gi, k] : b.units) b.bytes += groups_[gi].plan->buckets[groups_[gi].plan->units[k].first].elements();
+      b.gathered.assign(b.units.size(), {});
+      b.gathers.resize(b.units.size());
+      b.grads.assign(b.units.size(), {});
+    }
+  }
+
+  std::size_t bytes_of(const group& g, std::size_t elems) const { return elems * size_of(g.plan->type); }
+  std::size_t unit_of(std::size_t gi, std::size_t first) const {
+    const auto& us = groups_[gi].plan->units;
+    for (std::size_t u = 0; u < us.size(); ++u)
+      if (us[u].first == first) return u;
+    throw config_error("block_units: no unit starts at bucket " + std::to_string(first));
+  }
+  static std::size_t slot_in(const block& b, std::size_t gi, std::size_t u) {
+    for (std::size_t j = 0; j < b.units.size(); ++j)
+      if (b.units[j] == std::pair{gi, u}) return j;
+    return 0;
+  }
+  std::size_t index_of(std::size_t gi, std::size_t u) const {
+    std::size_t i = 0;
+    for (std::size_t h = 0; h < gi; ++h) i += groups_[h].units.size();
+    return i + u;
+  }
+  // Where parameter i's values (and, with grad, its gradient) are now.
+  void* value_of(std::size_t i, bool held) const {
+    const block& b = blocks_[block_of_[i]];
+    for (std::size_t j = 0; j < b.units.size(); ++j) {
+      const auto [gi, u] = b.units[j];
+      const group& g = groups_[gi];
+      const auto& bk = g.plan->buckets[g.plan->units[u].first];
+      for (const auto& s : bk.slices) {
+        if (s.param != i) continue;
+        if constexpr (!ShardValues) return g.at(g.values, s.arena_offset);
+        if (!whole_.empty() && !b.in_use) return g.at(whole_[gi], s.arena_offset);
+        return held && b.gathered[j] ? g.at(b.gathered[j], s.arena_offset - g.units[u].begin) : nullptr;
+      }
+    }
+    return nullptr;
+  }
+  // Where parameter i's gradient is now: in its block's lent buffer, or null.
+  void* grad_of(std::size_t i) const {
+    const block& b = blocks_[block_of_[i]];
+    for (std::size_t j = 0; j < b.units.size(); ++j) {
+      const auto [gi, u] = b.units[j];
+      for (const auto& s : groups_[gi].plan->buckets[groups_[gi].plan->units[u].first].slices)
+        if (s.param == i && b.grads[j]) return groups_[gi].at(b.grads[j], s.arena_offset - groups_[gi].units[u].begin);
+    }
+    return nullptr;
+  }
+
+  std::vector<std::size_t> block_of_;  // per parameter
+  std::vector<block> blocks_;
+  std::vector<group> groups_;
+  std::vector<std::shared_ptr<void>> whole_;  // ZeRO-3 wait_all_parameters: per group, every value
+  std::vector<parameter> params_;             // this rank's shard of each unit (the optimizer's parameters)
+  std::vector<param_slice> slices_;
+  std::vector<std::vector<shard_segment>> map_;
+  std::size_t bytes_ = 0;
+};
+
+}  // namespace lockstep::detail
