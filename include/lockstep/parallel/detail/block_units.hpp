@@ -54,9 +54,9 @@ class block_units
       layout::map_, layout::bytes_;
   using layout::bytes_of, layout::unit_of, layout::slot_in, layout::index_of, layout::value_of, layout::grad_of;
   using typename layout::block;
+  using typename layout::flight;
   using typename layout::group;
   using typename layout::unit;
-  using typename layout::flight;
 
  public:
   using work_type = decltype(std::declval<Comm&>().all_gather(nullptr, nullptr, std::size_t{}, dtype::f32));
@@ -273,8 +273,8 @@ class block_units
       for (std::size_t gi = 0; gi < groups_.size(); ++gi)
         for (const auto& u : groups_[gi].units) {
           const segment mine{groups_[gi].at(whole_[gi], u.begin + r * u.per), u.per};
-          comm_.memory().pack(std::span(&mine, 1), groups_[gi].at(groups_[gi].values, u.shard),
-                              groups_[gi].plan->type, 1.0);
+          comm_.memory().pack(std::span(&mine, 1), groups_[gi].at(groups_[gi].values, u.shard), groups_[gi].plan->type,
+                              1.0);
         }
     }
   }
