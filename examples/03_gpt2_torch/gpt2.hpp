@@ -21,6 +21,12 @@ namespace gpt2 {
 //! all-gather of those parameters (lockstep::DataParallel::wait_parameters).
 using before_fn = std::function<void(torch::nn::Module&)>;
 
+//! Runs transformer block k (1, 2, …): run(k, x, f) returns f(x), the block's forward — or, with
+//! lockstep::TorchBlocks::function(), runs it as block k of a fully sharded model (the block's
+//! values gathered around it, recomputed in backward if asked). Empty: f(x).
+using block_fn = std::function<torch::Tensor(const torch::Tensor&)>;
+using run_fn = std::function<torch::Tensor(std::size_t, const torch::Tensor&, block_fn)>;
+
 struct Config {
   std::int64_t vocab = 50304;  // GPT-2's 50257, padded to a multiple of 128
   std::int64_t context = 1024;
@@ -103,23 +109,26 @@ struct GptImpl : torch::nn::Cloneable<GptImpl> {
     head->weight.normal_(0.0, 0.02);
   }
 
-  //! Logits [B, T, vocab] of token ids idx [B, T] (int64); before: see before_fn.
-  torch::Tensor forward(const torch::Tensor& idx, const before_fn& before = {}) {
+  //! Logits [B, T, vocab] of token ids idx [B, T] (int64); before: see before_fn; run: run_fn.
+  torch::Tensor forward(const torch::Tensor& idx, const before_fn& before = {}, const run_fn& run = {}) {
     const auto T = idx.size(1);
     auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
     if (before) before(*wte), before(*wpe);
     auto x = wte(idx) + wpe(pos);
-    for (auto& b : *blocks) {
+    std::size_t k = 0;
+    for (const auto& b : *blocks) {
       if (before) before(*b);
-      x = b->as<Block>()->forward(x);
+      if (run) x = run(++k, x, [b](const torch::Tensor& h) { return b->as<Block>()->forward(h); });
+      else x = b->as<Block>()->forward(x);
     }
     if (before) before(*ln_f), before(*head);
     return linear(head, ln_f(x));
   }
 
   //! Mean cross-entropy of predicting targets [B, T] from idx [B, T].
-  torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets, const before_fn& before = {}) {
-    auto logits = forward(idx, before);
+  torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets, const before_fn& before = {},
+                     const run_fn& run = {}) {
+    auto logits = forward(idx, before, run);
     return torch::nn::functional::cross_entropy(logits.view({-1, logits.size(-1)}).to(torch::kFloat),
                                                 targets.reshape({-1}));
   }

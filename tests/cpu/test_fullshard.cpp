@@ -285,23 +285,23 @@ TEST_CASE("fullshard zero3: misuse of the block protocol is named on every rank"
   same_on_all(misuse_messages(2, [](auto& dp, auto&) { auto u = dp.use_block(0, pass::backward); }), "outside a step");
 }
 
-TEST_CASE("fullshard zero2: blocks numbered with a gap are refused at construction") {
-  struct gapped : TestMlp<float> {
+TEST_CASE("fullshard zero2: blocks() of another length than parameters() is refused at construction") {
+  struct short_blocks : TestMlp<float> {
     using TestMlp<float>::TestMlp;
-    std::vector<std::size_t> blocks() const { return {0, 0, 2, 2, 3, 3}; }
+    std::vector<std::size_t> blocks() const { return {0, 0, 1, 1, 2}; }
   };
   const auto d = make_data(fresh_seed(), 16);
   std::string got;
   lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
     using Comm = std::remove_cvref_t<decltype(ctx.comm())>;
-    gapped m(d.dims, 3);
+    short_blocks m(d.dims, 3);
     try {
-      lockstep::DataParallel<gapped, Comm, lockstep::ShardedGradients> dp(ctx, m);
+      lockstep::DataParallel<short_blocks, Comm, lockstep::ShardedGradients> dp(ctx, m);
     } catch (const lockstep::config_error& e) {
       if (ctx.rank() == 0) got = e.what();
     }
   });
-  CHECK(got.find("block 1 has no parameter") != std::string::npos);
+  CHECK(got.find("model.blocks() lists 5 blocks, but the model has 6 parameters") != std::string::npos);
 }
 
 }  // TEST_SUITE

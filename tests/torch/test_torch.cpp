@@ -282,6 +282,110 @@ TEST_CASE(
   CHECK(rel_diff(*plain[0], *init) > 1e-4);  // it trained
 }
 
+// Full sharding of a libtorch module: the blocks are GPT-2's transformer blocks (set_blocks),
+// the model's forward runs each through TorchBlocks (gpt2::run_fn), the training loop holds
+// block 0 (embeddings, final LayerNorm, head) around the forward and the backward. ZeRO-2 and
+// ZeRO-3, with and without recomputation (activation checkpointing), must end where the
+// unsharded run ends; the module holds its trained values after the DataParallel is gone.
+template <class Strategy>
+void check_fullshard_torch(bool recompute) {
+  torch::set_num_threads(1);
+  const auto seed = lockstep_test::fresh_seed();
+  CAPTURE(seed);
+  CAPTURE(recompute);
+  const auto c = tiny();
+  constexpr int ranks = 3, B = 2, steps = 4;
+  const auto batch = tokens(ranks * B, c, seed + 1);
+  torch::manual_seed(seed);
+  gpt2::Gpt init(c);
+  const lockstep::AdamWOptions ao{.lr = 1e-3, .weight_decay = 0.1};
+  std::vector<gpt2::Gpt> plain, sharded;
+  for (int r = 0; r < ranks; ++r) {
+    torch::manual_seed(seed ^ static_cast<std::uint64_t>(r + 3));  // rank 0's values win
+    plain.emplace_back(c);
+    sharded.emplace_back(c);
+  }
+  copy_parameters(*plain[0], *init);
+  copy_parameters(*sharded[0], *init);
+  const auto rows_of = [&](int rank) { return batch.narrow(0, rank * B, B); };
+  std::vector<double> plain_loss(steps), sharded_loss(steps);
+  lockstep::run(lockstep::Threads{ranks}, [&](auto& ctx) {
+    gpt2::Gpt& model = plain[static_cast<std::size_t>(ctx.rank())];
+    lockstep::TorchModule tm(model);
+    lockstep::DataParallel dp(ctx, tm);
+    lockstep::AdamW opt(ao);
+    for (int s = 0; s < steps; ++s) {
+      auto rows = rows_of(ctx.rank());
+      auto step = dp.step();
+      auto loss = model->loss(rows.narrow(1, 0, c.context), rows.narrow(1, 1, c.context));
+      tm.backward(loss, step.on_gradient_ready());
+      if (step.finish()) opt.step(dp.parameters());
+      plain_loss[static_cast<std::size_t>(s)] = lockstep::mean_across_ranks(ctx.comm(), loss.template item<double>());
+    }
+  });
+  std::vector<int> checks(ranks, 0);
+  lockstep::run(lockstep::Threads{ranks}, [&](auto& ctx) {
+    const auto r = static_cast<std::size_t>(ctx.rank());
+    gpt2::Gpt& model = sharded[r];
+    std::vector<torch::Tensor> trained;
+    {
+      // [snippet docs/torch.md#fullshard]
+      lockstep::TorchModule tm(model);
+      tm.set_blocks(std::vector<std::shared_ptr<torch::nn::Module>>(model->blocks->begin(), model->blocks->end()));
+      lockstep::DataParallel dp(ctx, tm, Strategy{});  // FullySharded or ShardedGradients
+      lockstep::TorchBlocks blocks;
+      lockstep::shard_blocks(dp, blocks);  // model->loss(..., blocks.function()) runs each block as one
+      lockstep::AdamW opt(ao);             // over this rank's shards
+      for (int s = 0; s < steps; ++s) {
+        auto rows = rows_of(ctx.rank());
+        auto step = dp.step();
+        torch::Tensor loss;
+        {  // block 0 (embeddings, final LayerNorm, head) spans the forward, and then the backward
+          auto root = dp.use_block(0, lockstep::pass::forward);
+          loss =
+              model->loss(rows.narrow(1, 0, c.context), rows.narrow(1, 1, c.context), {}, blocks.function(recompute));
+        }
+        {
+          auto root = dp.use_block(0, lockstep::pass::backward);
+          tm.backward(loss, step.on_gradient_ready());
+        }
+        step.finish([&](std::span<const lockstep::param_slice> sl) { opt.step(sl); });
+        // [end snippet]
+        sharded_loss[static_cast<std::size_t>(s)] =
+            lockstep::mean_across_ranks(ctx.comm(), loss.template item<double>());
+      }
+      // Between steps, FullySharded's parameters hold nothing (0 elements); wait_all_parameters
+      // gathers them whole.
+      const bool released = !std::is_same_v<Strategy, lockstep::FullySharded> || tm.tensors()[3].numel() == 0;
+      dp.wait_all_parameters();
+      checks[r] = (released ? 1 : 0) + (tm.tensors()[3].numel() > 0 ? 2 : 0);
+      for (auto& p : model->parameters()) trained.push_back(p.detach().clone());
+    }
+    auto ps = model->parameters();  // after the DataParallel: the module's own storage, same values
+    for (std::size_t i = 0; i < ps.size(); ++i)
+      if (!torch::equal(ps[i].detach(), trained[i])) checks[r] = -1;
+  });
+  for (int s = 0; s < steps; ++s) CHECK(sharded_loss[s] == doctest::Approx(plain_loss[s]).epsilon(1e-5));
+  for (int r = 0; r < ranks; ++r) {
+    CAPTURE(r);
+    CHECK(checks[r] == 3);
+    const double d = rel_diff(*sharded[r], *plain[0]);
+    MESSAGE("fully sharded rank " << r << " vs unsharded: relative difference " << d);
+    CHECK(d <= 1e-6);
+    CHECK(rel_diff(*sharded[r], *sharded[0]) == 0.0);
+  }
+  CHECK(rel_diff(*plain[0], *init) > 1e-4);  // it trained
+}
+
+TEST_CASE("TorchModule fullshard zero3: 3 CPU ranks == unsharded - with and without recompute (tiny GPT-2)") {
+  check_fullshard_torch<lockstep::FullySharded>(false);
+  check_fullshard_torch<lockstep::FullySharded>(true);
+}
+
+TEST_CASE("TorchModule fullshard zero2: 3 CPU ranks == unsharded - recomputed blocks (tiny GPT-2)") {
+  check_fullshard_torch<lockstep::ShardedGradients>(true);
+}
+
 TEST_CASE("TorchModule: a branch used on some ranks only and one used on none") {
   torch::set_num_threads(1);
   const auto seed = lockstep_test::fresh_seed();

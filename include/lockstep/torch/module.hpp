@@ -40,6 +40,11 @@
 //!    its hooks and torch::optim's references hold).
 //!  - indices_of(submodule): its parameters' positions in parameters(), for
 //!    DataParallel::wait_parameters before the forward uses them (gather_in_forward).
+//!  - set_blocks(submodules), blocks(), attach(i, value, grad) (ShardedGradients,
+//!    FullySharded: lockstep::model (h), (i)): the listed submodules are blocks 1, 2, …, the
+//!    rest block 0; attach points the parameter's data (`set_data`) and `.grad` at lockstep's
+//!    block buffers, or at nothing (a 0-element tensor, an undefined `.grad`) outside a use.
+//!    TorchBlocks (blocks.hpp) is what the model's forward calls at each block.
 //!
 //! Hooks fire on autograd's threads (for CUDA tensors, the device's worker thread) while the
 //! thread that called backward waits; DataParallel is used by one thread at a time, as always.
@@ -173,6 +178,9 @@ class TorchModule {
         g = torch::zeros_like(p, at::MemoryFormat::Preserve);  // the parameter's strides
       names_.push_back(item.key());
       params_.push_back(p);
+      protos_.push_back(view(item.key(), p, {}));  // shape and type, kept while attach detaches
+      sizes_.emplace_back(p.sizes().begin(), p.sizes().end());
+      strides_.emplace_back(p.strides().begin(), p.strides().end());
     }
     for (auto& item : module_->named_buffers(/*recurse=*/true)) {
       if (!item.value().defined() || item.value().numel() == 0) continue;
@@ -203,8 +211,48 @@ class TorchModule {
     check_frozen_unchanged();
     std::vector<parameter> out;
     out.reserve(params_.size());
-    for (std::size_t i = 0; i < params_.size(); ++i) out.push_back(view(names_[i], params_[i], params_[i].grad()));
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      if (params_[i].numel() == static_cast<std::int64_t>(protos_[i].numel())) {
+        out.push_back(view(names_[i], params_[i], params_[i].grad()));
+      } else {  // detached by attach (full sharding): the shape it has when held
+        out.push_back(protos_[i]);
+        out.back().value = nullptr;
+        out.back().grad = params_[i].grad().defined() ? params_[i].grad().data_ptr() : nullptr;
+      }
+    }
     return out;
+  }
+  //! Full sharding (lockstep::model (h)): the listed submodules are blocks 1, 2, … in the
+  //! order given (forward order); every other trained parameter is block 0 (which may be
+  //! empty). Before the DataParallel is built; a parameter in two listed blocks is refused.
+  void set_blocks(const std::vector<std::shared_ptr<torch::nn::Module>>& blocks) {
+    std::vector<std::size_t> of(params_.size(), 0);
+    for (std::size_t k = 0; k < blocks.size(); ++k) {
+      if (!blocks[k])
+        throw config_error("lockstep::TorchModule::set_blocks: block " + std::to_string(k + 1) + " is null");
+      const auto idx = indices_of(*blocks[k]);
+      if (idx.empty())
+        throw config_error("lockstep::TorchModule::set_blocks: block " + std::to_string(k + 1) +
+                           " has no trained parameter of the wrapped module");
+      for (auto i : idx) {
+        if (of[i] != 0)
+          throw config_error("lockstep::TorchModule::set_blocks: parameter '" + names_[i] + "' is in blocks " +
+                             std::to_string(of[i]) + " and " + std::to_string(k + 1) + "; list disjoint submodules");
+        of[i] = k + 1;
+      }
+    }
+    block_of_ = std::move(of);
+  }
+  std::vector<std::size_t> blocks() const {
+    return block_of_.empty() ? std::vector<std::size_t>(params_.size(), 0) : block_of_;
+  }
+  //! Full sharding (lockstep::model (i)): parameter i's data is a view of `value` (or a
+  //! 0-element tensor: not held) and its `.grad` a view of `grad` (or undefined).
+  void attach(std::size_t i, void* value, void* grad) {
+    at::Tensor& p = params_.at(i);
+    const auto opts = p.options().requires_grad(false);
+    p.set_data(value ? torch::from_blob(value, sizes_.at(i), strides_.at(i), opts) : at::empty({0}, opts));
+    p.mutable_grad() = grad ? torch::from_blob(grad, sizes_.at(i), strides_.at(i), opts) : at::Tensor();
   }
   void bind_gradient(std::size_t i, void* storage) {
     at::Tensor& p = params_.at(i);
@@ -350,6 +398,9 @@ class TorchModule {
   }
 
   std::shared_ptr<torch::nn::Module> module_;
+  std::vector<parameter> protos_;                           // per parameter: name, shape, type as wrapped
+  std::vector<std::size_t> block_of_;                       // set_blocks, or empty: every parameter block 0
+  std::vector<std::vector<std::int64_t>> sizes_, strides_;  // per parameter, as wrapped
   std::vector<std::string> names_, buffer_names_, frozen_names_;
   std::vector<at::Tensor> params_, buffers_, frozen_;
   std::shared_ptr<detail::torch_hook_state> hooks_;

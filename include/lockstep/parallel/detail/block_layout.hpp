@@ -70,11 +70,6 @@ class block_layout {
     for (auto b : block_of_) nb = std::max(nb, b + 1);
     blocks_.resize(nb);
     for (std::size_t i = 0; i < block_of_.size(); ++i) blocks_[block_of_[i]].params.push_back(i);
-    for (std::size_t b = 0; b < nb; ++b)
-      if (blocks_[b].params.empty())
-        throw config_error("model.blocks(): block " + std::to_string(b) +
-                           " has no parameter (number the blocks 0, 1, "
-                           "… without gaps, in forward order)");
   }
 
   //! Lays out the shards of every group (plans: one per element type) for rank r of n, and
