@@ -5,16 +5,9 @@
 //! ends, they are detached — a backward use's gradients are then final and go to their
 //! reduce-scatter.
 //!
-//! \code
-//!   for (std::size_t k = 0; k < blocks; ++k) {           // forward
-//!     auto use = dp.use_block(k, lockstep::pass::forward);
-//!     x = model.block_forward(k, x);
-//!   }
-//!   for (std::size_t k = blocks; k-- > 0;) {             // backward (recompute inside)
-//!     auto use = dp.use_block(k, lockstep::pass::backward);
-//!     dx = model.block_backward(k, dx);
-//!   }
-//! \endcode
+//! A forward takes block k's use for its compute (`auto use = dp.use_block(k, pass::forward);`),
+//! blocks in forward order; a backward takes it again (`pass::backward`) around block k's
+//! backward — and its recomputation, if any — blocks in reverse order (docs/sharding.md).
 
 #include <cstddef>
 #include <exception>

@@ -302,7 +302,8 @@ class DataParallel {
     open_ = false;
     if constexpr (sharded) {
       if (sync && !on_bucket)
-        throw config_error("lockstep: with ShardedOptimizer, end a synchronising step with "
+        throw config_error("lockstep: with a sharded strategy (ShardedOptimizer, ShardedGradients, FullySharded), "
+                           "end a synchronising step with "
                            "finish(on_shard), the optimizer stepping each shard: "
                            "step.finish([&](std::span<const lockstep::param_slice> s) { opt.step(s); }) "
                            "(finish() alone would leave the parameters without their update)");

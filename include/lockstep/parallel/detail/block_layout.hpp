@@ -51,7 +51,7 @@ class block_layout {
   struct block {
     std::vector<std::size_t> params;
     std::vector<std::pair<std::size_t, std::size_t>> units;  // (group, unit)
-    std::size_t bytes = 0;                                   // elements of all its units (gathered size)
+    std::size_t bytes = 0;                                   // bytes of all its units (gathered size)
     std::vector<std::shared_ptr<void>> gathered;             // ZeRO-3, per unit: the buffer its values are in
     std::vector<std::optional<Work>> gathers;                // per unit: an all-gather not yet waited for
     std::vector<std::shared_ptr<void>> grads;                // per unit: the lent gradient buffer
@@ -135,7 +135,7 @@ class block_layout {
     }
     for (auto& b : blocks_) {
       b.bytes = 0;
-      for (auto [gi, k] : b.units) b.bytes += groups_[gi].plan->buckets[groups_[gi].plan->units[k].first].elements();
+      for (auto [gi, k] : b.units) b.bytes += groups_[gi].span_of(k) * size_of(groups_[gi].plan->type);
       b.gathered.assign(b.units.size(), {});
       b.gathers.resize(b.units.size());
       b.grads.assign(b.units.size(), {});

@@ -238,29 +238,29 @@ class block_units
   void update(const step_fn& fn, Each&&) {
     for (std::size_t gi = 0; gi < groups_.size(); ++gi)
       for (std::size_t u = 0; u < groups_[gi].units.size(); ++u) {
-        {
-          const auto s = rec_.record(step_event::callback, static_cast<std::int64_t>(u));
-          fn(std::span<const param_slice>(&slices_[index_of(gi, u)], 1));
-        }
-        if constexpr (!ShardValues) gather_in_place(gi, u);
+        const auto s = rec_.record(step_event::callback, static_cast<std::int64_t>(u));
+        fn(std::span<const param_slice>(&slices_[index_of(gi, u)], 1));
       }
+    if constexpr (!ShardValues)  // in forward order: the first block's values come first
+      for (const auto& b : blocks_)
+        for (const auto [gi, u] : b.units) gather_in_place(gi, u);
   }
 
   //! Every parameter's values whole and attached (evaluation outside blocks, checkpoints, the
   //! end of training): ZeRO-2 waits for the gathers; ZeRO-3 gathers the whole model into a
-  //! buffer kept until the next step begins (the whole model's values, once).
+  //! buffer kept until the next step begins (the whole model's values, once) — a collective:
+  //! every rank calls it (add_training_state too: build the checkpoint on every rank).
   void wait_all_parameters() {
     for (std::size_t k = 0; k < blocks_.size(); ++k)
       for (auto& w : blocks_[k].gathers) wait_work(w, step_event::wait_gather, k);
     if constexpr (ShardValues) {
       if (!whole_.empty()) return;
+      std::vector<std::shared_ptr<void>> whole;  // taken only once complete (a collective: may throw)
       for (auto& g : groups_) {
-        whole_.push_back(comm_.memory().allocate(bytes_of(g, g.plan->total)));
-        for (std::size_t u = 0; u < g.units.size(); ++u) {
-          void* to = g.at(whole_.back(), g.units[u].begin);
-          all_gather(g, u, to).wait();
-        }
+        whole.push_back(comm_.memory().allocate(bytes_of(g, g.plan->total)));
+        for (std::size_t u = 0; u < g.units.size(); ++u) all_gather(g, u, g.at(whole.back(), g.units[u].begin)).wait();
       }
+      whole_ = std::move(whole);
       for (std::size_t i = 0; i < block_of_.size(); ++i) attach(i, true, false);
     }
   }
