@@ -93,6 +93,9 @@ def main():
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--profile", default="", help="Chrome trace of steps [warmup, warmup + 3) on rank 0")
+    ap.add_argument("--fsdp", action="store_true",
+                    help="PyTorch FSDP2 instead of DDP: fully_shard per block and the root, "
+                         "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), no autocast")
     ap.add_argument("--memory-trace", action="store_true",
                     help="rank 0 prints the device memory in use after each phase of set-up")
     a = ap.parse_args()
@@ -103,7 +106,13 @@ def main():
     torch.manual_seed(a.seed)
     model = GPT(context=max(1024, a.seq)).to(dev)
     mark("model on the device")
-    if world > 1:
+    if a.fsdp:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for b in model.h:
+            fully_shard(b, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+    elif world > 1:
         model = DDP(model, device_ids=[local], gradient_as_bucket_view=True, static_graph=True)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
     mark("DDP, optimizer")
@@ -124,7 +133,7 @@ def main():
         rows = torch.from_numpy(np.stack([text[s:s + a.seq + 1] for s in starts]).astype(np.int64))
         rows = rows.pin_memory().to(dev, non_blocking=True)
         x, y = rows[:, :-1], rows[:, 1:]
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=not a.fsdp):
             loss = model(x, y)
         loss.backward()
         opt.step()
@@ -148,9 +157,10 @@ def main():
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     if rank == 0:
         ms, peak, used = stats.tolist()
-        print(f"bench: ddp gpus={world} step_ms={ms:.2f} tokens_per_s={a.batch * a.seq * world / (ms / 1e3):.0f} "
+        name = "fsdp2" if a.fsdp else "ddp"
+        print(f"bench: {name} gpus={world} step_ms={ms:.2f} tokens_per_s={a.batch * a.seq * world / (ms / 1e3):.0f} "
               f"peak_gib={peak:.2f} loss_first={losses[0]:.3f} loss_last={losses[-1]:.3f}", flush=True)
-        print(f"bench-memory: ddp device_used_gib={used:.2f} (cudaMemGetInfo at the end, the most of any GPU)", flush=True)
+        print(f"bench-memory: {name} device_used_gib={used:.2f} (cudaMemGetInfo at the end, the most of any GPU)", flush=True)
     if world > 1:
         dist.destroy_process_group()
 

@@ -10,8 +10,9 @@
 // AdamW of lockstep stepping each bucket as soon as it is averaged. On CPU ranks:
 // torch::optim::AdamW on the averaged gradients. --shard: ShardedOptimizer (each rank's AdamW
 // steps 1/N of the parameters, kept in lockstep's arena) with the all-gather waited for block
-// by block in the next forward (gather_in_forward); on CPU ranks lockstep's host AdamW. Rank 0 prints the loss and
-// tokens/s;
+// by block in the next forward (gather_in_forward); on CPU ranks lockstep's host AdamW. --zero 2|3:
+// ShardedGradients / FullySharded, each transformer block a block (TorchBlocks), --recompute
+// recomputing each block in backward (activation checkpointing). Rank 0 prints the loss and tokens/s;
 // --bench prints one line "bench: ..." with the median step time, tokens/s and peak memory
 // (bench/gpt2_torch.sh runs it beside PyTorch DDP, bench/gpt2_ddp.py); --profile FILE writes
 // a Chrome trace (libtorch's Kineto profiler) of three steps after the warm-up, for
@@ -67,6 +68,8 @@ struct options : gpt2::run_options {
   bool pack_values = false;   // sharded: ShardedOptimizer::bind_values off
   bool ce_gather = false;     // sharded: ShardedOptimizer::copy_engine_gather on
   bool ce_scatter = false;    // sharded: ShardedOptimizer::copy_engine_scatter on
+  int zero = 0;               // 2: ShardedGradients, 3: FullySharded (each block a block)
+  bool recompute = false;     // --zero: recompute each block in backward
 };
 
 constexpr std::int64_t profiled_steps = 3;
@@ -77,6 +80,7 @@ constexpr std::int64_t profiled_steps = 3;
       "                  [--seq T] [--steps N] [--warmup N] [--lr X] [--seed S] [--log-every N] [--bench]\n"
       "                  [--memory-trace]\n"
       "                  [--profile TRACE.json] [--wire fp32|bf16] [--shard [--pack-values] [--copy-engine[-gather]]]\n"
+      "                  [--zero 2|3 [--recompute]]\n"
       "  batch: sequences per rank and step; on GPUs: all local GPUs, or one per process under a launcher\n");
   std::exit(rc);
 }
@@ -94,9 +98,15 @@ options parse(int argc, char** argv) {
     else if (a == "--copy-engine-gather") o.ce_gather = true;
     else if (a == "--wire") o.wire = next();
     else if (a == "--profile") o.profile = next();
+    else if (a == "--zero") o.zero = std::stoi(next());
+    else if (a == "--recompute") o.recompute = true;
     else return false;
     return true;
   });
+  if (o.zero != 0 && o.zero != 2 && o.zero != 3) {
+    std::fprintf(stderr, "gpt2_torch: --zero %d: say 2 (ShardedGradients) or 3 (FullySharded)\n", o.zero);
+    usage(2);
+  }
   if (o.wire != "fp32" && o.wire != "bf16") {
     std::fprintf(stderr, "gpt2_torch: --wire %s: say fp32 or bf16\n", o.wire.c_str());
     usage(2);
@@ -188,6 +198,8 @@ int main(int argc, char** argv) {
       model->to(dev);
       mark("model on the device");
       lockstep::TorchModule tm(model);
+      if (opt.zero)  // full sharding: each transformer block is a block; the rest is block 0
+        tm.set_blocks(std::vector<std::shared_ptr<torch::nn::Module>>(model->blocks->begin(), model->blocks->end()));
       mark("TorchModule (its gradients)");
       const lockstep::DataParallelOptions dp_options{};
       const lockstep::ShardedOptimizer sharding{.gather_in_forward = true,
@@ -197,10 +209,11 @@ int main(int argc, char** argv) {
       const lockstep::Bf16Wire wire(opt.wire == "bf16");
       // One body for both: ShardedOptimizer is a policy, so the DataParallel's type differs.
       auto train = [&](auto& dp) {
-        constexpr bool sharded = std::remove_cvref_t<decltype(dp)>::sharded;
+        using DP = std::remove_cvref_t<decltype(dp)>;
+        constexpr bool sharded = DP::sharded, blocked = DP::block_sharded;
 
         std::int64_t params = 0;
-        for (const auto& p : tm.tensors()) params += p.numel();
+        for (const auto& p : dp.parameters()) params += static_cast<std::int64_t>(p.numel());  // held or not
         if (ctx.is_root())
           std::printf("gpt2_torch: %lld parameters, %d rank(s) on %s, %lld x %lld tokens per rank and step, %zu bytes "
                       "of text\n",
@@ -214,11 +227,22 @@ int main(int argc, char** argv) {
         if constexpr (sharded) stepped = &dp.shard_parameters();
         // [snippet docs/sharding.md#6]
         gpt2::before_fn before;
-        if constexpr (sharded)
+        if constexpr (sharded && !blocked)
           before = [&](torch::nn::Module& sub) {
             for (auto i : tm.indices_of(sub)) dp.wait_parameters(i);
           };
         // [end snippet]
+        lockstep::TorchBlocks blocks;  // --zero: the forward runs each transformer block through it
+        gpt2::run_fn run;
+        if constexpr (blocked) {
+          lockstep::shard_blocks(dp, blocks);
+          run = blocks.function(opt.recompute);
+        }
+        // Block 0 (embeddings, final LayerNorm, head) is used around the whole forward and backward.
+        const auto root = [&](lockstep::pass p) {
+          if constexpr (blocked) return std::optional(dp.use_block(0, p));
+          else return std::optional<int>();
+        };
 #if GPT2_GPU
         using fused = lockstep::FusedAdamW;
         std::optional<fused> gpu_opt;
@@ -252,10 +276,17 @@ int main(int argc, char** argv) {
           auto rows = text.batch(opt.batch, opt.seq, opt.seed, s, ctx.rank()).to(dev, /*non_blocking=*/true);
           auto x = rows.narrow(1, 0, opt.seq), y = rows.narrow(1, 1, opt.seq);
           auto step = dp.step();
-          // [snippet docs/sharding.md#6]
-          auto loss = model->loss(x, y, before);
-          // [end snippet]
-          tm.backward(loss, step.on_gradient_ready());
+          torch::Tensor loss;
+          {
+            const auto held = root(lockstep::pass::forward);
+            // [snippet docs/sharding.md#6]
+            loss = model->loss(x, y, before, run);
+            // [end snippet]
+          }
+          {
+            const auto held = root(lockstep::pass::backward);
+            tm.backward(loss, step.on_gradient_ready());
+          }
 #if GPT2_GPU
           if constexpr (gpu) {
             at::autocast::clear_cache();
@@ -301,7 +332,12 @@ int main(int argc, char** argv) {
             // optimizer's state.
             const auto stats =
                 c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(ctx.device()));
-            const double arenas = static_cast<double>(dp.stats().arena_bytes) * (sharded ? 2 : 1);
+            const auto& st = dp.stats();
+            // Full sharding: the gradient shards, the value shards (ZeRO-3) or whole values
+            // (ZeRO-2, as large as the gradients unsharded), and the lent block buffers.
+            const double arenas =
+                blocked ? static_cast<double>(st.shard_bytes * (opt.zero == 3 ? 2 : 1 + dp.size()) + st.lent_bytes)
+                        : static_cast<double>(st.arena_bytes) * (sharded ? 2 : 1);
             peak_gib = (static_cast<double>(stats.allocated_bytes[0].peak) + arenas +
                         static_cast<double>(gpu_opt->state_bytes())) /
                        (1 << 30);
@@ -320,7 +356,9 @@ int main(int argc, char** argv) {
           const double peak = worst[1];
           if (ctx.is_root())
             gpt2::print_bench_line(std::string("lockstep") + (opt.wire == "bf16" ? "-bf16wire" : "") +
-                                       (sharded ? "-sharded" : "") +
+                                       (sharded && !blocked ? "-sharded" : "") +
+                                       (blocked ? "-zero" + std::to_string(opt.zero) : std::string()) +
+                                       (blocked && opt.recompute ? "-recompute" : "") +
                                        (sharded && !dp.stats().values_bound ? "-packed" : "") +
                                        (sharded && dp.stats().gathers_by_copy_engine ? "-cegather" : "") +
                                        (sharded && dp.stats().scatters_by_copy_engine ? "-cescatter" : ""),
@@ -334,7 +372,13 @@ int main(int argc, char** argv) {
         }
         if (ctx.is_root()) learned = last_loss < first_loss;
       };
-      if (opt.shard) {
+      if (opt.zero == 2) {
+        lockstep::DataParallel dp(ctx, tm, dp_options, wire, lockstep::ShardedGradients{});
+        train(dp);
+      } else if (opt.zero == 3) {
+        lockstep::DataParallel dp(ctx, tm, dp_options, wire, lockstep::FullySharded{});
+        train(dp);
+      } else if (opt.shard) {
         lockstep::DataParallel dp(ctx, tm, dp_options, wire, sharding);
         train(dp);
       } else {
