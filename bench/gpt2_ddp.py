@@ -160,7 +160,8 @@ def main():
         name = "fsdp2" if a.fsdp else "ddp"
         print(f"bench: {name} gpus={world} step_ms={ms:.2f} tokens_per_s={a.batch * a.seq * world / (ms / 1e3):.0f} "
               f"peak_gib={peak:.2f} loss_first={losses[0]:.3f} loss_last={losses[-1]:.3f}", flush=True)
-        print(f"bench-memory: {name} device_used_gib={used:.2f} (cudaMemGetInfo at the end, the most of any GPU)", flush=True)
+        print(f"bench-memory: {name} device_used_gib={used:.2f} (cudaMemGetInfo at the end, the most of any GPU)",
+              flush=True)
     if world > 1:
         dist.destroy_process_group()
 

@@ -329,21 +329,23 @@ void check_fullshard_torch(bool recompute) {
     gpt2::Gpt& model = sharded[r];
     std::vector<torch::Tensor> trained;
     {
-      // [snippet docs/torch.md#fullshard]
+      // [snippet docs/torch.md#3]
       lockstep::TorchModule tm(model);
       tm.set_blocks(std::vector<std::shared_ptr<torch::nn::Module>>(model->blocks->begin(), model->blocks->end()));
       lockstep::DataParallel dp(ctx, tm, Strategy{});  // FullySharded or ShardedGradients
       lockstep::TorchBlocks blocks;
       lockstep::shard_blocks(dp, blocks);  // model->loss(..., blocks.function()) runs each block as one
-      lockstep::AdamW opt(ao);             // over this rank's shards
+      lockstep::AdamW opt(ao);             // over this rank's shards (FusedAdamW on GPUs)
+      // [end snippet]
       for (int s = 0; s < steps; ++s) {
         auto rows = rows_of(ctx.rank());
+        auto x = rows.narrow(1, 0, c.context), y = rows.narrow(1, 1, c.context);
+        // [snippet docs/torch.md#3]
         auto step = dp.step();
         torch::Tensor loss;
         {  // block 0 (embeddings, final LayerNorm, head) spans the forward, and then the backward
           auto root = dp.use_block(0, lockstep::pass::forward);
-          loss =
-              model->loss(rows.narrow(1, 0, c.context), rows.narrow(1, 1, c.context), {}, blocks.function(recompute));
+          loss = model->loss(x, y, {}, blocks.function(recompute));  // recompute: activation checkpointing
         }
         {
           auto root = dp.use_block(0, lockstep::pass::backward);
