@@ -1,7 +1,8 @@
 // ShardedOptimizer over MPI: every process trains the MLP unsharded and sharded (AdamW,
 // DynamicScale) and the two end equal — packed and zero-copy gradients, tiny buckets,
 // accumulation, an injected inf (skipped on every process), clipping — and a checkpoint of
-// the sharded state taken mid-run resumes bit for bit.
+// the sharded state taken mid-run resumes bit for bit. Full sharding (ShardedGradients,
+// FullySharded: each layer a block used through dp.use_block) ends equal too.
 #include <doctest/doctest.h>
 
 #include <random>
@@ -70,9 +71,51 @@ void check_all(Ctx& ctx) {
   check<T, true>(ctx, clip);
 }
 
+// Full sharding over MPI, one process per rank: the same run under Strategy equals the
+// unsharded one (accumulation, an injected inf, clipping).
+template <class T, class Strategy>
+void check_blocks(Ctx& ctx, sharded_config c) {
+  c.ranks = ctx.size();
+  const auto seed = shared_seed();
+  CAPTURE(seed);
+  CAPTURE(ctx.rank());
+  CAPTURE(c.accumulate);
+  CAPTURE(c.inf_step);
+  CAPTURE(c.max_norm);
+  const auto d = make_data(seed, 211);
+  sharded_outcome plain, sharded;
+  plain.values.resize(static_cast<std::size_t>(c.ranks));
+  sharded.values.resize(static_cast<std::size_t>(c.ranks));
+  train_rank_as<T, lockstep::Replicated, true>(ctx, d, c, seed + 1, plain);
+  train_rank_as<T, Strategy, true>(ctx, d, c, seed + 1, sharded);
+  const auto me = static_cast<std::size_t>(ctx.rank());
+  CHECK(max_rel_diff(sharded.values[me], plain.values[me]) <= (std::is_same_v<T, double> ? 1e-12 : 1e-6));
+  CHECK(same_on_all_ranks(sharded.values[me]));
+  if (ctx.rank() == 0) {
+    CHECK(sharded.applied == plain.applied);
+    CHECK(sharded.final_scale == plain.final_scale);
+  }
+}
+
 }  // namespace
 
 TEST_SUITE("mpi") {
+
+TEST_CASE_TEMPLATE("fullshard zero2 zero3 over MPI equals the unsharded run", T, double, float) {
+  lockstep::run(lockstep::Mpi{}, [](Ctx& ctx) {
+    sharded_config c;
+    check_blocks<T, lockstep::ShardedGradients>(ctx, c);
+    check_blocks<T, lockstep::FullySharded>(ctx, c);
+    c.accumulate = 2;
+    c.inf_step = 2;
+    c.inf_at = static_cast<std::size_t>(shared_seed() % (13 * 17));
+    check_blocks<T, lockstep::FullySharded>(ctx, c);
+    c.inf_step = -1;
+    c.max_norm = 0.05;
+    check_blocks<T, lockstep::ShardedGradients>(ctx, c);
+    check_blocks<T, lockstep::FullySharded>(ctx, c);
+  });
+}
 
 TEST_CASE_TEMPLATE("sharded over MPI equals the unsharded run", T, double, float) {
   lockstep::run(lockstep::Mpi{}, [](Ctx& ctx) { check_all<T>(ctx); });
