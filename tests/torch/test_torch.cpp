@@ -388,6 +388,134 @@ TEST_CASE("TorchModule fullshard zero2: 3 CPU ranks == unsharded - recomputed bl
   check_fullshard_torch<lockstep::ShardedGradients>(true);
 }
 
+// A chain of blocks, one of them holding an f32 and an f64 Linear (two units, launched apart),
+// trained under Strategy with plain SGD on the shards; against the same chain Replicated.
+struct MixedImpl : torch::nn::Module {
+  MixedImpl() {
+    f = register_module("f", torch::nn::Linear(8, 8));
+    d = register_module("d", torch::nn::Linear(8, 8));
+    d->to(torch::kDouble);
+  }
+  torch::Tensor forward(const torch::Tensor& t) {
+    return torch::tanh(f(t) + d(t.to(torch::kDouble)).to(torch::kFloat));
+  }
+  torch::nn::Linear f{nullptr}, d{nullptr};
+};
+TORCH_MODULE(Mixed);
+struct ChainImpl : torch::nn::Module {
+  explicit ChainImpl(int n) {
+    for (int i = 0; i < n; ++i) layers.push_back(register_module("l" + std::to_string(i), torch::nn::Linear(8, 8)));
+    mixed = register_module("mixed", Mixed());
+    head = register_module("head", torch::nn::Linear(8, 1));
+  }
+  std::vector<std::shared_ptr<torch::nn::Module>> blocks() {
+    std::vector<std::shared_ptr<torch::nn::Module>> b;
+    for (const auto& l : layers) b.push_back(l.ptr());
+    b.push_back(mixed.ptr());
+    return b;
+  }
+  torch::Tensor loss(const torch::Tensor& x, const gpt2::run_fn& run) {
+    auto h = x;
+    std::size_t k = 0;
+    for (auto l : layers) {  // (a holder per block: the recomputation calls it again)
+      const gpt2::block_fn f = [l](const torch::Tensor& t) mutable { return torch::tanh(l->forward(t)); };
+      h = run ? run(++k, h, f) : f(h);
+    }
+    const gpt2::block_fn m = [mm = mixed](const torch::Tensor& t) mutable { return mm->forward(t); };
+    h = run ? run(++k, h, m) : m(h);
+    return head(h).pow(2).mean();
+  }
+  std::vector<torch::nn::Linear> layers;
+  Mixed mixed{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(Chain);
+
+template <class Strategy>
+std::vector<torch::Tensor> train_chain(std::uint64_t seed, Strategy strategy, bool recompute) {
+  std::vector<torch::Tensor> out;
+  std::vector<Chain> nets;  // built here, one after the other: libtorch's generator is global
+  std::vector<torch::Tensor> xs;
+  for (int r = 0; r < 2; ++r) {
+    torch::manual_seed(seed);  // the same values on both ranks (and in every run)
+    nets.emplace_back(6);
+    torch::manual_seed(seed + 1 + static_cast<std::uint64_t>(r));
+    xs.push_back(torch::randn({4, 8}));
+  }
+  lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
+    Chain& net = nets[static_cast<std::size_t>(ctx.rank())];
+    const auto& x = xs[static_cast<std::size_t>(ctx.rank())];
+    lockstep::TorchModule tm(net);
+    tm.set_blocks(net->blocks());
+    lockstep::DataParallel dp(ctx, tm, strategy);
+    using DP = std::remove_cvref_t<decltype(dp)>;
+    lockstep::TorchBlocks blocks;
+    gpt2::run_fn run;
+    if constexpr (DP::block_sharded) {
+      lockstep::shard_blocks(dp, blocks);
+      run = blocks.function(recompute);
+    }
+    const auto sgd = [](std::span<const lockstep::param_slice> sl) {
+      for (const auto& p : sl) {
+        const auto step = [&]<class T>(T) {
+          for (std::size_t i = 0; i < p.count; ++i)
+            static_cast<T*>(p.value)[i] -= static_cast<T>(0.5) * static_cast<const T*>(p.grad)[i];
+        };
+        if (p.type == lockstep::dtype::f64) step(double{});
+        else step(float{});
+      }
+    };
+    for (int s = 0; s < 3; ++s) {
+      auto st = dp.step();
+      torch::Tensor loss;
+      if constexpr (DP::block_sharded) {
+        {
+          auto root = dp.use_block(0, lockstep::pass::forward);
+          loss = net->loss(x, run);
+        }
+        auto root = dp.use_block(0, lockstep::pass::backward);
+        tm.backward(loss, st.on_gradient_ready());
+      } else {
+        tm.backward(net->loss(x, run), st.on_gradient_ready());
+      }
+      if constexpr (DP::sharded) {
+        st.finish(sgd);
+      } else {
+        st.finish();
+        for (const auto& p : dp.parameters())
+          sgd(std::span<const lockstep::param_slice>(
+              std::vector<lockstep::param_slice>{{0, 0, p.numel(), p.type, p.value, p.grad}}));
+      }
+    }
+    dp.wait_all_parameters();
+    if (ctx.rank() == 0)
+      for (auto& p : net->parameters()) out.push_back(p.detach().clone());
+  });
+  return out;
+}
+
+// Autograd saves views of parameters (weight.t()): a block's backward must read the values its
+// own backward use gathered even when the buffer its forward used holds another block by then
+// (prefetch 2 and 3 over 7 blocks); a block of two element types reports both units' gradients.
+TEST_CASE("TorchModule fullshard zero3: saved views of released blocks - a block of two element types") {
+  torch::set_num_threads(1);
+  const auto seed = lockstep_test::fresh_seed();
+  CAPTURE(seed);
+  const auto ref = train_chain(seed, lockstep::Replicated{}, false);
+  for (int prefetch : {1, 2, 3})
+    for (bool recompute : {false, true}) {
+      CAPTURE(prefetch);
+      CAPTURE(recompute);
+      lockstep::FullySharded fs;
+      fs.buffers.prefetch = prefetch;
+      const auto got = train_chain(seed, fs, recompute);
+      REQUIRE(got.size() == ref.size());
+      for (std::size_t i = 0; i < ref.size(); ++i) CHECK(torch::allclose(got[i], ref[i], 1e-6, 1e-7));
+    }
+  const auto zero2 = train_chain(seed, lockstep::ShardedGradients{}, false);
+  for (std::size_t i = 0; i < ref.size(); ++i) CHECK(torch::allclose(zero2[i], ref[i], 1e-6, 1e-7));
+}
+
 TEST_CASE("TorchModule: a branch used on some ranks only and one used on none") {
   torch::set_num_threads(1);
   const auto seed = lockstep_test::fresh_seed();

@@ -28,6 +28,7 @@
 #include <optional>
 #include <utility>
 
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/types.h>
 

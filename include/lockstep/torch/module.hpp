@@ -42,8 +42,9 @@
 //!    DataParallel::wait_parameters before the forward uses them (gather_in_forward).
 //!  - set_blocks(submodules), blocks(), attach(i, value, grad) (ShardedGradients,
 //!    FullySharded: lockstep::model (h), (i)): the listed submodules are blocks 1, 2, …, the
-//!    rest block 0; attach points the parameter's data (`set_data`) and `.grad` at lockstep's
-//!    block buffers, or at nothing (a 0-element tensor, an undefined `.grad`) outside a use.
+//!    rest block 0; attach points the parameter's data (one storage per parameter, re-pointed)
+//!    and `.grad` at lockstep's block buffers, or at nothing (a 0-element tensor, an undefined
+//!    `.grad`) outside a use.
 //!    TorchBlocks (blocks.hpp) is what the model's forward calls at each block.
 //!
 //! Hooks fire on autograd's threads (for CUDA tensors, the device's worker thread) while the
@@ -248,10 +249,21 @@ class TorchModule {
   }
   //! Full sharding (lockstep::model (i)): parameter i's data is a view of `value` (or a
   //! 0-element tensor: not held) and its `.grad` a view of `grad` (or undefined).
+  //! The data lives in one storage per parameter whose address is re-pointed at each use:
+  //! autograd saves views of parameters (a Linear's weight.t()), which share that storage, so a
+  //! backward reads the values its own use gathered — not the buffer the forward's use had,
+  //! which may hold another block by then (FSDP2 resizes one storage for the same reason).
   void attach(std::size_t i, void* value, void* grad) {
     at::Tensor& p = params_.at(i);
     const auto opts = p.options().requires_grad(false);
-    p.set_data(value ? torch::from_blob(value, sizes_.at(i), strides_.at(i), opts) : at::empty({0}, opts));
+    if (storages_.empty()) storages_.resize(params_.size());
+    if (!storages_[i]) {
+      const auto bytes = static_cast<std::size_t>(protos_.at(i).bytes());
+      storages_[i] = c10::Storage(c10::Storage::use_byte_size_t(), bytes, c10::DataPtr(nullptr, p.device()), nullptr,
+                                  /*resizable=*/false);
+    }
+    storages_[i].unsafeGetStorageImpl()->set_data_ptr(c10::DataPtr(value, p.device()));
+    p.set_data(value ? at::empty({0}, opts).set_(storages_[i], 0, sizes_.at(i), strides_.at(i)) : at::empty({0}, opts));
     p.mutable_grad() = grad ? torch::from_blob(grad, sizes_.at(i), strides_.at(i), opts) : at::Tensor();
   }
   void bind_gradient(std::size_t i, void* storage) {
@@ -401,6 +413,7 @@ class TorchModule {
   std::vector<parameter> protos_;                           // per parameter: name, shape, type as wrapped
   std::vector<std::size_t> block_of_;                       // set_blocks, or empty: every parameter block 0
   std::vector<std::vector<std::int64_t>> sizes_, strides_;  // per parameter, as wrapped
+  std::vector<c10::Storage> storages_;                      // attach: per parameter, re-pointed per use
   std::vector<std::string> names_, buffer_names_, frozen_names_;
   std::vector<at::Tensor> params_, buffers_, frozen_;
   std::shared_ptr<detail::torch_hook_state> hooks_;

@@ -180,7 +180,7 @@ class block_units
   //! Parameter i got its gradient: its block must be in its backward use.
   void check_reported(std::size_t i, const std::string& name) const {
     const block& b = blocks_[block_of_.at(i)];
-    if (!b.in_use || !b.backward || b.grads.empty() || !b.grads.front())
+    if (!b.in_use || !b.backward)  // (a unit of another element type may have launched already)
       throw config_error("parameter " + std::to_string(i) + " ('" + name +
                          "') got a gradient outside the backward use "
                          "of its block " +
@@ -403,7 +403,9 @@ class block_units
     if (comm_.size() == 1) return;
     const unit& un = g.units[u];
     void* from = g.at(g.values, un.begin + static_cast<std::size_t>(comm_.rank()) * un.per);
-    b.gathers[slot_in(b, gi, u)].emplace(comm_.all_gather(from, g.at(g.values, un.begin), un.per, g.plan->type));
+    auto& w = b.gathers[slot_in(b, gi, u)];
+    wait_work(w, step_event::wait_gather, g.units[u].block);  // a block not used since its last gather
+    w.emplace(comm_.all_gather(from, g.at(g.values, un.begin), un.per, g.plan->type));
   }
 
   void wait_work(std::optional<work_type>& w, step_event e, std::size_t index) {
