@@ -41,7 +41,8 @@ class Block(nn.Module):
         self.mlp_proj = nn.Linear(4 * width, width)
         residual = 0.02 / math.sqrt(2 * layers)
         with torch.no_grad():
-            for l, std in ((self.attn_qkv, 0.02), (self.mlp_fc, 0.02), (self.attn_proj, residual), (self.mlp_proj, residual)):
+            for l, std in ((self.attn_qkv, 0.02), (self.mlp_fc, 0.02),
+                           (self.attn_proj, residual), (self.mlp_proj, residual)):
                 l.weight.normal_(0.0, std)
                 l.bias.zero_()
 
@@ -120,7 +121,8 @@ def main():
     times, losses = [], []
     profiled = 3
     if a.profile and a.steps < a.warmup + profiled:
-        raise SystemExit(f"--profile records steps {a.warmup}..{a.warmup + profiled - 1}: give --steps >= {a.warmup + profiled}")
+        raise SystemExit(f"--profile records steps {a.warmup}..{a.warmup + profiled - 1}: "
+                         f"give --steps >= {a.warmup + profiled}")
     prof = None
     for step in range(a.steps):
         if a.profile and rank == 0 and step == a.warmup:
