@@ -278,13 +278,13 @@ int main(int argc, char** argv) {
           auto step = dp.step();
           torch::Tensor loss;
           {
-            const auto held = root(lockstep::pass::forward);
+            [[maybe_unused]] const auto held = root(lockstep::pass::forward);
             // [snippet docs/sharding.md#6]
             loss = model->loss(x, y, before, run);
             // [end snippet]
           }
           {
-            const auto held = root(lockstep::pass::backward);
+            [[maybe_unused]] const auto held = root(lockstep::pass::backward);
             tm.backward(loss, step.on_gradient_ready());
           }
 #if GPT2_GPU

@@ -204,11 +204,11 @@ int main(int argc, char** argv) {
           auto step = dp.step();
           torch::Tensor loss;
           {
-            const auto held = root(lockstep::pass::forward);
+            [[maybe_unused]] const auto held = root(lockstep::pass::forward);
             loss = model->loss(rows.narrow(1, 0, opt.seq), rows.narrow(1, 1, opt.seq), run);
           }
           {
-            const auto held = root(lockstep::pass::backward);
+            [[maybe_unused]] const auto held = root(lockstep::pass::backward);
             tm.backward(loss, step.on_gradient_ready());
           }
           if constexpr (sharded) {

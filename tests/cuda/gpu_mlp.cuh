@@ -159,7 +159,7 @@ class GpuMlp {
     k::gather_rows<<<k::blocks(B * dims_[0]), 128, 0, s_>>>(X, rows, act[0], B, dims_[0]);
     LOCKSTEP_CHECK_LAUNCH();
     for (std::size_t l = 0; l < L; ++l) {
-      const auto held = use(l, true);
+      [[maybe_unused]] const auto held = use(l, true);
       k::linear_fwd<<<k::blocks(B * dims_[l + 1]), 128, 0, s_>>>(vals_[2 * l], vals_[2 * l + 1], act[l], act[l + 1], B,
                                                                  dims_[l], dims_[l + 1], l + 1 < L);
       LOCKSTEP_CHECK_LAUNCH();
@@ -168,7 +168,7 @@ class GpuMlp {
     k::softmax_ce_grad<<<k::blocks(B), 128, 0, s_>>>(act[L], y, rows, d, B, dims_[L], loss_scale);
     LOCKSTEP_CHECK_LAUNCH();
     for (std::size_t l = L; l-- > 0;) {
-      const auto held = use(l, false);
+      [[maybe_unused]] const auto held = use(l, false);
       const int in = dims_[l], out = dims_[l + 1];
       k::grad_w<<<k::blocks(in * out), 128, 0, s_>>>(d, act[l], grads_[2 * l], B, in, out);
       LOCKSTEP_CHECK_LAUNCH();

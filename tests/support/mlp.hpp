@@ -112,7 +112,7 @@ class TestMlp {
     for (std::size_t r = 0; r < B; ++r)
       for (int j = 0; j < dims_[0]; ++j) act[0][r * dims_[0] + j] = X[rows[r] * dims_[0] + j];
     for (std::size_t l = 0; l < L; ++l) {
-      const auto held = use(l, true);
+      [[maybe_unused]] const auto held = use(l, true);
       const int in = dims_[l], out = dims_[l + 1];
       act[l + 1].assign(B * out, T(0));
       for (std::size_t r = 0; r < B; ++r)
@@ -137,7 +137,7 @@ class TestMlp {
                                           static_cast<double>(B));
     }
     for (std::size_t l = L; l-- > 0;) {
-      const auto held = use(l, false);
+      [[maybe_unused]] const auto held = use(l, false);
       const int in = dims_[l], out = dims_[l + 1];
       T* gw = gwp_[l];
       T* gb = gbp_[l];
