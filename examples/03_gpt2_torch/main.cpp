@@ -376,7 +376,9 @@ int main(int argc, char** argv) {
         lockstep::DataParallel dp(ctx, tm, dp_options, wire, lockstep::ShardedGradients{});
         train(dp);
       } else if (opt.zero == 3) {
-        lockstep::DataParallel dp(ctx, tm, dp_options, wire, lockstep::FullySharded{});
+        lockstep::FullySharded fs;  // on GPUs (bf16 autocast) the blocks get bf16 values gathered from fp32 shards
+        if (gpu) fs.param_dtype = lockstep::dtype::bf16;
+        lockstep::DataParallel dp(ctx, tm, dp_options, wire, fs);
         train(dp);
       } else if (opt.shard) {
         lockstep::DataParallel dp(ctx, tm, dp_options, wire, sharding);

@@ -14,7 +14,17 @@ namespace llama {
 
 struct Config {
   std::int64_t vocab = 32000, context = 2048, depth = 32, heads = 32, width = 4096, ffn = 11008;
+  torch::Device device = torch::kCPU;  // where the parameters are made (and drawn: no copy of a whole model)
 };
+
+//! y = x · weightᵀ, no bias; the weight is made uninitialised on the device (LlamaImpl draws it).
+struct ProjImpl : torch::nn::Module {
+  ProjImpl(std::int64_t in, std::int64_t out, torch::Device device)
+      : weight(register_parameter("weight", torch::empty({out, in}, torch::TensorOptions().device(device)))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return torch::nn::functional::linear(x, weight); }
+  torch::Tensor weight;
+};
+TORCH_MODULE(Proj);
 
 //! Runs block k (1, 2, …): run(k, x, f) returns f(x), the block's forward (see gpt2::run_fn).
 using block_fn = std::function<torch::Tensor(const torch::Tensor&)>;
@@ -22,7 +32,8 @@ using run_fn = std::function<torch::Tensor(std::size_t, const torch::Tensor&, bl
 
 //! x / rms(x) · weight, the mean of squares taken in fp32.
 struct RMSNormImpl : torch::nn::Module {
-  explicit RMSNormImpl(std::int64_t width) : weight(register_parameter("weight", torch::ones({width}))) {}
+  RMSNormImpl(std::int64_t width, torch::Device device)
+      : weight(register_parameter("weight", torch::ones({width}, torch::TensorOptions().device(device)))) {}
   torch::Tensor forward(const torch::Tensor& x) {
     const auto f = x.to(torch::kFloat);
     return (f * torch::rsqrt(f.pow(2).mean(-1, /*keepdim=*/true) + 1e-5)).to(x.scalar_type()) * weight;
@@ -53,15 +64,15 @@ inline torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tenso
 
 struct BlockImpl : torch::nn::Module {
   explicit BlockImpl(const Config& c) : heads(c.heads) {
-    attn_norm = register_module("attention_norm", RMSNorm(c.width));
-    wq = register_module("wq", torch::nn::Linear(torch::nn::LinearOptions(c.width, c.width).bias(false)));
-    wk = register_module("wk", torch::nn::Linear(torch::nn::LinearOptions(c.width, c.width).bias(false)));
-    wv = register_module("wv", torch::nn::Linear(torch::nn::LinearOptions(c.width, c.width).bias(false)));
-    wo = register_module("wo", torch::nn::Linear(torch::nn::LinearOptions(c.width, c.width).bias(false)));
-    mlp_norm = register_module("ffn_norm", RMSNorm(c.width));
-    w1 = register_module("w1", torch::nn::Linear(torch::nn::LinearOptions(c.width, c.ffn).bias(false)));
-    w3 = register_module("w3", torch::nn::Linear(torch::nn::LinearOptions(c.width, c.ffn).bias(false)));
-    w2 = register_module("w2", torch::nn::Linear(torch::nn::LinearOptions(c.ffn, c.width).bias(false)));
+    attn_norm = register_module("attention_norm", RMSNorm(c.width, c.device));
+    wq = register_module("wq", Proj(c.width, c.width, c.device));
+    wk = register_module("wk", Proj(c.width, c.width, c.device));
+    wv = register_module("wv", Proj(c.width, c.width, c.device));
+    wo = register_module("wo", Proj(c.width, c.width, c.device));
+    mlp_norm = register_module("ffn_norm", RMSNorm(c.width, c.device));
+    w1 = register_module("w1", Proj(c.width, c.ffn, c.device));
+    w3 = register_module("w3", Proj(c.width, c.ffn, c.device));
+    w2 = register_module("w2", Proj(c.ffn, c.width, c.device));
   }
   //! x [B, T, width]; cos/sin [T, head_dim / 2].
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
@@ -76,17 +87,18 @@ struct BlockImpl : torch::nn::Module {
   }
   std::int64_t heads;
   RMSNorm attn_norm{nullptr}, mlp_norm{nullptr};
-  torch::nn::Linear wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr}, w1{nullptr}, w2{nullptr}, w3{nullptr};
+  Proj wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr}, w1{nullptr}, w2{nullptr}, w3{nullptr};
 };
 TORCH_MODULE(Block);
 
 struct LlamaImpl : torch::nn::Module {
   explicit LlamaImpl(const Config& c) : config(c) {
     embed = register_module("tok_embeddings", torch::nn::Embedding(c.vocab, c.width));
+    embed->to(c.device);
     blocks = register_module("layers", torch::nn::ModuleList());
     for (std::int64_t i = 0; i < c.depth; ++i) blocks->push_back(Block(c));
-    norm = register_module("norm", RMSNorm(c.width));
-    head = register_module("output", torch::nn::Linear(torch::nn::LinearOptions(c.width, c.vocab).bias(false)));
+    norm = register_module("norm", RMSNorm(c.width, c.device));
+    head = register_module("output", Proj(c.width, c.vocab, c.device));
     torch::NoGradGuard no_grad;
     for (auto& p : named_parameters())
       if (p.key().find("norm") == std::string::npos) p.value().normal_(0.0, 0.02);
@@ -114,7 +126,7 @@ struct LlamaImpl : torch::nn::Module {
   torch::nn::Embedding embed{nullptr};
   torch::nn::ModuleList blocks{nullptr};
   RMSNorm norm{nullptr};
-  torch::nn::Linear head{nullptr};
+  Proj head{nullptr};
 };
 TORCH_MODULE(Llama);
 

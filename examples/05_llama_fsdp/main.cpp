@@ -11,8 +11,13 @@
 //
 // --zero 0|1|2|3 picks plain data parallelism, ShardedOptimizer, ShardedGradients or
 // FullySharded; --recompute recomputes each block in backward (activation checkpointing). On
-// GPUs: bf16 autocast, fused AdamW on the shards. Rank 0 prints the loss, tokens/s and, at the
-// end, the peak device memory; the program exits 1 if the loss did not go down.
+// GPUs: bf16 autocast, fused AdamW on the shards, and FullySharded lends the blocks bf16 values
+// gathered from fp32 shards (param_dtype; --fp32-gather: fp32). The parameters are made on the
+// rank's device, and libtorch's cache is emptied once the DataParallel holds them, so a model
+// of up to about the device's memory in fp32 can be built. Rank 0 prints the loss, tokens/s
+// and, at the end, the peak memory per GPU (libtorch's allocator peak during training plus
+// lockstep's shards, buffers and AdamW state) and the device memory in use at the end; the
+// program exits 1 if the loss did not go down.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -54,13 +59,13 @@ struct options {
   double lr = 3e-4;
   std::uint64_t seed = 42;
   int zero = 3;
-  bool recompute = false;
+  bool recompute = false, fp32_gather = false;
 };
 
 [[noreturn]] void usage(int rc) {
   std::printf("usage: llama_fsdp [--data DIR|FILE] [--device auto|cpu] [--depth N] [--width W] [--heads H] [--ffn F]\n"
               "                  [--vocab V] [--batch B] [--seq T] [--steps N] [--warmup N] [--lr X] [--seed S]\n"
-              "                  [--log-every N] [--zero 0|1|2|3] [--recompute]\n"
+              "                  [--log-every N] [--zero 0|1|2|3] [--recompute] [--fp32-gather]\n"
               "  defaults: the 7B family's width (4096, 32 heads, FFN 11008, vocabulary 32000) at depth 8,\n"
               "  1 x 2048 tokens per rank and step, FullySharded (--zero 3)\n");
   std::exit(rc);
@@ -86,6 +91,7 @@ options parse(int argc, char** argv) {
     else if (a == "--log-every") o.log_every = num();
     else if (a == "--zero") o.zero = static_cast<int>(num());
     else if (a == "--recompute") o.recompute = true;
+    else if (a == "--fp32-gather") o.fp32_gather = true;
     else return false;
     return true;
   });
@@ -142,12 +148,13 @@ int main(int argc, char** argv) {
       const torch::Device dev =
           gpu ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(ctx.device())) : torch::Device(torch::kCPU);
       llama::Llama model(nullptr);
-      {
+      {  // made on the device (the seed sets every device's generator: one rank at a time)
         std::lock_guard<std::mutex> lock(init_mutex);
         torch::manual_seed(opt.seed);
-        model = llama::Llama(opt.model);
+        auto config = opt.model;
+        config.device = dev;
+        model = llama::Llama(config);
       }
-      model->to(dev);
       lockstep::TorchModule tm(model);
       if (opt.zero >= 2)  // each transformer block a block; the rest (embeddings, norm, head) block 0
         tm.set_blocks(std::vector<std::shared_ptr<torch::nn::Module>>(model->blocks->begin(), model->blocks->end()));
@@ -157,6 +164,12 @@ int main(int argc, char** argv) {
         constexpr bool sharded = DP::sharded, blocked = DP::block_sharded;
         std::int64_t params = 0;
         for (const auto& p : dp.parameters()) params += static_cast<std::int64_t>(p.numel());
+#if LLAMA_GPU
+        if constexpr (gpu) {  // the model's own storage, now in lockstep's shards: back to the device
+          c10::cuda::CUDACachingAllocator::emptyCache();
+          c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(ctx.device()));
+        }
+#endif
         if (ctx.is_root())
           std::printf("llama_fsdp: %.1fM parameters (depth %lld, width %lld), %d rank(s) on %s, zero %d%s, %lld x %lld "
                       "tokens per rank and step\n",
@@ -206,6 +219,7 @@ int main(int argc, char** argv) {
           {
             [[maybe_unused]] const auto held = root(lockstep::pass::forward);
             loss = model->loss(rows.narrow(1, 0, opt.seq), rows.narrow(1, 1, opt.seq), run);
+            at::autocast::clear_cache();  // the next forward casts the updated weights anew
           }
           {
             [[maybe_unused]] const auto held = root(lockstep::pass::backward);
@@ -236,7 +250,7 @@ int main(int argc, char** argv) {
           }
         }
         const double median = lockstep_bench::median_after_warmup(step_ms, opt.warmup);
-        double peak[2] = {0, median};  // GiB on the device (the most of any rank), step ms
+        double peak[3] = {0, median, 0};  // GiB: peak (the most of any rank), step ms, in use at the end
 #if LLAMA_GPU
         if constexpr (gpu) {  // libtorch's allocator peak, lockstep's shards and lent buffers, AdamW's state
           const auto st = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(ctx.device()));
@@ -247,6 +261,9 @@ int main(int argc, char** argv) {
           peak[0] =
               (static_cast<double>(st.allocated_bytes[0].peak) + own + static_cast<double>(gpu_opt->state_bytes())) /
               (1 << 30);
+          std::size_t free = 0, total = 0;
+          LOCKSTEP_TRY_CUDA(cudaMemGetInfo(&free, &total));
+          peak[2] = static_cast<double>(total - free) / (1 << 30);
         }
 #endif
         lockstep::detail::host_all_reduce(ctx.comm(), std::span<double>(peak), lockstep::reduce_op::max);
@@ -254,14 +271,16 @@ int main(int argc, char** argv) {
           std::printf("llama_fsdp: loss %.3f -> %.3f over %lld steps; median step %.1f ms, %.0f tokens/s", first, last,
                       static_cast<long long>(opt.steps), peak[1],
                       static_cast<double>(opt.batch * opt.seq * ctx.size()) / (peak[1] / 1e3));
-          if (gpu) std::printf(", peak %.2f GiB per GPU", peak[0]);
+          if (gpu) std::printf(", peak %.2f GiB per GPU, %.2f GiB in use at the end", peak[0], peak[2]);
           std::printf("\n");
           learned = last < first;
         }
       };
       switch (opt.zero) {
         case 3: {
-          lockstep::DataParallel dp(ctx, tm, lockstep::FullySharded{});
+          lockstep::FullySharded fs;
+          if (gpu && !opt.fp32_gather) fs.param_dtype = lockstep::dtype::bf16;
+          lockstep::DataParallel dp(ctx, tm, fs);
           return train(dp);
         }
         case 2: {

@@ -431,8 +431,9 @@ struct ChainImpl : torch::nn::Module {
 };
 TORCH_MODULE(Chain);
 
+// bf16: the forward (not the backward) runs under CPU bf16 autocast.
 template <class Strategy>
-std::vector<torch::Tensor> train_chain(std::uint64_t seed, Strategy strategy, bool recompute) {
+std::vector<torch::Tensor> train_chain(std::uint64_t seed, Strategy strategy, bool recompute, bool bf16 = false) {
   std::vector<torch::Tensor> out;
   std::vector<Chain> nets;  // built here, one after the other: libtorch's generator is global
   std::vector<torch::Tensor> xs;
@@ -446,7 +447,7 @@ std::vector<torch::Tensor> train_chain(std::uint64_t seed, Strategy strategy, bo
     Chain& net = nets[static_cast<std::size_t>(ctx.rank())];
     const auto& x = xs[static_cast<std::size_t>(ctx.rank())];
     lockstep::TorchModule tm(net);
-    tm.set_blocks(net->blocks());
+    if constexpr (lockstep::detail::is_block_sharded<Strategy>::value) tm.set_blocks(net->blocks());
     lockstep::DataParallel dp(ctx, tm, strategy);
     using DP = std::remove_cvref_t<decltype(dp)>;
     lockstep::TorchBlocks blocks;
@@ -465,18 +466,27 @@ std::vector<torch::Tensor> train_chain(std::uint64_t seed, Strategy strategy, bo
         else step(float{});
       }
     };
+    const auto autocast = [&](bool on) {  // leaving it drops its cached casts, as torch.autocast's exit does
+      lockstep::detail::set_autocast(c10::DeviceType::CPU, on, at::kBFloat16);
+      if (!on) at::autocast::clear_cache();
+    };
     for (int s = 0; s < 3; ++s) {
       auto st = dp.step();
       torch::Tensor loss;
       if constexpr (DP::block_sharded) {
         {
           auto root = dp.use_block(0, lockstep::pass::forward);
+          autocast(bf16);
           loss = net->loss(x, run);
+          autocast(false);
         }
         auto root = dp.use_block(0, lockstep::pass::backward);
         tm.backward(loss, st.on_gradient_ready());
       } else {
-        tm.backward(net->loss(x, run), st.on_gradient_ready());
+        autocast(bf16);
+        loss = net->loss(x, run);
+        autocast(false);
+        tm.backward(loss, st.on_gradient_ready());
       }
       if constexpr (DP::sharded) {
         st.finish(sgd);
@@ -514,6 +524,35 @@ TEST_CASE("TorchModule fullshard zero3: saved views of released blocks - a block
     }
   const auto zero2 = train_chain(seed, lockstep::ShardedGradients{}, false);
   for (std::size_t i = 0; i < ref.size(); ++i) CHECK(torch::allclose(zero2[i], ref[i], 1e-6, 1e-7));
+}
+
+// FullySharded::param_dtype = bf16: fp32 master shards, bf16 values lent to the blocks (their
+// f32 parameters; the f64 Linear stays f64) and bf16 gradients widened for the reduce-scatter.
+// The same numbers as the unsharded model under bf16 autocast, whose casts round the fp32
+// weights alike and whose backward widens the bf16 gradients alike; the recomputed blocks run
+// under the forward's autocast (the backward runs without it) and train the same.
+TEST_CASE("TorchModule fullshard zero3: bf16 param_dtype == unsharded under bf16 autocast - recomputed too") {
+  torch::set_num_threads(1);
+  const auto seed = lockstep_test::fresh_seed();
+  CAPTURE(seed);
+  const auto ref = train_chain(seed, lockstep::Replicated{}, false, true);
+  const auto fp32 = train_chain(seed, lockstep::Replicated{}, false, false);
+  double apart = 0;  // bf16 compute differs from fp32: the comparison can tell them apart
+  for (std::size_t i = 0; i < ref.size(); ++i) apart = std::max(apart, (ref[i] - fp32[i]).abs().max().item<double>());
+  CHECK(apart > 1e-5);
+  for (bool recompute : {false, true}) {
+    CAPTURE(recompute);
+    lockstep::FullySharded fs;
+    fs.param_dtype = lockstep::dtype::bf16;
+    fs.buffers.prefetch = 2;
+    const auto got = train_chain(seed, fs, recompute, true);
+    REQUIRE(got.size() == ref.size());
+    for (std::size_t i = 0; i < ref.size(); ++i) {
+      CAPTURE(i);
+      CHECK((got[i].scalar_type() == ref[i].scalar_type()));  // gathered whole: the masters' type again
+      CHECK(torch::allclose(got[i], ref[i], 1e-5, 1e-6));
+    }
+  }
 }
 
 TEST_CASE("TorchModule: a branch used on some ranks only and one used on none") {

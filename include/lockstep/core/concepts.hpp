@@ -73,6 +73,10 @@ struct segment {
 //!      at construction it takes the values over (the model may then free its own storage),
 //!      and when DataParallel is destroyed it attaches them whole once more and calls (f)
 //!      unbind_values if the model has it. Checked by `attaching_model`.
+//!      `m.attach(i, value, grad, lockstep::dtype t)`, where the model has it, is called
+//!      instead and names the element type of both: FullySharded::param_dtype hands fp32
+//!      parameters over in bf16 during their block's use (and in fp32 when gathered whole by
+//!      wait_all_parameters). Required for param_dtype; checked by `typed_attaching_model`.
 //!
 //! Example:
 //! \code
@@ -124,6 +128,8 @@ concept block_model = model<M> && requires(M& m) {
 
 template <class M>
 concept attaching_model = model<M> && requires(M& m, std::size_t i, void* p) { m.attach(i, p, p); };
+template <class M>
+concept typed_attaching_model = model<M> && requires(M& m, std::size_t i, void* p, dtype t) { m.attach(i, p, p, t); };
 
 // ---------------------------------------------------------------------------------------
 //! lockstep::work — a handle to a collective that may still be in flight.
@@ -148,6 +154,8 @@ struct ready_work {
 //!  6. `scale(ptr, count, t, factor)`.
 //! Optional: `add(dst, src, count, t)`: dst ← dst + src (ShardedGradients and FullySharded
 //! accumulate each micro-step's reduced gradient shard with it; `memory_ops_with_add`).
+//! Optional: `convert(dst, dst_t, src, src_t, count)`: dst ← src rounded to dst_t (nearest
+//! even), at least between f32 and bf16 (FullySharded::param_dtype; `memory_ops_with_convert`).
 template <class O>
 concept memory_ops =
     requires(O& o, void* p, const void* cp, std::size_t n, dtype t, double s, std::span<const segment> segs) {
@@ -163,6 +171,9 @@ concept memory_ops =
 template <class O>
 concept memory_ops_with_add =
     memory_ops<O> && requires(O& o, void* p, const void* cp, std::size_t n, dtype t) { o.add(p, cp, n, t); };
+template <class O>
+concept memory_ops_with_convert =
+    memory_ops<O> && requires(O& o, void* p, const void* cp, std::size_t n, dtype t) { o.convert(p, t, cp, t, n); };
 
 // ---------------------------------------------------------------------------------------
 //! lockstep::communicator — how bytes move between the ranks of one job.

@@ -7,8 +7,10 @@
 #include <memory>
 #include <new>
 #include <span>
+#include <string>
 
 #include "lockstep/core/concepts.hpp"
+#include "lockstep/core/error.hpp"
 #include "lockstep/core/detail/half.hpp"
 
 namespace lockstep {
@@ -100,12 +102,35 @@ struct HostMemory {
       for (std::size_t i = 0; i < count; ++i) x[i] += y[i];
     });
   }
+  //! dst ← src rounded to dst_t (to nearest, ties to even): between f32, f64 and the 16-bit
+  //! floats (through float), or a copy when the types are the same.
+  void convert(void* dst, dtype dst_t, const void* src, dtype src_t, std::size_t count) const {
+    if (dst_t == src_t) return copy(dst, src, count * size_of(dst_t));
+    if (!is_floating(dst_t) || !is_floating(src_t))
+      throw config_error(std::string("HostMemory::convert: ") + name_of(src_t) + " -> " + name_of(dst_t) +
+                         " is not a conversion between floating types");
+    const auto read = [&](std::size_t i) -> double {
+      if (detail::is_half(src_t))
+        return detail::with_half_codec(
+            src_t, [&](auto to_float, auto) { return double{to_float(static_cast<const std::uint16_t*>(src)[i])}; });
+      if (src_t == dtype::f64) return static_cast<const double*>(src)[i];
+      return static_cast<const float*>(src)[i];
+    };
+    for (std::size_t i = 0; i < count; ++i) {
+      const double v = read(i);
+      if (detail::is_half(dst_t))
+        static_cast<std::uint16_t*>(dst)[i] =
+            detail::with_half_codec(dst_t, [&](auto, auto from_float) { return from_float(static_cast<float>(v)); });
+      else if (dst_t == dtype::f64) static_cast<double*>(dst)[i] = v;
+      else static_cast<float*>(dst)[i] = static_cast<float>(v);
+    }
+  }
 
  private:
   static void copy(void* dst, const void* src, std::size_t bytes) {
     if (bytes && dst != src) std::memmove(dst, src, bytes);
   }
 };
-static_assert(memory_ops_with_add<HostMemory>);
+static_assert(memory_ops_with_add<HostMemory> && memory_ops_with_convert<HostMemory>);
 
 }  // namespace lockstep

@@ -25,6 +25,7 @@
 #include "lockstep/core/error.hpp"
 #include "lockstep/cuda/error.cuh"
 #include "lockstep/cuda/kernels/memory_ops.cuh"
+#include "lockstep/cuda/kernels/wire_ops.cuh"
 
 namespace lockstep {
 
@@ -199,6 +200,22 @@ class CudaMemory {
     detail::device_guard g(device_);
     cuda::kernels::add(dst, src, count, t, stream_);
   }
+  //! dst ← src rounded to dst_t (to nearest, ties to even), one launch: f32 ⇄ bf16, or a
+  //! copy when the types are the same.
+  void convert(void* dst, dtype dst_t, const void* src, dtype src_t, std::size_t count) const {
+    detail::device_guard g(device_);
+    if (dst_t == src_t) {
+      if (count && dst != src)
+        LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(dst, src, count * size_of(dst_t), cudaMemcpyDeviceToDevice, stream_));
+    } else if (src_t == dtype::f32 && dst_t == dtype::bf16) {
+      cuda::kernels::to_bf16(static_cast<const float*>(src), dst, count, 1.0f, stream_);
+    } else if (src_t == dtype::bf16 && dst_t == dtype::f32) {
+      cuda::kernels::from_bf16(src, static_cast<float*>(dst), count, stream_);
+    } else {
+      throw config_error(std::string("CudaMemory::convert: ") + name_of(src_t) + " -> " + name_of(dst_t) +
+                         " is not supported (f32 <-> bf16 is)");
+    }
+  }
 
  private:
   struct deleter {
@@ -217,6 +234,6 @@ class CudaMemory {
   cudaStream_t stream_ = nullptr;
 };
 
-static_assert(memory_ops_with_add<CudaMemory>);
+static_assert(memory_ops_with_add<CudaMemory> && memory_ops_with_convert<CudaMemory>);
 
 }  // namespace lockstep

@@ -152,6 +152,13 @@ struct FullySharded {
   //! Keep each block's gathered values from its forward until its backward (FSDP2's
   //! reshard_after_forward = False): no second gather, the whole model's values held at once.
   bool keep_after_forward = false;
+  //! The element type fp32 parameters are lent to the model in during a use (FSDP2's
+  //! param_dtype): f32, or bf16 — the shards, the optimizer and the reduced gradients stay
+  //! fp32 (masters), the gathers move half the bytes and the model computes (and writes its
+  //! gradients) in bf16, widened to fp32 before their reduce-scatter (FSDP2's reduce_dtype =
+  //! fp32; or Bf16Wire). Parameters of other types are lent as they are. The model needs
+  //! attach(i, value, grad, dtype) (lockstep::model (i)); TorchModule has it.
+  dtype param_dtype = dtype::f32;
   template <class Comm, class Hook>
   using units = detail::block_units<Comm, Hook, true>;
 };

@@ -11,7 +11,11 @@
 //!    the block's gradients are accumulated (its reduce-scatter goes out);
 //!  - recompute (activation checkpointing): f runs without saving activations; in backward the
 //!    values are requested, f runs again under grad mode, its backward runs (a reentrant
-//!    backward, as torch.utils.checkpoint's), and the use ends.
+//!    backward, as torch.utils.checkpoint's), and the use ends. The recomputation sees what the
+//!    forward saw: the forward thread's autocast switches and types (CPU and CUDA; backward
+//!    runs on autograd's device thread, where autocast is off) and the random generators'
+//!    states of the CPU and of x's device (dropout draws the same mask); the generators are
+//!    put back after.
 //!
 //! Without a DataParallel connected (shard_blocks), run(k, x, f) is f(x). When recomputing, f
 //! is kept until block k runs again (its backward runs f again): capture by value (`[=]`, the
@@ -25,12 +29,19 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <string>
 #include <utility>
+#include <vector>
 
+#include <ATen/autocast_mode.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/types.h>
+#include <torch/version.h>
 
 #include "lockstep/core/error.hpp"
 #include "lockstep/parallel/block_use.hpp"
@@ -64,6 +75,89 @@ class TorchBlocks {
 
 namespace detail {
 
+//! Autocast on the calling thread for device type d (CPU or CUDA): on or off, and its type.
+inline bool autocast_on(c10::DeviceType d) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+  return at::autocast::is_autocast_enabled(d);
+#else
+  return d == c10::DeviceType::CPU ? at::autocast::is_cpu_enabled() : at::autocast::is_enabled();
+#endif
+}
+inline at::ScalarType autocast_type(c10::DeviceType d) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+  return at::autocast::get_autocast_dtype(d);
+#else
+  return d == c10::DeviceType::CPU ? at::autocast::get_autocast_cpu_dtype() : at::autocast::get_autocast_gpu_dtype();
+#endif
+}
+inline void set_autocast(c10::DeviceType d, bool on, at::ScalarType t) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+  at::autocast::set_autocast_enabled(d, on);
+  at::autocast::set_autocast_dtype(d, t);
+#else
+  if (d == c10::DeviceType::CPU) {
+    at::autocast::set_cpu_enabled(on);
+    at::autocast::set_autocast_cpu_dtype(t);
+  } else {
+    at::autocast::set_enabled(on);
+    at::autocast::set_autocast_gpu_dtype(t);
+  }
+#endif
+}
+
+//! What a recomputed block must see again (autocast, random generators), saved with the
+//! forward in an autograd context and replayed for the recomputation (a scoped guard).
+class torch_replay {
+ public:
+  static void save(torch::autograd::AutogradContext* ctx, const at::Tensor& x) {
+    for (auto d : {c10::DeviceType::CPU, c10::DeviceType::CUDA}) {
+      const std::string n = d == c10::DeviceType::CPU ? "cpu" : "cuda";
+      ctx->saved_data["autocast_" + n] = autocast_on(d);
+      ctx->saved_data["autocast_type_" + n] = static_cast<std::int64_t>(autocast_type(d));
+    }
+    ctx->saved_data["rng_cpu"] = state_of(at::detail::getDefaultCPUGenerator());
+    if (!x.is_cpu()) ctx->saved_data["rng_device"] = state_of(at::globalContext().defaultGenerator(x.device()));
+  }
+  torch_replay(torch::autograd::AutogradContext* ctx, const at::Tensor& x) : device_(x.device()) {
+    for (auto d : {c10::DeviceType::CPU, c10::DeviceType::CUDA}) {
+      const std::string n = d == c10::DeviceType::CPU ? "cpu" : "cuda";
+      was_.push_back({d, autocast_on(d), autocast_type(d)});
+      set_autocast(d, ctx->saved_data["autocast_" + n].toBool(),
+                   static_cast<at::ScalarType>(ctx->saved_data["autocast_type_" + n].toInt()));
+    }
+    cpu_ = swap(at::detail::getDefaultCPUGenerator(), ctx->saved_data["rng_cpu"].toTensor());
+    if (!x.is_cpu())
+      device_rng_ = swap(at::globalContext().defaultGenerator(device_), ctx->saved_data["rng_device"].toTensor());
+  }
+  ~torch_replay() {
+    for (const auto& w : was_) set_autocast(w.d, w.on, w.t);
+    swap(at::detail::getDefaultCPUGenerator(), cpu_);
+    if (device_rng_.defined()) swap(at::globalContext().defaultGenerator(device_), device_rng_);
+  }
+  torch_replay(const torch_replay&) = delete;
+  torch_replay& operator=(const torch_replay&) = delete;
+
+ private:
+  struct autocast {
+    c10::DeviceType d;
+    bool on;
+    at::ScalarType t;
+  };
+  static at::Tensor state_of(at::Generator g) {
+    std::lock_guard<std::mutex> lock(g.mutex());
+    return g.get_state();
+  }
+  static at::Tensor swap(at::Generator g, const at::Tensor& state) {  // returns the state it replaced
+    std::lock_guard<std::mutex> lock(g.mutex());
+    at::Tensor was = g.get_state();
+    g.set_state(state);
+    return was;
+  }
+  c10::Device device_;
+  std::vector<autocast> was_;
+  at::Tensor cpu_, device_rng_;
+};
+
 //! Identity; its backward runs gate(k, backward, begin) — at a block's output (begin: the
 //! block's backward is next) or its input (end: the block's gradients are accumulated).
 struct torch_block_edge : torch::autograd::Function<torch_block_edge> {
@@ -90,6 +184,7 @@ struct torch_block_recompute : torch::autograd::Function<torch_block_recompute> 
     const auto& g = *reinterpret_cast<const TorchBlocks::gate_fn*>(gate);
     const auto& f = *reinterpret_cast<const TorchBlocks::block_fn*>(fn);
     ctx->save_for_backward({x});
+    torch_replay::save(ctx, x);
     ctx->saved_data["gate"] = gate;
     ctx->saved_data["k"] = k;
     ctx->saved_data["fn"] = fn;
@@ -114,7 +209,11 @@ struct torch_block_recompute : torch::autograd::Function<torch_block_recompute> 
     at::Tensor again = x.detach().requires_grad_(x.requires_grad());
     {
       torch::AutoGradMode on(true);
-      at::Tensor y = f(again);
+      at::Tensor y;
+      {
+        torch_replay replay(ctx, x);
+        y = f(again);
+      }
       torch::autograd::backward({y}, {grads[0]});
     }
     g(k, pass::backward, false);

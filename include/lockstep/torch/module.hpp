@@ -91,6 +91,17 @@ inline std::optional<dtype> carried_dtype(c10::ScalarType t) {
   }
 }
 
+//! The torch scalar type of a floating lockstep element type (what attach lends).
+inline c10::ScalarType torch_type_of(dtype t) {
+  switch (t) {
+    case dtype::f32: return c10::ScalarType::Float;
+    case dtype::f64: return c10::ScalarType::Double;
+    case dtype::f16: return c10::ScalarType::Half;
+    case dtype::bf16: return c10::ScalarType::BFloat16;
+    default: throw config_error(std::string("lockstep::TorchModule: no floating torch type for ") + name_of(t));
+  }
+}
+
 //! The same, or config_error; what = a name for the message.
 inline dtype dtype_of_torch(c10::ScalarType t, const std::string& what) {
   if (const auto d = carried_dtype(t)) return *d;
@@ -173,10 +184,6 @@ class TorchModule {
       const dtype t = detail::dtype_of_torch(p.scalar_type(), "parameter '" + item.key() + "'");
       if (!is_floating(t))
         throw config_error("lockstep::TorchModule: parameter '" + item.key() + "' is not floating point");
-      at::Tensor& g = p.mutable_grad();
-      if (!g.defined() || g.sizes() != p.sizes() || g.strides() != p.strides() || g.scalar_type() != p.scalar_type() ||
-          g.device() != p.device())
-        g = torch::zeros_like(p, at::MemoryFormat::Preserve);  // the parameter's strides
       names_.push_back(item.key());
       params_.push_back(p);
       protos_.push_back(view(item.key(), p, {}));  // shape and type, kept while attach detaches
@@ -208,14 +215,25 @@ class TorchModule {
   TorchModule& operator=(const TorchModule&) = delete;
 
   // ---- lockstep::model ------------------------------------------------------------------
+  //! `.grad` is allocated here, where missing, in the parameter's layout (zeros) — except
+  //! after set_blocks: ShardedGradients / FullySharded lend the gradients block by block, so
+  //! the module never holds a whole model's gradients (grad null here).
   std::vector<parameter> parameters() const {
     check_frozen_unchanged();
     std::vector<parameter> out;
     out.reserve(params_.size());
     for (std::size_t i = 0; i < params_.size(); ++i) {
-      if (params_[i].numel() == static_cast<std::int64_t>(protos_[i].numel())) {
-        out.push_back(view(names_[i], params_[i], params_[i].grad()));
-      } else {  // detached by attach (full sharding): the shape it has when held
+      const at::Tensor& p = params_[i];
+      if (block_of_.empty()) {
+        at::Tensor& g = p.mutable_grad();
+        if (!g.defined() || g.sizes() != p.sizes() || g.strides() != p.strides() ||
+            g.scalar_type() != p.scalar_type() || g.device() != p.device())
+          g = torch::zeros_like(p, at::MemoryFormat::Preserve);  // the parameter's strides
+      }
+      if (p.numel() == static_cast<std::int64_t>(protos_[i].numel()) &&
+          p.scalar_type() == detail::torch_type_of(protos_[i].type)) {
+        out.push_back(view(names_[i], p, p.grad()));
+      } else {  // detached by attach, or lent in another type (full sharding): as wrapped
         out.push_back(protos_[i]);
         out.back().value = nullptr;
         out.back().grad = params_[i].grad().defined() ? params_[i].grad().data_ptr() : nullptr;
@@ -226,6 +244,8 @@ class TorchModule {
   //! Full sharding (lockstep::model (h)): the listed submodules are blocks 1, 2, … in the
   //! order given (forward order); every other trained parameter is block 0 (which may be
   //! empty). Before the DataParallel is built; a parameter in two listed blocks is refused.
+  //! The module then holds no `.grad` of its own (the DataParallel lends them per use): use it
+  //! with ShardedGradients or FullySharded.
   void set_blocks(const std::vector<std::shared_ptr<torch::nn::Module>>& blocks) {
     std::vector<std::size_t> of(params_.size(), 0);
     for (std::size_t k = 0; k < blocks.size(); ++k) {
@@ -243,6 +263,7 @@ class TorchModule {
       }
     }
     block_of_ = std::move(of);
+    for (auto& p : params_) p.mutable_grad() = at::Tensor();
   }
   std::vector<std::size_t> blocks() const {
     return block_of_.empty() ? std::vector<std::size_t>(params_.size(), 0) : block_of_;
@@ -253,9 +274,11 @@ class TorchModule {
   //! autograd saves views of parameters (a Linear's weight.t()), which share that storage, so a
   //! backward reads the values its own use gathered — not the buffer the forward's use had,
   //! which may hold another block by then (FSDP2 resizes one storage for the same reason).
-  void attach(std::size_t i, void* value, void* grad) {
+  //! With t (FullySharded::param_dtype), both are of element type t: the parameter becomes a
+  //! tensor of that type (bf16 during a use, its own type when gathered whole).
+  void attach(std::size_t i, void* value, void* grad, dtype t) {
     at::Tensor& p = params_.at(i);
-    const auto opts = p.options().requires_grad(false);
+    const auto opts = p.options().dtype(detail::torch_type_of(t)).requires_grad(false);
     if (storages_.empty()) storages_.resize(params_.size());
     if (!storages_[i]) {
       const auto bytes = static_cast<std::size_t>(protos_.at(i).bytes());
@@ -266,6 +289,7 @@ class TorchModule {
     p.set_data(value ? at::empty({0}, opts).set_(storages_[i], 0, sizes_.at(i), strides_.at(i)) : at::empty({0}, opts));
     p.mutable_grad() = grad ? torch::from_blob(grad, sizes_.at(i), strides_.at(i), opts) : at::Tensor();
   }
+  void attach(std::size_t i, void* value, void* grad) { attach(i, value, grad, protos_.at(i).type); }
   void bind_gradient(std::size_t i, void* storage) {
     at::Tensor& p = params_.at(i);
     at::Tensor view = torch::from_blob(storage, p.sizes(), p.strides(), p.options().requires_grad(false));

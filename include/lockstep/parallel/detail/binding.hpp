@@ -22,15 +22,18 @@ using bind_fn = std::function<void(std::size_t, void*)>;
 //! (parameter index, the storage it was given)
 using binding = std::pair<std::size_t, void*>;
 
-//! attach(i, value, grad): parameter i's values and gradient are there now (model (i)).
-using attach_fn = std::function<void(std::size_t, void*, void*)>;
+//! attach(i, value, grad, t): parameter i's values and gradient are there now, of element
+//! type t (model (i)).
+using attach_fn = std::function<void(std::size_t, void*, void*, dtype)>;
 
 //! What the reduction units may use of the model: its value binder (model (e), or empty), its
-//! attach (model (i), or empty) and the block of each parameter (model (h); all 0 without).
+//! attach (model (i), or empty; typed_attach: the model takes values of another element type
+//! than its own) and the block of each parameter (model (h); all 0 without).
 struct model_hooks {
   bind_fn bind_value;
   attach_fn attach;
   std::vector<std::size_t> blocks;
+  bool typed_attach = false;
 };
 
 //! The model_hooks of a model (bind_value: value_binder's choice).
@@ -42,7 +45,12 @@ model_hooks hooks_of(Model& model, bind_fn bind_value) {
     ++parameters;
   }
   model_hooks h{std::move(bind_value), {}, std::vector<std::size_t>(parameters, 0)};
-  if constexpr (attaching_model<Model>) h.attach = [&model](std::size_t i, void* v, void* g) { model.attach(i, v, g); };
+  if constexpr (typed_attaching_model<Model>) {
+    h.attach = [&model](std::size_t i, void* v, void* g, dtype t) { model.attach(i, v, g, t); };
+    h.typed_attach = true;
+  } else if constexpr (attaching_model<Model>) {
+    h.attach = [&model](std::size_t i, void* v, void* g, dtype) { model.attach(i, v, g); };
+  }
   if constexpr (block_model<Model>) {
     h.blocks.clear();
     for (auto b : model.blocks()) h.blocks.push_back(static_cast<std::size_t>(b));

@@ -3,7 +3,8 @@
 //! type the plan's units (one per block of the model, make_block_plan) with this rank's shard
 //! of each — its gradient mean and, ZeRO-3, its values, in shard arenas; ZeRO-2 a whole value
 //! arena the model's values live in — and per block its parameters, its units and the buffers
-//! lent to it while in use. Where a parameter's values and gradient are now (value_of,
+//! lent to it while in use, of the group's compute type (FullySharded::param_dtype: bf16
+//! values and gradients lent for fp32 shards). Where a parameter's values and gradient are now (value_of,
 //! grad_of) follows from it. The optimizer's parameters are the shards (params_, slices_), and
 //! map_ says which of the model's elements each holds (checkpoints reshard with it).
 
@@ -36,16 +37,21 @@ class block_layout {
   };
   struct group {
     const bucket_plan* plan = nullptr;
+    dtype cdt = dtype::f32;  // the element type lent to the model: values gathered, gradients written
     std::vector<unit> units;
     std::shared_ptr<void> grads;   // the gradient shards (Σ per)
     std::shared_ptr<void> values;  // ZeRO-3: the value shards (Σ per); ZeRO-2: the whole values (plan.total)
     std::vector<segment> shard_grads;
     std::size_t buffer_elems = 0;  // a lent buffer: the largest unit
-    std::vector<std::shared_ptr<void>> grad_pool, value_pool;
+    // Lent buffers: values and the model's gradients (cdt); with cdt != the plan's type the
+    // gradients are widened into a sum buffer (the plan's type) for their reduce-scatter.
+    std::vector<std::shared_ptr<void>> grad_pool, value_pool, sum_pool;
+    bool mixed() const { return cdt != plan->type; }
     std::size_t span_of(std::size_t u) const { return plan->buckets[plan->units[u].first].elements(); }
     std::size_t shard_total() const { return units.empty() ? 0 : units.back().shard + units.back().per; }
-    void* at(const std::shared_ptr<void>& p, std::size_t elem) const {
-      return static_cast<char*>(p.get()) + elem * size_of(plan->type);
+    void* at(const std::shared_ptr<void>& p, std::size_t elem) const { return at(p, elem, plan->type); }
+    static void* at(const std::shared_ptr<void>& p, std::size_t elem, dtype t) {
+      return static_cast<char*>(p.get()) + elem * size_of(t);
     }
   };
   struct block {
@@ -74,10 +80,13 @@ class block_layout {
 
   //! Lays out the shards of every group (plans: one per element type) for rank r of n, and
   //! moves the model's values (params) in: ZeRO-3 this rank's block of each unit, ZeRO-2 all.
+  //! f32 groups lend their buffers in param_dtype (the others in their own type).
   template <class Mem>
   void lay_out(std::span<const bucket_plan* const> plans, const std::vector<parameter>& params, std::size_t n,
-               std::size_t r, Mem mem) {
+               std::size_t r, Mem mem, dtype param_dtype) {
     groups_.clear();
+    types_.clear();
+    for (const auto& p : params) types_.push_back(p.type);
     params_.clear();
     slices_.clear();
     map_.clear();
@@ -88,6 +97,7 @@ class block_layout {
       const std::size_t es = size_of(plan.type);
       group& g = groups_.emplace_back();
       g.plan = &plan;
+      g.cdt = plan.type == dtype::f32 ? param_dtype : plan.type;
       std::size_t shard_total = 0, largest = 0;
       for (const auto& lu : plan.units) {
         const bucket& bk = plan.buckets[lu.first];
@@ -135,7 +145,7 @@ class block_layout {
     }
     for (auto& b : blocks_) {
       b.bytes = 0;
-      for (auto [gi, k] : b.units) b.bytes += groups_[gi].span_of(k) * size_of(groups_[gi].plan->type);
+      for (auto [gi, k] : b.units) b.bytes += groups_[gi].span_of(k) * size_of(groups_[gi].cdt);
       b.gathered.assign(b.units.size(), {});
       b.gathers.resize(b.units.size());
       b.grads.assign(b.units.size(), {});
@@ -170,7 +180,7 @@ class block_layout {
         if (s.param != i) continue;
         if constexpr (!ShardValues) return g.at(g.values, s.arena_offset);
         if (!whole_.empty() && !b.in_use) return g.at(whole_[gi], s.arena_offset);
-        return held && b.gathered[j] ? g.at(b.gathered[j], s.arena_offset - g.units[u].begin) : nullptr;
+        return held && b.gathered[j] ? g.at(b.gathered[j], s.arena_offset - g.units[u].begin, g.cdt) : nullptr;
       }
     }
     return nullptr;
@@ -181,12 +191,22 @@ class block_layout {
     for (std::size_t j = 0; j < b.units.size(); ++j) {
       const auto [gi, u] = b.units[j];
       for (const auto& s : groups_[gi].plan->buckets[groups_[gi].plan->units[u].first].slices)
-        if (s.param == i && b.grads[j]) return groups_[gi].at(b.grads[j], s.arena_offset - groups_[gi].units[u].begin);
+        if (s.param == i && b.grads[j])
+          return group::at(b.grads[j], s.arena_offset - groups_[gi].units[u].begin, groups_[gi].cdt);
     }
     return nullptr;
   }
+  // The element type of parameter i's values and gradient as lent now (model (i)'s dtype).
+  dtype type_of(std::size_t i) const {
+    const block& b = blocks_[block_of_[i]];
+    for (const auto [gi, u] : b.units)
+      for (const auto& s : groups_[gi].plan->buckets[groups_[gi].plan->units[u].first].slices)
+        if (s.param == i) return !whole_.empty() && !b.in_use ? groups_[gi].plan->type : groups_[gi].cdt;
+    return types_.at(i);  // a parameter in no unit (no elements): its own type
+  }
 
   std::vector<std::size_t> block_of_;  // per parameter
+  std::vector<dtype> types_;           // per parameter: its element type in the model
   std::vector<block> blocks_;
   std::vector<group> groups_;
   std::vector<std::shared_ptr<void>> whole_;  // ZeRO-3 wait_all_parameters: per group, every value

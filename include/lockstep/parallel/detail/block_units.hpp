@@ -17,6 +17,11 @@
 //! forward, k − 1, … in backward — within BlockBuffers; a buffer released after a use is
 //! gathered into again only by a collective issued later, so the communicator's stream
 //! ordering keeps it from overwriting values still being read.
+//!
+//! Mixed precision (FullySharded::param_dtype = bf16): fp32 shards stay the masters; a gather
+//! rounds this rank's shard into its own slot of the bf16 buffer and all-gathers in place
+//! (half the bytes, no extra memory); the model computes in bf16 and writes bf16 gradients,
+//! which lend() widens into an fp32 buffer for the reduce-scatter (fp32 sums, or Bf16Wire's).
 
 #include <algorithm>
 #include <cstddef>
@@ -37,6 +42,7 @@
 #include "lockstep/core/parameter.hpp"
 #include "lockstep/parallel/bucket_hook.hpp"
 #include "lockstep/parallel/detail/binding.hpp"
+#include "lockstep/parallel/detail/block_checks.hpp"
 #include "lockstep/parallel/detail/block_layout.hpp"
 #include "lockstep/parallel/detail/bucket_plan.hpp"
 #include "lockstep/parallel/detail/step_recorder.hpp"
@@ -52,7 +58,8 @@ class block_units
                               ShardValues>;
   using layout::block_of_, layout::blocks_, layout::groups_, layout::whole_, layout::params_, layout::slices_,
       layout::map_, layout::bytes_;
-  using layout::bytes_of, layout::unit_of, layout::slot_in, layout::index_of, layout::value_of, layout::grad_of;
+  using layout::bytes_of, layout::unit_of, layout::slot_in, layout::index_of, layout::value_of, layout::grad_of,
+      layout::type_of;
   using typename layout::block;
   using typename layout::flight;
   using typename layout::group;
@@ -70,12 +77,11 @@ class block_units
 
   block_units(Comm& comm, Hook& hook, step_recorder& rec, const policy_type& policy, const model_hooks& model)
       : layout(model.blocks), comm_(comm), hook_(hook), rec_(rec), buffers_(policy.buffers), attach_(model.attach) {
-    if constexpr (ShardValues) keep_ = policy.keep_after_forward;
-    if (!attach_)
-      throw config_error("ShardedGradients / FullySharded: the model must lend its storage to lockstep: give it "
-                         "attach(i, value, grad) (lockstep::model (i))");
-    if (buffers_.prefetch < 0 || buffers_.scatters_in_flight < 1)
-      throw config_error("BlockBuffers: prefetch must be >= 0 and scatters_in_flight >= 1");
+    if constexpr (ShardValues) {
+      keep_ = policy.keep_after_forward;
+      param_dtype_ = policy.param_dtype;
+    }
+    check_block_config(model, buffers_, param_dtype_, memory_ops_with_convert<memory_of_t<Comm>>);
   }
   block_units(const block_units&) = delete;
   block_units& operator=(const block_units&) = delete;
@@ -91,7 +97,7 @@ class block_units
   std::span<const binding> built(std::span<const bucket_plan* const> plans, std::span<void* const>,
                                  const std::vector<parameter>& params) {
     this->lay_out(plans, params, static_cast<std::size_t>(comm_.size()), static_cast<std::size_t>(comm_.rank()),
-                  comm_.memory());
+                  comm_.memory(), param_dtype_);
     for (std::size_t i = 0; i < params.size(); ++i) attach(i, !ShardValues, false);
     auto& st = rec_.stats();
     st.shard_bytes = bytes_;
@@ -138,7 +144,7 @@ class block_units
     drop_whole();
     for (std::size_t k = 0; k < blocks_.size(); ++k) {
       block& b = blocks_[k];
-      if (b.in_use) throw config_error(unfinished(k));
+      if (b.in_use) throw block_unfinished(k);
       if (b.held()) release_values(k);  // kept after a forward that had no backward (evaluation)
       b.forward = b.backward = false;
     }
@@ -147,7 +153,7 @@ class block_units
 
   //! DataParallel::use_block: block k's values (and, in backward, gradient buffers) attached.
   void use(std::size_t k, pass p) {
-    check_use(k, p);
+    check_block_use(blocks_, k, p, open_);
     block& b = blocks_[k];
     if constexpr (ShardValues) {
       gather(k);
@@ -159,8 +165,9 @@ class block_units
     if (p == pass::backward)
       for (std::size_t j = 0; j < b.units.size(); ++j) {
         auto [gi, u] = b.units[j];
-        b.grads[j] = take_gradient_buffer(gi);
-        comm_.memory().zero(b.grads[j].get(), bytes_of(groups_[gi], groups_[gi].span_of(u)));
+        group& g = groups_[gi];
+        b.grads[j] = g.mixed() ? take(g.grad_pool, gi, g.cdt) : take_sum_buffer(gi);
+        comm_.memory().zero(b.grads[j].get(), g.span_of(u) * size_of(g.cdt));
       }
     b.in_use = true;
     (p == pass::forward ? b.forward : b.backward) = true;
@@ -179,24 +186,26 @@ class block_units
 
   //! Parameter i got its gradient: its block must be in its backward use.
   void check_reported(std::size_t i, const std::string& name) const {
-    const block& b = blocks_[block_of_.at(i)];
-    if (!b.in_use || !b.backward)  // (a unit of another element type may have launched already)
-      throw config_error("parameter " + std::to_string(i) + " ('" + name +
-                         "') got a gradient outside the backward use "
-                         "of its block " +
-                         std::to_string(block_of_[i]) + ": call dp.use_block(" + std::to_string(block_of_[i]) +
-                         ", lockstep::pass::backward) before its backward");
+    check_gradient_in_use(blocks_[block_of_.at(i)], i, name, block_of_[i]);
   }
 
   //! The buffer of the unit of group g from bucket `first`: the gradients the block's backward
-  //! wrote (a zeroed one for a block that had no backward this micro-step).
+  //! wrote, in the plan's type (widened from the compute type, mixed), or zeros for a block
+  //! that had no backward this micro-step.
   void* lend(std::size_t gi, std::size_t first) {
+    group& g = groups_[gi];
     const std::size_t u = unit_of(gi, first);
-    block& b = blocks_[groups_[gi].units[u].block];
+    block& b = blocks_[g.units[u].block];
     const std::size_t j = slot_in(b, gi, u);
     if (!b.grads[j]) {
-      b.grads[j] = take_gradient_buffer(gi);
-      comm_.memory().zero(b.grads[j].get(), bytes_of(groups_[gi], groups_[gi].span_of(u)));
+      b.grads[j] = take_sum_buffer(gi);
+      comm_.memory().zero(b.grads[j].get(), bytes_of(g, g.span_of(u)));
+    } else if (g.mixed()) {
+      if constexpr (memory_ops_with_convert<memory_of_t<Comm>>) {
+        auto wide = take_sum_buffer(gi);
+        comm_.memory().convert(wide.get(), g.plan->type, b.grads[j].get(), g.cdt, g.span_of(u));
+        g.grad_pool.push_back(std::exchange(b.grads[j], std::move(wide)));
+      }
     }
     return b.grads[j].get();
   }
@@ -258,7 +267,8 @@ class block_units
       std::vector<std::shared_ptr<void>> whole;  // taken only once complete (a collective: may throw)
       for (auto& g : groups_) {
         whole.push_back(comm_.memory().allocate(bytes_of(g, g.plan->total)));
-        for (std::size_t u = 0; u < g.units.size(); ++u) all_gather(g, u, g.at(whole.back(), g.units[u].begin)).wait();
+        for (std::size_t u = 0; u < g.units.size(); ++u)
+          all_gather(g, u, g.at(whole.back(), g.units[u].begin), g.plan->type).wait();
       }
       whole_ = std::move(whole);
       for (std::size_t i = 0; i < block_of_.size(); ++i) attach(i, true, false);
@@ -288,53 +298,33 @@ class block_units
     return (static_cast<std::uint64_t>(kind) << 62) | (static_cast<std::uint64_t>(g) << 32) | i;
   }
 
-  // A buffer of group gi's largest unit: from the pool, else new (a pool grows, never waits).
-  std::shared_ptr<void> take(std::vector<std::shared_ptr<void>>& pool, std::size_t gi) {
+  // A buffer of group gi's largest unit in type t: from the pool, else new (a pool grows,
+  // never waits).
+  std::shared_ptr<void> take(std::vector<std::shared_ptr<void>>& pool, std::size_t gi, dtype t) {
     if (pool.empty()) {
-      lent_ += bytes_of(groups_[gi], groups_[gi].buffer_elems);
+      const std::size_t bytes = groups_[gi].buffer_elems * size_of(t);
+      lent_ += bytes;
       rec_.stats().lent_bytes = std::max(rec_.stats().lent_bytes, lent_);
-      return comm_.memory().allocate(bytes_of(groups_[gi], groups_[gi].buffer_elems));
+      return comm_.memory().allocate(bytes);
     }
     auto p = std::move(pool.back());
     pool.pop_back();
     return p;
   }
 
-  // A gradient buffer: with BlockBuffers::scatters_in_flight reduce-scatters in flight, the
+  // The pool of buffers reduce-scatters run in (the plan's type).
+  static std::vector<std::shared_ptr<void>>& sum_pool(group& g) { return g.mixed() ? g.sum_pool : g.grad_pool; }
+  // A buffer for a reduce-scatter: with BlockBuffers::scatters_in_flight of them in flight, the
   // oldest is completed first and its buffer reused (ordered after it on device streams).
-  std::shared_ptr<void> take_gradient_buffer(std::size_t gi) {
-    while (groups_[gi].grad_pool.empty() && !flights_.empty() &&
+  std::shared_ptr<void> take_sum_buffer(std::size_t gi) {
+    while (sum_pool(groups_[gi]).empty() && !flights_.empty() &&
            flights_.size() >= static_cast<std::size_t>(buffers_.scatters_in_flight))
       complete_oldest();
-    return take(groups_[gi].grad_pool, gi);
+    return take(sum_pool(groups_[gi]), gi, groups_[gi].plan->type);
   }
 
   void attach(std::size_t i, bool values, bool grad) {
-    attach_(i, values ? value_of(i, true) : nullptr, grad ? grad_of(i) : nullptr);
-  }
-
-  void check_use(std::size_t k, pass p) const {
-    if (k >= blocks_.size())
-      throw config_error("use_block(" + std::to_string(k) + "): the model has " + std::to_string(blocks_.size()) +
-                         " blocks (model.blocks())");
-    const block& b = blocks_[k];
-    const std::string name = "block " + std::to_string(k);
-    if (b.in_use) throw config_error(name + " is requested while still in use: end its use (the block_use) first");
-    if (p == pass::forward && open_ && b.forward)
-      throw config_error(name + " is requested twice in one forward: use each block once per forward (and once in "
-                                "backward, which also covers its recomputation)");
-    if (p == pass::backward) {
-      if (!open_) throw config_error(name + " is used in backward outside a step: call dp.step() first");
-      if (!b.forward)
-        throw config_error(name +
-                           " is used in backward but was never used in this step's forward: request it "
-                           "with dp.use_block(" +
-                           std::to_string(k) + ", lockstep::pass::forward) in the forward");
-      if (b.backward) throw config_error(name + " is used twice in one backward");
-    }
-  }
-  std::string unfinished(std::size_t k) const {
-    return "block " + std::to_string(k) + " is still in use at the next step: end every block_use before step()";
+    attach_(i, values ? value_of(i, true) : nullptr, grad ? grad_of(i) : nullptr, type_of(i));
   }
 
   // ZeRO-3: block k's all-gathers issued (into lent buffers) unless its values are held.
@@ -343,15 +333,25 @@ class block_units
     if (b.held()) return;
     for (std::size_t j = 0; j < b.units.size(); ++j) {
       const auto [gi, u] = b.units[j];
-      b.gathered[j] = take(groups_[gi].value_pool, gi);
-      b.gathers[j].emplace(all_gather(groups_[gi], u, b.gathered[j].get()));
+      b.gathered[j] = take(groups_[gi].value_pool, gi, groups_[gi].cdt);
+      b.gathers[j].emplace(all_gather(groups_[gi], u, b.gathered[j].get(), groups_[gi].cdt));
     }
   }
-  work_type all_gather(group& g, std::size_t u, void* to) {
+  // Unit u's values from every rank's shard into `to`, of type t: the plan's type straight
+  // from the shard; another (param_dtype) rounded into this rank's slot of `to`, gathered in
+  // place.
+  work_type all_gather(group& g, std::size_t u, void* to, dtype t) {
     const unit& un = g.units[u];
-    const auto t = g.plan->type;
+    const void* from = g.at(g.values, un.shard);
+    if (t != g.plan->type) {
+      if constexpr (memory_ops_with_convert<memory_of_t<Comm>>) {
+        void* mine = static_cast<char*>(to) + static_cast<std::size_t>(comm_.rank()) * un.per * size_of(t);
+        comm_.memory().convert(mine, t, from, g.plan->type, un.per);
+        from = mine;
+      }
+    }
     if (comm_.size() == 1) {
-      const segment s{g.at(g.values, un.shard), un.per};
+      const segment s{const_cast<void*>(from), un.per};
       comm_.memory().pack(std::span(&s, 1), to, t, 1.0);
       return work_type{};
     }
@@ -362,7 +362,7 @@ class block_units
       return bucket_label(*g.plan, g.plan->units[u].first, un.per * static_cast<std::size_t>(comm_.size()),
                           "all-gather of block ");
     });
-    return comm_.all_gather(g.at(g.values, un.shard), to, un.per, t);
+    return comm_.all_gather(from, to, un.per, t);
   }
   // Prefetch after block k: the next blocks in p's direction, within BlockBuffers.
   void prefetch(std::size_t k, pass p) {
@@ -376,7 +376,7 @@ class block_units
       block& b = blocks_[j];
       if (b.held()) continue;
       std::size_t bytes = 0;
-      for (auto [gi, u] : b.units) bytes += bytes_of(groups_[gi], groups_[gi].span_of(u));
+      for (auto [gi, u] : b.units) bytes += groups_[gi].span_of(u) * size_of(groups_[gi].cdt);
       if (ahead + bytes > buffers_.max_prefetch_bytes) return;
       gather(j);
       ahead += bytes;
@@ -427,14 +427,15 @@ class block_units
     }
     const void* mine = g.at(f.buffer, static_cast<std::size_t>(comm_.rank()) * un.per);
     comm_.memory().add(g.at(g.grads, un.shard), mine, un.per, g.plan->type);
-    g.grad_pool.push_back(std::move(f.buffer));
+    sum_pool(g).push_back(std::move(f.buffer));
   }
 
   Comm& comm_;
   Hook& hook_;
   step_recorder& rec_;
   BlockBuffers buffers_;
-  bool keep_ = false;  // FullySharded::keep_after_forward
+  bool keep_ = false;               // FullySharded::keep_after_forward
+  dtype param_dtype_ = dtype::f32;  // FullySharded::param_dtype (f32: lent as they are)
   attach_fn attach_;
   std::deque<flight> flights_;  // reduce-scatters issued, in issue order
   std::vector<binding> bindings_;

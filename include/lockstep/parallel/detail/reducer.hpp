@@ -52,6 +52,13 @@ class reducer {
         bind_(Units::lends_gradients ? bind_fn{} : std::move(bind)), refresh_(std::move(refresh)),
         units_(comm, hook, rec, strategy, model) {
     if constexpr (Units::fixed_layout) policy_.rebuild_after_first_step = false;
+    if constexpr (!Units::lends_gradients)
+      for (std::size_t i = 0; i < params_.size(); ++i)
+        if (params_[i].grad == nullptr && params_[i].numel() > 0)
+          throw config_error("parameter " + std::to_string(i) + " ('" + params_[i].name +
+                             "') has no gradient storage (parameters()[i].grad is null): give every trained "
+                             "parameter one (a TorchModule after set_blocks lends its gradients: use it with "
+                             "ShardedGradients or FullySharded)");
     // Initial order: reverse registration order (backward produces the last layer first).
     std::vector<std::size_t> order;
     for (std::size_t i = params_.size(); i-- > 0;) order.push_back(i);
