@@ -314,7 +314,11 @@ std::vector<std::vector<torch::Tensor>> train_bf16(int gpus, const torch::Tensor
       tm.set_blocks(std::vector<std::shared_ptr<torch::nn::Module>>(model->blocks->begin(), model->blocks->end()));
     lockstep::DataParallel dp(ctx, tm, strategy);
     const lockstep::AdamWOptions ao{.lr = lr, .weight_decay = wd};
-    lockstep::FusedAdamW opt(ao, blocked ? dp.shard_parameters() : dp.parameters(), ctx.device());
+    const auto& stepped = [&]() -> const std::vector<lockstep::parameter>& {
+      if constexpr (blocked) return dp.shard_parameters();
+      else return dp.parameters();
+    }();
+    lockstep::FusedAdamW opt(ao, stepped, ctx.device());
     lockstep::TorchBlocks blocks;
     gpt2::run_fn run;
     if constexpr (blocked) {

@@ -199,7 +199,7 @@ class block_layout {
   // The element type of parameter i's values and gradient as lent now (model (i)'s dtype).
   dtype type_of(std::size_t i) const {
     const block& b = blocks_[block_of_[i]];
-    for (const auto [gi, u] : b.units)
+    for (const auto& [gi, u] : b.units)
       for (const auto& s : groups_[gi].plan->buckets[groups_[gi].plan->units[u].first].slices)
         if (s.param == i) return !whole_.empty() && !b.in_use ? groups_[gi].plan->type : groups_[gi].cdt;
     return types_.at(i);  // a parameter in no unit (no elements): its own type

@@ -252,7 +252,7 @@ class block_units
       }
     if constexpr (!ShardValues)  // in forward order: the first block's values come first
       for (const auto& b : blocks_)
-        for (const auto [gi, u] : b.units) gather_in_place(gi, u);
+        for (const auto& [gi, u] : b.units) gather_in_place(gi, u);
   }
 
   //! Every parameter's values whole and attached (evaluation outside blocks, checkpoints, the
