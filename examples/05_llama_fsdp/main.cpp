@@ -13,8 +13,8 @@
 // FullySharded; --recompute recomputes each block in backward (activation checkpointing). On
 // GPUs: bf16 autocast, fused AdamW on the shards, and FullySharded lends the blocks bf16 values
 // gathered from fp32 shards (param_dtype; --fp32-gather: fp32). The parameters are made on the
-// rank's device, and libtorch's cache is emptied once the DataParallel holds them, so a model
-// of up to about the device's memory in fp32 can be built. Rank 0 prints the loss, tokens/s
+// rank's device; once the DataParallel holds them in its shards, TorchModule hands their
+// storage back to the device before the gradient shards are allocated. Rank 0 prints the loss, tokens/s
 // and, at the end, the peak memory per GPU (libtorch's allocator peak during training plus
 // lockstep's shards, buffers and AdamW state) and the device memory in use at the end; the
 // program exits 1 if the loss did not go down.
@@ -165,10 +165,8 @@ int main(int argc, char** argv) {
         std::int64_t params = 0;
         for (const auto& p : dp.parameters()) params += static_cast<std::int64_t>(p.numel());
 #if LLAMA_GPU
-        if constexpr (gpu) {  // the model's own storage, now in lockstep's shards: back to the device
-          c10::cuda::CUDACachingAllocator::emptyCache();
+        if constexpr (gpu)  // the peak of training, not of building (TorchModule::storage_released emptied the cache)
           c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(ctx.device()));
-        }
 #endif
         if (ctx.is_root())
           std::printf("llama_fsdp: %.1fM parameters (depth %lld, width %lld), %d rank(s) on %s, zero %d%s, %lld x %lld "

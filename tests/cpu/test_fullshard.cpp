@@ -160,6 +160,9 @@ TEST_CASE_TEMPLATE("fullshard zero2 zero3: accumulation - loss scaling with an i
     inf.inf_at = std::uniform_int_distribution<std::size_t>(0, 13 * 17 - 1)(rng);  // anywhere in the first weight
     check_equals_unsharded<T, lockstep::ShardedGradients>(d, inf);
     check_equals_unsharded<T, lockstep::FullySharded>(d, inf);
+    inf.accumulate = 1;  // values kept from forward to backward, prefetched two ahead, around the skipped step
+    check_equals_unsharded<T, lockstep::FullySharded>(
+        d, inf, lockstep::FullySharded{.buffers = {.prefetch = 2}, .keep_after_forward = true});
     sharded_config clip = c;
     clip.max_norm = 0.05;  // below the norms of this model: every step clips
     check_equals_unsharded<T, lockstep::FullySharded>(d, clip);

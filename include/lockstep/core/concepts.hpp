@@ -77,6 +77,11 @@ struct segment {
 //!      instead and names the element type of both: FullySharded::param_dtype hands fp32
 //!      parameters over in bf16 during their block's use (and in fp32 when gathered whole by
 //!      wait_all_parameters). Required for param_dtype; checked by `typed_attaching_model`.
+//!      `m.storage_released()`, where the model has it, is called once at construction after
+//!      the values moved into lockstep's shards and every parameter was detached, before the
+//!      gradient shards are allocated: a model whose allocator keeps freed memory gives it back
+//!      there (TorchModule empties libtorch's CUDA cache), so building needs room for the whole
+//!      model and the value shards, never the gradient shards too.
 //!
 //! Example:
 //! \code

@@ -66,48 +66,22 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 #include <torch/types.h>
+#if defined(LOCKSTEP_WITH_CUDA) && __has_include(<c10/cuda/CUDACachingAllocator.h>)
+#include <c10/cuda/CUDACachingAllocator.h>
+#define LOCKSTEP_TORCH_CUDA 1
+#else
+#define LOCKSTEP_TORCH_CUDA 0
+#endif
 
 #include "lockstep/core/dtype.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/parameter.hpp"
 #include "lockstep/parallel/step.hpp"
+#include "lockstep/torch/detail/types.hpp"
 
 namespace lockstep {
 
 namespace detail {
-
-//! lockstep's element type of a torch scalar type, if it carries it.
-inline std::optional<dtype> carried_dtype(c10::ScalarType t) {
-  switch (t) {
-    case c10::ScalarType::Float: return dtype::f32;
-    case c10::ScalarType::Double: return dtype::f64;
-    case c10::ScalarType::Half: return dtype::f16;
-    case c10::ScalarType::BFloat16: return dtype::bf16;
-    case c10::ScalarType::Int: return dtype::i32;
-    case c10::ScalarType::Long: return dtype::i64;
-    case c10::ScalarType::Byte:
-    case c10::ScalarType::Bool: return dtype::u8;
-    default: return std::nullopt;
-  }
-}
-
-//! The torch scalar type of a floating lockstep element type (what attach lends).
-inline c10::ScalarType torch_type_of(dtype t) {
-  switch (t) {
-    case dtype::f32: return c10::ScalarType::Float;
-    case dtype::f64: return c10::ScalarType::Double;
-    case dtype::f16: return c10::ScalarType::Half;
-    case dtype::bf16: return c10::ScalarType::BFloat16;
-    default: throw config_error(std::string("lockstep::TorchModule: no floating torch type for ") + name_of(t));
-  }
-}
-
-//! The same, or config_error; what = a name for the message.
-inline dtype dtype_of_torch(c10::ScalarType t, const std::string& what) {
-  if (const auto d = carried_dtype(t)) return *d;
-  throw config_error("lockstep::TorchModule: " + what + " has torch element type " + std::string(c10::toString(t)) +
-                     "; lockstep carries float, double, half, bfloat16, int32, int64, uint8 and bool");
-}
 
 //! What the accumulator hooks share with the TorchModule: where to report, and which
 //! parameters reported in this backward.
@@ -290,6 +264,13 @@ class TorchModule {
     p.mutable_grad() = grad ? torch::from_blob(grad, sizes_.at(i), strides_.at(i), opts) : at::Tensor();
   }
   void attach(std::size_t i, void* value, void* grad) { attach(i, value, grad, protos_.at(i).type); }
+  //! After construction detached every parameter: the storage it held goes back to the device
+  //! (libtorch's CUDA allocator keeps freed blocks; lockstep allocates outside it).
+  void storage_released() {
+#if LOCKSTEP_TORCH_CUDA
+    if (!params_.empty() && params_.front().is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
+  }
   void bind_gradient(std::size_t i, void* storage) {
     at::Tensor& p = params_.at(i);
     at::Tensor view = torch::from_blob(storage, p.sizes(), p.strides(), p.options().requires_grad(false));

@@ -28,12 +28,14 @@ using attach_fn = std::function<void(std::size_t, void*, void*, dtype)>;
 
 //! What the reduction units may use of the model: its value binder (model (e), or empty), its
 //! attach (model (i), or empty; typed_attach: the model takes values of another element type
-//! than its own) and the block of each parameter (model (h); all 0 without).
+//! than its own; released: its storage_released) and the block of each parameter (model (h);
+//! all 0 without).
 struct model_hooks {
   bind_fn bind_value;
   attach_fn attach;
   std::vector<std::size_t> blocks;
   bool typed_attach = false;
+  std::function<void()> released;  // model.storage_released() (model (i)), or empty
 };
 
 //! The model_hooks of a model (bind_value: value_binder's choice).
@@ -51,6 +53,7 @@ model_hooks hooks_of(Model& model, bind_fn bind_value) {
   } else if constexpr (attaching_model<Model>) {
     h.attach = [&model](std::size_t i, void* v, void* g, dtype) { model.attach(i, v, g); };
   }
+  if constexpr (requires { model.storage_released(); }) h.released = [&model] { model.storage_released(); };
   if constexpr (block_model<Model>) {
     h.blocks.clear();
     for (auto b : model.blocks()) h.blocks.push_back(static_cast<std::size_t>(b));

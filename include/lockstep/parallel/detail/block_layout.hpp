@@ -107,7 +107,6 @@ class block_layout {
         blocks_[u.block].units.push_back({gi, g.units.size()});
         g.units.push_back(u);
       }
-      g.grads = mem.allocate(shard_total * es);
       g.values = mem.allocate((ShardValues ? shard_total : plan.total) * es);
       g.buffer_elems = largest;
       for (std::size_t k = 0; k < g.units.size(); ++k) {
@@ -131,7 +130,7 @@ class block_layout {
           for (std::size_t j = 0; j < bk.slices.size(); ++j)
             mem.pack(std::span(&all[j], 1), g.at(g.values, bk.slices[j].arena_offset), plan.type, 1.0);
         void* value = ShardValues ? g.at(g.values, u.shard) : g.at(g.values, lo);
-        void* grad = g.at(g.grads, u.shard);
+        void* grad = nullptr;  // lay_out_gradients
         params_.push_back(parameter{"shard " + std::to_string(r) + "/" + std::to_string(n) + " of block " +
                                         std::to_string(u.block) + " (" + name_of(plan.type) + ")",
                                     {static_cast<std::int64_t>(u.per)},
@@ -139,7 +138,6 @@ class block_layout {
                                     value,
                                     grad});
         slices_.push_back({params_.size() - 1, 0, u.per, plan.type, value, grad});
-        if (u.per) g.shard_grads.push_back({grad, u.per});
         bytes_ += u.per * es;
       }
     }
@@ -149,6 +147,24 @@ class block_layout {
       b.gathered.assign(b.units.size(), {});
       b.gathers.resize(b.units.size());
       b.grads.assign(b.units.size(), {});
+    }
+  }
+
+  //! The gradient shards, after lay_out — once the model's own storage is released, so that a
+  //! model built whole on the device needs room for it and the value shards only, never for
+  //! the gradient shards too.
+  template <class Mem>
+  void lay_out_gradients(Mem mem) {
+    std::size_t i = 0;
+    for (auto& g : groups_) {
+      g.grads = mem.allocate(g.shard_total() * size_of(g.plan->type));
+      g.shard_grads.clear();
+      for (const auto& u : g.units) {
+        void* grad = g.at(g.grads, u.shard);
+        params_[i].grad = slices_[i].grad = grad;
+        ++i;
+        if (u.per) g.shard_grads.push_back({grad, u.per});
+      }
     }
   }
 

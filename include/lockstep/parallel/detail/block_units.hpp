@@ -76,7 +76,8 @@ class block_units
                 "add(dst, src, count, dtype) (memory_ops_with_add) to sum the gradient shards over micro-steps");
 
   block_units(Comm& comm, Hook& hook, step_recorder& rec, const policy_type& policy, const model_hooks& model)
-      : layout(model.blocks), comm_(comm), hook_(hook), rec_(rec), buffers_(policy.buffers), attach_(model.attach) {
+      : layout(model.blocks), comm_(comm), hook_(hook), rec_(rec), buffers_(policy.buffers), attach_(model.attach),
+        released_(model.released) {
     if constexpr (ShardValues) {
       keep_ = policy.keep_after_forward;
       param_dtype_ = policy.param_dtype;
@@ -99,6 +100,8 @@ class block_units
     this->lay_out(plans, params, static_cast<std::size_t>(comm_.size()), static_cast<std::size_t>(comm_.rank()),
                   comm_.memory(), param_dtype_);
     for (std::size_t i = 0; i < params.size(); ++i) attach(i, !ShardValues, false);
+    if (released_) released_();  // the model's own storage is free now: the gradient shards may use it
+    this->lay_out_gradients(comm_.memory());
     auto& st = rec_.stats();
     st.shard_bytes = bytes_;
     st.values_bound = true;
@@ -437,7 +440,8 @@ class block_units
   bool keep_ = false;               // FullySharded::keep_after_forward
   dtype param_dtype_ = dtype::f32;  // FullySharded::param_dtype (f32: lent as they are)
   attach_fn attach_;
-  std::deque<flight> flights_;  // reduce-scatters issued, in issue order
+  std::function<void()> released_;  // model.storage_released, if it has it
+  std::deque<flight> flights_;      // reduce-scatters issued, in issue order
   std::vector<binding> bindings_;
   std::size_t lent_ = 0;  // bytes of block buffers allocated
   bool open_ = false;     // a micro-step is open (between begin_sync and its drain)
