@@ -81,7 +81,8 @@ struct segment {
 //!      the values moved into lockstep's shards and every parameter was detached, before the
 //!      gradient shards are allocated: a model whose allocator keeps freed memory gives it back
 //!      there (TorchModule empties libtorch's CUDA cache), so building needs room for the whole
-//!      model and the value shards, never the gradient shards too.
+//!      model and the value shards, never the gradient shards too; and again whenever a block
+//!      buffer cannot be allocated, before lockstep tries once more.
 //!
 //! Example:
 //! \code

@@ -264,8 +264,9 @@ class TorchModule {
     p.mutable_grad() = grad ? torch::from_blob(grad, sizes_.at(i), strides_.at(i), opts) : at::Tensor();
   }
   void attach(std::size_t i, void* value, void* grad) { attach(i, value, grad, protos_.at(i).type); }
-  //! After construction detached every parameter: the storage it held goes back to the device
-  //! (libtorch's CUDA allocator keeps freed blocks; lockstep allocates outside it).
+  //! After construction detached every parameter, and when a block buffer finds the device
+  //! full: what libtorch's CUDA allocator keeps of freed storage goes back to the device
+  //! (lockstep allocates outside it).
   void storage_released() {
 #if LOCKSTEP_TORCH_CUDA
     if (!params_.empty() && params_.front().is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();

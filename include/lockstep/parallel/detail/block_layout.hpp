@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
@@ -42,10 +44,11 @@ class block_layout {
     std::shared_ptr<void> grads;   // the gradient shards (Σ per)
     std::shared_ptr<void> values;  // ZeRO-3: the value shards (Σ per); ZeRO-2: the whole values (plan.total)
     std::vector<segment> shard_grads;
-    std::size_t buffer_elems = 0;  // a lent buffer: the largest unit
     // Lent buffers: values and the model's gradients (cdt); with cdt != the plan's type the
     // gradients are widened into a sum buffer (the plan's type) for their reduce-scatter.
-    std::vector<std::shared_ptr<void>> grad_pool, value_pool, sum_pool;
+    // Each pool by a buffer's elements (a unit's span: the blocks of a transformer share one).
+    using pool = std::map<std::size_t, std::vector<std::shared_ptr<void>>>;
+    pool grad_pool, value_pool, sum_pool;
     bool mixed() const { return cdt != plan->type; }
     std::size_t span_of(std::size_t u) const { return plan->buckets[plan->units[u].first].elements(); }
     std::size_t shard_total() const { return units.empty() ? 0 : units.back().shard + units.back().per; }
@@ -98,17 +101,15 @@ class block_layout {
       group& g = groups_.emplace_back();
       g.plan = &plan;
       g.cdt = plan.type == dtype::f32 ? param_dtype : plan.type;
-      std::size_t shard_total = 0, largest = 0;
+      std::size_t shard_total = 0;
       for (const auto& lu : plan.units) {
         const bucket& bk = plan.buckets[lu.first];
         unit u{bk.begin, bk.elements() / n, shard_total, block_of_[bk.slices.front().param]};
         shard_total += u.per;
-        largest = std::max(largest, bk.elements());
         blocks_[u.block].units.push_back({gi, g.units.size()});
         g.units.push_back(u);
       }
       g.values = mem.allocate((ShardValues ? shard_total : plan.total) * es);
-      g.buffer_elems = largest;
       for (std::size_t k = 0; k < g.units.size(); ++k) {
         const unit& u = g.units[k];
         const bucket& bk = plan.buckets[plan.units[k].first];
@@ -166,6 +167,47 @@ class block_layout {
         if (u.per) g.shard_grads.push_back({grad, u.per});
       }
     }
+  }
+
+  // A buffer for unit u of group gi in type t: from pool (by the unit's size), else new from
+  // mem — a pool grows, never waits; its bytes are added to lent. When mem has none left,
+  // release() (the model gives back what its allocator keeps: model (i)'s storage_released,
+  // libtorch's cache of freed activations) and one more try.
+  template <class Mem>
+  std::shared_ptr<void> take_from(typename group::pool& pool, std::size_t gi, std::size_t u, dtype t, Mem mem,
+                                  const std::function<void()>& release, std::size_t& lent) {
+    auto& free = pool[groups_[gi].span_of(u)];
+    if (!free.empty()) {
+      auto p = std::move(free.back());
+      free.pop_back();
+      return p;
+    }
+    const std::size_t bytes = groups_[gi].span_of(u) * size_of(t);
+    std::shared_ptr<void> p;
+    try {
+      p = mem.allocate(bytes);
+    } catch (const error&) {
+      if (!release) throw;
+      release();
+      p = mem.allocate(bytes);
+    }
+    lent += bytes;
+    return p;
+  }
+
+  // The layout's part of DataParallel's layout hash (n ranks).
+  std::uint64_t hash(std::uint64_t h, std::size_t n) const {
+    const auto mix = [&h](std::uint64_t v) {
+      h ^= v;
+      h *= 1099511628211ull;
+    };
+    mix(static_cast<std::uint64_t>(n));
+    mix(ShardValues ? 3 : 2);
+    for (const auto& g : groups_) {
+      mix(static_cast<std::uint64_t>(g.plan->type));
+      for (const auto& u : g.units) mix(u.per);
+    }
+    return h;
   }
 
   std::size_t bytes_of(const group& g, std::size_t elems) const { return elems * size_of(g.plan->type); }

@@ -8,8 +8,8 @@
 //! whole value arena the model's values live in (the all-gather after the update lands there).
 //!
 //! Full gradients and (ZeRO-3) gathered values exist only while a block is in use: use(k, pass)
-//! lends the block buffers from a pool per element type (as many as are in use or in flight at
-//! once: a pool grows, never waits), and attaches them to the model (model (i)); end_use(k,
+//! lends the block buffers from a pool per element type and size (as many as are in use or in
+//! flight at once: a pool grows, never waits), and attaches them to the model (model (i)); end_use(k,
 //! pass) detaches them. A backward use's gradient buffer goes to its reduce-scatter (launched
 //! by the reducer once the block's gradients are final) and back to the pool when that is done
 //! and added into the shard. ZeRO-3 gathers block k's values when it is first used (waits for
@@ -124,19 +124,7 @@ class block_units
   //! The parameters of block k (registration order).
   std::span<const std::size_t> params_of(std::size_t k) const { return blocks_.at(k).params; }
 
-  std::uint64_t layout_hash(std::uint64_t h) const {
-    const auto mix = [&h](std::uint64_t v) {
-      h ^= v;
-      h *= 1099511628211ull;
-    };
-    mix(static_cast<std::uint64_t>(comm_.size()));
-    mix(ShardValues ? 3 : 2);
-    for (const auto& g : groups_) {
-      mix(static_cast<std::uint64_t>(g.plan->type));
-      for (const auto& u : g.units) mix(u.per);
-    }
-    return h;
-  }
+  std::uint64_t layout_hash(std::uint64_t h) const { return this->hash(h, static_cast<std::size_t>(comm_.size())); }
 
   //! A cycle begins: the gradient shards start from zero.
   void begin_cycle() {
@@ -169,7 +157,7 @@ class block_units
       for (std::size_t j = 0; j < b.units.size(); ++j) {
         auto [gi, u] = b.units[j];
         group& g = groups_[gi];
-        b.grads[j] = g.mixed() ? take(g.grad_pool, gi, g.cdt) : take_sum_buffer(gi);
+        b.grads[j] = g.mixed() ? take(g.grad_pool, gi, u, g.cdt) : take_sum_buffer(gi, u);
         comm_.memory().zero(b.grads[j].get(), g.span_of(u) * size_of(g.cdt));
       }
     b.in_use = true;
@@ -201,13 +189,13 @@ class block_units
     block& b = blocks_[g.units[u].block];
     const std::size_t j = slot_in(b, gi, u);
     if (!b.grads[j]) {
-      b.grads[j] = take_sum_buffer(gi);
+      b.grads[j] = take_sum_buffer(gi, u);
       comm_.memory().zero(b.grads[j].get(), bytes_of(g, g.span_of(u)));
     } else if (g.mixed()) {
       if constexpr (memory_ops_with_convert<memory_of_t<Comm>>) {
-        auto wide = take_sum_buffer(gi);
+        auto wide = take_sum_buffer(gi, u);
         comm_.memory().convert(wide.get(), g.plan->type, b.grads[j].get(), g.cdt, g.span_of(u));
-        g.grad_pool.push_back(std::exchange(b.grads[j], std::move(wide)));
+        g.grad_pool[g.span_of(u)].push_back(std::exchange(b.grads[j], std::move(wide)));
       }
     }
     return b.grads[j].get();
@@ -301,29 +289,22 @@ class block_units
     return (static_cast<std::uint64_t>(kind) << 62) | (static_cast<std::uint64_t>(g) << 32) | i;
   }
 
-  // A buffer of group gi's largest unit in type t: from the pool, else new (a pool grows,
-  // never waits).
-  std::shared_ptr<void> take(std::vector<std::shared_ptr<void>>& pool, std::size_t gi, dtype t) {
-    if (pool.empty()) {
-      const std::size_t bytes = groups_[gi].buffer_elems * size_of(t);
-      lent_ += bytes;
-      rec_.stats().lent_bytes = std::max(rec_.stats().lent_bytes, lent_);
-      return comm_.memory().allocate(bytes);
-    }
-    auto p = std::move(pool.back());
-    pool.pop_back();
+  std::shared_ptr<void> take(typename group::pool& pool, std::size_t gi, std::size_t u, dtype t) {
+    auto p = this->take_from(pool, gi, u, t, comm_.memory(), released_, lent_);
+    rec_.stats().lent_bytes = std::max(rec_.stats().lent_bytes, lent_);
     return p;
   }
 
   // The pool of buffers reduce-scatters run in (the plan's type).
-  static std::vector<std::shared_ptr<void>>& sum_pool(group& g) { return g.mixed() ? g.sum_pool : g.grad_pool; }
+  static typename group::pool& sum_pool(group& g) { return g.mixed() ? g.sum_pool : g.grad_pool; }
   // A buffer for a reduce-scatter: with BlockBuffers::scatters_in_flight of them in flight, the
   // oldest is completed first and its buffer reused (ordered after it on device streams).
-  std::shared_ptr<void> take_sum_buffer(std::size_t gi) {
-    while (sum_pool(groups_[gi]).empty() && !flights_.empty() &&
+  std::shared_ptr<void> take_sum_buffer(std::size_t gi, std::size_t u) {
+    group& g = groups_[gi];
+    while (sum_pool(g)[g.span_of(u)].empty() && !flights_.empty() &&
            flights_.size() >= static_cast<std::size_t>(buffers_.scatters_in_flight))
       complete_oldest();
-    return take(sum_pool(groups_[gi]), gi, groups_[gi].plan->type);
+    return take(sum_pool(g), gi, u, g.plan->type);
   }
 
   void attach(std::size_t i, bool values, bool grad) {
@@ -336,7 +317,7 @@ class block_units
     if (b.held()) return;
     for (std::size_t j = 0; j < b.units.size(); ++j) {
       const auto [gi, u] = b.units[j];
-      b.gathered[j] = take(groups_[gi].value_pool, gi, groups_[gi].cdt);
+      b.gathered[j] = take(groups_[gi].value_pool, gi, u, groups_[gi].cdt);
       b.gathers[j].emplace(all_gather(groups_[gi], u, b.gathered[j].get(), groups_[gi].cdt));
     }
   }
@@ -390,7 +371,9 @@ class block_units
     block& b = blocks_[k];
     for (std::size_t j = 0; j < b.units.size(); ++j) {
       if (b.gathers[j]) wait_work(b.gathers[j], step_event::wait_gather, k);
-      if (b.gathered[j]) groups_[b.units[j].first].value_pool.push_back(std::move(b.gathered[j]));
+      if (!b.gathered[j]) continue;
+      group& g = groups_[b.units[j].first];
+      g.value_pool[g.span_of(b.units[j].second)].push_back(std::move(b.gathered[j]));
     }
   }
   void drop_whole() {
@@ -430,7 +413,7 @@ class block_units
     }
     const void* mine = g.at(f.buffer, static_cast<std::size_t>(comm_.rank()) * un.per);
     comm_.memory().add(g.at(g.grads, un.shard), mine, un.per, g.plan->type);
-    sum_pool(g).push_back(std::move(f.buffer));
+    sum_pool(g)[g.span_of(f.u)].push_back(std::move(f.buffer));
   }
 
   Comm& comm_;
