@@ -149,6 +149,29 @@ TEST_CASE_TEMPLATE("fullshard zero3: blocks smaller than the rank count - prefet
   }
 }
 
+// An exception out of a block's backward (every rank alike), caught by the training loop: the
+// step is dropped — no collective on one rank alone, the reduce-scatters it had issued never
+// reach the next step's shards, the blocks it left in use are released — and training goes on
+// exactly as if that step had never run.
+TEST_CASE_TEMPLATE("fullshard zero2 zero3: a step abandoned by an exception in backward is dropped", T, float, double) {
+  const auto seed = fresh_seed();
+  const auto d = narrow_data(seed);
+  for (int n : {2, 3}) {
+    sharded_config skipped;
+    skipped.ranks = n;
+    skipped.skip_step = 2;
+    sharded_config abandoned = skipped;
+    abandoned.skip_step = -1;
+    abandoned.abandon_step = 2;
+    const auto want = train<T, lockstep::FullySharded>(d, skipped, seed + 9);
+    const auto got = train<T, lockstep::FullySharded>(d, abandoned, seed + 9);
+    for (std::size_t r = 0; r < got.values.size(); ++r) CHECK(got.values[r] == want.values[r]);
+    const auto want2 = train<T, lockstep::ShardedGradients>(d, skipped, seed + 9);
+    const auto got2 = train<T, lockstep::ShardedGradients>(d, abandoned, seed + 9);
+    for (std::size_t r = 0; r < got2.values.size(); ++r) CHECK(got2.values[r] == want2.values[r]);
+  }
+}
+
 TEST_CASE_TEMPLATE("fullshard zero2 zero3: accumulation - loss scaling with an injected inf - clipping", T, float,
                    double) {
   std::mt19937_64 rng(fresh_seed());

@@ -29,7 +29,12 @@ struct sharded_config {
   int first_step = 0;                // resume: the step the loop starts at
   bool gather_in_forward = false;    // sharded: each parameter waited for just before the forward
   bool block_per_parameter = false;  // full sharding: each parameter its own block (else each layer)
+  int skip_step = -1;                // this step is not run (its batch is not seen)
+  int abandon_step = -1;             // full sharding: this step's backward throws at layer 1 on every rank, caught
 };
+
+//! What the training loop of an abandon_step throws (and catches).
+struct abandoned_step {};
 
 struct sharded_outcome {
   std::vector<std::vector<double>> values;  // per rank, widened
@@ -67,43 +72,51 @@ void train_rank_as(Ctx& ctx, const dataset& d, const sharded_config& c, std::uin
   if constexpr (!std::is_same_v<Start, std::nullptr_t>) start(p, opt);
   const std::size_t global = c.batch * static_cast<std::size_t>(c.ranks * c.accumulate);
   for (int s = c.first_step; s < c.steps; ++s) {
+    if (s == c.skip_step) continue;
     lockstep::step_result r;
-    for (int k = 0; k < c.accumulate; ++k) {
-      auto step = p.step();
-      std::vector<std::size_t> rows(c.batch);
-      const std::size_t first =
-          static_cast<std::size_t>(s) * global + (static_cast<std::size_t>(k) * c.ranks + ctx.rank()) * c.batch;
-      for (std::size_t i = 0; i < c.batch; ++i) rows[i] = (first + i) % d.samples;
-      // The inf goes in before parameter 0's gradient is reported final (and reduced).
-      const bool inject = s == c.inf_step && ctx.rank() == c.ranks - 1 && step.synchronizes();
-      const auto poison = [&] {
-        static_cast<T*>(m.parameters()[0].grad)[c.inf_at] = std::numeric_limits<T>::infinity();
-      };
-      if (deferred)  // what a layer-by-layer forward does, here all before TestMlp's forward
-        for (std::size_t i = 0; i < m.parameters().size(); ++i) p.wait_parameters(i);
-      m.forward_backward(
-          inputs<T>(d), d.y, rows,
-          [&](std::size_t i) {
-            if (inject && i == 0) poison();
-            if (c.hooks) step.gradient_ready(i);
-          },
-          step.loss_scale(),
-          [&](std::size_t l, bool forward) {
-            std::vector<lockstep::block_use<DP>> held;  // the layer's blocks, for its forward or backward
-            if constexpr (DP::block_sharded) {
-              const auto blocks = m.blocks();
-              for (std::size_t i : {2 * l, 2 * l + 1})
-                if (i == 2 * l || blocks[i] != blocks[2 * l])
-                  held.push_back(p.use_block(blocks[i], forward ? lockstep::pass::forward : lockstep::pass::backward));
-            }
-            return held;
-          });
-      if constexpr (Sharded) {
-        r = step.finish([&](std::span<const lockstep::param_slice> sl) { opt.step(sl); });
-      } else {
-        r = step.finish();
-        if (r) opt.step(p.parameters());
+    try {
+      for (int k = 0; k < c.accumulate; ++k) {
+        auto step = p.step();
+        std::vector<std::size_t> rows(c.batch);
+        const std::size_t first =
+            static_cast<std::size_t>(s) * global + (static_cast<std::size_t>(k) * c.ranks + ctx.rank()) * c.batch;
+        for (std::size_t i = 0; i < c.batch; ++i) rows[i] = (first + i) % d.samples;
+        // The inf goes in before parameter 0's gradient is reported final (and reduced).
+        const bool inject = s == c.inf_step && ctx.rank() == c.ranks - 1 && step.synchronizes();
+        const auto poison = [&] {
+          static_cast<T*>(m.parameters()[0].grad)[c.inf_at] = std::numeric_limits<T>::infinity();
+        };
+        if (deferred)  // what a layer-by-layer forward does, here all before TestMlp's forward
+          for (std::size_t i = 0; i < m.parameters().size(); ++i) p.wait_parameters(i);
+        m.forward_backward(
+            inputs<T>(d), d.y, rows,
+            [&](std::size_t i) {
+              if (inject && i == 0) poison();
+              if (c.hooks) step.gradient_ready(i);
+            },
+            step.loss_scale(),
+            [&](std::size_t l, bool forward) {
+              std::vector<lockstep::block_use<DP>> held;  // the layer's blocks, for its forward or backward
+              if constexpr (DP::block_sharded) {
+                const auto blocks = m.blocks();
+                for (std::size_t i : {2 * l, 2 * l + 1})
+                  if (i == 2 * l || blocks[i] != blocks[2 * l])
+                    held.push_back(
+                        p.use_block(blocks[i], forward ? lockstep::pass::forward : lockstep::pass::backward));
+                // Layers L-1 … 2 are reduce-scattered by now; layer 1's uses end by the exception.
+                if (s == c.abandon_step && !forward && l == 1) throw abandoned_step{};
+              }
+              return held;
+            });
+        if constexpr (Sharded) {
+          r = step.finish([&](std::span<const lockstep::param_slice> sl) { opt.step(sl); });
+        } else {
+          r = step.finish();
+          if (r) opt.step(p.parameters());
+        }
       }
+    } catch (const abandoned_step&) {
+      continue;  // the step is dropped; the next one begins a cycle anew
     }
     if (ctx.rank() == 0) {
       out.applied.push_back(r.applied ? 1 : 0);

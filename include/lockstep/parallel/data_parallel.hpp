@@ -175,6 +175,12 @@ class DataParallel {
     if (open_)
       throw config_error("lockstep: step() called while the previous step is still open; "
                          "call finish() on each step before starting the next");
+    if constexpr (block_sharded)
+      if (std::exchange(abandoned_, false)) {  // an exception left the last micro-step: its cycle restarts
+        ++epoch_;                              // the uses it left open end with nothing to do
+        reducer_.units().abandon();
+        in_cycle_ = false;
+      }
     if (!in_cycle_) {
       detail::check_unchanged(reducer_.params(), detail::collect_parameters(model_), comm_.rank(), reducer_.zero_copy(),
                               !block_sharded);
@@ -381,6 +387,12 @@ class DataParallel {
   friend class lockstep::step_handle<DataParallel>;  // marks gradients ready, ends the step
   friend class lockstep::block_use<DataParallel>;    // ends a block's use
 
+  // A micro-step, or a block's use, ended by an exception (step_handle, block_use): nothing
+  // more this step — no collective on this rank alone; the next step() cleans up.
+  void abandon() noexcept {
+    open_ = false;
+    if constexpr (block_sharded) abandoned_ = true;
+  }
   // A block's use ends: after a backward one its gradients are final (the reducer launches
   // what became complete), then the units detach it.
   void end_block(std::size_t k, pass p) {
@@ -437,10 +449,12 @@ class DataParallel {
   int micro_ = 0;
   bool in_cycle_ = false;
   bool open_ = false;
-  bool joining_ = false;                   // a Join scope is open on this rank
-  bool stepped_ = false;                   // in it: this rank contributed to the latest cycle (sync_buffers)
-  int join_active_ = 0;                    // contributing ranks at the latest agreement
-  std::shared_ptr<void> join_buf_;         // the agreement's buffer, in comm's memory space
+  bool abandoned_ = false;          // block_sharded: an exception left a micro-step (abandon())
+  std::uint64_t epoch_ = 0;         // block_sharded: abandoned micro-steps cleaned up (block_use ignores older uses)
+  bool joining_ = false;            // a Join scope is open on this rank
+  bool stepped_ = false;            // in it: this rank contributed to the latest cycle (sync_buffers)
+  int join_active_ = 0;             // contributing ranks at the latest agreement
+  std::shared_ptr<void> join_buf_;  // the agreement's buffer, in comm's memory space
   detail::nonfinite_origin<Comm> origin_;  // after a skip: whose gradients were non-finite
 };
 

@@ -23,7 +23,7 @@ class step_handle {
   step_handle& operator=(const step_handle&) = delete;
   step_handle(step_handle&& o) noexcept : dp_(std::exchange(o.dp_, nullptr)), sync_(o.sync_) {}
   ~step_handle() {
-    if (dp_) dp_->open_ = false;  // abandoned (e.g. an exception): the next step() restarts the cycle
+    if (dp_) dp_->abandon();  // abandoned (e.g. an exception): the next step() cleans up
   }
 
   //! Whether this micro-step will average gradients (the last of its cycle).

@@ -259,6 +259,7 @@ void shard_blocks(DP& dp, TorchBlocks& blocks)
   blocks.set_gate([&dp, uses](std::size_t k, pass p, bool begin) {
     const std::pair<std::size_t, int> key{k, static_cast<int>(p)};
     if (begin) {
+      uses->erase(key);  // a use an abandoned step left open (its end is a no-op now)
       uses->emplace(key, dp.use_block(k, p));
       return;
     }

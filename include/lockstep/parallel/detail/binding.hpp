@@ -46,7 +46,7 @@ model_hooks hooks_of(Model& model, bind_fn bind_value) {
     (void)p;
     ++parameters;
   }
-  model_hooks h{std::move(bind_value), {}, std::vector<std::size_t>(parameters, 0)};
+  model_hooks h{std::move(bind_value), {}, std::vector<std::size_t>(parameters, 0), false, {}};
   if constexpr (typed_attaching_model<Model>) {
     h.attach = [&model](std::size_t i, void* v, void* g, dtype t) { model.attach(i, v, g, t); };
     h.typed_attach = true;

@@ -222,6 +222,30 @@ class block_units
     flights_.push_back(std::move(f));
   }
 
+  //! The micro-step was abandoned (an exception left it): every block still in use is
+  //! detached without its reduce-scatter; the reduce-scatters already issued are waited for
+  //! and dropped (their sums must not reach the next cycle's shards); buffers go back.
+  void abandon() {
+    for (std::size_t k = 0; k < blocks_.size(); ++k) {
+      block& b = blocks_[k];
+      if (b.in_use) {
+        b.in_use = false;
+        for (auto i : b.params) attach(i, !ShardValues, false);
+      }
+      if (ShardValues && b.held()) release_values(k);
+      for (auto& g : b.grads) g.reset();
+      b.forward = b.backward = false;
+    }
+    while (!flights_.empty()) {
+      flight f = std::move(flights_.front());
+      flights_.pop_front();
+      if (f.work) f.work->wait();
+      group& g = groups_[f.g];
+      sum_pool(g)[g.span_of(f.u)].push_back(std::move(f.buffer));
+    }
+    open_ = false;
+  }
+
   //! End of a micro-step that does not step (accumulation): every reduce-scatter completed.
   void drain() {
     while (!flights_.empty()) complete_oldest();
