@@ -172,6 +172,48 @@ TEST_CASE_TEMPLATE("fullshard zero2 zero3: a step abandoned by an exception in b
   }
 }
 
+// Within the abandoned step: finish() is refused by name (its gradients are incomplete), and
+// the values can still be gathered whole (a checkpoint after the failure) — the same as before
+// the step, on every rank.
+TEST_CASE("fullshard zero3: after an exception in backward, finish() is refused and the values gather whole") {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  const auto d = narrow_data(seed);
+  std::vector<std::vector<float>> before(2), after(2);
+  std::vector<int> refused(2, 0);
+  lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
+    const auto r = static_cast<std::size_t>(ctx.rank());
+    TestMlp<float> m(d.dims, seed + 1);
+    lockstep::DataParallel dp(ctx, m, lockstep::FullySharded{});
+    using DP = decltype(dp);
+    dp.wait_all_parameters();
+    before[r] = m.flat_values();
+    auto step = dp.step();
+    const std::vector<std::size_t> rows{r, r + 2, r + 4};
+    try {
+      m.forward_backward(inputs<float>(d), d.y, rows, step.on_gradient_ready(), 1.0, [&](std::size_t l, bool fwd) {
+        std::vector<lockstep::block_use<DP>> held;
+        held.push_back(dp.use_block(m.blocks()[2 * l], fwd ? lockstep::pass::forward : lockstep::pass::backward));
+        if (!fwd && l == 1) throw abandoned_step{};
+        return held;
+      });
+    } catch (const abandoned_step&) {
+    }
+    try {
+      (void)step.finish();
+    } catch (const lockstep::config_error& e) {
+      refused[r] = std::string(e.what()).find("abandoned") != std::string::npos ? 1 : 2;
+    }
+    dp.wait_all_parameters();
+    after[r] = m.flat_values();
+  });
+  for (std::size_t r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    CHECK(refused[r] == 1);
+    CHECK(after[r] == before[0]);
+  }
+}
+
 TEST_CASE_TEMPLATE("fullshard zero2 zero3: accumulation - loss scaling with an injected inf - clipping", T, float,
                    double) {
   std::mt19937_64 rng(fresh_seed());

@@ -54,6 +54,7 @@
 #include "lockstep/parallel/detail/reducer.hpp"
 #include "lockstep/parallel/detail/step_recorder.hpp"
 #include "lockstep/parallel/detail/replicas.hpp"
+#include "lockstep/parallel/detail/requirements.hpp"
 #include "lockstep/parallel/detail/shard_units.hpp"
 #include "lockstep/parallel/join.hpp"
 #include "lockstep/parallel/policies.hpp"
@@ -67,18 +68,6 @@ namespace lockstep {
 
 template <class Model, class Comm, class... Policies>
 class DataParallel {
-  static_assert(model_has_parameters<Model>,
-                "lockstep::DataParallel: Model does not satisfy lockstep::model: requirement 1 "
-                "— it needs parameters() returning a range of lockstep::parameter");
-  static_assert(communicator_has_rank<Comm>, "lockstep::DataParallel: Comm does not satisfy lockstep::communicator: "
-                                             "requirement 1 — it needs rank() and size()");
-  static_assert(communicator_has_collectives<Comm>,
-                "lockstep::DataParallel: Comm does not satisfy lockstep::communicator: "
-                "requirements 2-6 — it needs all_reduce, broadcast, all_gather, "
-                "reduce_scatter and barrier returning lockstep::work");
-  static_assert(communicator_has_memory<Comm>, "lockstep::DataParallel: Comm does not satisfy lockstep::communicator: "
-                                               "requirement 7 — it needs memory() returning lockstep::memory_ops");
-
  public:
   using model_type = Model;
   using comm_type = Comm;
@@ -93,16 +82,7 @@ class DataParallel {
   //! reduction units it runs (parallel/detail/).
   using strategy_type = typename detail::policy_set<Comm, Policies...>::strategy;
   using units_type = typename detail::policy_set<Comm, Policies...>::units;
-  static_assert(loss_scaler_for<scaler_type, Comm> || has_grad_ops<memory_of_t<Comm>>,
-                "lockstep::DataParallel: no lockstep::grad_ops for this communicator's memory "
-                "space (the type Comm::memory() returns): the loss scaler needs it to unscale "
-                "and check the gradients where they live. Include the header that provides it "
-                "(<lockstep/cuda/grad_ops.cuh>, or <lockstep/cuda.cuh>, for NcclComm's "
-                "CudaMemory), specialise lockstep::grad_ops for your memory type "
-                "(docs/communicator.md), or use lockstep::NoScaling");
-  static_assert(!has_grad_ops<memory_of_t<Comm>> || loss_scaler_for<scaler_type, Comm>,
-                "lockstep::DataParallel: the loss scaler cannot unscale this communicator's "
-                "gradients (it needs unscale_and_check(Comm&, span<const grad_group>))");
+  static_assert(detail::data_parallel_requirements<Model, Comm, scaler_type>());
 
   //! One micro-step: created by step(), ended by finish() (step_handle.hpp).
   using step_handle = lockstep::step_handle<DataParallel>;
@@ -168,19 +148,20 @@ class DataParallel {
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;
   //! A model holding views of the arenas gets its values and gradients back (model (d), (f)).
-  ~DataParallel() { detail::release_model(model_, reducer_); }
+  ~DataParallel() {
+    try {
+      settle_abandoned();
+    } catch (...) {  // a destructor must not throw; release_model gathers what it can
+    }
+    detail::release_model(model_, reducer_);
+  }
 
   //! Begins a micro-step. The accumulation policy decides whether it synchronises.
   [[nodiscard]] step_handle step() {
     if (open_)
       throw config_error("lockstep: step() called while the previous step is still open; "
                          "call finish() on each step before starting the next");
-    if constexpr (block_sharded)
-      if (std::exchange(abandoned_, false)) {  // an exception left the last micro-step: its cycle restarts
-        ++epoch_;                              // the uses it left open end with nothing to do
-        reducer_.units().abandon();
-        in_cycle_ = false;
-      }
+    settle_abandoned();
     if (!in_cycle_) {
       detail::check_unchanged(reducer_.params(), detail::collect_parameters(model_), comm_.rank(), reducer_.zero_copy(),
                               !block_sharded);
@@ -251,12 +232,14 @@ class DataParallel {
   [[nodiscard]] block_use<DataParallel> use_block(std::size_t k, pass p)
     requires block_sharded
   {
+    if (!open_) settle_abandoned();  // (an evaluation forward after a failed step)
     reducer_.units().use(k, p);
     return block_use<DataParallel>(this, k, p);
   }
   //! Every parameter's values current and in place (FullySharded: the whole model gathered and
   //! attached until the next step; parameters() then points at it).
   void wait_all_parameters() {
+    settle_abandoned();
     reducer_.units().wait_all_parameters();
     if constexpr (block_sharded) reducer_.refresh_params();
   }
@@ -294,6 +277,9 @@ class DataParallel {
 
   // The step's events around finish_inner (step_recorder: NVTX, trace, model time).
   step_result finish_step(bool sync, const std::function<void(std::span<const param_slice>)>& on_bucket) {
+    if (block_sharded && abandoned_)
+      throw config_error("lockstep: finish() on a step an exception abandoned (a block's use ended by it): its "
+                         "gradients are incomplete; drop the step and begin the next with dp.step()");
     recorder_.model_end(sync);
     step_result r;
     {
@@ -388,10 +374,21 @@ class DataParallel {
   friend class lockstep::block_use<DataParallel>;    // ends a block's use
 
   // A micro-step, or a block's use, ended by an exception (step_handle, block_use): nothing
-  // more this step — no collective on this rank alone; the next step() cleans up.
+  // more this step — no collective on this rank alone. settle_abandoned (before anything else
+  // uses the blocks) releases those it left in use, drops the reduce-scatters it issued and
+  // restarts its cycle; uses from before end with nothing to do (epoch).
   void abandon() noexcept {
     open_ = false;
     if constexpr (block_sharded) abandoned_ = true;
+  }
+  void settle_abandoned() {
+    if constexpr (block_sharded) {
+      if (!abandoned_) return;
+      ++epoch_;
+      reducer_.units().abandon();
+      abandoned_ = false;
+      in_cycle_ = false;
+    }
   }
   // A block's use ends: after a backward one its gradients are final (the reducer launches
   // what became complete), then the units detach it.
@@ -417,19 +414,9 @@ class DataParallel {
       throw config_error("DataParallelOptions::max_grad_norm must be >= 0 (0: no clipping), got " +
                          std::to_string(opts_.max_grad_norm));
     // Checked whenever the model's type has them (not by this rank's count: a rank without
-    // any would skip the collective its peers issue).
-    if constexpr (frozen_model<Model>) {  // model (g): as the trained ones, never reduced
-      if (comm_.size() > 1) {
-        detail::check_same_tensors(comm_, frozen_, "frozen parameter");
-        if (opts.broadcast_parameters) detail::broadcast_values(comm_, frozen_);
-      }
-    }
-    if constexpr (buffer_model<Model>) {
-      if (comm_.size() > 1) {
-        detail::check_same_tensors(comm_, buffers_, "buffer");
-        if (opts.broadcast_parameters) broadcast_buffers_(comm_, buffers_);
-      }
-    }
+    // any would skip the collective its peers issue). Frozen (model (g)): never reduced.
+    detail::share_extras(comm_, frozen_model<Model>, frozen_, buffer_model<Model>, buffers_, opts.broadcast_parameters,
+                         broadcast_buffers_);
     // A device-side scaler's state must exist before the first loss kernel reads it.
     if constexpr (attachable_scaler<scaler_type, Comm>) scaler_.attach(comm_);
   }

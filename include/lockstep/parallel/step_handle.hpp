@@ -54,7 +54,12 @@ class step_handle {
   step_result finish(const std::function<void(std::span<const param_slice>)>& on_bucket) {
     if (!dp_) throw config_error("lockstep: finish() called twice on one step");
     auto* dp = std::exchange(dp_, nullptr);
-    return dp->finish_step(sync_, on_bucket);
+    try {
+      return dp->finish_step(sync_, on_bucket);
+    } catch (...) {
+      dp->abandon();  // what it left in flight must not reach the next cycle
+      throw;
+    }
   }
 
  private:

@@ -13,9 +13,9 @@
 //!    values are requested, f runs again under grad mode, its backward runs (a reentrant
 //!    backward, as torch.utils.checkpoint's), and the use ends. The recomputation sees what the
 //!    forward saw: the forward thread's autocast switches and types (CPU and CUDA; backward
-//!    runs on autograd's device thread, where autocast is off) and the random generators'
-//!    states of the CPU and of x's device (dropout draws the same mask); the generators are
-//!    put back after.
+//!    runs on autograd's device thread, where autocast is off; its cast cache is off meanwhile)
+//!    and the state of x's device's random generator (dropout draws the same mask), put back
+//!    after.
 //!
 //! Without a DataParallel connected (shard_blocks), run(k, x, f) is f(x). When recomputing, f
 //! is kept until block k runs again (its backward runs f again): capture by value (`[=]`, the
@@ -115,8 +115,10 @@ class torch_replay {
       ctx->saved_data["autocast_" + n] = autocast_on(d);
       ctx->saved_data["autocast_type_" + n] = static_cast<std::int64_t>(autocast_type(d));
     }
-    ctx->saved_data["rng_cpu"] = state_of(at::detail::getDefaultCPUGenerator());
-    if (!x.is_cpu()) ctx->saved_data["rng_device"] = state_of(at::globalContext().defaultGenerator(x.device()));
+    // The generator of x's device: on a GPU its own (one per device, one rank per device); on
+    // the CPU the process's one, which thread ranks share (their replay is then only as exact
+    // as their interleaving).
+    ctx->saved_data["rng"] = state_of(generator(x));
   }
   torch_replay(torch::autograd::AutogradContext* ctx, const at::Tensor& x) : device_(x.device()) {
     for (auto d : {c10::DeviceType::CPU, c10::DeviceType::CUDA}) {
@@ -125,14 +127,16 @@ class torch_replay {
       set_autocast(d, ctx->saved_data["autocast_" + n].toBool(),
                    static_cast<at::ScalarType>(ctx->saved_data["autocast_type_" + n].toInt()));
     }
-    cpu_ = swap(at::detail::getDefaultCPUGenerator(), ctx->saved_data["rng_cpu"].toTensor());
-    if (!x.is_cpu())
-      device_rng_ = swap(at::globalContext().defaultGenerator(device_), ctx->saved_data["rng_device"].toTensor());
+    // Autocast's cache of fp32 → bf16 casts of weights is never cleared on this thread: a
+    // recomputation that filled it would hand the next step's last step's weights.
+    cache_was_ = at::autocast::is_autocast_cache_enabled();
+    at::autocast::set_autocast_cache_enabled(false);
+    rng_ = swap(generator(x), ctx->saved_data["rng"].toTensor());
   }
   ~torch_replay() {
     for (const auto& w : was_) set_autocast(w.d, w.on, w.t);
-    swap(at::detail::getDefaultCPUGenerator(), cpu_);
-    if (device_rng_.defined()) swap(at::globalContext().defaultGenerator(device_), device_rng_);
+    at::autocast::set_autocast_cache_enabled(cache_was_);
+    swap(device_.is_cpu() ? at::detail::getDefaultCPUGenerator() : at::globalContext().defaultGenerator(device_), rng_);
   }
   torch_replay(const torch_replay&) = delete;
   torch_replay& operator=(const torch_replay&) = delete;
@@ -143,6 +147,9 @@ class torch_replay {
     bool on;
     at::ScalarType t;
   };
+  static at::Generator generator(const at::Tensor& x) {
+    return x.is_cpu() ? at::detail::getDefaultCPUGenerator() : at::globalContext().defaultGenerator(x.device());
+  }
   static at::Tensor state_of(at::Generator g) {
     std::lock_guard<std::mutex> lock(g.mutex());
     return g.get_state();
@@ -155,7 +162,8 @@ class torch_replay {
   }
   c10::Device device_;
   std::vector<autocast> was_;
-  at::Tensor cpu_, device_rng_;
+  bool cache_was_ = true;
+  at::Tensor rng_;
 };
 
 //! Identity; its backward runs gate(k, backward, begin) — at a block's output (begin: the

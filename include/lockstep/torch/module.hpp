@@ -68,6 +68,7 @@
 #include <torch/types.h>
 #if defined(LOCKSTEP_WITH_CUDA) && __has_include(<c10/cuda/CUDACachingAllocator.h>)
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #define LOCKSTEP_TORCH_CUDA 1
 #else
 #define LOCKSTEP_TORCH_CUDA 0
@@ -198,7 +199,7 @@ class TorchModule {
     out.reserve(params_.size());
     for (std::size_t i = 0; i < params_.size(); ++i) {
       const at::Tensor& p = params_[i];
-      if (block_of_.empty()) {
+      if (block_of_.empty() && storages_.empty()) {  // (never attached: full sharding lends its gradients)
         at::Tensor& g = p.mutable_grad();
         if (!g.defined() || g.sizes() != p.sizes() || g.strides() != p.strides() ||
             g.scalar_type() != p.scalar_type() || g.device() != p.device())
@@ -262,14 +263,27 @@ class TorchModule {
     storages_[i].unsafeGetStorageImpl()->set_data_ptr(c10::DataPtr(value, p.device()));
     p.set_data(value ? at::empty({0}, opts).set_(storages_[i], 0, sizes_.at(i), strides_.at(i)) : at::empty({0}, opts));
     p.mutable_grad() = grad ? torch::from_blob(grad, sizes_.at(i), strides_.at(i), opts) : at::Tensor();
+    // set_data to another element type drops the parameter's gradient accumulator: hook the new
+    // one (made here, with values attached: it takes the parameter's shape).
+    if (auto acc = value ? torch::autograd::impl::grad_accumulator(p) : nullptr; acc && acc != accumulators_.at(i)) {
+      acc->add_post_hook(std::make_unique<detail::torch_ready_hook>(hooks_, i));
+      accumulators_[i] = std::move(acc);
+    }
   }
   void attach(std::size_t i, void* value, void* grad) { attach(i, value, grad, protos_.at(i).type); }
   //! After construction detached every parameter, and when a block buffer finds the device
   //! full: what libtorch's CUDA allocator keeps of freed storage goes back to the device
   //! (lockstep allocates outside it).
+  //! Only where this process holds libtorch memory on this rank's device alone (one process per
+  //! GPU): emptying the cache frees every device's, and a cudaFree waits for its device — with
+  //! ranks as threads, for another rank's collective that waits for this one.
   void storage_released() {
 #if LOCKSTEP_TORCH_CUDA
-    if (!params_.empty() && params_.front().is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
+    if (params_.empty() || !params_.front().is_cuda()) return;
+    const auto mine = params_.front().device().index();
+    for (c10::DeviceIndex d = 0; d < static_cast<c10::DeviceIndex>(c10::cuda::device_count()); ++d)
+      if (d != mine && c10::cuda::CUDACachingAllocator::getDeviceStats(d).reserved_bytes[0].current > 0) return;
+    c10::cuda::CUDACachingAllocator::emptyCache();
 #endif
   }
   void bind_gradient(std::size_t i, void* storage) {

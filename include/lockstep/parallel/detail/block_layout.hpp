@@ -210,6 +210,10 @@ class block_layout {
     return h;
   }
 
+  // The step recorder's key of a collective: kind (0 reduce-scatter, 1 all-gather), group, index.
+  static std::uint64_t key(int kind, std::size_t g, std::size_t i) {
+    return (static_cast<std::uint64_t>(kind) << 62) | (static_cast<std::uint64_t>(g) << 32) | i;
+  }
   std::size_t bytes_of(const group& g, std::size_t elems) const { return elems * size_of(g.plan->type); }
   std::size_t unit_of(std::size_t gi, std::size_t first) const {
     const auto& us = groups_[gi].plan->units;

@@ -58,8 +58,8 @@ class block_units
                               ShardValues>;
   using layout::block_of_, layout::blocks_, layout::groups_, layout::whole_, layout::params_, layout::slices_,
       layout::map_, layout::bytes_;
-  using layout::bytes_of, layout::unit_of, layout::slot_in, layout::index_of, layout::value_of, layout::grad_of,
-      layout::type_of;
+  using layout::key, layout::bytes_of, layout::unit_of, layout::slot_in, layout::index_of, layout::value_of,
+      layout::grad_of, layout::type_of;
   using typename layout::block;
   using typename layout::flight;
   using typename layout::group;
@@ -228,21 +228,14 @@ class block_units
   void abandon() {
     for (std::size_t k = 0; k < blocks_.size(); ++k) {
       block& b = blocks_[k];
-      if (b.in_use) {
-        b.in_use = false;
+      if (b.in_use || (ShardValues && b.held()))  // in use, or kept after its forward
         for (auto i : b.params) attach(i, !ShardValues, false);
-      }
+      b.in_use = false;
       if (ShardValues && b.held()) release_values(k);
       for (auto& g : b.grads) g.reset();
       b.forward = b.backward = false;
     }
-    while (!flights_.empty()) {
-      flight f = std::move(flights_.front());
-      flights_.pop_front();
-      if (f.work) f.work->wait();
-      group& g = groups_[f.g];
-      sum_pool(g)[g.span_of(f.u)].push_back(std::move(f.buffer));
-    }
+    while (!flights_.empty()) complete_oldest(/*keep=*/false);
     open_ = false;
   }
 
@@ -309,10 +302,6 @@ class block_units
   }
 
  private:
-  static std::uint64_t key(int kind, std::size_t g, std::size_t i) {
-    return (static_cast<std::uint64_t>(kind) << 62) | (static_cast<std::uint64_t>(g) << 32) | i;
-  }
-
   std::shared_ptr<void> take(typename group::pool& pool, std::size_t gi, std::size_t u, dtype t) {
     auto p = this->take_from(pool, gi, u, t, comm_.memory(), released_, lent_);
     rec_.stats().lent_bytes = std::max(rec_.stats().lent_bytes, lent_);
@@ -425,8 +414,9 @@ class block_units
     w.reset();
   }
 
-  // The oldest reduce-scatter: waited for, its mean added into the shard, its buffer pooled.
-  void complete_oldest() {
+  // The oldest reduce-scatter: waited for, its mean added into the shard (unless dropped), its
+  // buffer pooled.
+  void complete_oldest(bool keep = true) {
     flight f = std::move(flights_.front());
     flights_.pop_front();
     group& g = groups_[f.g];
@@ -436,7 +426,7 @@ class block_units
       f.work->wait();
     }
     const void* mine = g.at(f.buffer, static_cast<std::size_t>(comm_.rank()) * un.per);
-    comm_.memory().add(g.at(g.grads, un.shard), mine, un.per, g.plan->type);
+    if (keep) comm_.memory().add(g.at(g.grads, un.shard), mine, un.per, g.plan->type);
     sum_pool(g)[g.span_of(f.u)].push_back(std::move(f.buffer));
   }
 

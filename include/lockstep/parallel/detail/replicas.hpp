@@ -166,4 +166,20 @@ class coalesced_broadcast {
   std::size_t bytes_ = 0;
 };
 
+//! A DataParallel's frozen parameters and buffers at construction (each list only where the
+//! model's type has it): checked alike across ranks, and rank 0's values everywhere.
+template <class Comm>
+void share_extras(Comm& comm, bool has_frozen, const std::vector<parameter>& frozen, bool has_buffers,
+                  const std::vector<parameter>& buffers, bool broadcast, coalesced_broadcast<Comm>& broadcast_buffers) {
+  if (comm.size() == 1) return;
+  if (has_frozen) {
+    check_same_tensors(comm, frozen, "frozen parameter");
+    if (broadcast) broadcast_values(comm, frozen);
+  }
+  if (has_buffers) {
+    check_same_tensors(comm, buffers, "buffer");
+    if (broadcast) broadcast_buffers(comm, buffers);
+  }
+}
+
 }  // namespace lockstep::detail
