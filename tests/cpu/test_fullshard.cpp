@@ -175,7 +175,7 @@ TEST_CASE_TEMPLATE("fullshard zero2 zero3: a step abandoned by an exception in b
 // Within the abandoned step: finish() is refused by name (its gradients are incomplete), and
 // the values can still be gathered whole (a checkpoint after the failure) — the same as before
 // the step, on every rank.
-TEST_CASE("fullshard zero3: after an exception in backward, finish() is refused and the values gather whole") {
+TEST_CASE("fullshard zero3: after an exception in backward finish() is refused - the values gather whole") {
   const auto seed = fresh_seed();
   CAPTURE(seed);
   const auto d = narrow_data(seed);
