@@ -231,40 +231,43 @@ class block_layout {
     for (std::size_t h = 0; h < gi; ++h) i += groups_[h].units.size();
     return i + u;
   }
-  // Where parameter i's values (and, with grad, its gradient) are now.
-  void* value_of(std::size_t i, bool held) const {
+  // Where parameter i lies: its block's unit slot j, its group and unit, its offset in the
+  // plan; none for a parameter without elements (in no unit).
+  struct place {
+    std::size_t j, gi, u, offset;
+  };
+  std::optional<place> place_of(std::size_t i) const {
     const block& b = blocks_[block_of_[i]];
     for (std::size_t j = 0; j < b.units.size(); ++j) {
       const auto [gi, u] = b.units[j];
-      const group& g = groups_[gi];
-      const auto& bk = g.plan->buckets[g.plan->units[u].first];
-      for (const auto& s : bk.slices) {
-        if (s.param != i) continue;
-        if constexpr (!ShardValues) return g.at(g.values, s.arena_offset);
-        if (!whole_.empty() && !b.in_use) return g.at(whole_[gi], s.arena_offset);
-        return held && b.gathered[j] ? g.at(b.gathered[j], s.arena_offset - g.units[u].begin, g.cdt) : nullptr;
-      }
+      for (const auto& s : groups_[gi].plan->buckets[groups_[gi].plan->units[u].first].slices)
+        if (s.param == i) return place{j, gi, u, s.arena_offset};
     }
-    return nullptr;
+    return std::nullopt;
+  }
+  // Where parameter i's values are now (held: a ZeRO-3 block's gathered buffer counts).
+  void* value_of(std::size_t i, bool held) const {
+    const auto p = place_of(i);
+    if (!p) return nullptr;
+    const block& b = blocks_[block_of_[i]];
+    const group& g = groups_[p->gi];
+    if constexpr (!ShardValues) return g.at(g.values, p->offset);
+    if (!whole_.empty() && !b.in_use) return g.at(whole_[p->gi], p->offset);
+    return held && b.gathered[p->j] ? g.at(b.gathered[p->j], p->offset - g.units[p->u].begin, g.cdt) : nullptr;
   }
   // Where parameter i's gradient is now: in its block's lent buffer, or null.
   void* grad_of(std::size_t i) const {
-    const block& b = blocks_[block_of_[i]];
-    for (std::size_t j = 0; j < b.units.size(); ++j) {
-      const auto [gi, u] = b.units[j];
-      for (const auto& s : groups_[gi].plan->buckets[groups_[gi].plan->units[u].first].slices)
-        if (s.param == i && b.grads[j])
-          return group::at(b.grads[j], s.arena_offset - groups_[gi].units[u].begin, groups_[gi].cdt);
-    }
-    return nullptr;
+    const auto p = place_of(i);
+    if (!p || !blocks_[block_of_[i]].grads[p->j]) return nullptr;
+    const group& g = groups_[p->gi];
+    return group::at(blocks_[block_of_[i]].grads[p->j], p->offset - g.units[p->u].begin, g.cdt);
   }
   // The element type of parameter i's values and gradient as lent now (model (i)'s dtype).
   dtype type_of(std::size_t i) const {
-    const block& b = blocks_[block_of_[i]];
-    for (const auto& [gi, u] : b.units)
-      for (const auto& s : groups_[gi].plan->buckets[groups_[gi].plan->units[u].first].slices)
-        if (s.param == i) return !whole_.empty() && !b.in_use ? groups_[gi].plan->type : groups_[gi].cdt;
-    return types_.at(i);  // a parameter in no unit (no elements): its own type
+    const auto p = place_of(i);
+    if (!p) return types_.at(i);  // no elements: its own type
+    const group& g = groups_[p->gi];
+    return !whole_.empty() && !blocks_[block_of_[i]].in_use ? g.plan->type : g.cdt;
   }
 
   std::vector<std::size_t> block_of_;  // per parameter
