@@ -5,6 +5,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <functional>
+#include <limits>
+#include <memory>
 #include <random>
 #include <span>
 #include <string>
@@ -119,6 +122,7 @@ class TestMlp {
         for (int o = 0; o < out; ++o) {
           T s = bp_[l][o];
           for (int i = 0; i < in; ++i) s += wp_[l][o * in + i] * act[l][r * in + i];
+          if (l + 1 < L) margin_ = std::min(margin_, static_cast<double>(std::abs(s)));
           act[l + 1][r * out + o] = (l + 1 < L && s < T(0)) ? T(0) : s;
         }
     }
@@ -190,8 +194,14 @@ class TestMlp {
     return v;
   }
   const std::vector<int>& dims() const { return dims_; }
+  //! The smallest |pre-activation| of a hidden unit in every forward so far. Another
+  //! implementation (a GPU's summation order) may put one within its rounding of zero on the
+  //! other side of the ReLU: a reference this close to a kink cannot be compared with to 1e-5
+  //! (draw other data: relu_margin_needed, next_seed in test_util.hpp).
+  double relu_margin() const { return margin_; }
 
  private:
+  double margin_ = std::numeric_limits<double>::infinity();
   std::vector<int> dims_;
   std::vector<std::vector<T>> w_, b_, gw_, gb_;  // own storage
   std::vector<T*> wp_, bp_, gwp_, gbp_;          // what is used: own, or lockstep's once bound

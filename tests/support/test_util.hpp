@@ -63,6 +63,20 @@ inline std::uint64_t fresh_seed() {
   return (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
 }
 
+//! How far from zero every pre-activation of a ReLU reference (TestMlp::relu_margin) must stay
+//! for a comparison at 1e-5: another implementation sums in another order, and a unit within
+//! its rounding (≈1e-7 of the sums) of zero may switch sides — an O(gradient) difference that
+//! is no bug (seed 14986634868504541839 in test_fullshard_gpu, momentum and weight decay: 2e-8
+//! at step 3). Such data is drawn again (next_seed), the seed of what was compared CAPTUREd.
+inline constexpr double relu_margin_needed = 1e-5;
+//! The seed after `seed` (splitmix64), for data drawn again.
+inline std::uint64_t next_seed(std::uint64_t seed) {
+  std::uint64_t z = seed + 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
 //! Declares `seed`, a fresh_seed() CAPTUREd for the rest of the scope, then the random engine
 //! `engine_decl` seeded with it: `LOCKSTEP_SEEDED(std::mt19937_64 rng);` declares seed and rng.
 #define LOCKSTEP_SEEDED(engine_decl)               \
