@@ -99,6 +99,12 @@ void check_equals_unsharded(const dataset& d, const sharded_config& c, Strategy 
   }
   CHECK(sharded.lent_bytes <= buffers * sizes * sizeof(T));
   if (d.dims.size() > 8) CHECK(sharded.lent_bytes < total * sizeof(T));  // a deep model: less than its gradients
+  if (c.model_storage) {  // every buffer from the model, none pooled: asked for anew at every use
+    const auto blocks = block_sizes(d, c.block_per_parameter).size();
+    CHECK(sharded.storage_allocations >= static_cast<std::size_t>(c.steps * c.accumulate) * blocks);
+    CHECK(sharded.storage_left == 0);  // nothing outlives its use
+    CHECK(sharded.storage_peak == sharded.lent_bytes);
+  }
 }
 
 // dims whose second hidden layer has 3 units: with per-parameter blocks, a bias of 3 elements
@@ -132,6 +138,23 @@ TEST_CASE_TEMPLATE("fullshard zero2 zero3: AdamW on N ranks equals the unsharded
   c.ranks = 3;
   check_equals_unsharded<T, lockstep::FullySharded>(deep, c);
   check_equals_unsharded<T, lockstep::ShardedGradients>(deep, c);
+}
+
+TEST_CASE_TEMPLATE("fullshard zero2 zero3: block buffers from the model's allocator", T, float, double) {
+  const auto d = make_data(fresh_seed(), 211);
+  for (int n : {1, 2, 3}) {
+    sharded_config c;
+    c.ranks = n;
+    c.model_storage = true;
+    c.accumulate = 2;
+    c.inf_step = 2;
+    check_equals_unsharded<T, lockstep::ShardedGradients>(d, c);
+    check_equals_unsharded<T, lockstep::FullySharded>(d, c);
+    lockstep::FullySharded keep;
+    keep.keep_after_forward = true;
+    keep.buffers.prefetch = 2;
+    check_equals_unsharded<T, lockstep::FullySharded>(d, c, keep);
+  }
 }
 
 TEST_CASE_TEMPLATE("fullshard zero3: blocks smaller than the rank count - prefetch and kept values", T, float, double) {
@@ -267,7 +290,7 @@ TEST_CASE_TEMPLATE("fullshard zero2 zero3: a checkpoint resumes - bit for bit an
     lockstep::load_sharded(dp, opt, saved.blob("optimizer"));
   };
   const double tol = std::is_same_v<T, double> ? 1e-12 : 2e-6;
-  for (const auto [ranks, batch] : {std::pair{4, std::size_t{3}}, {1, 12}, {2, 6}, {3, 4}}) {
+  for (const auto& [ranks, batch] : {std::pair{4, std::size_t{3}}, {1, 12}, {2, 6}, {3, 4}}) {
     CAPTURE(ranks);
     sharded_config rest = c;
     rest.ranks = ranks;

@@ -27,6 +27,10 @@ class TestMlp {
  public:
   //! Full sharding (lockstep::model (h)): each parameter its own block instead of each layer.
   bool block_per_parameter = false;
+  //! Full sharding (model (i)'s block_storage): where lent block buffers come from; empty (or
+  //! returning null): lockstep's own memory space.
+  std::function<std::shared_ptr<void>(std::size_t)> storage;
+  std::shared_ptr<void> block_storage(std::size_t bytes) const { return storage ? storage(bytes) : nullptr; }
 
   TestMlp(std::vector<int> dims, std::uint64_t seed) : dims_(std::move(dims)) {
     std::mt19937_64 rng(seed);

@@ -31,6 +31,7 @@ struct sharded_config {
   bool block_per_parameter = false;  // full sharding: each parameter its own block (else each layer)
   int skip_step = -1;                // this step is not run (its batch is not seen)
   int abandon_step = -1;             // full sharding: this step's backward throws at layer 1 on every rank, caught
+  bool model_storage = false;        // full sharding: block buffers from the model's allocator (block_storage)
 };
 
 //! What the training loop of an abandon_step throws (and catches).
@@ -45,6 +46,9 @@ struct sharded_outcome {
   std::size_t shard_bytes = 0;
   bool values_bound = false;   // rank 0: the model's values live in the shards' arena
   std::size_t lent_bytes = 0;  // rank 0, full sharding: the block buffers lent
+  // rank 0, model_storage: buffers the model's allocator gave, bytes of them still alive after
+  // the last step, and the most alive at once
+  std::size_t storage_allocations = 0, storage_left = 0, storage_peak = 0;
 };
 
 using Scale = lockstep::DynamicScale;
@@ -60,8 +64,18 @@ void train_rank_as(Ctx& ctx, const dataset& d, const sharded_config& c, std::uin
   using Comm = std::remove_cvref_t<decltype(ctx.comm())>;
   using Model = TestMlp<T, Bindable>;
   constexpr bool Sharded = !std::is_same_v<Strategy, lockstep::Replicated>;
+  std::size_t allocations = 0, alive = 0, peak = 0;  // declared before m: its allocator's books
   Model m(d.dims, init_seed + static_cast<std::uint64_t>(ctx.rank()) * 7919);
   m.block_per_parameter = c.block_per_parameter;
+  if (c.model_storage)
+    m.storage = [&](std::size_t bytes) {
+      ++allocations;
+      peak = std::max(peak, alive += bytes);
+      return std::shared_ptr<void>(std::malloc(bytes), [&alive, bytes](void* p) {
+        alive -= bytes;
+        std::free(p);
+      });
+    };
   constexpr bool ZeRO1 = std::is_same_v<Strategy, lockstep::ShardedOptimizer>;
   const bool deferred = ZeRO1 && c.gather_in_forward;
   const lockstep::DataParallelOptions o{.buckets = c.buckets, .max_grad_norm = c.max_norm};
@@ -134,6 +148,9 @@ void train_rank_as(Ctx& ctx, const dataset& d, const sharded_config& c, std::uin
     out.shard_bytes = p.stats().shard_bytes;
     out.values_bound = p.stats().values_bound;
     out.lent_bytes = p.stats().lent_bytes;
+    out.storage_allocations = allocations;
+    out.storage_left = alive;
+    out.storage_peak = peak;
   }
 }
 

@@ -83,6 +83,14 @@ struct segment {
 //!      there (TorchModule empties libtorch's CUDA cache), so building needs room for the whole
 //!      model and the value shards, never the gradient shards too; and again whenever a block
 //!      buffer cannot be allocated, before lockstep tries once more.
+//!      `m.block_storage(std::size_t bytes)`, where the model has it, returns storage for a
+//!      block buffer from the model's own allocator as a `std::shared_ptr<void>` (or null:
+//!      lockstep allocates it): lockstep then drops a buffer when its use ends instead of
+//!      pooling it, so the framework reuses that memory for activations between uses, as
+//!      FSDP2's all-gather and reduce-scatter buffers share PyTorch's caching allocator. The
+//!      memory is used on the communicator's compute stream and released after the last
+//!      collective on it was waited for (TorchModule allocates with at::empty: make lockstep's
+//!      compute stream libtorch's current one).
 //!
 //! Example:
 //! \code

@@ -50,8 +50,9 @@ struct sync_stats {
   bool gathers_by_copy_engine = false;   //!< sharded: the all-gathers go to a window of the copy-engine split
   bool scatters_by_copy_engine = false;  //!< sharded: so do the reduce-scatters (copy_engine_scatter)
   bool rebuilt = false;                  //!< the plan was reordered after the first step
-  //! ShardedGradients / FullySharded: bytes of the block buffers lent so far (gathered values,
-  //! gradients before their reduce-scatter) — what full sharding holds beside the shards.
+  //! ShardedGradients / FullySharded: the most bytes of block buffers that existed at once
+  //! (gathered values, gradients until their reduce-scatter ran, pooled ones) — what full
+  //! sharding holds beside the shards.
   std::size_t lent_bytes = 0;
 };
 

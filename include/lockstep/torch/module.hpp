@@ -66,18 +66,12 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 #include <torch/types.h>
-#if defined(LOCKSTEP_WITH_CUDA) && __has_include(<c10/cuda/CUDACachingAllocator.h>)
-#include <c10/cuda/CUDACachingAllocator.h>
-#include <c10/cuda/CUDAFunctions.h>
-#define LOCKSTEP_TORCH_CUDA 1
-#else
-#define LOCKSTEP_TORCH_CUDA 0
-#endif
 
 #include "lockstep/core/dtype.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/parameter.hpp"
 #include "lockstep/parallel/step.hpp"
+#include "lockstep/torch/detail/storage.hpp"
 #include "lockstep/torch/detail/types.hpp"
 
 namespace lockstep {
@@ -273,18 +267,15 @@ class TorchModule {
   void attach(std::size_t i, void* value, void* grad) { attach(i, value, grad, protos_.at(i).type); }
   //! After construction detached every parameter, and when a block buffer finds the device
   //! full: what libtorch's CUDA allocator keeps of freed storage goes back to the device
-  //! (lockstep allocates outside it).
-  //! Only where this process holds libtorch memory on this rank's device alone (one process per
-  //! GPU): emptying the cache frees every device's, and a cudaFree waits for its device — with
-  //! ranks as threads, for another rank's collective that waits for this one.
+  //! (detail::release_cached: one process per GPU only).
   void storage_released() {
-#if LOCKSTEP_TORCH_CUDA
-    if (params_.empty() || !params_.front().is_cuda()) return;
-    const auto mine = params_.front().device().index();
-    for (c10::DeviceIndex d = 0; d < static_cast<c10::DeviceIndex>(c10::cuda::device_count()); ++d)
-      if (d != mine && c10::cuda::CUDACachingAllocator::getDeviceStats(d).reserved_bytes[0].current > 0) return;
-    c10::cuda::CUDACachingAllocator::emptyCache();
-#endif
+    if (!params_.empty()) detail::release_cached(params_.front());
+  }
+  //! Storage for a block buffer of full sharding (model (i)'s block_storage) from libtorch's
+  //! allocator (detail::torch_storage): lockstep drops it after a use, for libtorch to hand
+  //! the memory to the next activations, as FSDP2's buffers share its caching allocator.
+  std::shared_ptr<void> block_storage(std::size_t bytes) const {
+    return params_.empty() ? nullptr : detail::torch_storage(params_.front(), bytes, "a block buffer (full sharding)");
   }
   void bind_gradient(std::size_t i, void* storage) {
     at::Tensor& p = params_.at(i);

@@ -3,8 +3,10 @@
 //! a parameter's gradient or values into lockstep's arenas, the check that a binding took
 //! effect, and the hand-back when DataParallel goes away.
 
+#include <concepts>
 #include <cstddef>
 #include <functional>
+#include <memory>
 #include <span>
 #include <string>
 #include <utility>
@@ -28,14 +30,15 @@ using attach_fn = std::function<void(std::size_t, void*, void*, dtype)>;
 
 //! What the reduction units may use of the model: its value binder (model (e), or empty), its
 //! attach (model (i), or empty; typed_attach: the model takes values of another element type
-//! than its own; released: its storage_released) and the block of each parameter (model (h);
-//! all 0 without).
+//! than its own; released: its storage_released; storage: its block_storage) and the block of
+//! each parameter (model (h); all 0 without).
 struct model_hooks {
   bind_fn bind_value;
   attach_fn attach;
   std::vector<std::size_t> blocks;
   bool typed_attach = false;
-  std::function<void()> released;  // model.storage_released() (model (i)), or empty
+  std::function<void()> released;                             // model.storage_released() (model (i)), or empty
+  std::function<std::shared_ptr<void>(std::size_t)> storage;  // model.block_storage(bytes), or empty
 };
 
 //! The model_hooks of a model (bind_value: value_binder's choice).
@@ -46,7 +49,7 @@ model_hooks hooks_of(Model& model, bind_fn bind_value) {
     (void)p;
     ++parameters;
   }
-  model_hooks h{std::move(bind_value), {}, std::vector<std::size_t>(parameters, 0), false, {}};
+  model_hooks h{std::move(bind_value), {}, std::vector<std::size_t>(parameters, 0), false, {}, {}};
   if constexpr (typed_attaching_model<Model>) {
     h.attach = [&model](std::size_t i, void* v, void* g, dtype t) { model.attach(i, v, g, t); };
     h.typed_attach = true;
@@ -54,6 +57,10 @@ model_hooks hooks_of(Model& model, bind_fn bind_value) {
     h.attach = [&model](std::size_t i, void* v, void* g, dtype) { model.attach(i, v, g); };
   }
   if constexpr (requires { model.storage_released(); }) h.released = [&model] { model.storage_released(); };
+  if constexpr (requires(std::size_t n) {
+                  { model.block_storage(n) } -> std::convertible_to<std::shared_ptr<void>>;
+                })
+    h.storage = [&model](std::size_t n) -> std::shared_ptr<void> { return model.block_storage(n); };
   if constexpr (block_model<Model>) {
     h.blocks.clear();
     for (auto b : model.blocks()) h.blocks.push_back(static_cast<std::size_t>(b));

@@ -169,13 +169,21 @@ class block_layout {
     }
   }
 
-  // A buffer for unit u of group gi in type t: from pool (by the unit's size), else new from
-  // mem — a pool grows, never waits; its bytes are added to lent. When mem has none left,
-  // release() (the model gives back what its allocator keeps: model (i)'s storage_released,
-  // libtorch's cache of freed activations) and one more try.
+  // Where block buffers come from: the model's allocator (model (i)'s block_storage; a buffer
+  // is then dropped when its use ends, for the framework to reuse) or mem, pooled; and what
+  // to call when mem has none left (model (i)'s storage_released).
+  struct sources {
+    std::function<std::shared_ptr<void>(std::size_t)> storage;
+    std::function<void()> release;
+  };
+
+  // A buffer for unit u of group gi in type t: from pool (by the unit's size), else new — a
+  // pool grows, never waits. When mem has none left, release() (the model gives back what its
+  // allocator keeps: libtorch's cache of freed activations) and one more try. Counted in
+  // lent_bytes() while it exists.
   template <class Mem>
   std::shared_ptr<void> take_from(typename group::pool& pool, std::size_t gi, std::size_t u, dtype t, Mem mem,
-                                  const std::function<void()>& release, std::size_t& lent) {
+                                  const sources& from) {
     auto& free = pool[groups_[gi].span_of(u)];
     if (!free.empty()) {
       auto p = std::move(free.back());
@@ -183,17 +191,36 @@ class block_layout {
       return p;
     }
     const std::size_t bytes = groups_[gi].span_of(u) * size_of(t);
+    const auto allocate = [&]() -> std::shared_ptr<void> {
+      if (from.storage)
+        if (auto p = from.storage(bytes)) {
+          dropping_ = true;
+          return p;
+        }
+      return mem.allocate(bytes);
+    };
     std::shared_ptr<void> p;
     try {
-      p = mem.allocate(bytes);
+      p = allocate();
     } catch (const error&) {
-      if (!release) throw;
-      release();
-      p = mem.allocate(bytes);
+      if (!from.release) throw;
+      from.release();
+      p = allocate();
     }
-    lent += bytes;
-    return p;
+    *lent_ += bytes;
+    peak_lent_ = std::max(peak_lent_, *lent_);
+    return std::shared_ptr<void>(p.get(), [p, lent = lent_, bytes](void*) mutable {
+      p.reset();
+      *lent -= bytes;
+    });
   }
+  // A buffer whose use ended: pooled for the next take of its size — or, when the model's
+  // allocator gave buffers, dropped (its memory goes back to the framework at once).
+  void give_back(typename group::pool& pool, std::size_t elems, std::shared_ptr<void> buffer) {
+    if (buffer && !dropping_) pool[elems].push_back(std::move(buffer));
+  }
+  // The most bytes of block buffers that existed at once (in use, in flight or pooled).
+  std::size_t lent_bytes() const noexcept { return peak_lent_; }
 
   // The layout's part of DataParallel's layout hash (n ranks).
   std::uint64_t hash(std::uint64_t h, std::size_t n) const {
@@ -279,6 +306,9 @@ class block_layout {
   std::vector<param_slice> slices_;
   std::vector<std::vector<shard_segment>> map_;
   std::size_t bytes_ = 0;
+  std::shared_ptr<std::size_t> lent_ = std::make_shared<std::size_t>(0);  // bytes of block buffers now
+  std::size_t peak_lent_ = 0;
+  bool dropping_ = false;  // the model's allocator gives the buffers: none is pooled
 };
 
 }  // namespace lockstep::detail

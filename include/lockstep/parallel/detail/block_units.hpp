@@ -77,7 +77,7 @@ class block_units
 
   block_units(Comm& comm, Hook& hook, step_recorder& rec, const policy_type& policy, const model_hooks& model)
       : layout(model.blocks), comm_(comm), hook_(hook), rec_(rec), buffers_(policy.buffers), attach_(model.attach),
-        released_(model.released) {
+        released_(model.released), sources_{model.storage, model.released} {
     if constexpr (ShardValues) {
       keep_ = policy.keep_after_forward;
       param_dtype_ = policy.param_dtype;
@@ -195,7 +195,7 @@ class block_units
       if constexpr (memory_ops_with_convert<memory_of_t<Comm>>) {
         auto wide = take_sum_buffer(gi, u);
         comm_.memory().convert(wide.get(), g.plan->type, b.grads[j].get(), g.cdt, g.span_of(u));
-        g.grad_pool[g.span_of(u)].push_back(std::exchange(b.grads[j], std::move(wide)));
+        this->give_back(g.grad_pool, g.span_of(u), std::exchange(b.grads[j], std::move(wide)));
       }
     }
     return b.grads[j].get();
@@ -303,8 +303,8 @@ class block_units
 
  private:
   std::shared_ptr<void> take(typename group::pool& pool, std::size_t gi, std::size_t u, dtype t) {
-    auto p = this->take_from(pool, gi, u, t, comm_.memory(), released_, lent_);
-    rec_.stats().lent_bytes = std::max(rec_.stats().lent_bytes, lent_);
+    auto p = this->take_from(pool, gi, u, t, comm_.memory(), sources_);
+    rec_.stats().lent_bytes = this->lent_bytes();
     return p;
   }
 
@@ -386,7 +386,7 @@ class block_units
       if (b.gathers[j]) wait_work(b.gathers[j], step_event::wait_gather, k);
       if (!b.gathered[j]) continue;
       group& g = groups_[b.units[j].first];
-      g.value_pool[g.span_of(b.units[j].second)].push_back(std::move(b.gathered[j]));
+      this->give_back(g.value_pool, g.span_of(b.units[j].second), std::move(b.gathered[j]));
     }
   }
   void drop_whole() {
@@ -427,7 +427,7 @@ class block_units
     }
     const void* mine = g.at(f.buffer, static_cast<std::size_t>(comm_.rank()) * un.per);
     if (keep) comm_.memory().add(g.at(g.grads, un.shard), mine, un.per, g.plan->type);
-    sum_pool(g)[g.span_of(f.u)].push_back(std::move(f.buffer));
+    this->give_back(sum_pool(g), g.span_of(f.u), std::move(f.buffer));
   }
 
   Comm& comm_;
@@ -437,11 +437,11 @@ class block_units
   bool keep_ = false;               // FullySharded::keep_after_forward
   dtype param_dtype_ = dtype::f32;  // FullySharded::param_dtype (f32: lent as they are)
   attach_fn attach_;
-  std::function<void()> released_;  // model.storage_released, if it has it
-  std::deque<flight> flights_;      // reduce-scatters issued, in issue order
+  std::function<void()> released_;    // model.storage_released, if it has it
+  typename layout::sources sources_;  // where block buffers come from (model.block_storage or the memory space)
+  std::deque<flight> flights_;        // reduce-scatters issued, in issue order
   std::vector<binding> bindings_;
-  std::size_t lent_ = 0;  // bytes of block buffers allocated
-  bool open_ = false;     // a micro-step is open (between begin_sync and its drain)
+  bool open_ = false;  // a micro-step is open (between begin_sync and its drain)
 };
 
 }  // namespace lockstep::detail
