@@ -506,6 +506,91 @@ TEST_CASE_TEMPLATE("join with ShardedOptimizer: a rank out of data still steps i
   }
 }
 
+// One rank's loop under a block-sharded Strategy (ShardedGradients, FullySharded): each layer's
+// block used around its forward and its backward; leave() shadows the others' steps.
+template <class T, class Strategy>
+void join_blocks_rank(auto& ctx, const dataset& d, const join_config& c, std::uint64_t seed, double lr,
+                      const Strategy& strategy, std::vector<T>& got, std::size_t& shadow) {
+  const auto ri = static_cast<std::size_t>(ctx.rank());
+  TestMlp<T> m(d.dims, seed + 1 + ri * 7919);
+  using DP = lockstep::DataParallel<TestMlp<T>, lockstep::ThreadComm, Strategy>;
+  DP dp(ctx, m, {.buckets = c.buckets}, strategy);
+  lockstep::Sgd opt({.lr = lr, .momentum = 0.5});
+  const auto on_shard = [&](std::span<const lockstep::param_slice> s) { opt.step(s); };
+  auto join = dp.join([](lockstep::step_result r) { CHECK(r.synced); }, on_shard);
+  for (int j = 0; j < c.batches[ri]; ++j) {
+    auto step = dp.step();
+    auto rows = rows_of(d, c, ctx.rank(), j);
+    m.forward_backward(inputs<T>(d), d.y, rows, step.on_gradient_ready(), 1.0, [&](std::size_t l, bool forward) {
+      return dp.use_block(m.blocks()[2 * l], forward ? lockstep::pass::forward : lockstep::pass::backward);
+    });
+    (void)step.finish(on_shard);
+  }
+  shadow = join.leave();
+  dp.wait_all_parameters();
+  got = m.flat_values();
+}
+
+TEST_CASE_TEMPLATE("join with fullshard zero2 zero3: a rank out of data replays the blocks' collectives", T, float,
+                   double) {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  const double lr = 0.2, tol = std::is_same_v<T, double> ? 1e-12 : 1e-5;
+  const auto d = make_data(seed);
+  lockstep::FullySharded kept;
+  kept.keep_after_forward = true;
+  kept.buffers.prefetch = 2;
+  for (int n : {2, 3, 4}) {
+    CAPTURE(n);
+    join_config c = uneven(n);
+    if (n >= 3) c.batches[1] = 0;  // a rank with no batch at all: it replays the plain order of uses
+    // The reference: momentum 0.5 on the plain loop's averaged gradients (Sgd on every parameter).
+    TestMlp<T> ref(d.dims, seed + 1);
+    lockstep::Sgd ref_opt({.lr = lr, .momentum = 0.5});
+    for (int cy = 0; cy < c.cycles(); ++cy) {
+      int M = 0;
+      for (int r = 0; r < n; ++r) M += c.contributed(r, cy);
+      ref.zero_grad();
+      for (int r = 0; r < n; ++r)
+        for (int j = cy; j < cy + c.contributed(r, cy); ++j)
+          ref.forward_backward(inputs<T>(d), d.y, rows_of(d, c, r, j), [](std::size_t) {}, 1.0 / M);
+      ref_opt.step(ref.parameters());
+    }
+    const auto want = ref.flat_values();
+    for (int strategy = 0; strategy < 3; ++strategy) {
+      CAPTURE(strategy);
+      std::vector<std::vector<T>> got(static_cast<std::size_t>(n));
+      std::vector<std::size_t> shadow(got.size());
+      lockstep::run(lockstep::Threads{n}, [&](auto& ctx) {
+        const auto ri = static_cast<std::size_t>(ctx.rank());
+        if (strategy == 0) join_blocks_rank<T>(ctx, d, c, seed, lr, lockstep::ShardedGradients{}, got[ri], shadow[ri]);
+        if (strategy == 1) join_blocks_rank<T>(ctx, d, c, seed, lr, lockstep::FullySharded{}, got[ri], shadow[ri]);
+        if (strategy == 2) join_blocks_rank<T>(ctx, d, c, seed, lr, kept, got[ri], shadow[ri]);
+      });
+      for (int r = 0; r < n; ++r) {
+        CAPTURE(r);
+        const auto ri = static_cast<std::size_t>(r);
+        CHECK(max_rel_diff(got[ri], want) <= tol);
+        CHECK(got[ri] == got[0]);
+        CHECK(shadow[ri] == static_cast<std::size_t>(c.cycles() - c.batches[ri]));
+      }
+    }
+  }
+}
+
+TEST_CASE("join with fullshard zero3 and accumulation is refused by name") {
+  auto comms = lockstep::ThreadComm::create_group(1);
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  auto d = make_data(seed, 50);
+  TestMlp<double> m(d.dims, seed);
+  lockstep::DataParallel<TestMlp<double>, lockstep::ThreadComm, lockstep::Accumulate<>, lockstep::FullySharded> dp(
+      comms[0], m, {}, lockstep::Accumulate<>(2));
+  const auto on_shard = [](std::span<const lockstep::param_slice>) {};
+  CHECK_THROWS_WITH_AS((void)dp.join([](lockstep::step_result) {}, on_shard),
+                       doctest::Contains("accumulation over 2 micro-steps"), lockstep::config_error);
+}
+
 TEST_CASE("without a join scope uneven batches fail loudly instead of silently") {
   const auto seed = fresh_seed();
   CAPTURE(seed);

@@ -51,6 +51,7 @@
 #include "lockstep/parallel/detail/block_units.hpp"
 #include "lockstep/parallel/detail/arguments.hpp"
 #include "lockstep/parallel/detail/nonfinite.hpp"
+#include "lockstep/parallel/detail/use_log.hpp"
 #include "lockstep/parallel/detail/reducer.hpp"
 #include "lockstep/parallel/detail/step_recorder.hpp"
 #include "lockstep/parallel/detail/replicas.hpp"
@@ -181,6 +182,7 @@ class DataParallel {
       prescale = join::prescale(*this, join::agree(*this, micro_ + 1));
     }
     reducer_.begin_micro(sync, prescale);
+    uses_.begin();
     open_ = true;
     recorder_.step_begin(sync);
     return step_handle(this, sync);
@@ -190,11 +192,10 @@ class DataParallel {
   //! of its loop; a rank that runs out of batches, on leaving the scope, keeps taking part in
   //! the others' gradient averages (contributing zeros) and calls on_shadow_step(result) for
   //! each such step, with the averaged gradients in place, to apply the same optimizer update.
-  //! Sharded: on_shard (the optimizer's shard step) as well.
+  //! Sharded: on_shard (the optimizer's shard step) as well; ShardedGradients / FullySharded
+  //! (one micro-step per step): it replays its last step's block uses, gathers and all.
   [[nodiscard]] Join<DataParallel> join(std::function<void(step_result)> on_shadow_step,
                                         std::function<void(std::span<const param_slice>)> on_shard = {}) {
-    static_assert(!block_sharded, "lockstep::DataParallel::join: not available with ShardedGradients / FullySharded "
-                                  "yet (a shadowing rank would have to take part in every block's collectives)");
     return Join<DataParallel>(*this, std::move(on_shadow_step), std::move(on_shard));
   }
 
@@ -234,6 +235,7 @@ class DataParallel {
   {
     if (!open_) settle_abandoned();  // (an evaluation forward after a failed step)
     reducer_.units().use(k, p);
+    uses_.record(k, p, true);
     return block_use<DataParallel>(this, k, p);
   }
   //! Every parameter's values current and in place (FullySharded: the whole model gathered and
@@ -262,19 +264,6 @@ class DataParallel {
   int size() const { return comm_.size(); }
 
  private:
-  static std::vector<parameter> initial_parameters(Comm& comm, Model& model, const DataParallelOptions& opts) {
-    auto ps = detail::collect_parameters(model);
-    for (const auto& p : ps)
-      if (!is_floating(p.type))
-        throw config_error("parameter '" + p.name + "' has element type " + name_of(p.type) +
-                           "; gradients must be floating point (f16, bf16, f32, f64)");
-    if (comm.size() > 1) {
-      detail::check_same_tensors(comm, ps, "parameter");
-      if (opts.broadcast_parameters) detail::broadcast_values(comm, ps);
-    }
-    return ps;
-  }
-
   // The step's events around finish_inner (step_recorder: NVTX, trace, model time).
   step_result finish_step(bool sync, const std::function<void(std::span<const param_slice>)>& on_bucket) {
     if (block_sharded && abandoned_)
@@ -286,6 +275,7 @@ class DataParallel {
       const auto s = recorder_.record(detail::step_event::finish);
       r = finish_inner(sync, on_bucket);
     }
+    if (sync) uses_.commit();  // block_sharded: what a rank out of data replays (Join)
     recorder_.step_end(r.synced && !r.applied);
     return r;
   }
@@ -396,6 +386,7 @@ class DataParallel {
     if constexpr (block_sharded) {
       if (p == pass::backward) reducer_.mark_all_ready(reducer_.units().params_of(k));
       reducer_.units().end_use(k, p);
+      uses_.record(k, p, false);
     }
   }
 
@@ -406,7 +397,7 @@ class DataParallel {
       : comm_(comm), model_(model), opts_(opts), acc_(std::move(acc)), scaler_(std::move(scaler)),
         hook_(std::move(hook)), recorder_(comm.rank()),
         reducer_(
-            comm, hook_, recorder_, initial_parameters(comm, model, opts), opts.buckets,
+            comm, hook_, recorder_, detail::initial_parameters(comm, model, opts.broadcast_parameters), opts.buckets,
             detail::gradient_binder(model, opts), [&model] { return detail::collect_parameters(model); }, strategy,
             detail::hooks_of(model, detail::value_binder(model, opts, strategy))),
         buffers_(detail::collect_buffers(model)), frozen_(detail::collect_frozen(model)) {
@@ -438,6 +429,7 @@ class DataParallel {
   bool open_ = false;
   bool abandoned_ = false;          // block_sharded: an exception left a micro-step (abandon())
   std::uint64_t epoch_ = 0;         // block_sharded: abandoned micro-steps cleaned up (block_use ignores older uses)
+  detail::use_log uses_;            // block_sharded: the block uses of the micro-step
   bool joining_ = false;            // a Join scope is open on this rank
   bool stepped_ = false;            // in it: this rank contributed to the latest cycle (sync_buffers)
   int join_active_ = 0;             // contributing ranks at the latest agreement

@@ -33,13 +33,16 @@
 //! Every wait is one of the communicator's, with its timeout: a rank that never enters the
 //! scope, or leaves the job, makes the others fail with timeout_error / mismatch_error.
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <list>
 #include <optional>
 #include <span>
+#include <string>
 #include <utility>
 
 #include "lockstep/core/dtype.hpp"
@@ -47,6 +50,7 @@
 
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/parameter.hpp"
+#include "lockstep/parallel/block_use.hpp"
 #include "lockstep/parallel/step.hpp"
 
 namespace lockstep {
@@ -64,11 +68,16 @@ class Join {
       : dp_(dp), on_shadow_step_(std::move(on_shadow_step)), on_shard_(std::move(on_shard)),
         uncaught_(std::uncaught_exceptions()) {
     if (DP::sharded != static_cast<bool>(on_shard_))
-      throw config_error(DP::sharded
-                             ? "lockstep::Join with ShardedOptimizer: pass the optimizer's shard step too, "
-                               "dp.join(on_shadow_step, [&](std::span<const lockstep::param_slice> s) { "
-                               "opt.step(s); }): each rank updates its own shard, with data or without"
-                             : "lockstep::Join: on_shard is for ShardedOptimizer; this DataParallel is not sharded");
+      throw config_error(DP::sharded ? "lockstep::Join with a sharded strategy: pass the optimizer's shard step too, "
+                                       "dp.join(on_shadow_step, [&](std::span<const lockstep::param_slice> s) { "
+                                       "opt.step(s); }): each rank updates its own shard, with data or without"
+                                     : "lockstep::Join: on_shard is for the sharded strategies (ShardedOptimizer, "
+                                       "ShardedGradients, FullySharded); this DataParallel is not sharded");
+    if (DP::block_sharded && dp_.acc_.steps() > 1)
+      throw config_error("lockstep::Join with ShardedGradients / FullySharded: accumulation over " +
+                         std::to_string(dp_.acc_.steps()) +
+                         " micro-steps is not supported in a Join scope (every micro-step reduce-scatters, and "
+                         "a rank out of data would have to shadow each); use one micro-step per step there");
     if (!on_shadow_step_)
       throw config_error("lockstep::Join: on_shadow_step is empty; pass the optimizer update "
                          "the stepping ranks apply (e.g. [&](lockstep::step_result r) { if (r) "
@@ -192,7 +201,25 @@ class Join {
       dp.in_cycle_ = true;
     }
     dp.reducer_.begin_micro(true, prescale(dp, agreed));
-    dp.reducer_.replay_arrivals();
+    dp.uses_.begin();
+    if constexpr (DP::block_sharded) {  // the blocks' uses: their all-gathers, zero gradients reduce-scattered
+      std::list<block_use<DP>> open;    // begun, not ended yet
+      for (const auto& e : dp.uses_.replayed(dp.reducer_.units().blocks())) {
+        if (e.begins) {
+          open.push_back(dp.use_block(e.block, e.pass));
+          continue;
+        }
+        const auto u = std::find_if(open.begin(), open.end(),
+                                    [&](const block_use<DP>& b) { return b.block() == e.block && b.pass() == e.pass; });
+        if (u == open.end())
+          throw config_error("lockstep::Join: a replayed use of block " + std::to_string(e.block) +
+                             " ends without having begun");
+        u->end();
+        open.erase(u);
+      }
+    } else {
+      dp.reducer_.replay_arrivals();
+    }
     return dp.finish_step(true, on_shard_);
   }
 

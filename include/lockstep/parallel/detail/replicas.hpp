@@ -166,6 +166,22 @@ class coalesced_broadcast {
   std::size_t bytes_ = 0;
 };
 
+//! A DataParallel's trained parameters at construction: floating point, checked alike across
+//! ranks, and (broadcast) rank 0's values everywhere.
+template <class Comm, class Model>
+std::vector<parameter> initial_parameters(Comm& comm, Model& model, bool broadcast) {
+  auto ps = collect_parameters(model);
+  for (const auto& p : ps)
+    if (!is_floating(p.type))
+      throw config_error("parameter '" + p.name + "' has element type " + name_of(p.type) +
+                         "; gradients must be floating point (f16, bf16, f32, f64)");
+  if (comm.size() > 1) {
+    check_same_tensors(comm, ps, "parameter");
+    if (broadcast) broadcast_values(comm, ps);
+  }
+  return ps;
+}
+
 //! A DataParallel's frozen parameters and buffers at construction (each list only where the
 //! model's type has it): checked alike across ranks, and rank 0's values everywhere.
 template <class Comm>
