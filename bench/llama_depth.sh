@@ -12,6 +12,7 @@
 # DEPTHS="86 88": run those depths only, no search.
 set -uo pipefail
 B=${1:?build dir}; N=${2:?gpus}; shift 2
+ARGS=${ARGS:-}  # more flags for example 05 (lockstep rows), e.g. "--scatters 1"
 DATA=${DATA:-/usr/share/games/fortunes}; [[ -d .carry/fortunes ]] && DATA=${DATA_DIR:-.carry/fortunes}
 STEPS=${STEPS:-6}; WARM=${WARM:-3}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -37,7 +38,7 @@ run() {
   else
     out=$(CUDA_VISIBLE_DEVICES=$DEVS timeout ${T:-300} "$B/tools/lockstep-run" --nproc "$N" \
       "$B/examples/05_llama_fsdp/llama_fsdp" --data "$DATA" --depth "$d" --steps "$STEPS" --warmup "$WARM" \
-      --log-every "$STEPS" --recompute --zero "${sys#z}" 2>&1); rc=$?
+      --log-every "$STEPS" --recompute --zero "${sys#z}" $ARGS 2>&1); rc=$?
     local line; line=$(grep -E "llama_fsdp: loss" <<<"$out" | tail -1)
     if [[ -n $line ]]; then  # trained every step (exit 1 says the loss did not go down: too few steps here)
       ok=1
@@ -45,12 +46,13 @@ run() {
       echo "depth: $sys gpus=$N depth=$d ok step_ms=$(sed -E 's/.*median step ([0-9.]+) ms.*/\1/' <<<"$line")" \
         "tokens_per_s=$(sed -E 's/.*ms, ([0-9]+) tokens.*/\1/' <<<"$line")" \
         "peak_gib=$(sed -E 's/.*peak ([0-9.]+) GiB per GPU.*/\1/' <<<"$line") used_gib=$used"
+      grep -E "llama_fsdp: memory" <<<"$out" | sed 's/^/  /'
       return
     fi
   fi
   ok=0
   local why=failed; grep -qiE "out of memory|oom=1|OutOfMemory|cudaErrorMemoryAllocation" <<<"$out" && why=oom
-  echo "depth: $sys gpus=$N depth=$d $why rc=$rc $(grep -iE "out of memory|error" <<<"$out" | head -1 | cut -c1-160)"
+  echo "depth: $sys gpus=$N depth=$d $why rc=$rc $(grep -iE "out of memory|error" <<<"$out" | head -1 | cut -c1-480)"
 }
 
 if [[ -n ${DEPTHS:-} ]]; then  # given depths: one run each, no search

@@ -15,9 +15,10 @@
 // gathered from fp32 shards (param_dtype; --fp32-gather: fp32). The parameters are made on the
 // rank's device; once the DataParallel holds them in its shards, TorchModule hands their
 // storage back to the device before the gradient shards are allocated. Rank 0 prints the loss, tokens/s
-// and, at the end, the peak memory per GPU (libtorch's allocator peak during training plus
-// lockstep's shards, buffers and AdamW state) and the device memory in use at the end; the
-// program exits 1 if the loss did not go down.
+// and, at the end, the peak memory per GPU (libtorch's reserved peak during training — lockstep's
+// block buffers come from its allocator — plus lockstep's shards and AdamW state), where rank 0's
+// memory went, and the device memory in use at the end; the program exits 1 if the loss did not
+// go down.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -59,6 +60,7 @@ struct options {
   double lr = 3e-4;
   std::uint64_t seed = 42;
   int zero = 3;
+  lockstep::BlockBuffers buffers{};  // ZeRO-2/3: --prefetch, --scatters
   bool recompute = false, fp32_gather = false;
 };
 
@@ -66,6 +68,8 @@ struct options {
   std::printf("usage: llama_fsdp [--data DIR|FILE] [--device auto|cpu] [--depth N] [--width W] [--heads H] [--ffn F]\n"
               "                  [--vocab V] [--batch B] [--seq T] [--steps N] [--warmup N] [--lr X] [--seed S]\n"
               "                  [--log-every N] [--zero 0|1|2|3] [--recompute] [--fp32-gather]\n"
+              "                  [--prefetch N] [--scatters N]   (ZeRO-2/3: blocks gathered ahead, reduce-scatters\n"
+              "                                                  in flight; lockstep::BlockBuffers)\n"
               "  defaults: the 7B family's width (4096, 32 heads, FFN 11008, vocabulary 32000) at depth 8,\n"
               "  1 x 2048 tokens per rank and step, FullySharded (--zero 3)\n");
   std::exit(rc);
@@ -92,14 +96,16 @@ options parse(int argc, char** argv) {
     else if (a == "--zero") o.zero = static_cast<int>(num());
     else if (a == "--recompute") o.recompute = true;
     else if (a == "--fp32-gather") o.fp32_gather = true;
+    else if (a == "--prefetch") o.buffers.prefetch = static_cast<int>(num());
+    else if (a == "--scatters") o.buffers.scatters_in_flight = static_cast<int>(num());
     else return false;
     return true;
   });
   const auto& m = o.model;
   if (m.depth < 1 || m.heads < 1 || m.width % m.heads != 0 || (m.width / m.heads) % 2 != 0 || m.vocab < 256 ||
-      o.zero < 0 || o.zero > 3 || o.batch < 1 || o.seq < 2 || o.steps <= o.warmup || o.log_every < 1) {
+      o.zero < 0 || o.zero > 3 || o.buffers.prefetch < 0 || o.buffers.scatters_in_flight < 1 || o.batch < 1 || o.seq < 2 || o.steps <= o.warmup || o.log_every < 1) {
     std::fprintf(stderr, "llama_fsdp: need depth >= 1, width a multiple of heads with an even head size, vocab >= 256 "
-                         "(byte tokens), --zero 0..3, batch >= 1, seq >= 2, steps > warmup, log-every >= 1\n");
+                         "(byte tokens), --zero 0..3, --prefetch >= 0, --scatters >= 1, batch >= 1, seq >= 2, steps > warmup, log-every >= 1\n");
     usage(2);
   }
   o.model.context = o.seq;
@@ -250,18 +256,24 @@ int main(int argc, char** argv) {
         const double median = lockstep_bench::median_after_warmup(step_ms, opt.warmup);
         double peak[3] = {0, median, 0};  // GiB: peak (the most of any rank), step ms, in use at the end
 #if LLAMA_GPU
-        if constexpr (gpu) {  // libtorch's allocator peak, lockstep's shards and lent buffers, AdamW's state
+        if constexpr (gpu) {  // libtorch's reserved peak (block buffers included), lockstep's shards, AdamW's state
           const auto st = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(ctx.device()));
           const auto& ls = dp.stats();
-          const double own =
-              blocked ? static_cast<double>(ls.shard_bytes * (opt.zero == 3 ? 2 : 1 + ctx.size()) + ls.lent_bytes)
-                      : static_cast<double>(ls.arena_bytes) * (sharded ? 2 : 1);
-          peak[0] =
-              (static_cast<double>(st.allocated_bytes[0].peak) + own + static_cast<double>(gpu_opt->state_bytes())) /
-              (1 << 30);
+          const double own = blocked ? static_cast<double>(ls.shard_bytes * (opt.zero == 3 ? 2 : 1 + ctx.size()))
+                                     : static_cast<double>(ls.arena_bytes) * (sharded ? 2 : 1);
+          const double gib = 1 << 30, state = static_cast<double>(gpu_opt->state_bytes());
+          peak[0] = (static_cast<double>(st.reserved_bytes[0].peak) + own + state) / gib;
           std::size_t free = 0, total = 0;
           LOCKSTEP_TRY_CUDA(cudaMemGetInfo(&free, &total));
-          peak[2] = static_cast<double>(total - free) / (1 << 30);
+          peak[2] = static_cast<double>(total - free) / gib;
+          if (ctx.is_root())  // where the memory goes (rank 0); the rest: CUDA context, NCCL, cuBLAS
+            std::printf("llama_fsdp: memory of rank 0 in GiB: libtorch peak %.2f reserved / %.2f allocated (block "
+                        "buffers %.2f at most), lockstep shards %.2f, AdamW state %.2f; at the end %.2f in use, "
+                        "%.2f reserved by libtorch, %.2f the rest\n",
+                        static_cast<double>(st.reserved_bytes[0].peak) / gib,
+                        static_cast<double>(st.allocated_bytes[0].peak) / gib, static_cast<double>(ls.lent_bytes) / gib,
+                        own / gib, state / gib, peak[2], static_cast<double>(st.reserved_bytes[0].current) / gib,
+                        peak[2] - (static_cast<double>(st.reserved_bytes[0].current) + own + state) / gib);
         }
 #endif
         lockstep::detail::host_all_reduce(ctx.comm(), std::span<double>(peak), lockstep::reduce_op::max);
@@ -277,12 +289,13 @@ int main(int argc, char** argv) {
       switch (opt.zero) {
         case 3: {
           lockstep::FullySharded fs;
+          fs.buffers = opt.buffers;
           if (gpu && !opt.fp32_gather) fs.param_dtype = lockstep::dtype::bf16;
           lockstep::DataParallel dp(ctx, tm, fs);
           return train(dp);
         }
         case 2: {
-          lockstep::DataParallel dp(ctx, tm, lockstep::ShardedGradients{});
+          lockstep::DataParallel dp(ctx, tm, lockstep::ShardedGradients{opt.buffers});
           return train(dp);
         }
         case 1: {
