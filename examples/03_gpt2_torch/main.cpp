@@ -333,9 +333,9 @@ int main(int argc, char** argv) {
             const auto stats =
                 c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(ctx.device()));
             const auto& st = dp.stats();
-            // Full sharding: the gradient shards, the value shards (ZeRO-3) or whole values
-            // (ZeRO-2, as large as the gradients unsharded); its block buffers are libtorch's.
-            const double arenas = blocked ? static_cast<double>(st.shard_bytes * (opt.zero == 3 ? 2 : 1 + dp.size()))
+            // Full sharding: the value shards (ZeRO-3) or whole values (ZeRO-2, as large as the
+            // gradients unsharded); its block buffers and gradient shards are libtorch's.
+            const double arenas = blocked ? static_cast<double>(st.shard_bytes * (opt.zero == 3 ? 1 : dp.size()))
                                           : static_cast<double>(st.arena_bytes) * (sharded ? 2 : 1);
             peak_gib = (static_cast<double>(stats.allocated_bytes[0].peak) + arenas +
                         static_cast<double>(gpu_opt->state_bytes())) /

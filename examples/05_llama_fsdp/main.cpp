@@ -103,9 +103,11 @@ options parse(int argc, char** argv) {
   });
   const auto& m = o.model;
   if (m.depth < 1 || m.heads < 1 || m.width % m.heads != 0 || (m.width / m.heads) % 2 != 0 || m.vocab < 256 ||
-      o.zero < 0 || o.zero > 3 || o.buffers.prefetch < 0 || o.buffers.scatters_in_flight < 1 || o.batch < 1 || o.seq < 2 || o.steps <= o.warmup || o.log_every < 1) {
+      o.zero < 0 || o.zero > 3 || o.buffers.prefetch < 0 || o.buffers.scatters_in_flight < 1 || o.batch < 1 ||
+      o.seq < 2 || o.steps <= o.warmup || o.log_every < 1) {
     std::fprintf(stderr, "llama_fsdp: need depth >= 1, width a multiple of heads with an even head size, vocab >= 256 "
-                         "(byte tokens), --zero 0..3, --prefetch >= 0, --scatters >= 1, batch >= 1, seq >= 2, steps > warmup, log-every >= 1\n");
+                         "(byte tokens), --zero 0..3, --prefetch >= 0, --scatters >= 1, batch >= 1, seq >= 2, steps > "
+                         "warmup, log-every >= 1\n");
     usage(2);
   }
   o.model.context = o.seq;
@@ -259,7 +261,8 @@ int main(int argc, char** argv) {
         if constexpr (gpu) {  // libtorch's reserved peak (block buffers included), lockstep's shards, AdamW's state
           const auto st = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(ctx.device()));
           const auto& ls = dp.stats();
-          const double own = blocked ? static_cast<double>(ls.shard_bytes * (opt.zero == 3 ? 2 : 1 + ctx.size()))
+          // ZeRO-3: the value shards; ZeRO-2: the whole values (block buffers and gradient shards are libtorch's)
+          const double own = blocked ? static_cast<double>(ls.shard_bytes * (opt.zero == 3 ? 1 : ctx.size()))
                                      : static_cast<double>(ls.arena_bytes) * (sharded ? 2 : 1);
           const double gib = 1 << 30, state = static_cast<double>(gpu_opt->state_bytes());
           peak[0] = (static_cast<double>(st.reserved_bytes[0].peak) + own + state) / gib;
@@ -268,7 +271,7 @@ int main(int argc, char** argv) {
           peak[2] = static_cast<double>(total - free) / gib;
           if (ctx.is_root())  // where the memory goes (rank 0); the rest: CUDA context, NCCL, cuBLAS
             std::printf("llama_fsdp: memory of rank 0 in GiB: libtorch peak %.2f reserved / %.2f allocated (block "
-                        "buffers %.2f at most), lockstep shards %.2f, AdamW state %.2f; at the end %.2f in use, "
+                        "buffers %.2f at most), lockstep values %.2f, AdamW state %.2f; at the end %.2f in use, "
                         "%.2f reserved by libtorch, %.2f the rest\n",
                         static_cast<double>(st.reserved_bytes[0].peak) / gib,
                         static_cast<double>(st.allocated_bytes[0].peak) / gib, static_cast<double>(ls.lent_bytes) / gib,

@@ -41,14 +41,16 @@ class block_layout {
     const bucket_plan* plan = nullptr;
     dtype cdt = dtype::f32;  // the element type lent to the model: values gathered, gradients written
     std::vector<unit> units;
-    std::shared_ptr<void> grads;   // the gradient shards (Σ per)
     std::shared_ptr<void> values;  // ZeRO-3: the value shards (Σ per); ZeRO-2: the whole values (plan.total)
+    // Per unit, its gradient shard (per elements) while a cycle holds one (gradient_shard), and
+    // those present as segments.
+    std::vector<std::shared_ptr<void>> grads;
     std::vector<segment> shard_grads;
     // Lent buffers: values and the model's gradients (cdt); with cdt != the plan's type the
     // gradients are widened into a sum buffer (the plan's type) for their reduce-scatter.
     // Each pool by a buffer's elements (a unit's span: the blocks of a transformer share one).
     using pool = std::map<std::size_t, std::vector<std::shared_ptr<void>>>;
-    pool grad_pool, value_pool, sum_pool;
+    pool grad_pool, value_pool, sum_pool, shard_pool;
     bool mixed() const { return cdt != plan->type; }
     std::size_t span_of(std::size_t u) const { return plan->buckets[plan->units[u].first].elements(); }
     std::size_t shard_total() const { return units.empty() ? 0 : units.back().shard + units.back().per; }
@@ -71,6 +73,13 @@ class block_layout {
     std::size_t g = 0, u = 0;
     std::shared_ptr<void> buffer;
     std::optional<Work> work;
+  };
+  // Where block buffers come from: the model's allocator (model (i)'s block_storage; a buffer
+  // is then dropped when its use ends, for the framework to reuse) or mem, pooled; and what
+  // to call when mem has none left (model (i)'s storage_released).
+  struct sources {
+    std::function<std::shared_ptr<void>(std::size_t)> storage;
+    std::function<void()> release;
   };
 
   //! block_of[i]: parameter i's block (0, 1, … without gaps).
@@ -110,6 +119,7 @@ class block_layout {
         g.units.push_back(u);
       }
       g.values = mem.allocate((ShardValues ? shard_total : plan.total) * es);
+      g.grads.assign(g.units.size(), nullptr);
       for (std::size_t k = 0; k < g.units.size(); ++k) {
         const unit& u = g.units[k];
         const bucket& bk = plan.buckets[plan.units[k].first];
@@ -131,7 +141,7 @@ class block_layout {
           for (std::size_t j = 0; j < bk.slices.size(); ++j)
             mem.pack(std::span(&all[j], 1), g.at(g.values, bk.slices[j].arena_offset), plan.type, 1.0);
         void* value = ShardValues ? g.at(g.values, u.shard) : g.at(g.values, lo);
-        void* grad = nullptr;  // lay_out_gradients
+        void* grad = nullptr;  // gradient_shard
         params_.push_back(parameter{"shard " + std::to_string(r) + "/" + std::to_string(n) + " of block " +
                                         std::to_string(u.block) + " (" + name_of(plan.type) + ")",
                                     {static_cast<std::int64_t>(u.per)},
@@ -151,46 +161,46 @@ class block_layout {
     }
   }
 
-  //! The gradient shards, after lay_out — once the model's own storage is released, so that a
-  //! model built whole on the device needs room for it and the value shards only, never for
-  //! the gradient shards too.
+  //! The gradient shard of unit u of group gi (per elements, the plan's type), taken and zeroed
+  //! when the cycle has none yet: a cycle's first reduce-scatter of the unit brings it, and
+  //! release_gradients() (a new cycle) gives every one back — to the model's allocator when it
+  //! lends them (model (i)'s block_storage): as FSDP2's sharded gradients after zero_grad,
+  //! they then take no memory from a step's end until its backward, and none of what the
+  //! forward and the early backward need. Null for a unit of no elements.
   template <class Mem>
-  void lay_out_gradients(Mem mem) {
-    std::size_t i = 0;
-    for (auto& g : groups_) {
-      g.grads = mem.allocate(g.shard_total() * size_of(g.plan->type));
-      g.shard_grads.clear();
-      for (const auto& u : g.units) {
-        void* grad = g.at(g.grads, u.shard);
-        params_[i].grad = slices_[i].grad = grad;
-        ++i;
-        if (u.per) g.shard_grads.push_back({grad, u.per});
-      }
+  void* gradient_shard(std::size_t gi, std::size_t u, Mem mem, const sources& from) {
+    group& g = groups_[gi];
+    const std::size_t per = g.units[u].per;
+    if (per == 0) return nullptr;
+    if (!g.grads[u]) {
+      g.grads[u] = take_from(g.shard_pool, per, g.plan->type, mem, from, false);
+      mem.zero(g.grads[u].get(), bytes_of(g, per));
+      point_gradients(gi);
+    }
+    return g.grads[u].get();
+  }
+  void release_gradients() {
+    for (std::size_t gi = 0; gi < groups_.size(); ++gi) {
+      group& g = groups_[gi];
+      for (std::size_t u = 0; u < g.units.size(); ++u) give_back(g.shard_pool, g.units[u].per, std::move(g.grads[u]));
+      point_gradients(gi);
     }
   }
-
-  // Where block buffers come from: the model's allocator (model (i)'s block_storage; a buffer
-  // is then dropped when its use ends, for the framework to reuse) or mem, pooled; and what
-  // to call when mem has none left (model (i)'s storage_released).
-  struct sources {
-    std::function<std::shared_ptr<void>(std::size_t)> storage;
-    std::function<void()> release;
-  };
 
   // A buffer for unit u of group gi in type t: from pool (by the unit's size), else new — a
   // pool grows, never waits. When mem has none left, release() (the model gives back what its
   // allocator keeps: libtorch's cache of freed activations) and one more try. Counted in
   // lent_bytes() while it exists.
   template <class Mem>
-  std::shared_ptr<void> take_from(typename group::pool& pool, std::size_t gi, std::size_t u, dtype t, Mem mem,
-                                  const sources& from) {
-    auto& free = pool[groups_[gi].span_of(u)];
+  std::shared_ptr<void> take_from(typename group::pool& pool, std::size_t elems, dtype t, Mem mem, const sources& from,
+                                  bool lent = true) {
+    auto& free = pool[elems];
     if (!free.empty()) {
       auto p = std::move(free.back());
       free.pop_back();
       return p;
     }
-    const std::size_t bytes = groups_[gi].span_of(u) * size_of(t);
+    const std::size_t bytes = elems * size_of(t);
     const auto allocate = [&]() -> std::shared_ptr<void> {
       if (from.storage)
         if (auto p = from.storage(bytes)) {
@@ -207,6 +217,7 @@ class block_layout {
       from.release();
       p = allocate();
     }
+    if (!lent) return p;
     *lent_ += bytes;
     peak_lent_ = std::max(peak_lent_, *lent_);
     return std::shared_ptr<void>(p.get(), [p, lent = lent_, bytes](void*) mutable {
@@ -221,6 +232,17 @@ class block_layout {
   }
   // The most bytes of block buffers that existed at once (in use, in flight or pooled).
   std::size_t lent_bytes() const noexcept { return peak_lent_; }
+
+  // The optimizer's parameters and the shard_grads of group gi point at its gradient shards now.
+  void point_gradients(std::size_t gi) {
+    group& g = groups_[gi];
+    g.shard_grads.clear();
+    for (std::size_t u = 0; u < g.units.size(); ++u) {
+      void* grad = g.grads[u].get();
+      params_[index_of(gi, u)].grad = slices_[index_of(gi, u)].grad = grad;
+      if (grad) g.shard_grads.push_back({grad, g.units[u].per});
+    }
+  }
 
   // The layout's part of DataParallel's layout hash (n ranks).
   std::uint64_t hash(std::uint64_t h, std::size_t n) const {

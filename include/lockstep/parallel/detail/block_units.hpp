@@ -100,8 +100,7 @@ class block_units
     this->lay_out(plans, params, static_cast<std::size_t>(comm_.size()), static_cast<std::size_t>(comm_.rank()),
                   comm_.memory(), param_dtype_);
     for (std::size_t i = 0; i < params.size(); ++i) attach(i, !ShardValues, false);
-    if (released_) released_();  // the model's own storage is free now: the gradient shards may use it
-    this->lay_out_gradients(comm_.memory());
+    if (released_) released_();  // the model's own storage is free now (gradient shards come per cycle)
     auto& st = rec_.stats();
     st.shard_bytes = bytes_;
     st.values_bound = true;
@@ -126,10 +125,9 @@ class block_units
 
   std::uint64_t layout_hash(std::uint64_t h) const { return this->hash(h, static_cast<std::size_t>(comm_.size())); }
 
-  //! A cycle begins: the gradient shards start from zero.
-  void begin_cycle() {
-    for (auto& g : groups_) comm_.memory().zero(g.grads.get(), g.units.empty() ? 0 : bytes_of(g, g.shard_total()));
-  }
+  //! A cycle begins: no gradient shard yet (each comes, zeroed, with its unit's first
+  //! reduce-scatter; block_layout::gradient_shard).
+  void begin_cycle() { this->release_gradients(); }
   //! A micro-step begins (every one launches its reduce-scatters): forward and backward anew.
   void begin_sync() {
     drop_whole();
@@ -303,7 +301,7 @@ class block_units
 
  private:
   std::shared_ptr<void> take(typename group::pool& pool, std::size_t gi, std::size_t u, dtype t) {
-    auto p = this->take_from(pool, gi, u, t, comm_.memory(), sources_);
+    auto p = this->take_from(pool, groups_[gi].span_of(u), t, comm_.memory(), sources_);
     rec_.stats().lent_bytes = this->lent_bytes();
     return p;
   }
@@ -426,7 +424,8 @@ class block_units
       f.work->wait();
     }
     const void* mine = g.at(f.buffer, static_cast<std::size_t>(comm_.rank()) * un.per);
-    if (keep) comm_.memory().add(g.at(g.grads, un.shard), mine, un.per, g.plan->type);
+    if (keep && un.per)
+      comm_.memory().add(this->gradient_shard(f.g, f.u, comm_.memory(), sources_), mine, un.per, g.plan->type);
     this->give_back(sum_pool(g), g.span_of(f.u), std::move(f.buffer));
   }
 

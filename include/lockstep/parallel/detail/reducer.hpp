@@ -144,6 +144,7 @@ class reducer {
     if constexpr (Units::lends_gradients) {
       for (auto& g : groups_) launch_ready(g, true);
       units_.drain();
+      point_grad_groups();
     }
   }
 
@@ -178,6 +179,7 @@ class reducer {
         comm_.memory().unpack(g.arena_at(bk.begin), bk.segments_in(params_), g.plan.type);
       if (on_bucket) hand_over(on_bucket, gi, b);
     });
+    if constexpr (Units::lends_gradients) point_grad_groups();
     end_sync();
   }
 
@@ -217,7 +219,7 @@ class reducer {
 
   //! Every gradient, grouped by element type (for unscaling, clipping, norms) — sharded: this
   //! rank's shards only. Built with the plan, so a step reads it without allocating; valid
-  //! until the plan is rebuilt.
+  //! until the plan is rebuilt (Units::lends_gradients: until the next cycle's first drain).
   std::span<const grad_group> grad_groups() const { return grad_groups_; }
 
  private:
@@ -370,13 +372,18 @@ class reducer {
     const auto moved = units_.built(plans, arenas, params_);
     if (!moved.empty() || Units::lends_gradients)  // the model's values moved into the units' storage
       params_ = checked_binding(refresh_(), moved, &parameter::value, "bind_value");
+    point_grad_groups();
+    check_same_plan();
+  }
+  // grad_groups() from the units' gradients as they are now (with Units::lends_gradients the
+  // shards of a cycle come with its reduce-scatters: again after each drain).
+  void point_grad_groups() {
     grad_groups_.clear();
     for (std::size_t gi = 0; gi < groups_.size(); ++gi) {
       auto& g = groups_[gi];
       g.grads = units_.grads(gi, g.plan, params_);
       grad_groups_.push_back({g.plan.type, g.grads});
     }
-    check_same_plan();
   }
 
   // Every rank must cut the arena identically (same BucketPolicy, same zero-copy choice),
