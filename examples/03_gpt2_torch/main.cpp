@@ -70,6 +70,7 @@ struct options : gpt2::run_options {
   bool ce_scatter = false;    // sharded: ShardedOptimizer::copy_engine_scatter on
   int zero = 0;               // 2: ShardedGradients, 3: FullySharded (each block a block)
   bool recompute = false;     // --zero: recompute each block in backward
+  bool keep_grads = false;    // --zero: BlockBuffers::keep_gradient_shards
 };
 
 constexpr std::int64_t profiled_steps = 3;
@@ -80,7 +81,7 @@ constexpr std::int64_t profiled_steps = 3;
       "                  [--seq T] [--steps N] [--warmup N] [--lr X] [--seed S] [--log-every N] [--bench]\n"
       "                  [--memory-trace]\n"
       "                  [--profile TRACE.json] [--wire fp32|bf16] [--shard [--pack-values] [--copy-engine[-gather]]]\n"
-      "                  [--zero 2|3 [--recompute]]\n"
+      "                  [--zero 2|3 [--recompute] [--keep-grad-shards]]\n"
       "  batch: sequences per rank and step; on GPUs: all local GPUs, or one per process under a launcher\n");
   std::exit(rc);
 }
@@ -100,6 +101,7 @@ options parse(int argc, char** argv) {
     else if (a == "--profile") o.profile = next();
     else if (a == "--zero") o.zero = std::stoi(next());
     else if (a == "--recompute") o.recompute = true;
+    else if (a == "--keep-grad-shards") o.keep_grads = true;
     else return false;
     return true;
   });
@@ -372,11 +374,14 @@ int main(int argc, char** argv) {
         if (ctx.is_root()) learned = last_loss < first_loss;
       };
       if (opt.zero == 2) {
-        lockstep::DataParallel dp(ctx, tm, dp_options, wire, lockstep::ShardedGradients{});
+        lockstep::ShardedGradients sg;
+        sg.buffers.keep_gradient_shards = opt.keep_grads;
+        lockstep::DataParallel dp(ctx, tm, dp_options, wire, sg);
         train(dp);
       } else if (opt.zero == 3) {
         lockstep::FullySharded fs;  // on GPUs (bf16 autocast) the blocks get bf16 values gathered from fp32 shards
         if (gpu) fs.param_dtype = lockstep::dtype::bf16;
+        fs.buffers.keep_gradient_shards = opt.keep_grads;
         lockstep::DataParallel dp(ctx, tm, dp_options, wire, fs);
         train(dp);
       } else if (opt.shard) {

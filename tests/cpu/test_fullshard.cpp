@@ -156,6 +156,12 @@ TEST_CASE_TEMPLATE("fullshard zero2 zero3: block buffers from the model's alloca
     keep.keep_after_forward = true;
     keep.buffers.prefetch = 2;
     check_equals_unsharded<T, lockstep::FullySharded>(d, c, keep);
+    c.model_storage = false;  // the gradient shards kept from cycle to cycle (zeroed when one begins)
+    keep.buffers.keep_gradient_shards = true;
+    check_equals_unsharded<T, lockstep::FullySharded>(d, c, keep);
+    lockstep::ShardedGradients kept{};
+    kept.buffers.keep_gradient_shards = true;
+    check_equals_unsharded<T, lockstep::ShardedGradients>(d, c, kept);
   }
 }
 

@@ -127,7 +127,12 @@ class block_units
 
   //! A cycle begins: no gradient shard yet (each comes, zeroed, with its unit's first
   //! reduce-scatter; block_layout::gradient_shard).
-  void begin_cycle() { this->release_gradients(); }
+  void begin_cycle() {
+    if (!buffers_.keep_gradient_shards) return this->release_gradients();
+    for (auto& g : groups_)
+      for (std::size_t u = 0; u < g.units.size(); ++u)
+        if (g.grads[u]) comm_.memory().zero(g.grads[u].get(), bytes_of(g, g.units[u].per));
+  }
   //! A micro-step begins (every one launches its reduce-scatters): forward and backward anew.
   void begin_sync() {
     drop_whole();
