@@ -125,8 +125,7 @@ class block_units
 
   std::uint64_t layout_hash(std::uint64_t h) const { return this->hash(h, static_cast<std::size_t>(comm_.size())); }
 
-  //! A cycle begins: no gradient shard yet (each comes, zeroed, with its unit's first
-  //! reduce-scatter; block_layout::gradient_shard).
+  //! A cycle begins: gradient shards come anew (block_layout::gradient_shard), or kept ones are zeroed.
   void begin_cycle() {
     if (!buffers_.keep_gradient_shards) return this->release_gradients();
     for (auto& g : groups_)
