@@ -508,9 +508,11 @@ TEST_CASE_TEMPLATE("join with ShardedOptimizer: a rank out of data still steps i
 
 // One rank's loop under a block-sharded Strategy (ShardedGradients, FullySharded): each layer's
 // block used around its forward and its backward; leave() shadows the others' steps.
+struct abandoned {};  // what a backward throws on every rank at batch abandon_at (caught: the step is dropped)
+
 template <class T, class Strategy>
 void join_blocks_rank(auto& ctx, const dataset& d, const join_config& c, std::uint64_t seed, double lr,
-                      const Strategy& strategy, std::vector<T>& got, std::size_t& shadow) {
+                      const Strategy& strategy, std::vector<T>& got, std::size_t& shadow, int abandon_at = -1) {
   const auto ri = static_cast<std::size_t>(ctx.rank());
   TestMlp<T> m(d.dims, seed + 1 + ri * 7919);
   using DP = lockstep::DataParallel<TestMlp<T>, lockstep::ThreadComm, Strategy>;
@@ -521,9 +523,15 @@ void join_blocks_rank(auto& ctx, const dataset& d, const join_config& c, std::ui
   for (int j = 0; j < c.batches[ri]; ++j) {
     auto step = dp.step();
     auto rows = rows_of(d, c, ctx.rank(), j);
-    m.forward_backward(inputs<T>(d), d.y, rows, step.on_gradient_ready(), 1.0, [&](std::size_t l, bool forward) {
-      return dp.use_block(m.blocks()[2 * l], forward ? lockstep::pass::forward : lockstep::pass::backward);
-    });
+    try {
+      m.forward_backward(inputs<T>(d), d.y, rows, step.on_gradient_ready(), 1.0, [&](std::size_t l, bool forward) {
+        auto use = dp.use_block(m.blocks()[2 * l], forward ? lockstep::pass::forward : lockstep::pass::backward);
+        if (j == abandon_at && !forward && l == 1) throw abandoned{};
+        return use;
+      });
+    } catch (const abandoned&) {
+      continue;  // this rank's last batch, for some: leave() then settles the step first
+    }
     (void)step.finish(on_shard);
   }
   shadow = join.leave();
@@ -575,6 +583,39 @@ TEST_CASE_TEMPLATE("join with fullshard zero2 zero3: a rank out of data replays 
         CHECK(shadow[ri] == static_cast<std::size_t>(c.cycles() - c.batches[ri]));
       }
     }
+  }
+}
+
+TEST_CASE("join with fullshard zero3: a step abandoned on every rank - one of them then out of data") {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  const double lr = 0.2;
+  const auto d = make_data(seed);
+  join_config c;
+  c.batches = {3, 5, 4};
+  const int dropped = 2;  // rank 0's last batch: every rank's backward throws there
+  TestMlp<double> ref(d.dims, seed + 1);
+  lockstep::Sgd ref_opt({.lr = lr, .momentum = 0.5});
+  for (int cy = 0; cy < c.cycles(); ++cy) {
+    if (cy == dropped) continue;
+    int M = 0;
+    for (int r = 0; r < c.ranks(); ++r) M += c.contributed(r, cy);
+    ref.zero_grad();
+    for (int r = 0; r < c.ranks(); ++r)
+      for (int j = cy; j < cy + c.contributed(r, cy); ++j)
+        ref.forward_backward(inputs<double>(d), d.y, rows_of(d, c, r, j), [](std::size_t) {}, 1.0 / M);
+    ref_opt.step(ref.parameters());
+  }
+  std::vector<std::vector<double>> got(3);
+  std::vector<std::size_t> shadow(3);
+  lockstep::run(lockstep::Threads{3}, [&](auto& ctx) {
+    const auto ri = static_cast<std::size_t>(ctx.rank());
+    join_blocks_rank<double>(ctx, d, c, seed, lr, lockstep::FullySharded{}, got[ri], shadow[ri], dropped);
+  });
+  for (std::size_t r = 0; r < 3; ++r) {
+    CAPTURE(r);
+    CHECK(max_rel_diff(got[r], ref.flat_values()) <= 1e-12);
+    CHECK(got[r] == got[0]);
   }
 }
 

@@ -168,6 +168,7 @@ class DataParallel {
                               !block_sharded);
       k_ = acc_.steps();
       if (k_ < 1) throw config_error("lockstep: the accumulation policy returned steps() < 1");
+      if (joining_) Join<DataParallel>::check_steps(k_);
       micro_ = 0;
       reducer_.begin_cycle();
       in_cycle_ = true;
@@ -210,7 +211,9 @@ class DataParallel {
   //! Parameters as lockstep sees them (gradients pointing into the arena when zero-copy).
   const std::vector<parameter>& parameters() const noexcept { return reducer_.params(); }
   //! Sharded: this rank's shard of the parameters, one per launch unit (build the optimizer
-  //! over these: its state is then 1/N of the model's). Fixed from construction on.
+  //! over these: its state is then 1/N of the model's). Fixed from construction on — but under
+  //! ShardedGradients / FullySharded with the model's block_storage, `.grad` exists only from
+  //! the cycle's reduce-scatters until the next cycle: read it through finish(on_shard)'s slices.
   const std::vector<parameter>& shard_parameters() const noexcept
     requires sharded
   {
@@ -235,7 +238,7 @@ class DataParallel {
   {
     if (!open_) settle_abandoned();  // (an evaluation forward after a failed step)
     reducer_.units().use(k, p);
-    uses_.record(k, p, true);
+    if (open_) uses_.record(k, p, true);  // in a step (for Join's replay)
     return block_use<DataParallel>(this, k, p);
   }
   //! Every parameter's values current and in place (FullySharded: the whole model gathered and
@@ -386,7 +389,7 @@ class DataParallel {
     if constexpr (block_sharded) {
       if (p == pass::backward) reducer_.mark_all_ready(reducer_.units().params_of(k));
       reducer_.units().end_use(k, p);
-      uses_.record(k, p, false);
+      if (open_) uses_.record(k, p, false);
     }
   }
 

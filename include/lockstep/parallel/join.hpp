@@ -73,11 +73,7 @@ class Join {
                                        "opt.step(s); }): each rank updates its own shard, with data or without"
                                      : "lockstep::Join: on_shard is for the sharded strategies (ShardedOptimizer, "
                                        "ShardedGradients, FullySharded); this DataParallel is not sharded");
-    if (DP::block_sharded && dp_.acc_.steps() > 1)
-      throw config_error("lockstep::Join with ShardedGradients / FullySharded: accumulation over " +
-                         std::to_string(dp_.acc_.steps()) +
-                         " micro-steps is not supported in a Join scope (every micro-step reduce-scatters, and "
-                         "a rank out of data would have to shadow each); use one micro-step per step there");
+    check_steps(dp_.acc_.steps());
     if (!on_shadow_step_)
       throw config_error("lockstep::Join: on_shadow_step is empty; pass the optimizer update "
                          "the stepping ranks apply (e.g. [&](lockstep::step_result r) { if (r) "
@@ -137,6 +133,15 @@ class Join {
  private:
   friend DP;  // its step() agrees and broadcasts through these
 
+  // ShardedGradients / FullySharded: one micro-step per step in a scope (checked when it opens
+  // and at each cycle's start, as the accumulation policy may change).
+  static void check_steps(int k) {
+    if (DP::block_sharded && k > 1)
+      throw config_error("lockstep::Join with ShardedGradients / FullySharded: accumulation over " + std::to_string(k) +
+                         " micro-steps is not supported in a Join scope (every micro-step reduce-scatters, and "
+                         "a rank out of data would have to shadow each); use one micro-step per step there");
+  }
+
   // The highest rank whose `mine` is true (-1 if none): one all-reduce (max) of rank or -1 —
   // DDP's _find_common_rank. Whose buffers the cycle starts from, and, when the scope ends,
   // whose the model ends with.
@@ -185,6 +190,7 @@ class Join {
   // highest rank that stepped last (DDP's final sync after join), so the model ends alike.
   std::optional<step_result> shadow_step() {
     DP& dp = dp_;
+    dp.settle_abandoned();  // a step an exception left (block_sharded), as step() does first
     const bool stepped_last = dp.stepped_;
     dp.recorder_.step_begin(/*sync=*/true, /*counted=*/false);
     const bool partial = dp.in_cycle_ && dp.micro_ > 0;
@@ -202,25 +208,34 @@ class Join {
     }
     dp.reducer_.begin_micro(true, prescale(dp, agreed));
     dp.uses_.begin();
-    if constexpr (DP::block_sharded) {  // the blocks' uses: their all-gathers, zero gradients reduce-scattered
-      std::list<block_use<DP>> open;    // begun, not ended yet
-      for (const auto& e : dp.uses_.replayed(dp.reducer_.units().blocks())) {
-        if (e.begins) {
-          open.push_back(dp.use_block(e.block, e.pass));
-          continue;
-        }
-        const auto u = std::find_if(open.begin(), open.end(),
-                                    [&](const block_use<DP>& b) { return b.block() == e.block && b.pass() == e.pass; });
-        if (u == open.end())
-          throw config_error("lockstep::Join: a replayed use of block " + std::to_string(e.block) +
-                             " ends without having begun");
-        u->end();
-        open.erase(u);
-      }
-    } else {
-      dp.reducer_.replay_arrivals();
+    dp.open_ = true;  // a micro-step, as step() opens one (finish ends it)
+    try {
+      if constexpr (DP::block_sharded) replay_uses(dp);
+      else dp.reducer_.replay_arrivals();
+      return dp.finish_step(true, on_shard_);
+    } catch (...) {  // as a step_handle's: nothing more this step (block_sharded: settled at the next)
+      dp.abandon();
+      throw;
     }
-    return dp.finish_step(true, on_shard_);
+  }
+
+  // The blocks' uses of this rank's last step, replayed: their all-gathers, and reduce-scatters
+  // of zero gradients.
+  static void replay_uses(DP& dp) {
+    std::list<block_use<DP>> open;  // begun, not ended yet
+    for (const auto& e : dp.uses_.replayed(dp.reducer_.units().blocks())) {
+      if (e.begins) {
+        open.push_back(dp.use_block(e.block, e.pass));
+        continue;
+      }
+      const auto u = std::find_if(open.begin(), open.end(),
+                                  [&](const block_use<DP>& b) { return b.block() == e.block && b.pass() == e.pass; });
+      if (u == open.end())
+        throw config_error("lockstep::Join: a replayed use of block " + std::to_string(e.block) +
+                           " ends without having begun");
+      u->end();
+      open.erase(u);
+    }
   }
 
   DP& dp_;

@@ -163,10 +163,10 @@ class block_layout {
 
   //! The gradient shard of unit u of group gi (per elements, the plan's type), taken and zeroed
   //! when the cycle has none yet: a cycle's first reduce-scatter of the unit brings it, and
-  //! release_gradients() (a new cycle) gives every one back — to the model's allocator when it
+  //! release_gradients() (a new cycle) gives every one back to the model's allocator when it
   //! lends them (model (i)'s block_storage): as FSDP2's sharded gradients after zero_grad,
-  //! they then take no memory from a step's end until its backward, and none of what the
-  //! forward and the early backward need. Null for a unit of no elements.
+  //! they then take none of the memory the forward and the early backward need. Null for a
+  //! unit of no elements.
   template <class Mem>
   void* gradient_shard(std::size_t gi, std::size_t u, Mem mem, const sources& from) {
     group& g = groups_[gi];
@@ -230,6 +230,8 @@ class block_layout {
   void give_back(typename group::pool& pool, std::size_t elems, std::shared_ptr<void> buffer) {
     if (buffer && !dropping_) pool[elems].push_back(std::move(buffer));
   }
+  // Whether the model's allocator gives the buffers (none is pooled).
+  bool dropping() const noexcept { return dropping_; }
   // The most bytes of block buffers that existed at once (in use, in flight or pooled).
   std::size_t lent_bytes() const noexcept { return peak_lent_; }
 

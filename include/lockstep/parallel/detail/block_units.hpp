@@ -125,9 +125,9 @@ class block_units
 
   std::uint64_t layout_hash(std::uint64_t h) const { return this->hash(h, static_cast<std::size_t>(comm_.size())); }
 
-  //! A cycle begins: gradient shards come anew (block_layout::gradient_shard), or kept ones are zeroed.
+  //! A cycle begins: the gradient shards go back to the model's allocator, else are zeroed in place.
   void begin_cycle() {
-    if (!buffers_.keep_gradient_shards) return this->release_gradients();
+    if (!buffers_.keep_gradient_shards && this->dropping()) return this->release_gradients();
     for (auto& g : groups_)
       for (std::size_t u = 0; u < g.units.size(); ++u)
         if (g.grads[u]) comm_.memory().zero(g.grads[u].get(), bytes_of(g, g.units[u].per));

@@ -7,6 +7,7 @@
 //! is the strategy's: the reduction units `Units` (allreduce_units.hpp, shard_units.hpp),
 //! chosen at compile time from DataParallel's policies. Events go to the step_recorder.
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -132,8 +133,12 @@ class reducer {
     count_ready(i);
   }
 
-  //! The gradients of `params` are final (a block's backward use ended): those not reported yet.
+  //! The gradients of `params` are final (a block's backward use ended): those not reported
+  //! yet — first in the order the last synchronising micro-step reported them, so that a
+  //! Join replay launches the units of several element types in the stepping ranks' order.
   void mark_all_ready(std::span<const std::size_t> params) {
+    for (auto i : last_sync_arrivals_)
+      if (!ready_.at(i) && std::find(params.begin(), params.end(), i) != params.end()) mark_ready(i);
     for (auto i : params)
       if (!ready_.at(i)) mark_ready(i);
   }
@@ -219,7 +224,8 @@ class reducer {
 
   //! Every gradient, grouped by element type (for unscaling, clipping, norms) — sharded: this
   //! rank's shards only. Built with the plan, so a step reads it without allocating; valid
-  //! until the plan is rebuilt (Units::lends_gradients: until the next cycle's first drain).
+  //! until the plan is rebuilt (Units::lends_gradients: until the next cycle begins; re-read
+  //! after each drain).
   std::span<const grad_group> grad_groups() const { return grad_groups_; }
 
  private:
