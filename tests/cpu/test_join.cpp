@@ -229,6 +229,37 @@ struct MixedModel {
   }
 };
 
+// MixedModel's loss as one block of full sharding (lockstep::model (h), (i)): values and
+// gradients where lockstep attaches them. Backward reports c (f64), a (f64), b (f32): the f64
+// unit is complete first, while registration order (a, b, c) would complete the f32 unit first —
+// so a rank replaying a step must report in the order the step saw.
+struct BlockMixedModel {
+  static constexpr std::size_t D = MixedModel::D;
+  MixedModel own;
+  double *a, *ga = nullptr, *c, *gc = nullptr;
+  float *b, *gb = nullptr;
+
+  explicit BlockMixedModel(std::uint64_t seed) : own(seed), a(own.a.data()), c(own.c.data()), b(own.b.data()) {}
+  std::vector<lockstep::parameter> parameters() {
+    return {lockstep::param<double>("a", a, ga, {40}), lockstep::param<float>("b", b, gb, {30}),
+            lockstep::param<double>("c", c, gc, {50})};
+  }
+  std::vector<std::size_t> blocks() const { return {0, 0, 0}; }
+  void attach(std::size_t i, void* v, void* g) {
+    if (i == 0) a = static_cast<double*>(v), ga = static_cast<double*>(g);
+    if (i == 1) b = static_cast<float*>(v), gb = static_cast<float*>(g);
+    if (i == 2) c = static_cast<double*>(v), gc = static_cast<double*>(g);
+  }
+  template <class Hook>
+  void backward(const std::vector<double>& X, std::span<const std::size_t> rows, Hook hook) {
+    std::span<double> va(a, 40), vc(c, 50), wa(ga, 40), wc(gc, 50);
+    std::span<float> vb(b, 30), wb(gb, 30);
+    MixedModel::add_grad(X, rows, vc, wc, 13, 1.0, hook, 2);
+    MixedModel::add_grad(X, rows, va, wa, 0, 1.0, hook, 0);
+    MixedModel::add_grad(X, rows, vb, wb, 7, 1.0, hook, 1);
+  }
+};
+
 // ---- running ranks on a group with a short timeout -----------------------------------------
 template <class F>
 void run_short(int n, std::chrono::milliseconds timeout, F&& body) {
@@ -462,6 +493,66 @@ TEST_CASE("join with two element types: a shadowing rank replays the launch orde
     CHECK(m.b == models[0].b);
     CHECK(m.c == models[0].c);
     CHECK(shadow[static_cast<std::size_t>(r)] == static_cast<std::size_t>(5 - counts[static_cast<std::size_t>(r)]));
+  }
+}
+
+TEST_CASE("join with fullshard zero3 and two element types in a block: the replay reports in the step's order") {
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
+  const std::size_t samples = 211, B = 4;
+  const auto X = random_vector<double>(samples * MixedModel::D, rng, -3, 3);
+  const std::vector<int> counts{2, 5, 3};
+  const int n = 3;
+  const double lr = 0.3;
+  auto rows_for = [&](int r, int j) {
+    std::vector<std::size_t> rows(B);
+    for (std::size_t i = 0; i < B; ++i)
+      rows[i] = (static_cast<std::size_t>(r) * 71 + static_cast<std::size_t>(j) * B + i) % samples;
+    return rows;
+  };
+  MixedModel ref(seed + 1);  // in double: p −= lr·(p − mean of x over the contributing ranks' rows)
+  for (int s = 0; s < 5; ++s) {
+    std::vector<std::size_t> rows;
+    for (int r = 0; r < n; ++r)
+      if (s < counts[static_cast<std::size_t>(r)]) {
+        auto more = rows_for(r, s);
+        rows.insert(rows.end(), more.begin(), more.end());
+      }
+    for (auto [p, shift] : {std::pair{&ref.a, std::size_t{0}}, {&ref.c, std::size_t{13}}})
+      for (std::size_t j = 0; j < p->size(); ++j) {
+        double mean = 0;
+        for (auto row : rows) mean += X[row * MixedModel::D + (j + shift) % MixedModel::D];
+        (*p)[j] -= lr * ((*p)[j] - mean / static_cast<double>(rows.size()));
+      }
+  }
+  std::vector<std::vector<double>> a(n), c(n);
+  lockstep::run(lockstep::Threads{n}, [&](auto& ctx) {
+    const int r = ctx.rank();
+    BlockMixedModel m(seed + 1 + static_cast<std::uint64_t>(r) * 31);
+    using DP = lockstep::DataParallel<BlockMixedModel, lockstep::ThreadComm, lockstep::FullySharded>;
+    DP dp(ctx, m);
+    lockstep::Sgd opt({.lr = lr});
+    const auto on_shard = [&](std::span<const lockstep::param_slice> s) { opt.step(s); };
+    auto join = dp.join([](lockstep::step_result) {}, on_shard);
+    for (int j = 0; j < counts[static_cast<std::size_t>(r)]; ++j) {
+      auto step = dp.step();
+      {
+        auto use = dp.use_block(0, lockstep::pass::forward);
+      }
+      {
+        auto use = dp.use_block(0, lockstep::pass::backward);
+        m.backward(X, rows_for(r, j), step.on_gradient_ready());
+      }
+      (void)step.finish(on_shard);
+    }
+    join.leave();
+    dp.wait_all_parameters();
+    a[static_cast<std::size_t>(r)].assign(m.a, m.a + 40);
+    c[static_cast<std::size_t>(r)].assign(m.c, m.c + 50);
+  });
+  for (std::size_t r = 0; r < static_cast<std::size_t>(n); ++r) {
+    CAPTURE(r);
+    CHECK(max_rel_diff(a[r], ref.a) <= 1e-12);
+    CHECK(max_rel_diff(c[r], ref.c) <= 1e-12);
   }
 }
 
