@@ -17,7 +17,6 @@ Prints one line: "bench: ddp gpus=N step_ms=... tokens_per_s=... peak_gib=... lo
 import argparse
 import math
 import os
-import time
 
 import numpy as np
 import torch
@@ -93,7 +92,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--seed", type=int, default=42)
-    ap.add_argument("--profile", default="", help="Chrome trace of steps [warmup, warmup + 3) on rank 0")
+    ddp_peer.add_profile_option(ap)
     ap.add_argument("--fsdp", action="store_true",
                     help="PyTorch FSDP2 instead of DDP: fully_shard per block and the root, "
                          "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), no autocast")
@@ -117,39 +116,7 @@ def main():
         model = DDP(model, device_ids=[local], gradient_as_bucket_view=True, static_graph=True)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
     mark("DDP, optimizer")
-    rng = np.random.default_rng([a.seed, rank])
-    times, losses = [], []
-    profiled = 3
-    if a.profile and a.steps < a.warmup + profiled:
-        raise SystemExit(f"--profile records steps {a.warmup}..{a.warmup + profiled - 1}: "
-                         f"give --steps >= {a.warmup + profiled}")
-    prof = None
-    for step in range(a.steps):
-        if a.profile and rank == 0 and step == a.warmup:
-            torch.cuda.synchronize(dev)
-            # GPU activity only, as examples/03_gpt2_torch records (CPU ops would slow the host)
-            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
-            prof.__enter__()
-        t0 = time.perf_counter()
-        starts = rng.integers(0, len(text) - a.seq - 1, size=a.batch)
-        rows = torch.from_numpy(np.stack([text[s:s + a.seq + 1] for s in starts]).astype(np.int64))
-        rows = rows.pin_memory().to(dev, non_blocking=True)
-        x, y = rows[:, :-1], rows[:, 1:]
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=not a.fsdp):
-            loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        torch.cuda.synchronize(dev)
-        times.append((time.perf_counter() - t0) * 1e3)
-        if step == 0:
-            mark("after step 1")
-        if prof is not None and step + 1 == a.warmup + profiled:
-            prof.__exit__(None, None, None)
-            prof.export_chrome_trace(a.profile)
-            prof = None
-        if step in (0, a.steps - 1):
-            losses.append(loss.item())
+    times, losses = ddp_peer.run_steps(a, model, opt, text, rank, dev, mark, autocast=not a.fsdp)
     mark("end")
     timed = sorted(times[a.warmup:])
     free, total = torch.cuda.mem_get_info(dev)  # everything on the GPU: NCCL's buffers, the allocator's cache
@@ -159,9 +126,10 @@ def main():
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     if rank == 0:
         ms, peak, used = stats.tolist()
+        first, last = losses.tolist()
         name = "fsdp2" if a.fsdp else "ddp"
         print(f"bench: {name} gpus={world} step_ms={ms:.2f} tokens_per_s={a.batch * a.seq * world / (ms / 1e3):.0f} "
-              f"peak_gib={peak:.2f} loss_first={losses[0]:.3f} loss_last={losses[-1]:.3f}", flush=True)
+              f"peak_gib={peak:.2f} loss_first={first:.3f} loss_last={last:.3f}", flush=True)
         print(f"bench-memory: {name} device_used_gib={used:.2f} (cudaMemGetInfo at the end, the most of any GPU)",
               flush=True)
     if world > 1:

@@ -27,9 +27,7 @@ device memory prints "[rank R] bench: llama MODE gpus=N depth=D oom=1 where=buil
 import argparse
 import os
 import sys
-import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -160,6 +158,7 @@ def main():
     ap.add_argument("--recompute", action="store_true", help="recompute each block in the backward")
     ap.add_argument("--memory-trace", action="store_true",
                     help="rank 0 prints the device memory in use after each phase of set-up")
+    ddp_peer.add_profile_option(ap)
     a = ap.parse_args()
     if (a.depth < 1 or a.heads < 1 or a.width % a.heads or (a.width // a.heads) % 2 or a.vocab < 256
             or a.batch < 1 or a.seq < 2 or a.steps <= a.warmup or a.warmup < 0):
@@ -200,29 +199,8 @@ def main():
             raise
         oom_exit(rank, a.mode, world, a.depth, "build")
 
-    rng = np.random.default_rng([a.seed, rank])
-    times = []
-    losses = torch.zeros(2, device=dev)  # the first and the last step's
     try:
-        for step in range(a.steps):
-            torch.cuda.synchronize(dev)
-            t0 = time.perf_counter()
-            starts = rng.integers(0, len(text) - a.seq - 1, size=a.batch)
-            rows = torch.from_numpy(np.stack([text[s:s + a.seq + 1] for s in starts]).astype(np.int64))
-            rows = rows.pin_memory().to(dev, non_blocking=True)
-            x, y = rows[:, :-1], rows[:, 1:]
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.mode == "ddp"):
-                loss = model(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            torch.cuda.synchronize(dev)
-            times.append((time.perf_counter() - t0) * 1e3)
-            if step == 0:
-                losses[0] = loss.detach()
-                mark("after step 1")
-            if step == a.steps - 1:
-                losses[1] = loss.detach()
+        times, losses = ddp_peer.run_steps(a, model, opt, text, rank, dev, mark, autocast=a.mode == "ddp")
     except RuntimeError as e:
         if not is_oom(e):
             raise

@@ -43,11 +43,11 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <torch/csrc/autograd/profiler_kineto.h>
 
 #include <lockstep/cuda.cuh>
 
 #include "bench_memory.hpp"
+#include "gpu_trace.hpp"
 #else
 #define GPT2_GPU 0
 #endif
@@ -123,24 +123,6 @@ options parse(int argc, char** argv) {
 }
 
 std::mutex init_mutex;  // the model is built under one seed, one rank at a time
-
-#if GPT2_GPU
-// libtorch's Kineto profiler (CUPTI): every kernel, copy and memset of the process, whichever
-// thread queued it, so one rank's thread starting it records every GPU of the process. GPU
-// activity only: recording every CPU-side operator too would make the host the bottleneck.
-void start_profile() {
-  namespace impl = torch::profiler::impl;
-  const impl::ProfilerConfig config(impl::ProfilerState::KINETO);
-  const std::set<impl::ActivityType> activities{impl::ActivityType::CUDA};
-  torch::autograd::profiler::prepareProfiler(config, activities);
-  torch::autograd::profiler::enableProfiler(config, activities);
-}
-void stop_profile(const std::string& path) {
-  torch::autograd::profiler::disableProfiler()->save(path);
-  std::printf("gpt2_torch: wrote the trace of %lld steps to %s\n", static_cast<long long>(profiled_steps),
-              path.c_str());
-}
-#endif
 
 template <class Comm>
 constexpr bool on_gpu() {
@@ -271,7 +253,7 @@ int main(int argc, char** argv) {
 #if GPT2_GPU
           if (profiling && s == opt.warmup) {
             sync();
-            start_profile();
+            lockstep_bench::start_gpu_trace();
           }
 #endif
           const auto t0 = clock::now();
@@ -307,7 +289,8 @@ int main(int argc, char** argv) {
           step_ms.push_back(std::chrono::duration<double, std::milli>(clock::now() - t0).count());
           if (s == 0) mark("after step 1");
 #if GPT2_GPU
-          if (profiling && s + 1 == opt.warmup + profiled_steps) stop_profile(opt.profile);
+          if (profiling && s + 1 == opt.warmup + profiled_steps)
+            lockstep_bench::save_gpu_trace("gpt2_torch", opt.profile, profiled_steps);
 #endif
           if (log) {
             const double l = lockstep::mean_across_ranks(ctx.comm(), loss.template item<double>());

@@ -43,6 +43,8 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <lockstep/cuda.cuh>
+
+#include "../03_gpt2_torch/gpu_trace.hpp"
 #else
 #define LLAMA_GPU 0
 #endif
@@ -62,7 +64,10 @@ struct options {
   int zero = 3;
   lockstep::BlockBuffers buffers{};  // ZeRO-2/3: --prefetch, --scatters
   bool recompute = false, fp32_gather = false;
+  std::string profile;  // GPUs: a Chrome trace of steps [warmup, warmup + 3) on rank 0
 };
+
+constexpr std::int64_t profiled_steps = 3;
 
 [[noreturn]] void usage(int rc) {
   std::printf("usage: llama_fsdp [--data DIR|FILE] [--device auto|cpu] [--depth N] [--width W] [--heads H] [--ffn F]\n"
@@ -70,6 +75,7 @@ struct options {
               "                  [--log-every N] [--zero 0|1|2|3] [--recompute] [--fp32-gather]\n"
               "                  [--prefetch N] [--scatters N]   (ZeRO-2/3: blocks gathered ahead, reduce-scatters\n"
               "                                                  in flight; lockstep::BlockBuffers)\n"
+              "                  [--profile TRACE.json]   (GPUs: rank 0's steps [warmup, warmup + 3))\n"
               "  defaults: the 7B family's width (4096, 32 heads, FFN 11008, vocabulary 32000) at depth 8,\n"
               "  1 x 2048 tokens per rank and step, FullySharded (--zero 3)\n");
   std::exit(rc);
@@ -98,16 +104,18 @@ options parse(int argc, char** argv) {
     else if (a == "--fp32-gather") o.fp32_gather = true;
     else if (a == "--prefetch") o.buffers.prefetch = static_cast<int>(num());
     else if (a == "--scatters") o.buffers.scatters_in_flight = static_cast<int>(num());
+    else if (a == "--profile") o.profile = next();
     else return false;
     return true;
   });
   const auto& m = o.model;
   if (m.depth < 1 || m.heads < 1 || m.width % m.heads != 0 || (m.width / m.heads) % 2 != 0 || m.vocab < 256 ||
       o.zero < 0 || o.zero > 3 || o.buffers.prefetch < 0 || o.buffers.scatters_in_flight < 1 || o.batch < 1 ||
-      o.seq < 2 || o.steps <= o.warmup || o.log_every < 1) {
+      o.seq < 2 || o.steps <= o.warmup || o.log_every < 1 ||
+      (!o.profile.empty() && o.steps < o.warmup + profiled_steps)) {
     std::fprintf(stderr, "llama_fsdp: need depth >= 1, width a multiple of heads with an even head size, vocab >= 256 "
                          "(byte tokens), --zero 0..3, --prefetch >= 0, --scatters >= 1, batch >= 1, seq >= 2, steps > "
-                         "warmup, log-every >= 1\n");
+                         "warmup (warmup + 3 with --profile), log-every >= 1\n");
     usage(2);
   }
   o.model.context = o.seq;
@@ -217,7 +225,14 @@ int main(int argc, char** argv) {
         std::vector<double> step_ms;
         double first = 0, last = 0;
         auto t_log = clock::now();
+        const bool profiling = gpu && !opt.profile.empty() && ctx.is_root();
         for (std::int64_t s = 0; s < opt.steps; ++s) {
+#if LLAMA_GPU
+          if (profiling && s == opt.warmup) {
+            sync();
+            lockstep_bench::start_gpu_trace();
+          }
+#endif
           const auto t0 = clock::now();
           auto rows = text.batch(opt.batch, opt.seq, opt.seed, s, ctx.rank()).to(dev);
           auto step = dp.step();
@@ -241,6 +256,10 @@ int main(int argc, char** argv) {
           }
           sync();
           step_ms.push_back(std::chrono::duration<double, std::milli>(clock::now() - t0).count());
+#if LLAMA_GPU
+          if (profiling && s + 1 == opt.warmup + profiled_steps)
+            lockstep_bench::save_gpu_trace("llama_fsdp", opt.profile, profiled_steps);
+#endif
           if (s % opt.log_every == 0 || s + 1 == opt.steps) {
             const double l = lockstep::mean_across_ranks(ctx.comm(), loss.template item<double>());
             if (s == 0) first = l;

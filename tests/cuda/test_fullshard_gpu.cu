@@ -3,9 +3,11 @@
 // shards in finish(on_shard); after k steps every GPU holds the parameters of a CPU reference
 // (one rank, the global batch, lockstep::Sgd) — with accumulation, dynamic loss scaling and an
 // inf planted on one GPU (the step skipped on all), clipping by the global norm, ZeRO-3's
-// prefetch and kept values; and the lent block buffers hold a few layers, not the model.
+// prefetch and kept values; and the lent block buffers hold a few layers, not the model. join():
+// uneven batches, the ranks out of data shadowing the others' steps, equal a CPU reference.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <span>
@@ -187,6 +189,100 @@ void check_fullshard(const fs_config& c) {
   if (!c.keep_after_forward) CHECK(lent <= 6 * sizes * 4);  // a few of each size, never one per use
 }
 
+// join() on GPUs: rank r has batches[r] batches (one rank two or more short, with 3+ GPUs one
+// with none); a rank out of data replays its last step's block uses (gathers, prefetches,
+// zero-gradient reduce-scatters) and steps its shards, so every GPU ends with the parameters of
+// a CPU reference that averages, each step, the gradients of the ranks that had a batch.
+template <class Strategy>
+void check_join(int gpus, const Strategy& strategy, std::uint64_t seed_in = 0) {
+  const auto seed = seed_in != 0 ? seed_in : fresh_seed();
+  std::mt19937_64 rng(seed);
+  const std::vector<int> dims{37, 64, 33, 19, 10};
+  const lockstep::SgdOptions sgd{.lr = 0.05, .momentum = 0.9, .dampening = 0.0, .weight_decay = 1e-3};
+  std::vector<int> batches(static_cast<std::size_t>(gpus));
+  for (auto& b : batches) b = 2 + static_cast<int>(rng() % 4);
+  batches[0] = 6;
+  batches.back() = std::min(batches.back(), 3);
+  if (gpus >= 3) batches[1] = 0;
+  const int cycles = *std::max_element(batches.begin(), batches.end());
+  CAPTURE(seed);
+  CAPTURE(gpus);
+  const std::size_t samples = 512;
+  const int batch = 8;
+  auto X = random_vector<float>(samples * dims[0], rng, -2, 2);
+  std::vector<int> y(samples);
+  for (auto& v : y) v = static_cast<int>(rng() % 10);
+  const auto rows_of = [&](std::size_t r, int j) {
+    std::vector<std::size_t> rows(batch);
+    for (int i = 0; i < batch; ++i)
+      rows[static_cast<std::size_t>(i)] = ((static_cast<std::size_t>(j) * gpus + r) * batch + i) % samples;
+    return rows;
+  };
+
+  TestMlp<float> ref(dims, seed + 1);
+  lockstep::Sgd ref_opt(sgd);
+  for (int cy = 0; cy < cycles; ++cy) {
+    int M = 0;
+    for (int b : batches) M += b > cy ? 1 : 0;
+    ref.zero_grad();
+    for (std::size_t r = 0; r < batches.size(); ++r)
+      if (batches[r] > cy) ref.forward_backward(X, y, rows_of(r, cy), [](std::size_t) {}, 1.0 / M);
+    ref_opt.step(ref.parameters());
+  }
+  if (ref.relu_margin() < relu_margin_needed) {  // on a ReLU kink: not comparable, other data
+    MESSAGE("seed " << seed << ": a pre-activation within " << ref.relu_margin() << " of 0, drawing other data");
+    return check_join(gpus, strategy, next_seed(seed));
+  }
+  const auto want = ref.flat_values();
+
+  std::vector<int> devices(static_cast<std::size_t>(gpus));
+  for (int i = 0; i < gpus; ++i) devices[static_cast<std::size_t>(i)] = i;
+  std::vector<std::vector<float>> got(devices.size());
+  std::vector<std::size_t> shadow(devices.size());
+  lockstep::run(lockstep::Gpus{devices}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
+    const auto rank = static_cast<std::size_t>(ctx.rank());
+    cudaStream_t s = ctx.comm().compute_stream();
+    TestMlp<float> init(dims, seed + 1 + rank * 7919);  // differs per rank: rank 0's is broadcast
+    GpuMlp m(dims, split_params(init), s);
+    lockstep::DataParallel<GpuMlp, lockstep::NcclComm, Strategy> dp(ctx, m, {}, strategy);
+    lockstep::FusedSgd opt(sgd, dp.shard_parameters(), ctx.device());
+    const auto on_shard = [&](std::span<const lockstep::param_slice> sl) { opt.step(sl, s); };
+    float* dX = nullptr;
+    int *dy = nullptr, *drows = nullptr;
+    LOCKSTEP_TRY_CUDA(cudaMalloc(&dX, X.size() * sizeof(float)));
+    LOCKSTEP_TRY_CUDA(cudaMalloc(&dy, y.size() * sizeof(int)));
+    LOCKSTEP_TRY_CUDA(cudaMalloc(&drows, batch * sizeof(int)));
+    LOCKSTEP_TRY_CUDA(cudaMemcpy(dX, X.data(), X.size() * sizeof(float), cudaMemcpyHostToDevice));
+    LOCKSTEP_TRY_CUDA(cudaMemcpy(dy, y.data(), y.size() * sizeof(int), cudaMemcpyHostToDevice));
+    {
+      auto join = dp.join([](lockstep::step_result r) { CHECK(r.synced); }, on_shard);
+      for (int j = 0; j < batches[rank]; ++j) {
+        std::vector<int> rows;
+        for (auto r : rows_of(rank, j)) rows.push_back(static_cast<int>(r));
+        LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(drows, rows.data(), rows.size() * sizeof(int), cudaMemcpyHostToDevice, s));
+        LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s));
+        auto step = dp.step();
+        m.forward_backward(dX, dy, drows, batch, step.on_gradient_ready(), 1.f, [&](std::size_t l, bool forward) {
+          return dp.use_block(l, forward ? lockstep::pass::forward : lockstep::pass::backward);
+        });
+        (void)step.finish(on_shard);
+      }
+      shadow[rank] = join.leave();
+    }
+    dp.wait_all_parameters();
+    got[rank] = m.flat_values();
+    cudaFree(dX);
+    cudaFree(dy);
+    cudaFree(drows);
+  });
+  for (std::size_t r = 0; r < got.size(); ++r) {
+    CAPTURE(r);
+    CHECK(shadow[r] == static_cast<std::size_t>(cycles - batches[r]));
+    CHECK(max_rel_diff(got[r], want) <= 1e-5);
+    CHECK(got[r] == got[0]);  // bit for bit on every GPU
+  }
+}
+
 }  // namespace
 
 TEST_SUITE("gpu") {
@@ -207,10 +303,24 @@ TEST_CASE("fullshard zero2 zero3 on 2 GPUs == CPU reference - accumulation - an 
   check_fullshard<lockstep::FullySharded>({.gpus = 2, .keep_after_forward = true, .prefetch = 2});
   check_fullshard<lockstep::FullySharded>({.gpus = 2, .prefetch = 0});
 }
+TEST_CASE("join with fullshard zero2 zero3 on 2 GPUs == CPU reference averaging the ranks that had data") {
+  LOCKSTEP_REQUIRE_GPUS(2);
+  lockstep::FullySharded kept;
+  kept.keep_after_forward = true;
+  kept.buffers.prefetch = 2;
+  check_join(2, lockstep::ShardedGradients{});
+  check_join(2, lockstep::FullySharded{});
+  check_join(2, kept);
+}
 TEST_CASE("fullshard zero2 zero3 on 4 GPUs == CPU reference - accumulation - an inf skipped - clipping") {
   LOCKSTEP_REQUIRE_GPUS(4);
   check_fullshard<lockstep::ShardedGradients>({.gpus = 4, .accumulate = 2});
   check_fullshard<lockstep::FullySharded>({.gpus = 4});
   check_fullshard<lockstep::FullySharded>({.gpus = 4, .accumulate = 2, .clip = 0.5});
+}
+TEST_CASE("join with fullshard zero2 zero3 on 4 GPUs == CPU reference - one rank without a batch") {
+  LOCKSTEP_REQUIRE_GPUS(4);
+  check_join(4, lockstep::ShardedGradients{});
+  check_join(4, lockstep::FullySharded{});
 }
 }

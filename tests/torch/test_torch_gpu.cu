@@ -2,8 +2,11 @@
 // lockstep's compute stream): the tiny GPT-2 trained on N GPUs x batch B equals one GPU x batch
 // N·B (fp32, lockstep's FusedAdamW per bucket, torch::optim::AdamW on the averaged .grad, and
 // ShardedOptimizer: FusedAdamW over the shards, the values bound into the shards' arena and
-// waited for block by block in the forward), and one GPU equals plain libtorch on the CPU; fp16 autocast with
-// DeviceDynamicScale learns, and an inf on one GPU skips that step on every GPU. Built where libtorch has CUDA.
+// waited for block by block in the forward; ShardedGradients and FullySharded per transformer
+// block, recomputed or with values and gradient shards kept), and one GPU equals plain libtorch
+// on the CPU; FullySharded with bf16 gathers is as close to bf16 autocast as fp32 is; fp16
+// autocast with DeviceDynamicScale learns, and an inf on one GPU skips that step on every GPU.
+// Built where libtorch has CUDA.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -54,8 +57,12 @@ std::vector<int> first_gpus(int n) {
 }
 
 // How the optimizer steps: lockstep's FusedAdamW per bucket, torch::optim::AdamW after finish(),
-// or sharded (FusedAdamW over dp.shard_parameters(), gather_in_forward).
-enum class how { fused, torch_optim, sharded };
+// or sharded (FusedAdamW over dp.shard_parameters(), gather_in_forward); or FusedAdamW over the
+// shards of block sharding, each transformer block a block, its buffers from libtorch's
+// allocator (TorchModule::block_storage): ShardedGradients; FullySharded with recomputed blocks
+// (gradient shards per cycle); FullySharded with the values kept from forward to backward, two
+// blocks prefetched and BlockBuffers::keep_gradient_shards.
+enum class how { fused, torch_optim, sharded, zero2, zero3, zero3_kept };
 
 struct trained {
   std::vector<std::vector<torch::Tensor>> params;  // per rank, on the CPU
@@ -92,18 +99,56 @@ trained train_fp32(int gpus, int B, int steps, const torch::Tensor& data, gpt2::
       std::lock_guard<std::mutex> lock(m);
       out.problems.push_back("rank " + std::to_string(rank) + ": " + what);
     };
-    // before: each submodule's wait (sharded); finish(step): the step's end, true if applied.
-    const auto loop = [&](auto& dp, const gpt2::before_fn& before, auto&& finish) {
+    // before: each submodule's wait (sharded); finish(step): the step's end, true if applied;
+    // run and root (block sharding): the blocks' runner and block 0's use around each pass.
+    const auto no_root = [](lockstep::pass) { return std::optional<int>(); };
+    const auto loop = [&](auto& dp, const gpt2::before_fn& before, auto&& finish, const gpt2::run_fn& run,
+                          auto&& root) {
       for (int k = 0; k < steps; ++k) {
         auto rows = data.narrow(0, static_cast<std::int64_t>(rank) * B, B).to(torch::Device(torch::kCUDA, dev));
         auto step = dp.step();
-        auto loss = model->loss(rows.narrow(1, 0, c.context), rows.narrow(1, 1, c.context), before);
-        tm.backward(loss, step.on_gradient_ready());
+        torch::Tensor loss;
+        {
+          [[maybe_unused]] const auto held = root(lockstep::pass::forward);
+          loss = model->loss(rows.narrow(1, 0, c.context), rows.narrow(1, 1, c.context), before, run);
+        }
+        {
+          [[maybe_unused]] const auto held = root(lockstep::pass::backward);
+          tm.backward(loss, step.on_gradient_ready());
+        }
         if (!finish(step)) problem("a step was not applied");
         const double l = lockstep::mean_across_ranks(ctx.comm(), loss.item<double>());
         if (rank == 0) out.loss[static_cast<std::size_t>(k)] = l;
       }
     };
+    const auto blocked = [&](auto strategy, bool recompute) {
+      tm.set_blocks(std::vector<std::shared_ptr<torch::nn::Module>>(model->blocks->begin(), model->blocks->end()));
+      lockstep::DataParallel dp(ctx, tm, o, strategy);
+      lockstep::FusedAdamW opt(ao, dp.shard_parameters(), ctx.device());
+      lockstep::TorchBlocks blocks;
+      lockstep::shard_blocks(dp, blocks);
+      loop(
+          dp, {},
+          [&](auto& step) { return step.finish([&](std::span<const lockstep::param_slice> b) { opt.step(b, s); }); },
+          blocks.function(recompute), [&](lockstep::pass p) { return std::optional(dp.use_block(0, p)); });
+      dp.wait_all_parameters();  // the whole values attached while dp lives
+      LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s));
+      for (auto& p : model->parameters()) out.params[rank].push_back(p.detach().cpu());
+    };
+    if (mode == how::zero2) {
+      blocked(lockstep::ShardedGradients{}, false);
+      return;
+    }
+    if (mode == how::zero3 || mode == how::zero3_kept) {
+      lockstep::FullySharded fs;
+      if (mode == how::zero3_kept) {
+        fs.keep_after_forward = true;
+        fs.buffers.prefetch = 2;
+        fs.buffers.keep_gradient_shards = true;
+      }
+      blocked(fs, mode == how::zero3);
+      return;
+    }
     if (mode == how::sharded) {
       lockstep::DataParallel dp(ctx, tm, o, lockstep::ShardedOptimizer{.gather_in_forward = true});
       lockstep::FusedAdamW opt(ao, dp.shard_parameters(), ctx.device());
@@ -112,24 +157,29 @@ trained train_fp32(int gpus, int B, int steps, const torch::Tensor& data, gpt2::
           [&](torch::nn::Module& sub) {
             for (auto i : tm.indices_of(sub)) dp.wait_parameters(i);
           },
-          [&](auto& step) { return step.finish([&](std::span<const lockstep::param_slice> b) { opt.step(b, s); }); });
+          [&](auto& step) { return step.finish([&](std::span<const lockstep::param_slice> b) { opt.step(b, s); }); },
+          {}, no_root);
       if (!dp.stats().values_bound) problem("the parameters were not bound into the shards' arena");
       if (tm.tensors()[0].data_ptr() != dp.parameters()[0].value) problem("parameter 0 is not a view of the arena");
     } else {
       lockstep::DataParallel dp(ctx, tm, o);
       if (mode == how::fused) {
         lockstep::FusedAdamW opt(ao, dp.parameters(), ctx.device());
-        loop(dp, {}, [&](auto& step) {
-          return step.finish([&](std::span<const lockstep::param_slice> b) { opt.step(b, s); });
-        });
+        loop(
+            dp, {},
+            [&](auto& step) { return step.finish([&](std::span<const lockstep::param_slice> b) { opt.step(b, s); }); },
+            {}, no_root);
       } else {
         torch::optim::AdamW opt(tm.tensors(),
                                 torch::optim::AdamWOptions(lr).betas({0.9, 0.999}).eps(1e-8).weight_decay(wd));
-        loop(dp, {}, [&](auto& step) {
-          const bool applied = static_cast<bool>(step.finish());
-          if (applied) opt.step();
-          return applied;
-        });
+        loop(
+            dp, {},
+            [&](auto& step) {
+              const bool applied = static_cast<bool>(step.finish());
+              if (applied) opt.step();
+              return applied;
+            },
+            {}, no_root);
       }
     }
     // The DataParallel is gone: the module holds its parameters (and, sharded, its values) itself.
@@ -408,6 +458,12 @@ TEST_CASE("TorchModule on 2 GPUs x B == 1 GPU x 2B == libtorch on the CPU: tiny 
   check_fp32(2, how::torch_optim);
   check_fp32(2, how::sharded);
 }
+TEST_CASE("TorchModule fullshard zero2 zero3 on 2 GPUs x B == 1 GPU x 2B == libtorch on the CPU: tiny GPT-2 fp32") {
+  LOCKSTEP_REQUIRE_GPUS(2);
+  check_fp32(2, how::zero2);
+  check_fp32(2, how::zero3);
+  check_fp32(2, how::zero3_kept);
+}
 TEST_CASE("TorchModule fullshard zero3 bf16 param_dtype on 2 GPUs == Replicated under bf16 autocast (recomputed)") {
   LOCKSTEP_REQUIRE_GPUS(2);
   check_bf16_fullshard(2);
@@ -420,6 +476,7 @@ TEST_CASE("TorchModule on 4 GPUs x B == 1 GPU x 4B == libtorch on the CPU: tiny 
   LOCKSTEP_REQUIRE_GPUS(4);
   check_fp32(4, how::fused);
   check_fp32(4, how::sharded);
+  check_fp32(4, how::zero3);
   check_fp16_device_scaling(4);
   check_bf16_fullshard(4);
 }
