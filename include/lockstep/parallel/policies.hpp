@@ -125,8 +125,8 @@ struct BlockBuffers {
   //! Reduce-scatters in flight before a block's backward waits for the oldest (reusing its
   //! gradient buffer): at least 1; 2 lets one block's reduce-scatter overlap the next backward.
   int scatters_in_flight = 2;
-  //! The gradient shards stay from one cycle to the next (zeroed when it begins) instead of
-  //! going back to where they came from (the model's block_storage, or the pool) — no
+  //! The gradient shards stay from one cycle to the next (each cycle's first reduce-scatter
+  //! overwrites them) instead of going back to the model's block_storage — no
   //! allocation per cycle, but their memory is held through the forward and early backward,
   //! where FSDP2 (gradients set to none) and the default hand it to activations.
   bool keep_gradient_shards = false;

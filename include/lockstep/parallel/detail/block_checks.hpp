@@ -62,6 +62,12 @@ inline config_error block_unfinished(std::size_t k) {
                       " is still in use at the next step: end every block_use before step()");
 }
 
+//! DataParallel::wait_parameters under block sharding.
+inline config_error wait_parameters_refused() {
+  return config_error("with ShardedGradients / FullySharded, a block's values are there during its use: call "
+                      "dp.use_block(k, pass) instead of wait_parameters");
+}
+
 //! Parameter i ('name', of block k) got its gradient: the block must be in its backward use.
 template <class Block>
 void check_gradient_in_use(const Block& b, std::size_t i, const std::string& name, std::size_t k) {

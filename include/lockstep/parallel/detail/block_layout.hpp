@@ -42,15 +42,17 @@ class block_layout {
     dtype cdt = dtype::f32;  // the element type lent to the model: values gathered, gradients written
     std::vector<unit> units;
     std::shared_ptr<void> values;  // ZeRO-3: the value shards (Σ per); ZeRO-2: the whole values (plan.total)
-    // Per unit, its gradient shard (per elements) while a cycle holds one (gradient_shard), and
-    // those present as segments.
+    // Per unit, its gradient shard (per elements) while a cycle holds one (gradient_shard),
+    // whether it holds nothing of this cycle yet (fresh: the cycle's first reduce-scatter
+    // writes it, no zeroing, no sum), and the shards present as segments.
     std::vector<std::shared_ptr<void>> grads;
+    std::vector<char> fresh;
     std::vector<segment> shard_grads;
     // Lent buffers: values and the model's gradients (cdt); with cdt != the plan's type the
     // gradients are widened into a sum buffer (the plan's type) for their reduce-scatter.
     // Each pool by a buffer's elements (a unit's span: the blocks of a transformer share one).
     using pool = std::map<std::size_t, std::vector<std::shared_ptr<void>>>;
-    pool grad_pool, value_pool, sum_pool, shard_pool;
+    pool grad_pool, value_pool, sum_pool;
     bool mixed() const { return cdt != plan->type; }
     std::size_t span_of(std::size_t u) const { return plan->buckets[plan->units[u].first].elements(); }
     std::size_t shard_total() const { return units.empty() ? 0 : units.back().shard + units.back().per; }
@@ -73,6 +75,7 @@ class block_layout {
     std::size_t g = 0, u = 0;
     std::shared_ptr<void> buffer;
     std::optional<Work> work;
+    bool direct = false;  // into the unit's gradient shard itself (its cycle's first)
   };
   // Where block buffers come from: the model's allocator (model (i)'s block_storage; a buffer
   // is then dropped when its use ends, for the framework to reuse) or mem, pooled; and what
@@ -120,6 +123,7 @@ class block_layout {
       }
       g.values = mem.allocate((ShardValues ? shard_total : plan.total) * es);
       g.grads.assign(g.units.size(), nullptr);
+      g.fresh.assign(g.units.size(), 1);
       for (std::size_t k = 0; k < g.units.size(); ++k) {
         const unit& u = g.units[k];
         const bucket& bk = plan.buckets[plan.units[k].first];
@@ -161,28 +165,32 @@ class block_layout {
     }
   }
 
-  //! The gradient shard of unit u of group gi (per elements, the plan's type), taken and zeroed
-  //! when the cycle has none yet: a cycle's first reduce-scatter of the unit brings it, and
-  //! release_gradients() (a new cycle) gives every one back to the model's allocator when it
-  //! lends them (model (i)'s block_storage): as FSDP2's sharded gradients after zero_grad,
+  //! The gradient shard of unit u of group gi (per elements, the plan's type), taken when the
+  //! cycle has none yet (zeroed when `zero`): the cycle's first reduce-scatter of the unit
+  //! writes it, and new_gradient_cycle(true) gives every one back to the model's allocator when
+  //! it lends them (model (i)'s block_storage): as FSDP2's sharded gradients after zero_grad,
   //! they then take none of the memory the forward and the early backward need. Null for a
   //! unit of no elements.
   template <class Mem>
-  void* gradient_shard(std::size_t gi, std::size_t u, Mem mem, const sources& from) {
+  void* gradient_shard(std::size_t gi, std::size_t u, Mem mem, const sources& from, bool zero) {
     group& g = groups_[gi];
     const std::size_t per = g.units[u].per;
     if (per == 0) return nullptr;
     if (!g.grads[u]) {
-      g.grads[u] = take_from(g.shard_pool, per, g.plan->type, mem, from, false);
-      mem.zero(g.grads[u].get(), bytes_of(g, per));
+      g.grads[u] = allocate_from(per, g.plan->type, mem, from, false);
       point_gradients(gi);
     }
+    if (zero) mem.zero(g.grads[u].get(), bytes_of(g, per));
     return g.grads[u].get();
   }
-  void release_gradients() {
+  //! A cycle begins: every shard is to be written anew by its unit's first reduce-scatter;
+  //! with `release`, the shards go back to the model's allocator (taken again then).
+  void new_gradient_cycle(bool release) {
     for (std::size_t gi = 0; gi < groups_.size(); ++gi) {
       group& g = groups_[gi];
-      for (std::size_t u = 0; u < g.units.size(); ++u) give_back(g.shard_pool, g.units[u].per, std::move(g.grads[u]));
+      std::fill(g.fresh.begin(), g.fresh.end(), 1);
+      if (!release) continue;
+      for (auto& p : g.grads) p.reset();
       point_gradients(gi);
     }
   }
@@ -192,14 +200,17 @@ class block_layout {
   // allocator keeps: libtorch's cache of freed activations) and one more try. Counted in
   // lent_bytes() while it exists.
   template <class Mem>
-  std::shared_ptr<void> take_from(typename group::pool& pool, std::size_t elems, dtype t, Mem mem, const sources& from,
-                                  bool lent = true) {
+  std::shared_ptr<void> take_from(typename group::pool& pool, std::size_t elems, dtype t, Mem mem,
+                                  const sources& from) {
     auto& free = pool[elems];
-    if (!free.empty()) {
-      auto p = std::move(free.back());
-      free.pop_back();
-      return p;
-    }
+    if (free.empty()) return allocate_from(elems, t, mem, from, true);
+    auto p = std::move(free.back());
+    free.pop_back();
+    return p;
+  }
+  // A new buffer (counted in lent_bytes() while it exists when `lent`).
+  template <class Mem>
+  std::shared_ptr<void> allocate_from(std::size_t elems, dtype t, Mem mem, const sources& from, bool lent) {
     const std::size_t bytes = elems * size_of(t);
     const auto allocate = [&]() -> std::shared_ptr<void> {
       if (from.storage)

@@ -8,15 +8,15 @@
 //! whole value arena the model's values live in (the all-gather after the update lands there).
 //!
 //! Full gradients and (ZeRO-3) gathered values exist only while a block is in use: use(k, pass)
-//! lends the block buffers from a pool per element type and size (as many as are in use or in
-//! flight at once: a pool grows, never waits), and attaches them to the model (model (i)); end_use(k,
-//! pass) detaches them. A backward use's gradient buffer goes to its reduce-scatter (launched
-//! by the reducer once the block's gradients are final) and back to the pool when that is done
-//! and added into the shard. ZeRO-3 gathers block k's values when it is first used (waits for
+//! lends the block buffers (block_layout: the model's allocator, or pools that grow, never
+//! wait) and attaches them to the model (model (i)); end_use(k, pass) detaches them. A backward
+//! use's gradient buffer goes to its reduce-scatter (launched by the reducer once the block's
+//! gradients are final: a cycle's first into the gradient shard, later ones added into it) and
+//! back when that is done. ZeRO-3 gathers block k's values when it is first used (waits for
 //! them: stream-ordered on device communicators) and prefetches the next blocks — k + 1, … in
 //! forward, k − 1, … in backward — within BlockBuffers; a buffer released after a use is
-//! gathered into again only by a collective issued later, so the communicator's stream
-//! ordering keeps it from overwriting values still being read.
+//! gathered into again only by a collective issued later, so stream ordering keeps it from
+//! overwriting values still being read.
 //!
 //! Mixed precision (FullySharded::param_dtype = bf16): fp32 shards stay the masters; a gather
 //! rounds this rank's shard into its own slot of the bf16 buffer and all-gathers in place
@@ -125,13 +125,9 @@ class block_units
 
   std::uint64_t layout_hash(std::uint64_t h) const { return this->hash(h, static_cast<std::size_t>(comm_.size())); }
 
-  //! A cycle begins: the gradient shards go back to the model's allocator, else are zeroed in place.
-  void begin_cycle() {
-    if (!buffers_.keep_gradient_shards && this->dropping()) return this->release_gradients();
-    for (auto& g : groups_)
-      for (std::size_t u = 0; u < g.units.size(); ++u)
-        if (g.grads[u]) comm_.memory().zero(g.grads[u].get(), bytes_of(g, g.units[u].per));
-  }
+  //! A cycle begins: the gradient shards go back to the model's allocator (unless kept), else
+  //! stay in place; each unit's first reduce-scatter overwrites its shard.
+  void begin_cycle() { this->new_gradient_cycle(!buffers_.keep_gradient_shards && this->dropping()); }
   //! A micro-step begins (every one launches its reduce-scatters): forward and backward anew.
   void begin_sync() {
     drop_whole();
@@ -203,8 +199,9 @@ class block_units
     return b.grads[j].get();
   }
 
-  //! Reduce-scatters the unit (already prescaled) through the hook, in place: this rank's
-  //! block of the buffer gets the mean; complete() adds it into the shard.
+  //! Reduce-scatters the unit (already prescaled) through the hook: the cycle's first straight
+  //! into the gradient shard, a later one in place (this rank's block of the buffer gets the
+  //! mean; complete() adds it into the shard).
   void launch(std::size_t gi, std::size_t first, void* buf, std::size_t count) {
     group& g = groups_[gi];
     const std::size_t u = unit_of(gi, first);
@@ -216,6 +213,10 @@ class block_units
     if (comm_.size() > 1) {
       const std::size_t per = g.units[u].per;
       void* mine = static_cast<char*>(buf) + static_cast<std::size_t>(comm_.rank()) * per * size_of(t);
+      if (per && std::exchange(g.fresh[u], 0)) {
+        mine = this->gradient_shard(gi, u, comm_.memory(), sources_, false);
+        f.direct = true;
+      }
       const auto s =
           rec_.issue(step_event::issue_scatter, static_cast<std::int64_t>(first), key(0, gi, u), count * size_of(t), t);
       label_next_collective(comm_, [&] { return bucket_label(*g.plan, first, count, "reduce-scatter of block "); });
@@ -298,10 +299,7 @@ class block_units
         }
     }
   }
-  static void wait_parameters(std::size_t) {
-    throw config_error("with ShardedGradients / FullySharded, a block's values are there during its use: call "
-                       "dp.use_block(k, pass) instead of wait_parameters");
-  }
+  static void wait_parameters(std::size_t) { throw wait_parameters_refused(); }
 
  private:
   std::shared_ptr<void> take(typename group::pool& pool, std::size_t gi, std::size_t u, dtype t) {
@@ -416,8 +414,8 @@ class block_units
     w.reset();
   }
 
-  // The oldest reduce-scatter: waited for, its mean added into the shard (unless dropped), its
-  // buffer pooled.
+  // The oldest reduce-scatter: waited for, its mean added into the shard (unless written there
+  // or dropped: a dropped first leaves the shard to be written anew), its buffer pooled.
   void complete_oldest(bool keep = true) {
     flight f = std::move(flights_.front());
     flights_.pop_front();
@@ -428,8 +426,10 @@ class block_units
       f.work->wait();
     }
     const void* mine = g.at(f.buffer, static_cast<std::size_t>(comm_.rank()) * un.per);
-    if (keep && un.per)
-      comm_.memory().add(this->gradient_shard(f.g, f.u, comm_.memory(), sources_), mine, un.per, g.plan->type);
+    if (f.direct) g.fresh[f.u] = !keep;
+    else if (keep && un.per)
+      comm_.memory().add(this->gradient_shard(f.g, f.u, comm_.memory(), sources_, std::exchange(g.fresh[f.u], 0)), mine,
+                         un.per, g.plan->type);
     this->give_back(sum_pool(g), g.span_of(f.u), std::move(f.buffer));
   }
 
