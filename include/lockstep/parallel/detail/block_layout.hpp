@@ -163,6 +163,15 @@ class block_layout {
       b.gathers.resize(b.units.size());
       b.grads.assign(b.units.size(), {});
     }
+    places_.assign(block_of_.size(), std::nullopt);  // where each parameter is: found once
+    for (std::size_t i = 0; i < block_of_.size(); ++i) {
+      const block& b = blocks_[block_of_[i]];
+      for (std::size_t j = 0; j < b.units.size() && !places_[i]; ++j) {
+        const auto [gi, u] = b.units[j];
+        for (const auto& sl : groups_[gi].plan->buckets[groups_[gi].plan->units[u].first].slices)
+          if (sl.param == i) places_[i] = place{j, gi, u, sl.arena_offset};
+      }
+    }
   }
 
   //! The gradient shard of unit u of group gi (per elements, the plan's type), taken when the
@@ -298,15 +307,7 @@ class block_layout {
   struct place {
     std::size_t j, gi, u, offset;
   };
-  std::optional<place> place_of(std::size_t i) const {
-    const block& b = blocks_[block_of_[i]];
-    for (std::size_t j = 0; j < b.units.size(); ++j) {
-      const auto [gi, u] = b.units[j];
-      for (const auto& s : groups_[gi].plan->buckets[groups_[gi].plan->units[u].first].slices)
-        if (s.param == i) return place{j, gi, u, s.arena_offset};
-    }
-    return std::nullopt;
-  }
+  const std::optional<place>& place_of(std::size_t i) const { return places_[i]; }
   // Where parameter i's values are now (held: a ZeRO-3 block's gathered buffer counts).
   void* value_of(std::size_t i, bool held) const {
     const auto p = place_of(i);
@@ -332,8 +333,9 @@ class block_layout {
     return !whole_.empty() && !blocks_[block_of_[i]].in_use ? g.plan->type : g.cdt;
   }
 
-  std::vector<std::size_t> block_of_;  // per parameter
-  std::vector<dtype> types_;           // per parameter: its element type in the model
+  std::vector<std::size_t> block_of_;         // per parameter
+  std::vector<std::optional<place>> places_;  // per parameter: its slot in its block (none: no elements)
+  std::vector<dtype> types_;                  // per parameter: its element type in the model
   std::vector<block> blocks_;
   std::vector<group> groups_;
   std::vector<std::shared_ptr<void>> whole_;  // ZeRO-3 wait_all_parameters: per group, every value
