@@ -71,6 +71,7 @@ struct options : gpt2::run_options {
   int zero = 0;               // 2: ShardedGradients, 3: FullySharded (each block a block)
   bool recompute = false;     // --zero: recompute each block in backward
   bool keep_grads = false;    // --zero: BlockBuffers::keep_gradient_shards
+  int prefetch = 1;           // --zero 3: BlockBuffers::prefetch
 };
 
 constexpr std::int64_t profiled_steps = 3;
@@ -81,7 +82,7 @@ constexpr std::int64_t profiled_steps = 3;
       "                  [--seq T] [--steps N] [--warmup N] [--lr X] [--seed S] [--log-every N] [--bench]\n"
       "                  [--memory-trace]\n"
       "                  [--profile TRACE.json] [--wire fp32|bf16] [--shard [--pack-values] [--copy-engine[-gather]]]\n"
-      "                  [--zero 2|3 [--recompute] [--keep-grad-shards]]\n"
+      "                  [--zero 2|3 [--recompute] [--keep-grad-shards] [--prefetch N]]\n"
       "  batch: sequences per rank and step; on GPUs: all local GPUs, or one per process under a launcher\n");
   std::exit(rc);
 }
@@ -102,9 +103,14 @@ options parse(int argc, char** argv) {
     else if (a == "--zero") o.zero = std::stoi(next());
     else if (a == "--recompute") o.recompute = true;
     else if (a == "--keep-grad-shards") o.keep_grads = true;
+    else if (a == "--prefetch") o.prefetch = std::stoi(next());
     else return false;
     return true;
   });
+  if (o.prefetch < 0) {
+    std::fprintf(stderr, "gpt2_torch: --prefetch %d: say 0 or more blocks\n", o.prefetch);
+    usage(2);
+  }
   if (o.zero != 0 && o.zero != 2 && o.zero != 3) {
     std::fprintf(stderr, "gpt2_torch: --zero %d: say 2 (ShardedGradients) or 3 (FullySharded)\n", o.zero);
     usage(2);
@@ -365,6 +371,7 @@ int main(int argc, char** argv) {
         lockstep::FullySharded fs;  // on GPUs (bf16 autocast) the blocks get bf16 values gathered from fp32 shards
         if (gpu) fs.param_dtype = lockstep::dtype::bf16;
         fs.buffers.keep_gradient_shards = opt.keep_grads;
+        fs.buffers.prefetch = opt.prefetch;
         lockstep::DataParallel dp(ctx, tm, dp_options, wire, fs);
         train(dp);
       } else if (opt.shard) {
