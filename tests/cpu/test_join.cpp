@@ -59,13 +59,15 @@ std::vector<std::size_t> rows_of(const dataset& d, const join_config& c, int r, 
 
 // A plain loop: per cycle, the mean over the micro-batches the ranks still had (or, with
 // average_over_accumulation off, the sum over them / (K · ranks that had any)); a cycle
-// with an inf is skipped.
+// with an inf, and cycle `dropped`, are skipped. Plain SGD, or with momentum > 0 lockstep::Sgd.
 template <class T>
-std::vector<T> reference(const dataset& d, const join_config& c, std::uint64_t init_seed, double lr) {
+std::vector<T> reference(const dataset& d, const join_config& c, std::uint64_t init_seed, double lr,
+                         double momentum = 0, int dropped = -1) {
   TestMlp<T> m(d.dims, init_seed);
+  lockstep::Sgd opt({.lr = lr, .momentum = momentum});
   const int K = c.accumulate;
   for (int cy = 0; cy < c.cycles(); ++cy) {
-    if (cy == c.inf_cycle) continue;
+    if (cy == c.inf_cycle || cy == dropped) continue;
     int M = 0, A = 0;
     for (int r = 0; r < c.ranks(); ++r) {
       M += c.contributed(r, cy);
@@ -78,7 +80,8 @@ std::vector<T> reference(const dataset& d, const join_config& c, std::uint64_t i
         auto rows = rows_of(d, c, r, j);
         m.forward_backward(inputs<T>(d), d.y, rows, [](std::size_t) {}, w);
       }
-    m.sgd(lr);
+    if (momentum > 0) opt.step(m.parameters());
+    else m.sgd(lr);
   }
   return m.flat_values();
 }
@@ -588,8 +591,9 @@ TEST_CASE_TEMPLATE("join with ShardedOptimizer: a rank out of data still steps i
   }
 }
 
-// One rank's loop under a block-sharded Strategy (ShardedGradients, FullySharded): each layer's
-// block used around its forward and its backward; leave() shadows the others' steps.
+// One rank's loop under a block-sharded Strategy (ShardedGradients, FullySharded), c.accumulate
+// micro-steps per step: each layer's block used around its forward and its backward; leave()
+// shadows the others' steps.
 struct abandoned {};  // what a backward throws on every rank at batch abandon_at (caught: the step is dropped)
 
 template <class T, class Strategy>
@@ -597,16 +601,18 @@ void join_blocks_rank(auto& ctx, const dataset& d, const join_config& c, std::ui
                       const Strategy& strategy, std::vector<T>& got, std::size_t& shadow, int abandon_at = -1) {
   const auto ri = static_cast<std::size_t>(ctx.rank());
   TestMlp<T> m(d.dims, seed + 1 + ri * 7919);
-  using DP = lockstep::DataParallel<TestMlp<T>, lockstep::ThreadComm, Strategy>;
-  DP dp(ctx, m, {.buckets = c.buckets}, strategy);
+  using DP = lockstep::DataParallel<TestMlp<T>, lockstep::ThreadComm, lockstep::Accumulate<>, Strategy>;
+  DP dp(ctx, m, {.buckets = c.buckets, .average_over_accumulation = c.average_over_accumulation},
+        lockstep::Accumulate<>(c.accumulate), strategy);
   lockstep::Sgd opt({.lr = lr, .momentum = 0.5});
+  const double ls = c.average_over_accumulation ? 1.0 : 1.0 / c.accumulate;  // off: PyTorch's loss / K
   const auto on_shard = [&](std::span<const lockstep::param_slice> s) { opt.step(s); };
   auto join = dp.join([](lockstep::step_result r) { CHECK(r.synced); }, on_shard);
   for (int j = 0; j < c.batches[ri]; ++j) {
     auto step = dp.step();
     auto rows = rows_of(d, c, ctx.rank(), j);
     try {
-      m.forward_backward(inputs<T>(d), d.y, rows, step.on_gradient_ready(), 1.0, [&](std::size_t l, bool forward) {
+      m.forward_backward(inputs<T>(d), d.y, rows, step.on_gradient_ready(), ls, [&](std::size_t l, bool forward) {
         auto use = dp.use_block(m.blocks()[2 * l], forward ? lockstep::pass::forward : lockstep::pass::backward);
         if (j == abandon_at && !forward && l == 1) throw abandoned{};
         return use;
@@ -630,42 +636,38 @@ TEST_CASE_TEMPLATE("join with fullshard zero2 zero3: a rank out of data replays 
   lockstep::FullySharded kept;
   kept.keep_after_forward = true;
   kept.buffers.prefetch = 2;
-  for (int n : {2, 3, 4}) {
-    CAPTURE(n);
-    join_config c = uneven(n);
-    if (n >= 3) c.batches[1] = 0;  // a rank with no batch at all: it replays the plain order of uses
-    // The reference: momentum 0.5 on the plain loop's averaged gradients (Sgd on every parameter).
-    TestMlp<T> ref(d.dims, seed + 1);
-    lockstep::Sgd ref_opt({.lr = lr, .momentum = 0.5});
-    for (int cy = 0; cy < c.cycles(); ++cy) {
-      int M = 0;
-      for (int r = 0; r < n; ++r) M += c.contributed(r, cy);
-      ref.zero_grad();
-      for (int r = 0; r < n; ++r)
-        for (int j = cy; j < cy + c.contributed(r, cy); ++j)
-          ref.forward_backward(inputs<T>(d), d.y, rows_of(d, c, r, j), [](std::size_t) {}, 1.0 / M);
-      ref_opt.step(ref.parameters());
-    }
-    const auto want = ref.flat_values();
-    for (int strategy = 0; strategy < 3; ++strategy) {
-      CAPTURE(strategy);
-      std::vector<std::vector<T>> got(static_cast<std::size_t>(n));
-      std::vector<std::size_t> shadow(got.size());
-      lockstep::run(lockstep::Threads{n}, [&](auto& ctx) {
-        const auto ri = static_cast<std::size_t>(ctx.rank());
-        if (strategy == 0) join_blocks_rank<T>(ctx, d, c, seed, lr, lockstep::ShardedGradients{}, got[ri], shadow[ri]);
-        if (strategy == 1) join_blocks_rank<T>(ctx, d, c, seed, lr, lockstep::FullySharded{}, got[ri], shadow[ri]);
-        if (strategy == 2) join_blocks_rank<T>(ctx, d, c, seed, lr, kept, got[ri], shadow[ri]);
-      });
-      for (int r = 0; r < n; ++r) {
-        CAPTURE(r);
-        const auto ri = static_cast<std::size_t>(r);
-        CHECK(max_rel_diff(got[ri], want) <= tol);
-        CHECK(got[ri] == got[0]);
-        CHECK(shadow[ri] == static_cast<std::size_t>(c.cycles() - c.batches[ri]));
+  for (int n : {2, 3, 4})
+    for (int variant = 0; variant < 4; ++variant) {  // K = 1, 2, 3; K = 2 averaged over ranks
+      join_config c = uneven(n);                     // odd counts: with K > 1 every rank ends mid-cycle
+      c.accumulate = variant == 0 ? 1 : variant == 2 ? 3 : 2;
+      c.average_over_accumulation = variant != 3;
+      if (n >= 3) c.batches[1] = 0;  // a rank with no batch at all: it replays the plain order of uses
+      if (n == 4 && c.accumulate > 1) c.batches[3] = 4 * c.accumulate;  // one ends on a cycle boundary
+      CAPTURE(n);
+      CAPTURE(c.accumulate);
+      CAPTURE(c.average_over_accumulation);
+      const auto want = reference<T>(d, c, seed + 1, lr, 0.5);  // momentum SGD on every parameter
+      for (int strategy = 0; strategy < 3; ++strategy) {
+        CAPTURE(strategy);
+        std::vector<std::vector<T>> got(static_cast<std::size_t>(n));
+        std::vector<std::size_t> shadow(got.size());
+        lockstep::run(lockstep::Threads{n}, [&](auto& ctx) {
+          const auto ri = static_cast<std::size_t>(ctx.rank());
+          if (strategy == 0)
+            join_blocks_rank<T>(ctx, d, c, seed, lr, lockstep::ShardedGradients{}, got[ri], shadow[ri]);
+          if (strategy == 1) join_blocks_rank<T>(ctx, d, c, seed, lr, lockstep::FullySharded{}, got[ri], shadow[ri]);
+          if (strategy == 2) join_blocks_rank<T>(ctx, d, c, seed, lr, kept, got[ri], shadow[ri]);
+        });
+        for (int r = 0; r < n; ++r) {
+          CAPTURE(r);
+          const auto ri = static_cast<std::size_t>(r);
+          CHECK(max_rel_diff(got[ri], want) <= tol);
+          CHECK(got[ri] == got[0]);
+          // the cycles it did not complete itself: an unfinished one and those it shadowed
+          CHECK(shadow[ri] == static_cast<std::size_t>(c.cycles() - c.batches[ri] / c.accumulate));
+        }
       }
     }
-  }
 }
 
 TEST_CASE("join with fullshard zero3: a step abandoned on every rank - one of them then out of data") {
@@ -676,18 +678,7 @@ TEST_CASE("join with fullshard zero3: a step abandoned on every rank - one of th
   join_config c;
   c.batches = {3, 5, 4};
   const int dropped = 2;  // rank 0's last batch: every rank's backward throws there
-  TestMlp<double> ref(d.dims, seed + 1);
-  lockstep::Sgd ref_opt({.lr = lr, .momentum = 0.5});
-  for (int cy = 0; cy < c.cycles(); ++cy) {
-    if (cy == dropped) continue;
-    int M = 0;
-    for (int r = 0; r < c.ranks(); ++r) M += c.contributed(r, cy);
-    ref.zero_grad();
-    for (int r = 0; r < c.ranks(); ++r)
-      for (int j = cy; j < cy + c.contributed(r, cy); ++j)
-        ref.forward_backward(inputs<double>(d), d.y, rows_of(d, c, r, j), [](std::size_t) {}, 1.0 / M);
-    ref_opt.step(ref.parameters());
-  }
+  const auto want = reference<double>(d, c, seed + 1, lr, 0.5, dropped);
   std::vector<std::vector<double>> got(3);
   std::vector<std::size_t> shadow(3);
   lockstep::run(lockstep::Threads{3}, [&](auto& ctx) {
@@ -696,22 +687,9 @@ TEST_CASE("join with fullshard zero3: a step abandoned on every rank - one of th
   });
   for (std::size_t r = 0; r < 3; ++r) {
     CAPTURE(r);
-    CHECK(max_rel_diff(got[r], ref.flat_values()) <= 1e-12);
+    CHECK(max_rel_diff(got[r], want) <= 1e-12);
     CHECK(got[r] == got[0]);
   }
-}
-
-TEST_CASE("join with fullshard zero3 and accumulation is refused by name") {
-  auto comms = lockstep::ThreadComm::create_group(1);
-  const auto seed = fresh_seed();
-  CAPTURE(seed);
-  auto d = make_data(seed, 50);
-  TestMlp<double> m(d.dims, seed);
-  lockstep::DataParallel<TestMlp<double>, lockstep::ThreadComm, lockstep::Accumulate<>, lockstep::FullySharded> dp(
-      comms[0], m, {}, lockstep::Accumulate<>(2));
-  const auto on_shard = [](std::span<const lockstep::param_slice>) {};
-  CHECK_THROWS_WITH_AS((void)dp.join([](lockstep::step_result) {}, on_shard),
-                       doctest::Contains("accumulation over 2 micro-steps"), lockstep::config_error);
 }
 
 TEST_CASE("without a join scope uneven batches fail loudly instead of silently") {

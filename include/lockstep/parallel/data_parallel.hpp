@@ -168,19 +168,19 @@ class DataParallel {
                               !block_sharded);
       k_ = acc_.steps();
       if (k_ < 1) throw config_error("lockstep: the accumulation policy returned steps() < 1");
-      if (joining_) Join<DataParallel>::check_steps(k_);
       micro_ = 0;
       reducer_.begin_cycle();
       in_cycle_ = true;
       if (opts_.broadcast_buffers) sync_buffers(/*stepping=*/true);
+      if (joining_) Join<DataParallel>::cycle_begins(*this);
     }
     const bool sync = micro_ + 1 >= k_;
-    double prescale = opts_.average_over_accumulation ? 1.0 / k_ : 1.0;
+    double prescale = usual_prescale();
     // In a Join scope a syncing micro-step first agrees with the other ranks on who
     // contributes (one tiny all-reduce; outside a scope nothing is added).
     if (joining_ && sync) {
       using join = Join<DataParallel>;
-      prescale = join::prescale(*this, join::agree(*this, micro_ + 1));
+      prescale = join::sync_prescale(*this, join::agree(*this, micro_ + 1));
     }
     reducer_.begin_micro(sync, prescale);
     uses_.begin();
@@ -193,8 +193,8 @@ class DataParallel {
   //! of its loop; a rank that runs out of batches, on leaving the scope, keeps taking part in
   //! the others' gradient averages (contributing zeros) and calls on_shadow_step(result) for
   //! each such step, with the averaged gradients in place, to apply the same optimizer update.
-  //! Sharded: on_shard (the optimizer's shard step) as well; ShardedGradients / FullySharded
-  //! (one micro-step per step): it replays its last step's block uses, gathers and all.
+  //! Sharded: on_shard (the optimizer's shard step) as well; ShardedGradients / FullySharded:
+  //! it replays its last step's block uses, gathers and all, in each micro-step it shadows.
   [[nodiscard]] Join<DataParallel> join(std::function<void(step_result)> on_shadow_step,
                                         std::function<void(std::span<const param_slice>)> on_shard = {}) {
     return Join<DataParallel>(*this, std::move(on_shadow_step), std::move(on_shard));
@@ -370,6 +370,8 @@ class DataParallel {
   // more this step — no collective on this rank alone. settle_abandoned (before anything else
   // uses the blocks) releases those it left in use, drops the reduce-scatters it issued and
   // restarts its cycle; uses from before end with nothing to do (epoch).
+  // Each micro-step's share of its cycle's mean (the gradient is prescaled before it is summed).
+  double usual_prescale() const { return opts_.average_over_accumulation ? 1.0 / k_ : 1.0; }
   void abandon() noexcept {
     open_ = false;
     if constexpr (block_sharded) abandoned_ = true;

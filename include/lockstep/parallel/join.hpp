@@ -29,6 +29,10 @@
 //!    step's result; applying the same update there keeps parameters, optimizer state and
 //!    the loss scaler identical on every rank (lockstep does not broadcast parameters at the
 //!    end: the callback is the rule, so that optimizer state stays in sync too).
+//!  - ShardedGradients / FullySharded: a rank out of data replays its last syncing micro-step's
+//!    block uses (all-gathers, zero-gradient reduce-scatters) in every micro-step it shadows.
+//!    With several micro-steps per cycle every one of them reduce-scatters, so each cycle also
+//!    begins with an agreement, and the shards are rescaled once the cycle's sums are in.
 //!  - Outside a scope nothing changes and nothing is added to a step.
 //! Every wait is one of the communicator's, with its timeout: a rank that never enters the
 //! scope, or leaves the job, makes the others fail with timeout_error / mismatch_error.
@@ -73,7 +77,6 @@ class Join {
                                        "opt.step(s); }): each rank updates its own shard, with data or without"
                                      : "lockstep::Join: on_shard is for the sharded strategies (ShardedOptimizer, "
                                        "ShardedGradients, FullySharded); this DataParallel is not sharded");
-    check_steps(dp_.acc_.steps());
     if (!on_shadow_step_)
       throw config_error("lockstep::Join: on_shadow_step is empty; pass the optimizer update "
                          "the stepping ranks apply (e.g. [&](lockstep::step_result r) { if (r) "
@@ -133,13 +136,25 @@ class Join {
  private:
   friend DP;  // its step() agrees and broadcasts through these
 
-  // ShardedGradients / FullySharded: one micro-step per step in a scope (checked when it opens
-  // and at each cycle's start, as the accumulation policy may change).
-  static void check_steps(int k) {
-    if (DP::block_sharded && k > 1)
-      throw config_error("lockstep::Join with ShardedGradients / FullySharded: accumulation over " + std::to_string(k) +
-                         " micro-steps is not supported in a Join scope (every micro-step reduce-scatters, and "
-                         "a rank out of data would have to shadow each); use one micro-step per step there");
+  // ShardedGradients / FullySharded with several micro-steps per cycle: every micro-step
+  // gathers and reduce-scatters, so a rank out of data must know at a cycle's start whether
+  // any rank steps it — one agreement there ({1, 1} from a stepping rank, {0, 0} from one out
+  // of data), then the usual one at the syncing micro-step.
+  static bool shadows_micro_steps(const DP& dp) { return DP::block_sharded && dp.k_ > 1; }
+  static void cycle_begins(DP& dp) {
+    if (shadows_micro_steps(dp)) (void)agree(dp, 1);
+  }
+  // The prescale of a syncing micro-step from the agreement. With several micro-steps under
+  // block sharding the earlier ones were reduce-scattered with the usual 1/K already: they all
+  // keep it, and the shards are scaled by the ratio once the cycle's sums are in.
+  static double sync_prescale(DP& dp, const std::array<std::int64_t, 2>& agreed) {
+    const double p = prescale(dp, agreed);
+    if constexpr (DP::block_sharded)
+      if (shadows_micro_steps(dp)) {
+        dp.reducer_.units().scale_cycle(p / dp.usual_prescale());
+        return dp.usual_prescale();
+      }
+    return p;
   }
 
   // The highest rank whose `mine` is true (-1 if none): one all-reduce (max) of rank or -1 —
@@ -192,31 +207,50 @@ class Join {
     DP& dp = dp_;
     dp.settle_abandoned();  // a step an exception left (block_sharded), as step() does first
     const bool stepped_last = dp.stepped_;
-    dp.recorder_.step_begin(/*sync=*/true, /*counted=*/false);
     const bool partial = dp.in_cycle_ && dp.micro_ > 0;
+    const std::int64_t mine = partial ? dp.micro_ : 0;  // the micro-batches this rank gave the cycle
     if (!partial) dp.reducer_.apply_pending_plan();
     if (!partial && dp.opts_.broadcast_buffers) dp.sync_buffers(/*stepping=*/false);
-    const auto agreed = agree(dp, partial ? dp.micro_ : 0);
-    if (agreed[0] == 0) {
-      if (dp.opts_.broadcast_buffers) dp.sync_buffers(stepped_last);
-      return std::nullopt;
+    if (!partial && DP::block_sharded && (dp.k_ = dp.acc_.steps()) > 1) {  // cycle_begins' agreement
+      if (agree(dp, 0)[1] == 0) return scope_ends(dp, stepped_last);
+      begin_cycle(dp);
     }
-    if (!partial) {
-      dp.reducer_.begin_cycle();  // zero gradients: this rank adds nothing
-      dp.micro_ = 0;
-      dp.in_cycle_ = true;
-    }
-    dp.reducer_.begin_micro(true, prescale(dp, agreed));
-    dp.uses_.begin();
-    dp.open_ = true;  // a micro-step, as step() opens one (finish ends it)
     try {
-      if constexpr (DP::block_sharded) replay_uses(dp);
-      else dp.reducer_.replay_arrivals();
+      while (dp.in_cycle_ && shadows_micro_steps(dp) && dp.micro_ + 1 < dp.k_) {  // the cycle's other micro-steps
+        dp.recorder_.step_begin(/*sync=*/false, /*counted=*/false);
+        dp.reducer_.begin_micro(false, dp.usual_prescale());
+        open_micro_step(dp);
+        (void)dp.finish_step(false, {});
+      }
+      dp.recorder_.step_begin(/*sync=*/true, /*counted=*/false);
+      const auto agreed = agree(dp, mine);
+      if (agreed[0] == 0) return scope_ends(dp, stepped_last);
+      if (!dp.in_cycle_) begin_cycle(dp);
+      dp.reducer_.begin_micro(true, sync_prescale(dp, agreed));
+      open_micro_step(dp);
       return dp.finish_step(true, on_shard_);
     } catch (...) {  // as a step_handle's: nothing more this step (block_sharded: settled at the next)
       dp.abandon();
       throw;
     }
+  }
+  static void begin_cycle(DP& dp) {
+    dp.reducer_.begin_cycle();  // zero gradients: this rank adds nothing
+    dp.micro_ = 0;
+    dp.in_cycle_ = true;
+  }
+  // A micro-step opened as step() opens one (finish ends it), with this rank's part replayed.
+  static void open_micro_step(DP& dp) {
+    dp.uses_.begin();
+    dp.open_ = true;
+    if constexpr (DP::block_sharded) replay_uses(dp);
+    else dp.reducer_.replay_arrivals();
+  }
+  // No rank contributes any more: every rank takes the buffers of the highest rank that
+  // stepped last (DDP's final sync after join), so the model ends alike.
+  static std::optional<step_result> scope_ends(DP& dp, bool stepped_last) {
+    if (dp.opts_.broadcast_buffers) dp.sync_buffers(stepped_last);
+    return std::nullopt;
   }
 
   // The blocks' uses of this rank's last step, replayed: their all-gathers, and reduce-scatters

@@ -23,6 +23,7 @@
 #include "lockstep/core/concepts.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/parameter.hpp"
+#include "lockstep/parallel/detail/block_checks.hpp"
 #include "lockstep/parallel/detail/bucket_plan.hpp"
 
 namespace lockstep::detail {
@@ -54,6 +55,7 @@ class block_layout {
     using pool = std::map<std::size_t, std::vector<std::shared_ptr<void>>>;
     pool grad_pool, value_pool, sum_pool;
     bool mixed() const { return cdt != plan->type; }
+    pool& sum_buffers() { return mixed() ? sum_pool : grad_pool; }  // reduce-scatters run in these
     std::size_t span_of(std::size_t u) const { return plan->buckets[plan->units[u].first].elements(); }
     std::size_t shard_total() const { return units.empty() ? 0 : units.back().shard + units.back().per; }
     void* at(const std::shared_ptr<void>& p, std::size_t elem) const { return at(p, elem, plan->type); }
@@ -191,6 +193,21 @@ class block_layout {
     }
     if (zero) mem.zero(g.grads[u].get(), bytes_of(g, per));
     return g.grads[u].get();
+  }
+  //! This cycle's gradient shards, once complete, are multiplied by c (Join::sync_prescale:
+  //! the mean over the micro-batches the ranks contributed, where each micro-step assumed all).
+  void scale_cycle(double c) noexcept { cycle_scale_ = c; }
+  template <class Mem>
+  void apply_cycle_scale(Mem mem) {
+    if (cycle_scale_ != 1.0)
+      for (auto& g : groups_)
+        for (std::size_t u = 0; u < g.units.size(); ++u)
+          if (g.grads[u]) mem.scale(g.grads[u].get(), g.units[u].per, g.plan->type, cycle_scale_);
+    cycle_scale_ = 1.0;
+  }
+  //! Parameter i got its gradient: its block must be in its backward use.
+  void check_reported(std::size_t i, const std::string& name) const {
+    check_gradient_in_use(blocks_[block_of_.at(i)], i, name, block_of_[i]);
   }
   //! A cycle begins: every shard is to be written anew by its unit's first reduce-scatter;
   //! with `release`, the shards go back to the model's allocator (taken again then).
@@ -345,7 +362,8 @@ class block_layout {
   std::size_t bytes_ = 0;
   std::shared_ptr<std::size_t> lent_ = std::make_shared<std::size_t>(0);  // bytes of block buffers now
   std::size_t peak_lent_ = 0;
-  bool dropping_ = false;  // the model's allocator gives the buffers: none is pooled
+  bool dropping_ = false;     // the model's allocator gives the buffers: none is pooled
+  double cycle_scale_ = 1.0;  // scale_cycle's factor
 };
 
 }  // namespace lockstep::detail

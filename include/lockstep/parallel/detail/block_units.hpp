@@ -66,6 +66,7 @@ class block_units
   using typename layout::unit;
 
  public:
+  using layout::check_reported, layout::scale_cycle;
   using work_type = decltype(std::declval<Comm&>().all_gather(nullptr, nullptr, std::size_t{}, dtype::f32));
   using step_fn = std::function<void(std::span<const param_slice>)>;
   using policy_type = std::conditional_t<ShardValues, FullySharded, ShardedGradients>;
@@ -173,11 +174,6 @@ class block_units
     if (ShardValues && !keep) release_values(k);
   }
 
-  //! Parameter i got its gradient: its block must be in its backward use.
-  void check_reported(std::size_t i, const std::string& name) const {
-    check_gradient_in_use(blocks_[block_of_.at(i)], i, name, block_of_[i]);
-  }
-
   //! The buffer of the unit of group g from bucket `first`: the gradients the block's backward
   //! wrote, in the plan's type (widened from the compute type, mixed), or zeros for a block
   //! that had no backward this micro-step.
@@ -239,6 +235,7 @@ class block_units
       b.forward = b.backward = false;
     }
     while (!flights_.empty()) complete_oldest(/*keep=*/false);
+    this->scale_cycle(1.0);  // the cycle restarts
     open_ = false;
   }
 
@@ -250,6 +247,7 @@ class block_units
   template <class Each>
   void finish(const step_fn& fn, Each&& each) {
     drain();
+    this->apply_cycle_scale(comm_.memory());
     if (fn) update(fn, each);
   }
   //! Hands every unit's shard to fn (the optimizer); ZeRO-2 then gathers the values in place
@@ -308,16 +306,14 @@ class block_units
     return p;
   }
 
-  // The pool of buffers reduce-scatters run in (the plan's type).
-  static typename group::pool& sum_pool(group& g) { return g.mixed() ? g.sum_pool : g.grad_pool; }
   // A buffer for a reduce-scatter: with BlockBuffers::scatters_in_flight of them in flight, the
   // oldest is completed first and its buffer reused (ordered after it on device streams).
   std::shared_ptr<void> take_sum_buffer(std::size_t gi, std::size_t u) {
     group& g = groups_[gi];
-    while (sum_pool(g)[g.span_of(u)].empty() && !flights_.empty() &&
+    while (g.sum_buffers()[g.span_of(u)].empty() && !flights_.empty() &&
            flights_.size() >= static_cast<std::size_t>(buffers_.scatters_in_flight))
       complete_oldest();
-    return take(sum_pool(g), gi, u, g.plan->type);
+    return take(g.sum_buffers(), gi, u, g.plan->type);
   }
 
   void attach(std::size_t i, bool values, bool grad) {
@@ -430,7 +426,7 @@ class block_units
     else if (keep && un.per)
       comm_.memory().add(this->gradient_shard(f.g, f.u, comm_.memory(), sources_, std::exchange(g.fresh[f.u], 0)), mine,
                          un.per, g.plan->type);
-    this->give_back(sum_pool(g), g.span_of(f.u), std::move(f.buffer));
+    this->give_back(g.sum_buffers(), g.span_of(f.u), std::move(f.buffer));
   }
 
   Comm& comm_;
