@@ -592,31 +592,34 @@ TEST_CASE_TEMPLATE("join with ShardedOptimizer: a rank out of data still steps i
 }
 
 // One rank's loop under a block-sharded Strategy (ShardedGradients, FullySharded), c.accumulate
-// micro-steps per step: each layer's block used around its forward and its backward; leave()
-// shadows the others' steps.
+// micro-steps per step, the loss scaled by a Scaler (DynamicScale: a power of two, so the
+// unscaled gradients are the same numbers): each layer's block used around its forward and its
+// backward; leave() shadows the others' steps.
 struct abandoned {};  // what a backward throws on every rank at batch abandon_at (caught: the step is dropped)
 
-template <class T, class Strategy>
+template <class T, class Strategy, class Scaler = lockstep::NoScaling>
 void join_blocks_rank(auto& ctx, const dataset& d, const join_config& c, std::uint64_t seed, double lr,
-                      const Strategy& strategy, std::vector<T>& got, std::size_t& shadow, int abandon_at = -1) {
+                      const Strategy& strategy, std::vector<T>& got, std::size_t& shadow, int abandon_at = -1,
+                      Scaler scaler = {}) {
   const auto ri = static_cast<std::size_t>(ctx.rank());
   TestMlp<T> m(d.dims, seed + 1 + ri * 7919);
-  using DP = lockstep::DataParallel<TestMlp<T>, lockstep::ThreadComm, lockstep::Accumulate<>, Strategy>;
+  using DP = lockstep::DataParallel<TestMlp<T>, lockstep::ThreadComm, lockstep::Accumulate<>, Scaler, Strategy>;
   DP dp(ctx, m, {.buckets = c.buckets, .average_over_accumulation = c.average_over_accumulation},
-        lockstep::Accumulate<>(c.accumulate), strategy);
+        lockstep::Accumulate<>(c.accumulate), scaler, strategy);
   lockstep::Sgd opt({.lr = lr, .momentum = 0.5});
   const double ls = c.average_over_accumulation ? 1.0 : 1.0 / c.accumulate;  // off: PyTorch's loss / K
   const auto on_shard = [&](std::span<const lockstep::param_slice> s) { opt.step(s); };
-  auto join = dp.join([](lockstep::step_result r) { CHECK(r.synced); }, on_shard);
+  auto join = dp.join([](lockstep::step_result r) { CHECK((r.synced && r.applied)); }, on_shard);
   for (int j = 0; j < c.batches[ri]; ++j) {
     auto step = dp.step();
     auto rows = rows_of(d, c, ctx.rank(), j);
     try {
-      m.forward_backward(inputs<T>(d), d.y, rows, step.on_gradient_ready(), ls, [&](std::size_t l, bool forward) {
-        auto use = dp.use_block(m.blocks()[2 * l], forward ? lockstep::pass::forward : lockstep::pass::backward);
-        if (j == abandon_at && !forward && l == 1) throw abandoned{};
-        return use;
-      });
+      m.forward_backward(
+          inputs<T>(d), d.y, rows, step.on_gradient_ready(), ls * step.loss_scale(), [&](std::size_t l, bool forward) {
+            auto use = dp.use_block(m.blocks()[2 * l], forward ? lockstep::pass::forward : lockstep::pass::backward);
+            if (j == abandon_at && !forward && l == 1) throw abandoned{};
+            return use;
+          });
     } catch (const abandoned&) {
       continue;  // this rank's last batch, for some: leave() then settles the step first
     }
@@ -637,11 +640,12 @@ TEST_CASE_TEMPLATE("join with fullshard zero2 zero3: a rank out of data replays 
   kept.keep_after_forward = true;
   kept.buffers.prefetch = 2;
   for (int n : {2, 3, 4})
-    for (int variant = 0; variant < 4; ++variant) {  // K = 1, 2, 3; K = 2 averaged over ranks
+    for (int variant = 0; variant < 5; ++variant) {  // K = 1, 2, 3; K = 2 averaged over ranks; K = 2 scaled
       join_config c = uneven(n);                     // odd counts: with K > 1 every rank ends mid-cycle
       c.accumulate = variant == 0 ? 1 : variant == 2 ? 3 : 2;
       c.average_over_accumulation = variant != 3;
-      if (n >= 3) c.batches[1] = 0;  // a rank with no batch at all: it replays the plain order of uses
+      const bool scaled = variant == 4;  // DynamicScale: unscaling and the found-inf check need every shard first
+      if (n >= 3) c.batches[1] = 0;      // a rank with no batch at all: it replays the plain order of uses
       if (n == 4 && c.accumulate > 1) c.batches[3] = 4 * c.accumulate;  // one ends on a cycle boundary
       CAPTURE(n);
       CAPTURE(c.accumulate);
@@ -653,9 +657,15 @@ TEST_CASE_TEMPLATE("join with fullshard zero2 zero3: a rank out of data replays 
         std::vector<std::size_t> shadow(got.size());
         lockstep::run(lockstep::Threads{n}, [&](auto& ctx) {
           const auto ri = static_cast<std::size_t>(ctx.rank());
-          if (strategy == 0)
+          const lockstep::DynamicScale dyn({.init_scale = 1024.0, .growth_interval = 2});
+          if (strategy == 0 && !scaled)
             join_blocks_rank<T>(ctx, d, c, seed, lr, lockstep::ShardedGradients{}, got[ri], shadow[ri]);
-          if (strategy == 1) join_blocks_rank<T>(ctx, d, c, seed, lr, lockstep::FullySharded{}, got[ri], shadow[ri]);
+          if (strategy == 0 && scaled)
+            join_blocks_rank<T>(ctx, d, c, seed, lr, lockstep::ShardedGradients{}, got[ri], shadow[ri], -1, dyn);
+          if (strategy == 1 && !scaled)
+            join_blocks_rank<T>(ctx, d, c, seed, lr, lockstep::FullySharded{}, got[ri], shadow[ri]);
+          if (strategy == 1 && scaled)
+            join_blocks_rank<T>(ctx, d, c, seed, lr, lockstep::FullySharded{}, got[ri], shadow[ri], -1, dyn);
           if (strategy == 2) join_blocks_rank<T>(ctx, d, c, seed, lr, kept, got[ri], shadow[ri]);
         });
         for (int r = 0; r < n; ++r) {
@@ -779,6 +789,30 @@ TEST_CASE("join misuse is a config_error") {
   (void)step.finish();
   lockstep::Join join(dp, [](lockstep::step_result) {});  // the class, deduced
   CHECK(join.leave() == 0);
+
+  // Full sharding: the accumulation stays what it was when the scope opened.
+  TestMlp<double> z(d.dims, seed);
+  lockstep::DataParallel<TestMlp<double>, lockstep::ThreadComm, lockstep::Accumulate<>, lockstep::FullySharded> zdp(
+      comms[0], z, {}, lockstep::Accumulate<>(2));
+  lockstep::Sgd opt({.lr = 0.1});
+  const auto on_shard = [&](std::span<const lockstep::param_slice> s) { opt.step(s); };
+  auto zjoin = zdp.join([](lockstep::step_result) {}, on_shard);
+  const auto micro_step = [&](int j) {
+    auto step = zdp.step();
+    const std::vector<std::size_t> rows{static_cast<std::size_t>(j)};
+    z.forward_backward(d.X64, d.y, rows, step.on_gradient_ready(), 1.0, [&](std::size_t l, bool forward) {
+      return zdp.use_block(z.blocks()[2 * l], forward ? lockstep::pass::forward : lockstep::pass::backward);
+    });
+    return step.finish(on_shard);
+  };
+  CHECK_FALSE(micro_step(0).synced);
+  CHECK(micro_step(1).synced);  // a whole cycle of 2
+  zdp.accumulation().set_steps(3);
+  CHECK_THROWS_WITH_AS((void)zdp.step(), doctest::Contains("accumulation changed from 2 to 3"), lockstep::config_error);
+  zdp.accumulation().set_steps(2);  // back: the scope goes on
+  CHECK_FALSE(micro_step(2).synced);
+  CHECK(micro_step(3).synced);
+  CHECK(zjoin.leave() == 0);
 }
 
 }  // TEST_SUITE

@@ -168,6 +168,7 @@ class DataParallel {
                               !block_sharded);
       k_ = acc_.steps();
       if (k_ < 1) throw config_error("lockstep: the accumulation policy returned steps() < 1");
+      if (joining_) Join<DataParallel>::steps_in_scope(*this);  // fixed in a scope (block sharding)
       micro_ = 0;
       reducer_.begin_cycle();
       in_cycle_ = true;
@@ -366,12 +367,12 @@ class DataParallel {
   friend class lockstep::step_handle<DataParallel>;  // marks gradients ready, ends the step
   friend class lockstep::block_use<DataParallel>;    // ends a block's use
 
+  // Each micro-step's share of its cycle's mean (the gradient is prescaled before it is summed).
+  double usual_prescale() const { return opts_.average_over_accumulation ? 1.0 / k_ : 1.0; }
   // A micro-step, or a block's use, ended by an exception (step_handle, block_use): nothing
   // more this step — no collective on this rank alone. settle_abandoned (before anything else
   // uses the blocks) releases those it left in use, drops the reduce-scatters it issued and
   // restarts its cycle; uses from before end with nothing to do (epoch).
-  // Each micro-step's share of its cycle's mean (the gradient is prescaled before it is summed).
-  double usual_prescale() const { return opts_.average_over_accumulation ? 1.0 / k_ : 1.0; }
   void abandon() noexcept {
     open_ = false;
     if constexpr (block_sharded) abandoned_ = true;
@@ -438,6 +439,7 @@ class DataParallel {
   bool joining_ = false;            // a Join scope is open on this rank
   bool stepped_ = false;            // in it: this rank contributed to the latest cycle (sync_buffers)
   int join_active_ = 0;             // contributing ranks at the latest agreement
+  int join_steps_ = 1;              // the accumulation's K when the scope opened
   std::shared_ptr<void> join_buf_;  // the agreement's buffer, in comm's memory space
   detail::nonfinite_origin<Comm> origin_;  // after a skip: whose gradients were non-finite
 };

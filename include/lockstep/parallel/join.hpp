@@ -88,6 +88,7 @@ class Join {
       throw config_error("lockstep::Join: a step is open; enter the scope between steps "
                          "(after finish())");
     dp_.joining_ = true;
+    dp_.join_steps_ = dp_.acc_.steps();
     dp_.stepped_ = false;  // nothing stepped in this scope yet
   }
 
@@ -143,6 +144,18 @@ class Join {
   static bool shadows_micro_steps(const DP& dp) { return DP::block_sharded && dp.k_ > 1; }
   static void cycle_begins(DP& dp) {
     if (shadows_micro_steps(dp)) (void)agree(dp, 1);
+  }
+  // The accumulation policy's K, which under block sharding must stay what it was when the
+  // scope opened: a rank out of data shadows that many micro-steps per cycle and cannot see
+  // another rank change it (the agreements would pair with the wrong collectives).
+  static int steps_in_scope(const DP& dp) {
+    const int k = dp.acc_.steps();
+    if (DP::block_sharded && k != dp.join_steps_)
+      throw config_error("lockstep::Join with ShardedGradients / FullySharded: the accumulation changed from " +
+                         std::to_string(dp.join_steps_) + " to " + std::to_string(k) +
+                         " micro-steps inside a Join scope; every micro-step reduce-scatters and a rank out of data "
+                         "shadows the scope's count: change it between scopes");
+    return k;
   }
   // The prescale of a syncing micro-step from the agreement. With several micro-steps under
   // block sharding the earlier ones were reduce-scattered with the usual 1/K already: they all
@@ -211,9 +224,11 @@ class Join {
     const std::int64_t mine = partial ? dp.micro_ : 0;  // the micro-batches this rank gave the cycle
     if (!partial) dp.reducer_.apply_pending_plan();
     if (!partial && dp.opts_.broadcast_buffers) dp.sync_buffers(/*stepping=*/false);
-    if (!partial && DP::block_sharded && (dp.k_ = dp.acc_.steps()) > 1) {  // cycle_begins' agreement
+    bool begun = partial;                                                     // the cycle this step completes has begun
+    if (!partial && DP::block_sharded && (dp.k_ = steps_in_scope(dp)) > 1) {  // cycle_begins' agreement
       if (agree(dp, 0)[1] == 0) return scope_ends(dp, stepped_last);
       begin_cycle(dp);
+      begun = true;
     }
     try {
       while (dp.in_cycle_ && shadows_micro_steps(dp) && dp.micro_ + 1 < dp.k_) {  // the cycle's other micro-steps
@@ -225,7 +240,7 @@ class Join {
       dp.recorder_.step_begin(/*sync=*/true, /*counted=*/false);
       const auto agreed = agree(dp, mine);
       if (agreed[0] == 0) return scope_ends(dp, stepped_last);
-      if (!dp.in_cycle_) begin_cycle(dp);
+      if (!begun) begin_cycle(dp);
       dp.reducer_.begin_micro(true, sync_prescale(dp, agreed));
       open_micro_step(dp);
       return dp.finish_step(true, on_shard_);

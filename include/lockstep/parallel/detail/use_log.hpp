@@ -28,9 +28,10 @@ class use_log {
   void commit() { last_ = now_; }
 
   //! What a rank without data replays: the last completed synchronising micro-step's uses —
-  //! or, before this rank completed any, every one of `blocks` blocks used in forward order,
-  //! then in backward order (what a model with use_block around each block's forward and
-  //! backward does; one whose uses differ must step once before it runs out of data).
+  //! or, before this rank completed any (with accumulation: a whole cycle), every one of
+  //! `blocks` blocks used in forward order, then in backward order (what a model with
+  //! use_block around each block's forward and backward does; one whose uses differ must
+  //! complete a cycle before it runs out of data).
   std::vector<event> replayed(std::size_t blocks) const {
     if (!last_.empty()) return last_;
     std::vector<event> plain;
