@@ -231,7 +231,7 @@ class Join {
       begun = true;
     }
     try {
-      while (dp.in_cycle_ && shadows_micro_steps(dp) && dp.micro_ + 1 < dp.k_) {  // the cycle's other micro-steps
+      while (shadows_micro_steps(dp) && dp.micro_ + 1 < dp.k_) {  // the begun cycle's other micro-steps
         dp.recorder_.step_begin(/*sync=*/false, /*counted=*/false);
         dp.reducer_.begin_micro(false, dp.usual_prescale());
         open_micro_step(dp);
