@@ -19,4 +19,5 @@
 #include "lockstep/cuda/prefetch.cuh"
 #include "lockstep/cuda/run_gpus.cuh"
 #include "lockstep/cuda/run_processes.cuh"
+#include "lockstep/cuda/step_graph.cuh"
 #include "lockstep/lockstep.hpp"

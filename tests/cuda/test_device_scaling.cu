@@ -32,6 +32,7 @@
 #include <lockstep/cuda/fused_optimizer.cuh>
 #include <lockstep/cuda/grad_ops.cuh>
 #include <lockstep/cuda/run_gpus.cuh>
+#include <lockstep/cuda/step_graph.cuh>
 #include <lockstep/lockstep.hpp>
 
 #include "gpu_mlp.cuh"
@@ -632,8 +633,11 @@ void check_dp_scaled(const dp_config& c) {
   lockstep::Sgd ref_opt(sgd);
   lockstep::DynamicScale ref_scale(so);
   std::vector<lockstep::loss_scale_state> want_states;
+  // A learning-rate schedule: replays of a captured step must follow it (FusedSgd::set_lr).
+  const auto lr_at = [&](int s) { return sgd.lr * (1.0 + 0.125 * s); };
   for (int s = 0; s < steps; ++s) {
     ref.zero_grad();
+    ref_opt.set_lr(lr_at(s));
     std::vector<std::size_t> rows(global);
     for (std::size_t i = 0; i < global; ++i) rows[i] = (s * global + i) % samples;
     ref.forward_backward(X, y, rows, [](std::size_t) {});
@@ -769,32 +773,17 @@ void check_dp_scaled(const dp_config& c) {
       if (!ok) problems[rank].push_back("step " + std::to_string(st) + ": unexpected step_result");
     };
 
-    cudaGraphExec_t exec = nullptr;
+    // Steps [warmup, warmup + 3) through a StepGraph: the first captured (it fails if anything
+    // in the step synchronised with the host or allocated), the next two replays of it.
+    lockstep::StepGraph graph(ctx.comm(), {.warmup = 0});
     for (int st = 0; st < steps; ++st) {
       upload_rows(st);
+      opt.set_lr(lr_at(st));
       if (c.gather_in_forward && st == inf_step) dp.wait_all_parameters();  // read on the host
       const auto before = st == inf_step ? m.flat_values() : std::vector<float>{};
-      if (!c.capture || st < warmup) {
-        one_step(st);
-      } else if (st == warmup) {
-        cudaGraph_t graph = nullptr;
-        LOCKSTEP_TRY_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-        try {
-          one_step(st);
-        } catch (...) {
-          cudaGraph_t broken = nullptr;
-          (void)cudaStreamEndCapture(s, &broken);
-          if (broken) (void)cudaGraphDestroy(broken);
-          throw;
-        }
-        // Fails if anything in the step synchronised with the host (or left a stream unjoined).
-        LOCKSTEP_TRY_CUDA(cudaStreamEndCapture(s, &graph));
-        if (graph == nullptr) throw std::runtime_error("cudaStreamEndCapture returned no graph");
-        LOCKSTEP_TRY_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-        LOCKSTEP_TRY_CUDA(cudaGraphDestroy(graph));
-        LOCKSTEP_TRY_CUDA(cudaGraphLaunch(exec, s));
-      } else if (st < warmup + 3) {
-        LOCKSTEP_TRY_CUDA(cudaGraphLaunch(exec, s));  // the same step on the next rows
+      if (c.capture && st >= warmup && st < warmup + 3) {
+        if (!graph.run([&] { one_step(st); }))
+          problems[rank].push_back("step " + std::to_string(st) + " did not run as the graph");
       } else {
         one_step(st);
       }
@@ -802,7 +791,9 @@ void check_dp_scaled(const dp_config& c) {
       if (st == inf_step) unchanged_at_inf[rank] = m.flat_values() == before ? 1 : 0;
       states[rank].push_back(dp.scaler().state());  // synchronises: outside the step
     }
-    if (exec) LOCKSTEP_TRY_CUDA(cudaGraphExecDestroy(exec));
+    if (c.capture && (graph.replays() != 3 || graph.nodes() == 0))
+      problems[rank].push_back("the graph ran " + std::to_string(graph.replays()) + " times with " +
+                               std::to_string(graph.nodes()) + " nodes");
     dp.wait_all_parameters();
     got[rank] = m.flat_values();
     cudaFree(dX);
@@ -1057,6 +1048,65 @@ TEST_CASE("DeviceDynamicScale names the rank whose gradients were non-finite: 1 
   LOCKSTEP_REQUIRE_GPUS(1);
   check_device_origin(1, 1);
   check_device_origin(1, 10);
+}
+
+// The capture check can fail: a step whose loss scaler reads the inf flag on the host
+// (DynamicScale) and a step that allocates are refused by name, and nothing is replayed.
+TEST_CASE("StepGraph refuses a step that synchronises with the host or allocates") {
+  LOCKSTEP_REQUIRE_GPUS(1);
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  std::mt19937_64 rng(seed);
+  const std::vector<int> dims{19, 24, 7};
+  const int batch = 8, samples = 64;
+  auto X = random_vector<float>(samples * dims[0], rng, -2, 2);
+  std::vector<int> y(samples), rows(batch);
+  for (auto& v : y) v = static_cast<int>(rng() % 7);
+  for (int i = 0; i < batch; ++i) rows[static_cast<std::size_t>(i)] = static_cast<int>(rng() % samples);
+  std::vector<std::string> seen;
+  lockstep::run(lockstep::Gpus{{0}}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
+    cudaStream_t s = ctx.comm().compute_stream();
+    TestMlp<float> init(dims, seed + 1);
+    GpuMlp m(dims, split_params(init), s);
+    lockstep::DataParallel dp(ctx, m, {}, lockstep::EveryStep{}, lockstep::DynamicScale{});
+    lockstep::FusedSgd opt({.lr = 0.1}, dp.parameters(), ctx.device());
+    const lockstep::CudaMemory mem = ctx.comm().memory();
+    auto dX = mem.allocate(X.size() * sizeof(float)), dy = mem.allocate(y.size() * sizeof(int)),
+         drows = mem.allocate(rows.size() * sizeof(int));
+    mem.upload(dX.get(), X.data(), X.size() * sizeof(float));
+    mem.upload(dy.get(), y.data(), y.size() * sizeof(int));
+    mem.upload(drows.get(), rows.data(), rows.size() * sizeof(int));
+    auto one_step = [&] {
+      auto step = dp.step();
+      auto hook = step.on_gradient_ready();
+      m.forward_backward(static_cast<const float*>(dX.get()), static_cast<const int*>(dy.get()),
+                         static_cast<const int*>(drows.get()), batch, [&](std::size_t i) { hook(i); });
+      step.finish([&](std::span<const lockstep::param_slice> sl) { opt.step(sl, s); });
+    };
+    lockstep::StepGraph graph(ctx.comm());  // 2 eager steps, then the capture
+    CHECK_FALSE(graph.run(one_step));
+    CHECK_FALSE(graph.run(one_step));
+    const auto before = m.flat_values();
+    try {
+      graph.run(one_step);
+      seen.push_back("captured a step that reads the inf flag on the host");
+    } catch (const lockstep::config_error& e) {
+      seen.push_back(e.what());
+    }
+    CHECK_FALSE(graph.captured());
+    CHECK(m.flat_values() == before);  // nothing ran
+    lockstep::StepGraph alloc(ctx.comm(), {.warmup = 0});
+    try {
+      alloc.run([&] { (void)mem.allocate(4096); });
+      seen.push_back("allocated inside a capture");
+    } catch (const lockstep::config_error& e) {
+      seen.push_back(e.what());
+    }
+  });
+  REQUIRE(seen.size() == 2);
+  CHECK(seen[0].find("could not be captured") != std::string::npos);
+  CHECK(seen[1].find("CudaMemory::allocate: asked for 4096 bytes") != std::string::npos);
+  CHECK(seen[1].find("captured into a CUDA graph") != std::string::npos);
 }
 
 TEST_CASE("sharded on 1 GPU: FusedSgd over the shards == CPU reference - device scaling - clipping") {

@@ -19,7 +19,17 @@
 
 namespace lockstep {
 
-enum class collective_kind : std::uint8_t { all_reduce, broadcast, all_gather, reduce_scatter, barrier, all_to_all };
+//! graph_replay is not a collective: a CUDA graph replay that holds some (NcclComm::tracked_launch),
+//! described like one so that overdue() can name it.
+enum class collective_kind : std::uint8_t {
+  all_reduce,
+  broadcast,
+  all_gather,
+  reduce_scatter,
+  barrier,
+  all_to_all,
+  graph_replay
+};
 
 inline constexpr const char* name_of(collective_kind k) {
   switch (k) {
@@ -29,6 +39,7 @@ inline constexpr const char* name_of(collective_kind k) {
     case collective_kind::reduce_scatter: return "reduce_scatter";
     case collective_kind::barrier: return "barrier";
     case collective_kind::all_to_all: return "all_to_all";
+    case collective_kind::graph_replay: return "graph_replay";
   }
   return "?";
 }
@@ -66,6 +77,7 @@ struct collective {
   std::string describe() const {
     std::string s = std::string(name_of(kind)) + " #" + std::to_string(seq);
     if (kind == collective_kind::barrier) return s;
+    if (kind == collective_kind::graph_replay) return label.empty() ? s : s + " of " + label;
     s += " of " + std::to_string(count) + " " + name_of(type);
     if (kind == collective_kind::all_reduce || kind == collective_kind::reduce_scatter)
       s += std::string(" (") + name_of(op) + ")";

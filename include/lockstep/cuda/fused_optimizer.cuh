@@ -81,11 +81,23 @@ class FusedOptimizer : public detail::rule_options<Rule> {
   //! Device memory the state takes, in bytes.
   std::size_t state_bytes() const noexcept { return st_.bytes(); }
 
+  //! For learning-rate schedules: takes effect at the next step. The update kernels read the
+  //! rate from device memory, so a step captured in a CUDA graph (StepGraph) replays with the
+  //! rate set last; after a first step() the write is queued at once on that step's stream.
+  //! Call it outside a capture (inside, the write becomes part of the graph).
+  void set_lr(double lr) {
+    base::set_lr(lr);
+    if (!st_.stepped()) return;  // step() publishes it
+    detail::device_guard g(st_.device());
+    st_.publish_lr(opt_.lr, st_.last_stream());
+  }
+
   //! Updates the slices (e.g. one bucket), queued on s; skipped entirely when d_found_inf is
   //! set and *d_found_inf ≠ 0. No synchronisation.
   void step(std::span<const param_slice> slices, cudaStream_t s, const int* d_found_inf = nullptr) {
     if (slices.empty()) return;
     detail::device_guard g(st_.device());
+    st_.publish_lr(opt_.lr, s);
     st_.prepare(slices, s, d_found_inf);
     for (dtype t : {dtype::f32, dtype::f64, dtype::f16, dtype::bf16}) {
       refs_.clear();
@@ -94,7 +106,7 @@ class FusedOptimizer : public detail::rule_options<Rule> {
       if (refs_.empty()) continue;
       cuda::kernels::visit_float(t, Rule::fused_name, [&]<class Element>(std::type_identity<Element>) {
         using op_t = cuda::kernels::rule_op<Rule, Element>;
-        const op_t op{{}, opt_, Rule::states(opt_)};
+        const op_t op{{}, opt_, Rule::states(opt_), st_.device_lr()};
         cuda::kernels::launch(
             op, refs_.size(),
             [&](std::size_t i) {

@@ -71,6 +71,8 @@ class fused_state {
     states_ = states;
     auto align = [](std::size_t b) { return (b + 255) / 256 * 256; };
     std::size_t at = align(meta_.size() * sizeof(std::int64_t));
+    lr_off_ = at;  // the learning rate the kernels read (set_lr)
+    at += align(sizeof(double));
     for (auto& m : meta_) {
       const std::size_t bytes = align(m.numel * state_size(m));
       for (int k = 0; k < 2; ++k) {
@@ -82,6 +84,7 @@ class fused_state {
     }
     arena_ = CudaMemory(device_, nullptr).allocate(at);
     bytes_ = at;
+    lr_published_ = false;
     std::fill(master_ready_.begin(), master_ready_.end(), false);
   }
 
@@ -94,6 +97,18 @@ class fused_state {
   static dtype state_type(const meta& m) { return m.type == dtype::f64 ? dtype::f64 : dtype::f32; }
 
   std::int64_t* counters() const { return static_cast<std::int64_t*>(arena_.get()); }
+  //! The learning rate the update kernels read (device memory).
+  const double* device_lr() const { return reinterpret_cast<const double*>(base() + lr_off_); }
+  //! Queues the write of lr to device_lr() on s unless it is the value last queued.
+  void publish_lr(double lr, cudaStream_t s) {
+    if (lr_published_ && lr == published_lr_) return;
+    cuda::kernels::store_scalar(reinterpret_cast<double*>(base() + lr_off_), lr, s);
+    published_lr_ = lr;
+    lr_published_ = true;
+  }
+  //! Whether a step was queued (then last_stream() is its stream).
+  bool stepped() const noexcept { return stepped_; }
+  cudaStream_t last_stream() const noexcept { return last_stream_; }
   void* state(std::size_t i, int k, std::size_t offset) const {
     return k < states_ ? base() + meta_[i].state_off[k] + offset * state_size(meta_[i]) : nullptr;
   }
@@ -125,6 +140,7 @@ class fused_state {
     }
     if (!advance.empty()) cuda::kernels::advance_steps(advance, skip, s);
     last_stream_ = s;
+    stepped_ = true;
   }
 
   // ---- checkpoints (synchronous) ----------------------------------------------------------
@@ -306,6 +322,10 @@ class fused_state {
   std::vector<bool> master_ready_;
   std::shared_ptr<void> arena_;
   cudaStream_t last_stream_ = nullptr;
+  bool stepped_ = false;
+  std::size_t lr_off_ = 0;
+  double published_lr_ = 0;
+  bool lr_published_ = false;  // device_lr() holds published_lr_ (queued)
 };
 
 }  // namespace lockstep::detail

@@ -47,13 +47,16 @@ inline std::optional<std::string> nccl_overdue(nccl_state& s, std::chrono::milli
 //! collective, NCCL_RUNTIME_CONNECT) waiting for a peer that never comes, and overdue() must
 //! see that as it sees a kernel that waits. done() records its event after the call; a call
 //! that throws takes the marker back. None while the stream is being captured into a graph
-//! (a marker would join the capture). The caller has made s.device current.
+//! (a marker would join the capture). `on`: the stream the call queues on (nullptr: the
+//! communication stream; a graph replay's is the compute stream). The caller has made
+//! s.device current.
 class nccl_marker {
  public:
-  nccl_marker(nccl_state& s, const collective& c, bool order_check = false) {
+  nccl_marker(nccl_state& s, const collective& c, bool order_check = false, cudaStream_t on = nullptr)
+      : on_(on != nullptr ? on : s.comm_stream) {
     if (!s.tracking) return;
     cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
-    LOCKSTEP_TRY_CUDA(cudaStreamIsCapturing(s.comm_stream, &cap));
+    LOCKSTEP_TRY_CUDA(cudaStreamIsCapturing(on_, &cap));
     if (cap != cudaStreamCaptureStatusNone) return;
     std::lock_guard lk(s.track_m);
     cudaEvent_t e = nullptr;
@@ -86,10 +89,10 @@ class nccl_marker {
     // Ours is the last: one thread issues on a communicator, and overdue() pops only
     // recorded markers from the front.
     auto& p = s_->pending.back();
-    const cudaError_t r = cudaEventRecord(p.event, s_->comm_stream);
+    const cudaError_t r = cudaEventRecord(p.event, on_);
     if (r != cudaSuccess) {
       take_back();
-      check_cuda(r, "cudaEventRecord(marker, comm_stream)", __FILE__, __LINE__);
+      check_cuda(r, "cudaEventRecord(marker)", __FILE__, __LINE__);
     }
     p.recorded = true;
     s_ = nullptr;
@@ -107,6 +110,7 @@ class nccl_marker {
     s_ = nullptr;
   }
 
+  cudaStream_t on_;
   nccl_state* s_ = nullptr;  // null: no marker pushed, or it is done
 };
 

@@ -51,10 +51,13 @@ struct rule_op : op_base<storage_of<Element>> {
     pack_of<compute_t, N> s[max_states > 0 ? max_states : 1], w;
   };
   typename Rule::options options;
-  int states;  // Rule::states(options): the state lists in use
+  int states;                  // Rule::states(options): the state lists in use
+  const double* lr = nullptr;  // the learning rate on the device (set_lr), read at each launch: a graph replays it
 
   __device__ bool begin(local& st, const block_info& info) const {
-    st.c = Rule::template prepare<compute_t>(options, *info.step);
+    typename Rule::options o = options;
+    if (lr != nullptr) o.lr = *lr;
+    st.c = Rule::template prepare<compute_t>(o, *info.step);
     return true;
   }
   template <int N>
@@ -129,7 +132,18 @@ __global__ void advance_steps_kernel(const __grid_constant__ advance_table t, co
   if (i < t.n) *t.p[i] += 1;
 }
 
+template <int = 0>
+__global__ void store_scalar_kernel(double* p, double v) {
+  *p = v;
+}
+
 }  // namespace detail
+
+//! *p ← v, queued on s (a value a captured graph reads from the device).
+inline void store_scalar(double* p, double v, cudaStream_t s) {
+  detail::store_scalar_kernel<<<1, 1, 0, s>>>(p, v);
+  LOCKSTEP_CHECK_LAUNCH();
+}
 
 //! *counters[i] += 1 for each i unless *d_skip ≠ 0 (d_skip nullable). Queued on s.
 inline void advance_steps(std::span<std::int64_t* const> counters, const int* d_skip, cudaStream_t s) {
