@@ -20,6 +20,7 @@
 #include <cstdlib>
 #include <ctime>
 #include <fstream>
+#include <memory>
 #include <mutex>
 #include <cstdio>
 #include <optional>
@@ -40,12 +41,22 @@ namespace {
 
 // Each rank contributes (rank+1)·(i+1) at index i; the sum is (i+1)·n(n+1)/2 exactly in f32.
 template <class Ctx>
-bool check_all_reduce(Ctx& ctx, std::string& why) {
+bool check_all_reduce(Ctx& ctx, std::string& why, std::string& symmetric) {
   constexpr std::size_t n = 1 << 20;
   std::vector<float> host(n);
   for (std::size_t i = 0; i < n; ++i) host[i] = static_cast<float>((ctx.rank() + 1) * ((i % 1000) + 1));
   auto mem = ctx.comm().memory();
-  auto buf = mem.allocate(n * sizeof(float));
+  std::shared_ptr<void> buf;
+  // Where the communicator has symmetric windows (NcclComm), the all-reduce runs in one: the
+  // path lockstep's gradient buckets take (BucketPolicy::symmetric_memory).
+  if constexpr (requires { ctx.comm().allocate_symmetric(n); }) {
+    auto [p, in_window] = ctx.comm().allocate_symmetric(n * sizeof(float));
+    buf = std::move(p);
+    const auto [used, reason] = ctx.comm().symmetric_kernels();
+    symmetric = std::string(used && in_window ? "used" : "not used") + " (" + reason + ")";
+  } else {
+    buf = mem.allocate(n * sizeof(float));
+  }
   mem.upload(buf.get(), host.data(), n * sizeof(float));
   ctx.comm().all_reduce(buf.get(), buf.get(), n, lockstep::dtype::f32, lockstep::reduce_op::sum).wait();
   mem.download(host.data(), buf.get(), n * sizeof(float));
@@ -423,10 +434,13 @@ int main(int argc, char** argv) {
     const auto plan = lockstep::decide(env, LOCKSTEP_AUTO_HAS_GPUS != 0);
     std::printf("Auto mode: %s — %s\n", lockstep::name_of(plan.kind), plan.reason.c_str());
     std::vector<std::string> failures;
+    std::string symmetric;
     std::mutex m;
     lockstep::run(lockstep::Auto{}, [&](auto& ctx) {
-      std::string why;
-      if (!check_all_reduce(ctx, why)) {
+      std::string why, sym;
+      const bool ok = check_all_reduce(ctx, why, sym);
+      if (ctx.rank() == 0) symmetric = sym;
+      if (!ok) {
         std::lock_guard lk(m);
         failures.push_back(why);
       }
@@ -437,6 +451,7 @@ int main(int argc, char** argv) {
       std::printf("Check the GPU driver and NCCL (NCCL_DEBUG=INFO lockstep-info shows NCCL's view).\n");
       return 1;
     }
+    if (!symmetric.empty()) std::printf("NCCL symmetric kernels for gradient buckets: %s\n", symmetric.c_str());
     std::printf("OK: a 4 MiB all-reduce across %d rank(s) gave the exact result\n", plan.ranks);
     return 0;
   } catch (const std::exception& e) {

@@ -63,6 +63,7 @@
 #include "lockstep/cuda/detail/nccl_marker.cuh"
 #include "lockstep/cuda/detail/nccl_order.cuh"
 #include "lockstep/cuda/detail/nccl_state.cuh"
+#include "lockstep/cuda/detail/nccl_symmetric.cuh"
 #include "lockstep/cuda/detail/nccl_window.cuh"
 #include "lockstep/cuda/detail/nccl_work.cuh"
 #include "lockstep/cuda/error.cuh"
@@ -93,6 +94,7 @@ class NcclComm : private detail::nccl_handle {
         const auto r = static_cast<int>(adopted);
         ncclComm_t c = std::exchange(raw[adopted], nullptr);
         out.push_back(NcclComm(adopt_tag{}, c, r, n, devices[adopted]));
+        out.back().s_->one_process = true;
       }
     } catch (...) {
       for (std::size_t j = adopted; j < raw.size(); ++j)
@@ -148,13 +150,17 @@ class NcclComm : private detail::nccl_handle {
   // Collectives: device pointers, counts in elements of t. Every rank must issue the same
   // collectives in the same order with the same counts, types and ops.
 
-  //! recv[i] = op over ranks of send[i]; send == recv is in place. avg is NCCL's ncclAvg.
+  //! recv[i] = op over ranks of send[i]; send == recv is in place. avg is NCCL's ncclAvg —
+  //! except for f32/f16/bf16 buffers in allocate_symmetric() windows of a group whose
+  //! symmetric_kernels() holds: NCCL's symmetric kernels sum them, then ×1/N.
   work all_reduce(const void* send, void* recv, std::size_t count, dtype t, reduce_op op) {
     state& s = live("all_reduce");
     const collective c = detail::nccl_check_order(s, collective::all_reduce(count, t, op));
     if (count == 0) return {};
     detail::nccl_require(send, "send", "all_reduce");
     detail::nccl_require(recv, "recv", "all_reduce");
+    if (detail::symmetric_reducible(s, send, recv, count, t, op))  // cuda/detail/nccl_symmetric.cuh
+      return issue(s, c, [&](cudaStream_t cs) { detail::symmetric_all_reduce(s, send, recv, count, t, op, cs); });
     const ncclDataType_t nt = to_nccl(t);
     const ncclRedOp_t nop = detail::nccl_reduction(s, op);
     return issue(s, c, [&](cudaStream_t cs) {
@@ -333,6 +339,24 @@ class NcclComm : private detail::nccl_handle {
     return std::nullopt;
   }
 
+  //! Runs launch(), which queues work on the compute stream that holds collectives of this
+  //! communicator — a CUDA graph replay (StepGraph; libtorch's CUDAGraph::replay()) — and,
+  //! with track_collectives(), tracks that work as it tracks a collective: overdue() names
+  //! it, "graph_replay #n of <what>", if it has not completed in time (a peer died or hangs
+  //! inside the replay). The collectives inside a graph are not tracked one by one.
+  template <class Launch>
+  void tracked_launch(std::string what, Launch&& launch) {
+    state& s = live("tracked_launch");
+    detail::device_guard g(s.device);
+    collective c;
+    c.kind = collective_kind::graph_replay;
+    c.seq = s.launches++;
+    c.label = std::move(what);
+    detail::nccl_marker mark(s, c, false, s.compute_stream());
+    std::forward<Launch>(launch)();
+    mark.done();
+  }
+
   //! Labels the next collective (e.g. "bucket 3: 64 f32 at 192"): shown in overdue() and in the
   //! order check's mismatch messages, and compared there. DataParallel labels its buckets.
   void label_next(std::string label) { live("label_next").next_label = std::move(label); }
@@ -376,6 +400,31 @@ class NcclComm : private detail::nccl_handle {
     return detail::nccl_window(s_, bytes, live("allocate_window").compute_stream());
   }
 #endif
+  //! Whether this group's all-reduces of buffers in symmetric windows go to NCCL's symmetric
+  //! kernels, and why (or why not) — decided on the first call, the same on every rank
+  //! (collective then: every rank calls it; allocate_symmetric() does): NCCL 2.28 or later
+  //! at run time, its windows not turned off, every rank on one host with GPUs that
+  //! map each other's memory (cuda/detail/nccl_symmetric.cuh), one process per GPU (a
+  //! create_local() group: false, as an aborted communicator does not end their kernels).
+  //! One rank: false.
+  std::pair<bool, std::string> symmetric_kernels() {
+    state& s = live("symmetric_kernels");
+    if (s.symmetric < 0) detail::decide_symmetric(*this, s);
+    return {s.symmetric == 1, s.symmetric_why};
+  }
+  //! `bytes` of zeroed device memory: a symmetric window of this group when
+  //! symmetric_kernels() holds (.second true), else plain memory. Collective (same size, same
+  //! order on every rank). Freed with the pointer.
+  std::pair<std::shared_ptr<void>, bool> allocate_symmetric(std::size_t bytes) {
+    if (!symmetric_kernels().first) return {memory().allocate(bytes), false};
+#if LOCKSTEP_NCCL_COPY_ENGINE
+    auto [p, registered] = detail::nccl_window(s_, bytes, compute_stream());
+    return {std::move(p), registered};
+#else
+    return {memory().allocate(bytes), false};
+#endif
+  }
+
   //! Whether this is a copy_engine_group() (false without NCCL 2.28); its reduce-scatters' staging bytes.
   bool copy_engines() const noexcept { return s_ && s_->copy_engines; }
   std::size_t copy_engine_staging_bytes() const noexcept { return s_ ? s_->staging_bytes() : 0; }

@@ -180,6 +180,14 @@ struct BucketPolicy {
   std::size_t first_bytes = std::size_t{1} << 20;  //!< 1 MiB
   std::size_t cap_bytes = std::size_t{25} << 20;   //!< 25 MiB
   bool rebuild_after_first_step = true;            //!< reorder by observed arrival, once
+  //! Replicated over a communicator with symmetric windows (NcclComm whose
+  //! symmetric_kernels() holds: one process per GPU on one host, peer-connected GPUs, NCCL
+  //! 2.28+): the gradient arena is one symmetric window and each bucket is all-reduced by
+  //! NCCL's symmetric kernels (sync_stats::symmetric_memory says whether it is); elsewhere
+  //! plain memory. Off by default: when a peer dies, an aborted communicator does not end
+  //! those kernels, so a survivor stops only when the watchdog's grace period ends the
+  //! process (5 s, not at once); docs/communicator.md has the measurements.
+  bool symmetric_memory = false;
 };
 
 struct DataParallelOptions {

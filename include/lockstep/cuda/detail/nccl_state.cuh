@@ -117,9 +117,10 @@ struct nccl_state {
   // The order check (comm/order_check.hpp): every collective is preceded by an all-gather of
   // its description, compared behind the training (or, LOCKSTEP_DEBUG=1, at once).
   nccl_seals seals;
-  std::uint64_t calls = 0;   // collectives called so far: the "#n" of messages
-  std::uint64_t splits = 0;  // split() calls so far, for sub-communicators' names
-  std::string next_label;    // label_next(): the next collective's label
+  std::uint64_t calls = 0;     // collectives called so far: the "#n" of messages
+  std::uint64_t splits = 0;    // split() calls so far, for sub-communicators' names
+  std::uint64_t launches = 0;  // tracked_launch() calls so far (graph replays), for messages
+  std::string next_label;      // label_next(): the next collective's label
   // track_collectives(): markers of collectives in flight, oldest first. Only the last one
   // may be unrecorded: its NCCL call has not returned yet (nccl_marker).
   struct tracked {
@@ -146,6 +147,11 @@ struct nccl_state {
     std::size_t bytes;
   };
   std::vector<staging_window> staging;
+  // NcclComm::symmetric_kernels(), decided once for the group (nccl_symmetric.cuh): -1 not yet,
+  // else 0/1, with the reason.
+  int symmetric = -1;
+  std::string symmetric_why;
+  bool one_process = false;  // one of create_local()'s group: every rank a thread of this process
 
   nccl_state() = default;
   nccl_state(const nccl_state&) = delete;

@@ -21,6 +21,7 @@
 
 #include "lockstep/core/dtype.hpp"
 #include "lockstep/core/reduce_op.hpp"
+#include "lockstep/cuda/detail/capture_guard.cuh"
 #include "lockstep/cuda/detail/nccl_state.cuh"
 #include "lockstep/cuda/error.cuh"
 #include "lockstep/cuda/kernels/wire_ops.cuh"
@@ -63,6 +64,7 @@ struct nccl_window_deleter {
 // ncclMemAlloc'd `bytes` (rounded up to the window alignment) registered as a symmetric window
 // of s; throws naming `option`, what to turn off, when either fails. The caller owns both.
 inline std::pair<void*, ncclWindow_t> nccl_window_raw(nccl_state& s, std::size_t& bytes, const char* option) {
+  refuse_in_capture("ncclMemAlloc (a symmetric window)", bytes);
   constexpr std::size_t align = NCCL_WIN_REQUIRED_ALIGNMENT;
   bytes = (bytes + align - 1) / align * align + (bytes == 0 ? align : 0);
   void* p = nullptr;

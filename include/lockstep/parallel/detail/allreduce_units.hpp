@@ -11,7 +11,7 @@
 //!    first)), begin_cycle() zeroes what they accumulate, drain() ends a micro-step that does
 //!    not step (each launches its collectives: block_units.hpp);
 //!  - make_plan(type, order, sizes, policy, zero_copy): how one element type's arena is cut;
-//!  - allocate(bytes): one element type's gradient arena;
+//!  - allocate(bytes, policy): one element type's gradient arena;
 //!  - built(plans, arenas, params): the layout is final (or rebuilt); returns the value
 //!    bindings it made (the model's values moved into its storage), empty if none;
 //!  - grads(g, plan, params): the gradients of group g this rank unscales, checks and clips;
@@ -57,7 +57,19 @@ class allreduce_units {
     return make_bucket_plan(t, std::move(order), sizes, policy,
                             zero_copy ? std::max<std::size_t>(1, 256 / size_of(t)) : 1);
   }
-  std::shared_ptr<void> allocate(std::size_t bytes) { return comm_.memory().allocate(bytes); }
+  //! A symmetric window where the policy asks for one and the communicator has them (NCCL's
+  //! symmetric kernels then reduce the buckets: NcclComm::all_reduce).
+  std::shared_ptr<void> allocate(std::size_t bytes, const BucketPolicy& policy) {
+    if constexpr (requires { comm_.allocate_symmetric(bytes); }) {
+      if (policy.symmetric_memory && comm_.size() > 1) {
+        auto [p, symmetric] = comm_.allocate_symmetric(bytes);
+        rec_.stats().symmetric_memory = symmetric;
+        return std::move(p);
+      }
+    }
+    rec_.stats().symmetric_memory = false;
+    return comm_.memory().allocate(bytes);
+  }
 
   std::span<const binding> built(std::span<const bucket_plan* const> plans, std::span<void* const>,
                                  const std::vector<parameter>&) {
