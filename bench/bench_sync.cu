@@ -12,6 +12,9 @@
 //     each rank's shard and lent buffer bytes;
 //  t. the fastest sharded MLP step with and without its compute (where its time goes; one
 //     configuration, for a profiler);
+//  g. lockstep's own host time per step and per bucket for GPT-2's tensors (no compute);
+//  y. the mean all-reduce of 1-256 MiB in plain memory vs in a symmetric window (NCCL's
+//     symmetric kernels), bus bandwidth;
 //  h. Hierarchical reduction (nodes of --node-size ranks) vs the flat all-reduce (not in the
 //     default set: run it under scripts/two_node_sim.sh and on one node).
 // Compute is simulated by kernels that hold every SM for a set time (so NCCL competes for
@@ -23,6 +26,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -307,6 +311,93 @@ void bench_a(const std::vector<shape>& shapes, int ngpu, int iters, const char* 
                 tname, ngpu, total * sizeof(T) / 1e6, flat, fused, flat / fused, buckets, flat / buckets);
 }
 
+// g. lockstep's own host time per step: GPT-2's tensors, no compute — dp.step(), every
+// gradient reported (the bucket launches), finish() — on the host clock around those calls
+// (device work is not waited for inside; each iteration ends synchronised, untimed). Median
+// over iterations of the slowest rank, and that over the plan's buckets.
+template <class T>
+void bench_g(const std::vector<shape>& shapes, int ngpu, int iters, const char* tname) {
+  std::vector<std::vector<double>> per_rank(static_cast<std::size_t>(g_process_ctx ? 1 : ngpu));
+  std::size_t buckets = 0;
+  bool symmetric = false;
+  auto rank_body = [&](lockstep::context<lockstep::NcclComm>& ctx, std::vector<double>& mine) {
+    cudaStream_t s = ctx.comm().compute_stream();
+    ShapesModel<T> m(shapes, 11u, s);
+    lockstep::DataParallel<ShapesModel<T>, lockstep::NcclComm> dp(ctx, m);
+    using clock = std::chrono::steady_clock;
+    for (int i = 0; i < 5 + iters; ++i) {
+      m.write_grads(s, 3u);
+      ctx.comm().barrier();
+      const auto t0 = clock::now();
+      auto step = dp.step();
+      for (std::size_t k = shapes.size(); k-- > 0;) step.gradient_ready(k);
+      step.finish();
+      const double us = std::chrono::duration<double, std::micro>(clock::now() - t0).count();
+      LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s));
+      if (i >= 5) mine.push_back(us);
+    }
+    if (ctx.rank() == 0) {
+      buckets = dp.stats().bucket_count;
+      symmetric = dp.stats().symmetric_memory;
+    }
+  };
+  if (g_process_ctx) {
+    rank_body(*g_process_ctx, per_rank[0]);
+    lockstep::all_reduce_scalars(g_process_ctx->comm(), std::span<double>(per_rank[0]), lockstep::reduce_op::max);
+  } else {
+    std::vector<int> devs(static_cast<std::size_t>(ngpu));
+    std::iota(devs.begin(), devs.end(), 0);
+    lockstep::run(lockstep::Gpus{devs}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
+      rank_body(ctx, per_rank[static_cast<std::size_t>(ctx.rank())]);
+    });
+  }
+  std::vector<double> slowest(per_rank[0].size(), 0);
+  for (auto& r : per_rank)
+    for (std::size_t i = 0; i < r.size(); ++i) slowest[i] = std::max(slowest[i], r[i]);
+  const double us = median(slowest);
+  if (g_print)
+    std::printf("g  %s %d GPU  lockstep host time per step %7.1f us: %zu tensors, %zu buckets, %.1f us per bucket "
+                "(arena %s)\n",
+                tname, ngpu, us, shapes.size(), buckets, us / static_cast<double>(std::max<std::size_t>(buckets, 1)),
+                symmetric ? "a symmetric window" : "plain memory");
+}
+
+// y. The mean all-reduce of 1-256 MiB on the same communicator, plain device memory (NCCL's
+// ring or tree, ncclAvg) beside a symmetric window (NcclComm::allocate_symmetric: NCCL's
+// symmetric kernels sum, then x1/N; and their sum alone): bus bandwidth, busbw = bytes/t *
+// 2(n-1)/n.
+template <class T>
+void bench_y(int ngpu, int iters, const char* tname) {
+  std::string why;
+  for (std::size_t mib : {1, 4, 16, 64, 256}) {
+    const std::size_t bytes = mib << 20, n = bytes / sizeof(T);
+    auto run_one = [&](int how) {  // 0 plain mean, 1 window mean, 2 window sum
+      return timed(ngpu, 5, iters, [&, how](auto& ctx, cudaStream_t s) {
+        std::shared_ptr<void> buf;
+        if (how == 0) buf = ctx.comm().memory().allocate(bytes);
+        else {
+          buf = ctx.comm().allocate_symmetric(bytes).first;
+          if (ctx.rank() == 0) why = ctx.comm().symmetric_kernels().second;
+        }
+        fill_kernel<<<1024, 256, 0, s>>>(static_cast<T*>(buf.get()), n, 7u);
+        auto* comm = &ctx.comm();
+        const auto op = how == 2 ? lockstep::reduce_op::sum : lockstep::reduce_op::avg;
+        return std::pair{nothing(),
+                         std::function<void()>([=] { comm->all_reduce(buf.get(), buf.get(), n, dt<T>(), op).wait(); })};
+      });
+    };
+    const double plain = run_one(0), window = run_one(1), sum = run_one(2);
+    const double f = 2.0 * (ngpu - 1) / ngpu;
+    auto bw = [&](double ms) { return static_cast<double>(bytes) / (ms * 1e-3) * f / 1e9; };
+    if (g_print)
+      std::printf("y  %s %d GPU  %4zu MiB  plain %8.1f us %6.1f GB/s | symmetric mean %8.1f us %6.1f GB/s (%.2fx) | "
+                  "symmetric sum alone %8.1f us %6.1f GB/s (%.2fx)\n",
+                  tname, ngpu, mib, plain * 1e3, bw(plain), window * 1e3, bw(window), plain / window, sum * 1e3,
+                  bw(sum), plain / sum);
+  }
+  if (g_print) std::printf("y  symmetric_kernels(): %s\n", why.c_str());
+}
+
 // h. Hierarchical reduction (nodes of `node` consecutive ranks) against the flat all-reduce of
 // the same bytes, on the same communicator: GPT-2's gradients as one buffer, and lockstep's
 // bucket-by-bucket sync (as in a) with the Hierarchical hook vs the default one.
@@ -467,7 +558,7 @@ int main(int argc, char** argv) {
       else if (a == "--node-size" && i + 1 < argc) node = std::stoi(argv[++i]);
       else {
         std::fprintf(stderr,
-                     "usage: bench_sync [--shapes FILE] [--iters N] [--gpus N] [--only abcswthz] [--node-size L]\n");
+                     "usage: bench_sync [--shapes FILE] [--iters N] [--gpus N] [--only abcgswthyz] [--node-size L]\n");
         return 2;
       }
     }
@@ -488,6 +579,14 @@ int main(int argc, char** argv) {
           bench_h<float>(gpt2, g, iters, "fp32", node);
           bench_h<__nv_bfloat16>(gpt2, g, iters, "bf16", node);
         }
+      if (wanted('g'))
+        for (int g : counts) bench_g<__nv_bfloat16>(gpt2, g, iters, "bf16");
+      if (wanted('y'))
+        for (int g : counts)
+          if (g > 1) {
+            bench_y<__nv_bfloat16>(g, iters, "bf16");
+            bench_y<float>(g, iters, "fp32");
+          }
       if (wanted('a'))
         for (int g : counts)
           if (g > 1) {

@@ -9,9 +9,14 @@
 #               parameter checksum); a truncated checkpoint is refused.
 # gpu_resume:   the same on every visible GPU (--device gpu); the GPU checkpoint also
 #               resumes on one CPU rank (with a warning). Skipped where no GPU is visible.
-# gpu_inputs:   --input prefetch, sync and device on every visible GPU end with the same
-#               parameters bit for bit (the batches are the same floats whichever way they
-#               come in), and each run names its input mode. Skipped where no GPU is visible.
+# gpu_inputs:   --input prefetch, sync and device, and device with --cuda-graph (each step
+#               replayed as one CUDA graph), on every visible GPU end with the same parameters
+#               bit for bit (the batches are the same floats whichever way they come in, and a
+#               graph replays the eager step's kernels), and each run names its input mode.
+#               Skipped where no GPU is visible.
+# gpu_symmetric: (2+ GPUs) example 02 (EXE) on 2 processes under LAUNCHER with --symmetric:
+#               NCCL's log says the buckets were all-reduced by its symmetric kernels and
+#               that no NVLS algorithm or multimem kernel was chosen.
 # tensorboard:  --logdir: TensorBoard's reader (READER, run with PYTHON) finds train/loss and
 #               train/lr at every step and test/accuracy at every epoch, equal to the CSV.
 # Prints "SKIPPED: ..." (ctest's SKIP_REGULAR_EXPRESSION) when a check needs the real data
@@ -169,8 +174,15 @@ elseif(MODE STREQUAL "resume" OR MODE STREQUAL "gpu_resume")
                  ${common} --resume "${WORK}/absent.lsck")
 elseif(MODE STREQUAL "gpu_inputs")
   set(first "")
-  foreach(input prefetch sync device)
-    run_example(--smoke --device gpu --input ${input})
+  foreach(input prefetch sync device graph)
+    if(input STREQUAL "graph")  # --input device, each full step replayed as one CUDA graph
+      run_example(--smoke --device gpu --input device --cuda-graph)
+      set(input "device")
+      set(graph_line "[^\n]*steps as one CUDA graph")
+    else()
+      run_example(--smoke --device gpu --input ${input})
+      set(graph_line "")
+    endif()
     if(rc STREQUAL "77")
       message(STATUS "SKIPPED: Fashion-MNIST is not installed (${err})")
       return()
@@ -183,7 +195,7 @@ elseif(MODE STREQUAL "gpu_inputs")
       message(FATAL_ERROR "--input ${input} failed (${rc}):\n${out}\n${err}")
     endif()
     set(sum "${CMAKE_MATCH_1}")
-    if(NOT out MATCHES "input: ${input} [^\n]*ms per step")
+    if(NOT out MATCHES "input: ${input} [^\n]*ms per step${graph_line}")
       message(FATAL_ERROR "--input ${input} printed no 'input: ${input} ...' line:\n${out}")
     endif()
     if(first STREQUAL "")
@@ -195,6 +207,53 @@ elseif(MODE STREQUAL "gpu_inputs")
     message(STATUS "${line}")
   endforeach()
   message(STATUS "gpu_inputs: ok, parameters ${first} with every input mode")
+elseif(MODE STREQUAL "gpu_symmetric")
+  # NCCL's own log (NCCL_DEBUG=INFO, subsystem TUNING, one file per process): the gradient
+  # buckets go to its symmetric kernels, and never to NVLink multicast (NVLS, or a symmetric
+  # kernel's multimem "MC" variant) with NCCL_NVLS_ENABLE=0.
+  set(ENV{NCCL_DEBUG} INFO)
+  set(ENV{NCCL_DEBUG_SUBSYS} TUNING)
+  set(ENV{NCCL_DEBUG_FILE} "${WORK}/nccl.%p.log")
+  set(ENV{NCCL_NVLS_ENABLE} 0)
+  if(NOT DEFINED LAUNCHER)
+    message(FATAL_ERROR "check_cli.cmake: gpu_symmetric needs -DLAUNCHER=<lockstep-run> (one process per GPU)")
+  endif()
+  execute_process(COMMAND nvidia-smi -L OUTPUT_VARIABLE gpus_listed ERROR_QUIET)
+  string(REGEX MATCHALL "GPU [0-9]+:" gpus_found "${gpus_listed}")
+  list(LENGTH gpus_found n_gpus)
+  if(n_gpus LESS 2)
+    message(STATUS "SKIPPED: needs 2 GPUs, found ${n_gpus}")
+    return()
+  endif()
+  set(EXE_SAVED "${EXE}")
+  set(EXE "${LAUNCHER}")
+  run_example(--nproc 2 "${EXE_SAVED}" --smoke --epochs 1 --symmetric)
+  set(EXE "${EXE_SAVED}")
+  if(rc STREQUAL "77" OR err MATCHES "no GPU is visible|built without CUDA")
+    message(STATUS "SKIPPED: ${err}")
+    return()
+  endif()
+  if(NOT rc STREQUAL "0")
+    message(FATAL_ERROR "the run failed (${rc}):\n${out}\n${err}")
+  endif()
+  if(NOT out MATCHES "sync \\(rank 0\\): [^\n]*symmetric window")
+    message(FATAL_ERROR "the gradient arena is not a symmetric window:\n${out}")
+  endif()
+  file(GLOB logs "${WORK}/nccl.*.log")
+  set(nccl "")
+  foreach(f IN LISTS logs)
+    file(READ "${f}" part)
+    string(APPEND nccl "${part}")
+  endforeach()
+  if(NOT nccl MATCHES "AllReduce \\[Symmetric\\]: [0-9]+ Bytes -> Kernel AllReduce_[A-Za-z_]+")
+    message(FATAL_ERROR "NCCL's log shows no all-reduce by a symmetric kernel:\n${nccl}")
+  endif()
+  string(REGEX MATCH "AllReduce \\[Symmetric\\]: [^\n]*" first "${nccl}")
+  if(nccl MATCHES "Algo NVLS|Kernel [A-Za-z_]*MC")
+    string(REGEX MATCH "[^\n]*(Algo NVLS|Kernel [A-Za-z_]*MC)[^\n]*" bad "${nccl}")
+    message(FATAL_ERROR "NCCL chose NVLink multicast with NCCL_NVLS_ENABLE=0: ${bad}")
+  endif()
+  message(STATUS "gpu_symmetric: ok: ${first}; no NVLS algorithm or multimem kernel")
 elseif(MODE STREQUAL "tensorboard")
   run_example(--device cpu --ranks 2 --smoke --logdir "${WORK}/logs")
   if(rc STREQUAL "77")

@@ -16,7 +16,10 @@
 //   synchronize()                  wait for queued device work (for timing)
 //   count_correct(lo, hi)          correct predictions on test images [lo, hi)
 //   save_optimizer(bytes) / load_optimizer(bytes)   lockstep::Sgd's checkpoint layout
-//   input_summary()                (optional) how batches reach the device, for the log
+//   input_summary(), graph_summary()  (optional) how batches reach the device and how many
+//                                  steps ran as a CUDA graph, for the log
+//   run_step(batch, step)          (optional) runs step() (the three calls above) for batch,
+//                                  eagerly or as a CUDA graph replay
 //
 // Because both devices run this same loop, they see the same samples in the same order,
 // the same schedule and the same global-batch semantics, and train to the same accuracy.
@@ -80,6 +83,9 @@ struct options {
   bool smoke = false;
   bool check = false;  // compare the GPU model with the CPU model before training
   input_kind input = input_kind::prefetch;
+  bool input_given = false;
+  bool cuda_graph = false;  // (GPU) each full step replayed as one CUDA graph (lockstep::StepGraph)
+  bool symmetric = false;   // (GPU) BucketPolicy::symmetric_memory: NCCL's symmetric kernels
 };
 
 inline constexpr const char* usage =
@@ -124,7 +130,12 @@ inline constexpr const char* usage =
     "                      sync: gathered and copied within the step, after the GPU finished\n"
     "                      the previous one; device: the training set copied to each GPU\n"
     "                      once, batches gathered there by a kernel\n"
-    "  --no-prefetch       the same as --input sync\n";
+    "  --no-prefetch       the same as --input sync\n"
+    "  --cuda-graph        (GPU) capture the training step (forward, backward, lockstep's\n"
+    "                      collectives, SGD) once into a CUDA graph and replay it for every\n"
+    "                      full batch (lockstep::StepGraph); implies --input device\n"
+    "  --symmetric         (GPU, one process per GPU) gradient buckets in a symmetric window,\n"
+    "                      all-reduced by NCCL's symmetric kernels (BucketPolicy::symmetric_memory)\n";
 
 struct usage_error : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -199,7 +210,12 @@ inline options parse(int argc, char** argv) {
       else if (m == "sync") o.input = input_kind::sync;
       else if (m == "device") o.input = input_kind::device;
       else throw usage_error("--input expects prefetch, sync or device, got '" + m + "'");
-    } else if (a == "--no-prefetch") o.input = input_kind::sync;
+      o.input_given = true;
+    } else if (a == "--no-prefetch") {
+      o.input = input_kind::sync;
+      o.input_given = true;
+    } else if (a == "--cuda-graph") o.cuda_graph = true;
+    else if (a == "--symmetric") o.symmetric = true;
     else throw usage_error("unknown option '" + a + "'");
   }
   if (o.smoke) {  // explicit options win, whatever their order
@@ -220,6 +236,12 @@ inline options parse(int argc, char** argv) {
     throw usage_error("--ranks sets CPU threads; with --device gpu use --gpus N");
   if (o.device == device_kind::automatic && ranks_given) o.device = device_kind::cpu;
   if (o.device == device_kind::automatic && wants_gpu) o.device = device_kind::gpu;
+  if (o.cuda_graph) {  // a graph reads its batch from fixed device addresses
+    if (o.device == device_kind::cpu) throw usage_error("--cuda-graph needs GPUs, not --device cpu");
+    if (o.input_given && o.input != input_kind::device)
+      throw usage_error("--cuda-graph replays a step whose batch is gathered on the device: use --input device");
+    o.input = input_kind::device;
+  }
   if (o.batch == 0) throw usage_error("--batch must be at least 1");
   if (*o.epochs < 1) throw usage_error("--epochs must be at least 1");
   if (!(o.lr > 0) || !std::isfinite(o.lr)) throw usage_error("--lr must be a positive number");
@@ -385,6 +407,7 @@ void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
   auto& model = trainer.model();
   lockstep::DataParallelOptions dp_opts;  // zero_copy (bind_gradient) is on by default
   if (opt.bucket_kib > 0) dp_opts.buckets.first_bytes = dp_opts.buckets.cap_bytes = opt.bucket_kib << 10;
+  dp_opts.buckets.symmetric_memory = opt.symmetric;
   // --wire bf16 on CPU ranks: each rank's gradients rounded to bf16, summed in fp32 — the numbers
   // lockstep::Bf16Wire gives over NCCL (bit for bit, tests/cuda/test_bf16_wire.cu), for
   // comparing accuracy with the fp32 wire. The GPU path keeps the plain all-reduce here.
@@ -449,10 +472,15 @@ void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
     std::size_t seen = 0;
     for (std::size_t b = 0; b < batches.size(); ++b) {
       trainer.set_lr(plan.schedule(step));
-      auto st = dp.step();
       const double loss_before = scalars.active() ? trainer.loss_sum() : 0.0;
-      trainer.forward_backward(batches[b], st.on_gradient_ready());
-      trainer.finish(st);      // gradients are averaged over ranks, then the optimizer steps
+      const auto one_step = [&] {
+        auto st = dp.step();
+        trainer.forward_backward(batches[b], st.on_gradient_ready());
+        trainer.finish(st);  // gradients are averaged over ranks, then the optimizer steps
+      };
+      // A GPU trainer may replay the step as a CUDA graph (--cuda-graph).
+      if constexpr (requires { trainer.run_step(batches[b], one_step); }) trainer.run_step(batches[b], one_step);
+      else one_step();
       if (scalars.active()) {  // rank 0's batch (reading the loss synchronises a GPU rank)
         const auto s = static_cast<std::int64_t>(step);
         scalars.scalar("train/loss", s, (trainer.loss_sum() - loss_before) / static_cast<double>(batches[b].size()));
@@ -530,9 +558,9 @@ void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
   if constexpr (requires { trainer.input_summary(); }) {
     if (ctx.is_root() && timed_steps > 0) {
       char line[512];
-      std::snprintf(line, sizeof line, "input: %s | %.3f ms per step (rank 0%s)", trainer.input_summary().c_str(),
+      std::snprintf(line, sizeof line, "input: %s | %.3f ms per step (rank 0%s)%s", trainer.input_summary().c_str(),
                     1e3 * timed_s / static_cast<double>(timed_steps),
-                    last_epoch - first_epoch > 1 ? ", first epoch left out" : "");
+                    last_epoch - first_epoch > 1 ? ", first epoch left out" : "", trainer.graph_summary().c_str());
       log(line);
     }
   }
@@ -545,7 +573,9 @@ void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
                   "%.1f MiB all-reduced per step, %.1f s in collectives (incl. waiting for "
                   "the other ranks)",
                   static_cast<unsigned long long>(s.syncs), s.bucket_count, s.bucket_count == 1 ? "" : "s",
-                  s.arena_bytes / 1048576.0, s.zero_copy ? "zero-copy" : "packed",
+                  s.arena_bytes / 1048576.0,
+                  s.zero_copy ? (s.symmetric_memory ? "zero-copy, symmetric window" : "zero-copy")
+                              : (s.symmetric_memory ? "packed, symmetric window" : "packed"),
                   static_cast<double>(s.bytes_reduced) / static_cast<double>(s.syncs) / 1048576.0, s.comm_seconds);
     log(line);
   }

@@ -23,6 +23,7 @@
 #include <lockstep/cuda/prefetch.cuh>
 #include <lockstep/cuda/run_gpus.cuh>
 #include <lockstep/cuda/run_processes.cuh>
+#include <lockstep/cuda/step_graph.cuh>
 #include <lockstep/data/seeding.hpp>
 #include <lockstep/observe/metrics.hpp>
 #include <lockstep/optim/sgd.hpp>
@@ -72,11 +73,14 @@ struct device_split {
 //  - device: the training set is copied to the device once; each epoch's indices are
 //    uploaded once and a kernel gathers each batch (bit for bit the host's floats).
 // The test set stays on the device in every mode (evaluation gathers it with the kernel).
+// With a StepGraph (use_graph, --cuda-graph; device input) each full batch's step is one
+// graph launch: the batch's indices are copied to a fixed buffer the captured gather reads,
+// the learning rate reaches FusedSgd on the device; a last, smaller batch runs eagerly.
 class GpuTrainer {
  public:
   GpuTrainer(int device, cudaStream_t stream, const dataset& data, std::uint64_t seed, std::size_t per_rank,
              input_kind input)
-      : data_(data), input_(input), mem_(device, stream), test_(mem_, data.test),
+      : data_(data), input_(input), per_rank_(per_rank), mem_(device, stream), test_(mem_, data.test),
         table_(to_device(mem_, data.table.data(), data.table.size())), rows_(std::max(per_rank, eval_rows)) {
     fmnist::Mlp host(lockstep::model_seed(seed));  // the CPU model's initial weights
     model_.emplace(host.parameters(), mem_, rows_);
@@ -94,6 +98,41 @@ class GpuTrainer {
   }
 
   gpu::Mlp& model() { return *model_; }
+
+  //! Replays each full step as a CUDA graph from now on (device input only).
+  void use_graph(lockstep::NcclComm& comm) {
+    if (input_ != input_kind::device)
+      throw lockstep::config_error("GpuTrainer: a CUDA graph needs --input device (its batch at a fixed address)");
+    step_idx_ = mem_.allocate(per_rank_ * sizeof(int));
+    graph_.emplace(comm);
+  }
+
+  //! step() for `batch`: a graph replay when it is a full batch and a graph is in use.
+  template <class Step>
+  void run_step(std::span<const std::size_t> batch, Step&& step) {
+    if (!graph_ || batch.size() != per_rank_) {
+      if (graph_) ++eager_;
+      graph_batch_ = nullptr;
+      step();
+      return;
+    }
+    // The captured gather reads the indices at step_idx_: bring this batch's there first.
+    const auto at = static_cast<std::size_t>(batch.data() - indices_.data());
+    LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(step_idx_.get(), static_cast<const int*>(idx_.get()) + at,
+                                      batch.size() * sizeof(int), cudaMemcpyDeviceToDevice, mem_.stream()));
+    graph_batch_ = static_cast<const int*>(step_idx_.get());
+    if (!graph_->run(step)) ++eager_;
+  }
+  //! " | N of M steps as one CUDA graph (...)", or "" without one.
+  std::string graph_summary() const {
+    if (!graph_) return "";
+    char s[200];
+    std::snprintf(
+        s, sizeof s, " | %llu of %llu steps as one CUDA graph (%zu nodes; %d warm-up and partial steps eager)",
+        static_cast<unsigned long long>(graph_->replays()), static_cast<unsigned long long>(graph_->replays() + eager_),
+        graph_->nodes(), static_cast<int>(eager_));
+    return s;
+  }
 
   void attach(const std::vector<lockstep::parameter>& params, double lr, double momentum) {
     sgd_.emplace(lockstep::SgdOptions{.lr = lr, .momentum = momentum}, params, mem_.device());
@@ -136,10 +175,12 @@ class GpuTrainer {
     const float* x = this->x();
     const std::uint8_t* y = this->y();
     switch (input_) {
-      case input_kind::device:
-        gpu::gather_rows(train_->px(), train_->y(), static_cast<const int*>(idx_.get()) + at, 0, table(), this->x(),
-                         this->y(), static_cast<int>(n), mem_.stream());
+      case input_kind::device: {
+        const int* rows = graph_batch_ != nullptr ? graph_batch_ : static_cast<const int*>(idx_.get()) + at;
+        gpu::gather_rows(train_->px(), train_->y(), rows, 0, table(), this->x(), this->y(), static_cast<int>(n),
+                         mem_.stream());
         break;
+      }
       case input_kind::sync: {
         auto* hx = reinterpret_cast<float*>(staged_.data());
         gather_into(data_.train, batch, data_.table.data(), hx, reinterpret_cast<std::uint8_t*>(hx + n * image_pixels));
@@ -223,6 +264,7 @@ class GpuTrainer {
 
   const dataset& data_;
   input_kind input_;
+  std::size_t per_rank_;
   lockstep::CudaMemory mem_;
   std::optional<device_split> train_;  // --input device only
   device_split test_;
@@ -238,6 +280,10 @@ class GpuTrainer {
   std::vector<std::size_t> rows_of_epoch_;        // --input prefetch: what the producer reads;
   std::vector<batch_span> batch_at_;              // declared before prefetch_, which outlives
   std::optional<lockstep::Prefetcher> prefetch_;  // neither (its helper threads read them)
+  std::shared_ptr<void> step_idx_;                // --cuda-graph: the batch's indices, at a fixed address
+  const int* graph_batch_ = nullptr;              // step_idx_ while a graph step runs
+  std::optional<lockstep::StepGraph> graph_;      // declared last: destroyed (synchronised) first
+  std::size_t eager_ = 0;                         // steps run eagerly while a graph was in use
 };
 
 // ‖a − b‖ / ‖b‖ (b: the reference).
@@ -362,6 +408,7 @@ void train_on_gpus(const std::vector<int>& devices, const options& opt, const tr
                    final_result& result) {
   lockstep::run(lockstep::Gpus{devices}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
     GpuTrainer trainer(ctx.device(), ctx.comm().compute_stream(), data, opt.seed, plan.per_rank, opt.input);
+    if (opt.cuda_graph) trainer.use_graph(ctx.comm());
     train_rank(ctx, trainer, opt, plan, data, result);
   });
 }
@@ -376,6 +423,7 @@ void train_as_gpu_process(const options& opt, const dataset& data,
     me = process_rank{ctx.rank(), ctx.size(), static_cast<long long>(hosts), ctx.device()};
     const training_plan plan = start(me);
     GpuTrainer trainer(ctx.device(), ctx.comm().compute_stream(), data, opt.seed, plan.per_rank, opt.input);
+    if (opt.cuda_graph) trainer.use_graph(ctx.comm());
     train_rank(ctx, trainer, opt, plan, data, result);
   });
   // [end snippet]

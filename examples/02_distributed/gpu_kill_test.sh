@@ -15,6 +15,11 @@
 #              within LOCKSTEP_TIMEOUT + 5 s, saying "rank 1 stopped responding".
 # 5. rank 0:   kill -9 rank 0 (it hosts the store): the others exit non-zero within 5 s, saying
 #              "rank 0 left".
+# 6. graph:    as 2, with every full step replayed as one CUDA graph (--input device
+#              --cuda-graph): rank 1 dies during replays; the survivors exit within 5 s, saying
+#              "rank 1 left".
+# 7. symmetric: as 2 with --symmetric (NCCL's symmetric kernels, which an abort does not end):
+#              the survivors exit within 10 s (the watchdog's 5 s grace), saying "rank 1 left".
 # Exit 0 pass, 1 fail, 77 skip (fewer than 2 GPUs, or Fashion-MNIST not installed).
 set -u
 if [ $# -lt 3 ]; then
@@ -30,6 +35,7 @@ done
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 [ "$gpus" -ge 2 ] || { echo "[lockstep-skip] needs 2 GPUs, found $gpus"; exit 77; }
 np=$(( gpus < 3 ? gpus : 3 ))
+EXTRA=()
 
 timeout_s=30           # LOCKSTEP_TIMEOUT of the straight, kill and resume runs
 stop_timeout_s=8       # LOCKSTEP_TIMEOUT of the stop run (it always waits it out)
@@ -105,7 +111,7 @@ check_survivors() {
 start_and_signal() {
   local name=$1 sig=$2 victim=$3
   NAME=$name
-  start_by_hand "$name" "${RUN_TIMEOUT:-$timeout_s}" --checkpoint "$work/$name.ck"
+  start_by_hand "$name" "${RUN_TIMEOUT:-$timeout_s}" --checkpoint "$work/$name.ck" "${EXTRA[@]}"
   wait_for_file "$work/$name.ck"
   T0=$(now)
   kill "-$sig" "${pids[$victim]}"
@@ -154,5 +160,26 @@ echo "kill -9 of rank 0:"
 check_survivors 0 "$kill_limit_s" "rank 0 left"
 pids=()
 
-echo "PASS: kill -9 / SIGSTOP / kill -9 of rank 0 all ended the job; resume == uninterrupted ($straight)"
+# --- 6. kill -9 rank 1 while each step is a CUDA graph replay ---------------------------------
+EXTRA=(--input device --cuda-graph)
+start_and_signal kill_graph KILL 1
+EXTRA=()
+wait "${pids[1]}" 2>/dev/null
+echo "kill -9 of rank 1 during CUDA graph replays:"
+check_survivors 1 "$kill_limit_s" "rank 1 left"
+pids=()
+
+# --- 7. kill -9 rank 1 with the buckets in NCCL's symmetric kernels ---------------------------
+# An aborted communicator does not end those kernels: the survivors stop when the watchdog's
+# grace period (5 s) ends their processes, still naming rank 1.
+EXTRA=(--symmetric)
+start_and_signal kill_symmetric KILL 1
+EXTRA=()
+wait "${pids[1]}" 2>/dev/null
+echo "kill -9 of rank 1 with --symmetric:"
+check_survivors 1 "$((kill_limit_s + 5))" "rank 1 left"
+pids=()
+
+echo "PASS: kill -9 / SIGSTOP / kill -9 of rank 0 / kill -9 during graph replays / with symmetric kernels all" \
+  "ended the job; resume == uninterrupted ($straight)"
 exit 0

@@ -40,6 +40,7 @@
 #if defined(__CUDACC__) && defined(LOCKSTEP_WITH_CUDA)
 #define GPT2_GPU 1
 #include <ATen/autocast_mode.h>
+#include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -72,7 +73,12 @@ struct options : gpt2::run_options {
   bool recompute = false;     // --zero: recompute each block in backward
   bool keep_grads = false;    // --zero: BlockBuffers::keep_gradient_shards
   int prefetch = 1;           // --zero 3: BlockBuffers::prefetch
+  bool cuda_graph = false;    // GPUs: each step after the first two replayed as one CUDA graph
 };
+
+// Eager steps before --cuda-graph captures one: the first lays lockstep's buckets out in the
+// order gradients arrived, the second runs the final layout (StepGraphOptions::warmup).
+constexpr std::int64_t graph_warmup = 2;
 
 constexpr std::int64_t profiled_steps = 3;
 
@@ -82,8 +88,10 @@ constexpr std::int64_t profiled_steps = 3;
       "                  [--seq T] [--steps N] [--warmup N] [--lr X] [--seed S] [--log-every N] [--bench]\n"
       "                  [--memory-trace]\n"
       "                  [--profile TRACE.json] [--wire fp32|bf16] [--shard [--pack-values] [--copy-engine[-gather]]]\n"
-      "                  [--zero 2|3 [--recompute] [--keep-grad-shards] [--prefetch N]]\n"
-      "  batch: sequences per rank and step; on GPUs: all local GPUs, or one per process under a launcher\n");
+      "                  [--zero 2|3 [--recompute] [--keep-grad-shards] [--prefetch N]] [--cuda-graph]\n"
+      "  batch: sequences per rank and step; on GPUs: all local GPUs, or one per process under a launcher\n"
+      "  --cuda-graph: (GPUs, not with --zero) after two eager steps, capture the whole step (forward, backward,\n"
+      "                lockstep's collectives, AdamW) with at::cuda::CUDAGraph and replay it\n");
   std::exit(rc);
 }
 
@@ -104,6 +112,7 @@ options parse(int argc, char** argv) {
     else if (a == "--recompute") o.recompute = true;
     else if (a == "--keep-grad-shards") o.keep_grads = true;
     else if (a == "--prefetch") o.prefetch = std::stoi(next());
+    else if (a == "--cuda-graph") o.cuda_graph = true;
     else return false;
     return true;
   });
@@ -113,6 +122,11 @@ options parse(int argc, char** argv) {
   }
   if (o.zero != 0 && o.zero != 2 && o.zero != 3) {
     std::fprintf(stderr, "gpt2_torch: --zero %d: say 2 (ShardedGradients) or 3 (FullySharded)\n", o.zero);
+    usage(2);
+  }
+  if (o.cuda_graph && o.zero != 0) {
+    std::fprintf(stderr, "gpt2_torch: --cuda-graph with --zero is not supported (a block's use is driven from the "
+                         "host); leave one out\n");
     usage(2);
   }
   if (o.wire != "fp32" && o.wire != "bf16") {
@@ -255,18 +269,13 @@ int main(int argc, char** argv) {
         auto t_log = clock::now();
         double first_loss = 0, last_loss = 0;
         const bool profiling = gpu && !opt.profile.empty() && ctx.is_root();
-        for (std::int64_t s = 0; s < opt.steps; ++s) {
-#if GPT2_GPU
-          if (profiling && s == opt.warmup) {
-            sync();
-            lockstep_bench::start_gpu_trace();
-          }
-#endif
-          const auto t0 = clock::now();
-          auto rows = text.batch(opt.batch, opt.seq, opt.seed, s, ctx.rank()).to(dev, /*non_blocking=*/true);
+        if (opt.cuda_graph && !gpu) throw lockstep::config_error("--cuda-graph needs GPUs (this run has CPU ranks)");
+        // The batch lives at one address (a captured step reads it there); the loss too.
+        torch::Tensor rows = torch::empty({opt.batch, opt.seq + 1}, torch::TensorOptions(torch::kLong).device(dev));
+        torch::Tensor loss;
+        auto one_step = [&] {
           auto x = rows.narrow(1, 0, opt.seq), y = rows.narrow(1, 1, opt.seq);
           auto step = dp.step();
-          torch::Tensor loss;
           {
             [[maybe_unused]] const auto held = root(lockstep::pass::forward);
             // [snippet docs/sharding.md#6]
@@ -289,6 +298,37 @@ int main(int argc, char** argv) {
           if constexpr (!gpu && !sharded) {
             step.finish();
             cpu_opt->step();
+          }
+        };
+#if GPT2_GPU
+        std::optional<at::cuda::CUDAGraph> graph;  // --cuda-graph: the captured step
+#endif
+        for (std::int64_t s = 0; s < opt.steps; ++s) {
+#if GPT2_GPU
+          if (profiling && s == opt.warmup) {
+            sync();
+            lockstep_bench::start_gpu_trace();
+          }
+#endif
+          const auto t0 = clock::now();
+          rows.copy_(text.batch(opt.batch, opt.seq, opt.seed, s, ctx.rank()), /*non_blocking=*/true);
+          if (!opt.cuda_graph || s < graph_warmup) {
+            one_step();
+          } else {
+#if GPT2_GPU
+            if constexpr (gpu) {
+              if (!graph) {
+                // Thread-local: libtorch's autograd threads run lockstep's hooks beside this one, and
+                // under run(Gpus) the other ranks' threads capture at the same time.
+                const lockstep::CaptureScope no_allocations;  // lockstep's, that is; libtorch's go to the graph's pool
+                graph.emplace();
+                graph->capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
+                one_step();
+                graph->capture_end();
+              }
+              ctx.comm().tracked_launch("the captured GPT-2 step", [&] { graph->replay(); });
+            }
+#endif
           }
           const bool log = s % opt.log_every == 0 || s + 1 == opt.steps;  // the same on every rank
           if (opt.bench || log || profiling) sync();
@@ -351,7 +391,8 @@ int main(int argc, char** argv) {
                                        (blocked && opt.recompute ? "-recompute" : "") +
                                        (sharded && !dp.stats().values_bound ? "-packed" : "") +
                                        (sharded && dp.stats().gathers_by_copy_engine ? "-cegather" : "") +
-                                       (sharded && dp.stats().scatters_by_copy_engine ? "-cescatter" : ""),
+                                       (sharded && dp.stats().scatters_by_copy_engine ? "-cescatter" : "") +
+                                       (opt.cuda_graph ? "-graph" : ""),
                                    ctx.size(), worst[0], opt.batch * opt.seq * ctx.size(), peak, first_loss, last_loss);
           if (ctx.is_root() && gpu)
             std::printf("bench-memory: device_used_gib=%.2f (cudaMemGetInfo at the end, the most of any GPU)\n",

@@ -4,6 +4,12 @@
 // machine has fewer GPUs than processes.
 //   distributed_equivalence --uneven   rank 0 runs one step fewer (uneven inputs, no Join):
 //   every process must end within seconds, the others saying that rank 0 left.
+//   distributed_equivalence --graph    cycles 2.. (both micro-steps) captured once in a
+//   lockstep::StepGraph (cudaStreamCaptureModeGlobal: nothing in the process may synchronise
+//   or allocate meanwhile) and replayed; the same parameters.
+//   distributed_equivalence --symmetric   the gradient arena in a symmetric window
+//   (BucketPolicy::symmetric_memory): the buckets go to NCCL's symmetric kernels where the
+//   GPUs allow (printed), with the same parameters. Flags combine.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -11,6 +17,7 @@
 #include <thread>
 
 #include <lockstep/cuda/run_processes.cuh>
+#include <lockstep/cuda/step_graph.cuh>
 #include <lockstep/lockstep.hpp>
 #include <lockstep/parallel/data_parallel.hpp>
 
@@ -22,7 +29,18 @@ using namespace lockstep_test;
 
 int main(int argc, char** argv) {
   try {
-    const bool uneven = argc > 1 && std::string(argv[1]) == "--uneven";
+    bool uneven = false, graphed = false, symmetric = false;
+    for (int i = 1; i < argc; ++i) {
+      const std::string a = argv[i];
+      if (a == "--uneven") uneven = true;
+      else if (a == "--graph") graphed = true;
+      else if (a == "--symmetric") symmetric = true;
+      else {
+        std::fprintf(stderr, "distributed_equivalence: unknown option '%s' (--uneven, --graph, --symmetric)\n",
+                     a.c_str());
+        return 2;
+      }
+    }
     // What run(Auto) asks first (the GPUs, their properties and peer access): it must leave
     // no CUDA context behind on a GPU this process does not use (checked at the end).
     (void)lockstep::detect();
@@ -69,28 +87,48 @@ int main(int argc, char** argv) {
       }
       GpuMlp m(dims, values, st);
       lockstep::Distributed<GpuMlp, lockstep::NcclComm, lockstep::Accumulate<>> dp(
-          ctx, m, {.buckets = {.first_bytes = 2000, .cap_bytes = 6000}}, lockstep::Accumulate<>(accumulate));
+          ctx, m, {.buckets = {.first_bytes = 2000, .cap_bytes = 6000, .symmetric_memory = symmetric}},
+          lockstep::Accumulate<>(accumulate));
       float* dX = nullptr;
-      int *dy = nullptr, *drows = nullptr;
+      int *dy = nullptr, *drows = nullptr;  // one row buffer per micro-step of a cycle
       LOCKSTEP_TRY_CUDA(cudaMalloc(&dX, X.size() * sizeof(float)));
       LOCKSTEP_TRY_CUDA(cudaMalloc(&dy, y.size() * sizeof(int)));
-      LOCKSTEP_TRY_CUDA(cudaMalloc(&drows, batch * sizeof(int)));
+      LOCKSTEP_TRY_CUDA(cudaMalloc(&drows, accumulate * batch * sizeof(int)));
       LOCKSTEP_TRY_CUDA(cudaMemcpy(dX, X.data(), X.size() * sizeof(float), cudaMemcpyHostToDevice));
       LOCKSTEP_TRY_CUDA(cudaMemcpy(dy, y.data(), y.size() * sizeof(int), cudaMemcpyHostToDevice));
       LOCKSTEP_TRY_CUDA(cudaDeviceSynchronize());
+      // The whole cycle is one graph: both micro-steps, the sync and the SGD step.
+      lockstep::StepGraph graph(ctx.comm(), {.warmup = 2, .mode = cudaStreamCaptureModeGlobal});
       const int my_steps = uneven && ctx.rank() == 0 ? steps - 1 : steps;
-      for (int s = 0; s < my_steps; ++s)
+      for (int s = 0; s < my_steps; ++s) {
+        std::vector<int> rows(static_cast<std::size_t>(accumulate * batch));
         for (int k = 0; k < accumulate; ++k) {
-          std::vector<int> rows(batch);
           const std::size_t first = s * global + (static_cast<std::size_t>(k) * world + ctx.rank()) * batch;
-          for (int i = 0; i < batch; ++i) rows[static_cast<std::size_t>(i)] = static_cast<int>((first + i) % samples);
-          LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(drows, rows.data(), rows.size() * sizeof(int), cudaMemcpyHostToDevice, st));
-          LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(st));
-          auto step = dp.step();
-          m.forward_backward(dX, dy, drows, batch, step.on_gradient_ready());
-          if (step.finish()) m.sgd(lr);
+          for (int i = 0; i < batch; ++i)
+            rows[static_cast<std::size_t>(k * batch + i)] = static_cast<int>((first + i) % samples);
         }
+        LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(drows, rows.data(), rows.size() * sizeof(int), cudaMemcpyHostToDevice, st));
+        LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(st));
+        const auto cycle = [&] {
+          for (int k = 0; k < accumulate; ++k) {
+            auto step = dp.step();
+            m.forward_backward(dX, dy, drows + k * batch, batch, step.on_gradient_ready());
+            if (step.finish()) m.sgd(lr);
+          }
+        };
+        if (graphed) graph.run(cycle);
+        else cycle();
+      }
       if (uneven) return;  // the ranks that stepped on fail in their last step (not here)
+      LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(st));
+      if (graphed && graph.replays() != static_cast<std::uint64_t>(steps - 2)) {
+        std::printf("rank %d: the graph ran %llu times, expected %d\n", ctx.rank(),
+                    static_cast<unsigned long long>(graph.replays()), steps - 2);
+        ++failures;
+      }
+      if (symmetric && ctx.rank() == 0)
+        std::printf("symmetric window: %s (%s)\n", dp.stats().symmetric_memory ? "yes" : "no",
+                    ctx.comm().symmetric_kernels().second.c_str());
       const auto got = m.flat_values();
       const double err = max_rel_diff(got, ref.flat_values());
       const double moved = max_rel_diff(init.flat_values(), ref.flat_values());
