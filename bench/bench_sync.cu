@@ -13,6 +13,8 @@
 //  t. the fastest sharded MLP step with and without its compute (where its time goes; one
 //     configuration, for a profiler);
 //  g. lockstep's own host time per step and per bucket for GPT-2's tensors (no compute);
+//  k. bucket caps from the cost model (BucketPolicy::tune) beside a hand sweep (1, 4, 25, 64,
+//     128 MiB) on b's GPT-2 step and c's MLP;
 //  y. the mean all-reduce of 1-256 MiB in plain memory vs in a symmetric window (NCCL's
 //     symmetric kernels), bus bandwidth;
 //  h. Hierarchical reduction (nodes of --node-size ranks) vs the flat all-reduce (not in the
@@ -188,6 +190,7 @@ double median(std::vector<double> v) {
 // the benchmark measures Distributed mode; otherwise one process drives ngpu GPUs.
 lockstep::context<lockstep::NcclComm>* g_process_ctx = nullptr;
 bool g_print = true;
+lockstep::sync_stats g_stats;  // rank 0's, after train_step_time's last step (k: the tuned cap)
 
 // Chained (g_chained): the steps run back to back with no barrier between them, and a step's
 // time is the span of all of them over their number — what a training loop sees when a step's
@@ -500,8 +503,36 @@ double train_step_time(const std::vector<shape>& shapes, int ngpu, int iters, do
           sgd_kernel<<<528, 256, 0, s>>>(static_cast<T*>(sl.value), static_cast<const T*>(sl.grad), sl.count, 1e-3f);
       });
     };
-    return std::pair{nothing(), std::function<void()>(body)};
+    const bool root = ctx.rank() == 0;
+    return std::pair{std::function<void()>([=] {
+                       if (root) g_stats = dp->stats();
+                     }),
+                     std::function<void()>(body)};
   });
+}
+
+// k. Bucket caps from the cost model (BucketPolicy::tune) beside a hand sweep of caps, each
+// timed in this run: `name`'s step (train_step_time's synthetic model), the tuned cap and the
+// model's comparison printed.
+template <class T>
+void bench_k(const char* name, const std::vector<shape>& shapes, int g, int iters, double head,
+             const std::vector<double>& fwd, const std::vector<double>& bwd) {
+  std::string row;
+  double best = -1;
+  std::size_t best_cap = 0;
+  for (std::size_t cap_mib : {std::size_t{1}, std::size_t{4}, std::size_t{25}, std::size_t{64}, std::size_t{128}}) {
+    const double t = train_step_time<T>(shapes, g, iters, head, fwd, bwd, {.cap_bytes = cap_mib << 20});
+    char cell[48];
+    std::snprintf(cell, sizeof cell, "  %zu MiB %.3f", cap_mib, t);
+    row += cell;
+    if (best < 0 || t < best) best = t, best_cap = cap_mib;
+  }
+  const double tuned = train_step_time<T>(shapes, g, iters, head, fwd, bwd, {.tune = true});
+  if (g_print) {
+    std::printf("k  %s %d GPU  hand sweep (cap, ms):%s | best %zu MiB %.3f ms | tuned %.3f ms (%.1f%% off the best)\n",
+                name, g, row.c_str(), best_cap, best, tuned, 100.0 * (tuned - best) / best);
+    std::printf("k  %s %d GPU  tuned: %s\n", name, g, g_stats.tuning.c_str());
+  }
 }
 
 // z. The same step under full sharding (Strategy: ShardedGradients or FullySharded): each layer
@@ -558,7 +589,7 @@ int main(int argc, char** argv) {
       else if (a == "--node-size" && i + 1 < argc) node = std::stoi(argv[++i]);
       else {
         std::fprintf(stderr,
-                     "usage: bench_sync [--shapes FILE] [--iters N] [--gpus N] [--only abcgswthyz] [--node-size L]\n");
+                     "usage: bench_sync [--shapes FILE] [--iters N] [--gpus N] [--only abcgkswthyz] [--node-size L]\n");
         return 2;
       }
     }
@@ -620,6 +651,30 @@ int main(int argc, char** argv) {
           else  // Distributed mode: the 1-GPU step comes from a DataParallel run of the same machine
             std::printf("b  bf16 %d GPU  step %7.3f ms\n", g, t);
         }
+      }
+      // k. The tuned caps against a hand sweep: b's GPT-2 step (bf16) and c's MLP (fp32).
+      if (wanted('k')) {
+        std::size_t total = 0;
+        for (auto& s : gpt2) total += s.numel();
+        std::vector<double> fwd(12, 8700.0 / 12), bwd(gpt2.size());
+        double head = 0;
+        for (std::size_t i = 0; i < gpt2.size(); ++i) {
+          const double us = 17300.0 * gpt2[i].numel() / total;
+          if (gpt2[i].name == "wte") head = us, bwd[i] = 20.0;
+          else bwd[i] = us;
+        }
+        std::vector<shape> mlp;
+        for (int l = 0; l < 8; ++l) {
+          mlp.push_back({"l" + std::to_string(l) + ".weight", {4096, 4096}});
+          mlp.push_back({"l" + std::to_string(l) + ".bias", {4096}});
+        }
+        std::vector<double> mfwd(8, 70.0), mbwd(mlp.size(), 0.0);
+        for (std::size_t i = 0; i < mlp.size(); i += 2) mbwd[i] = 140.0;
+        for (int g : counts)
+          if (g > 1) {
+            bench_k<__nv_bfloat16>("gpt2 bf16", gpt2, g, iters, head, fwd, bwd);
+            bench_k<float>("mlp fp32", mlp, g, iters, 0, mfwd, mbwd);
+          }
       }
       // c. comm-bound MLP: 8 × (4096×4096 weight + 4096 bias); small per-layer compute; bucket
       // caps swept (DDP's 25 MiB default first). s and w run on the same MLP, with or without c.

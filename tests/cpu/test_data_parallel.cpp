@@ -25,9 +25,88 @@ struct two_samples {
   two_samples(std::size_t features, float fill, std::size_t at, float odd) : X(features * 2, fill) { X[at] = odd; }
 };
 
+//! A communicator for the bucket tuner alone: one rank, a clock the test sets (each stamp
+//! takes the next preset time) and an all-reduce costing alpha + bytes / beta µs.
+struct TunerComm {
+  std::vector<double> times;  // the stamps, in the order they are taken
+  std::size_t next = 0;
+  double alpha = 0, beta = 1;  // µs, bytes per µs
+  int size() const { return 1; }
+  // One rank: the tuner broadcasts nothing (these only make the type complete).
+  lockstep::HostMemory memory() const { return {}; }
+  struct done {
+    void wait() {}
+  };
+  done broadcast(void*, std::size_t, lockstep::dtype, int) { throw std::logic_error("one rank: nothing to broadcast"); }
+};
+
+}  // namespace
+
+template <>
+struct lockstep::detail::bucket_costs<TunerComm> {
+  static constexpr bool available = true;
+  using stamp_type = double;
+  static double now(TunerComm& c) { return c.times.at(c.next++); }
+  static double elapsed_us(TunerComm&, double a, double b) { return b - a; }
+  static double all_reduce_us(TunerComm& c, std::size_t count, lockstep::dtype t) {
+    return c.alpha + static_cast<double>(count * lockstep::size_of(t)) / c.beta;
+  }
+};
+
+namespace {
+
+//! The tuner's cap for 40 parameters of 1 MiB (f32) reported every `gap` µs (reverse
+//! registration order), all-reduces costing alpha + bytes/beta.
+std::size_t tuned_cap(double gap, double alpha, double beta, std::string& why) {
+  const std::size_t n = 40, each = (1u << 20) / 4;
+  std::vector<lockstep::parameter> params;
+  std::vector<std::vector<float>> store(n, std::vector<float>(each));
+  for (std::size_t i = 0; i < n; ++i)
+    params.push_back(lockstep::param<float>("p" + std::to_string(i), store[i].data(), store[i].data(),
+                                            {static_cast<std::int64_t>(each)}));
+  TunerComm comm{.times = {0.0}, .alpha = alpha, .beta = beta};
+  std::vector<std::size_t> order;
+  for (std::size_t i = n; i-- > 0;) {
+    order.push_back(i);
+    comm.times.push_back(gap * static_cast<double>(order.size()));
+  }
+  lockstep::detail::first_step_timer<TunerComm> timer;
+  timer.start(comm);
+  for (auto i : order) timer.mark(comm, i);
+  lockstep::BucketPolicy policy{.tune = true};
+  lockstep::sync_stats st;
+  const std::vector<std::size_t> sizes(n, each);
+  const bool changed = timer.settle(
+      comm, order, params, policy,
+      [&](lockstep::dtype t, auto idx, auto p) { return make_bucket_plan(t, idx, sizes, p, 1); }, st);
+  CHECK(changed == (policy.cap_bytes != lockstep::BucketPolicy{}.cap_bytes));
+  CHECK(st.tuned_cap_bytes == policy.cap_bytes);
+  CHECK_FALSE(timer.on());
+  why = st.tuning;
+  return policy.cap_bytes >> 20;
+}
+
 }  // namespace
 
 TEST_SUITE("cpu") {
+
+TEST_CASE("bucket tuner: the cost model picks small buckets when backward is slow and one bucket when it is not") {
+  std::string why;
+  // Backward 2 ms per gradient, all-reduce ~0.1 ms per MiB: the last bucket alone is exposed,
+  // so the smallest cap tried wins.
+  CHECK(tuned_cap(2000, 10, 1e4, why) == 1);
+  CHECK(why.find("cap 1 MiB") == 0);
+  // Every gradient ready at once (no overlap to win) and 200 µs per launch: the fewest
+  // buckets win — one bucket of all 40 MiB, first reached at the 64 MiB cap.
+  CHECK(tuned_cap(0, 200, 1e5, why) == 64);
+  CHECK(why.find("64 MiB") != std::string::npos);
+  // Between the two: gradients every 50 µs, 100 µs per launch, 0.1 ms per MiB — neither
+  // extreme; the choice ends the sync no later than either extreme would.
+  const std::size_t mid = tuned_cap(50, 100, 1e4, why);
+  CAPTURE(why);
+  CHECK(mid > 1);
+  CHECK(mid < 64);
+}
 
 TEST_CASE("bucket plan: every element of every parameter lies in exactly one slice") {
   LOCKSTEP_SEEDED(std::mt19937_64 rng);

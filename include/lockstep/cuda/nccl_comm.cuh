@@ -59,6 +59,7 @@
 #include "lockstep/core/detail/env.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/reduce_op.hpp"
+#include "lockstep/cuda/detail/nccl_costs.cuh"
 #include "lockstep/cuda/detail/nccl_handle.cuh"
 #include "lockstep/cuda/detail/nccl_marker.cuh"
 #include "lockstep/cuda/detail/nccl_order.cuh"
@@ -339,11 +340,10 @@ class NcclComm : private detail::nccl_handle {
     return std::nullopt;
   }
 
-  //! Runs launch(), which queues work on the compute stream that holds collectives of this
-  //! communicator — a CUDA graph replay (StepGraph; libtorch's CUDAGraph::replay()) — and,
-  //! with track_collectives(), tracks that work as it tracks a collective: overdue() names
-  //! it, "graph_replay #n of <what>", if it has not completed in time (a peer died or hangs
-  //! inside the replay). The collectives inside a graph are not tracked one by one.
+  //! Runs launch(), which queues work holding collectives of this communicator on the compute
+  //! stream (a CUDA graph replay: StepGraph, libtorch's CUDAGraph::replay()), tracked like a
+  //! collective with track_collectives(): overdue() names it, "graph_replay #n of <what>", if
+  //! it has not completed in time (a peer died or hangs inside the replay).
   template <class Launch>
   void tracked_launch(std::string what, Launch&& launch) {
     state& s = live("tracked_launch");

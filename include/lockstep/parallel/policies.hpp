@@ -188,6 +188,11 @@ struct BucketPolicy {
   //! those kernels, so a survivor stops only when the watchdog's grace period ends the
   //! process (5 s, not at once); docs/communicator.md has the measurements.
   bool symmetric_memory = false;
+  //! Choose cap_bytes from a cost model when the first step ends (with
+  //! rebuild_after_first_step, on communicators that give one: NcclComm): the first step's
+  //! gradient times, stamped on the device, and NCCL's estimate of each bucket's all-reduce
+  //! (parallel/detail/bucket_tuner.hpp). sync_stats::tuning says what it chose and why.
+  bool tune = false;
 };
 
 struct DataParallelOptions {

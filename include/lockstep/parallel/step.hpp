@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <limits>
 
 namespace lockstep {
@@ -55,6 +56,10 @@ struct sync_stats {
   //! (gathered values, gradients until their reduce-scatter ran, pooled ones) — what full
   //! sharding holds beside the shards.
   std::size_t lent_bytes = 0;
+  //! BucketPolicy::tune: the cap chosen after the first step (0: not tuned), and the model's
+  //! comparison of the caps it tried.
+  std::size_t tuned_cap_bytes = 0;
+  std::string tuning;
 };
 
 //! What finish() reports. Converts to true when the optimizer should step.

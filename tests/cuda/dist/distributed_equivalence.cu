@@ -9,7 +9,9 @@
 //   or allocate meanwhile) and replayed; the same parameters.
 //   distributed_equivalence --symmetric   the gradient arena in a symmetric window
 //   (BucketPolicy::symmetric_memory): the buckets go to NCCL's symmetric kernels where the
-//   GPUs allow (printed), with the same parameters. Flags combine.
+//   GPUs allow (printed), with the same parameters.
+//   distributed_equivalence --tune     BucketPolicy::tune: the cap chosen from the first
+//   step's gradient times and NCCL's estimates (printed), the same parameters. Flags combine.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -29,14 +31,15 @@ using namespace lockstep_test;
 
 int main(int argc, char** argv) {
   try {
-    bool uneven = false, graphed = false, symmetric = false;
+    bool uneven = false, graphed = false, symmetric = false, tune = false;
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
       if (a == "--uneven") uneven = true;
       else if (a == "--graph") graphed = true;
       else if (a == "--symmetric") symmetric = true;
+      else if (a == "--tune") tune = true;
       else {
-        std::fprintf(stderr, "distributed_equivalence: unknown option '%s' (--uneven, --graph, --symmetric)\n",
+        std::fprintf(stderr, "distributed_equivalence: unknown option '%s' (--uneven, --graph, --symmetric, --tune)\n",
                      a.c_str());
         return 2;
       }
@@ -87,7 +90,7 @@ int main(int argc, char** argv) {
       }
       GpuMlp m(dims, values, st);
       lockstep::Distributed<GpuMlp, lockstep::NcclComm, lockstep::Accumulate<>> dp(
-          ctx, m, {.buckets = {.first_bytes = 2000, .cap_bytes = 6000, .symmetric_memory = symmetric}},
+          ctx, m, {.buckets = {.first_bytes = 2000, .cap_bytes = 6000, .symmetric_memory = symmetric, .tune = tune}},
           lockstep::Accumulate<>(accumulate));
       float* dX = nullptr;
       int *dy = nullptr, *drows = nullptr;  // one row buffer per micro-step of a cycle
@@ -126,6 +129,11 @@ int main(int argc, char** argv) {
                     static_cast<unsigned long long>(graph.replays()), steps - 2);
         ++failures;
       }
+      if (tune && (dp.stats().tuned_cap_bytes == 0 || dp.stats().tuning.empty())) {
+        std::printf("rank %d: --tune chose no cap\n", ctx.rank());
+        ++failures;
+      }
+      if (tune && ctx.rank() == 0) std::printf("tuned: %s\n", dp.stats().tuning.c_str());
       if (symmetric && ctx.rank() == 0)
         std::printf("symmetric window: %s (%s)\n", dp.stats().symmetric_memory ? "yes" : "no",
                     ctx.comm().symmetric_kernels().second.c_str());

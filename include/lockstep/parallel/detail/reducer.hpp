@@ -24,6 +24,7 @@
 #include "lockstep/parallel/bucket_hook.hpp"
 #include "lockstep/parallel/detail/binding.hpp"
 #include "lockstep/parallel/detail/bucket_plan.hpp"
+#include "lockstep/parallel/detail/bucket_tuner.hpp"
 #include "lockstep/parallel/detail/step_recorder.hpp"
 #include "lockstep/parallel/policies.hpp"
 #include "lockstep/parallel/step.hpp"
@@ -108,6 +109,7 @@ class reducer {
     prescale_ = prescale;
     ready_.assign(params_.size(), false);
     if (!launching_) return;
+    if (sync && !observed_ && policy_.tune && policy_.rebuild_after_first_step) timer_.start(comm_);
     if (sync) sync_arrivals_.clear();
     for (auto& g : groups_) {
       g.pending.clear();
@@ -130,6 +132,7 @@ class reducer {
     ready_[i] = true;
     if (!observed_) arrivals_.push_back(i);
     if (sync_) sync_arrivals_.push_back(i);
+    if (sync_ && timer_.on()) timer_.mark(comm_, i);  // BucketPolicy::tune: when it was ready
     count_ready(i);
   }
 
@@ -327,8 +330,21 @@ class reducer {
       if (!seen[i]) order.push_back(static_cast<std::int64_t>(i));
     if (comm_.size() > 1) host_broadcast(comm_, order, 0);
     std::vector<std::size_t> o(order.begin(), order.end());
-    if (o != current_order_ || binding_due()) pending_order_ = std::move(o);
+    const bool recut =
+        timer_.on() && timer_.settle(
+                           comm_, o, params_, policy_,
+                           [&](dtype t, auto idx, auto p) {
+                             return units_.make_plan(t, idx, sizes_of(params_), p, static_cast<bool>(bind_));
+                           },
+                           rec_.stats());
+    if (o != current_order_ || binding_due() || recut) pending_order_ = std::move(o);
     arrivals_.clear();
+  }
+
+  static std::vector<std::size_t> sizes_of(const std::vector<parameter>& ps) {
+    std::vector<std::size_t> sizes(ps.size());
+    for (std::size_t i = 0; i < ps.size(); ++i) sizes[i] = ps[i].numel();
+    return sizes;
   }
 
   // The model lends its gradients but they are not in the arena yet.
@@ -340,8 +356,7 @@ class reducer {
     bound_ = bind;
     std::map<dtype, std::vector<std::size_t>> by_type;
     for (auto i : order) by_type[params_[i].type].push_back(i);
-    std::vector<std::size_t> sizes(params_.size());
-    for (std::size_t i = 0; i < params_.size(); ++i) sizes[i] = params_[i].numel();
+    const std::vector<std::size_t> sizes = sizes_of(params_);
     groups_.clear();
     where_.assign(params_.size(), gradient_locator{});
     auto& st = rec_.stats();
@@ -423,6 +438,7 @@ class reducer {
   std::vector<bool> ready_;
   bool observed_ = false;
   bool fused_ = false;
+  first_step_timer<Comm> timer_;     // BucketPolicy::tune
   bool bound_ = false;               // the model's gradients live in the arena
   Units units_;                      // the strategy: the units' collectives and what finish() does with them
   std::vector<param_slice> slices_;  // hand_over's scratch
