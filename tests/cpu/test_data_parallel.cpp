@@ -48,8 +48,10 @@ struct lockstep::detail::bucket_costs<TunerComm> {
   using stamp_type = double;
   static double now(TunerComm& c) { return c.times.at(c.next++); }
   static double elapsed_us(TunerComm&, double a, double b) { return b - a; }
-  static double all_reduce_us(TunerComm& c, std::size_t count, lockstep::dtype t) {
-    return c.alpha + static_cast<double>(count * lockstep::size_of(t)) / c.beta;
+  static std::vector<double> probe_us(TunerComm& c, const std::vector<std::size_t>& counts, lockstep::dtype t) {
+    std::vector<double> us;
+    for (auto n : counts) us.push_back(c.alpha + static_cast<double>(n * lockstep::size_of(t)) / c.beta);
+    return us;
   }
 };
 

@@ -1,18 +1,20 @@
 #pragma once
 //! NcclComm's part in choosing bucket sizes (BucketPolicy::tune, parallel/detail/
-//! bucket_tuner.hpp): device stamps on the compute stream (timing events), and NCCL's own
-//! estimate of an all-reduce's time — ncclGroupSimulateEnd runs NCCL's tuning model on the
-//! call and launches nothing. It is asked with plain memory: NCCL gives no estimate for its
-//! symmetric kernels (they skip its model).
+//! bucket_tuner.hpp): device stamps on the compute stream (timing events), and the times of
+//! real mean all-reduces of a few sizes, in plain memory (so with BucketPolicy::
+//! symmetric_memory the model sees NCCL's ring and tree, not its symmetric kernels).
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <memory>
 #include <new>
+#include <vector>
 
 #include "lockstep/core/dtype.hpp"
+#include "lockstep/core/reduce_op.hpp"
 #include "lockstep/cuda/error.cuh"
 #include "lockstep/cuda/memory.cuh"
 #include "lockstep/parallel/detail/bucket_tuner.hpp"
@@ -25,23 +27,14 @@ namespace lockstep::detail {
 
 template <>
 struct bucket_costs<NcclComm> {
-#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 22, 0)
   static constexpr bool available = true;
-#else
-  static constexpr bool available = false;  // no ncclGroupSimulateEnd
-#endif
   using stamp_type = std::shared_ptr<CUevent_st>;
 
   template <class C>
   static stamp_type now(C& comm) {
     device_guard g(comm.device());
-    cudaEvent_t e = nullptr;
-    LOCKSTEP_TRY_CUDA(cudaEventCreate(&e));
-    stamp_type s(e, [d = comm.device()](cudaEvent_t ev) {
-      device_guard dg(d, std::nothrow);
-      (void)cudaEventDestroy(ev);
-    });
-    LOCKSTEP_TRY_CUDA(cudaEventRecord(e, comm.compute_stream()));
+    stamp_type s = event(comm.device());
+    LOCKSTEP_TRY_CUDA(cudaEventRecord(s.get(), comm.compute_stream()));
     return s;
   }
 
@@ -55,31 +48,43 @@ struct bucket_costs<NcclComm> {
     return 1e3 * static_cast<double>(ms);
   }
 
-  //! NCCL's estimate of a mean all-reduce of count elements of t, in µs (0 for one rank).
-  //! Collective: NCCL may connect peers for an algorithm it has not used yet.
+  //! The µs of a mean all-reduce of each of counts (elements of t, ascending), each the
+  //! median of three after one to warm up, on the communication stream with the compute
+  //! stream drained first, in a scratch buffer of the largest (freed after). Collective.
   template <class C>
-  static double all_reduce_us(C& comm, std::size_t count, dtype t) {
-#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 22, 0)
-    if (comm.raw() == nullptr || count == 0) return 0;
+  static std::vector<double> probe_us(C& comm, const std::vector<std::size_t>& counts, dtype t) {
+    std::vector<double> out(counts.size(), 0.0);
+    if (comm.size() < 2 || counts.empty()) return out;
     device_guard g(comm.device());
-    // The buffers are not read: NCCL checks, at most, that they are device memory.
-    static thread_local std::shared_ptr<void> scratch;
-    static thread_local int scratch_device = -1;
-    if (!scratch || scratch_device != comm.device()) {
-      scratch = CudaMemory(comm.device(), comm.compute_stream()).allocate(256);
-      scratch_device = comm.device();
+    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(comm.compute_stream()));
+    const auto scratch = comm.memory().allocate(*std::max_element(counts.begin(), counts.end()) * size_of(t));
+    const stamp_type a = event(comm.device()), b = event(comm.device());
+    for (std::size_t i = 0; i < counts.size(); ++i) {
+      std::vector<double> runs;
+      for (int r = 0; r < 4; ++r) {
+        LOCKSTEP_TRY_CUDA(cudaEventRecord(a.get(), comm.comm_stream()));
+        comm.label_next("bucket tuner: probe");
+        (void)comm.all_reduce(scratch.get(), scratch.get(), counts[i], t, reduce_op::avg);
+        LOCKSTEP_TRY_CUDA(cudaEventRecord(b.get(), comm.comm_stream()));
+        LOCKSTEP_TRY_CUDA(cudaEventSynchronize(b.get()));
+        float ms = 0;
+        LOCKSTEP_TRY_CUDA(cudaEventElapsedTime(&ms, a.get(), b.get()));
+        if (r > 0) runs.push_back(1e3 * static_cast<double>(ms));
+      }
+      std::sort(runs.begin(), runs.end());
+      out[i] = runs[runs.size() / 2];
     }
-    ncclSimInfo_t info = NCCL_SIM_INFO_INITIALIZER;
-    LOCKSTEP_TRY_NCCL(ncclGroupStart());
-    const ncclResult_t r =
-        ncclAllReduce(scratch.get(), scratch.get(), count, to_nccl(t), ncclAvg, comm.raw(), comm.compute_stream());
-    LOCKSTEP_TRY_NCCL(ncclGroupSimulateEnd(&info));
-    LOCKSTEP_TRY_NCCL(r);
-    return info.estimatedTime > 0 ? static_cast<double>(info.estimatedTime) : 0.0;
-#else
-    (void)comm, (void)count, (void)t;
-    return 0;
-#endif
+    return out;
+  }
+
+ private:
+  static stamp_type event(int device) {
+    cudaEvent_t e = nullptr;
+    LOCKSTEP_TRY_CUDA(cudaEventCreate(&e));
+    return stamp_type(e, [device](cudaEvent_t ev) {
+      device_guard dg(device, std::nothrow);
+      (void)cudaEventDestroy(ev);
+    });
   }
 };
 

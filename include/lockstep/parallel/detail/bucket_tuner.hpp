@@ -1,16 +1,19 @@
 #pragma once
 //! Bucket sizes from a cost model (BucketPolicy::tune): during the first synchronising step
 //! the reducer stamps, on the device, when each gradient was reported; when that step ends,
-//! every rank replays the step on paper for each candidate cap — the buckets cut as the plan
+//! every rank times real mean all-reduces of a few sizes (1, 4, 16, 64, 256 MiB, up to the
+//! arena) and replays the step on paper for each candidate cap — the buckets cut as the plan
 //! would cut them (in the observed order), each all-reduce starting when its last gradient is
-//! ready and the previous one is done, taking the time NCCL's own model gives for its bytes
-//! (ncclGroupSimulateEnd) — and rank 0's choice, the cap whose last all-reduce ends soonest
-//! after the last gradient, is broadcast with the order: every rank rebuilds with it.
+//! ready and the previous one is done, taking the probed time for its bytes (interpolated) —
+//! and rank 0's choice, the cap whose last all-reduce ends soonest after the last gradient,
+//! is broadcast: every rank rebuilds with it. (NCCL's own estimates, ncclGroupSimulateEnd,
+//! were tried first: their bandwidth curve is flatter than the measured one, and on the
+//! comm-bound MLP they picked a cap 10 % slower than the best; bench/RESULTS.md, session 18.)
 //!
 //! A communicator takes part through bucket_costs<Comm> (NcclComm's specialisation is in
 //! cuda/detail/nccl_costs.cuh): stamp_type, now(comm) → a stamp on its compute stream,
-//! elapsed_us(comm, a, b) (waits for b), and all_reduce_us(comm, count, type) — NCCL's
-//! estimate, a collective call. Without one (CPU communicators) the caps stay as given.
+//! elapsed_us(comm, a, b) (waits for b), and probe_us(comm, counts, type) → the µs of a mean
+//! all-reduce of each count (a collective). Without one (CPU communicators) the caps stay.
 
 #include <algorithm>
 #include <cstddef>
@@ -29,6 +32,19 @@
 #include "lockstep/parallel/step.hpp"
 
 namespace lockstep::detail {
+
+//! Time of an all-reduce of n elements from the probed (counts, us), counts ascending:
+//! piecewise linear between probes, the smallest probe's time below it (latency), and the
+//! last segment's slope above the largest.
+inline double interpolate(const std::vector<std::size_t>& counts, const std::vector<double>& us, std::size_t n) {
+  if (counts.empty()) return 0;
+  if (n <= counts.front() || counts.size() == 1)
+    return counts.size() == 1 ? us[0] * std::max(1.0, static_cast<double>(n) / static_cast<double>(counts[0])) : us[0];
+  std::size_t k = 1;
+  while (k + 1 < counts.size() && counts[k] < n) ++k;
+  const double x0 = static_cast<double>(counts[k - 1]), x1 = static_cast<double>(counts[k]);
+  return us[k - 1] + (us[k] - us[k - 1]) * (static_cast<double>(n) - x0) / (x1 - x0);
+}
 
 template <class Comm>
 struct bucket_costs {
@@ -78,6 +94,14 @@ class first_step_timer {
       if (by_type.empty()) return false;
       const auto& [t, main] = *std::max_element(
           by_type.begin(), by_type.end(), [](const auto& a, const auto& b) { return a.second.first < b.second.first; });
+      // The probed sizes: 1, 4, 16, 64, 256 MiB below the arena's bytes, and the arena.
+      std::vector<std::size_t> counts;
+      const std::size_t total = main.first / size_of(t);
+      for (std::size_t mib : {1, 4, 16, 64, 256})
+        if ((mib << 20) / size_of(t) < total) counts.push_back((mib << 20) / size_of(t));
+      if (counts.empty() || total <= (std::size_t{256} << 20) / size_of(t)) counts.push_back(total);
+      const std::vector<double> probed = costs::probe_us(comm, counts, t);
+      const auto cost = [&](std::size_t n) { return interpolate(counts, probed, n); };
       std::vector<double> ready(params.size(), -1);  // µs after the step began
       double last = 0;
       for (const auto& [i, s] : stamps_) {
@@ -96,7 +120,7 @@ class first_step_timer {
         for (const auto& b : cut.buckets) {
           double at = 0;
           for (const auto& s : b.slices) at = std::max(at, ready[s.param] < 0 ? last : ready[s.param]);
-          end = std::max(end, at) + costs::all_reduce_us(comm, b.end - b.begin, t);
+          end = std::max(end, at) + cost(b.end - b.begin);
         }
         const double tail = std::max(0.0, end - last);
         char row[48];
@@ -110,11 +134,11 @@ class first_step_timer {
       }
       if (comm.size() > 1) host_broadcast(comm, best, 0);
       const auto cap = static_cast<std::size_t>(best[0]);
-      char head[200];
+      char head[240];
       std::snprintf(head, sizeof head,
-                    "cap %zu MiB (rank 0's first step: %.0f us from its start to the last gradient; the sync "
-                    "ends, per cap, this many us after it: ",
-                    cap >> 20, last);
+                    "cap %zu MiB (rank 0's first step: %.0f us from its start to the last gradient; a %zu MiB "
+                    "all-reduce took %.0f us; the sync ends, per cap, this many us after it: ",
+                    cap >> 20, last, counts.back() * size_of(t) >> 20, probed.back());
       st.tuned_cap_bytes = cap;
       st.tuning = head + table + ")";
       const bool changed = cap != policy.cap_bytes || std::min(policy.first_bytes, cap) != policy.first_bytes;
