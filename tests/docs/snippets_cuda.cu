@@ -34,6 +34,26 @@ void fused_optimizer_snippet(lockstep::context<lockstep::NcclComm>& ctx, GpuMode
   opt.step_all(dp.parameters(), stream, found_inf);
 }
 
+void step_graph_snippet(lockstep::context<lockstep::NcclComm>& ctx, GpuModel& model, Batch batch, int steps) {
+  const auto schedule = [](int s) { return 1e-3 / (1 + s); };
+  // [snippet docs/graphs.md#1]
+  lockstep::DataParallel dp(ctx, model, lockstep::DeviceDynamicScale());  // the scale stays on the device
+  dp.scaler().attach(dp.comm());
+  lockstep::FusedAdamW opt({.lr = 1e-3}, dp.parameters());
+  const int* found_inf = dp.scaler().device_found_inf();
+  cudaStream_t stream = ctx.comm().compute_stream();
+  lockstep::StepGraph graph(ctx.comm());  // two eager steps, one captured, then replays
+  for (int s = 0; s < steps; ++s) {
+    opt.set_lr(schedule(s));  // read on the device: the replays follow it
+    graph.run([&] {           // the batch lies at fixed device addresses
+      auto step = dp.step();
+      model.backward(batch, step.on_gradient_ready());
+      step.finish([&](std::span<const lockstep::param_slice> sl) { opt.step(sl, stream, found_inf); });
+    });
+  }
+  // [end snippet]
+}
+
 void sharded_snippet(lockstep::context<lockstep::NcclComm>& ctx, GpuModel& model, Batch batch) {
   cudaStream_t stream = ctx.comm().compute_stream();
   // [snippet docs/sharding.md#2]

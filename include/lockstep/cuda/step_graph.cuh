@@ -1,23 +1,11 @@
 #pragma once
 //! lockstep::StepGraph — a whole training step (the model's forward and backward, lockstep's
-//! bucket collectives, unscaling, clipping, the optimizer, the loss-scale update, sharded
-//! all-gathers) captured once into a CUDA graph and replayed, so that the host launches one
-//! graph per step instead of every kernel and collective. One per rank, on the rank's
-//! NcclComm; works the same for run(Processes) and for run(Gpus) (each rank thread captures
-//! its own stream).
-//!
-//! \code
-//!   lockstep::StepGraph graph(ctx.comm());            // 2 eager warm-up steps, then capture
-//!   for (auto batch : sampler.batches(64)) {
-//!     copy_into_static_inputs(batch);                 // the graph reads fixed addresses
-//!     opt.set_lr(schedule(step));                     // fused optimizers read it on the device
-//!     graph.run([&] {
-//!       auto step = dp.step();
-//!       model.forward_backward(static_inputs, step.on_gradient_ready());
-//!       step.finish([&](std::span<const lockstep::param_slice> s) { opt.step(s, stream, found_inf); });
-//!     });
-//!   }
-//! \endcode
+//! bucket collectives, unscaling, clipping, the optimizer, the loss-scale update) captured once
+//! into a CUDA graph and replayed, so that the host launches one graph per step instead of
+//! every kernel and collective. One per rank, on the rank's NcclComm; run(Processes) and
+//! run(Gpus) alike (each rank thread captures its own stream). docs/graphs.md has a whole
+//! loop (compiled by tests/docs/snippets_cuda.cu), what a captured step may not hold, and the
+//! measurements.
 //!
 //! run(step) calls step() eagerly for the first `warmup` calls: lockstep allocates, registers
 //! windows and staging, and DataParallel rebuilds its bucket plan in the order the first step
@@ -25,13 +13,15 @@
 //! communicator's compute stream and launches the graph; later calls only launch it. While it
 //! captures, lockstep refuses to allocate (config_error naming the call), and CUDA refuses any
 //! host synchronisation on the capturing thread (a DynamicScale that reads the inf flag, a
-//! download; StepGraphOptions::mode): the capture then throws config_error with CUDA's reason. Nothing the host decides
-//! inside step() changes between replays, so:
+//! download; StepGraphOptions::mode): the capture then throws config_error with CUDA's reason.
+//! Nothing the host decides inside step() changes between replays, so:
 //!  - inputs live at fixed device addresses, written before each run();
 //!  - the loss scale must stay on the device (DeviceDynamicScale, or StaticScale/NoScaling);
 //!  - learning rates reach the fused optimizers through set_lr(), which writes the device copy;
 //!  - one graph holds whole accumulation cycles (capture all K micro-steps in one step());
-//!  - host-side counters (sync_stats, the step recorder) advance only for eager steps.
+//!  - host-side counters (sync_stats, the step recorder) advance only for eager steps;
+//!  - not yet: ShardedOptimizer's gather_in_forward (the first captured forward would wait for
+//!    a gather issued before the capture), ShardedGradients and FullySharded.
 //! reset() drops the graph (after load() of an optimizer, a changed batch shape): the next
 //! run() captures again. Launches are tracked like collectives (NcclComm::tracked_launch), so
 //! the watchdog of run(Processes) names a replay that a dead or stopped peer holds up.
