@@ -95,19 +95,66 @@ TEST_SUITE("cpu") {
 TEST_CASE("bucket tuner: the cost model picks small buckets when backward is slow and one bucket when it is not") {
   std::string why;
   // Backward 2 ms per gradient, all-reduce ~0.1 ms per MiB: the last bucket alone is exposed,
-  // so the smallest cap tried wins.
-  CHECK(tuned_cap(2000, 10, 1e4, why) == 1);
-  CHECK(why.find("cap 1 MiB") == 0);
+  // so a cap whose last bucket holds one gradient wins — 1 MiB, or 2 MiB, whose cut of the 39
+  // gradients after the first bucket leaves the last one alone too (a tie: the larger cap).
+  CHECK(tuned_cap(2000, 10, 1e4, why) == 2);
+  CHECK(why.find("cap 2 MiB") == 0);
+  CHECK(why.find("1 MiB 115, 2 MiB 115, 4 MiB 325,") != std::string::npos);  // 1, 1 and 3 gradients last
   // Every gradient ready at once (no overlap to win) and 200 µs per launch: the fewest
-  // buckets win — one bucket of all 40 MiB, first reached at the 64 MiB cap.
+  // buckets win — the first 1 MiB bucket and one of the other 39 MiB, first cut at 64 MiB.
   CHECK(tuned_cap(0, 200, 1e5, why) == 64);
-  CHECK(why.find("64 MiB") != std::string::npos);
+  CHECK(why.find("128 MiB") == std::string::npos);  // it cuts as 64 MiB does: not tried
   // Between the two: gradients every 50 µs, 100 µs per launch, 0.1 ms per MiB — neither
   // extreme; the choice ends the sync no later than either extreme would.
   const std::size_t mid = tuned_cap(50, 100, 1e4, why);
   CAPTURE(why);
   CHECK(mid > 1);
   CHECK(mid < 64);
+  // Launches cost nothing and every gradient is ready at once: every cap ends the sync at the
+  // same time, and the tie goes to the fewest launches (the largest cap tried, one bucket).
+  CHECK(tuned_cap(0, 0, 1e4, why) == 64);
+}
+
+TEST_CASE("bucket tuner: a tuned cap travels in the plan state and comes back on load") {
+  using lockstep::detail::decode_plan_state;
+  using lockstep::detail::encode_plan_state;
+  const std::vector<std::size_t> order{2, 0, 1};
+  const auto untuned = encode_plan_state({true, false, order, 0});
+  CHECK(untuned.front() == 1);  // format 1, as before tuning existed
+  CHECK(decode_plan_state(untuned, 3).tuned_cap == 0);
+  const auto tuned = encode_plan_state({true, false, order, std::size_t{32} << 20});
+  CHECK(tuned.front() == 2);
+  const auto back = decode_plan_state(tuned, 3);
+  CHECK(back.order == order);
+  CHECK(back.tuned_cap == (std::size_t{32} << 20));
+  auto bad = tuned;
+  bad.back() = -1;
+  CHECK_THROWS_AS(decode_plan_state(bad, 3), lockstep::checkpoint_error);
+  // A DataParallel adopts the saved cap with the saved order (the resumed run cuts its arena
+  // as the tuned run did): a 64-byte cap on a 108-float model makes several buckets.
+  lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
+    TestMlp<float> m({8, 8, 4}, 3);
+    lockstep::DataParallel dp(ctx, m, lockstep::DataParallelOptions{.buckets = {.tune = true}});
+    const two_samples b(8, 0.5f, 3, -1.0f);
+    auto one = [&] {
+      auto s = dp.step();
+      m.forward_backward(b.X, b.y, b.rows, s.on_gradient_ready());
+      return s.finish();
+    };
+    CHECK(one().synced);
+    CHECK(dp.stats().bucket_count == 1);
+    CHECK(dp.stats().tuned_cap_bytes == 0);  // ThreadComm gives the tuner no costs
+    auto st = dp.plan_state();
+    REQUIRE(st.front() == 1);
+    st.front() = 2;
+    st.push_back(64);
+    dp.load_plan_state(st);
+    CHECK(one().synced);
+    CHECK(dp.stats().bucket_count > 1);
+    CHECK(dp.stats().tuned_cap_bytes == 64);
+    CHECK(dp.stats().tuning.find("from the checkpoint") != std::string::npos);
+    CHECK(dp.plan_state() == st);  // and it is saved again
+  });
 }
 
 TEST_CASE("bucket plan: every element of every parameter lies in exactly one slice") {

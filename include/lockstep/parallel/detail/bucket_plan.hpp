@@ -222,10 +222,14 @@ struct plan_state_t {
   bool observed = false;  //!< the first step's arrival order was seen
   bool fused = false;     //!< the model reports no gradient: one all-reduce per type
   std::vector<std::size_t> order;
+  std::size_t tuned_cap = 0;  //!< BucketPolicy::tune's cap in bytes (0: not tuned)
 };
+//! Format 1: {1, observed, fused, n, order...}; format 2, for a tuned plan, adds its cap.
 inline std::vector<std::int64_t> encode_plan_state(const plan_state_t& p) {
-  std::vector<std::int64_t> st{1, p.observed ? 1 : 0, p.fused ? 1 : 0, static_cast<std::int64_t>(p.order.size())};
+  std::vector<std::int64_t> st{p.tuned_cap ? 2 : 1, p.observed ? 1 : 0, p.fused ? 1 : 0,
+                               static_cast<std::int64_t>(p.order.size())};
   for (auto i : p.order) st.push_back(static_cast<std::int64_t>(i));
+  if (p.tuned_cap) st.push_back(static_cast<std::int64_t>(p.tuned_cap));
   return st;
 }
 //! Reads what encode_plan_state wrote for a model of n parameters; checkpoint_error otherwise.
@@ -234,10 +238,15 @@ inline plan_state_t decode_plan_state(std::span<const std::int64_t> st, std::siz
     return checkpoint_error("the saved gradient bucket layout " + why +
                             "; the checkpoint belongs to another model or is damaged");
   };
-  if (st.size() < 4 || st[0] != 1) throw bad("has an unknown format");
-  if (static_cast<std::size_t>(st[3]) != n || st.size() != 4 + n)
+  if (st.size() < 4 || (st[0] != 1 && st[0] != 2)) throw bad("has an unknown format");
+  const std::size_t extra = st[0] == 2 ? 1 : 0;
+  if (static_cast<std::size_t>(st[3]) != n || st.size() != 4 + n + extra)
     throw bad("lists " + std::to_string(st[3]) + " parameters, but the model has " + std::to_string(n));
   plan_state_t p{st[1] != 0, st[2] != 0, {}};
+  if (extra) {
+    if (st.back() <= 0) throw bad("has a tuned bucket cap of " + std::to_string(st.back()) + " bytes");
+    p.tuned_cap = static_cast<std::size_t>(st.back());
+  }
   std::vector<bool> seen(n, false);
   for (std::size_t k = 0; k < n; ++k) {
     const auto v = st[4 + k];

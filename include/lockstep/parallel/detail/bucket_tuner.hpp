@@ -46,13 +46,32 @@ inline double interpolate(const std::vector<std::size_t>& counts, const std::vec
   return us[k - 1] + (us[k] - us[k - 1]) * (static_cast<double>(n) - x0) / (x1 - x0);
 }
 
+//! Elements per parameter.
+inline std::vector<std::size_t> sizes_of(const std::vector<parameter>& ps) {
+  std::vector<std::size_t> sizes(ps.size());
+  for (std::size_t i = 0; i < ps.size(); ++i) sizes[i] = ps[i].numel();
+  return sizes;
+}
+
+//! A checkpoint's tuned cap (0: none) into the policy and the statistics; whether the arena
+//! must be cut again for it.
+inline bool adopt_tuned_cap(std::size_t cap, BucketPolicy& policy, sync_stats& st) {
+  if (cap == 0) return false;
+  st.tuned_cap_bytes = cap;
+  st.tuning = "cap " + std::to_string(cap >> 20) + " MiB (" + std::to_string(cap) + " bytes), from the checkpoint";
+  const bool changed = cap != policy.cap_bytes || std::min(policy.first_bytes, cap) != policy.first_bytes;
+  policy.cap_bytes = cap;
+  policy.first_bytes = std::min(policy.first_bytes, cap);
+  return changed;
+}
+
 template <class Comm>
 struct bucket_costs {
   static constexpr bool available = false;
   struct stamp_type {};
 };
 
-//! The caps tried (MiB): DDP's 25 beside powers of two; those above the arena collapse to one.
+//! The caps tried (MiB): DDP's 25 beside powers of two, until a cap cuts as the one before.
 inline constexpr std::size_t tuner_caps_mib[] = {1, 2, 4, 8, 16, 25, 32, 64, 128, 256};
 
 //! The first synchronising step's device stamps: one at its start, one per reported gradient.
@@ -72,6 +91,11 @@ class first_step_timer {
     if constexpr (costs::available) stamps_.push_back({i, costs::now(comm)});
   }
   bool on() const noexcept { return on_; }
+  //! No tuning after all (the first step reported nothing, or a checkpoint's plan came).
+  void stop() noexcept {
+    on_ = false;
+    stamps_.clear();
+  }
 
   //! The first step is over: for the element type with the most bytes (order: the settled
   //! order, sizes: elements per parameter), the cap with the earliest simulated end of the
@@ -110,12 +134,18 @@ class first_step_timer {
       }
       std::vector<std::int64_t> best{static_cast<std::int64_t>(policy.cap_bytes)};
       double best_us = -1;
+      std::vector<std::pair<std::size_t, double>> tails;  // cap, simulated end after the last gradient
+      std::vector<std::size_t> last_cut;                  // the bucket starts of the last cap tried
       std::string table;
       for (std::size_t mib : tuner_caps_mib) {
         BucketPolicy p = policy;
         p.cap_bytes = mib << 20;
         p.first_bytes = std::min(p.first_bytes, p.cap_bytes);
         const bucket_plan cut = plan(t, main.second, p);
+        std::vector<std::size_t> begins;
+        for (const auto& b : cut.buckets) begins.push_back(b.begin);
+        if (begins == last_cut) break;  // larger caps cut the arena as the last one did
+        last_cut = std::move(begins);
         double end = 0;
         for (const auto& b : cut.buckets) {
           double at = 0;
@@ -126,12 +156,11 @@ class first_step_timer {
         char row[48];
         std::snprintf(row, sizeof row, "%s%zu MiB %.0f", table.empty() ? "" : ", ", mib, tail);
         table += row;
-        if (best_us < 0 || tail < best_us * 0.99) {  // ties (within 1%) go to the larger cap
-          best_us = tail;
-          best[0] = static_cast<std::int64_t>(p.cap_bytes);
-        }
-        if (cut.buckets.size() <= 1) break;  // larger caps cut the same one bucket
+        tails.emplace_back(p.cap_bytes, tail);
+        if (best_us < 0 || tail < best_us) best_us = tail;
       }
+      for (const auto& [c, tail] : tails)  // within 1% of the best, the largest cap: fewer launches
+        if (tail <= best_us * 1.01) best[0] = static_cast<std::int64_t>(c);
       if (comm.size() > 1) host_broadcast(comm, best, 0);
       const auto cap = static_cast<std::size_t>(best[0]);
       char head[240];

@@ -109,7 +109,7 @@ class reducer {
     prescale_ = prescale;
     ready_.assign(params_.size(), false);
     if (!launching_) return;
-    if (sync && !observed_ && policy_.tune && policy_.rebuild_after_first_step) timer_.start(comm_);
+    if (sync && !observed_ && policy_.tune && policy_.rebuild_after_first_step && comm_.size() > 1) timer_.start(comm_);
     if (sync) sync_arrivals_.clear();
     for (auto& g : groups_) {
       g.pending.clear();
@@ -207,7 +207,8 @@ class reducer {
   //! Restoring it makes a resumed run reduce with the same layout (and so, on NCCL, the
   //! same rounding) as the uninterrupted run from its first step on.
   std::vector<std::int64_t> plan_state() const {
-    return encode_plan_state({observed_, fused_, pending_order_ ? *pending_order_ : current_order_});
+    return encode_plan_state(
+        {observed_, fused_, pending_order_ ? *pending_order_ : current_order_, rec_.stats().tuned_cap_bytes});
   }
 
   //! Adopts a layout saved by plan_state() (same on every rank: it comes from one file);
@@ -221,7 +222,9 @@ class reducer {
     observed_ = saved.observed;
     fused_ = saved.fused;
     arrivals_.clear();
-    if (saved.order != current_order_ || binding_due()) pending_order_ = std::move(saved.order);
+    timer_.stop();
+    const bool recut = adopt_tuned_cap(saved.tuned_cap, policy_, rec_.stats());  // the same rounding on resume
+    if (saved.order != current_order_ || binding_due() || recut) pending_order_ = std::move(saved.order);
     else pending_order_.reset();
   }
 
@@ -315,6 +318,7 @@ class reducer {
     if (comm_.size() > 1) host_all_reduce(comm_, std::span<std::int64_t>(reported), reduce_op::max);
     fused_ = reported[0] == 0;
     if (!policy_.rebuild_after_first_step || fused_) {
+      timer_.stop();
       arrivals_.clear();
       if (binding_due()) pending_order_ = current_order_;  // the layout is final: bind now
       return;
@@ -339,12 +343,6 @@ class reducer {
                            rec_.stats());
     if (o != current_order_ || binding_due() || recut) pending_order_ = std::move(o);
     arrivals_.clear();
-  }
-
-  static std::vector<std::size_t> sizes_of(const std::vector<parameter>& ps) {
-    std::vector<std::size_t> sizes(ps.size());
-    for (std::size_t i = 0; i < ps.size(); ++i) sizes[i] = ps[i].numel();
-    return sizes;
   }
 
   // The model lends its gradients but they are not in the arena yet.
@@ -413,6 +411,7 @@ class reducer {
     if (comm_.size() == 1) return;
     std::string mine;
     for (const auto& g : groups_) mine += describe_plan(g.plan);
+    if (policy_.tune) mine += "tuned by BucketPolicy::tune; ";  // its probes are collectives
     auto all = host_all_gather_strings(comm_, mine);
     for (std::size_t r = 1; r < all.size(); ++r)
       if (all[r] != all[0])
