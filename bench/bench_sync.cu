@@ -199,9 +199,31 @@ bool g_chained = false;
 bool g_sm_gather = false;   // sharded: ShardedOptimizer::copy_engine_gather off (NCCL's SM kernels gather)
 bool g_ce_scatter = false;  // sharded: ShardedOptimizer::copy_engine_scatter on (copy-engine reduce-scatters)
 
+// rank_body(ctx, mine) on every rank — this process's (Distributed mode) or one thread per GPU
+// of ngpu — filling `mine` with one figure per iteration; the median over iterations of the
+// slowest rank's figure.
+template <class RankBody>
+double slowest_median(int ngpu, RankBody&& rank_body) {
+  std::vector<std::vector<double>> per_rank(static_cast<std::size_t>(g_process_ctx ? 1 : ngpu));
+  if (g_process_ctx) {
+    rank_body(*g_process_ctx, per_rank[0]);
+    // The slowest process, iteration by iteration.
+    lockstep::all_reduce_scalars(g_process_ctx->comm(), std::span<double>(per_rank[0]), lockstep::reduce_op::max);
+  } else {
+    std::vector<int> devs(static_cast<std::size_t>(ngpu));
+    std::iota(devs.begin(), devs.end(), 0);
+    lockstep::run(lockstep::Gpus{devs}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
+      rank_body(ctx, per_rank[static_cast<std::size_t>(ctx.rank())]);
+    });
+  }
+  std::vector<double> slowest(per_rank[0].size(), 0);
+  for (auto& r : per_rank)
+    for (std::size_t i = 0; i < r.size(); ++i) slowest[i] = std::max(slowest[i], r[i]);
+  return median(slowest);
+}
+
 template <class Setup>
 double timed(int ngpu, int warm, int iters, Setup&& setup) {
-  std::vector<std::vector<double>> per_rank(static_cast<std::size_t>(g_process_ctx ? 1 : ngpu));
   auto rank_body = [&](lockstep::context<lockstep::NcclComm>& ctx, std::vector<double>& mine) {
     cudaStream_t s = ctx.comm().compute_stream();
     auto [pre, body] = setup(ctx, s);
@@ -237,21 +259,7 @@ double timed(int ngpu, int warm, int iters, Setup&& setup) {
     cudaEventDestroy(a);
     cudaEventDestroy(b);
   };
-  if (g_process_ctx) {
-    rank_body(*g_process_ctx, per_rank[0]);
-    // The slowest process, iteration by iteration.
-    lockstep::all_reduce_scalars(g_process_ctx->comm(), std::span<double>(per_rank[0]), lockstep::reduce_op::max);
-  } else {
-    std::vector<int> devs(static_cast<std::size_t>(ngpu));
-    std::iota(devs.begin(), devs.end(), 0);
-    lockstep::run(lockstep::Gpus{devs}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
-      rank_body(ctx, per_rank[static_cast<std::size_t>(ctx.rank())]);
-    });
-  }
-  std::vector<double> slowest(per_rank[0].size(), 0);
-  for (auto& r : per_rank)
-    for (std::size_t i = 0; i < r.size(); ++i) slowest[i] = std::max(slowest[i], r[i]);
-  return median(slowest);
+  return slowest_median(ngpu, rank_body);
 }
 
 inline std::function<void()> nothing() {
@@ -320,7 +328,6 @@ void bench_a(const std::vector<shape>& shapes, int ngpu, int iters, const char* 
 // over iterations of the slowest rank, and that over the plan's buckets.
 template <class T>
 void bench_g(const std::vector<shape>& shapes, int ngpu, int iters, const char* tname) {
-  std::vector<std::vector<double>> per_rank(static_cast<std::size_t>(g_process_ctx ? 1 : ngpu));
   std::size_t buckets = 0;
   bool symmetric = false;
   auto rank_body = [&](lockstep::context<lockstep::NcclComm>& ctx, std::vector<double>& mine) {
@@ -344,20 +351,7 @@ void bench_g(const std::vector<shape>& shapes, int ngpu, int iters, const char* 
       symmetric = dp.stats().symmetric_memory;
     }
   };
-  if (g_process_ctx) {
-    rank_body(*g_process_ctx, per_rank[0]);
-    lockstep::all_reduce_scalars(g_process_ctx->comm(), std::span<double>(per_rank[0]), lockstep::reduce_op::max);
-  } else {
-    std::vector<int> devs(static_cast<std::size_t>(ngpu));
-    std::iota(devs.begin(), devs.end(), 0);
-    lockstep::run(lockstep::Gpus{devs}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
-      rank_body(ctx, per_rank[static_cast<std::size_t>(ctx.rank())]);
-    });
-  }
-  std::vector<double> slowest(per_rank[0].size(), 0);
-  for (auto& r : per_rank)
-    for (std::size_t i = 0; i < r.size(); ++i) slowest[i] = std::max(slowest[i], r[i]);
-  const double us = median(slowest);
+  const double us = slowest_median(ngpu, rank_body);
   if (g_print)
     std::printf("g  %s %d GPU  lockstep host time per step %7.1f us: %zu tensors, %zu buckets, %.1f us per bucket "
                 "(arena %s)\n",
