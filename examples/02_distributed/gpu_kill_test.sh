@@ -35,7 +35,6 @@ done
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 [ "$gpus" -ge 2 ] || { echo "[lockstep-skip] needs 2 GPUs, found $gpus"; exit 77; }
 np=$(( gpus < 3 ? gpus : 3 ))
-EXTRA=()
 
 timeout_s=30           # LOCKSTEP_TIMEOUT of the straight, kill and resume runs
 stop_timeout_s=8       # LOCKSTEP_TIMEOUT of the stop run (it always waits it out)
@@ -106,15 +105,25 @@ check_survivors() {
   done
 }
 
-# Starts a run by hand (name $1) with --checkpoint, and once the first checkpoint exists sends
-# signal $2 to rank $3; sets T0 (the signal's time) and NAME (the logs' prefix).
+# Starts a run by hand (name $1, options $4...) with --checkpoint, and once the first checkpoint
+# exists sends signal $2 to rank $3; sets T0 (the signal's time) and NAME (the logs' prefix).
 start_and_signal() {
   local name=$1 sig=$2 victim=$3
   NAME=$name
-  start_by_hand "$name" "${RUN_TIMEOUT:-$timeout_s}" --checkpoint "$work/$name.ck" "${EXTRA[@]}"
+  start_by_hand "$name" "${RUN_TIMEOUT:-$timeout_s}" --checkpoint "$work/$name.ck" "${@:4}"
   wait_for_file "$work/$name.ck"
   T0=$(now)
   kill "-$sig" "${pids[$victim]}"
+}
+
+# kill -9 of rank $2 in a run named $1 (options $5...): every survivor must exit within $3 s
+# saying "rank $2 left"; $4 says what the phase is.
+kill_and_check() {
+  local name=$1 victim=$2 limit=$3 what=$4
+  start_and_signal "$name" KILL "$victim" "${@:5}"
+  wait "${pids[$victim]}" 2>/dev/null
+  echo "kill -9 of rank $victim$what (pid ${pids[$victim]}):"
+  check_survivors "$victim" "$limit" "rank $victim left"
 }
 
 # --- 1. straight ---------------------------------------------------------------------------
@@ -127,10 +136,7 @@ straight=$(final_checksum "$work/straight.log")
 echo "straight: $epochs epochs on $np GPU processes, parameters $straight"
 
 # --- 2. kill -9 rank 1 after the first checkpoint ------------------------------------------
-start_and_signal kill KILL 1
-wait "${pids[1]}" 2>/dev/null
-echo "kill -9 of rank 1 (pid ${pids[1]}):"
-check_survivors 1 "$kill_limit_s" "rank 1 left"
+kill_and_check kill 1 "$kill_limit_s" ""
 grep -q "epoch $epochs/$epochs" "$work/kill.0.log" && fail "the killed run finished all epochs; the kill came too late"
 pids=()
 
@@ -154,30 +160,17 @@ kill -KILL "$stopped"; kill -CONT "$stopped" 2>/dev/null; wait "$stopped" 2>/dev
 pids=()
 
 # --- 5. kill -9 rank 0, the store's host ------------------------------------------------------
-start_and_signal kill0 KILL 0
-wait "${pids[0]}" 2>/dev/null
-echo "kill -9 of rank 0:"
-check_survivors 0 "$kill_limit_s" "rank 0 left"
+kill_and_check kill0 0 "$kill_limit_s" ", the store's host"
 pids=()
 
 # --- 6. kill -9 rank 1 while each step is a CUDA graph replay ---------------------------------
-EXTRA=(--input device --cuda-graph)
-start_and_signal kill_graph KILL 1
-EXTRA=()
-wait "${pids[1]}" 2>/dev/null
-echo "kill -9 of rank 1 during CUDA graph replays:"
-check_survivors 1 "$kill_limit_s" "rank 1 left"
+kill_and_check kill_graph 1 "$kill_limit_s" " during CUDA graph replays" --input device --cuda-graph
 pids=()
 
 # --- 7. kill -9 rank 1 with the buckets in NCCL's symmetric kernels ---------------------------
 # An aborted communicator does not end those kernels: the survivors stop when the watchdog's
 # grace period (5 s) ends their processes, still naming rank 1.
-EXTRA=(--symmetric)
-start_and_signal kill_symmetric KILL 1
-EXTRA=()
-wait "${pids[1]}" 2>/dev/null
-echo "kill -9 of rank 1 with --symmetric:"
-check_survivors 1 "$((kill_limit_s + 5))" "rank 1 left"
+kill_and_check kill_symmetric 1 "$((kill_limit_s + 5))" " with --symmetric" --symmetric
 pids=()
 
 echo "PASS: kill -9 / SIGSTOP / kill -9 of rank 0 / kill -9 during graph replays / with symmetric kernels all" \
