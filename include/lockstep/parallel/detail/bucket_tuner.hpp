@@ -53,12 +53,14 @@ inline std::vector<std::size_t> sizes_of(const std::vector<parameter>& ps) {
   return sizes;
 }
 
-//! A checkpoint's tuned cap (0: none) into the policy and the statistics; whether the arena
-//! must be cut again for it.
-inline bool adopt_tuned_cap(std::size_t cap, BucketPolicy& policy, sync_stats& st) {
+//! A tuned cap (0: none) into the policy and the statistics, `why` the tuner's account of it
+//! (none: it came from a checkpoint); whether the arena must be cut again for it.
+inline bool adopt_tuned_cap(std::size_t cap, BucketPolicy& policy, sync_stats& st, std::string why = {}) {
   if (cap == 0) return false;
   st.tuned_cap_bytes = cap;
-  st.tuning = "cap " + std::to_string(cap >> 20) + " MiB (" + std::to_string(cap) + " bytes), from the checkpoint";
+  st.tuning = why.empty()
+                  ? "cap " + std::to_string(cap >> 20) + " MiB (" + std::to_string(cap) + " bytes), from the checkpoint"
+                  : std::move(why);
   const bool changed = cap != policy.cap_bytes || std::min(policy.first_bytes, cap) != policy.first_bytes;
   policy.cap_bytes = cap;
   policy.first_bytes = std::min(policy.first_bytes, cap);
@@ -168,12 +170,7 @@ class first_step_timer {
                     "cap %zu MiB (rank 0's first step: %.0f us from its start to the last gradient; a %zu MiB "
                     "all-reduce took %.0f us; the sync ends, per cap, this many us after it: ",
                     cap >> 20, last, counts.back() * size_of(t) >> 20, probed.back());
-      st.tuned_cap_bytes = cap;
-      st.tuning = head + table + ")";
-      const bool changed = cap != policy.cap_bytes || std::min(policy.first_bytes, cap) != policy.first_bytes;
-      policy.cap_bytes = cap;
-      policy.first_bytes = std::min(policy.first_bytes, cap);
-      return changed;
+      return adopt_tuned_cap(cap, policy, st, head + table + ")");
     }
   }
 
