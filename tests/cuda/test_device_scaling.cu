@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <random>
 #include <span>
 #include <stdexcept>
@@ -1109,10 +1110,153 @@ TEST_CASE("StepGraph refuses a step that synchronises with the host or allocates
   CHECK(seen[1].find("captured into a CUDA graph") != std::string::npos);
 }
 
+// A fused optimizer's step captured by hand (stream capture + CaptureScope), replayed beside
+// the same optimizer run eagerly, bf16 parameters (fp32 masters) and a learning rate changed
+// before every step: the first step (which fills the masters) is refused inside a capture,
+// set_lr() inside one is refused, replays follow set_lr() bit for bit, and an optimizer that
+// load()ed the state is captured at once and follows it too.
+TEST_CASE("fused optimizer in a captured step: masters filled eagerly - set_lr across replays - after load") {
+  LOCKSTEP_REQUIRE_GPUS(1);
+  LOCKSTEP_TRY_CUDA(cudaSetDevice(0));
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  std::mt19937_64 rng(seed);
+  using T = __nv_bfloat16;
+  const std::vector<std::size_t> sizes{3, 700, 9001};
+  Stream st;
+  std::vector<std::unique_ptr<DevBuf>> bufs;  // eager values, graph values, shared gradients
+  std::vector<lockstep::parameter> eager_p, graph_p;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    std::vector<T> init(sizes[i]);
+    for (auto& x : init) x = from_d<T>(std::uniform_real_distribution<double>(-1, 1)(rng));
+    auto& a = bufs.emplace_back(std::make_unique<DevBuf>(sizes[i] * sizeof(T)));
+    auto& b = bufs.emplace_back(std::make_unique<DevBuf>(sizes[i] * sizeof(T)));
+    auto& g = bufs.emplace_back(std::make_unique<DevBuf>(sizes[i] * sizeof(T)));
+    upload(a->p, init);
+    upload(b->p, init);
+    const std::vector<std::int64_t> shape{static_cast<std::int64_t>(sizes[i])};
+    eager_p.push_back(lockstep::param<T>("p" + std::to_string(i), a->as<T>(), g->as<T>(), shape));
+    graph_p.push_back(lockstep::param<T>("p" + std::to_string(i), b->as<T>(), g->as<T>(), shape));
+  }
+  auto new_grads = [&] {
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      std::vector<T> g(sizes[i]);
+      for (auto& x : g) x = from_d<T>(std::uniform_real_distribution<double>(-2, 2)(rng));
+      upload(bufs[3 * i + 2]->p, g);
+    }
+  };
+  auto values = [&](const std::vector<lockstep::parameter>& ps) {
+    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(st.s));
+    std::vector<T> out;
+    for (const auto& p : ps) {
+      const auto v = download<T>(p.value, static_cast<std::size_t>(p.numel()));
+      out.insert(out.end(), v.begin(), v.end());
+    }
+    return out;
+  };
+  const auto initial = values(graph_p);
+  const lockstep::AdamWOptions o{.lr = 0.01, .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-8, .weight_decay = 0.05};
+  lockstep::FusedAdamW eager(o, eager_p), first(o, graph_p);
+  // Captures fused.step_all(graph_p) on st (throws what the capture threw, after ending it).
+  auto capture = [&](lockstep::FusedAdamW& fused, auto&& inside) {
+    cudaGraph_t g = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    {
+      const lockstep::CaptureScope scope(0);
+      LOCKSTEP_TRY_CUDA(cudaStreamBeginCapture(st.s, cudaStreamCaptureModeThreadLocal));
+      try {
+        inside();
+        fused.step_all(graph_p, st.s);
+      } catch (...) {
+        (void)cudaStreamEndCapture(st.s, &g);
+        if (g != nullptr) (void)cudaGraphDestroy(g);
+        throw;
+      }
+      LOCKSTEP_TRY_CUDA(cudaStreamEndCapture(st.s, &g));
+    }
+    LOCKSTEP_TRY_CUDA(cudaGraphInstantiate(&exec, g, 0));
+    LOCKSTEP_TRY_CUDA(cudaGraphDestroy(g));
+    return exec;
+  };
+  auto refusal = [&](lockstep::FusedAdamW& fused, auto&& inside) {
+    try {
+      (void)capture(fused, inside);
+    } catch (const lockstep::config_error& e) {
+      return std::string(e.what());
+    }
+    return std::string("nothing refused");
+  };
+  // The first step fills the fp32 masters from the bf16 values: not inside a capture.
+  const std::string masters = refusal(first, [] {});
+  CHECK(masters.find("fp32 master of parameter 0") != std::string::npos);
+  CHECK(masters.find("run one step eagerly") != std::string::npos);
+  CHECK(values(graph_p) == values(eager_p));  // nothing ran
+  double lr = o.lr;
+  auto both_eager = [&] {
+    new_grads();
+    lr *= 0.8;
+    eager.set_lr(lr);
+    first.set_lr(lr);
+    eager.step_all(eager_p, st.s);
+    first.step_all(graph_p, st.s);
+  };
+  both_eager();
+  // set_lr() inside a capture would bake the rate into the graph.
+  const std::string inside = refusal(first, [&] { first.set_lr(0.5); });
+  CHECK(inside.find("inside the CUDA graph being captured") != std::string::npos);
+  first.set_lr(lr);
+  // Replays with a new rate each, against the eager optimizer.
+  auto replays = [&](lockstep::FusedAdamW& fused, cudaGraphExec_t exec, int n) {
+    for (int r = 0; r < n; ++r) {
+      CAPTURE(r);
+      new_grads();
+      lr *= 0.8;
+      eager.set_lr(lr);
+      fused.set_lr(lr);
+      eager.step_all(eager_p, st.s);
+      LOCKSTEP_TRY_CUDA(cudaGraphLaunch(exec, st.s));
+      const auto a = values(eager_p), b = values(graph_p);
+      CHECK(same_bits(a, b));
+    }
+  };
+  cudaGraphExec_t exec = capture(first, [] {});
+  replays(first, exec, 3);
+  LOCKSTEP_TRY_CUDA(cudaGraphExecDestroy(exec));
+  // A fresh optimizer that loads the state (masters included) captures its first step at
+  // once and keeps following set_lr(); the rate it was built with is not the one saved.
+  lockstep::FusedAdamW second({.lr = 123.0}, graph_p);
+  lockstep::from_bytes(second, lockstep::to_bytes(first));
+  second.set_lr(lr);
+  exec = capture(second, [] {});
+  replays(second, exec, 3);
+  LOCKSTEP_TRY_CUDA(cudaGraphExecDestroy(exec));
+  CHECK_FALSE(same_bits(values(graph_p), initial));  // the steps moved the parameters
+}
+
+// CaptureScope holds one device: another device's allocations go on (run(Gpus): one rank
+// allocating while another captures).
+TEST_CASE("CaptureScope refuses allocations on its device only") {
+  LOCKSTEP_REQUIRE_GPUS(1);
+  const lockstep::CudaMemory mem(0, nullptr);
+  {
+    const lockstep::CaptureScope other(1);  // device 1 need not exist: nothing runs there
+    CHECK(mem.allocate(256) != nullptr);
+  }
+  const lockstep::CaptureScope here(0);
+  try {
+    (void)mem.allocate(256);
+    FAIL("allocated on a device whose capture is open");
+  } catch (const lockstep::config_error& e) {
+    CHECK(std::string(e.what()).find("on device 0 while a training step is being captured") != std::string::npos);
+  }
+}
+
 TEST_CASE("sharded on 1 GPU: FusedSgd over the shards == CPU reference - device scaling - clipping") {
   LOCKSTEP_REQUIRE_GPUS(1);
   check_dp_scaled<lockstep::DeviceDynamicScale, true>({.gpus = 1});
   check_dp_scaled<lockstep::DynamicScale, true>({.gpus = 1, .clip = 0.5});
+  // The gather of the step before the capture, waited for in the captured forward.
+  check_dp_scaled<lockstep::DeviceDynamicScale, true>({.gpus = 1, .capture = true, .gather_in_forward = true});
 }
 }
 

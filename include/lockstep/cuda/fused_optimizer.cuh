@@ -73,7 +73,7 @@ class FusedOptimizer : public detail::rule_options<Rule> {
   FusedOptimizer(options_type o, const std::vector<parameter>& params, int device = -1)
       : base(o), st_(params, device, Rule::fused_name) {
     detail::device_guard g(st_.device());
-    st_.build(Rule::states(o));
+    st_.build(Rule::states(o), o.lr);
   }
 
   //! Per-parameter step counters (device memory).
@@ -83,13 +83,15 @@ class FusedOptimizer : public detail::rule_options<Rule> {
 
   //! For learning-rate schedules: takes effect at the next step. The update kernels read the
   //! rate from device memory, so a step captured in a CUDA graph (StepGraph) replays with the
-  //! rate set last; after a first step() the write is queued at once on that step's stream.
-  //! Call it outside a capture (inside, the write becomes part of the graph).
+  //! rate set last: before a first step() it is written at once, after one the write is
+  //! queued on that step's stream (keep an optimizer's steps on one stream: a step on another
+  //! queues it again there). Outside a capture (inside, config_error: the write would become
+  //! part of the graph).
   void set_lr(double lr) {
     base::set_lr(lr);
-    if (!st_.stepped()) return;  // step() publishes it
     detail::device_guard g(st_.device());
-    st_.publish_lr(opt_.lr, st_.last_stream());
+    if (!st_.stepped()) st_.write_lr_now(opt_.lr);
+    else st_.publish_lr(opt_.lr, st_.last_stream());
   }
 
   //! Updates the slices (e.g. one bucket), queued on s; skipped entirely when d_found_inf is

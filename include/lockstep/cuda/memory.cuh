@@ -142,7 +142,7 @@ class CudaMemory {
   //! `bytes` of zeroed device memory (at least 1 byte is reserved, so the pointer is never
   //! null). The fill has completed when this returns, so any stream may use the memory.
   std::shared_ptr<void> allocate(std::size_t bytes) const {
-    detail::refuse_in_capture("CudaMemory::allocate", bytes);
+    detail::refuse_in_capture("CudaMemory::allocate", bytes, device_);
     detail::device_guard g(device_);
     void* p = nullptr;
     const cudaError_t e = cudaMalloc(&p, bytes == 0 ? 1 : bytes);

@@ -20,11 +20,13 @@
 //!  - learning rates reach the fused optimizers through set_lr(), which writes the device copy;
 //!  - one graph holds whole accumulation cycles (capture all K micro-steps in one step());
 //!  - host-side counters (sync_stats, the step recorder) advance only for eager steps;
-//!  - not yet: ShardedOptimizer's gather_in_forward (the first captured forward would wait for
-//!    a gather issued before the capture), ShardedGradients and FullySharded.
+//!  - ShardedOptimizer's gather_in_forward is captured too (the device is drained before the
+//!    capture, so the gather of the eager step before it has completed); not yet
+//!    ShardedGradients and FullySharded (their hooks allocate per cycle).
 //! reset() drops the graph (after load() of an optimizer, a changed batch shape): the next
-//! run() captures again. Launches are tracked like collectives (NcclComm::tracked_launch), so
-//! the watchdog of run(Processes) names a replay that a dead or stopped peer holds up.
+//! run() captures again. A fused optimizer's first step fills its fp32 masters and a capture
+//! refuses that (config_error): warm up at least one step after constructing it. Launches are tracked like collectives
+//! (NcclComm::tracked_launch), so the watchdog of run(Processes) names a replay that a dead or stopped peer holds up.
 
 #include <cuda_runtime_api.h>
 
@@ -42,15 +44,21 @@
 
 namespace lockstep {
 
-//! While alive, lockstep refuses to allocate device memory in this process (config_error
-//! naming the call). StepGraph opens one around its capture; open one yourself around a
-//! capture you make with another API (libtorch's at::cuda::CUDAGraph).
+//! While alive, lockstep refuses to allocate memory on `device` (-1: the calling thread's
+//! current device), with a config_error naming the call; other devices are not affected.
+//! StepGraph opens one around its capture; open one yourself around a capture you make with
+//! another API (libtorch's at::cuda::CUDAGraph).
 class CaptureScope {
  public:
-  CaptureScope() noexcept { detail::captures_open().fetch_add(1, std::memory_order_acq_rel); }
-  ~CaptureScope() { detail::captures_open().fetch_sub(1, std::memory_order_acq_rel); }
+  explicit CaptureScope(int device = -1) noexcept : device_(detail::capture_device(device)) {
+    detail::captures_open(device_).fetch_add(1, std::memory_order_acq_rel);
+  }
+  ~CaptureScope() { detail::captures_open(device_).fetch_sub(1, std::memory_order_acq_rel); }
   CaptureScope(const CaptureScope&) = delete;
   CaptureScope& operator=(const CaptureScope&) = delete;
+
+ private:
+  int device_;
 };
 
 struct StepGraphOptions {
@@ -113,7 +121,7 @@ class StepGraph {
     LOCKSTEP_TRY_CUDA(cudaDeviceSynchronize());
     cudaGraph_t graph = nullptr;
     {
-      const CaptureScope scope;
+      const CaptureScope scope(comm_->device());
       LOCKSTEP_TRY_CUDA(cudaStreamBeginCapture(s, opt_.mode));
       try {
         step();
@@ -158,6 +166,14 @@ class StepGraph {
 
   void drop() noexcept {
     if (exec_ == nullptr) return;
+    if (comm_->aborted()) {
+      // The replay may hold collectives that wait for a dead peer (NCCL's symmetric kernels
+      // outlive an abort): waiting could block for ever, and destroying a running graph is
+      // undefined. The process is ending its work on this communicator: leave the graph.
+      exec_ = nullptr;
+      nodes_ = 0;
+      return;
+    }
     detail::device_guard g(comm_->device(), std::nothrow);
     // A replay may still be running: the graph's resources must outlive it.
     (void)cudaStreamSynchronize(comm_->compute_stream());

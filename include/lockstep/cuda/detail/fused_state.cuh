@@ -66,8 +66,9 @@ class fused_state {
   fused_state(fused_state&&) noexcept = default;
   fused_state& operator=(fused_state&&) noexcept = default;
 
-  //! (Re)allocates a zeroed arena with `states` (≤ 2) state buffers per parameter.
-  void build(int states) {
+  //! (Re)allocates a zeroed arena with `states` (≤ 2) state buffers per parameter, and writes
+  //! `lr` to device_lr() before it returns (so a step captured next finds it there).
+  void build(int states, double lr) {
     states_ = states;
     auto align = [](std::size_t b) { return (b + 255) / 256 * 256; };
     std::size_t at = align(meta_.size() * sizeof(std::int64_t));
@@ -84,8 +85,8 @@ class fused_state {
     }
     arena_ = CudaMemory(device_, nullptr).allocate(at);
     bytes_ = at;
-    lr_published_ = false;
     std::fill(master_ready_.begin(), master_ready_.end(), false);
+    write_lr_now(lr);
   }
 
   std::size_t size() const noexcept { return meta_.size(); }
@@ -99,12 +100,27 @@ class fused_state {
   std::int64_t* counters() const { return static_cast<std::int64_t*>(arena_.get()); }
   //! The learning rate the update kernels read (device memory).
   const double* device_lr() const { return reinterpret_cast<const double*>(base() + lr_off_); }
-  //! Queues the write of lr to device_lr() on s unless it is the value last queued.
+  //! Makes the kernels that s runs next read lr: nothing when device_lr() holds it already
+  //! for s (written before any stream ran, or queued on s), else the write queued on s. A
+  //! write that a CUDA graph capture of s would record is refused: every replay would write
+  //! this rate again over the ones set_lr() queues between replays.
   void publish_lr(double lr, cudaStream_t s) {
-    if (lr_published_ && lr == published_lr_) return;
+    if (lr == published_lr_ && (lr_stream_ == everywhere || lr_stream_ == s)) return;
+    if (capturing(s))
+      throw config_error(std::string(who_) + ": the learning rate " + std::to_string(lr) +
+                         " would be written inside the CUDA graph being captured (set_lr() was last queued on another "
+                         "stream, or called during the capture); call set_lr() outside the capture and run every "
+                         "step on the stream that is captured");
     cuda::kernels::store_scalar(reinterpret_cast<double*>(base() + lr_off_), lr, s);
     published_lr_ = lr;
-    lr_published_ = true;
+    lr_stream_ = s;
+  }
+  //! Writes lr to device_lr() now (synchronous: any stream reads it afterwards).
+  void write_lr_now(double lr) {
+    upload(base() + lr_off_, &lr, sizeof lr);
+    LOCKSTEP_TRY_CUDA(cudaDeviceSynchronize());  // a pageable upload may return before its DMA lands
+    published_lr_ = lr;
+    lr_stream_ = everywhere;
   }
   //! Whether a step was queued (then last_stream() is its stream).
   bool stepped() const noexcept { return stepped_; }
@@ -126,6 +142,12 @@ class fused_state {
       if (sl.count == 0) continue;
       const meta& m = meta_[sl.param];
       if (m.has_master && !master_ready_[sl.param]) {
+        if (capturing(s))  // a replay would overwrite the fp32 master with the rounded values
+          throw config_error(std::string(who_) + "::step: the fp32 master of parameter " + std::to_string(sl.param) +
+                             " is filled from its " + name_of(m.type) +
+                             " values by the first step, which is being captured into a CUDA graph; run one step "
+                             "eagerly after constructing the optimizer (StepGraphOptions::warmup ≥ 1), or load() a "
+                             "checkpoint that holds the masters, before capturing");
         const void* whole = static_cast<const char*>(sl.value) - sl.offset * size_of(m.type);
         void* dst = master(sl.param, 0);
         cuda::kernels::visit_float(m.type, who_, [&]<class Element>(std::type_identity<Element>) {
@@ -197,7 +219,7 @@ class fused_state {
     }
     host_masters masters;
     if (masters_follow) masters = read_masters(r);
-    commit(states, slots, masters);  // nothing changed before this point if the state was bad
+    commit(states, o.lr, slots, masters);  // nothing changed before this point if the state was bad
     return o;
   }
 
@@ -216,6 +238,11 @@ class fused_state {
     return std::any_of(meta_.begin(), meta_.end(), [](const meta& m) { return m.has_master; });
   }
   void wait_idle() const { LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(last_stream_)); }
+  static bool capturing(cudaStream_t s) {
+    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    LOCKSTEP_TRY_CUDA(cudaStreamIsCapturing(s, &cap));
+    return cap != cudaStreamCaptureStatusNone;
+  }
 
   void check_slice(const param_slice& sl) const {
     if (sl.param >= meta_.size())
@@ -294,8 +321,8 @@ class fused_state {
   //! Replaces the whole state with a parsed checkpoint: a fresh zeroed arena with `states`
   //! buffers per parameter, the slots and masters read, counters from the slots (0 elsewhere).
   //! Masters the checkpoint lacks are refilled from the parameters at their next step.
-  void commit(int states, const std::vector<host_slot>& slots, const host_masters& masters) {
-    build(states);
+  void commit(int states, double lr, const std::vector<host_slot>& slots, const host_masters& masters) {
+    build(states, lr);
     std::vector<std::int64_t> steps(meta_.size(), 0);
     for (const auto& h : slots) {
       const meta& m = meta_[h.index];
@@ -324,8 +351,11 @@ class fused_state {
   cudaStream_t last_stream_ = nullptr;
   bool stepped_ = false;
   std::size_t lr_off_ = 0;
+  // device_lr() holds published_lr_ for work queued on lr_stream_ from now on, or for every
+  // stream (everywhere: written synchronously).
+  static inline const cudaStream_t everywhere = reinterpret_cast<cudaStream_t>(~std::uintptr_t{0});
   double published_lr_ = 0;
-  bool lr_published_ = false;  // device_lr() holds published_lr_ (queued)
+  cudaStream_t lr_stream_ = everywhere;
 };
 
 }  // namespace lockstep::detail

@@ -64,7 +64,7 @@ struct nccl_window_deleter {
 // ncclMemAlloc'd `bytes` (rounded up to the window alignment) registered as a symmetric window
 // of s; throws naming `option`, what to turn off, when either fails. The caller owns both.
 inline std::pair<void*, ncclWindow_t> nccl_window_raw(nccl_state& s, std::size_t& bytes, const char* option) {
-  refuse_in_capture("ncclMemAlloc (a symmetric window)", bytes);
+  refuse_in_capture("ncclMemAlloc (a symmetric window)", bytes, s.device);
   constexpr std::size_t align = NCCL_WIN_REQUIRED_ALIGNMENT;
   bytes = (bytes + align - 1) / align * align + (bytes == 0 ? align : 0);
   void* p = nullptr;
