@@ -152,7 +152,7 @@ class NcclComm : private detail::nccl_handle {
   // collectives in the same order with the same counts, types and ops.
 
   //! recv[i] = op over ranks of send[i]; send == recv is in place. avg is NCCL's ncclAvg —
-  //! except for f32/f16/bf16 buffers in allocate_symmetric() windows of a group whose
+  //! except for f32/bf16 buffers in allocate_symmetric() windows of a group whose
   //! symmetric_kernels() holds: NCCL's symmetric kernels sum them, then ×1/N.
   work all_reduce(const void* send, void* recv, std::size_t count, dtype t, reduce_op op) {
     state& s = live("all_reduce");
@@ -417,12 +417,7 @@ class NcclComm : private detail::nccl_handle {
   //! order on every rank). Freed with the pointer.
   std::pair<std::shared_ptr<void>, bool> allocate_symmetric(std::size_t bytes) {
     if (!symmetric_kernels().first) return {memory().allocate(bytes), false};
-#if LOCKSTEP_NCCL_COPY_ENGINE
-    auto [p, registered] = detail::nccl_window(s_, bytes, compute_stream());
-    return {std::move(p), registered};
-#else
-    return {memory().allocate(bytes), false};
-#endif
+    return {detail::symmetric_window(s_, bytes, compute_stream()), true};
   }
 
   //! Whether this is a copy_engine_group() (false without NCCL 2.28); its reduce-scatters' staging bytes.
@@ -441,7 +436,9 @@ class NcclComm : private detail::nccl_handle {
 
   NcclComm split_with(int color, int key, ncclConfig_t* config, const char* what) {
     split_part sub = split_comm(color, key, config, what);  // cuda/detail/nccl_handle.cuh
-    return NcclComm(adopt_tag{}, sub.comm, sub.rank, sub.size, s_->device, s_, std::move(sub.name));
+    NcclComm out(adopt_tag{}, sub.comm, sub.rank, sub.size, s_->device, s_, std::move(sub.name));
+    out.s_->one_process = s_->one_process;  // a group of create_local()'s ranks stays one process
+    return out;
   }
 };
 

@@ -22,6 +22,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <string_view>
 
@@ -85,12 +86,13 @@ inline symmetric_verdict local_verdict(int device) {
 }
 
 //! Whether an all-reduce of send → recv goes to the symmetric kernels: the group can use them,
-//! a float type they reduce, a sum or mean, and both buffers inside windows of s.
+//! f32 or bf16, a sum or mean, and both buffers inside windows of s.
 inline bool symmetric_reducible(nccl_state& s, const void* send, const void* recv, std::size_t count, dtype t,
                                 reduce_op op) {
 #if LOCKSTEP_NCCL_COPY_ENGINE
   if (s.symmetric != 1 || s.comm == nullptr || s.size < 2) return false;
-  if (t != dtype::f32 && t != dtype::bf16 && t != dtype::f16) return false;
+  // Not f16: their sum of N ranks' values can overflow where ncclAvg's pre-divided one does not.
+  if (t != dtype::f32 && t != dtype::bf16) return false;
   if (op != reduce_op::sum && op != reduce_op::avg) return false;
   const std::size_t bytes = count * size_of(t);
   return in_window(s, send, bytes) && (recv == send || in_window(s, recv, bytes));
@@ -106,6 +108,23 @@ inline void symmetric_all_reduce(nccl_state& s, const void* send, void* recv, st
                                  cudaStream_t stream) {
   LOCKSTEP_TRY_NCCL(ncclAllReduce(send, recv, count, to_nccl(t), ncclSum, s.comm, stream));
   if (op == reduce_op::avg) cuda::kernels::scale(recv, count, t, 1.0 / static_cast<double>(s.size), stream);
+}
+
+//! NcclComm::allocate_symmetric()'s window: every rank of the group agreed that windows work,
+//! and one whose window did not register would reduce this memory with the ring while the
+//! others wait in symmetric kernels, so that is an error.
+inline std::shared_ptr<void> symmetric_window(const std::shared_ptr<nccl_state>& s, std::size_t bytes,
+                                              cudaStream_t stream) {
+#if LOCKSTEP_NCCL_COPY_ENGINE
+  auto [p, registered] = nccl_window(s, bytes, stream);
+  if (!registered)
+    throw nccl_error(s->who() + ": NCCL did not register a symmetric window of " + std::to_string(bytes) +
+                     " bytes, although the group's ranks agreed that they can use them (" + s->symmetric_why +
+                     "); turn BucketPolicy::symmetric_memory off");
+  return std::move(p);
+#else
+  return CudaMemory(s->device, stream).allocate(bytes);  // symmetric_kernels() is false: not reached
+#endif
 }
 
 //! Agrees on NcclComm::symmetric_kernels() over comm's group (state s): the minimum of every
