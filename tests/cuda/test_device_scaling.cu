@@ -1129,9 +1129,9 @@ TEST_CASE("fused optimizer in a captured step: masters filled eagerly - set_lr a
   for (std::size_t i = 0; i < sizes.size(); ++i) {
     std::vector<T> init(sizes[i]);
     for (auto& x : init) x = from_d<T>(std::uniform_real_distribution<double>(-1, 1)(rng));
-    auto& a = bufs.emplace_back(std::make_unique<DevBuf>(sizes[i] * sizeof(T)));
-    auto& b = bufs.emplace_back(std::make_unique<DevBuf>(sizes[i] * sizeof(T)));
-    auto& g = bufs.emplace_back(std::make_unique<DevBuf>(sizes[i] * sizeof(T)));
+    DevBuf* a = bufs.emplace_back(std::make_unique<DevBuf>(sizes[i] * sizeof(T))).get();
+    DevBuf* b = bufs.emplace_back(std::make_unique<DevBuf>(sizes[i] * sizeof(T))).get();
+    DevBuf* g = bufs.emplace_back(std::make_unique<DevBuf>(sizes[i] * sizeof(T))).get();
     upload(a->p, init);
     upload(b->p, init);
     const std::vector<std::int64_t> shape{static_cast<std::int64_t>(sizes[i])};
