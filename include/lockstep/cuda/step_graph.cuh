@@ -20,9 +20,8 @@
 //!  - learning rates reach the fused optimizers through set_lr(), which writes the device copy;
 //!  - one graph holds whole accumulation cycles (capture all K micro-steps in one step());
 //!  - host-side counters (sync_stats, the step recorder) advance only for eager steps;
-//!  - ShardedOptimizer's gather_in_forward is captured too (the device is drained before the
-//!    capture, so the gather of the eager step before it has completed); not yet
-//!    ShardedGradients and FullySharded (their hooks allocate per cycle).
+//!  - not yet: ShardedOptimizer's gather_in_forward (the first captured forward would wait for
+//!    a gather issued before the capture), ShardedGradients and FullySharded.
 //! reset() drops the graph (after load() of an optimizer, a changed batch shape): the next
 //! run() captures again. A fused optimizer's first step fills its fp32 masters and a capture
 //! refuses that (config_error): warm up at least one step after constructing it. Launches are tracked like collectives
@@ -116,9 +115,6 @@ class StepGraph {
     if (s == nullptr)
       throw config_error("StepGraph: the communicator's compute stream is the legacy default stream, which CUDA "
                          "cannot capture; give it a stream of its own (NcclComm::set_compute_stream)");
-    // Collectives of earlier steps (a gather the next forward waits for) cannot join the
-    // graph: let them finish first (nccl_work::wait).
-    LOCKSTEP_TRY_CUDA(cudaDeviceSynchronize());
     cudaGraph_t graph = nullptr;
     {
       const CaptureScope scope(comm_->device());
