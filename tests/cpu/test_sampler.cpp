@@ -469,14 +469,107 @@ TEST_CASE("sampler: its state resumes it mid-epoch - a used-up epoch resumes at 
   lockstep::DistributedSampler<> next(1003, 1, 4, {.seed = seed});
   next.set_epoch(6);
   CHECK(c.indices() == next.indices());
-  // Another number of ranks: fine at an epoch boundary, refused mid-epoch; other data refused.
+  // Another number of ranks: at an epoch boundary the next epoch; mid-epoch the rest of the
+  // epoch over the new ranks (test below); other data refused, the sampler unchanged.
   lockstep::DistributedSampler<> d(1003, 0, 2, {.seed = seed});
   d.load_state(a.state());
   CHECK(d.epoch() == 6);
-  CHECK_THROWS_AS(d.load_state(st), lockstep::checkpoint_error);
-  CHECK(d.epoch() == 6);  // unchanged by the refusal
+  d.load_state(st);
+  CHECK(d.epoch() == 5);
+  CHECK(d.consumed() == 160);  // 40 samples on each of 4 ranks
+  CHECK(d.size() == (1003 - 160 + 1) / 2);
   lockstep::DistributedSampler<> e(1004, 1, 4, {.seed = seed});
   CHECK_THROWS_WITH_AS(e.load_state(st), doctest::Contains("same data"), lockstep::checkpoint_error);
+  CHECK(e.state() == lockstep::DistributedSampler<>(1004, 1, 4, {.seed = seed}).state());
+  // A state without a change of ranks is written as before (40 bytes).
+  CHECK(lockstep::to_bytes(a).size() == 40);
+}
+
+// Ranks change twice mid-epoch (r1 → r2 → r3, as when ranks leave and join): each time the
+// rest of the epoch's list, list[consumed() : len], is partitioned over the new ranks by
+// PyTorch's rules (torch_rank_indices applied to the rest: an independent reference), the
+// survivors by repartition() and the newcomers by load_state() of a survivor's state (also
+// through the byte codec); over the whole epoch DropLast consumes no sample twice and Pad
+// none less than once.
+template <class Order, class Tail>
+void check_repartition(std::mt19937_64& rng, std::uint64_t seed) {
+  constexpr bool drop = std::is_same_v<Tail, DropLast>;
+  using S = DistributedSampler<Order, Tail>;
+  const std::size_t len = 1 + rng() % 700;
+  const std::uint64_t epoch = rng() % 4;
+  const std::vector<int> worlds{1 + static_cast<int>(rng() % 8), 1 + static_cast<int>(rng() % 8),
+                                1 + static_cast<int>(rng() % 8)};
+  CAPTURE(len);
+  CAPTURE(worlds[0]);
+  CAPTURE(worlds[1]);
+  CAPTURE(worlds[2]);
+  const auto list = epoch_list<Order>(len, seed, epoch);
+  std::vector<S> ranks;
+  for (int r = 0; r < worlds[0]; ++r) ranks.emplace_back(len, r, worlds[0], lockstep::SamplerOptions{.seed = seed});
+  for (auto& s : ranks) s.set_epoch(epoch);
+  std::map<std::size_t, int> times;  // sample → how often consumed this epoch
+  std::size_t consumed = 0;          // of the epoch's list, by the reference
+  int last_world = worlds[0];
+  for (std::size_t phase = 0; phase < worlds.size(); ++phase) {
+    CAPTURE(phase);
+    const int w = worlds[phase];
+    const std::vector<std::size_t> rest(list.begin() + static_cast<std::ptrdiff_t>(consumed), list.end());
+    for (int r = 0; r < w; ++r)
+      CHECK(ranks[static_cast<std::size_t>(r)].indices() == torch_rank_indices(rest, w, r, drop));
+    const std::size_t n = ranks[0].size();
+    // A change of ranks inside the epoch (the last phase ends it; so does a partition with no
+    // samples, DropLast's whole rest cut): a state saved at its end resumes the next epoch.
+    const bool last = phase + 1 == worlds.size() || n == 0;
+    const std::size_t p = last ? n : rng() % n;
+    last_world = w;
+    for (auto& s : ranks) {
+      for (std::size_t k = 0; k < p; ++k) ++times[s.indices()[k]];
+      s.advance(p);
+    }
+    consumed += std::min(p * static_cast<std::size_t>(w), rest.size());
+    CHECK(ranks[0].consumed() == consumed);
+    if (last) break;
+    const int next = worlds[phase + 1];
+    const lockstep::sampler_state saved = ranks[0].state();
+    const auto bytes = lockstep::to_bytes(ranks[0]);
+    ranks.erase(ranks.begin() + std::min(w, next), ranks.end());  // the ranks that leave
+    for (int r = 0; r < static_cast<int>(ranks.size()); ++r) ranks[static_cast<std::size_t>(r)].repartition(r, next);
+    for (int r = static_cast<int>(ranks.size()); r < next; ++r) {  // the ranks that join
+      S joined(len, r, next, {.seed = seed + 1});
+      if (r % 2 == 0) joined.load_state(saved);
+      else lockstep::from_bytes(joined, bytes);
+      CHECK(joined.epoch() == epoch);
+      ranks.push_back(std::move(joined));
+    }
+  }
+  if (drop) CHECK(len - consumed < static_cast<std::size_t>(last_world));  // the last partition's cut
+  else CHECK(consumed == len);
+  for (std::size_t i = 0; i < len; ++i) {
+    CAPTURE(i);
+    if (drop) CHECK(times[i] <= 1);
+    else CHECK(times[i] >= 1);
+  }
+  // The epoch used up: its state resumes at the next epoch, over any number of ranks.
+  S after(len, 0, 3, {.seed = seed});
+  after.load_state(ranks[0].state());
+  CHECK(after.epoch() == epoch + 1);
+  CHECK(after.consumed() == 0);
+}
+
+TEST_CASE("sampler: a change of ranks mid-epoch partitions the rest of the epoch - in state - through the codec") {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  std::mt19937_64 rng(seed);
+  for (int trial = 0; trial < 60; ++trial) {
+    CAPTURE(trial);
+    check_repartition<Shuffle, Pad>(rng, seed + static_cast<std::uint64_t>(trial));
+    check_repartition<Shuffle, DropLast>(rng, seed + static_cast<std::uint64_t>(trial));
+    check_repartition<Sequential, Pad>(rng, seed);
+    check_repartition<Sequential, DropLast>(rng, seed);
+  }
+  lockstep::DistributedSampler<> s(10, 0, 2);
+  CHECK_THROWS_AS(s.repartition(2, 2), lockstep::config_error);
+  CHECK_THROWS_AS(s.repartition(0, 0), lockstep::config_error);
 }
 
 }  // TEST_SUITE

@@ -26,7 +26,15 @@
 //!  from these; the partition rules above are the same.
 //!
 //! Resuming, mid-epoch too: position() counts this rank's samples already consumed this epoch
-//! (advance() after each batch keeps it current); batches() starts there. The sampler is
+//! (advance() after each batch keeps it current); batches() starts there.
+//!
+//! Another number of ranks mid-epoch (repartition(), or a state saved by another number of
+//! ranks): ranks that stepped together have consumed the first position()·R elements of
+//! the epoch's padded list — a prefix of the list, `consumed()` elements of it. The rest
+//! of the list, list[consumed() : len], is then partitioned over the new ranks by rules 2–4
+//! (padded by repeating it from its own start, or cut), so no sample of the epoch is seen
+//! twice or skipped (up to Pad's repeats and DropLast's cut, as in any epoch). Rank r's
+//! k-th index is then list[base + (r + k·R) % (len − base)], base = consumed() at the change. The sampler is
 //! serializable (save/load, or state()/load_state()): epoch, position and seed, so one call
 //! restores it — lockstep::add_training_state / restore_training_state put it in a
 //! checkpoint beside the model's state. An epoch saved used up (position == size()) resumes
@@ -82,7 +90,8 @@ struct sampler_state {
   std::uint64_t epoch = 0;
   std::uint64_t position = 0;      //!< samples of this rank consumed in `epoch`
   std::uint64_t dataset_size = 0;  //!< to refuse a resume over different data
-  std::int64_t world = 1;          //!< to refuse a mid-epoch resume on another number of ranks
+  std::int64_t world = 1;          //!< the ranks `position` counts over
+  std::uint64_t base = 0;          //!< elements of the epoch's list consumed before this partition
   bool operator==(const sampler_state&) const = default;
 };
 
@@ -165,13 +174,7 @@ class DistributedSampler {
   //! Rank `rank` of `world` ranks; every rank must pass the same len and opts.seed.
   DistributedSampler(std::size_t len, int rank, int world, SamplerOptions opts = {})
       : len_(len), rank_(rank), world_(world), seed_(opts.seed) {
-    if (world < 1)
-      throw config_error("DistributedSampler: world size is " + std::to_string(world) +
-                         "; it must be at least 1 (the number of ranks)");
-    if (rank < 0 || rank >= world)
-      throw config_error("DistributedSampler: rank " + std::to_string(rank) + " is outside [0, " +
-                         std::to_string(world) + "); pass this process's rank and the number of ranks");
-    num_samples_ = samples_per_rank(len, world);
+    check_rank(rank, world, "DistributedSampler");
     fill();
   }
 
@@ -181,6 +184,7 @@ class DistributedSampler {
       : DistributedSampler(len, static_cast<int>(group.rank()), static_cast<int>(group.size()), opts) {}
 
   //! This rank's number of samples per epoch (PyTorch's num_samples); the same on all ranks.
+  //! After a change of ranks mid-epoch: of the rest of the epoch.
   std::size_t size() const noexcept { return num_samples_; }
   //! size() · world(): the padded (Pad) or truncated (DropLast) length of the epoch's list.
   std::size_t total_size() const noexcept { return num_samples_ * static_cast<std::size_t>(world_); }
@@ -196,8 +200,28 @@ class DistributedSampler {
   //! Selects the epoch (and so, with Shuffle, the order) and resets position() to 0.
   void set_epoch(std::uint64_t epoch) {
     position_ = 0;
-    if (epoch == epoch_) return;  // same (seed, epoch) → same indices
+    if (epoch == epoch_ && base_ == 0) return;  // same (seed, epoch) → same indices
     epoch_ = epoch;
+    base_ = 0;
+    fill();
+  }
+
+  //! Elements of the epoch's list consumed by every rank together (position() on each, the
+  //! same on all, as ranks that step together have), counting those consumed before the last
+  //! change of ranks; at most dataset_size().
+  std::size_t consumed() const noexcept {
+    return base_ + std::min(position_ * static_cast<std::size_t>(world_), len_ - base_);
+  }
+  //! The rest of this epoch, from consumed(), partitioned over `world` ranks (this one
+  //! `rank`); position() starts again at 0. Call it on every rank that goes on, at the same
+  //! step (e.g. after ranks left or joined: every survivor at the same position). Later
+  //! epochs are partitioned over `world` ranks from their start.
+  void repartition(int rank, int world) {
+    check_rank(rank, world, "DistributedSampler::repartition");
+    base_ = consumed();
+    rank_ = rank;
+    world_ = world;
+    position_ = 0;
     fill();
   }
 
@@ -217,12 +241,12 @@ class DistributedSampler {
 
   //! Where the sampler stands (for checkpoints; the same on every rank but the position's
   //! meaning, which is per rank — and equal on every rank that steps in lockstep).
-  sampler_state state() const noexcept { return {seed_, epoch_, position_, len_, world_}; }
+  sampler_state state() const noexcept { return {seed_, epoch_, position_, len_, world_, base_}; }
   //! Resumes a saved state: its seed and epoch, and its position — or, when the epoch was
-  //! used up, the start of the next epoch. A state from another data set size is refused;
-  //! so is a mid-epoch one from another number of ranks (an epoch boundary is fine: the
-  //! (seed, epoch) order does not depend on the ranks). Throws checkpoint_error; the sampler
-  //! is unchanged then.
+  //! used up, the start of the next epoch. A state saved mid-epoch by another number of
+  //! ranks resumes with the rest of that epoch partitioned over this job's ranks (as
+  //! repartition() does). A state from another data set size is refused. Throws
+  //! checkpoint_error; the sampler is unchanged then.
   void load_state(const sampler_state& st) {
     if (st.dataset_size != len_)
       throw checkpoint_error("DistributedSampler: the saved state is for a data set of " +
@@ -231,22 +255,27 @@ class DistributedSampler {
     if (st.world < 1)
       throw checkpoint_error("DistributedSampler: the saved state names " + std::to_string(st.world) +
                              " ranks; the state is damaged");
-    const std::uint64_t saved_size = samples_per_rank(len_, static_cast<int>(st.world));
-    std::uint64_t epoch = st.epoch, position = st.position;
+    if (st.base > len_)
+      throw checkpoint_error("DistributedSampler: the saved state consumed " + std::to_string(st.base) +
+                             " samples before its partition, more than the data set's " + std::to_string(len_) +
+                             "; the state is damaged");
+    const std::uint64_t rest = len_ - st.base;
+    const std::uint64_t saved_size = samples_per_rank(static_cast<std::size_t>(rest), static_cast<int>(st.world));
+    std::uint64_t epoch = st.epoch, position = st.position, base = st.base;
     if (position > saved_size)
       throw checkpoint_error("DistributedSampler: the saved position " + std::to_string(position) +
                              " is past the epoch's " + std::to_string(saved_size) + " samples; the state is damaged");
     if (position == saved_size) {
       ++epoch;  // used up: the next epoch, from its start
+      position = base = 0;
+    } else if (st.world != world_) {  // the rest of the epoch over this job's ranks
+      base += std::min(position * static_cast<std::uint64_t>(st.world), rest);
       position = 0;
     }
-    if (st.world != world_ && position != 0)
-      throw checkpoint_error("DistributedSampler: the state was saved mid-epoch by " + std::to_string(st.world) +
-                             " ranks; this job has " + std::to_string(world_) +
-                             ", so its position means nothing here (resume from an epoch boundary)");
-    const bool refill = st.seed != seed_ || epoch != epoch_;
+    const bool refill = st.seed != seed_ || epoch != epoch_ || base != base_;
     seed_ = st.seed;
     epoch_ = epoch;
+    base_ = static_cast<std::size_t>(base);
     position_ = static_cast<std::size_t>(position);
     if (refill) fill();
   }
@@ -258,7 +287,10 @@ class DistributedSampler {
     w.write(st.epoch);
     w.write(st.position);
     w.write(st.dataset_size);
-    w.write(st.world);
+    // A partition that starts mid-epoch: the ranks negated, then the base (a reader older
+    // than repartition() refuses the negative count rather than misreading the position).
+    w.write(st.base == 0 ? st.world : -st.world);
+    if (st.base != 0) w.write(st.base);
   }
   void load(byte_reader& r) {
     sampler_state st;
@@ -267,6 +299,10 @@ class DistributedSampler {
     st.position = r.read<std::uint64_t>();
     st.dataset_size = r.read<std::uint64_t>();
     st.world = r.read<std::int64_t>();
+    if (st.world < 0) {
+      st.world = -st.world;
+      st.base = r.read<std::uint64_t>();
+    }
     load_state(st);
   }
 
@@ -296,16 +332,28 @@ class DistributedSampler {
     else return len / r + (len % r != 0 ? 1 : 0);
   }
 
-  // Rank r's k-th index is list[(r + k·R) % len] (rule 3 and 4 above in one formula).
+  static void check_rank(int rank, int world, const char* who) {
+    if (world < 1)
+      throw config_error(std::string(who) + ": world size is " + std::to_string(world) +
+                         "; it must be at least 1 (the number of ranks)");
+    if (rank < 0 || rank >= world)
+      throw config_error(std::string(who) + ": rank " + std::to_string(rank) + " is outside [0, " +
+                         std::to_string(world) + "); pass this process's rank and the number of ranks");
+  }
+
+  // Rank r's k-th index is list[base + (r + k·R) % (len − base)] (rules 3 and 4 above in one
+  // formula, over the rest of the list from base; base is 0 but after a change of ranks).
   void fill() {
+    const std::size_t rest = len_ - base_;
+    num_samples_ = samples_per_rank(rest, world_);
     indices_.resize(num_samples_);
     if (num_samples_ == 0) return;
     const auto r = static_cast<std::size_t>(rank_), w = static_cast<std::size_t>(world_);
     if constexpr (std::is_same_v<Order, Shuffle>) {
       const std::vector<std::size_t> list = detail::permutation(len_, seed_, epoch_);
-      for (std::size_t k = 0; k < num_samples_; ++k) indices_[k] = list[(r + k * w) % len_];
+      for (std::size_t k = 0; k < num_samples_; ++k) indices_[k] = list[base_ + (r + k * w) % rest];
     } else {
-      for (std::size_t k = 0; k < num_samples_; ++k) indices_[k] = (r + k * w) % len_;
+      for (std::size_t k = 0; k < num_samples_; ++k) indices_[k] = base_ + (r + k * w) % rest;
     }
   }
 
@@ -314,6 +362,7 @@ class DistributedSampler {
   int world_;
   std::uint64_t seed_;
   std::uint64_t epoch_ = 0;
+  std::size_t base_ = 0;  // elements of the epoch's list consumed before this partition
   std::size_t num_samples_ = 0;
   std::size_t position_ = 0;
   std::vector<std::size_t> indices_;
