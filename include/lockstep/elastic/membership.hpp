@@ -1,0 +1,194 @@
+#pragma once
+//! Who goes on after ranks fail: one decision, the same on every survivor, through the job's
+//! store (docs/elastic.md). The first step of shrinking a job in place (issue 29): the ranks
+//! this returns are the members of the smaller communicator, in order.
+//!
+//! Protocol for a change of membership `m` (epoch e → e + 1), keys under
+//! "lockstep.elastic/<e>/":
+//!  1. Every survivor sets "alive/<job rank>" to the job ranks it knows are gone (its
+//!     communicator named them, its connection to them closed).
+//!  2. The coordinator — m.ranks[0], the lowest member (with a TcpStore, the job rank that
+//!     hosts the store, whose loss no rank survives) — waits until every member has reported
+//!     alive or is named gone by some report, at most `settle` after it started; members still
+//!     silent then are declared gone. A report overrides a claim that its rank is gone (the
+//!     store heard from it).
+//!  3. It sets "decision": the job ranks that reported, ascending — or why the job cannot go
+//!     on (fewer than min_ranks remain).
+//!  4. Every survivor reads the decision (waiting at most the store's timeout). A rank not in
+//!     it (it reported after the decision) is told so by aborted_error, as is every rank when
+//!     the job cannot go on, or when the coordinator is gone (no decision can come).
+//! A rank that fails during the change is in the decision if it reported before failing; the
+//! smaller communicator's construction then fails on the others, and they change again.
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "lockstep/core/codec.hpp"
+#include "lockstep/core/error.hpp"
+#include "lockstep/store/store.hpp"
+
+namespace lockstep {
+
+//! The ranks that train together: job ranks (as launched), ascending; this process's place.
+struct membership {
+  std::uint64_t epoch = 0;  //!< changes so far
+  std::vector<int> ranks;   //!< job ranks of the members; rank r of the group is ranks[r]
+  int rank = -1;            //!< this process's rank in the group (its index in `ranks`)
+  int size() const noexcept { return static_cast<int>(ranks.size()); }
+  bool operator==(const membership&) const = default;
+
+  //! Every rank of a job of `world` ranks, this one job rank `job_rank` (epoch 0).
+  static membership whole(int world, int job_rank) {
+    if (world < 1 || job_rank < 0 || job_rank >= world)
+      throw config_error("membership::whole: job rank " + std::to_string(job_rank) + " of " + std::to_string(world) +
+                         " ranks; pass this rank and the number of ranks");
+    membership m;
+    for (int r = 0; r < world; ++r) m.ranks.push_back(r);
+    m.rank = job_rank;
+    return m;
+  }
+  //! This process's job rank.
+  int job_rank() const { return ranks.at(static_cast<std::size_t>(rank)); }
+};
+
+//! What a change of membership decided.
+struct membership_change {
+  membership before;
+  membership after;
+  std::vector<int> gone;  //!< job ranks of `before` not in `after`, ascending
+};
+
+struct SurvivorOptions {
+  //! The job cannot go on with fewer ranks than this: every survivor gets aborted_error.
+  int min_ranks = 1;
+  //! How long the coordinator waits for members that neither reported nor were named gone.
+  std::chrono::milliseconds settle{2000};
+};
+
+namespace detail {
+
+inline std::string elastic_key(std::uint64_t epoch, const std::string& what) {
+  return "lockstep.elastic/" + std::to_string(epoch) + "/" + what;
+}
+
+inline std::vector<std::byte> encode_ranks(std::span<const int> ranks, std::string_view failure = {}) {
+  byte_writer w;
+  w.write(static_cast<std::uint64_t>(ranks.size()));
+  for (int r : ranks) w.write(static_cast<std::int64_t>(r));
+  w.write_string(failure);
+  return std::move(w).release();
+}
+
+struct decoded_ranks {
+  std::vector<int> ranks;
+  std::string failure;
+};
+inline decoded_ranks decode_ranks(std::span<const std::byte> bytes, const std::string& key) {
+  byte_reader r(bytes, "membership record '" + key + "'");
+  decoded_ranks out;
+  const auto n = r.read<std::uint64_t>();
+  if (n > bytes.size()) r.fail("names " + std::to_string(n) + " ranks; the record is damaged");
+  for (std::uint64_t i = 0; i < n; ++i) out.ranks.push_back(static_cast<int>(r.read<std::int64_t>()));
+  out.failure = r.read_string();
+  return out;
+}
+
+inline std::string rank_list(std::span<const int> ranks) {
+  std::string s;
+  for (int r : ranks) s += (s.empty() ? "" : ", ") + std::to_string(r);
+  return s.empty() ? "none" : s;
+}
+
+// The coordinator's part: who reported, by the rules in the file comment; the decision.
+template <store S>
+std::vector<std::byte> coordinate(S& st, const membership& now, std::vector<int> gone, const SurvivorOptions& o,
+                                  std::string& failure) {
+  const auto deadline = std::chrono::steady_clock::now() + o.settle;
+  std::vector<int> alive{now.job_rank()}, pending;
+  for (int r : now.ranks)
+    if (r != now.job_rank()) pending.push_back(r);
+  for (;;) {
+    for (auto it = pending.begin(); it != pending.end();) {
+      const std::string key = elastic_key(now.epoch, "alive/" + std::to_string(*it));
+      if (st.check({key})) {
+        for (int g : decode_ranks(st.get(key), key).ranks) gone.push_back(g);
+        alive.push_back(*it);
+        it = pending.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    const bool settled = std::all_of(pending.begin(), pending.end(),
+                                     [&](int r) { return std::find(gone.begin(), gone.end(), r) != gone.end(); });
+    if (settled || std::chrono::steady_clock::now() >= deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  std::sort(alive.begin(), alive.end());
+  if (static_cast<int>(alive.size()) < o.min_ranks)
+    failure = std::to_string(alive.size()) + " rank(s) remain (job ranks " + rank_list(alive) +
+              "), fewer than SurvivorOptions::min_ranks = " + std::to_string(o.min_ranks);
+  return encode_ranks(alive, failure);
+}
+
+}  // namespace detail
+
+//! After a failure in membership `now` (every survivor calls it, with the job ranks it knows
+//! are gone): the members that go on, agreed through the store `st` (the file comment has
+//! the protocol). Returns the change, `after.epoch` = now.epoch + 1, `after.rank` this
+//! process's rank in the smaller group. Throws aborted_error, naming why, when this rank is
+//! not among them, when fewer than o.min_ranks remain, or when the coordinator (now.ranks[0])
+//! is gone; timeout_error when no decision came within the store's timeout.
+template <store S>
+membership_change agree_on_survivors(S& st, const membership& now, std::span<const int> known_gone,
+                                     const SurvivorOptions& o = {}) {
+  if (now.rank < 0 || now.rank >= now.size())
+    throw config_error("agree_on_survivors: this rank's place " + std::to_string(now.rank) +
+                       " is outside the membership of " + std::to_string(now.size()) + " ranks");
+  const int coordinator = now.ranks.front();
+  const std::string who = "rank " + std::to_string(now.job_rank());
+  if (std::find(known_gone.begin(), known_gone.end(), coordinator) != known_gone.end())
+    throw aborted_error(who + ": job rank " + std::to_string(coordinator) +
+                        ", which coordinates changes of membership (the lowest member; with a TcpStore, the rank "
+                        "that hosts the store), is gone; the job cannot go on without it: resume from the last "
+                        "checkpoint");
+  std::vector<int> gone(known_gone.begin(), known_gone.end());
+  const std::string decision_key = detail::elastic_key(now.epoch, "decision");
+  std::vector<std::byte> decision;
+  if (now.job_rank() == coordinator) {
+    std::string failure;
+    decision = detail::coordinate(st, now, gone, o, failure);
+    st.set(decision_key, decision);
+  } else {
+    st.set(detail::elastic_key(now.epoch, "alive/" + std::to_string(now.job_rank())), detail::encode_ranks(gone));
+    try {
+      decision = st.get(decision_key);
+    } catch (const timeout_error& e) {
+      throw timeout_error(who + ": no decision on who goes on came from job rank " + std::to_string(coordinator) +
+                          ", which coordinates changes of membership (gone too?): " + e.what());
+    }
+  }
+  const auto got = detail::decode_ranks(decision, decision_key);
+  if (!got.failure.empty()) throw aborted_error(who + ": the job cannot go on: " + got.failure);
+  membership_change c;
+  c.before = now;
+  c.after.epoch = now.epoch + 1;
+  c.after.ranks = got.ranks;
+  const auto me = std::find(got.ranks.begin(), got.ranks.end(), now.job_rank());
+  if (me == got.ranks.end())
+    throw aborted_error(who + " reported after the survivors were decided (job ranks " + detail::rank_list(got.ranks) +
+                        " go on without it); it is out of the job and may join again as a new rank");
+  c.after.rank = static_cast<int>(me - got.ranks.begin());
+  for (int r : now.ranks)
+    if (std::find(got.ranks.begin(), got.ranks.end(), r) == got.ranks.end()) c.gone.push_back(r);
+  return c;
+}
+
+}  // namespace lockstep
