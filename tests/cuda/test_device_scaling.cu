@@ -1180,7 +1180,7 @@ TEST_CASE("fused optimizer in a captured step: masters filled eagerly - set_lr a
   };
   auto refusal = [&](lockstep::FusedAdamW& fused, auto&& inside) {
     try {
-      (void)capture(fused, inside);
+      LOCKSTEP_TRY_CUDA(cudaGraphExecDestroy(capture(fused, inside)));
     } catch (const lockstep::config_error& e) {
       return std::string(e.what());
     }
@@ -1190,7 +1190,13 @@ TEST_CASE("fused optimizer in a captured step: masters filled eagerly - set_lr a
   const std::string masters = refusal(first, [] {});
   CHECK(masters.find("fp32 master of parameter 0") != std::string::npos);
   CHECK(masters.find("run one step eagerly") != std::string::npos);
-  CHECK(values(graph_p) == values(eager_p));  // nothing ran
+  {  // set_lr before the first step writes at once: not while a capture is open on the device
+    lockstep::FusedAdamW fresh(o, graph_p);
+    const lockstep::CaptureScope scope(0);
+    CHECK_THROWS_WITH_AS(fresh.set_lr(0.3), doctest::Contains("inside a CUDA graph capture on device 0"),
+                         lockstep::config_error);
+    CHECK(fresh.options().lr == o.lr);
+  }
   double lr = o.lr;
   auto both_eager = [&] {
     new_grads();
@@ -1204,7 +1210,7 @@ TEST_CASE("fused optimizer in a captured step: masters filled eagerly - set_lr a
   // set_lr() inside a capture would bake the rate into the graph.
   const std::string inside = refusal(first, [&] { first.set_lr(0.5); });
   CHECK(inside.find("inside the CUDA graph being captured") != std::string::npos);
-  first.set_lr(lr);
+  CHECK(first.options().lr == lr);  // the refused rate was not kept
   // Replays with a new rate each, against the eager optimizer.
   auto replays = [&](lockstep::FusedAdamW& fused, cudaGraphExec_t exec, int n) {
     for (int r = 0; r < n; ++r) {
@@ -1222,11 +1228,11 @@ TEST_CASE("fused optimizer in a captured step: masters filled eagerly - set_lr a
   cudaGraphExec_t exec = capture(first, [] {});
   replays(first, exec, 3);
   LOCKSTEP_TRY_CUDA(cudaGraphExecDestroy(exec));
-  // A fresh optimizer that loads the state (masters included) captures its first step at
-  // once and keeps following set_lr(); the rate it was built with is not the one saved.
+  // A fresh optimizer that loads the state (masters and rate included; the rate it was built
+  // with is not the one saved) captures its first step at once and keeps following set_lr().
   lockstep::FusedAdamW second({.lr = 123.0}, graph_p);
   lockstep::from_bytes(second, lockstep::to_bytes(first));
-  second.set_lr(lr);
+  CHECK(second.options().lr == lr);
   exec = capture(second, [] {});
   replays(second, exec, 3);
   LOCKSTEP_TRY_CUDA(cudaGraphExecDestroy(exec));

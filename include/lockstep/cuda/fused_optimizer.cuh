@@ -88,10 +88,16 @@ class FusedOptimizer : public detail::rule_options<Rule> {
   //! queues it again there). Outside a capture (inside, config_error: the write would become
   //! part of the graph).
   void set_lr(double lr) {
-    base::set_lr(lr);
-    detail::device_guard g(st_.device());
-    if (!st_.stepped()) st_.write_lr_now(opt_.lr);
-    else st_.publish_lr(opt_.lr, st_.last_stream());
+    const options_type before = opt_;
+    base::set_lr(lr);  // validates
+    try {
+      detail::device_guard g(st_.device());
+      if (!st_.stepped()) st_.write_lr_now(opt_.lr);
+      else st_.publish_lr(opt_.lr, st_.last_stream());
+    } catch (...) {  // refused (inside a capture): the rate stays the one before
+      opt_ = before;
+      throw;
+    }
   }
 
   //! Updates the slices (e.g. one bucket), queued on s; skipped entirely when d_found_inf is

@@ -27,6 +27,7 @@
 #include "lockstep/core/dtype.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/parameter.hpp"
+#include "lockstep/cuda/detail/capture_guard.cuh"
 #include "lockstep/cuda/error.cuh"
 #include "lockstep/cuda/kernels/engine.cuh"
 #include "lockstep/cuda/kernels/optimizers.cuh"
@@ -105,7 +106,7 @@ class fused_state {
   //! write that a CUDA graph capture of s would record is refused: every replay would write
   //! this rate again over the ones set_lr() queues between replays.
   void publish_lr(double lr, cudaStream_t s) {
-    if (lr == published_lr_ && (lr_stream_ == everywhere || lr_stream_ == s)) return;
+    if (lr == published_lr_ && (lr_everywhere_ || lr_stream_ == s)) return;
     if (capturing(s))
       throw config_error(std::string(who_) + ": the learning rate " + std::to_string(lr) +
                          " would be written inside the CUDA graph being captured (set_lr() was last queued on another "
@@ -114,13 +115,25 @@ class fused_state {
     cuda::kernels::store_scalar(reinterpret_cast<double*>(base() + lr_off_), lr, s);
     published_lr_ = lr;
     lr_stream_ = s;
+    lr_everywhere_ = false;
   }
-  //! Writes lr to device_lr() now (synchronous: any stream reads it afterwards).
+  //! Writes lr to device_lr() now, on a stream of its own that it waits for (no other work
+  //! is waited for): any stream reads it afterwards. Refused while a capture is open on the
+  //! device (CaptureScope, StepGraph): CUDA would end the capture.
   void write_lr_now(double lr) {
-    upload(base() + lr_off_, &lr, sizeof lr);
-    LOCKSTEP_TRY_CUDA(cudaDeviceSynchronize());  // a pageable upload may return before its DMA lands
+    if (!arena_) return;  // moved from
+    if (captures_open(device_).load(std::memory_order_acquire) != 0)
+      throw config_error(std::string(who_) + ": set_lr(" + std::to_string(lr) +
+                         ") inside a CUDA graph capture on device " + std::to_string(device_) +
+                         "; call it before the capture (the rate is read on the device, so replays follow it)");
+    cudaStream_t own = nullptr;
+    LOCKSTEP_TRY_CUDA(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking));
+    const cudaError_t c = cudaMemcpyAsync(base() + lr_off_, &lr, sizeof lr, cudaMemcpyHostToDevice, own);
+    const cudaError_t w = c == cudaSuccess ? cudaStreamSynchronize(own) : c;
+    (void)cudaStreamDestroy(own);
+    check_cuda(w, "cudaMemcpyAsync(the learning rate)", __FILE__, __LINE__);
     published_lr_ = lr;
-    lr_stream_ = everywhere;
+    lr_everywhere_ = true;
   }
   //! Whether a step was queued (then last_stream() is its stream).
   bool stepped() const noexcept { return stepped_; }
@@ -352,10 +365,10 @@ class fused_state {
   bool stepped_ = false;
   std::size_t lr_off_ = 0;
   // device_lr() holds published_lr_ for work queued on lr_stream_ from now on, or for every
-  // stream (everywhere: written synchronously).
-  static inline const cudaStream_t everywhere = reinterpret_cast<cudaStream_t>(~std::uintptr_t{0});
+  // stream when it was written synchronously (lr_everywhere_).
   double published_lr_ = 0;
-  cudaStream_t lr_stream_ = everywhere;
+  cudaStream_t lr_stream_ = nullptr;
+  bool lr_everywhere_ = false;
 };
 
 }  // namespace lockstep::detail
