@@ -1,11 +1,15 @@
-// Shrinking a job in place (issue 29), its first part: the survivors of a failure agree on who
-// goes on through the store — one decision on every survivor, with one or two ranks gone, a
-// gone rank nobody named, a rank that reports too late, the coordinator gone, too few left,
-// and changes one after another; on HashStore and on TcpStore (ranks as threads).
+// Shrinking a job in place (issue 29), its first parts: the survivors of a failure agree on
+// who goes on through the store — one decision on every survivor, with one or two ranks gone,
+// a gone rank nobody named, a rank that reports too late, the coordinator gone, too few left,
+// and changes one after another; on HashStore and on TcpStore (ranks as threads). Then a
+// whole loop on CPU threads: ranks die at a phase of a step, the survivors agree, regroup
+// their ThreadComm, rebuild DataParallel, re-partition the epoch's rest and redo the step, and
+// end bit for bit where a run that switched rank counts at that step through a checkpoint ends.
 #include <doctest/doctest.h>
 
 #include <algorithm>
 #include <chrono>
+#include <filesystem>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -15,9 +19,10 @@
 #include <thread>
 #include <vector>
 
-#include "lockstep/elastic/membership.hpp"
-#include "lockstep/store/hash_store.hpp"
+#include <lockstep/lockstep.hpp>
+
 #include "lockstep/store/tcp_store.hpp"
+#include "mlp.hpp"
 #include "test_util.hpp"
 
 namespace {
@@ -26,6 +31,7 @@ using namespace std::chrono_literals;
 using lockstep::membership;
 using lockstep::membership_change;
 using lockstep::SurvivorOptions;
+using lockstep_test::TestMlp;
 
 // What each survivor's agree_on_survivors returned or threw.
 struct outcome {
@@ -85,9 +91,171 @@ void check_same_decision(const std::map<int, outcome>& got, const membership& no
   }
 }
 
+// ---- a training loop that survives ranks dying -------------------------------------------
+namespace fs = std::filesystem;
+
+struct job {
+  std::vector<int> dims{11, 16, 5};
+  std::size_t samples = 211;  // not divisible by the ranks: padding in play
+  std::size_t batch = 4;
+  std::uint64_t epochs = 2;
+  std::uint64_t seed = 0;
+  std::vector<double> X;
+  std::vector<int> y;
+};
+
+struct rank_killed : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Where ranks die: at step `step`, before its forward (phase 0), in its backward after `hooks`
+// gradients were handed over, while earlier buckets' collectives ran (1), or after finish(),
+// before the optimizer (2: the others complete that step and find the loss at the next).
+struct deaths {
+  std::set<int> ranks;
+  std::int64_t step = -1;
+  int phase = 0;
+  int hooks = 0;
+};
+
+struct trained {
+  std::vector<double> params;                     // every member's, checked equal
+  std::vector<lockstep::membership_change> seen;  // by job rank 0
+};
+
+// Trains `world` CPU ranks for j.epochs epochs; stops after `stop_at` steps and saves a
+// checkpoint there when `save` is given; starts from `resume` when given. On aborted_error the
+// survivors agree on who goes on (lockstep::agree_on_survivors through a HashStore), regroup
+// their ThreadComm, rebuild DataParallel (its loss scale carried over), re-partition the rest
+// of the epoch and redo the step.
+trained train(const job& j, int world, const deaths& d, std::int64_t stop_at = -1, const fs::path* save = nullptr,
+              const fs::path* resume = nullptr) {
+  using DP = lockstep::DataParallel<TestMlp<double>, lockstep::ThreadComm, lockstep::DynamicScale>;
+  std::vector<std::vector<double>> out(static_cast<std::size_t>(world));
+  trained t;
+  lockstep::HashStore store(world, 20s);
+  auto body = [&](lockstep::context<lockstep::ThreadComm>& ctx) {
+    TestMlp<double> m(j.dims, j.seed);
+    lockstep::ThreadComm comm = ctx.comm();
+    lockstep::membership now = lockstep::membership::whole(world, ctx.rank());
+    std::optional<DP> dp;
+    auto build = [&] {
+      dp.emplace(comm, m, lockstep::DataParallelOptions{.buckets = {.first_bytes = 200, .cap_bytes = 400}},
+                 lockstep::DynamicScale({.init_scale = 256.0, .growth_interval = 3}));
+    };
+    build();
+    lockstep::Sgd opt({.lr = 0.2, .momentum = 0.9, .weight_decay = 1e-3});
+    lockstep::DistributedSampler<> sampler(j.samples, now.rank, now.size(), {.seed = j.seed});
+    std::int64_t steps = 0;
+    if (resume) {
+      auto ck = lockstep::load_checkpoint(*resume);
+      lockstep::restore_training_state(ck, *dp, sampler);
+      ck.restore("optimizer", opt);
+      steps = ck.meta.step;
+    }
+    while (sampler.epoch() < j.epochs && steps != stop_at) {
+      const auto batches = sampler.batches(j.batch);
+      if (batches.empty()) {
+        sampler.set_epoch(sampler.epoch() + 1);
+        continue;
+      }
+      const std::vector<std::size_t> rows(batches.front().begin(), batches.front().end());
+      const bool dies = d.ranks.count(now.job_rank()) && steps == d.step;
+      auto die = [&](int phase) {
+        if (dies && d.phase == phase) throw rank_killed("job rank " + std::to_string(now.job_rank()) + " killed");
+      };
+      try {
+        die(0);
+        auto step = dp->step();
+        auto hook = step.on_gradient_ready();
+        int handed = 0;
+        m.forward_backward(
+            j.X, j.y, rows,
+            [&](std::size_t i) {
+              if (handed++ == d.hooks) die(1);
+              hook(i);
+            },
+            step.loss_scale());
+        auto r = step.finish();
+        die(2);
+        opt.step(dp->parameters(), !r);
+      } catch (const lockstep::aborted_error&) {  // a peer died: go on without it
+        const auto scale = dp->scaler().state();
+        dp.reset();
+        const auto change = lockstep::agree_on_survivors(store, now, {}, {.settle = 300ms});
+        comm = comm.regroup(change.after.epoch, change.after.ranks);
+        now = change.after;
+        build();
+        dp->scaler().load_state(scale);
+        sampler.repartition(now.rank, now.size());
+        if (now.job_rank() == 0) t.seen.push_back(change);
+        continue;  // the interrupted step again, over the survivors
+      }
+      sampler.advance(rows.size());
+      ++steps;
+      if (save && steps == stop_at)
+        lockstep::save_checkpoint_rank0(comm, *save, [&](lockstep::Checkpoint& ck) {
+          ck.meta.step = steps;
+          lockstep::add_training_state(ck, *dp, sampler);
+          ck.add("optimizer", opt);
+        });
+    }
+    out[static_cast<std::size_t>(now.job_rank())] = m.flat_values();
+  };
+  if (d.ranks.empty()) {
+    lockstep::run(lockstep::Threads{world}, body);
+  } else {  // run() reports the first rank that died, once every rank has ended
+    CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{world}, body), doctest::Contains("killed"), rank_killed);
+  }
+  for (int r = 0; r < world; ++r)
+    if (!d.ranks.count(r)) {
+      CAPTURE(r);
+      CHECK(out[static_cast<std::size_t>(r)] == out[0]);
+    }
+  t.params = out[0];
+  return t;
+}
+
 }  // namespace
 
 TEST_SUITE("cpu") {
+TEST_CASE("ranks die mid-step: the survivors shrink - redo the step - and end bit for bit where a switch of rank "
+          "counts at that step ends") {
+  job j;
+  j.seed = lockstep_test::fresh_seed();
+  CAPTURE(j.seed);
+  std::mt19937_64 rng(j.seed);
+  j.X = lockstep_test::random_vector<double>(j.samples * 11, rng, -1.5, 1.5);
+  for (std::size_t i = 0; i < j.samples; ++i) j.y.push_back(static_cast<int>(rng() % 5));
+  const fs::path dir = fs::temp_directory_path() / ("lockstep-elastic-" + std::to_string(j.seed));
+  fs::create_directories(dir);
+  const fs::path ck = dir / "switch.ckpt";
+  // 211 samples over 4 ranks: 53 a rank, 14 steps of 4 an epoch.
+  const std::vector<deaths> cases{
+      {.ranks = {2}, .step = 5, .phase = 0},
+      {.ranks = {1}, .step = 9, .phase = 1, .hooks = static_cast<int>(rng() % 4)},
+      {.ranks = {3}, .step = 16, .phase = 2},  // in the second epoch; the others find it at step 17
+      {.ranks = {1, 3}, .step = 3 + static_cast<std::int64_t>(rng() % 8), .phase = 1, .hooks = 1},
+  };
+  const int world = 4;
+  for (const auto& d : cases) {
+    CAPTURE(d.step);
+    CAPTURE(d.phase);
+    const trained elastic = train(j, world, d);
+    // Where the survivors went on without the dead: that step (phase 2: the next one).
+    const std::int64_t at = d.step + (d.phase == 2 ? 1 : 0);
+    REQUIRE(elastic.seen.size() == 1);
+    CHECK(elastic.seen[0].gone == std::vector<int>(d.ranks.begin(), d.ranks.end()));
+    CHECK(elastic.seen[0].after.size() == world - static_cast<int>(d.ranks.size()));
+    // The same switch without a failure: `world` ranks to step `at`, a checkpoint, the rest on fewer.
+    train(j, world, {}, at, &ck);
+    const trained switched = train(j, world - static_cast<int>(d.ranks.size()), {}, -1, nullptr, &ck);
+    CHECK(elastic.params == switched.params);  // bit for bit
+    CHECK(lockstep_test::max_rel_diff(elastic.params, TestMlp<double>(j.dims, j.seed).flat_values()) > 1e-3);
+  }
+  fs::remove_all(dir);
+}
+
 TEST_CASE("survivors agree on who goes on: random gone ranks - named by some or by none") {
   LOCKSTEP_SEEDED(std::mt19937_64 rng);
   for (int trial = 0; trial < 12; ++trial) {

@@ -96,6 +96,19 @@ class TestMlp {
     (i % 2 == 0 ? gwp_[i / 2] : gbp_[i / 2]) = static_cast<T*>(g);
   }
 
+  //! lockstep::model (d): the gradients back in the model's own storage when DataParallel
+  //! goes (a model wrapped again, e.g. after its job shrank, must not keep the old arena's).
+  void unbind_gradients()
+    requires Bindable
+  {
+    for (std::size_t l = 0; l < w_.size(); ++l) {
+      std::copy(gwp_[l], gwp_[l] + gw_[l].size(), gw_[l].begin());
+      std::copy(gbp_[l], gbp_[l] + gb_[l].size(), gb_[l].begin());
+      gwp_[l] = gw_[l].data();
+      gbp_[l] = gb_[l].data();
+    }
+  }
+
   void unbind_values()
     requires Bindable
   {

@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -45,6 +46,9 @@ struct thread_family {
   //! The job's first failure: every group is aborted with it, whoever calls abort() later
   //! (a rank released by it reports itself failed too), so every rank names the same cause.
   std::string reason;  // under m; empty until the first abort
+  //! ThreadComm::regroup(): the groups being made after a failure, by change number; the
+  //! first member to arrive creates one, the last to take it removes the entry. Under m.
+  std::map<std::uint64_t, std::pair<std::shared_ptr<thread_group>, int>> regrouping;
   void abort(const std::string& reason);
   void leave(int world_rank);
 };
@@ -201,6 +205,43 @@ class ThreadComm {
       if (++taken == n) g_->splitting.erase({id, color});
     }
     return ThreadComm(std::move(sub), me);
+  }
+
+  //! After a failure aborted this group's job (docs/elastic.md): a communicator over the job
+  //! ranks `members` (ascending, the same on every member, as agree_on_survivors decides),
+  //! for the `change`-th change of the job's membership. Every member calls it, each rank's
+  //! place in `members` its new rank; ranks of the job not in it take no part. The new group
+  //! shares the job's failure handling (a later failure aborts it too); the failure that
+  //! ended the old one is forgotten, so a later one is named on its own.
+  ThreadComm regroup(std::uint64_t change, std::span<const int> members) {
+    const int job = g_->world_ranks[static_cast<std::size_t>(rank_)];
+    const auto at = std::find(members.begin(), members.end(), job);
+    if (at == members.end() || !std::is_sorted(members.begin(), members.end()) ||
+        std::adjacent_find(members.begin(), members.end()) != members.end())
+      throw config_error("ThreadComm::regroup: the members (" + std::to_string(members.size()) +
+                         " job ranks) must be ascending, distinct and include this rank's job rank " +
+                         std::to_string(job) + "; pass what agree_on_survivors decided");
+    const int n = static_cast<int>(members.size());
+    detail::thread_family& f = *g_->family;
+    std::shared_ptr<detail::thread_group> group;
+    {
+      std::lock_guard lk(f.m);
+      auto& [made, taken] = f.regrouping[change];
+      if (!made) {
+        made = std::make_shared<detail::thread_group>(n, g_->sync.timeout(), g_->family,
+                                                      std::vector<int>(members.begin(), members.end()));
+        std::erase_if(f.groups, [](const auto& w) { return w.expired(); });
+        f.groups.push_back(made);
+        f.reason.clear();
+      } else if (!std::equal(members.begin(), members.end(), made->world_ranks.begin(), made->world_ranks.end())) {
+        throw mismatch_error("ThreadComm::regroup: job rank " + std::to_string(job) +
+                             " names other members for change " + std::to_string(change) +
+                             " than a rank before it; every member must pass the same");
+      }
+      group = made;
+      if (++taken == n) f.regrouping.erase(change);
+    }
+    return ThreadComm(std::move(group), static_cast<int>(at - members.begin()));
   }
 
   ready_work all_reduce(const void* send, void* recv, std::size_t count, dtype t, reduce_op op) {
