@@ -23,6 +23,7 @@
 #include "lockstep/data/lr_schedule.hpp"
 #include "lockstep/data/sampler.hpp"
 #include "lockstep/data/seeding.hpp"
+#include "lockstep/elastic/elastic_group.hpp"
 #include "lockstep/elastic/membership.hpp"
 #include "lockstep/launch/detect.hpp"
 #include "lockstep/launch/job_store.hpp"

@@ -54,6 +54,7 @@ class Mlp {
   explicit Mlp(std::uint64_t seed) : net_({snippet_env::features, 8, snippet_env::classes}, seed) {}
   std::vector<lockstep::parameter> parameters() { return net_.parameters(); }
   void bind_gradient(std::size_t i, void* p) { net_.bind_gradient(i, p); }
+  void unbind_gradients() { net_.unbind_gradients(); }
   double backward(Batch rows, lockstep::gradient_ready_fn ready, double loss_scale = 1.0) {
     const auto& t = snippet_env::table();
     return net_.forward_backward(t.x, t.y, rows, ready, loss_scale);

@@ -235,6 +235,71 @@ TEST_CASE("snippets: sampler + seeds + learning-rate helpers (data/ + docs/sampl
   });
 }
 
+// docs/elastic.md: rank 2 of 3 dies after its third backward; ranks 0 and 1 go on, redo that
+// step over the two of them, and end the epochs with the same parameters.
+TEST_CASE("snippets: a job that goes on when a rank dies (docs/elastic.md)") {
+  const auto& train = snippet_env::table();
+  const std::uint64_t epochs = 2;
+  const PlainSgd optimizer;
+  std::vector<std::vector<float>> values(3);
+  std::vector<std::size_t> changes(3), survivors(3);
+  std::vector<int> same(3, 0);
+  try {
+    // [snippet docs/elastic.md#1]
+    lockstep::HashStore store(3);  // ranks as threads: one store in the process
+    lockstep::run(lockstep::Threads{3}, [&](lockstep::context<lockstep::ThreadComm>& ctx) {
+      Mlp model(7);
+      lockstep::ElasticGroup group(ctx, store, {.min_ranks = 2});
+      using DP = lockstep::DataParallel<Mlp, lockstep::ThreadComm>;
+      std::optional<DP> dp(std::in_place, group.comm(), model);
+      lockstep::DistributedSampler sampler(train.size(), group, {.seed = 42});
+      group.on_change([&](const lockstep::membership_change&) {  // before, after, gone
+        dp.reset();                                              // the model gets its gradients back
+        dp.emplace(group.comm(), model);                         // over the survivors
+        sampler.repartition(group.rank(), group.size());         // the rest of the epoch
+      });
+      while (sampler.epoch() < epochs) {
+        const auto batches = sampler.batches(16);
+        if (batches.empty()) {
+          sampler.set_epoch(sampler.epoch() + 1);
+          continue;
+        }
+        const auto batch = batches.front();
+        const auto changed = group.attempt([&] {
+          auto step = dp->step();
+          model.backward(batch, step.on_gradient_ready());
+          // [end snippet]
+          static thread_local int backwards = 0;
+          if (ctx.rank() == 2 && ++backwards == 3) throw std::runtime_error("rank 2 lost its GPU");
+          // [snippet docs/elastic.md#1]
+          if (step.finish()) optimizer.update(model);
+        });
+        if (changed) continue;  // ranks died: the survivors redo this step
+        sampler.advance(batch.size());
+      }
+      // [end snippet]
+      const auto r = static_cast<std::size_t>(ctx.rank());
+      values[r] = values_of(model);
+      changes[r] = group.changes().size();
+      survivors[r] = static_cast<std::size_t>(group.size());
+      same[r] = same_on_every_rank(group.comm(), values[r]) ? 1 : 0;
+      // [snippet docs/elastic.md#1]
+    });
+    // [end snippet]
+    FAIL("rank 2 did not die");
+  } catch (const std::runtime_error& e) {
+    CHECK(std::string(e.what()) == "rank 2 lost its GPU");
+  }
+  for (std::size_t r : {0u, 1u}) {
+    CAPTURE(r);
+    CHECK(changes[r] == 1);
+    CHECK(survivors[r] == 2);
+    CHECK(same[r] == 1);
+  }
+  CHECK(values[0] == values[1]);
+  CHECK(values[0] != values_of(*std::make_unique<Mlp>(7)));
+}
+
 TEST_CASE("snippets: the codec's example (core/codec.hpp) round-trips") {
   std::mt19937_64 rng(lockstep_test::fresh_seed());
   MyOptimizerState a{0.25 + static_cast<double>(rng() % 1000) / 7.0, lockstep_test::random_vector<float>(37, rng)};

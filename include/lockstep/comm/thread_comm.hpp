@@ -49,6 +49,7 @@ struct thread_family {
   //! ThreadComm::regroup(): the groups being made after a failure, by change number; the
   //! first member to arrive creates one, the last to take it removes the entry. Under m.
   std::map<std::uint64_t, std::pair<std::shared_ptr<thread_group>, int>> regrouping;
+  std::vector<int> failed;  // job ranks whose bodies threw (ThreadComm::fail), under m
   void abort(const std::string& reason);
   void leave(int world_rank);
 };
@@ -168,6 +169,18 @@ class ThreadComm {
   //! peer that waits for it in a collective — of this group or of any group split from the
   //! job's — fails at once with mismatch_error naming both, instead of waiting out LOCKSTEP_TIMEOUT.
   void leave() { g_->family->leave(g_->world_ranks[static_cast<std::size_t>(rank_)]); }
+
+  //! This rank's body failed (run(Threads) calls it before releasing the others): the job
+  //! ranks that did so far are failed_ranks(), for the survivors of a failure to name
+  //! (agree_on_survivors) instead of waiting for them to report.
+  void fail() {
+    std::lock_guard lk(g_->family->m);
+    g_->family->failed.push_back(g_->world_ranks[static_cast<std::size_t>(rank_)]);
+  }
+  std::vector<int> failed_ranks() const {
+    std::lock_guard lk(g_->family->m);
+    return g_->family->failed;
+  }
 
   //! A communicator over the ranks that pass the same colour (≥ 0), ordered by key (ties: by
   //! rank here), like MPI_Comm_split. Collective over this group. The new group shares the

@@ -28,6 +28,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -64,6 +65,8 @@ struct membership_change {
   membership before;
   membership after;
   std::vector<int> gone;  //!< job ranks of `before` not in `after`, ascending
+  //! How long this rank took to agree (from its call to the decision).
+  std::chrono::milliseconds agreement{0};
 };
 
 struct SurvivorOptions {
@@ -108,14 +111,18 @@ inline std::string rank_list(std::span<const int> ranks) {
 }
 
 // The coordinator's part: who reported, by the rules in the file comment; the decision.
-template <store S>
-std::vector<std::byte> coordinate(S& st, const membership& now, std::vector<int> gone, const SurvivorOptions& o,
+// gone_now(): the ranks this rank knows are gone, asked again while it waits (a second rank
+// may fail after the first).
+template <store S, class GoneNow>
+std::vector<std::byte> coordinate(S& st, const membership& now, GoneNow& gone_now, const SurvivorOptions& o,
                                   std::string& failure) {
+  std::vector<int> gone = gone_now();
   const auto deadline = std::chrono::steady_clock::now() + o.settle;
   std::vector<int> alive{now.job_rank()}, pending;
   for (int r : now.ranks)
     if (r != now.job_rank()) pending.push_back(r);
   for (;;) {
+    for (int g : gone_now()) gone.push_back(g);
     for (auto it = pending.begin(); it != pending.end();) {
       const std::string key = elastic_key(now.epoch, "alive/" + std::to_string(*it));
       if (st.check({key})) {
@@ -140,34 +147,36 @@ std::vector<std::byte> coordinate(S& st, const membership& now, std::vector<int>
 
 }  // namespace detail
 
-//! After a failure in membership `now` (every survivor calls it, with the job ranks it knows
-//! are gone): the members that go on, agreed through the store `st` (the file comment has
-//! the protocol). Returns the change, `after.epoch` = now.epoch + 1, `after.rank` this
-//! process's rank in the smaller group. Throws aborted_error, naming why, when this rank is
-//! not among them, when fewer than o.min_ranks remain, or when the coordinator (now.ranks[0])
-//! is gone; timeout_error when no decision came within the store's timeout.
-template <store S>
-membership_change agree_on_survivors(S& st, const membership& now, std::span<const int> known_gone,
-                                     const SurvivorOptions& o = {}) {
+//! After a failure in membership `now` (every survivor calls it): the members that go on,
+//! agreed through the store `st` (the file comment has the protocol). gone_now() returns the
+//! job ranks this rank knows are gone (e.g. ThreadComm::failed_ranks); the coordinator asks
+//! it again while it waits. Returns the change, `after.epoch` = now.epoch + 1, `after.rank`
+//! this process's rank in the smaller group. Throws aborted_error, naming why, when this rank
+//! is not among them, when fewer than o.min_ranks remain, or when the coordinator
+//! (now.ranks[0]) is gone; timeout_error when no decision came within the store's timeout.
+template <store S, class GoneNow>
+  requires std::is_invocable_r_v<std::vector<int>, GoneNow&>
+membership_change agree_on_survivors(S& st, const membership& now, GoneNow gone_now, const SurvivorOptions& o = {}) {
   if (now.rank < 0 || now.rank >= now.size())
     throw config_error("agree_on_survivors: this rank's place " + std::to_string(now.rank) +
                        " is outside the membership of " + std::to_string(now.size()) + " ranks");
   const int coordinator = now.ranks.front();
   const std::string who = "rank " + std::to_string(now.job_rank());
+  const std::vector<int> known_gone = gone_now();
   if (std::find(known_gone.begin(), known_gone.end(), coordinator) != known_gone.end())
     throw aborted_error(who + ": job rank " + std::to_string(coordinator) +
                         ", which coordinates changes of membership (the lowest member; with a TcpStore, the rank "
                         "that hosts the store), is gone; the job cannot go on without it: resume from the last "
                         "checkpoint");
-  std::vector<int> gone(known_gone.begin(), known_gone.end());
+  const auto t0 = std::chrono::steady_clock::now();
   const std::string decision_key = detail::elastic_key(now.epoch, "decision");
   std::vector<std::byte> decision;
   if (now.job_rank() == coordinator) {
     std::string failure;
-    decision = detail::coordinate(st, now, gone, o, failure);
+    decision = detail::coordinate(st, now, gone_now, o, failure);
     st.set(decision_key, decision);
   } else {
-    st.set(detail::elastic_key(now.epoch, "alive/" + std::to_string(now.job_rank())), detail::encode_ranks(gone));
+    st.set(detail::elastic_key(now.epoch, "alive/" + std::to_string(now.job_rank())), detail::encode_ranks(known_gone));
     try {
       decision = st.get(decision_key);
     } catch (const timeout_error& e) {
@@ -188,7 +197,16 @@ membership_change agree_on_survivors(S& st, const membership& now, std::span<con
   c.after.rank = static_cast<int>(me - got.ranks.begin());
   for (int r : now.ranks)
     if (std::find(got.ranks.begin(), got.ranks.end(), r) == got.ranks.end()) c.gone.push_back(r);
+  c.agreement = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
   return c;
+}
+
+//! The same with a fixed list of the job ranks this rank knows are gone.
+template <store S>
+membership_change agree_on_survivors(S& st, const membership& now, std::span<const int> known_gone,
+                                     const SurvivorOptions& o = {}) {
+  const std::vector<int> gone(known_gone.begin(), known_gone.end());
+  return agree_on_survivors(st, now, [&gone] { return gone; }, o);
 }
 
 }  // namespace lockstep

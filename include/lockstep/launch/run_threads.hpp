@@ -35,7 +35,14 @@ void run(Threads mode, Body&& body) {
       n,
       [&](int r) {
         context<ThreadComm> ctx(comms[static_cast<std::size_t>(r)], r, -1);
-        body(ctx);
+        try {
+          body(ctx);
+        } catch (const aborted_error&) {
+          throw;  // released by another rank's failure
+        } catch (...) {
+          comms[static_cast<std::size_t>(r)].fail();  // survivors of the job (ElasticGroup) need not wait for it
+          throw;
+        }
         ctx.comm().leave();  // a peer still waiting in a collective for this rank fails at once
       },
       [&](const std::string& why) { aborter.abort(why); });
