@@ -371,4 +371,20 @@ TEST_CASE("the coordinator gone or too few ranks left: every survivor is told wh
   }
   CHECK_THROWS_AS(membership::whole(3, 3), lockstep::config_error);
 }
+
+TEST_CASE("going on with fewer ranks: the same global batch by more micro-steps - or the learning rate rescaled") {
+  auto change = [](int before, int after) {
+    membership_change c;
+    c.before = membership::whole(before, 0);
+    c.after = membership::whole(after, 0);
+    return c;
+  };
+  CHECK(lockstep::steps_for_same_global_batch(1, change(4, 2)) == 2);
+  CHECK(lockstep::steps_for_same_global_batch(3, change(4, 3)) == 4);
+  CHECK(lockstep::steps_for_same_global_batch(2, change(2, 4)) == 1);  // grown back
+  CHECK_THROWS_WITH_AS(lockstep::steps_for_same_global_batch(1, change(4, 3)),
+                       doctest::Contains("cannot be split evenly over 3; keep the per-rank batch"),
+                       lockstep::config_error);
+  CHECK(lockstep::lr_for_rank_change(0.3, change(4, 3)) == doctest::Approx(0.225));
+}
 }  // TEST_SUITE

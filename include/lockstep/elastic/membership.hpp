@@ -209,4 +209,26 @@ membership_change agree_on_survivors(S& st, const membership& now, std::span<con
   return agree_on_survivors(st, now, [&gone] { return gone; }, o);
 }
 
+//! After a change, the two ways to go on with fewer (or more) ranks, `c.before.size()` → `c.after.size()`:
+//!  - the same global batch: each rank accumulates more micro-steps (Accumulate<>::set_steps
+//!    in an ElasticGroup's on_change). `steps` micro-steps per rank before; returns
+//!    steps · before / after, or throws config_error, naming the other way, when that is not
+//!    a whole number;
+//!  - the same per-rank batch (the default of ElasticGroup, which changes nothing): the global
+//!    batch scales by after / before, and so, by the linear scaling rule (Goyal et al. 2017),
+//!    may the learning rate — lr_for_rank_change.
+inline int steps_for_same_global_batch(int steps, const membership_change& c) {
+  const long long total = static_cast<long long>(steps) * c.before.size();
+  if (steps < 1 || c.after.size() < 1 || total % c.after.size() != 0)
+    throw config_error("steps_for_same_global_batch: " + std::to_string(steps) + " micro-step(s) on each of " +
+                       std::to_string(c.before.size()) + " ranks cannot be split evenly over " +
+                       std::to_string(c.after.size()) +
+                       "; keep the per-rank batch instead and rescale the learning rate (lr_for_rank_change)");
+  return static_cast<int>(total / c.after.size());
+}
+//! lr · after / before: the learning rate for the same per-rank batch on the new ranks.
+inline double lr_for_rank_change(double lr, const membership_change& c) {
+  return lr * static_cast<double>(c.after.size()) / static_cast<double>(c.before.size());
+}
+
 }  // namespace lockstep
