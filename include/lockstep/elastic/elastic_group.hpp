@@ -2,8 +2,7 @@
 //! lockstep::ElasticGroup — a job that goes on when ranks die: one call per training step
 //! that, when a peer failed, agrees with the other survivors on who goes on, builds the
 //! smaller communicator, lets what depends on it be rebuilt (DataParallel, the sampler's
-//! partition) and reports the change, so the loop redoes the interrupted step
-//! (docs/elastic.md has a whole loop).
+//! partition) and reports the change, so the loop redoes the interrupted step.
 //!
 //! The loop: construct it from the rank's context and the job's store; build DataParallel
 //! on group.comm() and the sampler on the group; in on_change() rebuild DataParallel and
