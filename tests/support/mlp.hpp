@@ -101,23 +101,15 @@ class TestMlp {
   void unbind_gradients()
     requires Bindable
   {
-    for (std::size_t l = 0; l < w_.size(); ++l) {
-      std::copy(gwp_[l], gwp_[l] + gw_[l].size(), gw_[l].begin());
-      std::copy(gbp_[l], gbp_[l] + gb_[l].size(), gb_[l].begin());
-      gwp_[l] = gw_[l].data();
-      gbp_[l] = gb_[l].data();
-    }
+    take_back(gwp_, gw_);
+    take_back(gbp_, gb_);
   }
 
   void unbind_values()
     requires Bindable
   {
-    for (std::size_t l = 0; l < w_.size(); ++l) {
-      std::copy(wp_[l], wp_[l] + w_[l].size(), w_[l].begin());
-      std::copy(bp_[l], bp_[l] + b_[l].size(), b_[l].begin());
-      wp_[l] = w_[l].data();
-      bp_[l] = b_[l].data();
-    }
+    take_back(wp_, w_);
+    take_back(bp_, b_);
   }
 
   //! Mean cross-entropy over the rows `rows` of X (row-major, dims[0] wide); adds the
@@ -222,6 +214,14 @@ class TestMlp {
   std::vector<int> dims_;
   std::vector<std::vector<T>> w_, b_, gw_, gb_;  // own storage
   std::vector<T*> wp_, bp_, gwp_, gbp_;          // what is used: own, or lockstep's once bound
+
+  // What `used` points to copied into `own`, and `used` pointed there again.
+  static void take_back(std::vector<T*>& used, std::vector<std::vector<T>>& own) {
+    for (std::size_t l = 0; l < own.size(); ++l) {
+      std::copy(used[l], used[l] + own[l].size(), own[l].begin());
+      used[l] = own[l].data();
+    }
+  }
 };
 
 //! TestMlp with a frozen table (lockstep::model (g)): values that are never trained but must

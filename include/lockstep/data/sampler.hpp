@@ -34,8 +34,9 @@
 //! of the list, list[consumed() : len], is then partitioned over the new ranks by rules 2–4
 //! (padded by repeating it from its own start, or cut), so no sample of the epoch is seen
 //! twice or skipped (up to Pad's repeats and DropLast's cut, as in any epoch). Rank r's
-//! k-th index is then list[base + (r + k·R) % (len − base)], base = consumed() at the change. The sampler is
-//! serializable (save/load, or state()/load_state()): epoch, position and seed, so one call
+//! k-th index is then list[base + (r + k·R) % (len − base)], base = consumed() at the change.
+//!
+//! The sampler is serializable (save/load, or state()/load_state()): epoch, position and seed, so one call
 //! restores it — lockstep::add_training_state / restore_training_state put it in a
 //! checkpoint beside the model's state. An epoch saved used up (position == size()) resumes
 //! at the start of the next one. When the position is a multiple of the batch size the
@@ -209,9 +210,7 @@ class DistributedSampler {
   //! Elements of the epoch's list consumed by every rank together (position() on each, the
   //! same on all, as ranks that step together have), counting those consumed before the last
   //! change of ranks; at most dataset_size().
-  std::size_t consumed() const noexcept {
-    return base_ + std::min(position_ * static_cast<std::size_t>(world_), len_ - base_);
-  }
+  std::size_t consumed() const noexcept { return consumed_by(base_, position_, world_, len_); }
   //! The rest of this epoch, from consumed(), partitioned over `world` ranks (this one
   //! `rank`); position() starts again at 0. Call it on every rank that goes on, at the same
   //! step (e.g. after ranks left or joined: every survivor at the same position). Later
@@ -269,7 +268,8 @@ class DistributedSampler {
       ++epoch;  // used up: the next epoch, from its start
       position = base = 0;
     } else if (st.world != world_) {  // the rest of the epoch over this job's ranks
-      base += std::min(position * static_cast<std::uint64_t>(st.world), rest);
+      base = consumed_by(static_cast<std::size_t>(base), static_cast<std::size_t>(position), static_cast<int>(st.world),
+                         len_);
       position = 0;
     }
     const bool refill = st.seed != seed_ || epoch != epoch_ || base != base_;
@@ -330,6 +330,12 @@ class DistributedSampler {
     const auto r = static_cast<std::size_t>(world);
     if constexpr (std::is_same_v<Tail, DropLast>) return len / r;  // == ceil((len - R) / R) when len % R != 0
     else return len / r + (len % r != 0 ? 1 : 0);
+  }
+
+  // Elements of the epoch's list consumed: `base` before the partition, then `position` on
+  // each of `world` ranks (the padded list's repeats count no further than its end).
+  static std::size_t consumed_by(std::size_t base, std::size_t position, int world, std::size_t len) {
+    return base + std::min(position * static_cast<std::size_t>(world), len - base);
   }
 
   static void check_rank(int rank, int world, const char* who) {
