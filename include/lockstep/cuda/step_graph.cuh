@@ -24,8 +24,9 @@
 //!    a gather issued before the capture), ShardedGradients and FullySharded.
 //! reset() drops the graph (after load() of an optimizer, a changed batch shape): the next
 //! run() captures again. A fused optimizer's first step fills its fp32 masters and a capture
-//! refuses that (config_error): warm up at least one step after constructing it. Launches are tracked like collectives
-//! (NcclComm::tracked_launch), so the watchdog of run(Processes) names a replay that a dead or stopped peer holds up.
+//! refuses that (config_error): warm up at least one step after constructing it. Launches
+//! are tracked like collectives (NcclComm::tracked_launch), so the watchdog of
+//! run(Processes) names a replay that a dead or stopped peer holds up.
 
 #include <cuda_runtime_api.h>
 

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "lockstep/core/error.hpp"
+#include "lockstep/cuda/error.cuh"
 
 namespace lockstep::detail {
 
@@ -23,6 +24,13 @@ inline constexpr int capture_devices = 256;
 inline std::atomic<int>& captures_open(int device) noexcept {
   static std::array<std::atomic<int>, capture_devices> open{};
   return open[static_cast<std::size_t>(device >= 0 && device < capture_devices ? device : 0)];
+}
+//! Whether `s` is being captured into a CUDA graph (an invalidated capture counts: work
+//! queued there must not be recorded either).
+inline bool stream_capturing(cudaStream_t s) {
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  LOCKSTEP_TRY_CUDA(cudaStreamIsCapturing(s, &cap));
+  return cap != cudaStreamCaptureStatusNone;
 }
 //! `device`, or the calling thread's current device for -1.
 inline int capture_device(int device) noexcept {

@@ -107,7 +107,7 @@ class fused_state {
   //! this rate again over the ones set_lr() queues between replays.
   void publish_lr(double lr, cudaStream_t s) {
     if (lr == published_lr_ && (lr_everywhere_ || lr_stream_ == s)) return;
-    if (capturing(s))
+    if (stream_capturing(s))
       throw config_error(std::string(who_) + ": the learning rate " + std::to_string(lr) +
                          " would be written inside the CUDA graph being captured (set_lr() was last queued on another "
                          "stream, or called during the capture); call set_lr() outside the capture and run every "
@@ -155,7 +155,7 @@ class fused_state {
       if (sl.count == 0) continue;
       const meta& m = meta_[sl.param];
       if (m.has_master && !master_ready_[sl.param]) {
-        if (capturing(s))  // a replay would overwrite the fp32 master with the rounded values
+        if (stream_capturing(s))  // a replay would overwrite the fp32 master with the rounded values
           throw config_error(std::string(who_) + "::step: the fp32 master of parameter " + std::to_string(sl.param) +
                              " is filled from its " + name_of(m.type) +
                              " values by the first step, which is being captured into a CUDA graph; run one step "
@@ -251,11 +251,6 @@ class fused_state {
     return std::any_of(meta_.begin(), meta_.end(), [](const meta& m) { return m.has_master; });
   }
   void wait_idle() const { LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(last_stream_)); }
-  static bool capturing(cudaStream_t s) {
-    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
-    LOCKSTEP_TRY_CUDA(cudaStreamIsCapturing(s, &cap));
-    return cap != cudaStreamCaptureStatusNone;
-  }
 
   void check_slice(const param_slice& sl) const {
     if (sl.param >= meta_.size())

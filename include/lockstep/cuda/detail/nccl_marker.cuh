@@ -11,6 +11,7 @@
 #include <string>
 
 #include "lockstep/comm/collective.hpp"
+#include "lockstep/cuda/detail/capture_guard.cuh"
 #include "lockstep/cuda/detail/nccl_state.cuh"
 #include "lockstep/cuda/error.cuh"
 #include "lockstep/cuda/memory.cuh"
@@ -55,9 +56,7 @@ class nccl_marker {
   nccl_marker(nccl_state& s, const collective& c, bool order_check = false, cudaStream_t on = nullptr)
       : on_(on != nullptr ? on : s.comm_stream) {
     if (!s.tracking) return;
-    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
-    LOCKSTEP_TRY_CUDA(cudaStreamIsCapturing(on_, &cap));
-    if (cap != cudaStreamCaptureStatusNone) return;
+    if (stream_capturing(on_)) return;
     std::lock_guard lk(s.track_m);
     cudaEvent_t e = nullptr;
     if (!s.spare.empty()) {

@@ -15,6 +15,7 @@
 #include "lockstep/comm/collective.hpp"
 #include "lockstep/comm/order_check.hpp"
 #include "lockstep/core/error.hpp"
+#include "lockstep/cuda/detail/capture_guard.cuh"
 #include "lockstep/cuda/detail/nccl_marker.cuh"
 #include "lockstep/cuda/detail/nccl_state.cuh"
 #include "lockstep/cuda/error.cuh"
@@ -41,11 +42,8 @@ inline collective nccl_check_order(nccl_state& s, collective c) {
   const auto mode = s.seals.mode();
   if (mode == order_check_mode::off || s.size == 1) return c;  // one rank has nobody to disagree with
   device_guard g(s.device);
-  for (cudaStream_t st : {s.comm_stream, s.compute_stream()}) {  // this rank is capturing a step
-    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
-    LOCKSTEP_TRY_CUDA(cudaStreamIsCapturing(st, &cap));
-    if (cap != cudaStreamCaptureStatusNone) return c;
-  }
+  for (cudaStream_t st : {s.comm_stream, s.compute_stream()})  // this rank is capturing a step
+    if (stream_capturing(st)) return c;
   const relaxed_capture relaxed;  // another rank's thread may be capturing (run(Gpus))
   if (auto why = s.seals.poll([&] { return nccl_order_how(s); })) {
     // An abort racing this call kills the seals' all-gathers, whose words are then stale: the
