@@ -17,6 +17,8 @@
 //     128 MiB) on b's GPT-2 step and c's MLP;
 //  y. the mean all-reduce of 1-256 MiB in plain memory vs in a symmetric window (NCCL's
 //     symmetric kernels), bus bandwidth;
+//  x. Deterministic's fixed-point sums beside the plain mean on b's GPT-2 step (fp32 gradients)
+//     and c's MLP, at every GPU count (1 GPU: the conversion passes alone);
 //  h. Hierarchical reduction (nodes of --node-size ranks) vs the flat all-reduce (not in the
 //     default set: run it under scripts/two_node_sim.sh and on one node).
 // Compute is simulated by kernels that hold every SM for a set time (so NCCL competes for
@@ -42,6 +44,7 @@
 #include <vector>
 
 #include <lockstep/cuda/bf16_wire.cuh>
+#include <lockstep/cuda/deterministic_sum.cuh>
 #include <lockstep/cuda/run_gpus.cuh>
 #include <lockstep/cuda/run_processes.cuh>
 #include <lockstep/lockstep.hpp>
@@ -451,7 +454,8 @@ void bench_h(const std::vector<shape>& shapes, int ngpu, int iters, const char* 
 // Deferred: gather_in_forward — the forward waits for each layer's parameters (params_per_layer
 // of them, in order) just before its compute. Bound (sharded): the parameters live in the
 // shards' value arena (no pack before the optimizer, no unpack after the all-gather).
-template <class T, bool Sharded = false, bool Wire = false, bool Deferred = false, bool Bound = true>
+template <class T, bool Sharded = false, bool Wire = false, bool Deferred = false, bool Bound = true,
+          bool Deterministic = false>
 double train_step_time(const std::vector<shape>& shapes, int ngpu, int iters, double head_us,
                        const std::vector<double>& fwd_us, const std::vector<double>& bwd_us,
                        lockstep::BucketPolicy buckets = {}) {
@@ -460,7 +464,8 @@ double train_step_time(const std::vector<shape>& shapes, int ngpu, int iters, do
     auto m = std::make_shared<M>(shapes, 5u, s);
     using C = lockstep::NcclComm;
     using Strategy = std::conditional_t<Sharded, lockstep::ShardedOptimizer, lockstep::Replicated>;
-    using Hook = std::conditional_t<Wire, lockstep::Bf16Wire, lockstep::AllReduceMean>;
+    using Hook = std::conditional_t<Deterministic, lockstep::Deterministic,
+                                    std::conditional_t<Wire, lockstep::Bf16Wire, lockstep::AllReduceMean>>;
     using DP = lockstep::DataParallel<M, C, Hook, Strategy>;
     Strategy strategy{};
     if constexpr (Sharded) {  // field by field: nvcc 13.0 assigned `strategy = {.a = x, .c = y}` positionally
@@ -582,8 +587,8 @@ int main(int argc, char** argv) {
       else if (a == "--only" && i + 1 < argc) only = argv[++i];
       else if (a == "--node-size" && i + 1 < argc) node = std::stoi(argv[++i]);
       else {
-        std::fprintf(stderr,
-                     "usage: bench_sync [--shapes FILE] [--iters N] [--gpus N] [--only abcgkswthyz] [--node-size L]\n");
+        std::fprintf(
+            stderr, "usage: bench_sync [--shapes FILE] [--iters N] [--gpus N] [--only abcgkswthxyz] [--node-size L]\n");
         return 2;
       }
     }
@@ -647,7 +652,7 @@ int main(int argc, char** argv) {
         }
       }
       // k. The tuned caps against a hand sweep: b's GPT-2 step (bf16) and c's MLP (fp32).
-      if (wanted('k')) {
+      if (wanted('k') || wanted('x')) {
         std::size_t total = 0;
         for (auto& s : gpt2) total += s.numel();
         std::vector<double> fwd(12, 8700.0 / 12), bwd(gpt2.size());
@@ -665,9 +670,23 @@ int main(int argc, char** argv) {
         std::vector<double> mfwd(8, 70.0), mbwd(mlp.size(), 0.0);
         for (std::size_t i = 0; i < mlp.size(); i += 2) mbwd[i] = 140.0;
         for (int g : counts)
-          if (g > 1) {
+          if (g > 1 && wanted('k')) {
             bench_k<__nv_bfloat16>("gpt2 bf16", gpt2, g, iters, head, fwd, bwd);
             bench_k<float>("mlp fp32", mlp, g, iters, 0, mfwd, mbwd);
+          }
+        // x. Deterministic (fixed-point sums) beside the plain mean, one after the other in this
+        // call: the synthetic GPT-2 step in fp32 gradients (libtorch's autocast keeps them fp32)
+        // and the comm-bound MLP.
+        for (int g : counts)
+          if (wanted('x')) {
+            const double p = train_step_time<float>(gpt2, g, iters, head, fwd, bwd);
+            const double d = train_step_time<float, false, false, false, true, true>(gpt2, g, iters, head, fwd, bwd);
+            const double mp = train_step_time<float>(mlp, g, iters, 0, mfwd, mbwd);
+            const double md = train_step_time<float, false, false, false, true, true>(mlp, g, iters, 0, mfwd, mbwd);
+            if (g_print)
+              std::printf("x  %d GPU  gpt2 fp32: plain %7.3f ms  deterministic %7.3f ms (%.3fx)   mlp fp32: plain "
+                          "%7.3f ms  deterministic %7.3f ms (%.3fx)\n",
+                          g, p, d, d / p, mp, md, md / mp);
           }
       }
       // c. comm-bound MLP: 8 × (4096×4096 weight + 4096 bias); small per-layer compute; bucket

@@ -5,11 +5,13 @@
 //! from a CUDA translation unit (.cu); run(Auto) then also picks the GPUs.
 
 #include "lockstep/cuda/bf16_wire.cuh"
+#include "lockstep/cuda/deterministic_sum.cuh"
 #include "lockstep/cuda/device_dynamic_scale.cuh"
 #include "lockstep/cuda/error.cuh"
 #include "lockstep/cuda/fused_optimizer.cuh"
 #include "lockstep/cuda/grad_ops.cuh"
 #include "lockstep/cuda/kernels/engine.cuh"
+#include "lockstep/cuda/kernels/fixed_point_ops.cuh"
 #include "lockstep/cuda/kernels/grad_kernels.cuh"
 #include "lockstep/cuda/kernels/memory_ops.cuh"
 #include "lockstep/cuda/kernels/optimizers.cuh"

@@ -37,6 +37,7 @@
 #include "lockstep/optim/optimizer.hpp"
 #include "lockstep/optim/sgd.hpp"
 #include "lockstep/parallel/data_parallel.hpp"
+#include "lockstep/parallel/deterministic.hpp"
 #include "lockstep/parallel/join.hpp"
 #include "lockstep/parallel/mesh.hpp"
 #include "lockstep/parallel/policies.hpp"

@@ -738,6 +738,22 @@ TEST_CASE("snippets: the learning-rate rule lockstep-run asks for (docs/lockstep
   CHECK(lr == doctest::Approx(0.2).epsilon(1e-15));  // √(1024 / 256) = 2
 }
 
+TEST_CASE("snippets: deterministic sums (parallel/deterministic.hpp)") {
+  const std::uint64_t seed = lockstep_test::fresh_seed();
+  const auto my_batches = snippet_env::batches(2);
+  lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
+    Mlp model(seed + static_cast<std::uint64_t>(ctx.rank()));
+    // [snippet include/lockstep/parallel/deterministic.hpp#1]
+    lockstep::DataParallel dp(ctx, model, lockstep::Deterministic{});
+    // [end snippet]
+    auto step = dp.step();
+    model.backward(Batch(my_batches[static_cast<std::size_t>(ctx.rank())]), step.on_gradient_ready());
+    if (step.finish()) model.sgd(0.1);
+    CHECK(same_on_every_rank(ctx.comm(), values_of(model)));
+    CHECK(dp.hook().report().steps == 1);
+  });
+}
+
 TEST_CASE("snippets: gradients in bf16 on the wire (parallel/bucket_hook.hpp)") {
   const std::uint64_t seed = lockstep_test::fresh_seed();
   const auto my_batches = snippet_env::batches(2);

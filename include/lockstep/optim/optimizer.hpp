@@ -28,17 +28,10 @@
 
 #include "lockstep/core/codec.hpp"
 #include "lockstep/core/concepts.hpp"
+#include "lockstep/core/detail/host_device.hpp"
 #include "lockstep/core/dtype.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/parameter.hpp"
-
-//! Functions a rule shares between host and device code: __host__ __device__ under a CUDA
-//! compiler, plain inline functions elsewhere.
-#if defined(__CUDACC__)
-#define LOCKSTEP_HOST_DEVICE __host__ __device__
-#else
-#define LOCKSTEP_HOST_DEVICE
-#endif
 
 namespace lockstep {
 

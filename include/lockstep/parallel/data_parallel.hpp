@@ -206,6 +206,8 @@ class DataParallel {
   accumulation_type& accumulation() noexcept { return acc_; }
   //! The loss scaler (its state() goes into checkpoints; load_state() restores it).
   scaler_type& scaler() noexcept { return scaler_; }
+  //! The bucket hook (e.g. Deterministic's report() and exponents()).
+  hook_type& hook() noexcept { return hook_; }
   const sync_stats& stats() const noexcept { return recorder_.stats(); }
   Comm& comm() noexcept { return comm_; }
   Model& model() noexcept { return model_; }
@@ -302,7 +304,7 @@ class DataParallel {
       return r;
     }
     in_cycle_ = false;
-    bool whole = opts_.max_grad_norm > 0;  // clipping needs every bucket first
+    bool whole = opts_.max_grad_norm > 0 || detail::fixed_point_hook_v<hook_type>;  // clipping, fixed point
     if constexpr (inspecting_scaler<scaler_type>) whole = whole || scaler_.active();
     else whole = true;
     if (!whole) {

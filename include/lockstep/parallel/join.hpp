@@ -55,6 +55,7 @@
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/parameter.hpp"
 #include "lockstep/parallel/block_use.hpp"
+#include "lockstep/parallel/deterministic.hpp"
 #include "lockstep/parallel/step.hpp"
 
 namespace lockstep {
@@ -71,6 +72,10 @@ class Join {
   Join(DP& dp, shadow_fn on_shadow_step, shard_fn on_shard = {})
       : dp_(dp), on_shadow_step_(std::move(on_shadow_step)), on_shard_(std::move(on_shard)),
         uncaught_(std::uncaught_exceptions()) {
+    static_assert(!detail::fixed_point_hook_v<typename DP::hook_type>,
+                  "lockstep::Join with Deterministic: a rank out of data changes the number of micro-batches a "
+                  "mean is over, which the deterministic sums do not follow; give every rank the same number of "
+                  "batches (the sampler's Pad or DropLast tail)");
     if (DP::sharded != static_cast<bool>(on_shard_))
       throw config_error(DP::sharded ? "lockstep::Join with a sharded strategy: pass the optimizer's shard step too, "
                                        "dp.join(on_shadow_step, [&](std::span<const lockstep::param_slice> s) { "

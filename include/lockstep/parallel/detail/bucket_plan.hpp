@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "lockstep/comm/detail/host_collectives.hpp"
 #include "lockstep/core/concepts.hpp"
 #include "lockstep/core/dtype.hpp"
 #include "lockstep/core/error.hpp"
@@ -215,6 +216,22 @@ inline std::string describe_plan(const bucket_plan& p) {
          std::to_string(p.buckets.size()) + " buckets (first " +
          std::to_string(p.buckets.empty() ? 0 : p.buckets[0].elements()) + ", units " + std::to_string(p.units.size()) +
          ", order hash " + std::to_string(order_hash(p.order)) + "); ";
+}
+
+//! Every rank must cut the arena identically (same BucketPolicy, same zero-copy choice), or
+//! their collectives would pair different ranges: each rank's plans against rank 0's.
+template <class Comm>
+void check_same_plans(Comm& comm, std::span<const bucket_plan* const> plans, bool tuned) {
+  if (comm.size() == 1) return;
+  std::string mine;
+  for (const auto* p : plans) mine += describe_plan(*p);
+  if (tuned) mine += "tuned by BucketPolicy::tune; ";  // its probes are collectives
+  auto all = host_all_gather_strings(comm, mine);
+  for (std::size_t r = 1; r < all.size(); ++r)
+    if (all[r] != all[0])
+      throw mismatch_error("ranks built different gradient bucket plans: rank 0 has " + all[0] + "rank " +
+                           std::to_string(r) + " has " + all[r] +
+                           "(give every rank the same BucketPolicy and zero_copy setting)");
 }
 
 //! The settled layout as a checkpoint holds it: {format 1, observed, fused, n, order...}.

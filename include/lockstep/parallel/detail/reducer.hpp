@@ -22,6 +22,7 @@
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/grad_group.hpp"
 #include "lockstep/parallel/bucket_hook.hpp"
+#include "lockstep/parallel/detail/fixed_point_folds.hpp"
 #include "lockstep/parallel/detail/binding.hpp"
 #include "lockstep/parallel/detail/bucket_plan.hpp"
 #include "lockstep/parallel/detail/bucket_tuner.hpp"
@@ -50,7 +51,7 @@ class reducer {
   template <class Strategy>
   reducer(Comm& comm, Hook& hook, step_recorder& rec, std::vector<parameter> params, BucketPolicy policy, bind_fn bind,
           refresh_fn refresh, const Strategy& strategy, const model_hooks& model)
-      : comm_(comm), rec_(rec), params_(std::move(params)), policy_(policy),
+      : comm_(comm), hook_(hook), rec_(rec), params_(std::move(params)), policy_(policy),
         bind_(Units::lends_gradients ? bind_fn{} : std::move(bind)), refresh_(std::move(refresh)),
         units_(comm, hook, rec, strategy, model) {
     if constexpr (Units::fixed_layout) policy_.rebuild_after_first_step = false;
@@ -88,6 +89,7 @@ class reducer {
   //! Start of an accumulation cycle: apply a pending rebuild, zero every gradient.
   void begin_cycle() {
     apply_pending_plan();
+    if constexpr (fixed_point) hook_.begin_cycle();
     if constexpr (Units::lends_gradients) return units_.begin_cycle();
     auto mem = comm_.memory();
     for (auto& g : groups_) {
@@ -147,8 +149,11 @@ class reducer {
   }
 
   //! End of a micro-step that does not sync: with Units::lends_gradients, every unit launched
-  //! and its result kept by the units (drain); nothing otherwise.
+  //! and its result kept by the units (drain); fixed point, its gradients folded and zeroed.
   void end_micro() {
+    if constexpr (fixed_point)
+      for (auto& g : groups_)
+        fold_micro_step(hook_, comm_, g.plan, g.arena.get(), params_, zero_copy(), contributions());
     if constexpr (Units::lends_gradients) {
       for (auto& g : groups_) launch_ready(g, true);
       units_.drain();
@@ -188,6 +193,7 @@ class reducer {
       if (on_bucket) hand_over(on_bucket, gi, b);
     });
     if constexpr (Units::lends_gradients) point_grad_groups();
+    if constexpr (fixed_point) hook_.end_step(comm_, grad_groups());
     end_sync();
   }
 
@@ -294,17 +300,19 @@ class reducer {
     if constexpr (Units::lends_gradients) buf = units_.lend(gi, first);
     else buf = g.arena_at(begin);
     auto mem = comm_.memory();
+    const double prescale = fixed_point ? 1.0 : prescale_;  // (fixed point: divided once, at the end)
     if (zero_copy() || Units::lends_gradients) {
-      mem.scale(buf, end - begin, g.plan.type, prescale_);
+      mem.scale(buf, end - begin, g.plan.type, prescale);
     } else {
       std::vector<segment> segs;
       for (std::size_t b = first; b < last; ++b) {
         auto more = g.plan.buckets[b].segments_in(params_);
         segs.insert(segs.end(), more.begin(), more.end());
       }
-      mem.pack(segs, buf, g.plan.type, prescale_);
+      mem.pack(segs, buf, g.plan.type, prescale);
     }
     rec_.launching(buf, end - begin, g.plan.type);  // listeners: the non-finite origin check
+    if constexpr (fixed_point) fold_unit(hook_, comm_, g.plan, g.arena.get(), first, last, contributions());
     units_.launch(gi, first, buf, end - begin);
   }
 
@@ -389,10 +397,11 @@ class reducer {
       arenas.push_back(g.arena.get());
     }
     const auto moved = units_.built(plans, arenas, params_);
+    if constexpr (fixed_point) attach_arenas(hook_, comm_, plans, arenas, params_.size());
     if (!moved.empty() || Units::lends_gradients)  // the model's values moved into the units' storage
       params_ = checked_binding(refresh_(), moved, &parameter::value, "bind_value");
     point_grad_groups();
-    check_same_plan();
+    check_same_plans(comm_, plans, policy_.tune);
   }
   // grad_groups() from the units' gradients as they are now (with Units::lends_gradients the
   // shards of a cycle come with its reduce-scatters: again after each drain).
@@ -405,22 +414,12 @@ class reducer {
     }
   }
 
-  // Every rank must cut the arena identically (same BucketPolicy, same zero-copy choice),
-  // or their all-reduces would pair different ranges: compare against rank 0's plan.
-  void check_same_plan() {
-    if (comm_.size() == 1) return;
-    std::string mine;
-    for (const auto& g : groups_) mine += describe_plan(g.plan);
-    if (policy_.tune) mine += "tuned by BucketPolicy::tune; ";  // its probes are collectives
-    auto all = host_all_gather_strings(comm_, mine);
-    for (std::size_t r = 1; r < all.size(); ++r)
-      if (all[r] != all[0])
-        throw mismatch_error("ranks built different gradient bucket plans: rank 0 has " + all[0] + "rank " +
-                             std::to_string(r) + " has " + all[r] +
-                             "(give every rank the same BucketPolicy and zero_copy setting)");
-  }
+  // The hook sums in fixed point (Deterministic): micro-steps folded, no prescale (N·K divides).
+  static constexpr bool fixed_point = sums_in_fixed_point<Hook, Units::lends_gradients>();
+  std::int64_t contributions() const { return std::llround(comm_.size() / prescale_); }
 
   Comm& comm_;
+  Hook& hook_;
   step_recorder& rec_;
   std::vector<parameter> params_;
   BucketPolicy policy_;

@@ -1,0 +1,231 @@
+// lockstep::Deterministic on NcclComm (cuda/deterministic_sum.cuh): the GPU's averaged gradients
+// have the CPU reference's bits (ThreadComm ranks, another split of the same micro-batches) —
+// values over 20 binades, one clamped beyond the range, one non-finite step made NaN — with the
+// same exponents and counts; and GPU training with it gives the same parameters however the
+// micro-batches are split over GPUs and micro-steps, whatever the bucket sizes. On 1 GPU the
+// splits are over micro-steps; on 2 and 4 over GPUs too.
+#include <doctest/doctest.h>
+
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include <lockstep/cuda.cuh>
+
+#include "deterministic_grads.hpp"
+#include "equivalence.hpp"
+#include "gpu_mlp.cuh"
+#include "gpu_test_util.cuh"
+#include "test_util.hpp"
+
+using namespace lockstep_test;
+
+namespace {
+
+std::vector<int> first_gpus(int n) {
+  std::vector<int> d(static_cast<std::size_t>(n));
+  for (int i = 0; i < n; ++i) d[static_cast<std::size_t>(i)] = i;
+  return d;
+}
+
+// GradModel on a GPU: the test writes each micro-step's gradients (into zeroed buffers: lockstep
+// zeroes them between micro-steps). Bind: lockstep may own them (zero copy).
+template <bool Bind>
+struct DevGradModel {
+  std::vector<float*> v, g, own;
+  std::vector<std::size_t> n;
+  explicit DevGradModel(const std::vector<std::size_t>& sizes) : n(sizes) {
+    for (auto c : sizes) {
+      float *pv = nullptr, *pg = nullptr;
+      LOCKSTEP_TRY_CUDA(cudaMalloc(&pv, c * sizeof(float)));
+      LOCKSTEP_TRY_CUDA(cudaMalloc(&pg, c * sizeof(float)));
+      LOCKSTEP_TRY_CUDA(cudaMemset(pv, 0, c * sizeof(float)));
+      LOCKSTEP_TRY_CUDA(cudaMemset(pg, 0, c * sizeof(float)));
+      v.push_back(pv);
+      g.push_back(pg);
+      own.push_back(pv);
+      own.push_back(pg);
+    }
+    LOCKSTEP_TRY_CUDA(cudaDeviceSynchronize());
+  }
+  ~DevGradModel() {
+    for (auto p : own) cudaFree(p);
+  }
+  std::vector<lockstep::parameter> parameters() {
+    std::vector<lockstep::parameter> ps;
+    for (std::size_t i = 0; i < v.size(); ++i)
+      ps.push_back(lockstep::param<float>("p" + std::to_string(i), v[i], g[i], {static_cast<std::int64_t>(n[i])}));
+    return ps;
+  }
+  void bind_gradient(std::size_t i, void* p)
+    requires Bind
+  {
+    g[i] = static_cast<float*>(p);
+  }
+};
+
+// run_grads (deterministic_grads.hpp) on `gpus` GPUs.
+template <bool Bind>
+grad_run run_gpu(const grad_values& values, split sp, lockstep::BucketPolicy buckets,
+                 lockstep::DeterministicOptions o) {
+  grad_run out;
+  lockstep::run(lockstep::Gpus{first_gpus(sp.ranks)}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
+    const cudaStream_t s = ctx.comm().compute_stream();
+    DevGradModel<Bind> m(grad_sizes);
+    lockstep::DataParallel<DevGradModel<Bind>, lockstep::NcclComm, lockstep::Deterministic, lockstep::Accumulate<>> dp(
+        ctx, m, {.buckets = buckets}, lockstep::Deterministic(o), lockstep::Accumulate<>(sp.accumulate));
+    for (const auto& step : values) {
+      for (int k = 0; k < sp.accumulate; ++k) {
+        auto st = dp.step();
+        const auto& mb = step[static_cast<std::size_t>(k * sp.ranks + ctx.rank())];
+        for (std::size_t p = 0; p < mb.size(); ++p)
+          LOCKSTEP_TRY_CUDA(
+              cudaMemcpyAsync(m.g[p], mb[p].data(), mb[p].size() * sizeof(float), cudaMemcpyHostToDevice, s));
+        LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s));
+        (void)st.finish();
+      }
+      LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s));
+      if (ctx.rank() == 0) {
+        auto& grads = out.grads.emplace_back();
+        for (std::size_t p = 0; p < m.g.size(); ++p) {
+          grads.emplace_back(m.n[p]);
+          LOCKSTEP_TRY_CUDA(cudaMemcpy(grads.back().data(), m.g[p], m.n[p] * sizeof(float), cudaMemcpyDeviceToHost));
+        }
+        out.reports.push_back(dp.hook().report());
+      }
+    }
+    if (ctx.rank() == 0) out.exponents = dp.hook().exponents();
+  });
+  return out;
+}
+
+bool same_bits(const grad_run& a, const grad_run& b) {
+  if (a.grads.size() != b.grads.size() || a.exponents != b.exponents) return false;
+  for (std::size_t s = 0; s < a.grads.size(); ++s)
+    for (std::size_t p = 0; p < a.grads[s].size(); ++p)
+      if (a.grads[s][p].size() != b.grads[s][p].size() ||
+          std::memcmp(a.grads[s][p].data(), b.grads[s][p].data(), a.grads[s][p].size() * sizeof(float)) != 0)
+        return false;
+  return true;
+}
+
+bool same_counts(const grad_run& a, const grad_run& b) {
+  if (a.reports.size() != b.reports.size()) return false;
+  for (std::size_t s = 0; s < a.reports.size(); ++s)
+    if (a.reports[s].clamped != b.reports[s].clamped || a.reports[s].nonfinite != b.reports[s].nonfinite ||
+        a.reports[s].underflowed != b.reports[s].underflowed)
+      return false;
+  return true;
+}
+
+void check_against_cpu(int gpus) {
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
+  CAPTURE(gpus);
+  auto v = random_grads(rng, 3, 4, -20, 0);
+  v[0][1][2][100] = 3.0f;                                  // beyond the first range 2^0: clamped
+  v[1][0][1][5] = std::exp2(-80.0f);                       // rounded to 0: underflowed
+  v[2][3][0][7] = std::numeric_limits<float>::infinity();  // the last step non-finite
+  const lockstep::DeterministicOptions o{.initial_exponent = 0};
+  const auto cpu = run_grads(v, {2, 2}, o);
+  REQUIRE(cpu.reports[0].clamped == 1);
+  REQUIRE(cpu.reports[1].underflowed >= 1);
+  REQUIRE(cpu.reports[2].nonfinite == 1);
+  const split sp{gpus, 4 / gpus};
+  const auto zero_copy = run_gpu<true>(v, sp, {}, o);
+  CHECK(same_bits(zero_copy, cpu));
+  CHECK(same_counts(zero_copy, cpu));
+  const auto packed = run_gpu<false>(v, sp, {.first_bytes = 1024, .cap_bytes = 4096}, o);
+  CHECK(same_bits(packed, cpu));
+  CHECK(same_counts(packed, cpu));
+}
+
+// GpuMlp trained with Deterministic on sp's split of 8 micro-batches of 3 rows per step.
+std::vector<float> train_gpu(const dataset& d, split sp, lockstep::BucketPolicy buckets, std::uint64_t seed) {
+  std::vector<std::vector<float>> got(static_cast<std::size_t>(sp.ranks));
+  constexpr int rows_per = 3, steps = 6;
+  lockstep::run(lockstep::Gpus{first_gpus(sp.ranks)}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
+    const cudaStream_t s = ctx.comm().compute_stream();
+    TestMlp<float> init(d.dims, seed);
+    GpuMlp m(d.dims, split_params(init), s);
+    lockstep::DataParallel<GpuMlp, lockstep::NcclComm, lockstep::Deterministic, lockstep::Accumulate<>> dp(
+        ctx, m, {.buckets = buckets}, lockstep::Accumulate<>(sp.accumulate));
+    float* dX = nullptr;
+    int *dy = nullptr, *drows = nullptr;
+    LOCKSTEP_TRY_CUDA(cudaMalloc(&dX, d.X32.size() * sizeof(float)));
+    LOCKSTEP_TRY_CUDA(cudaMalloc(&dy, d.y.size() * sizeof(int)));
+    LOCKSTEP_TRY_CUDA(cudaMalloc(&drows, rows_per * sizeof(int)));
+    LOCKSTEP_TRY_CUDA(cudaMemcpy(dX, d.X32.data(), d.X32.size() * sizeof(float), cudaMemcpyHostToDevice));
+    LOCKSTEP_TRY_CUDA(cudaMemcpy(dy, d.y.data(), d.y.size() * sizeof(int), cudaMemcpyHostToDevice));
+    LOCKSTEP_TRY_CUDA(cudaDeviceSynchronize());
+    const int per_step = sp.ranks * sp.accumulate;
+    for (int st = 0; st < steps; ++st)
+      for (int k = 0; k < sp.accumulate; ++k) {
+        const int j = k * sp.ranks + ctx.rank();
+        std::vector<int> rows(rows_per);
+        for (int i = 0; i < rows_per; ++i)
+          rows[static_cast<std::size_t>(i)] = static_cast<int>(((st * per_step + j) * rows_per + i) % d.samples);
+        LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(drows, rows.data(), rows.size() * sizeof(int), cudaMemcpyHostToDevice, s));
+        LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s));
+        auto step = dp.step();
+        m.forward_backward(dX, dy, drows, rows_per, step.on_gradient_ready());
+        if (step.finish()) m.sgd(0.1f);
+      }
+    got[static_cast<std::size_t>(ctx.rank())] = m.flat_values();
+    cudaFree(dX);
+    cudaFree(dy);
+    cudaFree(drows);
+  });
+  for (std::size_t r = 1; r < got.size(); ++r) CHECK(got[r] == got[0]);
+  return got[0];
+}
+
+void check_training(int gpus) {
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
+  CAPTURE(gpus);
+  const auto d = make_data(rng(), 120);
+  const auto init = rng();
+  const auto ref = train_gpu(d, {1, 8}, {}, init);
+  TestMlp<float> start(d.dims, init);
+  CHECK(max_rel_diff(start.flat_values(), ref) > 1e-3);  // it trained
+  const split sp{gpus, 8 / gpus};
+  const auto a = train_gpu(d, sp, {}, init), b = train_gpu(d, sp, {.first_bytes = 256, .cap_bytes = 512}, init);
+  CHECK(std::memcmp(a.data(), ref.data(), ref.size() * sizeof(float)) == 0);
+  CHECK(std::memcmp(b.data(), ref.data(), ref.size() * sizeof(float)) == 0);
+}
+
+}  // namespace
+
+TEST_SUITE("gpu") {
+TEST_CASE("deterministic_gpu_sums_equal_the_cpu_reference: 1 GPU") {
+  LOCKSTEP_REQUIRE_GPUS(1);
+  check_against_cpu(1);
+}
+TEST_CASE("deterministic_gpu_training_same_bits_over_micro_steps_and_buckets: 1 GPU") {
+  LOCKSTEP_REQUIRE_GPUS(1);
+  check_training(1);
+}
+}
+
+TEST_SUITE("multigpu") {
+TEST_CASE("deterministic_gpu_sums_equal_the_cpu_reference: 2 GPUs") {
+  LOCKSTEP_REQUIRE_GPUS(2);
+  check_against_cpu(2);
+}
+TEST_CASE("deterministic_gpu_sums_equal_the_cpu_reference: 4 GPUs") {
+  LOCKSTEP_REQUIRE_GPUS(4);
+  check_against_cpu(4);
+}
+TEST_CASE("deterministic_gpu_training_same_bits_over_gpus: 2 GPUs") {
+  LOCKSTEP_REQUIRE_GPUS(2);
+  check_training(2);
+}
+TEST_CASE("deterministic_gpu_training_same_bits_over_gpus: 4 GPUs") {
+  LOCKSTEP_REQUIRE_GPUS(4);
+  check_training(4);
+}
+}
