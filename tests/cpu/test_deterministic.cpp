@@ -83,7 +83,7 @@ const split splits_of_12[] = {{1, 12}, {2, 6}, {3, 4}, {4, 3}};
 }  // namespace
 
 TEST_SUITE("cpu") {
-TEST_CASE("deterministic_same_bits_over_ranks_micro_steps_buckets_and_packing") {
+TEST_CASE("deterministic_same_bits_over_ranks_micro_steps_buckets_packing_and_sharding") {
   LOCKSTEP_SEEDED(std::mt19937_64 rng);
   const auto d = make_data(rng(), 200);
   const auto init = rng();
@@ -94,6 +94,9 @@ TEST_CASE("deterministic_same_bits_over_ranks_micro_steps_buckets_and_packing") 
     CHECK(same_bits(train<lockstep::Deterministic>(d, sp, init), ref));
     CHECK(same_bits(train<lockstep::Deterministic>(d, sp, init, {.first_bytes = 200, .cap_bytes = 700}), ref));
     CHECK(same_bits(train<lockstep::Deterministic>(d, sp, init, {.cap_bytes = 300, .zero_copy = false}), ref));
+    using Sharded = lockstep::ShardedOptimizer;  // the optimizer on shards: the same bits too
+    CHECK(same_bits(train<lockstep::Deterministic, Sharded>(d, sp, init), ref));
+    CHECK(same_bits(train<lockstep::Deterministic, Sharded>(d, sp, init, {.first_bytes = 256, .cap_bytes = 512}), ref));
   }
 }
 
@@ -108,20 +111,6 @@ TEST_CASE("deterministic_ordinary_mean_differs_over_splits") {
   CHECK_FALSE(same_bits(one, three));
   CHECK(max_rel_diff(three, one) < 1e-4);
   CHECK(max_rel_diff(train<lockstep::Deterministic>(d, {3, 4}, init), one) < 1e-4);
-}
-
-TEST_CASE("deterministic_sharded_optimizer_same_bits_as_replicated") {
-  LOCKSTEP_SEEDED(std::mt19937_64 rng);
-  const auto d = make_data(rng(), 200);
-  const auto init = rng();
-  const auto ref = train<lockstep::Deterministic>(d, {1, 12}, init);
-  for (const auto sp : splits_of_12) {
-    CAPTURE(sp.ranks);
-    CHECK(same_bits(train<lockstep::Deterministic, lockstep::ShardedOptimizer>(d, sp, init), ref));
-    CHECK(same_bits(
-        train<lockstep::Deterministic, lockstep::ShardedOptimizer>(d, sp, init, {.first_bytes = 256, .cap_bytes = 512}),
-        ref));
-  }
 }
 
 TEST_CASE("deterministic_with_loss_scaling_and_clipping") {
@@ -245,5 +234,39 @@ TEST_CASE("deterministic_exponents_restored_resume_bit_identical") {
   wrong = {0, 400, 0};
   CHECK_THROWS_WITH_AS(run_grads(rest, {1, 1}, o, &wrong), doctest::Contains("(400) is out of range"),
                        lockstep::checkpoint_error);
+}
+}
+
+TEST_SUITE("cpu") {
+TEST_CASE("deterministic_exponents_travel_in_the_training_state") {
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
+  const auto v = random_grads(rng, 4, 4, -12, -4);
+  const lockstep::DeterministicOptions o{.initial_exponent = 40};
+  const auto whole = run_grads(v, {2, 2}, o);
+  std::vector<lockstep::Checkpoint> saved(2);
+  std::vector<std::vector<std::vector<float>>> after;
+  for (int half = 0; half < 2; ++half)
+    lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
+      using Comm = std::remove_cvref_t<decltype(ctx.comm())>;
+      GradModel m(grad_sizes);
+      lockstep::DataParallel<GradModel, Comm, lockstep::Deterministic, lockstep::Accumulate<>> dp(
+          ctx, m, lockstep::Deterministic(o), lockstep::Accumulate<>(2));
+      auto& ck = saved[static_cast<std::size_t>(ctx.rank())];
+      if (half == 1) lockstep::restore_training_state(ck, dp);
+      for (int s = 2 * half; s < 2 * half + 2; ++s) {
+        for (int k = 0; k < 2; ++k) {
+          auto st = dp.step();
+          const auto& mb = v[static_cast<std::size_t>(s)][static_cast<std::size_t>(k * 2 + ctx.rank())];
+          for (std::size_t p = 0; p < mb.size(); ++p)
+            for (std::size_t i = 0; i < mb[p].size(); ++i) m.g[p][i] += mb[p][i];
+          (void)st.finish();
+        }
+        if (half == 1 && ctx.rank() == 0) after.push_back(m.g);
+      }
+      if (half == 0) lockstep::add_training_state(ck, dp);
+    });
+  REQUIRE(after.size() == 2);
+  CHECK(after[0] == whole.grads[2]);
+  CHECK(after[1] == whole.grads[3]);
 }
 }

@@ -13,6 +13,7 @@
 #include <lockstep/mpi/mpi_comm.hpp>
 #include <lockstep/mpi/run_mpi.hpp>
 
+#include "deterministic_grads.hpp"
 #include "equivalence.hpp"
 #include "equivalence_run.hpp"
 #include "mlp.hpp"
@@ -100,4 +101,24 @@ TEST_CASE("Accumulate<4> at compile time over MPI matches the reference") {
   CHECK(same_on_all_ranks(got));
 }
 
+TEST_CASE("deterministic_over_mpi: the same bits as ThreadComm ranks splitting the batch otherwise") {
+  // 12 micro-batches a step over the processes (np 2: 6 micro-steps each; np 4: 3); the
+  // reference, in every process: 3 ThreadComm ranks × 4. Values over 20 binades, one clamped.
+  lockstep::context<lockstep::MpiComm> ctx(lockstep::MpiComm::world(), 0, -1);
+  const auto seed = shared_seed();
+  CAPTURE(seed);
+  REQUIRE(12 % ctx.size() == 0);
+  std::mt19937_64 rng(seed);
+  auto v = random_grads(rng, 3, 12, -20, 0);
+  v[1][5][2][9] = 5.0f;
+  const lockstep::DeterministicOptions o{.margin_bits = 2, .initial_exponent = 1};
+  const auto ref = run_grads(v, {3, 4}, o);
+  grad_run got;
+  grads_on_rank(ctx, v, {ctx.size(), 12 / ctx.size()}, o, nullptr, got);
+  if (ctx.rank() == 0) {
+    CHECK(got.grads == ref.grads);
+    CHECK(got.exponents == ref.exponents);
+    CHECK(got.reports[1].clamped == ref.reports[1].clamped);
+  }
+}
 }  // TEST_SUITE

@@ -64,35 +64,40 @@ struct grad_run {
   std::vector<std::int64_t> exponents;  // after the run
 };
 
-// Feeds `values` through DataParallel with Deterministic on sp's split; exps (optional): load
-// them before the first step.
+// One rank's part of feeding `values` through DataParallel with Deterministic on sp's split
+// (sp.ranks must be ctx.size()); rank 0 fills out. exps (optional): loaded before the first step.
+template <class Scaler = lockstep::NoScaling, class Ctx>
+void grads_on_rank(Ctx& ctx, const grad_values& values, split sp, lockstep::DeterministicOptions o,
+                   const std::vector<std::int64_t>* exps, grad_run& out) {
+  using Comm = std::remove_cvref_t<decltype(ctx.comm())>;
+  GradModel m(grad_sizes);
+  lockstep::DataParallel<GradModel, Comm, lockstep::Deterministic, Scaler, lockstep::Accumulate<>> dp(
+      ctx, m, lockstep::Deterministic(o), lockstep::Accumulate<>(sp.accumulate));
+  if (exps) dp.hook().load_exponents(ctx.comm(), *exps);
+  for (const auto& step : values) {
+    lockstep::step_result r;
+    for (int k = 0; k < sp.accumulate; ++k) {
+      auto st = dp.step();
+      const auto& mb = step[static_cast<std::size_t>(k * sp.ranks + ctx.rank())];
+      for (std::size_t p = 0; p < mb.size(); ++p)
+        for (std::size_t i = 0; i < mb[p].size(); ++i) m.g[p][i] += mb[p][i] * static_cast<float>(st.loss_scale());
+      r = st.finish();
+    }
+    if (ctx.rank() == 0) {
+      out.grads.push_back(m.g);
+      out.reports.push_back(dp.hook().report());
+      out.applied.push_back(r.applied);
+    }
+  }
+  if (ctx.rank() == 0) out.exponents = dp.hook().exponents();
+}
+
+//! grads_on_rank over sp.ranks ThreadComm ranks.
 template <class Scaler = lockstep::NoScaling>
 grad_run run_grads(const grad_values& values, split sp, lockstep::DeterministicOptions o = {},
                    const std::vector<std::int64_t>* exps = nullptr) {
   grad_run out;
-  lockstep::run(lockstep::Threads{sp.ranks}, [&](auto& ctx) {
-    using Comm = std::remove_cvref_t<decltype(ctx.comm())>;
-    GradModel m(grad_sizes);
-    lockstep::DataParallel<GradModel, Comm, lockstep::Deterministic, Scaler, lockstep::Accumulate<>> dp(
-        ctx, m, lockstep::Deterministic(o), lockstep::Accumulate<>(sp.accumulate));
-    if (exps) dp.hook().load_exponents(ctx.comm(), *exps);
-    for (const auto& step : values) {
-      lockstep::step_result r;
-      for (int k = 0; k < sp.accumulate; ++k) {
-        auto st = dp.step();
-        const auto& mb = step[static_cast<std::size_t>(k * sp.ranks + ctx.rank())];
-        for (std::size_t p = 0; p < mb.size(); ++p)
-          for (std::size_t i = 0; i < mb[p].size(); ++i) m.g[p][i] += mb[p][i] * static_cast<float>(st.loss_scale());
-        r = st.finish();
-      }
-      if (ctx.rank() == 0) {
-        out.grads.push_back(m.g);
-        out.reports.push_back(dp.hook().report());
-        out.applied.push_back(r.applied);
-      }
-    }
-    if (ctx.rank() == 0) out.exponents = dp.hook().exponents();
-  });
+  lockstep::run(lockstep::Threads{sp.ranks}, [&](auto& ctx) { grads_on_rank<Scaler>(ctx, values, sp, o, exps, out); });
   return out;
 }
 

@@ -78,14 +78,31 @@ void restore_parameters(const Checkpoint& ck, R&& params, Ops&& ops) {
 }
 
 // ---------------------------------------------------------------------------------------
+namespace detail {
+inline void add_int64s(Checkpoint& ck, const char* name, const std::vector<std::int64_t>& v) {
+  ck.add_blob(name, std::span<const std::byte>(reinterpret_cast<const std::byte*>(v.data()), v.size() * 8));
+}
+inline std::vector<std::int64_t> int64s(const Checkpoint& ck, const char* name) {
+  const auto bytes = ck.blob(name);
+  if (bytes.size() % sizeof(std::int64_t) != 0)
+    throw checkpoint_error(std::string("checkpoint section '") + name +
+                           "' has a length that is not a whole number of entries; the file is damaged");
+  std::vector<std::int64_t> v(bytes.size() / sizeof(std::int64_t));
+  std::memcpy(v.data(), bytes.data(), bytes.size());
+  return v;
+}
+}  // namespace detail
+
+//! With Deterministic, its exponents too ("lockstep.fixed_point_exponents"): the next step's
+//! ranges, without which a resumed run would round otherwise.
 template <class DP>
 void add_training_state(Checkpoint& ck, DP& dp) {
   dp.wait_all_parameters();  // gather_in_forward: the values still in flight
   ck.add_parameters(dp.parameters(), dp.comm().memory());
   ck.add_value("lockstep.loss_scale", dp.scaler().state());
-  const auto plan = dp.plan_state();
-  ck.add_blob("lockstep.plan", std::span<const std::byte>(reinterpret_cast<const std::byte*>(plan.data()),
-                                                          plan.size() * sizeof(std::int64_t)));
+  detail::add_int64s(ck, "lockstep.plan", dp.plan_state());
+  if constexpr (requires { dp.hook().exponents(); })
+    detail::add_int64s(ck, "lockstep.fixed_point_exponents", dp.hook().exponents());
 }
 
 //! Every section is read and checked before parameters are written (the layout, which is
@@ -95,13 +112,10 @@ void restore_training_state(const Checkpoint& ck, DP& dp) {
   dp.wait_all_parameters();  // gather_in_forward: nothing in flight overwrites what is restored
   loss_scale_state st{};
   ck.restore_value("lockstep.loss_scale", st);
-  const auto bytes = ck.blob("lockstep.plan");
-  if (bytes.size() % sizeof(std::int64_t) != 0)
-    throw checkpoint_error("checkpoint section 'lockstep.plan' has a length that is not a whole "
-                           "number of entries; the file is damaged");
-  std::vector<std::int64_t> plan(bytes.size() / sizeof(std::int64_t));
-  std::memcpy(plan.data(), bytes.data(), bytes.size());
-  dp.load_plan_state(plan);
+  dp.load_plan_state(detail::int64s(ck, "lockstep.plan"));
+  if constexpr (requires { dp.hook().exponents(); })  // (a checkpoint of another mode has none: kept)
+    if (ck.contains("lockstep.fixed_point_exponents"))
+      dp.hook().load_exponents(dp.comm(), detail::int64s(ck, "lockstep.fixed_point_exponents"));
   restore_parameters(ck, dp.parameters(), dp.comm().memory());
   if constexpr (requires { dp.values_written(); }) dp.values_written();  // FullySharded: into its shards
   dp.scaler().load_state(st);

@@ -26,6 +26,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "lockstep/comm/detail/host_collectives.hpp"

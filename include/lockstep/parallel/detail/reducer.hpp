@@ -8,6 +8,7 @@
 //! chosen at compile time from DataParallel's policies. Events go to the step_recorder.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <map>
