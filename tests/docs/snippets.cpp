@@ -754,7 +754,7 @@ TEST_CASE("snippets: deterministic sums (parallel/deterministic.hpp)") {
   });
 }
 
-TEST_CASE("snippets: the same bits on 1, 2 or 4 ranks (docs/determinism.md)") {
+TEST_CASE("snippets: the same bits whatever the number of ranks (docs/determinism.md)") {
   const std::uint64_t seed = lockstep_test::fresh_seed();
   const auto micro = snippet_env::batches(4);
   std::vector<std::vector<float>> got;
