@@ -59,9 +59,9 @@ inline void unfold_runs(const fixed_state& st, const fixed_state::arena& a, std:
 }
 }  // namespace detail
 
-//! One micro-step's runs of arena a into its sums, on the compute stream.
+//! One micro-step's runs of arena a (st.runs: the last fold's) into its sums, on the compute stream.
 inline void fixed_point_fold(NcclComm& comm, detail::fixed_state& st, detail::fixed_state::arena& a, std::int64_t* sums,
-                             std::span<const detail::fixed_run>, bool zero_source) {
+                             bool zero_source) {
   const int f = detail::fixed::frac_bits(st.contributions);
   const auto* exps = static_cast<const std::int64_t*>(st.exps.get());
   auto* tail = static_cast<std::int64_t*>(st.tail.get());

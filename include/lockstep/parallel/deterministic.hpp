@@ -104,13 +104,12 @@ struct fixed_state {
 
 //! The host side of the sums (host communicators): loops over the runs.
 template <class T>
-void host_fold(fixed_state& st, T* src, std::int64_t* sums, std::span<const fixed_run> runs, bool overwrite,
-               bool zero_source) {
+void host_fold(fixed_state& st, T* src, std::int64_t* sums, bool overwrite, bool zero_source) {
   const auto* exps = static_cast<const std::int64_t*>(st.exps.get());
   auto* tail = static_cast<std::int64_t*>(st.tail.get());
   const int f = fixed::frac_bits(st.contributions);
   std::int64_t clamped = 0, nonfinite = 0, under = 0;
-  for (const auto& r : runs) {
+  for (const auto& r : st.runs) {
     const int e = static_cast<int>(exps[r.slot]);
     std::int64_t largest = tail[r.slot];
     for (std::size_t i = r.offset; i < r.offset + r.count; ++i) {
@@ -135,11 +134,10 @@ void host_fold(fixed_state& st, T* src, std::int64_t* sums, std::span<const fixe
 }
 
 template <class T>
-void host_unfold(const fixed_state& st, const std::int64_t* sums, T* dst, std::span<const fixed_run> runs,
-                 std::size_t lo, std::size_t hi) {
+void host_unfold(const fixed_state& st, const std::int64_t* sums, T* dst, std::size_t lo, std::size_t hi) {
   const auto* exps = static_cast<const std::int64_t*>(st.exps.get());
   const int f = fixed::frac_bits(st.contributions);
-  for (const auto& r : runs) {
+  for (const auto& r : st.runs) {
     const std::size_t b = std::max(lo, r.offset), e = std::min(hi, r.offset + r.count);
     for (std::size_t i = b; i < e; ++i)
       dst[i] = static_cast<T>(fixed::from_fixed(sums[i], static_cast<int>(exps[r.slot]), f, st.contributions));
@@ -207,7 +205,6 @@ class Deterministic {
     auto& st = state("reduce");
     auto& a = st.find(data, "reduce");
     std::int64_t* sums = st.sums_of(a, data);
-    const std::size_t lo = static_cast<std::size_t>(sums - static_cast<std::int64_t*>(a.sums.get()));
     if constexpr (detail::device_communicator<Comm>) {
       static_assert(
           requires { fixed_point_all_reduce(comm, st, a, sums, count); },
@@ -216,7 +213,8 @@ class Deterministic {
     } else {
       check_type(t);
       if (comm.size() > 1) comm.all_reduce(sums, sums, count, dtype::i64, reduce_op::sum).wait();
-      unfold_host(st, a, sums - lo, lo, lo + count);
+      const auto lo = static_cast<std::size_t>(sums - static_cast<std::int64_t*>(a.sums.get()));
+      unfold_host(st, a, lo, lo + count);
       return decltype(comm.all_reduce(data, data, count, t, reduce_op::sum)){};
     }
   }
@@ -228,7 +226,6 @@ class Deterministic {
     auto& a = st.find(data, "reduce_scatter");
     std::int64_t* sums = st.sums_of(a, data);
     std::int64_t* my_sums = sums + static_cast<std::size_t>(comm.rank()) * per;
-    const std::size_t lo = static_cast<std::size_t>(my_sums - static_cast<std::int64_t*>(a.sums.get()));
     if constexpr (detail::device_communicator<Comm>) {
       static_assert(
           requires { fixed_point_reduce_scatter(comm, st, a, sums, my_sums, per); },
@@ -239,7 +236,8 @@ class Deterministic {
       check_type(t);
       (void)mine;
       if (comm.size() > 1) comm.reduce_scatter(sums, my_sums, per, dtype::i64, reduce_op::sum).wait();
-      unfold_host(st, a, my_sums - lo, lo, lo + per);
+      const auto lo = static_cast<std::size_t>(my_sums - static_cast<std::int64_t*>(a.sums.get()));
+      unfold_host(st, a, lo, lo + per);
       return decltype(comm.reduce_scatter(data, mine, per, t, reduce_op::sum)){};
     }
   }
@@ -261,19 +259,17 @@ class Deterministic {
       st.arenas.push_back(std::move(a));
     }
     st.params = params;
-    std::vector<std::int64_t> exps(params, opts_.initial_exponent), tail(params + 3, 0), counts6(6, 0);
+    std::vector<std::int64_t> tail(params + 3, 0);
     for (std::size_t p = 0; p < params; ++p) tail[p] = detail::fixed::no_exponent;
-    if (old && old->params == params) {  // a rebuilt layout keeps the exponents and counts
-      std::vector<std::int64_t> e(params), c(6);
-      old->download(e.data(), old->exps.get(), params * 8);
-      old->download(c.data(), old->counts.get(), 6 * 8);
-      exps = e;
-      counts6 = c;
-      st.steps = old->steps;
-    }
-    st.exps = upload(mem, exps);
     st.tail = upload(mem, tail);
-    st.counts = upload(mem, counts6);
+    if (old && old->params == params) {  // a rebuilt layout keeps the exponents and counts
+      st.exps = std::move(old->exps);
+      st.counts = std::move(old->counts);
+      st.steps = old->steps;
+    } else {
+      st.exps = upload(mem, std::vector<std::int64_t>(params, opts_.initial_exponent));
+      st.counts = upload(mem, std::vector<std::int64_t>(6, 0));
+    }
     st.download = [mem](void* dst, const void* src, std::size_t bytes) { mem.download(dst, src, bytes); };
   }
 
@@ -300,13 +296,13 @@ class Deterministic {
     auto* sums = static_cast<std::int64_t*>(a.sums.get());
     if constexpr (detail::device_communicator<Comm>) {
       static_assert(
-          requires { fixed_point_fold(comm, st, a, sums, runs, zero_source); },
+          requires { fixed_point_fold(comm, st, a, sums, zero_source); },
           "lockstep::Deterministic on a device communicator: include lockstep/cuda.cuh (its kernels)");
-      fixed_point_fold(comm, st, a, sums, runs, zero_source);
+      fixed_point_fold(comm, st, a, sums, zero_source);
     } else {
       (void)comm;
-      if (a.type == dtype::f32) detail::host_fold(st, static_cast<float*>(base), sums, runs, !a.holds, zero_source);
-      else detail::host_fold(st, static_cast<double*>(base), sums, runs, !a.holds, zero_source);
+      if (a.type == dtype::f32) detail::host_fold(st, static_cast<float*>(base), sums, !a.holds, zero_source);
+      else detail::host_fold(st, static_cast<double*>(base), sums, !a.holds, zero_source);
     }
     if (zero_source) a.holds = true;
   }
@@ -372,11 +368,11 @@ class Deterministic {
                          " before DataParallel attached its arenas: use it as DataParallel's bucket hook");
     return *st_;
   }
-  static void unfold_host(detail::fixed_state& st, detail::fixed_state::arena& a, const std::int64_t* sums,
-                          std::size_t lo, std::size_t hi) {
-    if (a.type == dtype::f32)
-      detail::host_unfold(st, sums, static_cast<float*>(const_cast<void*>(a.base)), st.runs, lo, hi);
-    else detail::host_unfold(st, sums, static_cast<double*>(const_cast<void*>(a.base)), st.runs, lo, hi);
+  // Sums [lo, hi) of arena a back into its gradients.
+  static void unfold_host(detail::fixed_state& st, detail::fixed_state::arena& a, std::size_t lo, std::size_t hi) {
+    const auto* sums = static_cast<const std::int64_t*>(a.sums.get());
+    if (a.type == dtype::f32) detail::host_unfold(st, sums, static_cast<float*>(const_cast<void*>(a.base)), lo, hi);
+    else detail::host_unfold(st, sums, static_cast<double*>(const_cast<void*>(a.base)), lo, hi);
   }
   template <class Memory>
   static std::shared_ptr<void> upload(Memory& mem, const std::vector<std::int64_t>& v) {

@@ -61,6 +61,17 @@ struct bucket {
   }
 };
 
+//! The gradients of buckets [first, last) where `ps` hold them, in arena order.
+inline std::vector<segment> segments_of(std::span<const bucket> buckets, std::size_t first, std::size_t last,
+                                        std::span<const parameter> ps) {
+  std::vector<segment> segs;
+  for (std::size_t b = first; b < last; ++b) {
+    auto more = buckets[b].segments_in(ps);
+    segs.insert(segs.end(), more.begin(), more.end());
+  }
+  return segs;
+}
+
 //! Buckets [first, last) reduced by one collective. Consecutive buckets that hold nothing but
 //! slices of one parameter always become complete together (when that parameter does), so
 //! they form one unit: fewer, larger all-reduces. Units depend on the plan alone, never on

@@ -63,11 +63,7 @@ void fold_unit(Deterministic& hook, Comm& comm, const bucket_plan& plan, void* a
 template <class Comm>
 void fold_micro_step(Deterministic& hook, Comm& comm, const bucket_plan& plan, void* arena,
                      std::span<const parameter> params, bool zero_copy, std::int64_t contributions) {
-  std::vector<segment> segs;
-  for (const auto& b : plan.buckets) {
-    auto more = b.segments_in(params);
-    segs.insert(segs.end(), more.begin(), more.end());
-  }
+  const auto segs = segments_of(plan.buckets, 0, plan.buckets.size(), params);
   auto mem = comm.memory();
   if (!zero_copy) mem.pack(segs, arena, plan.type, 1.0);
   hook.fold(comm, arena, fixed_runs(plan, 0, plan.buckets.size()), contributions, true);

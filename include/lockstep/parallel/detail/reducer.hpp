@@ -305,12 +305,7 @@ class reducer {
     if (zero_copy() || Units::lends_gradients) {
       mem.scale(buf, end - begin, g.plan.type, prescale);
     } else {
-      std::vector<segment> segs;
-      for (std::size_t b = first; b < last; ++b) {
-        auto more = g.plan.buckets[b].segments_in(params_);
-        segs.insert(segs.end(), more.begin(), more.end());
-      }
-      mem.pack(segs, buf, g.plan.type, prescale);
+      mem.pack(segments_of(g.plan.buckets, first, last, params_), buf, g.plan.type, prescale);
     }
     rec_.launching(buf, end - begin, g.plan.type);  // listeners: the non-finite origin check
     if constexpr (fixed_point) fold_unit(hook_, comm_, g.plan, g.arena.get(), first, last, contributions());
