@@ -573,3 +573,36 @@ TEST_CASE("sampler: a change of ranks mid-epoch partitions the rest of the epoch
 }
 
 }  // TEST_SUITE
+
+TEST_CASE("sampler: micro_batches cut a global batch by position - the same micro-batches for any rank count") {
+  const std::uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  CAPTURE(seed);
+  const std::size_t micro = 1 + rng() % 7, per_step = 12;  // 12 micro-batches: 1x12, 2x6, 3x4, 4x3, 6x2, 12x1
+  std::vector<std::size_t> batch(micro * per_step);
+  for (auto& v : batch) v = rng() % 100000;
+  for (int world : {1, 2, 3, 4, 6, 12}) {
+    std::vector<int> owner(per_step, -1);
+    for (int r = 0; r < world; ++r) {
+      const auto mine = lockstep::micro_batches(batch, micro, r, world);
+      REQUIRE(mine.size() == per_step / static_cast<std::size_t>(world));
+      for (std::size_t k = 0; k < mine.size(); ++k) {
+        REQUIRE(mine[k].size() == micro);
+        const auto at = static_cast<std::size_t>(mine[k].data() - batch.data());
+        REQUIRE(at % micro == 0);
+        const std::size_t j = at / micro;  // micro-batch j: rank j % world, micro-step j / world
+        CHECK(j == static_cast<std::size_t>(r) + k * static_cast<std::size_t>(world));
+        CHECK(owner[j] == -1);
+        owner[j] = r;
+        CHECK(std::equal(mine[k].begin(), mine[k].end(), batch.begin() + static_cast<std::ptrdiff_t>(j * micro)));
+      }
+    }
+    CHECK(std::count(owner.begin(), owner.end(), -1) == 0);
+  }
+  CHECK_THROWS_WITH_AS(lockstep::micro_batches(std::span<const std::size_t>(batch).first(micro * 5), micro, 0, 2),
+                       doctest::Contains("multiple of micro-batch x ranks"), lockstep::config_error);
+  CHECK_THROWS_WITH_AS(lockstep::micro_batches(batch, 0, 0, 1), doctest::Contains("micro-batches of 0"),
+                       lockstep::config_error);
+  CHECK_THROWS_WITH_AS(lockstep::micro_batches(batch, micro, 2, 2), doctest::Contains("rank 2 of 2"),
+                       lockstep::config_error);
+}

@@ -12,6 +12,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
+#include <span>
+#include <tuple>
 #include <random>
 #include <vector>
 
@@ -144,8 +147,11 @@ void check_against_cpu(int gpus) {
   CHECK(same_counts(packed, cpu));
 }
 
-// GpuMlp trained with Deterministic on sp's split of 8 micro-batches of 3 rows per step.
-std::vector<float> train_gpu(const dataset& d, split sp, lockstep::BucketPolicy buckets, std::uint64_t seed) {
+// GpuMlp trained with Deterministic on sp's split of 8 micro-batches of 3 rows per step; graph:
+// each optimizer step (its micro-steps) run through a StepGraph — two eager, then one capture
+// replayed (the micro-batches' rows at fixed addresses).
+std::vector<float> train_gpu(const dataset& d, split sp, lockstep::BucketPolicy buckets, std::uint64_t seed,
+                             bool graph = false) {
   std::vector<std::vector<float>> got(static_cast<std::size_t>(sp.ranks));
   constexpr int rows_per = 3, steps = 6;
   lockstep::run(lockstep::Gpus{first_gpus(sp.ranks)}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
@@ -158,23 +164,32 @@ std::vector<float> train_gpu(const dataset& d, split sp, lockstep::BucketPolicy 
     int *dy = nullptr, *drows = nullptr;
     LOCKSTEP_TRY_CUDA(cudaMalloc(&dX, d.X32.size() * sizeof(float)));
     LOCKSTEP_TRY_CUDA(cudaMalloc(&dy, d.y.size() * sizeof(int)));
-    LOCKSTEP_TRY_CUDA(cudaMalloc(&drows, rows_per * sizeof(int)));
+    LOCKSTEP_TRY_CUDA(cudaMalloc(&drows, static_cast<std::size_t>(rows_per * sp.accumulate) * sizeof(int)));
     LOCKSTEP_TRY_CUDA(cudaMemcpy(dX, d.X32.data(), d.X32.size() * sizeof(float), cudaMemcpyHostToDevice));
     LOCKSTEP_TRY_CUDA(cudaMemcpy(dy, d.y.data(), d.y.size() * sizeof(int), cudaMemcpyHostToDevice));
     LOCKSTEP_TRY_CUDA(cudaDeviceSynchronize());
     const int per_step = sp.ranks * sp.accumulate;
-    for (int st = 0; st < steps; ++st)
-      for (int k = 0; k < sp.accumulate; ++k) {
-        const int j = k * sp.ranks + ctx.rank();
-        std::vector<int> rows(rows_per);
+    std::optional<lockstep::StepGraph> g;
+    if (graph) g.emplace(ctx.comm());
+    for (int st = 0; st < steps; ++st) {
+      std::vector<int> rows(static_cast<std::size_t>(rows_per * sp.accumulate));  // micro-step k's at k · rows_per
+      for (int k = 0; k < sp.accumulate; ++k)
         for (int i = 0; i < rows_per; ++i)
-          rows[static_cast<std::size_t>(i)] = static_cast<int>(((st * per_step + j) * rows_per + i) % d.samples);
-        LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(drows, rows.data(), rows.size() * sizeof(int), cudaMemcpyHostToDevice, s));
-        LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s));
-        auto step = dp.step();
-        m.forward_backward(dX, dy, drows, rows_per, step.on_gradient_ready());
-        if (step.finish()) m.sgd(0.1f);
-      }
+          rows[static_cast<std::size_t>(k * rows_per + i)] =
+              static_cast<int>(((st * per_step + k * sp.ranks + ctx.rank()) * rows_per + i) % d.samples);
+      LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(drows, rows.data(), rows.size() * sizeof(int), cudaMemcpyHostToDevice, s));
+      LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s));
+      const auto micro_steps = [&] {
+        for (int k = 0; k < sp.accumulate; ++k) {
+          auto step = dp.step();
+          m.forward_backward(dX, dy, drows + k * rows_per, rows_per, step.on_gradient_ready());
+          if (step.finish()) m.sgd(0.1f);
+        }
+      };
+      if (g) (void)g->run(micro_steps);
+      else micro_steps();
+    }
+    if (g) CHECK(g->replays() == static_cast<std::uint64_t>(steps - 2));
     got[static_cast<std::size_t>(ctx.rank())] = m.flat_values();
     cudaFree(dX);
     cudaFree(dy);
@@ -182,6 +197,69 @@ std::vector<float> train_gpu(const dataset& d, split sp, lockstep::BucketPolicy 
   });
   for (std::size_t r = 1; r < got.size(); ++r) CHECK(got[r] == got[0]);
   return got[0];
+}
+
+// Captured steps (StepGraph: folds, integer all-reduce, unfold, the end of a step, SGD) replay
+// the eager steps' bits, across micro-step splits.
+void check_graph(int gpus) {
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
+  CAPTURE(gpus);
+  const auto d = make_data(rng(), 120);
+  const auto init = rng();
+  const auto eager = train_gpu(d, {1, 8}, {}, init);
+  const auto graphed = train_gpu(d, {gpus, 8 / gpus}, {}, init, true);
+  TestMlp<float> start(d.dims, init);
+  CHECK(max_rel_diff(start.flat_values(), graphed) > 1e-3);  // it trained
+  CHECK(std::memcmp(graphed.data(), eager.data(), eager.size() * sizeof(float)) == 0);
+}
+
+// A cycle cut short (folds, then begin_cycle without end_step) leaves nothing behind on the
+// GPU: the next steps' exponents, counts and sums equal those of a hook that never saw it.
+void check_cut_short() {
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  std::vector<float> huge(64), plain(64);
+  for (auto& x : huge) x = 1e6f * unit(rng);  // beyond the first range (2^16)
+  for (auto& x : plain) x = unit(rng);
+  const std::vector<lockstep::detail::fixed_run> runs = {{0, 40, 0}, {40, 24, 1}};
+  auto run = [&](bool cut_short) {
+    std::vector<std::int64_t> exps;
+    std::vector<float> out(plain.size());
+    lockstep::fixed_point_report report;
+    lockstep::run(lockstep::Gpus{first_gpus(1)}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
+      auto& comm = ctx.comm();
+      auto mem = comm.memory();
+      const auto g = mem.allocate(plain.size() * sizeof(float));
+      void* base = g.get();
+      const std::size_t count = plain.size();
+      const lockstep::dtype type = lockstep::dtype::f32;
+      lockstep::Deterministic h;
+      h.attach(comm, std::span<void* const>(&base, 1), std::span<const std::size_t>(&count, 1),
+               std::span<const lockstep::dtype>(&type, 1), 2);
+      for (int step = 0; step < 2; ++step) {
+        h.begin_cycle(comm);
+        if (cut_short && step == 0) {
+          mem.upload(base, huge.data(), count * sizeof(float));
+          h.fold(comm, base, runs, 2, true);
+          h.begin_cycle(comm);
+        }
+        mem.upload(base, plain.data(), count * sizeof(float));
+        h.fold(comm, base, runs, 1, false);
+        h.reduce(comm, base, count, type).wait();
+        h.end_step(comm, {});
+        for (auto e : h.exponents()) exps.push_back(e);
+      }
+      mem.download(out.data(), base, count * sizeof(float));
+      report = h.report();
+    });
+    return std::tuple(exps, out, report.clamped_total);
+  };
+  const auto [cut_exps, cut_out, cut_clamped] = run(true);
+  const auto [exps, out, clamped] = run(false);
+  CHECK(cut_exps == exps);
+  CHECK(cut_clamped == 0);
+  CHECK(clamped == 0);
+  CHECK(std::memcmp(cut_out.data(), out.data(), out.size() * sizeof(float)) == 0);
 }
 
 void check_training(int gpus) {
@@ -209,6 +287,14 @@ TEST_CASE("deterministic_gpu_training_same_bits_over_micro_steps_and_buckets: 1 
   LOCKSTEP_REQUIRE_GPUS(1);
   check_training(1);
 }
+TEST_CASE("deterministic_gpu_a_cycle_cut_short_leaves_no_trace: 1 GPU") {
+  LOCKSTEP_REQUIRE_GPUS(1);
+  check_cut_short();
+}
+TEST_CASE("deterministic_gpu_step_graph_replays_the_eager_bits: 1 GPU") {
+  LOCKSTEP_REQUIRE_GPUS(1);
+  check_graph(1);
+}
 }
 
 TEST_SUITE("multigpu") {
@@ -227,5 +313,9 @@ TEST_CASE("deterministic_gpu_training_same_bits_over_gpus: 2 GPUs") {
 TEST_CASE("deterministic_gpu_training_same_bits_over_gpus: 4 GPUs") {
   LOCKSTEP_REQUIRE_GPUS(4);
   check_training(4);
+}
+TEST_CASE("deterministic_gpu_step_graph_replays_the_eager_bits: 2 GPUs") {
+  LOCKSTEP_REQUIRE_GPUS(2);
+  check_graph(2);
 }
 }

@@ -94,6 +94,12 @@ inline NcclComm::work fixed_point_reduce_scatter(NcclComm& comm, detail::fixed_s
   return comm.enqueue([&](cudaStream_t s) { detail::unfold_runs(st, a, lo, lo + per, s); });
 }
 
+//! A cycle cut short (begin_cycle after folds without end_step): its tail dropped, on the
+//! compute stream, where the folds ran.
+inline void fixed_point_reset_tail(NcclComm& comm, detail::fixed_state& st) {
+  cuda::kernels::fixed_point_reset_tail(static_cast<std::int64_t*>(st.tail.get()), st.params, comm.compute_stream());
+}
+
 //! The end of a step: the tail agreed (max over ranks), the next exponents, the counts, NaN
 //! into each group's first element after a non-finite value; the compute stream waits for it.
 inline void fixed_point_end_step(NcclComm& comm, detail::fixed_state& st, std::span<const grad_group> groups,

@@ -374,4 +374,29 @@ class DistributedSampler {
   std::vector<std::size_t> indices_;
 };
 
+//! This rank's micro-batches of one global batch, by global position: the batch is cut into
+//! micro-batches of `micro` samples (micro-batch j = global_batch[j·micro, (j+1)·micro)) and
+//! rank `rank` of `world` takes j = rank, rank + world, rank + 2·world, ... — one per
+//! micro-step. A micro-batch holds the same samples however many ranks share the batch, which
+//! lockstep::Deterministic needs for parameters that do not depend on the number of ranks
+//! (docs/determinism.md). Walk the epoch with a sampler of one rank (every rank the same
+//! list: `DistributedSampler(len, 0, 1)`) and split each of its batches here. The spans point
+//! into global_batch.
+inline std::vector<std::span<const std::size_t>> micro_batches(std::span<const std::size_t> global_batch,
+                                                               std::size_t micro, int rank, int world) {
+  if (world < 1 || rank < 0 || rank >= world)
+    throw config_error("lockstep::micro_batches: rank " + std::to_string(rank) + " of " + std::to_string(world) +
+                       " ranks; pass this rank and the number of ranks");
+  const auto w = static_cast<std::size_t>(world);
+  if (micro == 0 || global_batch.size() % (micro * w) != 0)
+    throw config_error("lockstep::micro_batches: a batch of " + std::to_string(global_batch.size()) +
+                       " samples does not split into micro-batches of " + std::to_string(micro) + " over " +
+                       std::to_string(world) + " ranks; make the batch a multiple of micro-batch x ranks (" +
+                       std::to_string(micro * w) + ")");
+  std::vector<std::span<const std::size_t>> out;
+  for (std::size_t j = static_cast<std::size_t>(rank); j * micro < global_batch.size(); j += w)
+    out.push_back(global_batch.subspan(j * micro, micro));
+  return out;
+}
+
 }  // namespace lockstep

@@ -27,6 +27,7 @@
 #include <span>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "lockstep/comm/detail/host_collectives.hpp"
@@ -85,6 +86,7 @@ struct fixed_state {
   std::int64_t contributions = 1;
   std::vector<fixed_run> runs;  // the last fold's (the collective after it converts them back)
   std::int64_t steps = 0;
+  bool folded = false;                                            // the tail holds folds of a step not ended yet
   std::function<void(void*, const void*, std::size_t)> download;  // for report()
 
   arena& find(const void* p, const char* who) {
@@ -142,6 +144,13 @@ void host_unfold(const fixed_state& st, const std::int64_t* sums, T* dst, std::s
     for (std::size_t i = b; i < e; ++i)
       dst[i] = static_cast<T>(fixed::from_fixed(sums[i], static_cast<int>(exps[r.slot]), f, st.contributions));
   }
+}
+
+//! The tail as no fold left it (largest exponents none, counts 0), on the host.
+inline void host_reset_tail(fixed_state& st) {
+  auto* tail = static_cast<std::int64_t*>(st.tail.get());
+  for (std::size_t p = 0; p < st.params; ++p) tail[p] = fixed::no_exponent;
+  for (int k = 0; k < 3; ++k) tail[st.params + k] = 0;
 }
 
 //! The end of a step's sums, on the host: the tail agreed (max), the next exponents, the counts;
@@ -273,10 +282,16 @@ class Deterministic {
     st.download = [mem](void* dst, const void* src, std::size_t bytes) { mem.download(dst, src, bytes); };
   }
 
-  //! An accumulation cycle begins: the next fold of each arena starts its sums afresh.
-  void begin_cycle() {
-    if (st_)
-      for (auto& a : st_->arenas) a.holds = false;
+  //! An accumulation cycle begins: the next fold of each arena starts its sums afresh. What
+  //! folds of a cycle cut short (an exception before its end) left in the tail is dropped, so
+  //! that it changes neither the next exponents nor the counts.
+  template <communicator Comm>
+  void begin_cycle(Comm& comm) {
+    if (!st_) return;
+    for (auto& a : st_->arenas) a.holds = false;
+    if (!std::exchange(st_->folded, false)) return;
+    if constexpr (detail::device_communicator<Comm>) fixed_point_reset_tail(comm, *st_);
+    else detail::host_reset_tail(*st_);
   }
 
   //! Converts runs of the arena at `base` (its elements [offset, offset + count) of each run,
@@ -305,6 +320,7 @@ class Deterministic {
       else detail::host_fold(st, static_cast<double*>(base), sums, !a.holds, zero_source);
     }
     if (zero_source) a.holds = true;
+    st.folded = true;
   }
 
   //! After every unit of a step was reduced: the exponents of the next step agreed, the counts
@@ -313,6 +329,7 @@ class Deterministic {
   void end_step(Comm& comm, std::span<const grad_group> groups) {
     auto& st = state("end_step");
     ++st.steps;
+    st.folded = false;
     if constexpr (detail::device_communicator<Comm>) fixed_point_end_step(comm, st, groups, opts_.margin_bits);
     else detail::host_end_step(comm, st, groups, opts_.margin_bits);
   }

@@ -1,8 +1,9 @@
 #pragma once
 //! The kernels of lockstep::Deterministic on the GPU (cuda/deterministic_sum.cuh), on the
 //! multi-tensor engine: one micro-step's gradients into int64 sums (fold), the sums back into
-//! the mean (unfold), and the end of a step (the agreed largest exponents become the next
-//! step's, the counts are kept, a non-finite step's gradients are made NaN). The arithmetic is
+//! the mean (unfold), the end of a step (the agreed largest exponents become the next
+//! step's, the counts are kept, a non-finite step's gradients are made NaN), and the tail of a
+//! cycle cut short dropped. The arithmetic is
 //! core/detail/fixed_point.hpp's, the host's, so host and device give the same bits. A tensor of a
 //! launch is one run of one parameter; its "step counter" is that parameter's exponent.
 
@@ -181,7 +182,18 @@ __global__ void end_step(std::int64_t* exps, std::int64_t* tail, std::int64_t* c
     else *static_cast<float*>(targets.at[g]) = __int_as_float(0x7fc00000);
   }
 }
+
+__global__ void reset_tail(std::int64_t* tail, std::size_t params) {
+  for (std::size_t p = threadIdx.x; p < params + 3; p += blockDim.x)
+    tail[p] = p < params ? lockstep::detail::fixed::no_exponent : 0;
+}
 }  // namespace fixed_detail
+
+//! The tail as no fold left it (largest exponents none, counts 0), on stream s.
+inline void fixed_point_reset_tail(std::int64_t* tail, std::size_t params, cudaStream_t s) {
+  fixed_detail::reset_tail<<<1, 256, 0, s>>>(tail, params);
+  LOCKSTEP_CHECK_LAUNCH();
+}
 
 //! The end of a step, on stream s (after tail was all-reduced with max).
 inline void fixed_point_end_step(std::int64_t* exps, std::int64_t* tail, std::int64_t* counts, std::size_t params,

@@ -90,7 +90,7 @@ class reducer {
   //! Start of an accumulation cycle: apply a pending rebuild, zero every gradient.
   void begin_cycle() {
     apply_pending_plan();
-    if constexpr (fixed_point) hook_.begin_cycle();
+    if constexpr (fixed_point) hook_.begin_cycle(comm_);
     if constexpr (Units::lends_gradients) return units_.begin_cycle();
     auto mem = comm_.memory();
     for (auto& g : groups_) {
