@@ -17,6 +17,11 @@
 # gpu_symmetric: (2+ GPUs) example 02 (EXE) on 2 processes under LAUNCHER with --symmetric:
 #               NCCL's log says the buckets were all-reduced by its symmetric kernels and
 #               that no NVLS algorithm or multimem kernel was chosen.
+# deterministic: --deterministic 8 with a global batch of 96 on 1, 2, 3 (16 KiB buckets) and 4
+#               CPU ranks end with the same parameters, bit for bit; a checkpoint of 4 ranks
+#               after epoch 1 resumed on 1 rank ends with them too, without a warning.
+# gpu_deterministic: the same on one GPU (and 16 KiB buckets, --input sync) and on 2, 3, 4 GPUs
+#               where visible. Skipped where no GPU is visible.
 # tensorboard:  --logdir: TensorBoard's reader (READER, run with PYTHON) finds train/loss and
 #               train/lr at every step and test/accuracy at every epoch, equal to the CSV.
 # Prints "SKIPPED: ..." (ctest's SKIP_REGULAR_EXPRESSION) when a check needs the real data
@@ -32,7 +37,11 @@ file(MAKE_DIRECTORY "${WORK}")
 
 # Runs the example; sets rc, out, err in the caller.
 function(run_example)
-  execute_process(COMMAND "${EXE}" ${ARGN} --progress 0
+  set(data "")
+  if(DEFINED DATA)  # -DDATA=<dir>: the data set elsewhere than where --data looks by default
+    set(data --data "${DATA}")
+  endif()
+  execute_process(COMMAND "${EXE}" ${ARGN} ${data} --progress 0
                   RESULT_VARIABLE r OUTPUT_VARIABLE o ERROR_VARIABLE e)
   set(rc "${r}" PARENT_SCOPE)
   set(out "${o}" PARENT_SCOPE)
@@ -207,6 +216,64 @@ elseif(MODE STREQUAL "gpu_inputs")
     message(STATUS "${line}")
   endforeach()
   message(STATUS "gpu_inputs: ok, parameters ${first} with every input mode")
+elseif(MODE STREQUAL "deterministic" OR MODE STREQUAL "gpu_deterministic")
+  # The same parameters however many ranks share the global batch of 96 (12 micro-batches of
+  # 8), whatever the buckets; and a checkpoint of 2 ranks resumed on 3 (or on one GPU) equal to
+  # the straight run, without the warning about other options.
+  set(det --smoke --batch 96 --deterministic 8)
+  if(MODE STREQUAL "gpu_deterministic")
+    execute_process(COMMAND nvidia-smi -L OUTPUT_VARIABLE gpus_listed ERROR_QUIET)
+    string(REGEX MATCHALL "GPU [0-9]+:" gpus_found "${gpus_listed}")
+    list(LENGTH gpus_found n_gpus)
+    set(runs "--device|gpu|--gpus|1" "--device|gpu|--gpus|1|--bucket-kib|16|--input|sync")
+    foreach(g 2 3 4)
+      if(NOT n_gpus LESS g)
+        list(APPEND runs "--device|gpu|--gpus|${g}")
+      endif()
+    endforeach()
+  else()
+    set(runs "--ranks|1" "--ranks|2" "--ranks|3|--bucket-kib|16" "--ranks|4")  # one run's arguments, |-separated
+  endif()
+  set(first "")
+  foreach(run IN LISTS runs)
+    string(REPLACE "|" ";" run "${run}")
+    run_example(${det} ${run})
+    if(rc STREQUAL "77")
+      message(STATUS "SKIPPED: Fashion-MNIST is not installed (${err})")
+      return()
+    endif()
+    if(err MATCHES "no GPU is visible|built without CUDA")
+      message(STATUS "SKIPPED: ${err}")
+      return()
+    endif()
+    if(NOT rc STREQUAL "0" OR NOT out MATCHES "final: [^\n]*fnv1a (0x[0-9a-f]+) \\(identical on all ranks\\)")
+      message(FATAL_ERROR "--deterministic with ${run} failed (${rc}):\n${out}\n${err}")
+    endif()
+    set(sum "${CMAKE_MATCH_1}")
+    if(first STREQUAL "")
+      set(first "${sum}")
+    elseif(NOT sum STREQUAL first)
+      message(FATAL_ERROR "--deterministic with ${run} ended with parameters ${sum}, the first run with ${first}")
+    endif()
+    message(STATUS "${run}: parameters ${sum}")
+  endforeach()
+  list(GET runs 0 one)
+  list(GET runs -1 other)
+  string(REPLACE "|" ";" one "${one}")
+  string(REPLACE "|" ";" other "${other}")
+  run_example(${det} ${other} --stop-after 1 --checkpoint "${WORK}/part.lsck")
+  if(NOT rc STREQUAL "0" OR NOT EXISTS "${WORK}/part.lsck")
+    message(FATAL_ERROR "--stop-after 1 with ${other} failed (${rc}):\n${out}\n${err}")
+  endif()
+  run_example(${det} ${one} --resume "${WORK}/part.lsck")
+  if(NOT rc STREQUAL "0" OR NOT out MATCHES "final: [^\n]*fnv1a (0x[0-9a-f]+)" OR err MATCHES "warning")
+    message(FATAL_ERROR "resuming ${other}'s checkpoint with ${one} failed or warned (${rc}):\n${out}\n${err}")
+  endif()
+  string(REGEX MATCH "fnv1a (0x[0-9a-f]+)" resumed "${out}")
+  if(NOT CMAKE_MATCH_1 STREQUAL first)
+    message(FATAL_ERROR "resuming ${other}'s checkpoint with ${one} ended with ${CMAKE_MATCH_1}, straight runs with ${first}")
+  endif()
+  message(STATUS "${MODE}: ok, parameters ${first} with ${runs}, and resumed across rank counts")
 elseif(MODE STREQUAL "gpu_symmetric")
   # NCCL's own log (NCCL_DEBUG=INFO, subsystem TUNING, one file per process): the gradient
   # buckets go to its symmetric kernels, and never to NVLink multicast (NVLS, or a symmetric

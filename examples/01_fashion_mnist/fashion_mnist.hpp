@@ -41,6 +41,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <unistd.h>  // isatty
@@ -84,8 +85,9 @@ struct options {
   bool check = false;  // compare the GPU model with the CPU model before training
   input_kind input = input_kind::prefetch;
   bool input_given = false;
-  bool cuda_graph = false;  // (GPU) each full step replayed as one CUDA graph (lockstep::StepGraph)
-  bool symmetric = false;   // (GPU) BucketPolicy::symmetric_memory: NCCL's symmetric kernels
+  bool cuda_graph = false;      // (GPU) each full step replayed as one CUDA graph (lockstep::StepGraph)
+  bool symmetric = false;       // (GPU) BucketPolicy::symmetric_memory: NCCL's symmetric kernels
+  std::size_t micro_batch = 0;  // --deterministic M: lockstep::Deterministic, forwards of M samples
 };
 
 inline constexpr const char* usage =
@@ -135,7 +137,12 @@ inline constexpr const char* usage =
     "                      collectives, SGD) once into a CUDA graph and replay it for every\n"
     "                      full batch (lockstep::StepGraph); implies --input device\n"
     "  --symmetric         (GPU, one process per GPU) gradient buckets in a symmetric window,\n"
-    "                      all-reduced by NCCL's symmetric kernels (BucketPolicy::symmetric_memory)\n";
+    "                      all-reduced by NCCL's symmetric kernels (BucketPolicy::symmetric_memory)\n"
+    "  --deterministic M   sum gradients in fixed point (lockstep::Deterministic): every forward is\n"
+    "                      a micro-batch of M samples taken by global position, each rank\n"
+    "                      accumulates its share of the global batch (a multiple of M x ranks),\n"
+    "                      and the parameters do not depend on the number of ranks, the buckets\n"
+    "                      or threads vs processes (docs/determinism.md)\n";
 
 struct usage_error : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -216,7 +223,10 @@ inline options parse(int argc, char** argv) {
       o.input_given = true;
     } else if (a == "--cuda-graph") o.cuda_graph = true;
     else if (a == "--symmetric") o.symmetric = true;
-    else throw usage_error("unknown option '" + a + "'");
+    else if (a == "--deterministic") {
+      o.micro_batch = parse_number<std::size_t>(a, value());
+      if (o.micro_batch == 0) throw usage_error("--deterministic expects a micro-batch of at least 1 sample");
+    } else throw usage_error("unknown option '" + a + "'");
   }
   if (o.smoke) {  // explicit options win, whatever their order
     if (!o.limit_train) o.limit_train = 4096;
@@ -241,6 +251,11 @@ inline options parse(int argc, char** argv) {
     if (o.input_given && o.input != input_kind::device)
       throw usage_error("--cuda-graph replays a step whose batch is gathered on the device: use --input device");
     o.input = input_kind::device;
+  }
+  if (o.micro_batch > 0) {
+    if (o.wire_bf16) throw usage_error("--deterministic sums in fixed point: it cannot be combined with --wire bf16");
+    if (o.cuda_graph)
+      throw usage_error("--deterministic accumulates micro-steps, which --cuda-graph does not capture; drop one");
   }
   if (o.batch == 0) throw usage_error("--batch must be at least 1");
   if (*o.epochs < 1) throw usage_error("--epochs must be at least 1");
@@ -309,16 +324,18 @@ struct run_config {
   double lr;
   double momentum;
   std::uint64_t warmup;
-  std::int32_t on_gpus;   // 1: trained on GPUs (other rounding than the CPU's)
-  std::int32_t reserved;  // 0; keeps the struct free of padding bytes
+  std::int32_t on_gpus;      // 1: trained on GPUs (other rounding than the CPU's)
+  std::int32_t micro_batch;  // --deterministic M (ranks is 0 then: the result does not depend on them), else 0
   bool operator==(const run_config&) const = default;
 };
 
 // How the global batch is split and the learning rate scheduled, for `ranks` ranks.
 struct training_plan {
   int ranks = 1;
-  std::size_t per_rank = 0;  // micro-batch per rank
-  std::size_t global = 0;    // per optimizer step, all ranks
+  std::size_t per_rank = 0;     // samples of one forward/backward on a rank
+  std::size_t global = 0;       // per optimizer step, all ranks
+  std::size_t micro_steps = 1;  // forwards per rank and optimizer step (--deterministic: global / (M x ranks))
+  bool deterministic = false;   // --deterministic: micro-batches by global position, lockstep::Deterministic
   double peak_lr = 0;
   lockstep::LinearWarmup schedule{};
   run_config config{};
@@ -328,21 +345,44 @@ inline training_plan make_plan(const options& opt, std::size_t train_size, int r
   training_plan p;
   const int epochs = *opt.epochs;
   p.ranks = ranks;
-  // --batch is global: each rank takes its share, so 1, 2 or 4 ranks train alike.
-  p.per_rank = std::max<std::size_t>(1, opt.batch / static_cast<std::size_t>(ranks));
-  p.global = lockstep::effective_batch(p.per_rank, ranks);
+  const auto R = static_cast<std::size_t>(ranks);
+  std::size_t steps_per_epoch = 0;
+  if (opt.micro_batch > 0) {
+    // --deterministic: forwards of M samples; the epoch's global batches (full ones only, the
+    // same on any number of ranks) split into micro-batches by position (lockstep::micro_batches).
+    if (opt.batch % (opt.micro_batch * R) != 0)
+      throw lockstep::config_error("--deterministic " + std::to_string(opt.micro_batch) + " on " +
+                                   std::to_string(ranks) + " rank(s): --batch " + std::to_string(opt.batch) +
+                                   " must be a multiple of " + std::to_string(opt.micro_batch * R) +
+                                   " (micro-batch x ranks)");
+    p.deterministic = true;
+    p.per_rank = opt.micro_batch;
+    p.global = opt.batch;
+    p.micro_steps = opt.batch / (opt.micro_batch * R);
+    steps_per_epoch = train_size / p.global;
+    if (steps_per_epoch == 0)
+      throw lockstep::config_error("--deterministic: --batch " + std::to_string(opt.batch) +
+                                   " is larger than the training set (" + std::to_string(train_size) + " images)");
+  } else {
+    // --batch is global: each rank takes its share, so 1, 2 or 4 ranks train alike.
+    p.per_rank = std::max<std::size_t>(1, opt.batch / R);
+    p.global = lockstep::effective_batch(p.per_rank, ranks);
+    // Every rank has the same number of samples (DistributedSampler pads), hence of steps.
+    const std::size_t per_rank_samples = (train_size + R - 1) / R;
+    steps_per_epoch = (per_rank_samples + p.per_rank - 1) / p.per_rank;
+  }
   p.peak_lr = lockstep::scaled_lr(opt.lr, base_batch, p.global);
-  // Every rank has the same number of samples (DistributedSampler pads), hence of steps.
-  const std::size_t per_rank_samples =
-      (train_size + static_cast<std::size_t>(ranks) - 1) / static_cast<std::size_t>(ranks);
-  const std::size_t steps_per_epoch = (per_rank_samples + p.per_rank - 1) / p.per_rank;
   p.schedule = lockstep::LinearWarmup{
       .peak_lr = p.peak_lr,
       .warmup_steps = opt.warmup,
       .decay = lockstep::Decay::cosine,
       .total_steps = std::max<std::uint64_t>(opt.warmup, steps_per_epoch * static_cast<std::uint64_t>(epochs)),
       .final_lr = 0.0};
-  p.config = {opt.seed, p.global, train_size, ranks, epochs, opt.lr, opt.momentum, opt.warmup, on_gpus ? 1 : 0, 0};
+  p.config = {opt.seed,        p.global,
+              train_size,      p.deterministic ? 0 : ranks,
+              epochs,          opt.lr,
+              opt.momentum,    opt.warmup,
+              on_gpus ? 1 : 0, static_cast<std::int32_t>(opt.micro_batch)};
   return p;
 }
 
@@ -367,7 +407,11 @@ inline void print_header(const std::string& where, const options& opt, const dat
               "cosine decay\n",
               where.c_str(), plan.global, plan.per_rank, epochs, epochs == 1 ? "" : "s", plan.peak_lr, opt.momentum,
               static_cast<unsigned long long>(opt.warmup));
-  if (plan.global != opt.batch)
+  if (plan.deterministic)
+    std::printf("deterministic: fixed-point gradient sums (lockstep::Deterministic), micro-batches of %zu by "
+                "global position, %zu per rank and step\n",
+                plan.per_rank, plan.micro_steps);
+  else if (plan.global != opt.batch)
     std::printf("note: --batch %zu is not a multiple of %d ranks; using %zu (lr scaled to match)\n", opt.batch,
                 plan.ranks, plan.global);
   std::fflush(stdout);
@@ -395,11 +439,38 @@ std::uint64_t checksum(const std::vector<lockstep::parameter>& ps, const Memory&
   return h;
 }
 
+template <class Ctx, class Trainer, class... Policies>
+void train_with(Ctx& ctx, Trainer& trainer, const options& opt, const training_plan& plan, const dataset& data,
+                final_result& result, Policies... policies);
+
 // The SPMD body: one rank's training, evaluation and checkpoints. `trainer` is this rank's
 // (see the top of this file); `result` is written by rank 0.
 template <class Ctx, class Trainer>
 void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_plan& plan, const dataset& data,
                 final_result& result) {
+  // --deterministic: gradients summed in fixed point, each rank's share of the global batch
+  // accumulated over plan.micro_steps forwards.
+  if (plan.deterministic)
+    return train_with(ctx, trainer, opt, plan, data, result, lockstep::Deterministic{},
+                      lockstep::Accumulate<>(static_cast<int>(plan.micro_steps)));
+  // --wire bf16 on CPU ranks: each rank's gradients rounded to bf16, summed in fp32 — the numbers
+  // lockstep::Bf16Wire gives over NCCL (bit for bit, tests/cuda/test_bf16_wire.cu), for
+  // comparing accuracy with the fp32 wire. The GPU path keeps the plain all-reduce here.
+  using Comm = std::remove_cvref_t<decltype(ctx.comm())>;
+  if constexpr (!requires(Comm& c) { c.comm_stream(); }) {
+    train_with(ctx, trainer, opt, plan, data, result, lockstep::Bf16Wire(opt.wire_bf16));
+  } else {
+    if (opt.wire_bf16)
+      throw lockstep::config_error(
+          "--wire bf16 is for CPU ranks in this example (on GPUs see examples/03_gpt2_torch --wire)");
+    train_with(ctx, trainer, opt, plan, data, result, lockstep::AllReduceMean{});
+  }
+}
+
+// train_rank with DataParallel's policies (a bucket hook; an accumulation policy).
+template <class Ctx, class Trainer, class... Policies>
+void train_with(Ctx& ctx, Trainer& trainer, const options& opt, const training_plan& plan, const dataset& data,
+                final_result& result, Policies... policies) {
   auto& comm = ctx.comm();
   const int epochs = *opt.epochs;
   const bool tty = isatty(fileno(stdout)) == 1;
@@ -408,21 +479,14 @@ void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
   lockstep::DataParallelOptions dp_opts;  // zero_copy (bind_gradient) is on by default
   if (opt.bucket_kib > 0) dp_opts.buckets.first_bytes = dp_opts.buckets.cap_bytes = opt.bucket_kib << 10;
   dp_opts.buckets.symmetric_memory = opt.symmetric;
-  // --wire bf16 on CPU ranks: each rank's gradients rounded to bf16, summed in fp32 — the numbers
-  // lockstep::Bf16Wire gives over NCCL (bit for bit, tests/cuda/test_bf16_wire.cu), for
-  // comparing accuracy with the fp32 wire. The GPU path keeps the plain all-reduce here.
-  using Comm = std::remove_cvref_t<decltype(comm)>;
-  constexpr bool host_comm = !requires(Comm& c) { c.comm_stream(); };
-  if (opt.wire_bf16 && !host_comm)
-    throw lockstep::config_error(
-        "--wire bf16 is for CPU ranks in this example (on GPUs see examples/03_gpt2_torch --wire)");
-  auto hook = [&] {
-    if constexpr (host_comm) return lockstep::Bf16Wire(opt.wire_bf16);
-    else return lockstep::AllReduceMean{};
-  }();
-  lockstep::DataParallel dp(ctx, model, dp_opts, hook);  // checks shapes, broadcasts rank 0's
+  // checks shapes, broadcasts rank 0's values
+  auto dp = lockstep::make_data_parallel<Policies...>(ctx, model, dp_opts, std::move(policies)...);
   trainer.attach(dp.parameters(), plan.peak_lr, opt.momentum);
-  lockstep::DistributedSampler<> sampler(data.train.size, ctx, {.seed = opt.seed});
+  // --deterministic: every rank walks the epoch's whole list (a sampler of one rank) and takes
+  // its micro-batches of each global batch by position; else the usual per-rank partition.
+  lockstep::DistributedSampler<> sampler =
+      plan.deterministic ? lockstep::DistributedSampler<>(data.train.size, 0, 1, {.seed = opt.seed})
+                         : lockstep::DistributedSampler<>(data.train.size, ctx, {.seed = opt.seed});
   // Rank 0 writes the scalars; with --logdir unset every call below returns at once.
   lockstep::ScalarLog scalars;
   if (!opt.logdir.empty())
@@ -461,10 +525,20 @@ void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
   // (seed, epoch) pair decides the order.
   for (; sampler.epoch() < static_cast<std::uint64_t>(last_epoch); sampler.set_epoch(sampler.epoch() + 1)) {
     const int epoch = static_cast<int>(sampler.epoch());
-    // --- train ---
-    const auto batches = sampler.batches(plan.per_rank);
+    // --- train: batches[b] is the sampler's (the whole global batch with --deterministic), its
+    // forwards on this rank forwards[first[b] .. first[b + 1]) ---
+    const auto batches = plan.deterministic ? sampler.batches(plan.global, lockstep::LastBatch::drop_partial)
+                                            : sampler.batches(plan.per_rank);
+    std::vector<std::span<const std::size_t>> forwards;
+    std::vector<std::size_t> first{0};
+    for (const auto& batch : batches) {
+      if (plan.deterministic)
+        for (auto m : lockstep::micro_batches(batch, plan.per_rank, ctx.rank(), ctx.size())) forwards.push_back(m);
+      else forwards.push_back(batch);
+      first.push_back(forwards.size());
+    }
     trainer.begin_epoch(std::span<const std::size_t>(sampler.indices()),
-                        std::span<const std::span<const std::size_t>>(batches));
+                        std::span<const std::span<const std::size_t>>(forwards));
     lockstep::ThroughputMeter meter;
     meter.start();
     const auto t0 = std::chrono::steady_clock::now();
@@ -473,22 +547,26 @@ void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
     for (std::size_t b = 0; b < batches.size(); ++b) {
       trainer.set_lr(plan.schedule(step));
       const double loss_before = scalars.active() ? trainer.loss_sum() : 0.0;
-      const auto one_step = [&] {
-        auto st = dp.step();
-        trainer.forward_backward(batches[b], st.on_gradient_ready());
-        trainer.finish(st);  // gradients are averaged over ranks, then the optimizer steps
-      };
-      // A GPU trainer may replay the step as a CUDA graph (--cuda-graph).
-      if constexpr (requires { trainer.run_step(batches[b], one_step); }) trainer.run_step(batches[b], one_step);
-      else one_step();
+      std::size_t mine = 0;  // this rank's samples of the step
+      for (std::size_t f = first[b]; f < first[b + 1]; ++f) {
+        const auto one_step = [&] {
+          auto st = dp.step();
+          trainer.forward_backward(forwards[f], st.on_gradient_ready());
+          trainer.finish(st);  // the last forward's: gradients averaged over ranks, the optimizer steps
+        };
+        // A GPU trainer may replay the step as a CUDA graph (--cuda-graph).
+        if constexpr (requires { trainer.run_step(forwards[f], one_step); }) trainer.run_step(forwards[f], one_step);
+        else one_step();
+        mine += forwards[f].size();
+      }
       if (scalars.active()) {  // rank 0's batch (reading the loss synchronises a GPU rank)
         const auto s = static_cast<std::int64_t>(step);
-        scalars.scalar("train/loss", s, (trainer.loss_sum() - loss_before) / static_cast<double>(batches[b].size()));
+        scalars.scalar("train/loss", s, (trainer.loss_sum() - loss_before) / static_cast<double>(mine));
         scalars.scalar("train/lr", s, plan.schedule(step));
       }
       ++step;
       sampler.advance(batches[b].size());
-      seen += batches[b].size();
+      seen += mine;
       if (ctx.is_root() && opt.progress > 0) {
         const double t = seconds_since(t0);
         if (t >= next_report) {
@@ -501,6 +579,7 @@ void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
         }
       }
     }
+    if (plan.deterministic) sampler.set_position(sampler.size());  // a last partial global batch is dropped
     trainer.synchronize();  // device work queued by the loop counts in the epoch's time
     meter.stop(static_cast<std::int64_t>(seen));
     const double train_s = seconds_since(t0);

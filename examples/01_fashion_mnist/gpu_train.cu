@@ -16,6 +16,7 @@
 #include <vector>
 
 #include <lockstep/core/context.hpp>
+#include <lockstep/cuda/deterministic_sum.cuh>
 #include <lockstep/cuda/error.cuh>
 #include <lockstep/cuda/fused_optimizer.cuh>
 #include <lockstep/cuda/memory.cuh>

@@ -80,4 +80,17 @@ inline void print_bench_line(const std::string& what, int gpus, double step_ms, 
 using lockstep_bench::CudaBf16Autocast;
 using lockstep_bench::set_cuda_bf16_autocast;
 
+//! FNV-1a 64 over the parameters' bytes (copied to the host), in the module's order: equal
+//! parameters, equal checksums (to compare runs bit for bit).
+inline std::uint64_t parameter_checksum(torch::nn::Module& m) {
+  std::uint64_t h = 0xcbf29ce484222325ULL;
+  for (const auto& p : m.parameters()) {
+    const auto host = p.detach().to(torch::kCPU).contiguous();
+    const auto* b = static_cast<const unsigned char*>(host.data_ptr());
+    for (std::size_t i = 0, n = static_cast<std::size_t>(host.numel()) * host.element_size(); i < n; ++i)
+      h = (h ^ b[i]) * 0x100000001b3ULL;
+  }
+  return h;
+}
+
 }  // namespace gpt2

@@ -54,95 +54,14 @@
 #endif
 
 #include "bench_common.hpp"  // with gpt2.hpp
+#include "options.hpp"
 #include "text_data.hpp"
 
 namespace {
 
-struct options : gpt2::run_options {
-  std::string device = "auto";
-  std::string profile;        // a Chrome trace of steps [warmup, warmup + 3) (GPUs)
-  std::string wire = "fp32";  // gradients on the wire: fp32, or bf16 (lockstep::Bf16Wire)
-  std::int64_t log_every = 25;
-  bool bench = false;
-  bool memory_trace = false;  // rank 0 prints the device memory in use after each phase (GPUs)
-  bool shard = false;         // ShardedOptimizer + gather_in_forward
-  bool pack_values = false;   // sharded: ShardedOptimizer::bind_values off
-  bool ce_gather = false;     // sharded: ShardedOptimizer::copy_engine_gather on
-  bool ce_scatter = false;    // sharded: ShardedOptimizer::copy_engine_scatter on
-  int zero = 0;               // 2: ShardedGradients, 3: FullySharded (each block a block)
-  bool recompute = false;     // --zero: recompute each block in backward
-  bool keep_grads = false;    // --zero: BlockBuffers::keep_gradient_shards
-  int prefetch = 1;           // --zero 3: BlockBuffers::prefetch
-  bool cuda_graph = false;    // GPUs: each step after the first two replayed as one CUDA graph
-};
-
-// Eager steps before --cuda-graph captures one: the first lays lockstep's buckets out in the
-// order gradients arrived, the second runs the final layout (StepGraphOptions::warmup).
-constexpr std::int64_t graph_warmup = 2;
-
-constexpr std::int64_t profiled_steps = 3;
-
-[[noreturn]] void usage(int rc) {
-  std::printf(
-      "usage: gpt2_torch [--data DIR|FILE] [--config small|tiny] [--device auto|cpu] [--batch B]\n"
-      "                  [--seq T] [--steps N] [--warmup N] [--lr X] [--seed S] [--log-every N] [--bench]\n"
-      "                  [--memory-trace]\n"
-      "                  [--profile TRACE.json] [--wire fp32|bf16] [--shard [--pack-values] [--copy-engine[-gather]]]\n"
-      "                  [--zero 2|3 [--recompute] [--keep-grad-shards] [--prefetch N]] [--cuda-graph]\n"
-      "  batch: sequences per rank and step; on GPUs: all local GPUs, or one per process under a launcher\n"
-      "  --cuda-graph: (GPUs, not with --zero or --shard) after two eager steps, capture the whole step\n"
-      "                (forward, backward, lockstep's collectives, AdamW) with at::cuda::CUDAGraph and replay it\n");
-  std::exit(rc);
-}
-
-options parse(int argc, char** argv) {
-  options o;
-  o.parse(argc, argv, "gpt2_torch", usage, [&o](const std::string& a, auto& next) {
-    if (a == "--device") o.device = next();
-    else if (a == "--log-every") o.log_every = std::stoll(next());
-    else if (a == "--bench") o.bench = true;
-    else if (a == "--memory-trace") o.memory_trace = true;
-    else if (a == "--shard") o.shard = true;
-    else if (a == "--pack-values") o.pack_values = true;
-    else if (a == "--copy-engine") o.ce_gather = o.ce_scatter = true;  // the gathers and the reduce-scatters
-    else if (a == "--copy-engine-gather") o.ce_gather = true;
-    else if (a == "--wire") o.wire = next();
-    else if (a == "--profile") o.profile = next();
-    else if (a == "--zero") o.zero = std::stoi(next());
-    else if (a == "--recompute") o.recompute = true;
-    else if (a == "--keep-grad-shards") o.keep_grads = true;
-    else if (a == "--prefetch") o.prefetch = std::stoi(next());
-    else if (a == "--cuda-graph") o.cuda_graph = true;
-    else return false;
-    return true;
-  });
-  if (o.prefetch < 0) {
-    std::fprintf(stderr, "gpt2_torch: --prefetch %d: say 0 or more blocks\n", o.prefetch);
-    usage(2);
-  }
-  if (o.zero != 0 && o.zero != 2 && o.zero != 3) {
-    std::fprintf(stderr, "gpt2_torch: --zero %d: say 2 (ShardedGradients) or 3 (FullySharded)\n", o.zero);
-    usage(2);
-  }
-  if (o.cuda_graph && (o.zero != 0 || o.shard)) {
-    std::fprintf(stderr, "gpt2_torch: --cuda-graph with --%s is not supported yet (%s); leave one out\n",
-                 o.zero != 0 ? "zero" : "shard",
-                 o.zero != 0 ? "a block's use is driven from the host"
-                             : "each forward waits for the gathers of the step before, which a capture cannot join");
-    usage(2);
-  }
-  if (o.wire != "fp32" && o.wire != "bf16") {
-    std::fprintf(stderr, "gpt2_torch: --wire %s: say fp32 or bf16\n", o.wire.c_str());
-    usage(2);
-  }
-  if (!o.profile.empty() && o.steps < o.warmup + profiled_steps) {
-    std::fprintf(stderr, "gpt2_torch: --profile records steps %lld to %lld: give --steps of at least %lld\n",
-                 static_cast<long long>(o.warmup), static_cast<long long>(o.warmup + profiled_steps - 1),
-                 static_cast<long long>(o.warmup + profiled_steps));
-    usage(2);
-  }
-  return o;
-}
+using gpt2::graph_warmup;
+using gpt2::options;
+using gpt2::profiled_steps;
 
 std::mutex init_mutex;  // the model is built under one seed, one rank at a time
 
@@ -158,7 +77,7 @@ constexpr bool on_gpu() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const options opt = parse(argc, argv);
+  const options opt = gpt2::parse(argc, argv);
   if (!std::filesystem::exists(opt.data)) {
     std::fprintf(stderr,
                  "gpt2_torch: no text at %s; give --data DIR|FILE (Debian: apt-get install fortunes) [skipped]\n",
@@ -169,6 +88,12 @@ int main(int argc, char** argv) {
   bool learned = true;
   const gpt2::Config cfg = gpt2::config_named(opt.config, opt.seq);
   if (opt.device == "cpu") setenv("CUDA_VISIBLE_DEVICES", "", 1);  // run(Auto) then picks CPU ranks
+  if (opt.deterministic > 0) {                                     // the model's own kernels too (docs/determinism.md)
+    setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", 0);
+    at::globalContext().setDeterministicAlgorithms(true, false);
+    at::globalContext().setDeterministicCuDNN(true);
+    at::globalContext().setBenchmarkCuDNN(false);
+  }
 
   try {
     lockstep::run(lockstep::Auto{}, [&](auto& ctx) {
@@ -207,7 +132,18 @@ int main(int argc, char** argv) {
       if (opt.zero)  // full sharding: each transformer block is a block; the rest is block 0
         tm.set_blocks(std::vector<std::shared_ptr<torch::nn::Module>>(model->blocks->begin(), model->blocks->end()));
       mark("TorchModule (its gradients)");
-      const lockstep::DataParallelOptions dp_options{};
+      const lockstep::DataParallelOptions dp_options = [&] {
+        lockstep::DataParallelOptions o;
+        if (opt.bucket_mib > 0)
+          o.buckets.first_bytes = o.buckets.cap_bytes = static_cast<std::size_t>(opt.bucket_mib) << 20;
+        return o;
+      }();
+      // --deterministic Q: each rank's Q / N micro-batches of a step, accumulated.
+      if (opt.deterministic % ctx.size() != 0)
+        throw lockstep::config_error("--deterministic " + std::to_string(opt.deterministic) +
+                                     " micro-batches do not split over " + std::to_string(ctx.size()) +
+                                     " ranks; give a multiple of the rank count");
+      const std::int64_t micro_steps = opt.deterministic > 0 ? opt.deterministic / ctx.size() : 1;
       const lockstep::ShardedOptimizer sharding{.gather_in_forward = true,
                                                 .bind_values = !opt.pack_values,
                                                 .copy_engine_gather = opt.ce_gather,
@@ -297,10 +233,8 @@ int main(int argc, char** argv) {
 #endif
           if constexpr (!gpu && sharded)
             step.finish([&](std::span<const lockstep::param_slice> b) { host_opt->step(b); });
-          if constexpr (!gpu && !sharded) {
-            step.finish();
-            cpu_opt->step();
-          }
+          if constexpr (!gpu && !sharded)
+            if (step.finish()) cpu_opt->step();  // the last micro-step's: the averaged gradients
         };
 #if GPT2_GPU
         std::optional<at::cuda::CUDAGraph> graph;  // --cuda-graph: the captured step
@@ -313,7 +247,15 @@ int main(int argc, char** argv) {
           }
 #endif
           const auto t0 = clock::now();
-          rows.copy_(text.batch(opt.batch, opt.seq, opt.seed, s, ctx.rank()), /*non_blocking=*/true);
+          // Micro-batch j of step s: windows drawn from (seed, s, j); rank r takes j = r, r + N, ...
+          for (std::int64_t k = 0; k + 1 < micro_steps; ++k) {
+            rows.copy_(text.batch(opt.batch, opt.seq, opt.seed, s, static_cast<int>(k * ctx.size() + ctx.rank())),
+                       /*non_blocking=*/true);
+            one_step();
+          }
+          rows.copy_(text.batch(opt.batch, opt.seq, opt.seed, s,
+                                static_cast<int>((micro_steps - 1) * ctx.size() + ctx.rank())),
+                     /*non_blocking=*/true);
           if (!opt.cuda_graph || s < graph_warmup) {
             one_step();
           } else {
@@ -359,7 +301,7 @@ int main(int argc, char** argv) {
               const double secs = std::chrono::duration<double>(clock::now() - t_log).count();
               const double steps_done = s == 0 ? 1.0 : static_cast<double>(std::min<std::int64_t>(opt.log_every, s));
               std::printf("step %5lld  loss %.4f  %.0f tokens/s\n", static_cast<long long>(s), l,
-                          steps_done * static_cast<double>(opt.batch * opt.seq * ctx.size()) / secs);
+                          steps_done * static_cast<double>(opt.batch * opt.seq * ctx.size() * micro_steps) / secs);
               std::fflush(stdout);
               t_log = clock::now();
             }
@@ -405,8 +347,9 @@ int main(int argc, char** argv) {
                                        (sharded && !dp.stats().values_bound ? "-packed" : "") +
                                        (sharded && dp.stats().gathers_by_copy_engine ? "-cegather" : "") +
                                        (sharded && dp.stats().scatters_by_copy_engine ? "-cescatter" : "") +
-                                       (opt.cuda_graph ? "-graph" : ""),
-                                   ctx.size(), worst[0], opt.batch * opt.seq * ctx.size(), peak, first_loss, last_loss);
+                                       (opt.cuda_graph ? "-graph" : "") + (opt.deterministic ? "-deterministic" : ""),
+                                   ctx.size(), worst[0], opt.batch * opt.seq * ctx.size() * micro_steps, peak,
+                                   first_loss, last_loss);
           if (ctx.is_root() && gpu)
             std::printf("bench-memory: device_used_gib=%.2f (cudaMemGetInfo at the end, the most of any GPU)\n",
                         worst[2]);
@@ -414,7 +357,12 @@ int main(int argc, char** argv) {
           std::printf("gpt2_torch: loss %.3f -> %.3f over %lld steps\n", first_loss, last_loss,
                       static_cast<long long>(opt.steps));
         }
-        if (ctx.is_root()) learned = last_loss < first_loss;
+        if constexpr (sharded && !blocked) dp.wait_all_parameters();  // the last step's gathers
+        const std::uint64_t sum = gpt2::parameter_checksum(*model);
+        if (ctx.is_root()) {
+          std::printf("gpt2_torch: parameters fnv1a 0x%016llx\n", static_cast<unsigned long long>(sum));
+          learned = last_loss < first_loss;
+        }
       };
       if (opt.zero == 2) {
         lockstep::ShardedGradients sg;
@@ -428,6 +376,15 @@ int main(int argc, char** argv) {
         fs.buffers.prefetch = opt.prefetch;
         lockstep::DataParallel dp(ctx, tm, dp_options, wire, fs);
         train(dp);
+      } else if (opt.deterministic > 0) {  // fixed-point sums over Accumulate<>(micro_steps)
+        const lockstep::Accumulate<> acc(static_cast<int>(micro_steps));
+        if (opt.shard) {
+          lockstep::DataParallel dp(ctx, tm, dp_options, lockstep::Deterministic{}, acc, sharding);
+          train(dp);
+        } else {
+          lockstep::DataParallel dp(ctx, tm, dp_options, lockstep::Deterministic{}, acc);
+          train(dp);
+        }
       } else if (opt.shard) {
         lockstep::DataParallel dp(ctx, tm, dp_options, wire, sharding);
         train(dp);

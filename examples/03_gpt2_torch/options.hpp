@@ -1,0 +1,123 @@
+#pragma once
+// gpt2_torch's command line (main.cpp): its options beside the shared ones (run_options,
+// bench_common.hpp), the usage text and the checks of a combination.
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "bench_common.hpp"
+
+namespace gpt2 {
+
+struct options : gpt2::run_options {
+  std::string device = "auto";
+  std::string profile;        // a Chrome trace of steps [warmup, warmup + 3) (GPUs)
+  std::string wire = "fp32";  // gradients on the wire: fp32, or bf16 (lockstep::Bf16Wire)
+  std::int64_t log_every = 25;
+  bool bench = false;
+  bool memory_trace = false;       // rank 0 prints the device memory in use after each phase (GPUs)
+  bool shard = false;              // ShardedOptimizer + gather_in_forward
+  bool pack_values = false;        // sharded: ShardedOptimizer::bind_values off
+  bool ce_gather = false;          // sharded: ShardedOptimizer::copy_engine_gather on
+  bool ce_scatter = false;         // sharded: ShardedOptimizer::copy_engine_scatter on
+  int zero = 0;                    // 2: ShardedGradients, 3: FullySharded (each block a block)
+  bool recompute = false;          // --zero: recompute each block in backward
+  bool keep_grads = false;         // --zero: BlockBuffers::keep_gradient_shards
+  int prefetch = 1;                // --zero 3: BlockBuffers::prefetch
+  bool cuda_graph = false;         // GPUs: each step after the first two replayed as one CUDA graph
+  std::int64_t deterministic = 0;  // Q: lockstep::Deterministic, Q micro-batches of --batch sequences a step
+  std::int64_t bucket_mib = 0;     // 0: lockstep's default buckets
+};
+
+// Eager steps before --cuda-graph captures one: the first lays lockstep's buckets out in the
+// order gradients arrived, the second runs the final layout (StepGraphOptions::warmup).
+constexpr std::int64_t graph_warmup = 2;
+
+constexpr std::int64_t profiled_steps = 3;
+
+[[noreturn]] inline void usage(int rc) {
+  std::printf(
+      "usage: gpt2_torch [--data DIR|FILE] [--config small|tiny] [--device auto|cpu] [--batch B]\n"
+      "                  [--seq T] [--steps N] [--warmup N] [--lr X] [--seed S] [--log-every N] [--bench]\n"
+      "                  [--memory-trace]\n"
+      "                  [--profile TRACE.json] [--wire fp32|bf16] [--shard [--pack-values] [--copy-engine[-gather]]]\n"
+      "                  [--zero 2|3 [--recompute] [--keep-grad-shards] [--prefetch N]] [--cuda-graph]\n"
+      "                  [--deterministic Q] [--bucket-mib M]\n"
+      "  batch: sequences per rank and step; on GPUs: all local GPUs, or one per process under a launcher\n"
+      "  --cuda-graph: (GPUs, not with --zero or --shard) after two eager steps, capture the whole step\n"
+      "                (forward, backward, lockstep's collectives, AdamW) with at::cuda::CUDAGraph and replay it\n"
+      "  --deterministic Q: a step is Q micro-batches of --batch sequences (micro-batch j's windows drawn from\n"
+      "                (seed, step, j)), rank r taking j = r, r + N, ...; gradients summed in fixed point\n"
+      "                (lockstep::Deterministic) and libtorch's deterministic algorithms on: the parameters\n"
+      "                do not depend on the number of ranks N (Q a multiple of it) or the bucket sizes\n"
+      "  --bucket-mib M: gradient buckets of M MiB (default: lockstep's, 1 MiB first, 25 MiB cap)\n");
+  std::exit(rc);
+}
+
+inline options parse(int argc, char** argv) {
+  options o;
+  o.parse(argc, argv, "gpt2_torch", usage, [&o](const std::string& a, auto& next) {
+    if (a == "--device") o.device = next();
+    else if (a == "--log-every") o.log_every = std::stoll(next());
+    else if (a == "--bench") o.bench = true;
+    else if (a == "--memory-trace") o.memory_trace = true;
+    else if (a == "--shard") o.shard = true;
+    else if (a == "--pack-values") o.pack_values = true;
+    else if (a == "--copy-engine") o.ce_gather = o.ce_scatter = true;  // the gathers and the reduce-scatters
+    else if (a == "--copy-engine-gather") o.ce_gather = true;
+    else if (a == "--wire") o.wire = next();
+    else if (a == "--profile") o.profile = next();
+    else if (a == "--zero") o.zero = std::stoi(next());
+    else if (a == "--recompute") o.recompute = true;
+    else if (a == "--keep-grad-shards") o.keep_grads = true;
+    else if (a == "--prefetch") o.prefetch = std::stoi(next());
+    else if (a == "--cuda-graph") o.cuda_graph = true;
+    else if (a == "--deterministic") o.deterministic = std::stoll(next());
+    else if (a == "--bucket-mib") o.bucket_mib = std::stoll(next());
+    else return false;
+    return true;
+  });
+  if (o.prefetch < 0) {
+    std::fprintf(stderr, "gpt2_torch: --prefetch %d: say 0 or more blocks\n", o.prefetch);
+    usage(2);
+  }
+  if (o.zero != 0 && o.zero != 2 && o.zero != 3) {
+    std::fprintf(stderr, "gpt2_torch: --zero %d: say 2 (ShardedGradients) or 3 (FullySharded)\n", o.zero);
+    usage(2);
+  }
+  if (o.cuda_graph && (o.zero != 0 || o.shard)) {
+    std::fprintf(stderr, "gpt2_torch: --cuda-graph with --%s is not supported yet (%s); leave one out\n",
+                 o.zero != 0 ? "zero" : "shard",
+                 o.zero != 0 ? "a block's use is driven from the host"
+                             : "each forward waits for the gathers of the step before, which a capture cannot join");
+    usage(2);
+  }
+  if (o.deterministic < 0 || o.bucket_mib < 0) {
+    std::fprintf(stderr, "gpt2_torch: --deterministic and --bucket-mib take a positive number\n");
+    usage(2);
+  }
+  if (o.deterministic > 0 && (o.zero != 0 || o.cuda_graph || o.wire != "fp32" || o.ce_scatter)) {
+    std::fprintf(stderr,
+                 "gpt2_torch: --deterministic sums gradients in fixed point over accumulated micro-steps: not with "
+                 "%s; leave one out\n",
+                 o.zero != 0    ? "--zero (its gradient shards accumulate in floating point)"
+                 : o.cuda_graph ? "--cuda-graph (it captures one micro-step)"
+                 : o.ce_scatter ? "--copy-engine (the copy engines do not add integers)"
+                                : "--wire bf16");
+    usage(2);
+  }
+  if (o.wire != "fp32" && o.wire != "bf16") {
+    std::fprintf(stderr, "gpt2_torch: --wire %s: say fp32 or bf16\n", o.wire.c_str());
+    usage(2);
+  }
+  if (!o.profile.empty() && o.steps < o.warmup + profiled_steps) {
+    std::fprintf(stderr, "gpt2_torch: --profile records steps %lld to %lld: give --steps of at least %lld\n",
+                 static_cast<long long>(o.warmup), static_cast<long long>(o.warmup + profiled_steps - 1),
+                 static_cast<long long>(o.warmup + profiled_steps));
+    usage(2);
+  }
+  return o;
+}
+
+}  // namespace gpt2
