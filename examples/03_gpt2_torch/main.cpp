@@ -88,7 +88,8 @@ int main(int argc, char** argv) {
   bool learned = true;
   const gpt2::Config cfg = gpt2::config_named(opt.config, opt.seq);
   if (opt.device == "cpu") setenv("CUDA_VISIBLE_DEVICES", "", 1);  // run(Auto) then picks CPU ranks
-  if (opt.deterministic > 0) {                                     // the model's own kernels too (docs/determinism.md)
+  // The model's own kernels deterministic (--deterministic, --torch-deterministic; docs/determinism.md).
+  if (opt.torch_deterministic) {
     setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", 0);
     at::globalContext().setDeterministicAlgorithms(true, false);
     at::globalContext().setDeterministicCuDNN(true);
@@ -347,7 +348,10 @@ int main(int argc, char** argv) {
                                        (sharded && !dp.stats().values_bound ? "-packed" : "") +
                                        (sharded && dp.stats().gathers_by_copy_engine ? "-cegather" : "") +
                                        (sharded && dp.stats().scatters_by_copy_engine ? "-cescatter" : "") +
-                                       (opt.cuda_graph ? "-graph" : "") + (opt.deterministic ? "-deterministic" : ""),
+                                       (opt.cuda_graph ? "-graph" : "") +
+                                       (opt.deterministic         ? "-deterministic"
+                                        : opt.torch_deterministic ? "-torchdeterministic"
+                                                                  : ""),
                                    ctx.size(), worst[0], opt.batch * opt.seq * ctx.size() * micro_steps, peak,
                                    first_loss, last_loss);
           if (ctx.is_root() && gpu)

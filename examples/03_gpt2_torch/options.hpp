@@ -16,18 +16,19 @@ struct options : gpt2::run_options {
   std::string wire = "fp32";  // gradients on the wire: fp32, or bf16 (lockstep::Bf16Wire)
   std::int64_t log_every = 25;
   bool bench = false;
-  bool memory_trace = false;       // rank 0 prints the device memory in use after each phase (GPUs)
-  bool shard = false;              // ShardedOptimizer + gather_in_forward
-  bool pack_values = false;        // sharded: ShardedOptimizer::bind_values off
-  bool ce_gather = false;          // sharded: ShardedOptimizer::copy_engine_gather on
-  bool ce_scatter = false;         // sharded: ShardedOptimizer::copy_engine_scatter on
-  int zero = 0;                    // 2: ShardedGradients, 3: FullySharded (each block a block)
-  bool recompute = false;          // --zero: recompute each block in backward
-  bool keep_grads = false;         // --zero: BlockBuffers::keep_gradient_shards
-  int prefetch = 1;                // --zero 3: BlockBuffers::prefetch
-  bool cuda_graph = false;         // GPUs: each step after the first two replayed as one CUDA graph
-  std::int64_t deterministic = 0;  // Q: lockstep::Deterministic, Q micro-batches of --batch sequences a step
-  std::int64_t bucket_mib = 0;     // 0: lockstep's default buckets
+  bool memory_trace = false;         // rank 0 prints the device memory in use after each phase (GPUs)
+  bool shard = false;                // ShardedOptimizer + gather_in_forward
+  bool pack_values = false;          // sharded: ShardedOptimizer::bind_values off
+  bool ce_gather = false;            // sharded: ShardedOptimizer::copy_engine_gather on
+  bool ce_scatter = false;           // sharded: ShardedOptimizer::copy_engine_scatter on
+  int zero = 0;                      // 2: ShardedGradients, 3: FullySharded (each block a block)
+  bool recompute = false;            // --zero: recompute each block in backward
+  bool keep_grads = false;           // --zero: BlockBuffers::keep_gradient_shards
+  int prefetch = 1;                  // --zero 3: BlockBuffers::prefetch
+  bool cuda_graph = false;           // GPUs: each step after the first two replayed as one CUDA graph
+  std::int64_t deterministic = 0;    // Q: lockstep::Deterministic, Q micro-batches of --batch sequences a step
+  std::int64_t bucket_mib = 0;       // 0: lockstep's default buckets
+  bool torch_deterministic = false;  // libtorch's deterministic kernels (on with --deterministic)
 };
 
 // Eager steps before --cuda-graph captures one: the first lays lockstep's buckets out in the
@@ -51,6 +52,8 @@ constexpr std::int64_t profiled_steps = 3;
       "                (seed, step, j)), rank r taking j = r, r + N, ...; gradients summed in fixed point\n"
       "                (lockstep::Deterministic) and libtorch's deterministic algorithms on: the parameters\n"
       "                do not depend on the number of ranks N (Q a multiple of it) or the bucket sizes\n"
+      "  --torch-deterministic: only libtorch's deterministic kernels (what --deterministic sets for the model),\n"
+      "                to measure their share of its cost\n"
       "  --bucket-mib M: gradient buckets of M MiB (default: lockstep's, 1 MiB first, 25 MiB cap)\n");
   std::exit(rc);
 }
@@ -75,6 +78,7 @@ inline options parse(int argc, char** argv) {
     else if (a == "--cuda-graph") o.cuda_graph = true;
     else if (a == "--deterministic") o.deterministic = std::stoll(next());
     else if (a == "--bucket-mib") o.bucket_mib = std::stoll(next());
+    else if (a == "--torch-deterministic") o.torch_deterministic = true;
     else return false;
     return true;
   });
@@ -107,6 +111,7 @@ inline options parse(int argc, char** argv) {
                                 : "--wire bf16");
     usage(2);
   }
+  if (o.deterministic > 0) o.torch_deterministic = true;
   if (o.wire != "fp32" && o.wire != "bf16") {
     std::fprintf(stderr, "gpt2_torch: --wire %s: say fp32 or bf16\n", o.wire.c_str());
     usage(2);
