@@ -38,10 +38,10 @@ file(MAKE_DIRECTORY "${WORK}")
 # Runs the example; sets rc, out, err in the caller.
 function(run_example)
   set(data "")
-  if(DEFINED DATA)  # -DDATA=<dir>: the data set elsewhere than where --data looks by default
+  if(DEFINED DATA)  # -DDATA=<dir>: the data set elsewhere (first: a check's own --data wins)
     set(data --data "${DATA}")
   endif()
-  execute_process(COMMAND "${EXE}" ${ARGN} ${data} --progress 0
+  execute_process(COMMAND "${EXE}" ${data} ${ARGN} --progress 0
                   RESULT_VARIABLE r OUTPUT_VARIABLE o ERROR_VARIABLE e)
   set(rc "${r}" PARENT_SCOPE)
   set(out "${o}" PARENT_SCOPE)
@@ -218,8 +218,8 @@ elseif(MODE STREQUAL "gpu_inputs")
   message(STATUS "gpu_inputs: ok, parameters ${first} with every input mode")
 elseif(MODE STREQUAL "deterministic" OR MODE STREQUAL "gpu_deterministic")
   # The same parameters however many ranks share the global batch of 96 (12 micro-batches of
-  # 8), whatever the buckets; and a checkpoint of 2 ranks resumed on 3 (or on one GPU) equal to
-  # the straight run, without the warning about other options.
+  # 8), whatever the buckets; and the last run's checkpoint after epoch 1 resumed with the first
+  # run's options equal to the straight runs, without the warning about other options.
   set(det --smoke --batch 96 --deterministic 8)
   if(MODE STREQUAL "gpu_deterministic")
     execute_process(COMMAND nvidia-smi -L OUTPUT_VARIABLE gpus_listed ERROR_QUIET)

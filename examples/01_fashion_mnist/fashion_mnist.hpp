@@ -405,8 +405,8 @@ inline void print_header(const std::string& where, const options& opt, const dat
               data.test.size, opt.data.string().c_str(), load_s);
   std::printf("%s, global batch %zu (%zu per rank), %d epoch%s, SGD lr %.4g momentum %.2f, warmup %llu steps + "
               "cosine decay\n",
-              where.c_str(), plan.global, plan.per_rank, epochs, epochs == 1 ? "" : "s", plan.peak_lr, opt.momentum,
-              static_cast<unsigned long long>(opt.warmup));
+              where.c_str(), plan.global, plan.per_rank * plan.micro_steps, epochs, epochs == 1 ? "" : "s",
+              plan.peak_lr, opt.momentum, static_cast<unsigned long long>(opt.warmup));
   if (plan.deterministic)
     std::printf("deterministic: fixed-point gradient sums (lockstep::Deterministic), micro-batches of %zu by "
                 "global position, %zu per rank and step\n",
@@ -507,10 +507,11 @@ void train_with(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
       std::printf("resumed from %s: %d epoch%s done, %llu steps\n", opt.resume.string().c_str(), done,
                   done == 1 ? "" : "s", static_cast<unsigned long long>(step));
       if (saved != plan.config)
-        std::fprintf(stderr, "fashion_mnist: warning: the checkpoint was saved by a run with other "
-                             "options (seed, batch, data size, ranks, epochs, lr, momentum, warmup or "
-                             "device); training continues with this run's options (but the checkpoint's "
-                             "momentum), and will not match an uninterrupted run\n");
+        std::fprintf(stderr,
+                     "fashion_mnist: warning: the checkpoint was saved by a run with other "
+                     "options (seed, batch, data size, ranks, epochs, lr, momentum, warmup, "
+                     "device or --deterministic); training continues with this run's options (but the checkpoint's "
+                     "momentum), and will not match an uninterrupted run\n");
       std::fflush(stdout);
     }
   }

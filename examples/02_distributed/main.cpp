@@ -240,8 +240,9 @@ int main(int argc, char** argv) {
         lockstep::all_reduce_scalars(ctx.comm(), std::span<std::int64_t>(&hosts, 1), lockstep::reduce_op::sum);
         const fmnist::training_plan plan = start({ctx.rank(), ranks, static_cast<long long>(hosts), -1});
         fmnist::CpuTrainer trainer(data, opt.seed);
-        // train_rank wraps the model with `lockstep::DataParallel dp(ctx, model, options)`: from a
-        // context<MpiComm> that deduces lockstep::Distributed<fmnist::Mlp, lockstep::MpiComm>.
+        // train_rank wraps the model in a lockstep::DataParallel with its policies (Bf16Wire, or
+        // Deterministic and Accumulate): from a context<MpiComm>, a lockstep::Distributed<fmnist::Mlp,
+        // lockstep::MpiComm, ...>, as the plain form deduces:
         static_assert(
             std::is_same_v<decltype(lockstep::DataParallel(ctx, trainer.model(), lockstep::DataParallelOptions{})),
                            lockstep::Distributed<fmnist::Mlp, lockstep::MpiComm>>);

@@ -158,10 +158,11 @@ int main(int argc, char** argv) {
         std::int64_t params = 0;
         for (const auto& p : dp.parameters()) params += static_cast<std::int64_t>(p.numel());  // held or not
         if (ctx.is_root())
-          std::printf("gpt2_torch: %lld parameters, %d rank(s) on %s, %lld x %lld tokens per rank and step, %zu bytes "
-                      "of text\n",
-                      static_cast<long long>(params), ctx.size(), gpu ? "GPUs" : "CPU",
-                      static_cast<long long>(opt.batch), static_cast<long long>(opt.seq), text.size());
+          std::printf(
+              "gpt2_torch: %lld parameters, %d rank(s) on %s, %lld x %lld tokens per rank and micro-step, %zu bytes "
+              "of text\n",
+              static_cast<long long>(params), ctx.size(), gpu ? "GPUs" : "CPU", static_cast<long long>(opt.batch),
+              static_cast<long long>(opt.seq), text.size());
 
         const lockstep::AdamWOptions adamw{.lr = opt.lr, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1};
         // Sharded, the optimizers step this rank's shards, and the forward waits for each block's
@@ -249,10 +250,13 @@ int main(int argc, char** argv) {
 #endif
           const auto t0 = clock::now();
           // Micro-batch j of step s: windows drawn from (seed, s, j); rank r takes j = r, r + N, ...
+          // earlier_losses: the step's micro-steps before the last (their mean is the step's loss).
+          torch::Tensor earlier_losses;
           for (std::int64_t k = 0; k + 1 < micro_steps; ++k) {
             rows.copy_(text.batch(opt.batch, opt.seq, opt.seed, s, static_cast<int>(k * ctx.size() + ctx.rank())),
                        /*non_blocking=*/true);
             one_step();
+            earlier_losses = k == 0 ? loss.detach().clone() : earlier_losses + loss.detach();
           }
           rows.copy_(text.batch(opt.batch, opt.seq, opt.seed, s,
                                 static_cast<int>((micro_steps - 1) * ctx.size() + ctx.rank())),
@@ -295,7 +299,10 @@ int main(int argc, char** argv) {
             lockstep_bench::save_gpu_trace("gpt2_torch", opt.profile, profiled_steps);
 #endif
           if (log) {
-            const double l = lockstep::mean_across_ranks(ctx.comm(), loss.template item<double>());
+            const double mine = micro_steps == 1
+                                    ? loss.template item<double>()
+                                    : (earlier_losses + loss.detach()).template item<double>() / micro_steps;
+            const double l = lockstep::mean_across_ranks(ctx.comm(), mine);
             if (s == 0) first_loss = l;
             last_loss = l;
             if (ctx.is_root()) {
@@ -361,12 +368,14 @@ int main(int argc, char** argv) {
           std::printf("gpt2_torch: loss %.3f -> %.3f over %lld steps\n", first_loss, last_loss,
                       static_cast<long long>(opt.steps));
         }
-        if constexpr (sharded && !blocked) dp.wait_all_parameters();  // the last step's gathers
-        const std::uint64_t sum = gpt2::parameter_checksum(*model);
-        if (ctx.is_root()) {
-          std::printf("gpt2_torch: parameters fnv1a 0x%016llx\n", static_cast<unsigned long long>(sum));
-          learned = last_loss < first_loss;
+        // The parameters' checksum (to compare runs; with --zero the module holds no whole values).
+        if constexpr (!blocked) {
+          if constexpr (sharded) dp.wait_all_parameters();  // the last step's gathers
+          const std::uint64_t sum = gpt2::parameter_checksum(*model);
+          if (ctx.is_root())
+            std::printf("gpt2_torch: parameters fnv1a 0x%016llx\n", static_cast<unsigned long long>(sum));
         }
+        if (ctx.is_root()) learned = last_loss < first_loss;
       };
       if (opt.zero == 2) {
         lockstep::ShardedGradients sg;

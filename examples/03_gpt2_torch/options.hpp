@@ -98,7 +98,7 @@ inline options parse(int argc, char** argv) {
     usage(2);
   }
   if (o.deterministic < 0 || o.bucket_mib < 0) {
-    std::fprintf(stderr, "gpt2_torch: --deterministic and --bucket-mib take a positive number\n");
+    std::fprintf(stderr, "gpt2_torch: --deterministic and --bucket-mib take 0 (off) or more\n");
     usage(2);
   }
   if (o.deterministic > 0 && (o.zero != 0 || o.cuda_graph || o.wire != "fp32" || o.ce_scatter)) {

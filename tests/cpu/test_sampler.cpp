@@ -572,8 +572,6 @@ TEST_CASE("sampler: a change of ranks mid-epoch partitions the rest of the epoch
   CHECK_THROWS_AS(s.repartition(0, 0), lockstep::config_error);
 }
 
-}  // TEST_SUITE
-
 TEST_CASE("sampler: micro_batches cut a global batch by position - the same micro-batches for any rank count") {
   const std::uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
@@ -606,3 +604,5 @@ TEST_CASE("sampler: micro_batches cut a global batch by position - the same micr
   CHECK_THROWS_WITH_AS(lockstep::micro_batches(batch, micro, 2, 2), doctest::Contains("rank 2 of 2"),
                        lockstep::config_error);
 }
+
+}  // TEST_SUITE

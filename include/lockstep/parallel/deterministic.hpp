@@ -329,9 +329,9 @@ class Deterministic {
   void end_step(Comm& comm, std::span<const grad_group> groups) {
     auto& st = state("end_step");
     ++st.steps;
-    st.folded = false;
     if constexpr (detail::device_communicator<Comm>) fixed_point_end_step(comm, st, groups, opts_.margin_bits);
     else detail::host_end_step(comm, st, groups, opts_.margin_bits);
+    st.folded = false;  // (after the collective: one that throws leaves the tail to begin_cycle)
   }
 
   //! What the sums met so far (on a GPU: waits for the device).
