@@ -276,49 +276,18 @@ TEST_CASE("deterministic_a_cycle_cut_short_leaves_no_trace") {
   // Folds of a cycle that never reached end_step (an exception in between) change neither the
   // next step's sums and exponents nor the counts: the hook then equals one that never saw them.
   LOCKSTEP_SEEDED(std::mt19937_64 rng);
-  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
-  std::vector<float> huge(64), plain(64);
-  for (auto& x : huge) x = 1e6f * unit(rng);  // beyond the first range (2^16): clamped, and exponents of 2^20
-  for (auto& x : plain) x = unit(rng);
-  const std::vector<lockstep::detail::fixed_run> runs = {{0, 40, 0}, {40, 24, 1}};
-  struct outcome {
-    std::vector<float> grads;
-    std::vector<std::int64_t> exponents;  // after each step
-    lockstep::fixed_point_report report;
-  };
+  const auto values = cut_short_values(rng);
+  const auto &huge = values.first, &plain = values.second;
   auto run = [&](bool cut_short) {
-    outcome out;
-    lockstep::run(lockstep::Threads{1}, [&](auto& ctx) {
-      auto& comm = ctx.comm();
-      std::vector<float> g = huge;
-      void* base = g.data();
-      const std::size_t count = g.size();
-      const lockstep::dtype type = lockstep::dtype::f32;
-      lockstep::Deterministic h;
-      h.attach(comm, std::span<void* const>(&base, 1), std::span<const std::size_t>(&count, 1),
-               std::span<const lockstep::dtype>(&type, 1), 2);
-      for (int step = 0; step < 2; ++step) {
-        h.begin_cycle(comm);
-        if (cut_short && step == 0) {
-          h.fold(comm, base, runs, 2, true);  // a non-syncing micro-step, then the cycle is dropped
-          h.begin_cycle(comm);
-        }
-        g = plain;
-        h.fold(comm, base, runs, 1, false);
-        h.reduce(comm, base, count, type).wait();
-        h.end_step(comm, {});
-        for (auto e : h.exponents()) out.exponents.push_back(e);
-      }
-      out.grads = g;
-      out.report = h.report();
-    });
+    cut_short_outcome out;
+    lockstep::run(lockstep::Threads{1}, [&](auto& ctx) { out = cut_short_on_rank(ctx, huge, plain, cut_short); });
     return out;
   };
   const auto cut = run(true), clean = run(false);
   CHECK(cut.exponents == clean.exponents);
   CHECK(cut.exponents[0] < 16);  // step 1's range from the plain values, not from the dropped fold's 2^20
-  CHECK(cut.report.clamped_total == 0);
-  CHECK(clean.report.clamped_total == 0);
+  CHECK(cut.clamped_total == 0);
+  CHECK(clean.clamped_total == 0);
   CHECK(std::memcmp(cut.grads.data(), clean.grads.data(), cut.grads.size() * sizeof(float)) == 0);
 }
 }

@@ -13,8 +13,6 @@
 #include <cstring>
 #include <limits>
 #include <optional>
-#include <span>
-#include <tuple>
 #include <random>
 #include <vector>
 
@@ -217,49 +215,20 @@ void check_graph(int gpus) {
 // GPU: the next steps' exponents, counts and sums equal those of a hook that never saw it.
 void check_cut_short() {
   LOCKSTEP_SEEDED(std::mt19937_64 rng);
-  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
-  std::vector<float> huge(64), plain(64);
-  for (auto& x : huge) x = 1e6f * unit(rng);  // beyond the first range (2^16)
-  for (auto& x : plain) x = unit(rng);
-  const std::vector<lockstep::detail::fixed_run> runs = {{0, 40, 0}, {40, 24, 1}};
+  const auto values = cut_short_values(rng);
+  const auto &huge = values.first, &plain = values.second;
   auto run = [&](bool cut_short) {
-    std::vector<std::int64_t> exps;
-    std::vector<float> out(plain.size());
-    lockstep::fixed_point_report report;
+    cut_short_outcome out;
     lockstep::run(lockstep::Gpus{first_gpus(1)}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
-      auto& comm = ctx.comm();
-      auto mem = comm.memory();
-      const auto g = mem.allocate(plain.size() * sizeof(float));
-      void* base = g.get();
-      const std::size_t count = plain.size();
-      const lockstep::dtype type = lockstep::dtype::f32;
-      lockstep::Deterministic h;
-      h.attach(comm, std::span<void* const>(&base, 1), std::span<const std::size_t>(&count, 1),
-               std::span<const lockstep::dtype>(&type, 1), 2);
-      for (int step = 0; step < 2; ++step) {
-        h.begin_cycle(comm);
-        if (cut_short && step == 0) {
-          mem.upload(base, huge.data(), count * sizeof(float));
-          h.fold(comm, base, runs, 2, true);
-          h.begin_cycle(comm);
-        }
-        mem.upload(base, plain.data(), count * sizeof(float));
-        h.fold(comm, base, runs, 1, false);
-        h.reduce(comm, base, count, type).wait();
-        h.end_step(comm, {});
-        for (auto e : h.exponents()) exps.push_back(e);
-      }
-      mem.download(out.data(), base, count * sizeof(float));
-      report = h.report();
+      out = cut_short_on_rank(ctx, huge, plain, cut_short);
     });
-    return std::tuple(exps, out, report.clamped_total);
+    return out;
   };
-  const auto [cut_exps, cut_out, cut_clamped] = run(true);
-  const auto [exps, out, clamped] = run(false);
-  CHECK(cut_exps == exps);
-  CHECK(cut_clamped == 0);
-  CHECK(clamped == 0);
-  CHECK(std::memcmp(cut_out.data(), out.data(), out.size() * sizeof(float)) == 0);
+  const auto cut = run(true), clean = run(false);
+  CHECK(cut.exponents == clean.exponents);
+  CHECK(cut.clamped_total == 0);
+  CHECK(clean.clamped_total == 0);
+  CHECK(std::memcmp(cut.grads.data(), clean.grads.data(), clean.grads.size() * sizeof(float)) == 0);
 }
 
 void check_training(int gpus) {

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <span>
+#include <utility>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -99,6 +101,58 @@ grad_run run_grads(const grad_values& values, split sp, lockstep::DeterministicO
   grad_run out;
   lockstep::run(lockstep::Threads{sp.ranks}, [&](auto& ctx) { grads_on_rank<Scaler>(ctx, values, sp, o, exps, out); });
   return out;
+}
+
+// A cycle cut short (folds, then begin_cycle without end_step), on one rank of any
+// communicator: two steps of `plain` gradients through the hook alone, the first preceded —
+// with cut_short — by a dropped fold of `huge` ones. Returns the last gradients, the exponents
+// after each step and the clamped count over both.
+struct cut_short_outcome {
+  std::vector<float> grads;
+  std::vector<std::int64_t> exponents;
+  std::int64_t clamped_total = 0;
+};
+template <class Ctx>
+cut_short_outcome cut_short_on_rank(Ctx& ctx, const std::vector<float>& huge, const std::vector<float>& plain,
+                                    bool cut_short) {
+  auto& comm = ctx.comm();
+  auto mem = comm.memory();
+  const std::size_t count = plain.size();
+  const auto g = mem.allocate(count * sizeof(float));
+  void* base = g.get();
+  const lockstep::dtype type = lockstep::dtype::f32;
+  const std::vector<lockstep::detail::fixed_run> runs = {{0, count / 2, 0}, {count / 2, count - count / 2, 1}};
+  lockstep::Deterministic h;
+  h.attach(comm, std::span<void* const>(&base, 1), std::span<const std::size_t>(&count, 1),
+           std::span<const lockstep::dtype>(&type, 1), 2);
+  cut_short_outcome out;
+  for (int step = 0; step < 2; ++step) {
+    h.begin_cycle(comm);
+    if (cut_short && step == 0) {
+      mem.upload(base, huge.data(), count * sizeof(float));
+      h.fold(comm, base, runs, 2, true);  // a non-syncing micro-step, then the cycle is dropped
+      h.begin_cycle(comm);
+    }
+    mem.upload(base, plain.data(), count * sizeof(float));
+    h.fold(comm, base, runs, 1, false);
+    h.reduce(comm, base, count, type).wait();
+    h.end_step(comm, {});
+    for (auto e : h.exponents()) out.exponents.push_back(e);
+  }
+  out.grads.resize(count);
+  mem.download(out.grads.data(), base, count * sizeof(float));
+  out.clamped_total = h.report().clamped_total;
+  return out;
+}
+
+// `huge` values beyond the first range (2^16: clamped, exponents near 2^20) and `plain` ones
+// in (-1, 1), 64 of each.
+inline std::pair<std::vector<float>, std::vector<float>> cut_short_values(std::mt19937_64& rng) {
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  std::vector<float> huge(64), plain(64);
+  for (auto& x : huge) x = 1e6f * unit(rng);
+  for (auto& x : plain) x = unit(rng);
+  return {huge, plain};
 }
 
 }  // namespace lockstep_test
