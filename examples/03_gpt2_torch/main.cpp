@@ -270,6 +270,7 @@ int main(int argc, char** argv) {
                 // Thread-local: libtorch's autograd threads run lockstep's hooks beside this one, and
                 // under run(Gpus) the other ranks' threads capture at the same time.
                 const lockstep::CaptureScope no_allocations;  // lockstep's, that is; libtorch's go to the graph's pool
+                LOCKSTEP_TRY_CUDA(cudaDeviceSynchronize());   // earlier steps' gathers cannot join the graph
                 graph.emplace();
                 graph->capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
                 try {

@@ -1290,6 +1290,9 @@ TEST_CASE("sharded on 2 GPUs: FusedSgd over the shards == CPU reference - inf on
       {.gpus = 2, .buckets = {.first_bytes = 1000, .cap_bytes = 3000}, .clip = 0.5});
   check_dp_scaled<lockstep::DeviceDynamicScale, true>({.gpus = 2, .clip = 0.5});
   check_dp_scaled<lockstep::DeviceDynamicScale, true>({.gpus = 2, .capture = true});
+  // The gather of the step before the capture, waited for in the captured forward; the
+  // captured step's gather, waited for by the eager steps after the replays.
+  check_dp_scaled<lockstep::DeviceDynamicScale, true>({.gpus = 2, .capture = true, .gather_in_forward = true});
   check_dp_scaled<lockstep::DeviceDynamicScale, true>({.gpus = 2, .gather_in_forward = true});
   check_dp_scaled<lockstep::DynamicScale, true>(
       {.gpus = 2, .buckets = {.first_bytes = 1000, .cap_bytes = 3000}, .clip = 0.5, .gather_in_forward = true});

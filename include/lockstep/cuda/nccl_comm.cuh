@@ -417,7 +417,7 @@ class NcclComm : private detail::nccl_handle {
   //! order on every rank). Freed with the pointer.
   std::pair<std::shared_ptr<void>, bool> allocate_symmetric(std::size_t bytes) {
     if (!symmetric_kernels().first) return {memory().allocate(bytes), false};
-    return {detail::symmetric_window(s_, bytes, compute_stream()), true};
+    return {detail::symmetric_window(*this, s_, bytes, compute_stream()), true};
   }
 
   //! Whether this is a copy_engine_group() (false without NCCL 2.28); its reduce-scatters' staging bytes.

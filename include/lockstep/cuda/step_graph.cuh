@@ -116,6 +116,9 @@ class StepGraph {
     if (s == nullptr)
       throw config_error("StepGraph: the communicator's compute stream is the legacy default stream, which CUDA "
                          "cannot capture; give it a stream of its own (NcclComm::set_compute_stream)");
+    // Collectives of earlier steps (a gather the next forward waits for) cannot join the
+    // graph: let them finish first (nccl_work::wait).
+    LOCKSTEP_TRY_CUDA(cudaDeviceSynchronize());
     cudaGraph_t graph = nullptr;
     {
       const CaptureScope scope(comm_->device());

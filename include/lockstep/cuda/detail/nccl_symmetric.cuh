@@ -110,19 +110,36 @@ inline void symmetric_all_reduce(nccl_state& s, const void* send, void* recv, st
   if (op == reduce_op::avg) cuda::kernels::scale(recv, count, t, 1.0 / static_cast<double>(s.size), stream);
 }
 
+//! The minimum over comm's group of `n` int64 values (in place): the agreements below.
+template <class Comm>
+void agree_min(Comm& comm, std::int64_t* v, std::size_t n, const char* label) {
+  const CudaMemory mem = comm.memory();
+  auto buf = mem.allocate(n * sizeof *v);
+  mem.upload(buf.get(), v, n * sizeof *v);
+  comm.label_next(label);
+  comm.all_reduce(buf.get(), buf.get(), n, dtype::i64, reduce_op::min).synchronize();
+  mem.download(v, buf.get(), n * sizeof *v);
+}
+
 //! NcclComm::allocate_symmetric()'s window: every rank of the group agreed that windows work,
 //! and one whose window did not register would reduce this memory with the ring while the
-//! others wait in symmetric kernels, so that is an error.
-inline std::shared_ptr<void> symmetric_window(const std::shared_ptr<nccl_state>& s, std::size_t bytes,
-                                              cudaStream_t stream) {
+//! others wait in symmetric kernels — so the ranks agree on the registration (collective), and
+//! all of them throw if any window did not register.
+template <class Comm>
+std::shared_ptr<void> symmetric_window(Comm& comm, const std::shared_ptr<nccl_state>& s, std::size_t bytes,
+                                       cudaStream_t stream) {
 #if LOCKSTEP_NCCL_COPY_ENGINE
   auto [p, registered] = nccl_window(s, bytes, stream);
-  if (!registered)
+  std::int64_t all = registered ? 1 : 0;
+  agree_min(comm, &all, 1, "allocate_symmetric: every window registered");
+  if (all == 0)
     throw nccl_error(s->who() + ": NCCL did not register a symmetric window of " + std::to_string(bytes) +
-                     " bytes, although the group's ranks agreed that they can use them (" + s->symmetric_why +
+                     " bytes on " + (registered ? "another rank" : "this rank") +
+                     ", although the group's ranks agreed that they can use them (" + s->symmetric_why +
                      "); turn BucketPolicy::symmetric_memory off");
   return std::move(p);
 #else
+  (void)comm;
   return CudaMemory(s->device, stream).allocate(bytes);  // symmetric_kernels() is false: not reached
 #endif
 }
@@ -145,12 +162,7 @@ void decide_symmetric(Comm& comm, nccl_state& s) {
   }
   const symmetric_verdict mine = local_verdict(s.device);
   std::int64_t v[3] = {mine.ok ? 1 : 0, mine.host, -mine.host};
-  const CudaMemory mem = comm.memory();
-  auto buf = mem.allocate(sizeof v);
-  mem.upload(buf.get(), v, sizeof v);
-  comm.label_next("symmetric_kernels: the group's verdict");
-  comm.all_reduce(buf.get(), buf.get(), 3, dtype::i64, reduce_op::min).synchronize();
-  mem.download(v, buf.get(), sizeof v);
+  agree_min(comm, v, 3, "symmetric_kernels: the group's verdict");
   s.symmetric = 0;
   if (!mine.ok) s.symmetric_why = mine.why;
   else if (v[0] == 0) s.symmetric_why = "another rank cannot use them (its lockstep-info says why)";

@@ -79,13 +79,15 @@ class nccl_work {
  public:
   nccl_work() = default;
   nccl_work(nccl_work&& o) noexcept
-      : pool_(std::move(o.pool_)), event_(std::exchange(o.event_, nullptr)), stream_(o.stream_) {}
+      : pool_(std::move(o.pool_)), event_(std::exchange(o.event_, nullptr)), stream_(o.stream_),
+        captured_(o.captured_) {}
   nccl_work& operator=(nccl_work&& o) noexcept {
     if (this != &o) {
       release();
       pool_ = std::move(o.pool_);
       event_ = std::exchange(o.event_, nullptr);
       stream_ = o.stream_;
+      captured_ = o.captured_;
     }
     return *this;
   }
@@ -95,21 +97,38 @@ class nccl_work {
 
   void wait() { wait(stream_); }
 
+  //! Across a CUDA graph capture's edge (a StepGraph): a collective issued before the capture
+  //! and waited for inside it (a gather the next forward waits for) cannot join the graph —
+  //! it has completed (StepGraph drains the device first) and there is nothing to wait for;
+  //! one captured into a graph and waited for outside it ran inside that graph's replays,
+  //! which the stream has ordered already.
   void wait(cudaStream_t stream) {
     if (event_ == nullptr) return;
     // Stream 0 means the *current* device's default stream: be on ours.
     device_guard g(pool_->device());
+    if (capturing(stream) != captured_) {
+      if (captured_) return;
+      const cudaError_t q = query_uncaptured();
+      if (q == cudaSuccess) return;
+      if (q == cudaErrorNotReady)
+        throw config_error("a collective issued before this CUDA graph capture began is still running, and a "
+                           "graph cannot wait for it: drain the device before capturing (cudaDeviceSynchronize; "
+                           "StepGraph does)");
+      check_cuda(q, "cudaEventQuery(event)", __FILE__, __LINE__);
+    }
     LOCKSTEP_TRY_CUDA(cudaStreamWaitEvent(stream, event_, 0));
   }
 
+  //! Captured into a graph: waits for the stream its replays run on.
   void synchronize() const {
     if (event_ == nullptr) return;
-    LOCKSTEP_TRY_CUDA(cudaEventSynchronize(event_));
+    if (captured_) LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(stream_));
+    else LOCKSTEP_TRY_CUDA(cudaEventSynchronize(event_));
   }
 
   bool query() const {
     if (event_ == nullptr) return true;
-    const cudaError_t e = cudaEventQuery(event_);
+    const cudaError_t e = captured_ ? cudaStreamQuery(stream_) : cudaEventQuery(event_);
     if (e == cudaErrorNotReady) return false;
     check_cuda(e, "cudaEventQuery(event)", __FILE__, __LINE__);
     return true;
@@ -118,7 +137,7 @@ class nccl_work {
   //! For NcclComm: a handle that owns event e of `pool`, recorded after the collective, and
   //! orders `s` (the compute stream) in wait().
   nccl_work(std::shared_ptr<event_pool> pool, cudaEvent_t e, cudaStream_t s) noexcept
-      : pool_(std::move(pool)), event_(e), stream_(s) {}
+      : pool_(std::move(pool)), event_(e), stream_(s), captured_(capturing(s)) {}
   cudaEvent_t event() const noexcept { return event_; }
 
  private:
@@ -128,9 +147,24 @@ class nccl_work {
     pool_.reset();
   }
 
+  static bool capturing(cudaStream_t s) noexcept {
+    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    return cudaStreamIsCapturing(s, &cap) == cudaSuccess && cap == cudaStreamCaptureStatusActive;
+  }
+  // cudaEventQuery of an event recorded outside a capture, from a thread that may capture:
+  // in relaxed mode, so that it cannot invalidate the capture.
+  cudaError_t query_uncaptured() const noexcept {
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    (void)cudaThreadExchangeStreamCaptureMode(&mode);
+    const cudaError_t q = cudaEventQuery(event_);
+    (void)cudaThreadExchangeStreamCaptureMode(&mode);
+    return q;
+  }
+
   std::shared_ptr<event_pool> pool_;
   cudaEvent_t event_ = nullptr;
   cudaStream_t stream_ = nullptr;
+  bool captured_ = false;  // recorded while the compute stream was being captured into a graph
 };
 
 inline int visible_devices() {

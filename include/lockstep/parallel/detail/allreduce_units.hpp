@@ -11,7 +11,7 @@
 //!    first)), begin_cycle() zeroes what they accumulate, drain() ends a micro-step that does
 //!    not step (each launches its collectives: block_units.hpp);
 //!  - make_plan(type, order, sizes, policy, zero_copy): how one element type's arena is cut;
-//!  - allocate(bytes, policy): one element type's gradient arena;
+//!  - allocate(bytes, type, policy): one element type's gradient arena;
 //!  - built(plans, arenas, params): the layout is final (or rebuilt); returns the value
 //!    bindings it made (the model's values moved into its storage), empty if none;
 //!  - grads(g, plan, params): the gradients of group g this rank unscales, checks and clips;
@@ -59,8 +59,10 @@ class allreduce_units {
   }
   //! A symmetric window where the policy asks for one and the communicator has them (NCCL's
   //! symmetric kernels then reduce the buckets: NcclComm::all_reduce).
-  std::shared_ptr<void> allocate(std::size_t bytes, const BucketPolicy& policy) {
+  std::shared_ptr<void> allocate(std::size_t bytes, dtype t, const BucketPolicy& policy) {
     if constexpr (requires { comm_.allocate_symmetric(bytes); }) {
+      // Not f16: NCCL's symmetric kernels would sum it (NcclComm::all_reduce takes the ring).
+      if (t == dtype::f16) return comm_.memory().allocate(bytes);
       if (policy.symmetric_memory && comm_.size() > 1) {
         auto [p, symmetric] = comm_.allocate_symmetric(bytes);
         rec_.stats().symmetric_memory = symmetric;

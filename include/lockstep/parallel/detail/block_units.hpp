@@ -94,7 +94,9 @@ class block_units
     std::vector<std::size_t> unused;
     return make_block_plan(t, order, sizes, block_of_, 1, static_cast<std::size_t>(comm_.size()), unused);
   }
-  static std::shared_ptr<void> allocate(std::size_t, const BucketPolicy&) { return nullptr; }  // never: lends_gradients
+  static std::shared_ptr<void> allocate(std::size_t, dtype, const BucketPolicy&) {
+    return nullptr;
+  }  // never: lends_gradients
 
   std::span<const binding> built(std::span<const bucket_plan* const> plans, std::span<void* const>,
                                  const std::vector<parameter>& params) {

@@ -368,7 +368,7 @@ class reducer {
       group g;
       g.plan = units_.make_plan(t, idx, sizes, policy_, zero_copy());
       const std::size_t bytes = g.plan.total * size_of(t);
-      if constexpr (!Units::lends_gradients) g.arena = units_.allocate(bytes, policy_);
+      if constexpr (!Units::lends_gradients) g.arena = units_.allocate(bytes, t, policy_);
       st.bucket_count += g.plan.buckets.size();
       st.arena_bytes += Units::lends_gradients ? 0 : bytes;
       groups_.push_back(std::move(g));

@@ -64,7 +64,7 @@ class shard_units {
 
   //! The gradient arena of one group, `bytes` (before built()): with copy_engine_scatter
   //! where offered, a window of the copy-engine split.
-  std::shared_ptr<void> allocate(std::size_t bytes, const BucketPolicy&) {
+  std::shared_ptr<void> allocate(std::size_t bytes, dtype, const BucketPolicy&) {
     if constexpr (engines_offered) {
       if (engines_agreed() && copy_scatter_) {  // every rank asks: the check is a collective
         auto [p, registered] = engine().allocate_window(bytes);
