@@ -35,13 +35,14 @@ endforeach()
 file(REMOVE_RECURSE "${WORK}")
 file(MAKE_DIRECTORY "${WORK}")
 
-# Runs the example; sets rc, out, err in the caller.
+# Runs the example (under `launch`, a launcher and its options, where set); sets rc, out, err
+# in the caller.
 function(run_example)
   set(data "")
   if(DEFINED DATA)  # -DDATA=<dir>: the data set elsewhere (first: a check's own --data wins)
     set(data --data "${DATA}")
   endif()
-  execute_process(COMMAND "${EXE}" ${data} ${ARGN} --progress 0
+  execute_process(COMMAND ${launch} "${EXE}" ${data} ${ARGN} --progress 0
                   RESULT_VARIABLE r OUTPUT_VARIABLE o ERROR_VARIABLE e)
   set(rc "${r}" PARENT_SCOPE)
   set(out "${o}" PARENT_SCOPE)
@@ -276,10 +277,9 @@ elseif(MODE STREQUAL "gpu_symmetric")
     message(STATUS "SKIPPED: needs 2 GPUs, found ${n_gpus}")
     return()
   endif()
-  set(EXE_SAVED "${EXE}")
-  set(EXE "${LAUNCHER}")
-  run_example(--nproc 2 "${EXE_SAVED}" --smoke --epochs 1 --symmetric)
-  set(EXE "${EXE_SAVED}")
+  set(launch "${LAUNCHER}" --nproc 2)
+  run_example(--smoke --epochs 1 --symmetric)
+  unset(launch)
   if(rc STREQUAL "77" OR err MATCHES "no GPU is visible|built without CUDA")
     message(STATUS "SKIPPED: ${err}")
     return()
