@@ -220,10 +220,20 @@ class Deterministic {
           "lockstep::Deterministic on a device communicator: include lockstep/cuda.cuh (its kernels)");
       return fixed_point_all_reduce(comm, st, a, sums, count);
     } else {
+      // As on the GPU (cuda/deterministic_sum.cuh): the int64 sums reduce-scattered, each
+      // rank's block converted back, the gradients all-gathered; the rest all-reduced.
       check_type(t);
-      if (comm.size() > 1) comm.all_reduce(sums, sums, count, dtype::i64, reduce_op::sum).wait();
       const auto lo = static_cast<std::size_t>(sums - static_cast<std::int64_t*>(a.sums.get()));
-      unfold_host(st, a, lo, lo + count);
+      const auto n = static_cast<std::size_t>(comm.size()), me = static_cast<std::size_t>(comm.rank());
+      const std::size_t per = n > 1 ? count / n : 0, split = per * n;
+      if (per > 0) {
+        comm.reduce_scatter(sums, sums + me * per, per, dtype::i64, reduce_op::sum).wait();
+        unfold_host(st, a, lo + me * per, lo + (me + 1) * per);
+        comm.all_gather(static_cast<char*>(data) + me * per * size_of(t), data, per, t).wait();
+      }
+      if (n > 1 && split < count)
+        comm.all_reduce(sums + split, sums + split, count - split, dtype::i64, reduce_op::sum).wait();
+      unfold_host(st, a, lo + split, lo + count);
       return decltype(comm.all_reduce(data, data, count, t, reduce_op::sum)){};
     }
   }
