@@ -137,6 +137,7 @@ int main(int argc, char** argv) {
         lockstep::DataParallelOptions o;
         if (opt.bucket_mib > 0)
           o.buckets.first_bytes = o.buckets.cap_bytes = static_cast<std::size_t>(opt.bucket_mib) << 20;
+        o.buckets.tune = opt.tune;
         return o;
       }();
       // --deterministic Q: each rank's Q / N micro-batches of a step, accumulated.
@@ -362,6 +363,7 @@ int main(int argc, char** argv) {
                                                                   : ""),
                                    ctx.size(), worst[0], opt.batch * opt.seq * ctx.size() * micro_steps, peak,
                                    first_loss, last_loss);
+          if (ctx.is_root() && opt.tune) std::printf("bench-tuning: %s\n", dp.stats().tuning.c_str());
           if (ctx.is_root() && gpu)
             std::printf("bench-memory: device_used_gib=%.2f (cudaMemGetInfo at the end, the most of any GPU)\n",
                         worst[2]);

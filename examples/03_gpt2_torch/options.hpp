@@ -28,6 +28,7 @@ struct options : gpt2::run_options {
   bool cuda_graph = false;           // GPUs: each step after the first two replayed as one CUDA graph
   std::int64_t deterministic = 0;    // Q: lockstep::Deterministic, Q micro-batches of --batch sequences a step
   std::int64_t bucket_mib = 0;       // 0: lockstep's default buckets
+  bool tune = false;                 // BucketPolicy::tune: the cap from lockstep's cost model
   bool torch_deterministic = false;  // libtorch's deterministic kernels (on with --deterministic)
 };
 
@@ -44,7 +45,7 @@ constexpr std::int64_t profiled_steps = 3;
       "                  [--memory-trace]\n"
       "                  [--profile TRACE.json] [--wire fp32|bf16] [--shard [--pack-values] [--copy-engine[-gather]]]\n"
       "                  [--zero 2|3 [--recompute] [--keep-grad-shards] [--prefetch N]] [--cuda-graph]\n"
-      "                  [--deterministic Q] [--bucket-mib M]\n"
+      "                  [--deterministic Q] [--bucket-mib M] [--tune]\n"
       "  batch: sequences per rank and step; on GPUs: all local GPUs, or one per process under a launcher\n"
       "  --cuda-graph: (GPUs, not with --zero) after two eager steps, capture the whole step\n"
       "                (forward, backward, lockstep's collectives, AdamW) with at::cuda::CUDAGraph and replay it\n"
@@ -54,7 +55,9 @@ constexpr std::int64_t profiled_steps = 3;
       "                do not depend on the number of ranks N (Q a multiple of it) or the bucket sizes\n"
       "  --torch-deterministic: only libtorch's deterministic kernels (what --deterministic sets for the model),\n"
       "                to measure their share of its cost\n"
-      "  --bucket-mib M: gradient buckets of M MiB (default: lockstep's, 1 MiB first, 25 MiB cap)\n");
+      "  --bucket-mib M: gradient buckets of M MiB (default: lockstep's, 1 MiB first, 25 MiB cap)\n"
+      "  --tune: the bucket cap chosen after the first step from lockstep's cost model (BucketPolicy::tune;\n"
+      "                GPUs; with --bench, prints its choice)\n");
   std::exit(rc);
 }
 
@@ -78,6 +81,7 @@ inline options parse(int argc, char** argv) {
     else if (a == "--cuda-graph") o.cuda_graph = true;
     else if (a == "--deterministic") o.deterministic = std::stoll(next());
     else if (a == "--bucket-mib") o.bucket_mib = std::stoll(next());
+    else if (a == "--tune") o.tune = true;
     else if (a == "--torch-deterministic") o.torch_deterministic = true;
     else return false;
     return true;
