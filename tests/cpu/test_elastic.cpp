@@ -4,7 +4,8 @@
 // and changes one after another; on HashStore and on TcpStore (ranks as threads). Then a
 // whole loop on CPU threads: ranks die at a phase of a step, the survivors agree, regroup
 // their ThreadComm, rebuild DataParallel, re-partition the epoch's rest and redo the step, and
-// end bit for bit where a run that switched rank counts at that step through a checkpoint ends.
+// end bit for bit where a run that switched rank counts at that step through a checkpoint ends;
+// with accumulation, they keep the global batch by more micro-steps each and redo the cycle.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -103,6 +104,8 @@ struct job {
   std::size_t batch = 4;
   std::uint64_t epochs = 2;
   std::uint64_t seed = 0;
+  int accumulate = 1;              // micro-steps per optimizer step (Accumulate<>)
+  bool keep_global_batch = false;  // after a change: steps_for_same_global_batch
   std::vector<double> X;
   std::vector<int> y;
 };
@@ -111,16 +114,18 @@ struct rank_killed : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// Where ranks die: at step `step`, before its forward (phase 0), in its backward after `hooks`
-// gradients were handed over, while earlier buckets' collectives ran (1), or after finish(),
-// before the optimizer (2: the others complete that step and find the loss at the next).
+// Where ranks die: at step `step` (its micro-step `micro`), before its forward (phase 0), in its
+// backward after `hooks` gradients were handed over, while earlier buckets' collectives ran (1),
+// or after finish(), before the optimizer (2: the others complete that step and find the loss
+// at the next).
 // `in_change`: ranks that die later, while the first change is being made (rebuilding DataParallel).
 struct deaths {
-  std::set<int> ranks;
+  std::set<int> ranks{};
   std::int64_t step = -1;
   int phase = 0;
   int hooks = 0;
-  std::set<int> in_change;
+  int micro = 0;
+  std::set<int> in_change{};
   std::set<int> all() const {
     std::set<int> a = ranks;
     a.insert(in_change.begin(), in_change.end());
@@ -134,29 +139,38 @@ struct trained {
 };
 
 // Trains `world` CPU ranks for j.epochs epochs; stops after `stop_at` steps and saves a
-// checkpoint there when `save` is given; starts from `resume` when given. Each step goes
+// checkpoint there when `save` is given; starts from `resume` when given. Each step (its
+// j.accumulate micro-steps; an epoch's last batches that do not fill one are dropped) goes
 // through lockstep::ElasticGroup::attempt: when a peer died, the survivors agree on who goes
-// on (through a HashStore), regroup, rebuild DataParallel (its loss scale carried over) and
-// re-partition the rest of the epoch in on_change, and the loop redoes the step.
+// on (through a HashStore), regroup, rebuild DataParallel (its loss scale carried over; with
+// j.keep_global_batch more micro-steps each) and re-partition the rest of the epoch in
+// on_change, and the loop redoes the whole step.
 trained train(const job& j, int world, const deaths& d, std::int64_t stop_at = -1, const fs::path* save = nullptr,
               const fs::path* resume = nullptr) {
-  using DP = lockstep::DataParallel<TestMlp<double>, lockstep::ThreadComm, lockstep::DynamicScale>;
+  using DP =
+      lockstep::DataParallel<TestMlp<double>, lockstep::ThreadComm, lockstep::DynamicScale, lockstep::Accumulate<>>;
   std::vector<std::vector<double>> out(static_cast<std::size_t>(world));
   trained t;
   lockstep::HashStore store(world, 20s);
+  const std::set<int> dead = d.all();
+  int first_survivor = 0;
+  while (dead.count(first_survivor)) ++first_survivor;
   auto body = [&](lockstep::context<lockstep::ThreadComm>& ctx) {
     TestMlp<double> m(j.dims, j.seed);
     lockstep::ElasticGroup group(ctx, store, {.settle = 5s});  // failed ranks are named: no settling
     std::optional<DP> dp;
+    int micro_steps = j.accumulate;
     auto build = [&] {
       dp.emplace(group.comm(), m, lockstep::DataParallelOptions{.buckets = {.first_bytes = 200, .cap_bytes = 400}},
-                 lockstep::DynamicScale({.init_scale = 256.0, .growth_interval = 3}));
+                 lockstep::DynamicScale({.init_scale = 256.0, .growth_interval = 3}),
+                 lockstep::Accumulate<>(micro_steps));
     };
     build();
     lockstep::Sgd opt({.lr = 0.2, .momentum = 0.9, .weight_decay = 1e-3});
     lockstep::DistributedSampler<> sampler(j.samples, group, {.seed = j.seed});
-    group.on_change([&](const lockstep::membership_change&) {
+    group.on_change([&](const lockstep::membership_change& c) {
       if (d.in_change.count(ctx.rank())) throw rank_killed("job rank " + std::to_string(ctx.rank()) + " killed");
+      if (j.keep_global_batch) micro_steps = lockstep::steps_for_same_global_batch(micro_steps, c);
       const auto scale = dp->scaler().state();
       dp.reset();
       build();
@@ -173,33 +187,39 @@ trained train(const job& j, int world, const deaths& d, std::int64_t stop_at = -
     const int job_rank = ctx.rank();
     while (sampler.epoch() < j.epochs && steps != stop_at) {
       const auto batches = sampler.batches(j.batch);
-      if (batches.empty()) {
+      if (batches.size() < static_cast<std::size_t>(micro_steps)) {
         sampler.set_epoch(sampler.epoch() + 1);
         continue;
       }
-      const std::vector<std::size_t> rows(batches.front().begin(), batches.front().end());
-      const bool dies = d.ranks.count(job_rank) && steps == d.step;
-      auto die = [&](int phase) {
-        if (dies && d.phase == phase) throw rank_killed("job rank " + std::to_string(job_rank) + " killed");
-      };
+      std::size_t taken = 0;
       const auto changed = group.attempt([&] {
-        die(0);
-        auto step = dp->step();
-        auto hook = step.on_gradient_ready();
-        int handed = 0;
-        m.forward_backward(
-            j.X, j.y, rows,
-            [&](std::size_t i) {
-              if (handed++ == d.hooks) die(1);
-              hook(i);
-            },
-            step.loss_scale());
-        auto r = step.finish();
-        die(2);
-        opt.step(dp->parameters(), !r);
+        taken = 0;
+        for (int k = 0; k < micro_steps; ++k) {
+          const auto& b = batches[static_cast<std::size_t>(k)];
+          const std::vector<std::size_t> rows(b.begin(), b.end());
+          const bool dies = d.ranks.count(job_rank) && steps == d.step && k == d.micro;
+          auto die = [&](int phase) {
+            if (dies && d.phase == phase) throw rank_killed("job rank " + std::to_string(job_rank) + " killed");
+          };
+          die(0);
+          auto step = dp->step();
+          auto hook = step.on_gradient_ready();
+          int handed = 0;
+          m.forward_backward(
+              j.X, j.y, rows,
+              [&](std::size_t i) {
+                if (handed++ == d.hooks) die(1);
+                hook(i);
+              },
+              step.loss_scale());
+          auto r = step.finish();
+          die(2);
+          if (k + 1 == micro_steps) opt.step(dp->parameters(), !r);
+          taken += rows.size();
+        }
       });
-      if (changed) continue;  // the interrupted step again, over the survivors
-      sampler.advance(rows.size());
+      if (changed) continue;  // the interrupted step again (all its micro-steps), over the survivors
+      sampler.advance(taken);
       ++steps;
       if (save && steps == stop_at)
         lockstep::save_checkpoint_rank0(group.comm(), *save, [&](lockstep::Checkpoint& ck) {
@@ -209,20 +229,19 @@ trained train(const job& j, int world, const deaths& d, std::int64_t stop_at = -
         });
     }
     out[static_cast<std::size_t>(job_rank)] = m.flat_values();
-    if (job_rank == 0) t.seen = group.changes();
+    if (job_rank == first_survivor) t.seen = group.changes();
   };
-  const std::set<int> dead = d.all();
   if (dead.empty()) {
     lockstep::run(lockstep::Threads{world}, body);
   } else {  // run() reports the first rank that died, once every rank has ended
     CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{world}, body), doctest::Contains("killed"), rank_killed);
   }
+  t.params = out[static_cast<std::size_t>(first_survivor)];
   for (int r = 0; r < world; ++r)
     if (!dead.count(r)) {
       CAPTURE(r);
-      CHECK(out[static_cast<std::size_t>(r)] == out[0]);
+      CHECK(out[static_cast<std::size_t>(r)] == t.params);
     }
-  t.params = out[0];
   return t;
 }
 
@@ -266,6 +285,52 @@ TEST_CASE("ranks die mid-step: the survivors shrink - redo the step - and end bi
     const trained switched = train(j, world - static_cast<int>(dead.size()), {}, -1, nullptr, &ck);
     CHECK(elastic.params == switched.params);  // bit for bit
     CHECK(lockstep_test::max_rel_diff(elastic.params, TestMlp<double>(j.dims, j.seed).flat_values()) > 1e-3);
+  }
+  fs::remove_all(dir);
+}
+
+TEST_CASE("ranks die mid-cycle with accumulation: the survivors keep the global batch by more micro-steps - and "
+          "end bit for bit where a switch of rank counts at that step ends") {
+  job j;
+  j.seed = lockstep_test::fresh_seed();
+  CAPTURE(j.seed);
+  std::mt19937_64 rng(j.seed);
+  j.X = lockstep_test::random_vector<double>(j.samples * 11, rng, -1.5, 1.5);
+  for (std::size_t i = 0; i < j.samples; ++i) j.y.push_back(static_cast<int>(rng() % 5));
+  j.keep_global_batch = true;
+  const fs::path dir = fs::temp_directory_path() / ("lockstep-elastic-acc-" + std::to_string(j.seed));
+  fs::create_directories(dir);
+  const fs::path ck = dir / "switch.ckpt";
+  // 211 samples over 4 ranks: 14 batches of 4 a rank and epoch. 4 ranks x 3 micro-steps go on
+  // as 3 x 4 (one rank gone) or 2 x 6 (two gone): 12 micro-batches a step throughout.
+  struct acc_case {
+    deaths d;
+    int after;  // micro-steps on the survivors
+  };
+  const std::vector<acc_case> cases{
+      {{.ranks = {2}, .step = 2, .phase = 1, .hooks = static_cast<int>(rng() % 4), .micro = 1}, 4},
+      {{.ranks = {1, 3}, .step = 1 + static_cast<std::int64_t>(rng() % 3), .phase = 0, .micro = 2}, 6},
+      {{.ranks = {3}, .step = 5, .phase = 1, .hooks = 2, .micro = 0}, 4},  // in the second epoch
+  };
+  const int world = 4;
+  for (const auto& [d, after] : cases) {
+    CAPTURE(d.step);
+    CAPTURE(d.micro);
+    j.accumulate = 3;
+    const trained elastic = train(j, world, d);
+    REQUIRE(elastic.seen.size() == 1u);
+    CHECK(elastic.seen[0].gone == std::vector<int>(d.ranks.begin(), d.ranks.end()));
+    // The same switch without a failure: 4 ranks x 3 to step d.step, a checkpoint, the rest on
+    // the survivors' count with `after` micro-steps each.
+    train(j, world, {}, d.step, &ck);
+    job fewer = j;
+    fewer.accumulate = after;
+    const trained switched = train(fewer, world - static_cast<int>(d.ranks.size()), {}, -1, nullptr, &ck);
+    CHECK(elastic.params == switched.params);  // bit for bit
+    // Control: the survivors with the per-rank batch kept (3 micro-steps) end elsewhere.
+    fewer.accumulate = 3;
+    const trained per_rank = train(fewer, world - static_cast<int>(d.ranks.size()), {}, -1, nullptr, &ck);
+    CHECK(per_rank.params != switched.params);
   }
   fs::remove_all(dir);
 }
