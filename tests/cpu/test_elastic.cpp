@@ -28,6 +28,7 @@
 
 namespace {
 
+namespace fs = std::filesystem;
 using namespace std::chrono_literals;
 using lockstep::membership;
 using lockstep::membership_change;
@@ -96,7 +97,6 @@ void check_same_decision(const std::map<int, outcome>& got, const membership& no
 }
 
 // ---- a training loop that survives ranks dying -------------------------------------------
-namespace fs = std::filesystem;
 
 struct job {
   std::vector<int> dims{11, 16, 5};
@@ -106,6 +106,10 @@ struct job {
   std::uint64_t seed = 0;
   int accumulate = 1;              // micro-steps per optimizer step (Accumulate<>)
   bool keep_global_batch = false;  // after a change: steps_for_same_global_batch
+  // ShardedOptimizer: a lost rank's optimizer shard is gone, so the survivors roll back to the
+  // checkpoint the run saves every `rollback_every` steps (at `rollback`).
+  std::int64_t rollback_every = 0;
+  fs::path rollback;
   std::vector<double> X;
   std::vector<int> y;
 };
@@ -135,7 +139,8 @@ struct deaths {
 
 struct trained {
   std::vector<double> params;                     // every member's, checked equal
-  std::vector<lockstep::membership_change> seen;  // by job rank 0
+  std::vector<lockstep::membership_change> seen;  // by the first survivor
+  std::vector<std::int64_t> rolled_back_to;       // by the first survivor: the step of each rollback
 };
 
 // Trains `world` CPU ranks for j.epochs epochs; stops after `stop_at` steps and saves a
@@ -144,11 +149,14 @@ struct trained {
 // through lockstep::ElasticGroup::attempt: when a peer died, the survivors agree on who goes
 // on (through a HashStore), regroup, rebuild DataParallel (its loss scale carried over; with
 // j.keep_global_batch more micro-steps each) and re-partition the rest of the epoch in
-// on_change, and the loop redoes the whole step.
+// on_change, and the loop redoes the whole step. Sharded (ShardedOptimizer): on_change rolls
+// back to the last j.rollback checkpoint instead (its optimizer state resharded).
+template <bool Sharded = false>
 trained train(const job& j, int world, const deaths& d, std::int64_t stop_at = -1, const fs::path* save = nullptr,
               const fs::path* resume = nullptr) {
   using DP =
-      lockstep::DataParallel<TestMlp<double>, lockstep::ThreadComm, lockstep::DynamicScale, lockstep::Accumulate<>>;
+      lockstep::DataParallel<TestMlp<double>, lockstep::ThreadComm, lockstep::DynamicScale, lockstep::Accumulate<>,
+                             std::conditional_t<Sharded, lockstep::ShardedOptimizer, lockstep::Replicated>>;
   std::vector<std::vector<double>> out(static_cast<std::size_t>(world));
   trained t;
   lockstep::HashStore store(world, 20s);
@@ -168,22 +176,47 @@ trained train(const job& j, int world, const deaths& d, std::int64_t stop_at = -
     build();
     lockstep::Sgd opt({.lr = 0.2, .momentum = 0.9, .weight_decay = 1e-3});
     lockstep::DistributedSampler<> sampler(j.samples, group, {.seed = j.seed});
+    std::int64_t steps = 0;
+    auto save_to = [&](const fs::path& path) {
+      if constexpr (Sharded) {
+        auto state = lockstep::gather_sharded(*dp, opt);  // collective
+        lockstep::save_checkpoint_rank0(group.comm(), path, [&](lockstep::Checkpoint& ck) {
+          ck.meta.step = steps;
+          lockstep::add_training_state(ck, *dp, sampler);
+          ck.add_blob("optimizer", std::move(state));
+        });
+      } else {
+        lockstep::save_checkpoint_rank0(group.comm(), path, [&](lockstep::Checkpoint& ck) {
+          ck.meta.step = steps;
+          lockstep::add_training_state(ck, *dp, sampler);
+          ck.add("optimizer", opt);
+        });
+      }
+    };
+    auto load_from = [&](const fs::path& path) {
+      const auto ck = lockstep::load_checkpoint(path);
+      lockstep::restore_training_state(ck, *dp, sampler);
+      if constexpr (Sharded) lockstep::load_sharded(*dp, opt, ck.blob("optimizer"));
+      else ck.restore("optimizer", opt);
+      steps = ck.meta.step;
+    };
+    std::vector<std::int64_t> rolled_back_to;
     group.on_change([&](const lockstep::membership_change& c) {
       if (d.in_change.count(ctx.rank())) throw rank_killed("job rank " + std::to_string(ctx.rank()) + " killed");
       if (j.keep_global_batch) micro_steps = lockstep::steps_for_same_global_batch(micro_steps, c);
       const auto scale = dp->scaler().state();
       dp.reset();
       build();
-      dp->scaler().load_state(scale);
-      sampler.repartition(group.rank(), group.size());
+      if constexpr (Sharded) {  // the lost ranks' optimizer shards are gone: back to the last checkpoint
+        sampler.repartition(group.rank(), group.size());  // (its rank and size; the position is the checkpoint's)
+        load_from(j.rollback);
+        rolled_back_to.push_back(steps);
+      } else {
+        dp->scaler().load_state(scale);
+        sampler.repartition(group.rank(), group.size());
+      }
     });
-    std::int64_t steps = 0;
-    if (resume) {
-      auto ck = lockstep::load_checkpoint(*resume);
-      lockstep::restore_training_state(ck, *dp, sampler);
-      ck.restore("optimizer", opt);
-      steps = ck.meta.step;
-    }
+    if (resume) load_from(*resume);
     const int job_rank = ctx.rank();
     while (sampler.epoch() < j.epochs && steps != stop_at) {
       const auto batches = sampler.batches(j.batch);
@@ -212,24 +245,28 @@ trained train(const job& j, int world, const deaths& d, std::int64_t stop_at = -
                 hook(i);
               },
               step.loss_scale());
-          auto r = step.finish();
-          die(2);
-          if (k + 1 == micro_steps) opt.step(dp->parameters(), !r);
+          if constexpr (Sharded) {  // each rank's optimizer steps its shards, inside finish
+            (void)step.finish([&](std::span<const lockstep::param_slice> sl) { opt.step(sl); });
+            die(2);
+          } else {
+            auto r = step.finish();
+            die(2);
+            if (k + 1 == micro_steps) opt.step(dp->parameters(), !r);
+          }
           taken += rows.size();
         }
       });
       if (changed) continue;  // the interrupted step again (all its micro-steps), over the survivors
       sampler.advance(taken);
       ++steps;
-      if (save && steps == stop_at)
-        lockstep::save_checkpoint_rank0(group.comm(), *save, [&](lockstep::Checkpoint& ck) {
-          ck.meta.step = steps;
-          lockstep::add_training_state(ck, *dp, sampler);
-          ck.add("optimizer", opt);
-        });
+      if (save && steps == stop_at) save_to(*save);
+      if (j.rollback_every > 0 && steps % j.rollback_every == 0) save_to(j.rollback);
     }
     out[static_cast<std::size_t>(job_rank)] = m.flat_values();
-    if (job_rank == first_survivor) t.seen = group.changes();
+    if (job_rank == first_survivor) {
+      t.seen = group.changes();
+      t.rolled_back_to = rolled_back_to;
+    }
   };
   if (dead.empty()) {
     lockstep::run(lockstep::Threads{world}, body);
@@ -245,20 +282,35 @@ trained train(const job& j, int world, const deaths& d, std::int64_t stop_at = -
   return t;
 }
 
+// A job on fresh random data (the caller CAPTUREs j.seed; rng continues its stream) and a
+// fresh folder for its checkpoints, removed with the object.
+struct fresh_job {
+  job j;
+  std::mt19937_64 rng;
+  fs::path dir;
+  fs::path switch_ckpt;  // the checkpoint of a run that switches rank counts
+  explicit fresh_job(const char* name) : rng(lockstep_test::fresh_seed()) {
+    j.seed = rng();
+    j.X = lockstep_test::random_vector<double>(j.samples * 11, rng, -1.5, 1.5);
+    for (std::size_t i = 0; i < j.samples; ++i) j.y.push_back(static_cast<int>(rng() % 5));
+    dir = fs::temp_directory_path() / (std::string("lockstep-") + name + "-" + std::to_string(j.seed));
+    fs::create_directories(dir);
+    switch_ckpt = dir / "switch.ckpt";
+  }
+  ~fresh_job() {
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+  }
+};
+
 }  // namespace
 
 TEST_SUITE("cpu") {
 TEST_CASE("ranks die mid-step: the survivors shrink - redo the step - and end bit for bit where a switch of rank "
           "counts at that step ends") {
-  job j;
-  j.seed = lockstep_test::fresh_seed();
+  fresh_job f("elastic");
+  auto& [j, rng, dir, ck] = f;
   CAPTURE(j.seed);
-  std::mt19937_64 rng(j.seed);
-  j.X = lockstep_test::random_vector<double>(j.samples * 11, rng, -1.5, 1.5);
-  for (std::size_t i = 0; i < j.samples; ++i) j.y.push_back(static_cast<int>(rng() % 5));
-  const fs::path dir = fs::temp_directory_path() / ("lockstep-elastic-" + std::to_string(j.seed));
-  fs::create_directories(dir);
-  const fs::path ck = dir / "switch.ckpt";
   // 211 samples over 4 ranks: 53 a rank, 14 steps of 4 an epoch.
   const std::vector<deaths> cases{
       {.ranks = {2}, .step = 5, .phase = 0},
@@ -286,21 +338,14 @@ TEST_CASE("ranks die mid-step: the survivors shrink - redo the step - and end bi
     CHECK(elastic.params == switched.params);  // bit for bit
     CHECK(lockstep_test::max_rel_diff(elastic.params, TestMlp<double>(j.dims, j.seed).flat_values()) > 1e-3);
   }
-  fs::remove_all(dir);
 }
 
 TEST_CASE("ranks die mid-cycle with accumulation: the survivors keep the global batch by more micro-steps - and "
           "end bit for bit where a switch of rank counts at that step ends") {
-  job j;
-  j.seed = lockstep_test::fresh_seed();
+  fresh_job f("elastic-acc");
+  auto& [j, rng, dir, ck] = f;
   CAPTURE(j.seed);
-  std::mt19937_64 rng(j.seed);
-  j.X = lockstep_test::random_vector<double>(j.samples * 11, rng, -1.5, 1.5);
-  for (std::size_t i = 0; i < j.samples; ++i) j.y.push_back(static_cast<int>(rng() % 5));
   j.keep_global_batch = true;
-  const fs::path dir = fs::temp_directory_path() / ("lockstep-elastic-acc-" + std::to_string(j.seed));
-  fs::create_directories(dir);
-  const fs::path ck = dir / "switch.ckpt";
   // 211 samples over 4 ranks: 14 batches of 4 a rank and epoch. 4 ranks x 3 micro-steps go on
   // as 3 x 4 (one rank gone) or 2 x 6 (two gone): 12 micro-batches a step throughout.
   struct acc_case {
@@ -332,7 +377,35 @@ TEST_CASE("ranks die mid-cycle with accumulation: the survivors keep the global 
     const trained per_rank = train(fewer, world - static_cast<int>(d.ranks.size()), {}, -1, nullptr, &ck);
     CHECK(per_rank.params != switched.params);
   }
-  fs::remove_all(dir);
+}
+
+TEST_CASE("sharded optimizer: a lost shard - the survivors roll back to the last checkpoint resharded - and end "
+          "bit for bit where a switch of rank counts at that checkpoint ends") {
+  fresh_job f("elastic-sharded");
+  auto& [j, rng, dir, ck] = f;
+  CAPTURE(j.seed);
+  j.rollback_every = 4;
+  j.rollback = dir / "rollback.ckpt";
+  // Deaths after the checkpoint of step 4 (steps 5-7) or of step 12 (in the second epoch).
+  const std::vector<deaths> cases{
+      {.ranks = {2}, .step = 5 + static_cast<std::int64_t>(rng() % 3), .phase = 1, .hooks = 1},
+      {.ranks = {1, 3}, .step = 13, .phase = 0},
+  };
+  const int world = 4;
+  for (const auto& d : cases) {
+    CAPTURE(d.step);
+    const trained elastic = train<true>(j, world, d);
+    REQUIRE(elastic.seen.size() == 1u);
+    const std::int64_t at = d.step / j.rollback_every * j.rollback_every;  // the last checkpoint before
+    REQUIRE(elastic.rolled_back_to == std::vector<std::int64_t>{at});
+    // The same switch without a failure, at the checkpoint's step.
+    job plain = j;
+    plain.rollback_every = 0;
+    train<true>(plain, world, {}, at, &ck);
+    const trained switched = train<true>(plain, world - static_cast<int>(d.ranks.size()), {}, -1, nullptr, &ck);
+    CHECK(elastic.params == switched.params);  // bit for bit
+    CHECK(lockstep_test::max_rel_diff(elastic.params, TestMlp<double>(j.dims, j.seed).flat_values()) > 1e-3);
+  }
 }
 
 TEST_CASE("survivors agree on who goes on: random gone ranks - named by some or by none") {

@@ -300,6 +300,81 @@ TEST_CASE("snippets: a job that goes on when a rank dies (docs/elastic.md)") {
   CHECK(values[0] != values_of(*std::make_unique<Mlp>(7)));
 }
 
+// docs/elastic.md, ShardedOptimizer: 3 ranks checkpoint after step 3; rank 2 dies at step 5;
+// ranks 0 and 1 go back to step 3, resharded over the two of them, and end the run alike.
+TEST_CASE("snippets: a sharded job goes back to its last checkpoint when a rank dies (docs/elastic.md)") {
+  const auto& train = snippet_env::table();
+  const fs::path last_checkpoint =
+      fs::temp_directory_path() / ("lockstep-snippet-rollback-" + std::to_string(lockstep_test::fresh_seed()));
+  std::vector<std::vector<float>> values(3);
+  std::vector<std::int64_t> back(3, -1);
+  std::vector<int> same(3, 0);
+  try {
+    lockstep::HashStore store(3);
+    lockstep::run(lockstep::Threads{3}, [&](lockstep::context<lockstep::ThreadComm>& ctx) {
+      Mlp model(7);
+      lockstep::ElasticGroup group(ctx, store, {.min_ranks = 2});
+      using DP = lockstep::DataParallel<Mlp, lockstep::ThreadComm, lockstep::ShardedOptimizer>;
+      std::optional<DP> dp(std::in_place, group.comm(), model, lockstep::ShardedOptimizer{});
+      lockstep::Sgd opt({.lr = 0.1, .momentum = 0.9});
+      lockstep::DistributedSampler sampler(train.size(), group, {.seed = 42});
+      std::int64_t step = 0;
+      // [snippet docs/elastic.md#2]
+      group.on_change([&](const lockstep::membership_change&) {
+        dp.reset();
+        dp.emplace(group.comm(), model, lockstep::ShardedOptimizer{});
+        sampler.repartition(group.rank(), group.size());  // its rank and size; the position comes next
+        const auto ck = lockstep::load_checkpoint(last_checkpoint);
+        lockstep::restore_training_state(ck, *dp, sampler);  // parameters, loss scale, layout, data position
+        lockstep::load_sharded(*dp, opt, ck.blob("optimizer"));
+        step = ck.meta.step;  // the steps since are redone
+      });
+      // [end snippet]
+      while (step < 8) {
+        const auto batches = sampler.batches(8);
+        if (batches.empty()) {
+          sampler.set_epoch(sampler.epoch() + 1);
+          continue;
+        }
+        const auto batch = batches.front();
+        const auto changed = group.attempt([&] {
+          if (ctx.rank() == 2 && step == 5) throw std::runtime_error("rank 2 lost its GPU");
+          auto st = dp->step();
+          model.backward(batch, st.on_gradient_ready());
+          (void)st.finish([&](std::span<const lockstep::param_slice> s) { opt.step(s); });
+        });
+        if (changed) {
+          back[static_cast<std::size_t>(ctx.rank())] = step;
+          continue;
+        }
+        sampler.advance(batch.size());
+        if (++step == 3) {
+          auto state = lockstep::gather_sharded(*dp, opt);
+          lockstep::save_checkpoint_rank0(group.comm(), last_checkpoint, [&](lockstep::Checkpoint& ck) {
+            ck.meta.step = step;
+            lockstep::add_training_state(ck, *dp, sampler);
+            ck.add_blob("optimizer", std::move(state));
+          });
+        }
+      }
+      const auto r = static_cast<std::size_t>(ctx.rank());
+      values[r] = values_of(model);
+      same[r] = same_on_every_rank(group.comm(), values[r]) ? 1 : 0;
+    });
+    FAIL("rank 2 did not die");
+  } catch (const std::runtime_error& e) {
+    CHECK(std::string(e.what()) == "rank 2 lost its GPU");
+  }
+  fs::remove(last_checkpoint);
+  for (std::size_t r : {0u, 1u}) {
+    CAPTURE(r);
+    CHECK(back[r] == 3);
+    CHECK(same[r] == 1);
+  }
+  CHECK(values[0] == values[1]);
+  CHECK(values[0] != values_of(*std::make_unique<Mlp>(7)));
+}
+
 TEST_CASE("snippets: the codec's example (core/codec.hpp) round-trips") {
   std::mt19937_64 rng(lockstep_test::fresh_seed());
   MyOptimizerState a{0.25 + static_cast<double>(rng() % 1000) / 7.0, lockstep_test::random_vector<float>(37, rng)};
