@@ -24,7 +24,9 @@
 #include <vector>
 
 #include <lockstep/cuda/nccl_comm.cuh>
+#include <lockstep/cuda/kernels/memory_ops.cuh>
 #include <lockstep/cuda/run_gpus.cuh>
+#include <lockstep/cuda/step_graph.cuh>
 
 #include "comm_conformance.hpp"
 #include "gpu_test_util.cuh"
@@ -215,6 +217,75 @@ void check_abort_releases_waiter(NcclComm::work& w, Stop&& stop) {
   waiter.join();
 }
 
+// A collective's work across a CUDA graph capture's edge, on `n` GPUs (issue 28). Each step
+// copies what the step before gathered (waiting for it), doubles `src` and all-gathers it: an
+// eager step's gather is waited for by the first captured step, the graph's own gather by the
+// next replay (inside the graph), by an eager step on the compute stream and on another
+// stream, and, after reset(), by a new capture. Every copy is checked against the exact
+// powers of two of the random start values.
+void check_capture_edge(int n) {
+  std::mt19937_64 rng(lockstep_test::fresh_seed());
+  std::vector<float> start(1000 + rng() % 1000);
+  for (auto& x : start) x = std::ldexp(static_cast<float>(rng() % 2000) - 1000.5f, -8);
+  lockstep::run(lockstep::Gpus{first_devices(n)}, [&](lockstep::context<NcclComm>& ctx) {
+    NcclComm& comm = ctx.comm();
+    const cudaStream_t s = comm.compute_stream();
+    const std::size_t m = start.size(), bytes = m * sizeof(float);
+    auto mem = comm.memory();
+    auto src = mem.allocate(bytes), dst = mem.allocate(bytes * static_cast<std::size_t>(n)), out = mem.allocate(bytes);
+    mem.upload(src.get(), start.data(), bytes);
+    std::optional<NcclComm::work> gathered;
+    auto step = [&] {
+      if (gathered) gathered->wait();
+      LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(out.get(), dst.get(), bytes, cudaMemcpyDeviceToDevice, s));
+      lockstep::cuda::kernels::scale(src.get(), m, dtype::f32, 2.0, s);
+      gathered.emplace(comm.all_gather(src.get(), dst.get(), m, dtype::f32));
+    };
+    std::vector<float> got(m);
+    int doublings = 0;  // of src so far
+    auto expect = [&](const void* p, int power, const char* what) {
+      LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(got.data(), p, bytes, cudaMemcpyDeviceToHost, s));
+      LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s));
+      bool same = true;
+      for (std::size_t i = 0; i < m; ++i) same = same && got[i] == std::ldexp(start[i], power);
+      CAPTURE(what);
+      CAPTURE(power);
+      CHECK(same);
+    };
+    lockstep::StepGraph g(comm, {.warmup = 1});
+    for (int k = 0; k < 4; ++k) {  // eager, capture, two replays
+      (void)g.run(step);
+      ++doublings;
+      if (k > 0) expect(out.get(), doublings - 1, "the step's copy of the gather before it");
+    }
+    CHECK(g.replays() == 3);
+    // Eager, on the compute stream: waits for the last replay's gather.
+    step();
+    ++doublings;
+    expect(out.get(), doublings - 1, "an eager step after replays");
+    (void)g.run(step);  // a replay waits for the eager gather (captured: drained before it)
+    ++doublings;
+    expect(out.get(), doublings - 1, "a replay after an eager step");
+    // Another stream waits for the replay's gather, then copies its rank's block.
+    cudaStream_t other = nullptr;
+    LOCKSTEP_TRY_CUDA(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking));
+    gathered->wait(other);
+    LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(out.get(), static_cast<char*>(dst.get()) + bytes * comm.rank(), bytes,
+                                      cudaMemcpyDeviceToDevice, other));
+    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(other));
+    LOCKSTEP_TRY_CUDA(cudaStreamDestroy(other));
+    expect(out.get(), doublings, "another stream after a replay");
+    // A new capture (reset) whose first step waits for the old graph's gather.
+    g.reset();
+    for (int k = 0; k < 3; ++k) {
+      (void)g.run(step);
+      ++doublings;
+      expect(out.get(), doublings - 1, "after reset: a new capture and its replays");
+    }
+    CHECK(g.replays() == 7);
+  });
+}
+
 }  // namespace
 
 // =======================================================================================
@@ -368,6 +439,11 @@ TEST_CASE("NcclComm: abort() stops the communicator and later calls say why") {
   CHECK(what_of([&] { comms[0].barrier(); }).find("test-requested abort") != std::string::npos);
 }
 
+TEST_CASE("NcclComm on 1 GPU: work across a CUDA graph capture's edge - eager and captured - after reset") {
+  LOCKSTEP_REQUIRE_GPUS(1);
+  check_capture_edge(1);
+}
+
 TEST_CASE("NcclComm on 1 GPU: conformance - every collective matches the reference") {
   LOCKSTEP_REQUIRE_GPUS(1);
   conformance_on_gpus(1);
@@ -421,6 +497,11 @@ TEST_CASE("NcclComm on 1 GPU: no NCCL communicator - little device memory and sp
 }
 
 TEST_SUITE("multigpu") {
+TEST_CASE("NcclComm on 2 GPUs: work across a CUDA graph capture's edge - eager and captured - after reset") {
+  LOCKSTEP_REQUIRE_GPUS(2);
+  check_capture_edge(2);
+}
+
 TEST_CASE("NcclComm on 2 GPUs: conformance - every collective matches the reference") {
   LOCKSTEP_REQUIRE_GPUS(2);
   conformance_on_gpus(2);

@@ -20,8 +20,11 @@
 //!  - learning rates reach the fused optimizers through set_lr(), which writes the device copy;
 //!  - one graph holds whole accumulation cycles (capture all K micro-steps in one step());
 //!  - host-side counters (sync_stats, the step recorder) advance only for eager steps;
-//!  - not yet: ShardedOptimizer's gather_in_forward (the first captured forward would wait for
-//!    a gather issued before the capture), ShardedGradients and FullySharded.
+//!  - collectives across the capture's edge (ShardedOptimizer's gather_in_forward: a forward
+//!    waits for the gather of the step before): the capture begins with the device drained, so
+//!    one issued outside the graph is complete when waited for inside it, and one captured into
+//!    the graph is ordered by the replays on the compute stream (nccl_work::wait);
+//!  - not yet: ShardedGradients and FullySharded.
 //! reset() drops the graph (after load() of an optimizer, a changed batch shape): the next
 //! run() captures again. A fused optimizer's first step fills its fp32 masters and a capture
 //! refuses that (config_error): warm up at least one step after constructing it. Launches
@@ -92,6 +95,10 @@ class StepGraph {
       return false;
     }
     if (exec_ == nullptr) capture(step);
+    // The graph waits for no collective issued outside it (an eager step's gather between
+    // replays, which the captured forward would have waited for): the compute stream waits for
+    // the communication stream's work so far. An event, no host synchronisation.
+    comm_->enqueue([](cudaStream_t) {}).wait();
     comm_->tracked_launch("the captured training step",
                           [&] { LOCKSTEP_TRY_CUDA(cudaGraphLaunch(exec_, comm_->compute_stream())); });
     ++replays_;
@@ -116,9 +123,13 @@ class StepGraph {
     if (s == nullptr)
       throw config_error("StepGraph: the communicator's compute stream is the legacy default stream, which CUDA "
                          "cannot capture; give it a stream of its own (NcclComm::set_compute_stream)");
-    // Collectives of earlier steps (a gather the next forward waits for) cannot join the
-    // graph: let them finish first (nccl_work::wait).
-    LOCKSTEP_TRY_CUDA(cudaDeviceSynchronize());
+    // Collectives of earlier steps or graphs (a gather the next forward waits for) cannot join
+    // the graph: let them finish first (nccl_work::wait). Relaxed: another rank's thread may be
+    // capturing in global mode (StepGraphOptions::mode).
+    {
+      const detail::relaxed_capture relaxed;
+      LOCKSTEP_TRY_CUDA(cudaDeviceSynchronize());
+    }
     cudaGraph_t graph = nullptr;
     {
       const CaptureScope scope(comm_->device());

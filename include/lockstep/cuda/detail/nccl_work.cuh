@@ -80,14 +80,14 @@ class nccl_work {
   nccl_work() = default;
   nccl_work(nccl_work&& o) noexcept
       : pool_(std::move(o.pool_)), event_(std::exchange(o.event_, nullptr)), stream_(o.stream_),
-        captured_(o.captured_) {}
+        capture_(o.capture_) {}
   nccl_work& operator=(nccl_work&& o) noexcept {
     if (this != &o) {
       release();
       pool_ = std::move(o.pool_);
       event_ = std::exchange(o.event_, nullptr);
       stream_ = o.stream_;
-      captured_ = o.captured_;
+      capture_ = o.capture_;
     }
     return *this;
   }
@@ -97,17 +97,26 @@ class nccl_work {
 
   void wait() { wait(stream_); }
 
-  //! Across a CUDA graph capture's edge (a StepGraph): a collective issued before the capture
-  //! and waited for inside it (a gather the next forward waits for) cannot join the graph —
-  //! it has completed (StepGraph drains the device first) and there is nothing to wait for;
-  //! one captured into a graph and waited for outside it ran inside that graph's replays,
-  //! which the stream has ordered already.
+  //! Across a CUDA graph capture's edge (a StepGraph): a collective issued outside the capture
+  //! that waits for it (a gather the next forward waits for, issued by the eager step before,
+  //! or by a graph captured earlier) cannot join the graph — it has completed (StepGraph drains
+  //! the device first) and there is nothing to wait for. One captured into a graph and waited
+  //! for outside it ran inside that graph's replays on the compute stream: that stream is
+  //! ordered already, another one is made to wait for the compute stream's work so far.
   void wait(cudaStream_t stream) {
     if (event_ == nullptr) return;
     // Stream 0 means the *current* device's default stream: be on ours.
     device_guard g(pool_->device());
-    if (capturing(stream) != captured_) {
-      if (captured_) return;
+    const unsigned long long now = capture_id(stream);
+    if (now != capture_) {
+      if (capture_ != 0) {  // recorded into a graph: its event means nothing outside that capture
+        if (now != 0) return;
+        if (capture_id(stream_) == capture_)
+          throw config_error("a collective captured into a CUDA graph is waited for by a stream outside the "
+                             "capture while it is still open; wait inside the captured step");
+        if (stream != stream_) join_compute(stream);
+        return;
+      }
       const cudaError_t q = query_uncaptured();
       if (q == cudaSuccess) return;
       if (q == cudaErrorNotReady)
@@ -122,13 +131,13 @@ class nccl_work {
   //! Captured into a graph: waits for the stream its replays run on.
   void synchronize() const {
     if (event_ == nullptr) return;
-    if (captured_) LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(stream_));
+    if (capture_ != 0) LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(stream_));
     else LOCKSTEP_TRY_CUDA(cudaEventSynchronize(event_));
   }
 
   bool query() const {
     if (event_ == nullptr) return true;
-    const cudaError_t e = captured_ ? cudaStreamQuery(stream_) : cudaEventQuery(event_);
+    const cudaError_t e = capture_ != 0 ? cudaStreamQuery(stream_) : cudaEventQuery(event_);
     if (e == cudaErrorNotReady) return false;
     check_cuda(e, "cudaEventQuery(event)", __FILE__, __LINE__);
     return true;
@@ -137,7 +146,7 @@ class nccl_work {
   //! For NcclComm: a handle that owns event e of `pool`, recorded after the collective, and
   //! orders `s` (the compute stream) in wait().
   nccl_work(std::shared_ptr<event_pool> pool, cudaEvent_t e, cudaStream_t s) noexcept
-      : pool_(std::move(pool)), event_(e), stream_(s), captured_(capturing(s)) {}
+      : pool_(std::move(pool)), event_(e), stream_(s), capture_(capture_id(s)) {}
   cudaEvent_t event() const noexcept { return event_; }
 
  private:
@@ -147,9 +156,23 @@ class nccl_work {
     pool_.reset();
   }
 
-  static bool capturing(cudaStream_t s) noexcept {
+  // The id of the capture s is in (0: none).
+  static unsigned long long capture_id(cudaStream_t s) noexcept {
     cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
-    return cudaStreamIsCapturing(s, &cap) == cudaSuccess && cap == cudaStreamCaptureStatusActive;
+    unsigned long long id = 0;
+    if (cudaStreamGetCaptureInfo(s, &cap, &id) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    return cap == cudaStreamCaptureStatusActive ? id : 0;
+  }
+  // `other` waits for the compute stream's work queued so far (a graph's replays among it).
+  void join_compute(cudaStream_t other) const {
+    cudaEvent_t e = pool_->acquire();
+    const cudaError_t r = cudaEventRecord(e, stream_);
+    const cudaError_t w = r == cudaSuccess ? cudaStreamWaitEvent(other, e, 0) : r;
+    pool_->release(e);
+    LOCKSTEP_TRY_CUDA(w);
   }
   // cudaEventQuery of an event recorded outside a capture, from a thread that may capture:
   // in relaxed mode, so that it cannot invalidate the capture.
@@ -164,7 +187,7 @@ class nccl_work {
   std::shared_ptr<event_pool> pool_;
   cudaEvent_t event_ = nullptr;
   cudaStream_t stream_ = nullptr;
-  bool captured_ = false;  // recorded while the compute stream was being captured into a graph
+  unsigned long long capture_ = 0;  // the capture the event was recorded into (0: none), by cudaStreamGetCaptureInfo
 };
 
 inline int visible_devices() {
