@@ -136,6 +136,10 @@ class StepGraph {
       LOCKSTEP_TRY_CUDA(cudaStreamBeginCapture(s, opt_.mode));
       try {
         step();
+        // Collectives the step issued and did not wait for (the gathers for the next forward)
+        // join the captured stream: a graph ends with all its work joined (a launch completes
+        // with all its nodes anyway).
+        comm_->enqueue([](cudaStream_t) {}).wait();
       } catch (const cuda_error& e) {  // CUDA refused a call: the capture is broken
         abandon(s);
         throw config_error(std::string("StepGraph: the step could not be captured into a CUDA graph: ") + e.what() +

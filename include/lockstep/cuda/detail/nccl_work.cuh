@@ -79,8 +79,7 @@ class nccl_work {
  public:
   nccl_work() = default;
   nccl_work(nccl_work&& o) noexcept
-      : pool_(std::move(o.pool_)), event_(std::exchange(o.event_, nullptr)), stream_(o.stream_),
-        capture_(o.capture_) {}
+      : pool_(std::move(o.pool_)), event_(std::exchange(o.event_, nullptr)), stream_(o.stream_), capture_(o.capture_) {}
   nccl_work& operator=(nccl_work&& o) noexcept {
     if (this != &o) {
       release();
