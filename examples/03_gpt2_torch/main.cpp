@@ -363,7 +363,9 @@ int main(int argc, char** argv) {
                                                                   : ""),
                                    ctx.size(), worst[0], opt.batch * opt.seq * ctx.size() * micro_steps, peak,
                                    first_loss, last_loss);
-          if (ctx.is_root() && opt.tune) std::printf("bench-tuning: %s\n", dp.stats().tuning.c_str());
+          if (ctx.is_root() && opt.tune)
+            std::printf("bench-tuning: %s\n",
+                        dp.stats().tuning.empty() ? "not tuned (one rank, or CPU ranks)" : dp.stats().tuning.c_str());
           if (ctx.is_root() && gpu)
             std::printf("bench-memory: device_used_gib=%.2f (cudaMemGetInfo at the end, the most of any GPU)\n",
                         worst[2]);

@@ -100,6 +100,16 @@ inline options parse(int argc, char** argv) {
                  "leave one out\n");
     usage(2);
   }
+  if (o.tune && (o.shard || o.zero != 0 || o.bucket_mib > 0)) {
+    std::fprintf(stderr, "gpt2_torch: --tune with --%s: %s; leave one out\n",
+                 o.shard       ? "shard"
+                 : o.zero != 0 ? "zero"
+                               : "bucket-mib",
+                 o.bucket_mib > 0 && !o.shard && o.zero == 0
+                     ? "the tuner chooses the cap itself"
+                     : "a sharded layout is fixed after the first step, not tuned");
+    usage(2);
+  }
   if (o.deterministic < 0 || o.bucket_mib < 0) {
     std::fprintf(stderr, "gpt2_torch: --deterministic and --bucket-mib take 0 (off) or more\n");
     usage(2);

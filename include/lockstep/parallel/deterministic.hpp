@@ -221,7 +221,7 @@ class Deterministic {
       return fixed_point_all_reduce(comm, st, a, sums, count);
     } else {
       // The int64 sums reduce-scattered, each rank's block converted back, the gradients
-      // all-gathered (1.5x an f32 all-reduce's bytes, not 2x); the rest all-reduced.
+      // all-gathered (f32: 1.5x an f32 all-reduce's bytes, not 2x); the rest all-reduced.
       check_type(t);
       const auto lo = static_cast<std::size_t>(sums - static_cast<std::int64_t*>(a.sums.get()));
       const auto n = static_cast<std::size_t>(comm.size()), me = static_cast<std::size_t>(comm.rank());
