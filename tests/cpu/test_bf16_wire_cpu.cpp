@@ -5,6 +5,7 @@
 // tests/cuda/test_bf16_wire.cu.)
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -118,21 +119,39 @@ TEST_CASE("bf16 wire on CPU ranks: the mean of bf16-rounded values in fp32 - all
   }
 }
 
+// A bf16-rounded gradient may move a ReLU pre-activation across zero that the fp32 wire's does
+// not, and that unit's rows then take another path: a legitimate O(1 %) difference (seen in about
+// 4 % of draws, at most 5 % in 3600 draws; CI's seed 5425391515358543805 gave 1.009 %). So each
+// rank count trains on `draws` fresh data sets: every draw stays near the fp32 wire (< 10 %), and
+// the median draw — one without such a flip unless most draws had one — stays within bf16's 2^-8.
 TEST_CASE("bf16 wire on CPU ranks: training stays within bf16 rounding of the fp32 wire - sharded and not") {
-  const auto seed = fresh_seed();
-  CAPTURE(seed);
-  const auto d = make_data(seed, 97);
+  const auto first_seed = fresh_seed();
+  CAPTURE(first_seed);
+  constexpr int draws = 9;
+  const double bf16_step = std::ldexp(1.0, -8);
   for (int ranks : {2, 3}) {
     CAPTURE(ranks);
-    const auto plain = train<false, false>(d, ranks, seed + 1);
-    const auto wire = train<true, false>(d, ranks, seed + 1);
-    const auto sharded_wire = train<true, true>(d, ranks, seed + 1);
-    const TestMlp<float> init(d.dims, seed + 1);
-    CHECK(max_rel_diff(init.flat_values(), plain) > 1e-2);  // it trained
-    CHECK(max_rel_diff(wire, plain) > 0);                   // the wire rounded something
-    CHECK(max_rel_diff(wire, plain) < 1e-2);                // within bf16's 2^-8 after a few steps
-    CHECK(max_rel_diff(sharded_wire, plain) > 0);
-    CHECK(max_rel_diff(sharded_wire, plain) < 1e-2);
+    std::vector<double> wire_diff, sharded_diff;
+    auto seed = first_seed;
+    for (int k = 0; k < draws; ++k, seed = next_seed(seed)) {
+      CAPTURE(seed);
+      const auto d = make_data(seed, 97);
+      const auto plain = train<false, false>(d, ranks, seed + 1);
+      const auto wire = train<true, false>(d, ranks, seed + 1);
+      const auto sharded_wire = train<true, true>(d, ranks, seed + 1);
+      const TestMlp<float> init(d.dims, seed + 1);
+      CHECK(max_rel_diff(init.flat_values(), plain) > 1e-2);  // it trained
+      wire_diff.push_back(max_rel_diff(wire, plain));
+      sharded_diff.push_back(max_rel_diff(sharded_wire, plain));
+      CHECK(wire_diff.back() > 0);  // the wire rounded something
+      CHECK(sharded_diff.back() > 0);
+      CHECK(wire_diff.back() < 0.1);
+      CHECK(sharded_diff.back() < 0.1);
+    }
+    std::ranges::sort(wire_diff);
+    std::ranges::sort(sharded_diff);
+    CHECK(wire_diff[draws / 2] < bf16_step);
+    CHECK(sharded_diff[draws / 2] < bf16_step);
   }
 }
 }
