@@ -143,6 +143,11 @@ void check_against_cpu(int gpus) {
   const auto packed = run_gpu<false>(v, sp, {.first_bytes = 1024, .cap_bytes = 4096}, o);
   CHECK(same_bits(packed, cpu));
   CHECK(same_counts(packed, cpu));
+  // One tensor a bucket: 37 elements leave a remainder over 2 and 4 ranks (reduce-scatter,
+  // all-gather, and the rest all-reduced).
+  const auto per_tensor = run_gpu<false>(v, sp, {.first_bytes = 148, .cap_bytes = 148}, o);
+  CHECK(same_bits(per_tensor, cpu));
+  CHECK(same_counts(per_tensor, cpu));
 }
 
 // GpuMlp trained with Deterministic on sp's split of 8 micro-batches of 3 rows per step; graph:

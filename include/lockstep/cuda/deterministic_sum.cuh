@@ -76,13 +76,26 @@ inline void fixed_point_fold(NcclComm& comm, detail::fixed_state& st, detail::fi
                         8, sums, 8, 0, all, s, "Deterministic: gradients to sums");
 }
 
-//! sums (count int64 of arena a) summed over ranks, then converted back into the arena.
+//! sums (count int64 of arena a) summed over ranks, then converted back into the arena. The
+//! int64 sums are twice as wide as f32 gradients, so on more than one rank they are not
+//! all-reduced: each rank's block is reduce-scattered, converted back alone, and the gradients
+//! all-gathered (1.5x an f32 all-reduce's bytes instead of 2x; the same bits, as the
+//! conversion is elementwise). The last count mod size() elements are all-reduced.
 inline NcclComm::work fixed_point_all_reduce(NcclComm& comm, detail::fixed_state& st, detail::fixed_state::arena& a,
                                              std::int64_t* sums, std::size_t count) {
   detail::refuse_copy_engines(comm);
   const std::size_t lo = static_cast<std::size_t>(sums - static_cast<std::int64_t*>(a.sums.get()));
-  if (comm.size() > 1) (void)comm.all_reduce(sums, sums, count, dtype::i64, reduce_op::sum);
-  return comm.enqueue([&](cudaStream_t s) { detail::unfold_runs(st, a, lo, lo + count, s); });
+  const auto n = static_cast<std::size_t>(comm.size()), me = static_cast<std::size_t>(comm.rank());
+  const std::size_t per = n > 1 ? count / n : 0, split = per * n;
+  if (per > 0) {
+    auto* data = static_cast<char*>(const_cast<void*>(a.base)) + lo * size_of(a.type);
+    (void)comm.reduce_scatter(sums, sums + me * per, per, dtype::i64, reduce_op::sum);
+    (void)comm.enqueue([&](cudaStream_t s) { detail::unfold_runs(st, a, lo + me * per, lo + (me + 1) * per, s); });
+    auto w = comm.all_gather(data + me * per * size_of(a.type), data, per, a.type);
+    if (split == count) return w;
+  }
+  if (n > 1) (void)comm.all_reduce(sums + split, sums + split, count - split, dtype::i64, reduce_op::sum);
+  return comm.enqueue([&](cudaStream_t s) { detail::unfold_runs(st, a, lo + split, lo + count, s); });
 }
 
 //! Block rank() of sums (size()·per int64) summed over ranks into mine, then converted back.
