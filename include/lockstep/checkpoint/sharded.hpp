@@ -84,11 +84,10 @@ inline sharded_part read_sharded_part(std::span<const std::byte> bytes, std::uin
 }
 }  // namespace detail
 
-//! Every rank's optimizer state, as one checkpoint section (collective: every rank calls it
-//! and gets the same bytes; rank 0 adds them to the checkpoint).
+namespace detail {
+//! This rank's part of the section: its shard map and what opt.save() writes.
 template <class DP, serializable Opt>
-  requires DP::sharded
-std::vector<std::byte> gather_sharded(DP& dp, const Opt& opt) {
+std::string sharded_part_of(DP& dp, const Opt& opt) {
   byte_writer mine;
   const auto map = dp.shard_map();
   mine.write(static_cast<std::uint64_t>(map.size()));
@@ -106,19 +105,45 @@ std::vector<std::byte> gather_sharded(DP& dp, const Opt& opt) {
   mine.write(static_cast<std::uint64_t>(state_bytes.size()));
   mine.write_bytes(state_bytes.data(), state_bytes.size());
   const auto bytes = std::move(mine).release();
-  const auto all = detail::host_all_gather_strings(
-      dp.comm(), std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
+  return std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+}
+
+//! What the section's head says of the DataParallel that saved it: its shard layout and its
+//! parameters' lengths.
+struct sharded_origin {
+  std::uint64_t layout = 0;
+  std::vector<std::uint64_t> lengths;
+  template <class DP>
+  static sharded_origin of(DP& dp) {
+    sharded_origin o{dp.shard_layout(), {}};
+    for (const auto& p : dp.parameters()) o.lengths.push_back(static_cast<std::uint64_t>(p.numel()));
+    return o;
+  }
+};
+
+//! The section: the head, then every rank's part (sharded_part_of), in rank order.
+inline std::vector<std::byte> sharded_section(const sharded_origin& origin, std::span<const std::string> parts) {
   byte_writer w;
-  w.write_bytes(detail::sharded_magic.data(), detail::sharded_magic.size());
-  w.write(static_cast<std::uint32_t>(all.size()));
-  w.write(dp.shard_layout());
-  w.write(static_cast<std::uint64_t>(dp.parameters().size()));
-  for (const auto& p : dp.parameters()) w.write(static_cast<std::uint64_t>(p.numel()));
-  for (const auto& s : all) {
+  w.write_bytes(sharded_magic.data(), sharded_magic.size());
+  w.write(static_cast<std::uint32_t>(parts.size()));
+  w.write(origin.layout);
+  w.write(static_cast<std::uint64_t>(origin.lengths.size()));
+  for (const auto n : origin.lengths) w.write(n);
+  for (const auto& s : parts) {
     w.write(static_cast<std::uint64_t>(s.size()));
     w.write_bytes(s.data(), s.size());
   }
   return std::move(w).release();
+}
+}  // namespace detail
+
+//! Every rank's optimizer state, as one checkpoint section (collective: every rank calls it
+//! and gets the same bytes; rank 0 adds them to the checkpoint).
+template <class DP, serializable Opt>
+  requires DP::sharded
+std::vector<std::byte> gather_sharded(DP& dp, const Opt& opt) {
+  const auto all = detail::host_all_gather_strings(dp.comm(), detail::sharded_part_of(dp, opt));
+  return detail::sharded_section(detail::sharded_origin::of(dp), all);
 }
 
 //! Loads this rank's part of a section gather_sharded wrote into opt (collective) — resharded

@@ -28,7 +28,8 @@ enum class collective_kind : std::uint8_t {
   reduce_scatter,
   barrier,
   all_to_all,
-  graph_replay
+  graph_replay,
+  shift  //!< a ring shift: each rank receives the block of the rank `root` places after it
 };
 
 inline constexpr const char* name_of(collective_kind k) {
@@ -40,6 +41,7 @@ inline constexpr const char* name_of(collective_kind k) {
     case collective_kind::barrier: return "barrier";
     case collective_kind::all_to_all: return "all_to_all";
     case collective_kind::graph_replay: return "graph_replay";
+    case collective_kind::shift: return "shift";
   }
   return "?";
 }
@@ -49,7 +51,7 @@ struct collective {
   std::size_t count = 0;  //!< elements per rank (all_gather, reduce_scatter: one rank's block)
   dtype type = dtype::u8;
   reduce_op op = reduce_op::sum;  //!< all_reduce and reduce_scatter only
-  int root = 0;                   //!< broadcast only
+  int root = 0;                   //!< broadcast: the root; shift: the distance
   std::uint64_t seq = 0;          //!< this rank's collectives before it
   //! What the caller says the call is for (e.g. "bucket 3: f32 [0, 262144)"), set through a
   //! communicator's label_next(); compared like the rest, so two ranks that pair different
@@ -71,6 +73,9 @@ struct collective {
   static collective all_to_all(std::size_t n, dtype t) {
     return {collective_kind::all_to_all, n, t, reduce_op::sum, 0, 0};
   }
+  static collective shift(std::size_t n, dtype t, int distance) {
+    return {collective_kind::shift, n, t, reduce_op::sum, distance, 0};
+  }
   static collective barrier() { return {}; }
 
   //! "all_reduce #12 of 1048576 f32 (avg)", "broadcast #0 of 10 f64 from root 1", "barrier #3".
@@ -82,6 +87,7 @@ struct collective {
     if (kind == collective_kind::all_reduce || kind == collective_kind::reduce_scatter)
       s += std::string(" (") + name_of(op) + ")";
     if (kind == collective_kind::broadcast) s += " from root " + std::to_string(root);
+    if (kind == collective_kind::shift) s += " from the rank " + std::to_string(root) + " after";
     if (!label.empty()) s += " for " + label;
     return s;
   }

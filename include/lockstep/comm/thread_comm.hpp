@@ -298,6 +298,20 @@ class ThreadComm {
     return {};
   }
 
+  //! A ring shift: recv ← the `count` elements that the rank `distance` places after this one
+  //! (mod size()) sent. Every rank calls it with the same count and distance.
+  ready_work shift(const void* send, void* recv, std::size_t count, dtype t, int distance) {
+    run({collective::shift(count, t, distance), send, recv}, [&](const auto& calls, auto& tmp) {
+      const std::size_t bytes = count * size_of(t);
+      const auto n = static_cast<long long>(calls.size());
+      const auto from = static_cast<std::size_t>(((rank_ + static_cast<long long>(distance)) % n + n) % n);
+      tmp.resize(bytes);
+      if (bytes) std::memcpy(tmp.data(), calls[from].send, bytes);
+      return recv;
+    });
+    return {};
+  }
+
   void barrier() {
     run({collective::barrier(), nullptr, nullptr}, [&](const auto&, auto&) -> void* { return nullptr; });
   }

@@ -63,4 +63,27 @@ std::vector<std::string> host_all_gather_strings(Comm& comm, const std::string& 
   return out;
 }
 
+//! The string of the rank `distance` places after this one (mod size()), through the
+//! communicator's ring shift: each rank sends its string once, to one rank (padded to the
+//! longest, whose length a small max all-reduce agrees on).
+template <class Comm>
+std::string host_shift_string(Comm& comm, const std::string& mine, int distance) {
+  auto mem = comm.memory();
+  std::int64_t width = static_cast<std::int64_t>(mine.size());
+  host_all_reduce(comm, std::span<std::int64_t>(&width, 1), reduce_op::max);
+  const auto w = static_cast<std::size_t>(width);
+  std::vector<char> padded(w + sizeof(std::int64_t), '\0');
+  const auto len = static_cast<std::int64_t>(mine.size());
+  std::memcpy(padded.data(), &len, sizeof len);
+  std::memcpy(padded.data() + sizeof len, mine.data(), mine.size());
+  auto send = mem.allocate(padded.size());
+  auto recv = mem.allocate(padded.size());
+  mem.upload(send.get(), padded.data(), padded.size());
+  comm.shift(send.get(), recv.get(), padded.size(), dtype::u8, distance).wait();
+  mem.download(padded.data(), recv.get(), padded.size());
+  std::int64_t got = 0;
+  std::memcpy(&got, padded.data(), sizeof got);
+  return std::string(padded.data() + sizeof got, static_cast<std::size_t>(got));
+}
+
 }  // namespace lockstep::detail
