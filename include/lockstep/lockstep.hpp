@@ -25,6 +25,7 @@
 #include "lockstep/data/seeding.hpp"
 #include "lockstep/elastic/elastic_group.hpp"
 #include "lockstep/elastic/membership.hpp"
+#include "lockstep/elastic/peer_copy.hpp"
 #include "lockstep/launch/detect.hpp"
 #include "lockstep/launch/job_store.hpp"
 #include "lockstep/launch/launch_env.hpp"

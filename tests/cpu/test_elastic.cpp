@@ -110,6 +110,9 @@ struct job {
   // checkpoint the run saves every `rollback_every` steps (at `rollback`).
   std::int64_t rollback_every = 0;
   fs::path rollback;
+  // ShardedOptimizer with lockstep::PeerCopy (a snapshot every `peer_copy_every` steps; 0: none):
+  // a lost shard comes from the rank before it, or, when that is lost too, from the checkpoint.
+  std::int64_t peer_copy_every = 0;
   std::vector<double> X;
   std::vector<int> y;
 };
@@ -141,6 +144,8 @@ struct trained {
   std::vector<double> params;                     // every member's, checked equal
   std::vector<lockstep::membership_change> seen;  // by the first survivor
   std::vector<std::int64_t> rolled_back_to;       // by the first survivor: the step of each rollback
+  std::vector<std::int64_t> restored_to;          // by the first survivor: the step of each PeerCopy restore
+  std::vector<int> lost;                          // by the first survivor: what PeerCopy could not restore
 };
 
 // Trains `world` CPU ranks for j.epochs epochs; stops after `stop_at` steps and saves a
@@ -200,14 +205,24 @@ trained train(const job& j, int world, const deaths& d, std::int64_t stop_at = -
       else ck.restore("optimizer", opt);
       steps = ck.meta.step;
     };
-    std::vector<std::int64_t> rolled_back_to;
+    std::vector<std::int64_t> rolled_back_to, restored_to;
+    std::vector<int> lost;
+    lockstep::PeerCopy copies({.every = std::max<std::int64_t>(1, j.peer_copy_every)});
     group.on_change([&](const lockstep::membership_change& c) {
       if (d.in_change.count(ctx.rank())) throw rank_killed("job rank " + std::to_string(ctx.rank()) + " killed");
       if (j.keep_global_batch) micro_steps = lockstep::steps_for_same_global_batch(micro_steps, c);
       const auto scale = dp->scaler().state();
       dp.reset();
       build();
-      if constexpr (Sharded) {  // the lost ranks' optimizer shards are gone: back to the last checkpoint
+      if constexpr (Sharded) {  // the lost ranks' optimizer shards: from their copies, else the last checkpoint
+        if (j.peer_copy_every > 0) {
+          if (const auto at = copies.restore(group.members(), *dp, opt, sampler)) {
+            steps = *at;
+            restored_to.push_back(steps);
+            return;
+          }
+          lost = copies.lost();
+        }
         sampler.repartition(group.rank(), group.size());  // (its rank and size; the position is the checkpoint's)
         load_from(j.rollback);
         rolled_back_to.push_back(steps);
@@ -255,10 +270,12 @@ trained train(const job& j, int world, const deaths& d, std::int64_t stop_at = -
           }
           taken += rows.size();
         }
+        sampler.advance(taken);
+        ++steps;
+        if constexpr (Sharded)
+          if (j.peer_copy_every > 0) copies.save(steps, group.members(), *dp, opt, sampler);
       });
       if (changed) continue;  // the interrupted step again (all its micro-steps), over the survivors
-      sampler.advance(taken);
-      ++steps;
       if (save && steps == stop_at) save_to(*save);
       if (j.rollback_every > 0 && steps % j.rollback_every == 0) save_to(j.rollback);
     }
@@ -266,6 +283,8 @@ trained train(const job& j, int world, const deaths& d, std::int64_t stop_at = -
     if (job_rank == first_survivor) {
       t.seen = group.changes();
       t.rolled_back_to = rolled_back_to;
+      t.restored_to = restored_to;
+      t.lost = lost;
     }
   };
   if (dead.empty()) {
@@ -407,6 +426,79 @@ TEST_CASE("sharded optimizer: a lost shard - the survivors roll back to the last
     const trained switched = train<true>(plain, world - static_cast<int>(d.ranks.size()), {}, -1, nullptr, &ck);
     CHECK(elastic.params == switched.params);  // bit for bit
     CHECK(lockstep_test::max_rel_diff(elastic.params, TestMlp<double>(j.dims, j.seed).flat_values()) > 1e-3);
+  }
+}
+
+TEST_CASE("sharded optimizer with PeerCopy: a lost shard comes from the rank before it - nothing is redone but the "
+          "interrupted step - bit for bit where a switch of rank counts at that step ends") {
+  fresh_job f("elastic-peer");
+  auto& [j, rng, dir, ck] = f;
+  CAPTURE(j.seed);
+  j.rollback_every = 4;  // the fallback when a rank and the one holding its copy are both lost
+  j.rollback = dir / "rollback.ckpt";
+  struct peer_case {
+    deaths d;
+    std::int64_t every;
+    std::int64_t at;  // the step the survivors go on from
+    bool from_copies = true;
+  };
+  const std::vector<peer_case> cases{
+      {{.ranks = {2}, .step = 5 + static_cast<std::int64_t>(rng() % 3), .phase = 1, .hooks = 1}, 1, -1},
+      {{.ranks = {1, 3}, .step = 17, .phase = 0}, 1, 17},  // not neighbours: both copies survive
+      {{.ranks = {3}, .step = 9, .phase = 2}, 1, 9},       // the others' snapshot of step 10 fails
+      {{.ranks = {3}, .step = 12, .phase = 1}, 2, 12},     // a snapshot every 2 steps, one just taken
+      {{.ranks = {1}, .step = 7, .phase = 0}, 3, 6},       // a snapshot every 3 steps: step 7 is redone
+      {{.ranks = {1}, .step = 7, .phase = 1, .hooks = 2, .in_change = {3}}, 1, 7},  // a second change meanwhile
+      {{.ranks = {1, 2}, .step = 6, .phase = 0}, 1, 4, false},                      // neighbours: 2's copy went with 1
+  };
+  const int world = 4;
+  for (const auto& [d, every, at_given, from_copies] : cases) {
+    CAPTURE(d.step);
+    CAPTURE(every);
+    const std::int64_t at = at_given >= 0 ? at_given : d.step;
+    j.peer_copy_every = every;
+    const trained elastic = train<true>(j, world, d);
+    const std::set<int> dead = d.all();
+    REQUIRE(elastic.seen.size() == (d.in_change.empty() ? 1u : 2u));
+    if (from_copies) {
+      CHECK(elastic.restored_to == std::vector<std::int64_t>{at});  // (a change cut short restores nothing)
+      CHECK(elastic.rolled_back_to.empty());
+    } else {
+      CHECK(elastic.restored_to.empty());
+      CHECK(elastic.lost == std::vector<int>{2});
+      CHECK(elastic.rolled_back_to == std::vector<std::int64_t>{at});
+    }
+    job plain = j;
+    plain.rollback_every = 0;
+    plain.peer_copy_every = 0;
+    train<true>(plain, world, {}, at, &ck);
+    const trained switched = train<true>(plain, world - static_cast<int>(dead.size()), {}, -1, nullptr, &ck);
+    CHECK(elastic.params == switched.params);  // bit for bit
+    CHECK(lockstep_test::max_rel_diff(elastic.params, TestMlp<double>(j.dims, j.seed).flat_values()) > 1e-3);
+  }
+}
+
+TEST_CASE("PeerCopy: ThreadComm's ring shift hands each rank the block of the rank d places after it") {
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
+  const int world = 2 + static_cast<int>(rng() % 4);
+  const int distance = static_cast<int>(rng() % 7) - 3;
+  CAPTURE(world);
+  CAPTURE(distance);
+  std::vector<std::vector<std::int32_t>> sent(static_cast<std::size_t>(world)), got(sent.size());
+  std::vector<std::string> texts(sent.size()), shifted(sent.size());
+  for (auto& v : sent)
+    for (int i = 0; i < 5; ++i) v.push_back(static_cast<std::int32_t>(rng()));
+  for (int r = 0; r < world; ++r) texts[static_cast<std::size_t>(r)] = std::string(rng() % 40, 'a' + r);
+  lockstep::run(lockstep::Threads{world}, [&](auto& ctx) {
+    const auto r = static_cast<std::size_t>(ctx.rank());
+    got[r].resize(5);
+    ctx.comm().shift(sent[r].data(), got[r].data(), 5, lockstep::dtype::i32, distance).wait();
+    shifted[r] = lockstep::detail::host_shift_string(ctx.comm(), texts[r], distance);
+  });
+  for (int r = 0; r < world; ++r) {
+    const auto from = static_cast<std::size_t>(((r + distance) % world + world) % world);
+    CHECK(got[static_cast<std::size_t>(r)] == sent[from]);
+    CHECK(shifted[static_cast<std::size_t>(r)] == texts[from]);
   }
 }
 

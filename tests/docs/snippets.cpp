@@ -301,53 +301,99 @@ TEST_CASE("snippets: a job that goes on when a rank dies (docs/elastic.md)") {
   CHECK(values[0] != values_of(*std::make_unique<Mlp>(7)));
 }
 
-// docs/elastic.md, ShardedOptimizer: 3 ranks checkpoint after step 3; rank 2 dies at step 5;
-// ranks 0 and 1 go back to step 3, resharded over the two of them, and end the run alike.
-TEST_CASE("snippets: a sharded job goes back to its last checkpoint when a rank dies (docs/elastic.md)") {
-  const auto& train = snippet_env::table();
-  const fs::path last_checkpoint =
-      fs::temp_directory_path() / ("lockstep-snippet-rollback-" + std::to_string(lockstep_test::fresh_seed()));
+namespace {
+
+//! What each rank of the two sharded elastic snippets (docs/elastic.md #2, #3) trains with.
+struct sharded_job {
+  using DP = lockstep::DataParallel<Mlp, lockstep::ThreadComm, lockstep::ShardedOptimizer>;
+  Mlp model{7};
+  lockstep::ElasticGroup<lockstep::ThreadComm, lockstep::HashStore> group;
+  std::optional<DP> dp;
+  lockstep::Sgd opt{{.lr = 0.1, .momentum = 0.9}};
+  lockstep::DistributedSampler<> sampler;
+  std::int64_t step = 0;
+  // [snippet docs/elastic.md#3]
+  lockstep::PeerCopy copies;  // a snapshot after every step
+  // [end snippet]
+  sharded_job(lockstep::context<lockstep::ThreadComm>& ctx, lockstep::HashStore& store, std::size_t samples)
+      : group(ctx, store, {.min_ranks = 2}), dp(std::in_place, group.comm(), model, lockstep::ShardedOptimizer{}),
+        sampler(samples, group, {.seed = 42}) {}
+};
+
+//! One step of it, the optimizer stepping this rank's shards inside finish().
+void sharded_step(sharded_job& job, std::span<const std::size_t> batch) {
+  auto st = job.dp->step();
+  job.model.backward(batch, st.on_gradient_ready());
+  (void)st.finish([&](std::span<const lockstep::param_slice> s) { job.opt.step(s); });
+}
+
+//! Three ranks of a ShardedOptimizer job on the snippet table; rank 2 dies before step 5.
+//! `install(job)` sets the job's on_change, `train(job, batch)` runs one step (through
+//! group.attempt) and returns whether the membership changed. Ranks 0 and 1 must go back to
+//! step `back_to` once and end at step 8 with the same, trained, parameters.
+template <class Install, class Train>
+void three_ranks_lose_one(std::int64_t back_to, Install install, Train train) {
+  const auto& table = snippet_env::table();
   std::vector<std::vector<float>> values(3);
-  std::vector<std::int64_t> back(3, -1);
+  std::vector<std::vector<std::int64_t>> back(3);
   std::vector<int> same(3, 0);
   try {
     lockstep::HashStore store(3);
     lockstep::run(lockstep::Threads{3}, [&](lockstep::context<lockstep::ThreadComm>& ctx) {
-      Mlp model(7);
-      lockstep::ElasticGroup group(ctx, store, {.min_ranks = 2});
-      using DP = lockstep::DataParallel<Mlp, lockstep::ThreadComm, lockstep::ShardedOptimizer>;
-      std::optional<DP> dp(std::in_place, group.comm(), model, lockstep::ShardedOptimizer{});
-      lockstep::Sgd opt({.lr = 0.1, .momentum = 0.9});
-      lockstep::DistributedSampler sampler(train.size(), group, {.seed = 42});
-      std::int64_t step = 0;
-      // [snippet docs/elastic.md#2]
-      group.on_change([&](const lockstep::membership_change&) {
-        dp.reset();
-        dp.emplace(group.comm(), model, lockstep::ShardedOptimizer{});
-        sampler.repartition(group.rank(), group.size());  // its rank and size; the position comes next
-        const auto ck = lockstep::load_checkpoint(last_checkpoint);
-        lockstep::restore_training_state(ck, *dp, sampler);  // parameters, loss scale, layout, data position
-        lockstep::load_sharded(*dp, opt, ck.blob("optimizer"));
-        step = ck.meta.step;  // the steps since are redone
-      });
-      // [end snippet]
-      while (step < 8) {
-        const auto batches = sampler.batches(8);
+      sharded_job job(ctx, store, table.size());
+      install(job);
+      while (job.step < 8) {
+        const auto batches = job.sampler.batches(8);
         if (batches.empty()) {
-          sampler.set_epoch(sampler.epoch() + 1);
+          job.sampler.set_epoch(job.sampler.epoch() + 1);
           continue;
         }
-        const auto batch = batches.front();
-        const auto changed = group.attempt([&] {
-          if (ctx.rank() == 2 && step == 5) throw std::runtime_error("rank 2 lost its GPU");
-          auto st = dp->step();
-          model.backward(batch, st.on_gradient_ready());
-          (void)st.finish([&](std::span<const lockstep::param_slice> s) { opt.step(s); });
+        if (ctx.rank() == 2 && job.step == 5) throw std::runtime_error("rank 2 lost its GPU");
+        if (train(job, batches.front())) back[static_cast<std::size_t>(ctx.rank())].push_back(job.step);
+      }
+      const auto r = static_cast<std::size_t>(ctx.rank());
+      values[r] = values_of(job.model);
+      same[r] = same_on_every_rank(job.group.comm(), values[r]) ? 1 : 0;
+    });
+    FAIL("rank 2 did not die");
+  } catch (const std::runtime_error& e) {
+    CHECK(std::string(e.what()) == "rank 2 lost its GPU");
+  }
+  for (std::size_t r : {0u, 1u}) {
+    CAPTURE(r);
+    CHECK(back[r] == std::vector<std::int64_t>{back_to});
+    CHECK(same[r] == 1);
+  }
+  CHECK(values[0] == values[1]);
+  CHECK(values[0] != values_of(*std::make_unique<Mlp>(7)));
+}
+
+}  // namespace
+
+// docs/elastic.md, ShardedOptimizer: 3 ranks checkpoint after step 3; rank 2 dies at step 5;
+// ranks 0 and 1 go back to step 3, resharded over the two of them, and end the run alike.
+TEST_CASE("snippets: a sharded job goes back to its last checkpoint when a rank dies (docs/elastic.md)") {
+  const fs::path last_checkpoint =
+      fs::temp_directory_path() / ("lockstep-snippet-rollback-" + std::to_string(lockstep_test::fresh_seed()));
+  three_ranks_lose_one(
+      3,
+      [&](sharded_job& job) {
+        auto& [model, group, dp, opt, sampler, step, copies] = job;
+        // [snippet docs/elastic.md#2]
+        group.on_change([&](const lockstep::membership_change&) {
+          dp.reset();
+          dp.emplace(group.comm(), model, lockstep::ShardedOptimizer{});
+          sampler.repartition(group.rank(), group.size());  // its rank and size; the position comes next
+          const auto ck = lockstep::load_checkpoint(last_checkpoint);
+          lockstep::restore_training_state(ck, *dp, sampler);  // parameters, loss scale, layout, data position
+          lockstep::load_sharded(*dp, opt, ck.blob("optimizer"));
+          step = ck.meta.step;  // the steps since are redone
         });
-        if (changed) {
-          back[static_cast<std::size_t>(ctx.rank())] = step;
-          continue;
-        }
+        // [end snippet]
+      },
+      [&](sharded_job& job, std::span<const std::size_t> batch) {
+        auto& [model, group, dp, opt, sampler, step, copies] = job;
+        if (group.attempt([&] { sharded_step(job, batch); })) return true;
         sampler.advance(batch.size());
         if (++step == 3) {
           auto state = lockstep::gather_sharded(*dp, opt);
@@ -357,23 +403,40 @@ TEST_CASE("snippets: a sharded job goes back to its last checkpoint when a rank 
             ck.add_blob("optimizer", std::move(state));
           });
         }
-      }
-      const auto r = static_cast<std::size_t>(ctx.rank());
-      values[r] = values_of(model);
-      same[r] = same_on_every_rank(group.comm(), values[r]) ? 1 : 0;
-    });
-    FAIL("rank 2 did not die");
-  } catch (const std::runtime_error& e) {
-    CHECK(std::string(e.what()) == "rank 2 lost its GPU");
-  }
+        return false;
+      });
   fs::remove(last_checkpoint);
-  for (std::size_t r : {0u, 1u}) {
-    CAPTURE(r);
-    CHECK(back[r] == 3);
-    CHECK(same[r] == 1);
-  }
-  CHECK(values[0] == values[1]);
-  CHECK(values[0] != values_of(*std::make_unique<Mlp>(7)));
+}
+
+// docs/elastic.md, PeerCopy: 3 ranks snapshot after every step; rank 2 dies before step 5; ranks
+// 0 and 1 rebuild its optimizer shard from rank 1's copy, go on from step 5 and end the run alike.
+TEST_CASE("snippets: a sharded job rebuilds a lost shard from its copy on the rank before (docs/elastic.md)") {
+  three_ranks_lose_one(
+      5,  // nothing lost: the step rank 2 died before is the one redone
+      [&](sharded_job& job) {
+        auto& [model, group, dp, opt, sampler, step, copies] = job;
+        // [snippet docs/elastic.md#3]
+        group.on_change([&](const lockstep::membership_change&) {
+          dp.reset();
+          dp.emplace(group.comm(), model, lockstep::ShardedOptimizer{});
+          if (const auto at = copies.restore(group.members(), *dp, opt, sampler)) step = *at;
+          else throw std::runtime_error("PeerCopy: " + copies.why());  // or go back to a checkpoint
+        });
+        // [end snippet]
+      },
+      [&](sharded_job& job, std::span<const std::size_t> batch) {
+        auto& [model, group, dp, opt, sampler, step, copies] = job;
+        // [snippet docs/elastic.md#3]
+        const auto changed = group.attempt([&] {
+          auto st = dp->step();
+          model.backward(batch, st.on_gradient_ready());
+          (void)st.finish([&](std::span<const lockstep::param_slice> s) { opt.step(s); });
+          sampler.advance(batch.size());
+          copies.save(++step, group.members(), *dp, opt, sampler);  // collective: inside attempt
+        });
+        // [end snippet]
+        return changed.has_value();
+      });
 }
 
 TEST_CASE("snippets: the codec's example (core/codec.hpp) round-trips") {

@@ -19,7 +19,8 @@ LAYERS = {
     "core": 1,
     "comm": 2, "data": 2,
     "scaling": 3, "optim": 3, "store": 3, "observe": 3,
-    "parallel": 4, "checkpoint": 4, "launch": 4, "elastic": 4,
+    "parallel": 4, "checkpoint": 4, "launch": 4,
+    "elastic": 5,                          # composes DataParallel, checkpoints and the sampler
     "cuda": 5, "mpi": 5, "torch": 5,
     "run.hpp": 6,                          # run(Auto): every compiled-in mode
     "lockstep.hpp": 7,                     # umbrella of the CPU part
