@@ -223,8 +223,7 @@ trained train(const job& j, int world, const deaths& d, std::int64_t stop_at = -
           }
           lost = copies.lost();
         }
-        sampler.repartition(group.rank(), group.size());  // (its rank and size; the position is the checkpoint's)
-        load_from(j.rollback);
+        load_from(j.rollback);  // (the sampler, made for the ranks before, is moved to the survivors' by it)
         rolled_back_to.push_back(steps);
       } else {
         dp->scaler().load_state(scale);
@@ -475,6 +474,59 @@ TEST_CASE("sharded optimizer with PeerCopy: a lost shard comes from the rank bef
     const trained switched = train<true>(plain, world - static_cast<int>(dead.size()), {}, -1, nullptr, &ck);
     CHECK(elastic.params == switched.params);  // bit for bit
     CHECK(lockstep_test::max_rel_diff(elastic.params, TestMlp<double>(j.dims, j.seed).flat_values()) > 1e-3);
+  }
+}
+
+TEST_CASE("PeerCopy: a snapshot ahead of the step saved is dropped - clear() drops all - restore() without one says "
+          "why") {
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
+  const int world = 2 + static_cast<int>(rng() % 3);
+  const auto X = lockstep_test::random_vector<double>(40 * 11, rng, -1.5, 1.5);
+  std::vector<int> y;
+  for (int i = 0; i < 40; ++i) y.push_back(static_cast<int>(rng() % 5));
+  std::vector<std::vector<std::int64_t>> steps(static_cast<std::size_t>(world));
+  std::vector<std::string> why(steps.size());
+  std::vector<std::vector<double>> before(steps.size()), after(steps.size());
+  lockstep::run(lockstep::Threads{world}, [&](lockstep::context<lockstep::ThreadComm>& ctx) {
+    TestMlp<double> m({11, 16, 5}, seed);
+    lockstep::DataParallel<TestMlp<double>, lockstep::ThreadComm, lockstep::ShardedOptimizer> dp(ctx.comm(), m);
+    lockstep::Sgd opt({.lr = 0.2, .momentum = 0.9});
+    lockstep::DistributedSampler<> sampler(40, ctx.comm(), {.seed = seed});
+    const auto members = lockstep::membership::whole(world, ctx.rank());
+    lockstep::PeerCopy copies;
+    auto& seen = steps[static_cast<std::size_t>(ctx.rank())];
+    auto train = [&] {
+      auto st = dp.step();
+      const auto b = sampler.batches(4).front();
+      m.forward_backward(X, y, std::vector<std::size_t>(b.begin(), b.end()), st.on_gradient_ready());
+      (void)st.finish([&](std::span<const lockstep::param_slice> sl) { opt.step(sl); });
+      sampler.advance(b.size());
+    };
+    for (std::int64_t k : {10, 11}) {  // two snapshots
+      train();
+      copies.save(k, members, dp, opt, sampler);
+      seen.push_back(copies.step());
+    }
+    copies.save(9, members, dp, opt, sampler);  // the loop went back (a checkpoint): 10 and 11 are gone
+    seen.push_back(copies.step());
+    before[static_cast<std::size_t>(ctx.rank())] = m.flat_values();
+    train();  // moves on, then back to the snapshot of step 9 (nobody gone)
+    const auto at = copies.restore(members, dp, opt, sampler);
+    seen.push_back(at.value_or(-2));
+    after[static_cast<std::size_t>(ctx.rank())] = m.flat_values();
+    copies.clear();
+    seen.push_back(copies.step());
+    seen.push_back(copies.restore(members, dp, opt, sampler).value_or(-2));
+    why[static_cast<std::size_t>(ctx.rank())] = copies.why();
+    CHECK_THROWS_WITH_AS(copies.save(-1, members, dp, opt, sampler), doctest::Contains("step -1"),
+                         lockstep::config_error);
+  });
+  for (int r = 0; r < world; ++r) {
+    CAPTURE(r);
+    const auto k = static_cast<std::size_t>(r);
+    CHECK(steps[k] == std::vector<std::int64_t>{10, 11, 9, 9, -1, -2});
+    CHECK(why[k].find("no snapshot yet on every survivor") != std::string::npos);
+    CHECK(after[k] == before[k]);  // the parameters of step 9's snapshot are back
   }
 }
 

@@ -383,7 +383,6 @@ TEST_CASE("snippets: a sharded job goes back to its last checkpoint when a rank 
         group.on_change([&](const lockstep::membership_change&) {
           dp.reset();
           dp.emplace(group.comm(), model, lockstep::ShardedOptimizer{});
-          sampler.repartition(group.rank(), group.size());  // its rank and size; the position comes next
           const auto ck = lockstep::load_checkpoint(last_checkpoint);
           lockstep::restore_training_state(ck, *dp, sampler);  // parameters, loss scale, layout, data position
           lockstep::load_sharded(*dp, opt, ck.blob("optimizer"));

@@ -18,6 +18,7 @@
 //! \endcode
 
 #include <algorithm>
+#include <concepts>
 #include <cstdint>
 #include <cstring>
 #include <ranges>
@@ -124,7 +125,10 @@ void restore_training_state(const Checkpoint& ck, DP& dp) {
 //! The same, with the data position: the sampler's state (seed, epoch, position) goes into
 //! the section "lockstep.sampler", and meta.epoch / meta.sample_position are set from it.
 //! Restoring resumes the sampler where the saved run stood (mid-epoch included); the loop
-//! then continues from sampler.epoch() without calling set_epoch for that epoch.
+//! then continues from sampler.epoch() without calling set_epoch for that epoch. A sampler
+//! that stands for another rank or number of ranks than dp (one built before ranks left or
+//! joined) is first moved to dp's (repartition(dp.rank(), dp.size())), so the saved position
+//! is cut for the ranks that go on, not for those the sampler was made for.
 template <class DP, class Sampler>
   requires serializable<Sampler> && requires(const Sampler& s) { s.state(); }
 void add_training_state(Checkpoint& ck, DP& dp, const Sampler& sampler) {
@@ -139,6 +143,12 @@ template <class DP, class Sampler>
   requires serializable<Sampler>
 void restore_training_state(const Checkpoint& ck, DP& dp, Sampler& sampler) {
   Sampler resumed = sampler;  // checked in full before anything of dp changes
+  if constexpr (requires {
+                  resumed.repartition(dp.rank(), dp.size());
+                  { resumed.rank() } -> std::convertible_to<int>;
+                  { resumed.world() } -> std::convertible_to<int>;
+                })
+    if (resumed.rank() != dp.rank() || resumed.world() != dp.size()) resumed.repartition(dp.rank(), dp.size());
   ck.restore("lockstep.sampler", resumed);
   restore_training_state(ck, dp);
   sampler = std::move(resumed);

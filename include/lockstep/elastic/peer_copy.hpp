@@ -65,12 +65,16 @@ class PeerCopy {
     static_assert(shifting_communicator<std::remove_cvref_t<decltype(dp.comm())>>,
                   "lockstep::PeerCopy needs a communicator with shift() (ThreadComm); NcclComm and MpiComm "
                   "do not have one yet (issue 29): roll back to a checkpoint instead");
+    if (step < 0)
+      throw config_error("PeerCopy::save: step " + std::to_string(step) + "; pass the optimizer steps done");
     if (step % opt_.every != 0) return false;
-    if (members.size() != dp.size() || members.rank != dp.rank())
-      throw config_error("PeerCopy::save: `members` (" + std::to_string(members.size()) +
-                         " ranks) is not the group of the DataParallel (" + std::to_string(dp.size()) +
-                         "); pass ElasticGroup::members()");
-    generation& g = gen_[1 - newest_];  // the older one is overwritten; the newer stays until this completes
+    check_group("save", members, dp);
+    // A snapshot of this step or a later one is of steps the loop went back before (a rollback
+    // to a checkpoint): dropped, so that it can never be restored.
+    for (auto& c : gen_)
+      if (c.step >= step) c = generation{};
+    // The older (or an empty) slot is overwritten; the newer stays until this one completes.
+    generation& g = gen_[!gen_[0].complete ? 0 : !gen_[1].complete ? 1 : gen_[0].step < gen_[1].step ? 0 : 1];
     g = generation{};
     g.step = step;
     g.members = members.ranks;
@@ -80,7 +84,6 @@ class PeerCopy {
     g.mine = detail::sharded_part_of(dp, opt);
     g.next = detail::host_shift_string(dp.comm(), g.mine, 1);
     g.complete = true;
-    newest_ = 1 - newest_;
     return true;
   }
 
@@ -90,15 +93,21 @@ class PeerCopy {
   //! the snapshot's training state restored and the optimizer state loaded resharded
   //! (collective over dp.comm()). Returns the snapshot's step: go on from it. Empty, with
   //! nothing changed, when a rank and the rank before it were both lost (lost() names them) or
-  //! a survivor has no snapshot yet (why() says which): restore from a checkpoint then.
+  //! a survivor has no snapshot yet (why() says which): restore from a checkpoint then (the
+  //! snapshots are dropped). Until the next save() the copies are those of the group before
+  //! the change. A throw after the agreement (a damaged part) may leave the training state
+  //! restored but not the optimizer: go back to a checkpoint then too.
   template <class DP, serializable Opt, class Sampler>
     requires DP::sharded
   std::optional<std::int64_t> restore(const membership& now, DP& dp, Opt& opt, Sampler& sampler) {
+    check_group("restore", now, dp);
     std::int64_t agreed = newest_complete();
     detail::host_all_reduce(dp.comm(), std::span<std::int64_t>(&agreed, 1), reduce_op::min);
     lost_.clear();
+    why_.clear();
     if (agreed < 0) {
       why_ = "no snapshot yet on every survivor (the first is taken at step " + std::to_string(opt_.every) + ")";
+      clear();  // the caller goes back to a checkpoint: what some ranks hold is ahead of it
       return std::nullopt;
     }
     int at = -1;
@@ -108,8 +117,7 @@ class PeerCopy {
       throw checkpoint_error("PeerCopy::restore: this rank no longer holds the snapshot of step " +
                              std::to_string(agreed) + " that the survivors agreed on");
     // A newer snapshot than the agreed one belongs to steps the survivors now redo: dropped.
-    gen_[1 - at].complete = gen_[1 - at].complete && gen_[1 - at].step < agreed;
-    newest_ = at;
+    if (gen_[1 - at].step > agreed) gen_[1 - at] = generation{};
     const generation* g = &gen_[at];
     for (int r : now.ranks)
       if (std::find(g->members.begin(), g->members.end(), r) == g->members.end())
@@ -123,7 +131,7 @@ class PeerCopy {
       why_ = "the part of job rank(s)";
       for (int r : lost_) why_ += " " + std::to_string(r);
       why_ += " was lost with the rank before it, which held its copy";
-      for (auto& c : gen_) c.complete = false;  // the caller goes back to a checkpoint: these are ahead of it
+      clear();  // the caller goes back to a checkpoint: these are ahead of it
       return std::nullopt;
     }
     // What this survivor holds of the snapshot: its own part, and its successor's if that is gone.
@@ -160,10 +168,15 @@ class PeerCopy {
     if (std::find(have.begin(), have.end(), false) != have.end())
       throw checkpoint_error("PeerCopy::restore: a part of the snapshot of step " + std::to_string(agreed) +
                              " came from no survivor");
-    sampler.repartition(dp.rank(), dp.size());  // its new rank and size first; the position comes next
-    restore_training_state(g->state, dp, sampler);
+    restore_training_state(g->state, dp, sampler);  // (the sampler moved to the survivors' ranks first)
     load_sharded(dp, opt, detail::sharded_section(g->origin, parts));
     return agreed;
+  }
+
+  //! Drops every snapshot: call it when the loop goes back to a checkpoint by other means (the
+  //! snapshots are ahead of it; save() also drops any of the step it is given or later).
+  void clear() {
+    for (auto& c : gen_) c = generation{};
   }
 
   //! After restore() returned empty: why (no snapshot on every survivor yet, or parts lost),
@@ -193,6 +206,14 @@ class PeerCopy {
     std::string next;  // the part of the rank after this one in `members`
     bool complete = false;
   };
+  template <class DP>
+  static void check_group(const char* what, const membership& m, DP& dp) {
+    if (m.size() != dp.size() || m.rank != dp.rank())
+      throw config_error(std::string("PeerCopy::") + what + ": the membership (" + std::to_string(m.size()) +
+                         " ranks, this one " + std::to_string(m.rank) + ") is not the DataParallel's group (" +
+                         std::to_string(dp.size()) + " ranks, this one " + std::to_string(dp.rank()) +
+                         "); pass ElasticGroup::members()");
+  }
   std::int64_t newest_complete() const {
     std::int64_t s = -1;
     for (const auto& g : gen_)
@@ -202,7 +223,6 @@ class PeerCopy {
 
   PeerCopyOptions opt_;
   generation gen_[2];
-  int newest_ = 0;
   std::vector<int> lost_;
   std::string why_;
 };
