@@ -113,6 +113,7 @@ struct job {
   // ShardedOptimizer with lockstep::PeerCopy (a snapshot every `peer_copy_every` steps; 0: none):
   // a lost shard comes from the rank before it, or, when that is lost too, from the checkpoint.
   std::int64_t peer_copy_every = 0;
+  int flaky_shift_rank = -1;  // with FlakyComm: the rank whose snapshot at the deaths' step fails after its shift
   std::vector<double> X;
   std::vector<int> y;
 };
@@ -121,10 +122,29 @@ struct rank_killed : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A ThreadComm whose shift() completes and then reports a failure on a rank that set
+// flaky_shift::now (each rank is a thread): a collective that completed on some ranks only, as
+// NCCL's can when a peer dies during it. That rank's PeerCopy snapshot is then one behind.
+struct flaky_shift {
+  static inline thread_local bool now = false;
+};
+class FlakyComm : public lockstep::ThreadComm {
+ public:
+  explicit FlakyComm(lockstep::ThreadComm c) : ThreadComm(std::move(c)) {}
+  lockstep::ready_work shift(const void* send, void* recv, std::size_t count, lockstep::dtype t, int distance) {
+    auto w = ThreadComm::shift(send, recv, count, t, distance);
+    if (std::exchange(flaky_shift::now, false)) throw lockstep::aborted_error("FlakyComm: this rank's shift failed");
+    return w;
+  }
+  FlakyComm regroup(std::uint64_t change, std::span<const int> members) {
+    return FlakyComm(ThreadComm::regroup(change, members));
+  }
+};
+
 // Where ranks die: at step `step` (its micro-step `micro`), before its forward (phase 0), in its
 // backward after `hooks` gradients were handed over, while earlier buckets' collectives ran (1),
 // or after finish(), before the optimizer (2: the others complete that step and find the loss
-// at the next).
+// at the next), or after the step's PeerCopy snapshot (3: the others' next step fails).
 // `in_change`: ranks that die later, while the first change is being made (rebuilding DataParallel).
 struct deaths {
   std::set<int> ranks{};
@@ -156,12 +176,11 @@ struct trained {
 // j.keep_global_batch more micro-steps each) and re-partition the rest of the epoch in
 // on_change, and the loop redoes the whole step. Sharded (ShardedOptimizer): on_change rolls
 // back to the last j.rollback checkpoint instead (its optimizer state resharded).
-template <bool Sharded = false>
+template <bool Sharded = false, class Comm = lockstep::ThreadComm>
 trained train(const job& j, int world, const deaths& d, std::int64_t stop_at = -1, const fs::path* save = nullptr,
               const fs::path* resume = nullptr) {
-  using DP =
-      lockstep::DataParallel<TestMlp<double>, lockstep::ThreadComm, lockstep::DynamicScale, lockstep::Accumulate<>,
-                             std::conditional_t<Sharded, lockstep::ShardedOptimizer, lockstep::Replicated>>;
+  using DP = lockstep::DataParallel<TestMlp<double>, Comm, lockstep::DynamicScale, lockstep::Accumulate<>,
+                                    std::conditional_t<Sharded, lockstep::ShardedOptimizer, lockstep::Replicated>>;
   std::vector<std::vector<double>> out(static_cast<std::size_t>(world));
   trained t;
   lockstep::HashStore store(world, 20s);
@@ -170,7 +189,7 @@ trained train(const job& j, int world, const deaths& d, std::int64_t stop_at = -
   while (dead.count(first_survivor)) ++first_survivor;
   auto body = [&](lockstep::context<lockstep::ThreadComm>& ctx) {
     TestMlp<double> m(j.dims, j.seed);
-    lockstep::ElasticGroup group(ctx, store, {.settle = 5s});  // failed ranks are named: no settling
+    lockstep::ElasticGroup group(Comm(ctx.comm()), store, {.settle = 5s});  // failed ranks are named: no settling
     std::optional<DP> dp;
     int micro_steps = j.accumulate;
     auto build = [&] {
@@ -272,7 +291,12 @@ trained train(const job& j, int world, const deaths& d, std::int64_t stop_at = -
         sampler.advance(taken);
         ++steps;
         if constexpr (Sharded)
-          if (j.peer_copy_every > 0) copies.save(steps, group.members(), *dp, opt, sampler);
+          if (j.peer_copy_every > 0) {
+            flaky_shift::now = job_rank == j.flaky_shift_rank && steps == d.step + 1 && group.changes().empty();
+            copies.save(steps, group.members(), *dp, opt, sampler);
+          }
+        if (d.ranks.count(job_rank) && steps == d.step + 1 && d.phase == 3)
+          throw rank_killed("job rank " + std::to_string(job_rank) + " killed");
       });
       if (changed) continue;  // the interrupted step again (all its micro-steps), over the survivors
       if (save && steps == stop_at) save_to(*save);
@@ -475,6 +499,29 @@ TEST_CASE("sharded optimizer with PeerCopy: a lost shard comes from the rank bef
     CHECK(elastic.params == switched.params);  // bit for bit
     CHECK(lockstep_test::max_rel_diff(elastic.params, TestMlp<double>(j.dims, j.seed).flat_values()) > 1e-3);
   }
+}
+
+TEST_CASE("sharded optimizer with PeerCopy: survivors one snapshot apart agree on the older - bit for bit where a "
+          "switch of rank counts at its step ends") {
+  fresh_job f("elastic-peer-apart");
+  auto& [j, rng, dir, ck] = f;
+  CAPTURE(j.seed);
+  j.peer_copy_every = 1;
+  // Job rank 3 dies after the snapshot of step s + 1, whose shift failed on job rank 1 (it
+  // holds the snapshot of step s only): the survivors 0, 1, 2 go on from step s.
+  const std::int64_t s = 3 + static_cast<std::int64_t>(rng() % 10);
+  CAPTURE(s);
+  j.flaky_shift_rank = 1;
+  const deaths d{.ranks = {3}, .step = s, .phase = 3};
+  const trained elastic = train<true, FlakyComm>(j, 4, d);
+  REQUIRE(elastic.seen.size() == 1u);
+  CHECK(elastic.restored_to == std::vector<std::int64_t>{s});
+  job plain = j;
+  plain.peer_copy_every = 0;
+  plain.flaky_shift_rank = -1;
+  train<true>(plain, 4, {}, s, &ck);
+  const trained switched = train<true>(plain, 3, {}, -1, nullptr, &ck);
+  CHECK(elastic.params == switched.params);  // bit for bit
 }
 
 TEST_CASE("PeerCopy: a snapshot ahead of the step saved is dropped - clear() drops all - restore() without one says "
