@@ -346,6 +346,20 @@ struct fresh_job {
   }
 };
 
+// The same switch as an elastic sharded run made, without a failure: `world` ranks to step `at`,
+// a checkpoint (at `ck`), the rest on `survivors` ranks, with neither rollbacks nor copies; the
+// elastic run must end there bit for bit, trained.
+void check_as_sharded_switch(job plain, int world, int survivors, std::int64_t at, const fs::path& ck,
+                             const trained& elastic) {
+  plain.rollback_every = 0;
+  plain.peer_copy_every = 0;
+  plain.flaky_shift_rank = -1;
+  train<true>(plain, world, {}, at, &ck);
+  const trained switched = train<true>(plain, survivors, {}, -1, nullptr, &ck);
+  CHECK(elastic.params == switched.params);  // bit for bit
+  CHECK(lockstep_test::max_rel_diff(elastic.params, TestMlp<double>(plain.dims, plain.seed).flat_values()) > 1e-3);
+}
+
 }  // namespace
 
 TEST_SUITE("cpu") {
@@ -443,12 +457,7 @@ TEST_CASE("sharded optimizer: a lost shard - the survivors roll back to the last
     const std::int64_t at = d.step / j.rollback_every * j.rollback_every;  // the last checkpoint before
     REQUIRE(elastic.rolled_back_to == std::vector<std::int64_t>{at});
     // The same switch without a failure, at the checkpoint's step.
-    job plain = j;
-    plain.rollback_every = 0;
-    train<true>(plain, world, {}, at, &ck);
-    const trained switched = train<true>(plain, world - static_cast<int>(d.ranks.size()), {}, -1, nullptr, &ck);
-    CHECK(elastic.params == switched.params);  // bit for bit
-    CHECK(lockstep_test::max_rel_diff(elastic.params, TestMlp<double>(j.dims, j.seed).flat_values()) > 1e-3);
+    check_as_sharded_switch(j, world, world - static_cast<int>(d.ranks.size()), at, ck, elastic);
   }
 }
 
@@ -491,13 +500,7 @@ TEST_CASE("sharded optimizer with PeerCopy: a lost shard comes from the rank bef
       CHECK(elastic.lost == std::vector<int>{2});
       CHECK(elastic.rolled_back_to == std::vector<std::int64_t>{at});
     }
-    job plain = j;
-    plain.rollback_every = 0;
-    plain.peer_copy_every = 0;
-    train<true>(plain, world, {}, at, &ck);
-    const trained switched = train<true>(plain, world - static_cast<int>(dead.size()), {}, -1, nullptr, &ck);
-    CHECK(elastic.params == switched.params);  // bit for bit
-    CHECK(lockstep_test::max_rel_diff(elastic.params, TestMlp<double>(j.dims, j.seed).flat_values()) > 1e-3);
+    check_as_sharded_switch(j, world, world - static_cast<int>(dead.size()), at, ck, elastic);
   }
 }
 
@@ -516,12 +519,7 @@ TEST_CASE("sharded optimizer with PeerCopy: survivors one snapshot apart agree o
   const trained elastic = train<true, FlakyComm>(j, 4, d);
   REQUIRE(elastic.seen.size() == 1u);
   CHECK(elastic.restored_to == std::vector<std::int64_t>{s});
-  job plain = j;
-  plain.peer_copy_every = 0;
-  plain.flaky_shift_rank = -1;
-  train<true>(plain, 4, {}, s, &ck);
-  const trained switched = train<true>(plain, 3, {}, -1, nullptr, &ck);
-  CHECK(elastic.params == switched.params);  // bit for bit
+  check_as_sharded_switch(j, 4, 3, s, ck, elastic);
 }
 
 TEST_CASE("PeerCopy: a snapshot ahead of the step saved is dropped - clear() drops all - restore() without one says "
