@@ -288,6 +288,40 @@ double flat_time(std::size_t total, int ngpu, int iters) {
   });
 }
 
+// e. Where the deterministic MLP's time goes: the collectives of Deterministic's
+// reduce-scatter path alone, one after the other as it issues them (int64 reduce-scatter of
+// `total` sums, then the all-gather of the f32 gradients), each alone, and the plain f32
+// all-reduce beside them.
+inline void bench_e_flat(std::size_t total, int ngpu, int iters) {
+  auto run = [&](bool rs, bool ag) {
+    return timed(ngpu, 5, iters, [&, rs, ag](auto& ctx, cudaStream_t s) {
+      const auto n = static_cast<std::size_t>(ctx.comm().size()), me = static_cast<std::size_t>(ctx.comm().rank());
+      const std::size_t per = total / n;
+      std::int64_t* sums = nullptr;
+      float* grads = nullptr;
+      LOCKSTEP_TRY_CUDA(cudaMalloc(&sums, per * n * sizeof(std::int64_t)));
+      LOCKSTEP_TRY_CUDA(cudaMalloc(&grads, per * n * sizeof(float)));
+      LOCKSTEP_TRY_CUDA(cudaMemsetAsync(sums, 1, per * n * sizeof(std::int64_t), s));
+      fill_kernel<<<1024, 256, 0, s>>>(grads, per * n, 7u);
+      auto* comm = &ctx.comm();
+      return std::pair{nothing(), std::function<void()>([=] {
+                         if (rs) {
+                           auto w = comm->reduce_scatter(sums, sums + me * per, per, lockstep::dtype::i64,
+                                                         lockstep::reduce_op::sum);
+                           if (!ag) w.wait();
+                         }
+                         if (ag) comm->all_gather(grads + me * per, grads, per, lockstep::dtype::f32).wait();
+                       })};
+    });
+  };
+  const double both = run(true, true), rs = run(true, false), ag = run(false, true);
+  const double flat = flat_time<float>(total, ngpu, iters);
+  if (g_print)
+    std::printf("e  %d GPU  %zu elements: int64 reduce-scatter + f32 all-gather %7.3f ms (reduce-scatter %7.3f, "
+                "all-gather %7.3f)  f32 all-reduce %7.3f ms\n",
+                ngpu, total, both, rs, ag, flat);
+}
+
 // a. gradient sync once every gradient is final: lockstep's finish() (the remaining buckets
 // fused into one all-reduce) and bucket-by-bucket launches, vs the flat all-reduce.
 template <class T>
@@ -588,7 +622,7 @@ int main(int argc, char** argv) {
       else if (a == "--node-size" && i + 1 < argc) node = std::stoi(argv[++i]);
       else {
         std::fprintf(
-            stderr, "usage: bench_sync [--shapes FILE] [--iters N] [--gpus N] [--only abcgkswthxyz] [--node-size L]\n");
+            stderr, "usage: bench_sync [--shapes FILE] [--iters N] [--gpus N] [--only abceghkstwxyz] [--node-size L]\n");
         return 2;
       }
     }
@@ -652,7 +686,7 @@ int main(int argc, char** argv) {
         }
       }
       // k. The tuned caps against a hand sweep: b's GPT-2 step (bf16) and c's MLP (fp32).
-      if (wanted('k') || wanted('x')) {
+      if (wanted('k') || wanted('x') || wanted('e')) {
         std::size_t total = 0;
         for (auto& s : gpt2) total += s.numel();
         std::vector<double> fwd(12, 8700.0 / 12), bwd(gpt2.size());
@@ -687,6 +721,27 @@ int main(int argc, char** argv) {
               std::printf("x  %d GPU  gpt2 fp32: plain %7.3f ms  deterministic %7.3f ms (%.3fx)   mlp fp32: plain "
                           "%7.3f ms  deterministic %7.3f ms (%.3fx)\n",
                           g, p, d, d / p, mp, md, md / mp);
+          }
+        // e. The MLP's deterministic step taken apart: with no compute (sync, conversions and
+        // SGD only), with 64 and 128 MiB caps, and its collectives alone (bench_e_flat).
+        for (int g : counts)
+          if (wanted('e') && g > 1) {
+            std::size_t total = 0;
+            for (auto& s : mlp) total += s.numel();
+            const std::vector<double> none(mfwd.size(), 0.0), none_b(mbwd.size(), 0.0);
+            const double p0 = train_step_time<float>(mlp, g, iters, 0, none, none_b);
+            const double d0 = train_step_time<float, false, false, false, true, true>(mlp, g, iters, 0, none, none_b);
+            if (g_print)
+              std::printf("e  %d GPU  mlp fp32 no compute: plain %7.3f ms  deterministic %7.3f ms\n", g, p0, d0);
+            for (std::size_t cap_mib : {std::size_t{64}, std::size_t{128}}) {
+              const lockstep::BucketPolicy bp{.first_bytes = std::size_t{1} << 20, .cap_bytes = cap_mib << 20};
+              const double p = train_step_time<float>(mlp, g, iters, 0, mfwd, mbwd, bp);
+              const double d = train_step_time<float, false, false, false, true, true>(mlp, g, iters, 0, mfwd, mbwd, bp);
+              if (g_print)
+                std::printf("e  %d GPU  mlp fp32 cap %zu MiB: plain %7.3f ms  deterministic %7.3f ms (%.3fx)\n", g,
+                            cap_mib, p, d, d / p);
+            }
+            bench_e_flat(total, g, iters);
           }
       }
       // c. comm-bound MLP: 8 × (4096×4096 weight + 4096 bias); small per-layer compute; bucket
