@@ -14,6 +14,8 @@
 #include <limits>
 #include <optional>
 #include <random>
+#include <span>
+#include <type_traits>
 #include <vector>
 
 #include <lockstep/cuda.cuh>
@@ -70,33 +72,45 @@ struct DevGradModel {
   }
 };
 
-// run_grads (deterministic_grads.hpp) on `gpus` GPUs.
-template <bool Bind>
+// run_grads (deterministic_grads.hpp) on `gpus` GPUs. Sharded (ShardedOptimizer): each rank
+// holds the mean of its shard only; the test puts the step's gradients together from every
+// rank's slices (handed to finish()'s callback).
+template <bool Bind, bool Sharded = false>
 grad_run run_gpu(const grad_values& values, split sp, lockstep::BucketPolicy buckets,
                  lockstep::DeterministicOptions o) {
   grad_run out;
+  out.grads.resize(values.size());
+  for (auto& g : out.grads)
+    for (auto n : grad_sizes) g.emplace_back(n, std::numeric_limits<float>::quiet_NaN());
   lockstep::run(lockstep::Gpus{first_gpus(sp.ranks)}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
     const cudaStream_t s = ctx.comm().compute_stream();
     DevGradModel<Bind> m(grad_sizes);
-    lockstep::DataParallel<DevGradModel<Bind>, lockstep::NcclComm, lockstep::Deterministic, lockstep::Accumulate<>> dp(
-        ctx, m, {.buckets = buckets}, lockstep::Deterministic(o), lockstep::Accumulate<>(sp.accumulate));
-    for (const auto& step : values) {
+    using Strategy = std::conditional_t<Sharded, lockstep::ShardedOptimizer, lockstep::Replicated>;
+    lockstep::DataParallel<DevGradModel<Bind>, lockstep::NcclComm, lockstep::Deterministic, lockstep::Accumulate<>,
+                           Strategy>
+        dp(ctx, m, {.buckets = buckets}, lockstep::Deterministic(o), lockstep::Accumulate<>(sp.accumulate), Strategy{});
+    for (std::size_t at = 0; at < values.size(); ++at) {
+      auto& grads = out.grads[at];
       for (int k = 0; k < sp.accumulate; ++k) {
         auto st = dp.step();
-        const auto& mb = step[static_cast<std::size_t>(k * sp.ranks + ctx.rank())];
+        const auto& mb = values[at][static_cast<std::size_t>(k * sp.ranks + ctx.rank())];
         for (std::size_t p = 0; p < mb.size(); ++p)
           LOCKSTEP_TRY_CUDA(
               cudaMemcpyAsync(m.g[p], mb[p].data(), mb[p].size() * sizeof(float), cudaMemcpyHostToDevice, s));
         LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s));
-        (void)st.finish();
+        (void)st.finish([&](std::span<const lockstep::param_slice> slices) {
+          if (!Sharded) return;
+          LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s));
+          for (const auto& sl : slices)  // the ranks' slices are disjoint: no lock
+            LOCKSTEP_TRY_CUDA(cudaMemcpy(grads[sl.param].data() + sl.offset, sl.grad, sl.count * sizeof(float),
+                                         cudaMemcpyDeviceToHost));
+        });
       }
       LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s));
       if (ctx.rank() == 0) {
-        auto& grads = out.grads.emplace_back();
-        for (std::size_t p = 0; p < m.g.size(); ++p) {
-          grads.emplace_back(m.n[p]);
-          LOCKSTEP_TRY_CUDA(cudaMemcpy(grads.back().data(), m.g[p], m.n[p] * sizeof(float), cudaMemcpyDeviceToHost));
-        }
+        if (!Sharded)
+          for (std::size_t p = 0; p < m.g.size(); ++p)
+            LOCKSTEP_TRY_CUDA(cudaMemcpy(grads[p].data(), m.g[p], m.n[p] * sizeof(float), cudaMemcpyDeviceToHost));
         out.reports.push_back(dp.hook().report());
       }
     }
@@ -148,6 +162,37 @@ void check_against_cpu(int gpus) {
   const auto per_tensor = run_gpu<false>(v, sp, {.first_bytes = 148, .cap_bytes = 148}, o);
   CHECK(same_bits(per_tensor, cpu));
   CHECK(same_counts(per_tensor, cpu));
+}
+
+// One micro-batch a GPU a step (one contribution a rank: the gradients go on the wire as they
+// are and each block's contributions are turned into their mean in one pass), replicated and
+// sharded, with buckets whose blocks leave a rest (37 elements: blocks of a multiple of 4):
+// the CPU reference's bits (one CPU rank folding the same micro-batches one after another).
+void check_one_each_against_cpu(int gpus) {
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
+  CAPTURE(gpus);
+  auto v = random_grads(rng, 3, gpus, -20, 0);
+  const auto last = static_cast<std::size_t>(gpus - 1);
+  v[0][last][2][100] = 3.0f;                                  // beyond the first range 2^0: clamped
+  v[1][0][1][5] = std::exp2(-80.0f);                          // rounded to 0: underflowed
+  v[2][last][0][7] = std::numeric_limits<float>::infinity();  // the last step non-finite
+  const lockstep::DeterministicOptions o{.initial_exponent = 0};
+  const auto cpu = run_grads(v, {1, gpus}, o);
+  REQUIRE(cpu.reports[0].clamped == 1);
+  REQUIRE(cpu.reports[1].underflowed == 1);
+  REQUIRE(cpu.reports[2].nonfinite == 1);
+  const split sp{gpus, 1};
+  for (const lockstep::BucketPolicy b : {lockstep::BucketPolicy{}, lockstep::BucketPolicy{1024, 4096},
+                                         lockstep::BucketPolicy{148, 148}}) {
+    CAPTURE(b.cap_bytes);
+    const auto zero_copy = run_gpu<true>(v, sp, b, o), packed = run_gpu<false>(v, sp, b, o);
+    CHECK(same_bits(zero_copy, cpu));
+    CHECK(same_counts(zero_copy, cpu));
+    CHECK(same_bits(packed, cpu));
+    const auto sharded = run_gpu<true, true>(v, sp, b, o);
+    CHECK(same_bits(sharded, cpu));
+    CHECK(same_counts(sharded, cpu));
+  }
 }
 
 // GpuMlp trained with Deterministic on sp's split of 8 micro-batches of 3 rows per step; graph:
@@ -214,6 +259,9 @@ void check_graph(int gpus) {
   TestMlp<float> start(d.dims, init);
   CHECK(max_rel_diff(start.flat_values(), graphed) > 1e-3);  // it trained
   CHECK(std::memcmp(graphed.data(), eager.data(), eager.size() * sizeof(float)) == 0);
+  // One micro-step a GPU (the all-to-all and the one-pass mean captured).
+  const auto eager_one = train_gpu(d, {1, gpus}, {}, init), graphed_one = train_gpu(d, {gpus, 1}, {}, init, true);
+  CHECK(std::memcmp(graphed_one.data(), eager_one.data(), eager_one.size() * sizeof(float)) == 0);
 }
 
 // A cycle cut short (folds, then begin_cycle without end_step) leaves nothing behind on the
@@ -248,6 +296,12 @@ void check_training(int gpus) {
   const auto a = train_gpu(d, sp, {}, init), b = train_gpu(d, sp, {.first_bytes = 256, .cap_bytes = 512}, init);
   CHECK(std::memcmp(a.data(), ref.data(), ref.size() * sizeof(float)) == 0);
   CHECK(std::memcmp(b.data(), ref.data(), ref.size() * sizeof(float)) == 0);
+  if (gpus == 1) return;
+  // One micro-step a GPU against the same micro-batches on one GPU, one after another.
+  const auto ref_one = train_gpu(d, {1, gpus}, {}, init);
+  const auto c = train_gpu(d, {gpus, 1}, {}, init), e = train_gpu(d, {gpus, 1}, {.first_bytes = 256, .cap_bytes = 512}, init);
+  CHECK(std::memcmp(c.data(), ref_one.data(), ref_one.size() * sizeof(float)) == 0);
+  CHECK(std::memcmp(e.data(), ref_one.data(), ref_one.size() * sizeof(float)) == 0);
 }
 
 }  // namespace
@@ -256,6 +310,10 @@ TEST_SUITE("gpu") {
 TEST_CASE("deterministic_gpu_sums_equal_the_cpu_reference: 1 GPU") {
   LOCKSTEP_REQUIRE_GPUS(1);
   check_against_cpu(1);
+}
+TEST_CASE("deterministic_gpu_one_micro_step_a_gpu_equals_the_cpu_reference: 1 GPU") {
+  LOCKSTEP_REQUIRE_GPUS(1);
+  check_one_each_against_cpu(1);
 }
 TEST_CASE("deterministic_gpu_training_same_bits_over_micro_steps_and_buckets: 1 GPU") {
   LOCKSTEP_REQUIRE_GPUS(1);
@@ -279,6 +337,14 @@ TEST_CASE("deterministic_gpu_sums_equal_the_cpu_reference: 2 GPUs") {
 TEST_CASE("deterministic_gpu_sums_equal_the_cpu_reference: 4 GPUs") {
   LOCKSTEP_REQUIRE_GPUS(4);
   check_against_cpu(4);
+}
+TEST_CASE("deterministic_gpu_one_micro_step_a_gpu_equals_the_cpu_reference: 2 GPUs") {
+  LOCKSTEP_REQUIRE_GPUS(2);
+  check_one_each_against_cpu(2);
+}
+TEST_CASE("deterministic_gpu_one_micro_step_a_gpu_equals_the_cpu_reference: 4 GPUs") {
+  LOCKSTEP_REQUIRE_GPUS(4);
+  check_one_each_against_cpu(4);
 }
 TEST_CASE("deterministic_gpu_training_same_bits_over_gpus: 2 GPUs") {
   LOCKSTEP_REQUIRE_GPUS(2);

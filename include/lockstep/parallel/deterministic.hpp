@@ -6,7 +6,10 @@
 //! Each micro-step's gradient (one forward/backward of a fixed micro-batch size) is converted to
 //! int64 with one exponent per parameter (core/detail/fixed_point.hpp), summed as integers over
 //! micro-steps (in an int64 copy of the arena) and over ranks (an int64 sum all-reduce or
-//! reduce-scatter), and converted back once, divided by the number of micro-batches. Integer sums
+//! reduce-scatter), and converted back once, divided by the number of micro-batches. On a GPU,
+//! a rank with one micro-step a cycle sends its gradients as they are instead (an all-to-all),
+//! and each rank converts, sums and converts back its block's contributions in one pass: the
+//! same integers, an all-reduce's bytes in the gradients' type. Integer sums
 //! are associative: no order of any kind reaches the result. A parameter's exponent for a step is
 //! the largest exponent any of its micro-gradient values had in the step before, plus
 //! `margin_bits`, agreed by one small max all-reduce at the end of each step (the first step uses
@@ -49,7 +52,9 @@ struct DeterministicOptions {
   int initial_exponent = 16;
 };
 
-//! What the fixed-point sums met. Counts of one step are the largest of any one rank.
+//! What the fixed-point sums met. Counts of one step are the largest of any one rank's: of its
+//! own contributions, or on a GPU with one micro-step a cycle, of its block's values from every
+//! rank — nonzero whenever any value met it, not a total over the job.
 struct fixed_point_report {
   std::int64_t steps = 0;              //!< steps reduced
   std::int64_t clamped = 0;            //!< last step: values beyond their range, clamped to it
@@ -85,6 +90,7 @@ struct fixed_state {
   std::shared_ptr<void> counts;  // int64[6]: the last step's three counts, then their totals
   std::int64_t contributions = 1;
   std::vector<fixed_run> runs;  // the last fold's (the collective after it converts them back)
+  bool deferred = false;        // the last fold converted nothing: its collective does (device)
   std::int64_t steps = 0;
   bool folded = false;                                            // the tail holds folds of a step not ended yet
   std::function<void(void*, const void*, std::size_t)> download;  // for report()
@@ -321,9 +327,13 @@ class Deterministic {
     auto* sums = static_cast<std::int64_t*>(a.sums.get());
     if constexpr (detail::device_communicator<Comm>) {
       static_assert(
-          requires { fixed_point_fold(comm, st, a, sums, zero_source); },
+          requires { fixed_point_fold(comm, st, a, zero_source); },
           "lockstep::Deterministic on a device communicator: include lockstep/cuda.cuh (its kernels)");
-      fixed_point_fold(comm, st, a, sums, zero_source);
+      // This rank's only micro-step of the cycle: its gradients are its one contribution, so
+      // the conversion waits for the collective, which sends them as they are and converts
+      // every rank's contribution to a block in one pass (cuda/deterministic_sum.cuh).
+      st.deferred = !zero_source && !a.holds;
+      if (!st.deferred) fixed_point_fold(comm, st, a, zero_source);
     } else {
       (void)comm;
       if (a.type == dtype::f32) detail::host_fold(st, static_cast<float*>(base), sums, !a.holds, zero_source);

@@ -1,7 +1,8 @@
 #pragma once
 //! The kernels of lockstep::Deterministic on the GPU (cuda/deterministic_sum.cuh), on the
 //! multi-tensor engine: one micro-step's gradients into int64 sums (fold), the sums back into
-//! the mean (unfold), the end of a step (the agreed largest exponents become the next
+//! the mean (unfold), every rank's one contribution to a block summed and converted back in one
+//! pass (fold_mean), the end of a step (the agreed largest exponents become the next
 //! step's, the counts are kept, a non-finite step's gradients are made NaN), and the tail of a
 //! cycle cut short dropped. The arithmetic is
 //! core/detail/fixed_point.hpp's, the host's, so host and device give the same bits. A tensor of a
@@ -50,6 +51,51 @@ __device__ inline std::int64_t warp_sum(std::int64_t v) {
   for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, static_cast<long long>(v), o);
   return v;
 }
+
+//! What a thread of a converting op saw: its run's exponent and slot, the largest exponent,
+//! the counts.
+struct fold_local {
+  int e = 0, slot = 0;
+  std::int64_t largest = lockstep::detail::fixed::no_exponent, clamped = 0, nonfinite = 0, under = 0;
+};
+
+//! x in fixed point with l's exponent and f fractional bits, noted in l.
+__device__ inline std::int64_t fold_value(double x, int f, fold_local& l) {
+  lockstep::detail::fixed::fold_flags fl;
+  const std::int64_t q = lockstep::detail::fixed::to_fixed(x, l.e, f, fl);
+  if (!fl.nonfinite && x != 0.0) {
+    const std::int64_t e = lockstep::detail::fixed::exponent_of(x);
+    l.largest = e > l.largest ? e : l.largest;
+  }
+  l.clamped += fl.clamped;
+  l.nonfinite += fl.nonfinite;
+  l.under += fl.underflow;
+  return q;
+}
+
+//! a + b mod 2^64: exact whenever the total fits.
+__device__ inline std::int64_t wrapping_add(std::int64_t a, std::int64_t b) {
+  return static_cast<long long>(static_cast<unsigned long long>(a) + static_cast<unsigned long long>(b));
+}
+
+//! The run's exponent and slot (a stepped op's "step counter" is its run's exponent).
+__device__ inline void fold_begin(fold_local& l, const std::int64_t* exps, const std::int64_t* step) {
+  l.e = static_cast<int>(*step);
+  l.slot = static_cast<int>(step - exps);
+}
+
+//! The block's largest exponent and counts into tail (by every thread).
+__device__ inline void fold_end(const fold_local& l, std::int64_t* tail, std::size_t params) {
+  const std::int64_t largest = warp_max(l.largest), c = warp_sum(l.clamped), n = warp_sum(l.nonfinite),
+                     u = warp_sum(l.under);
+  if ((threadIdx.x & 31u) != 0) return;
+  if (largest != lockstep::detail::fixed::no_exponent)
+    atomicMax(reinterpret_cast<long long*>(tail) + l.slot, static_cast<long long>(largest));
+  auto* counts = reinterpret_cast<unsigned long long*>(tail + params);
+  if (c) atomicAdd(counts, static_cast<unsigned long long>(c));
+  if (n) atomicAdd(counts + 1, static_cast<unsigned long long>(n));
+  if (u) atomicAdd(counts + 2, static_cast<unsigned long long>(u));
+}
 }  // namespace fixed_detail
 
 //! sums ← q(src) (overwrite) or sums + q(src), wrapping; src zeroed with zero_source. Lists:
@@ -60,10 +106,7 @@ struct fold_op : op_base<T> {
   static constexpr int lists = 2;
   static constexpr bool stepped = true;  // the "step counter" is the run's exponent
   __host__ __device__ static constexpr int elem_bytes(int list) { return list == 0 ? sizeof(T) : 8; }
-  struct local {
-    int e = 0, slot = 0;
-    std::int64_t largest = lockstep::detail::fixed::no_exponent, clamped = 0, nonfinite = 0, under = 0;
-  };
+  using local = fixed_detail::fold_local;
   template <int N>
   struct frag {
     T x[N];
@@ -75,8 +118,7 @@ struct fold_op : op_base<T> {
   bool overwrite, zero_source;
 
   __device__ bool begin(local& l, const block_info& b) const {
-    l.e = static_cast<int>(*b.step);
-    l.slot = static_cast<int>(b.step - exps);
+    fixed_detail::fold_begin(l, exps, b.step);
     return true;
   }
   template <int N>
@@ -90,20 +132,8 @@ struct fold_op : op_base<T> {
     if (!overwrite) fixed_detail::load_vec(sums, sums_at);
 #pragma unroll
     for (int k = 0; k < N; ++k) {
-      const double x = static_cast<double>(fr.x[k]);
-      lockstep::detail::fixed::fold_flags fl;
-      const std::int64_t q = lockstep::detail::fixed::to_fixed(x, l.e, f, fl);
-      sums[k] =
-          overwrite
-              ? q
-              : static_cast<long long>(static_cast<unsigned long long>(sums[k]) + static_cast<unsigned long long>(q));
-      if (!fl.nonfinite && x != 0.0) {
-        const std::int64_t e = lockstep::detail::fixed::exponent_of(x);
-        l.largest = e > l.largest ? e : l.largest;
-      }
-      l.clamped += fl.clamped;
-      l.nonfinite += fl.nonfinite;
-      l.under += fl.underflow;
+      const std::int64_t q = fixed_detail::fold_value(static_cast<double>(fr.x[k]), f, l);
+      sums[k] = overwrite ? q : fixed_detail::wrapping_add(sums[k], q);
     }
     fixed_detail::store_vec(sums_at, sums);
     if (zero_source) {
@@ -111,17 +141,62 @@ struct fold_op : op_base<T> {
       fixed_detail::store_vec(static_cast<T*>(p[0]) + i, zeros);
     }
   }
-  __device__ void end(local& l, const block_info&) const {
-    const std::int64_t largest = fixed_detail::warp_max(l.largest), c = fixed_detail::warp_sum(l.clamped),
-                       n = fixed_detail::warp_sum(l.nonfinite), u = fixed_detail::warp_sum(l.under);
-    if ((threadIdx.x & 31u) != 0) return;
-    if (largest != lockstep::detail::fixed::no_exponent)
-      atomicMax(reinterpret_cast<long long*>(tail) + l.slot, static_cast<long long>(largest));
-    auto* counts = reinterpret_cast<unsigned long long*>(tail + params);
-    if (c) atomicAdd(counts, static_cast<unsigned long long>(c));
-    if (n) atomicAdd(counts + 1, static_cast<unsigned long long>(n));
-    if (u) atomicAdd(counts + 2, static_cast<unsigned long long>(u));
+  __device__ void end(local& l, const block_info&) const { fixed_detail::fold_end(l, tail, params); }
+};
+
+//! dst ← the mean of the n contributions src[r·stride + i] (r = 0..n−1, one a rank, as an
+//! all-to-all left them), each converted to fixed point, summed as integers and converted back
+//! in one pass: what fold, the int64 sum over ranks and unfold give, without the int64 arrays.
+//! Lists: 0 = src (T, contribution 0), 1 = dst (T; may be src itself when n = 1). The tail as
+//! fold_op's (the values of this block from every rank).
+template <class T>
+struct fold_mean_op : op_base<T> {
+  static constexpr int lists = 2;
+  static constexpr bool stepped = true;
+  using local = fixed_detail::fold_local;
+  template <int N>
+  struct frag {
+    T x[N];
+  };
+  const std::int64_t* exps;
+  std::int64_t* tail;
+  std::size_t params;
+  int f;
+  std::int64_t m;  // micro-batches the mean is over
+  int n;           // contributions
+  std::size_t stride;
+  bool aligned;  // stride keeps vector alignment (stride · sizeof(T) a multiple of 16)
+
+  __device__ bool begin(local& l, const block_info& b) const {
+    fixed_detail::fold_begin(l, exps, b.step);
+    return true;
   }
+  template <int N>
+  __device__ void load(frag<N>& fr, void* const* p, std::size_t i, local&) const {
+    fixed_detail::load_vec(fr.x, static_cast<const T*>(p[0]) + i);
+  }
+  template <int N>
+  __device__ void store(frag<N>& fr, void* const* p, std::size_t i, local& l) const {
+    std::int64_t q[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) q[k] = fixed_detail::fold_value(static_cast<double>(fr.x[k]), f, l);
+    const T* src = static_cast<const T*>(p[0]) + i;
+    for (int r = 1; r < n; ++r) {
+      T x[N];
+      if (aligned || N == 1) fixed_detail::load_vec(x, src + static_cast<std::size_t>(r) * stride);
+      else
+#pragma unroll
+        for (int k = 0; k < N; ++k) x[k] = src[static_cast<std::size_t>(r) * stride + k];
+#pragma unroll
+      for (int k = 0; k < N; ++k)
+        q[k] = fixed_detail::wrapping_add(q[k], fixed_detail::fold_value(static_cast<double>(x[k]), f, l));
+    }
+    T out[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) out[k] = static_cast<T>(lockstep::detail::fixed::from_fixed(q[k], l.e, f, m));
+    fixed_detail::store_vec(static_cast<T*>(p[1]) + i, out);
+  }
+  __device__ void end(local& l, const block_info&) const { fixed_detail::fold_end(l, tail, params); }
 };
 
 //! dst ← the mean of m contributions whose sums are `sums`. Lists: 0 = sums, 1 = dst (T).
