@@ -288,13 +288,14 @@ double flat_time(std::size_t total, int ngpu, int iters) {
   });
 }
 
-// e. Where the deterministic MLP's time goes: the collectives of Deterministic's
-// reduce-scatter path alone, one after the other as it issues them (int64 reduce-scatter of
-// `total` sums, then the all-gather of the f32 gradients), each alone, and the plain f32
-// all-reduce beside them.
+// e. Where the deterministic MLP's time goes: the collectives of Deterministic's paths alone,
+// one after the other as it issues them — with several micro-steps a rank, the int64
+// reduce-scatter of `total` sums, then the all-gather of the f32 gradients; with one, the f32
+// all-to-all, then the same all-gather — and the plain f32 all-reduce beside them.
 inline void bench_e_flat(std::size_t total, int ngpu, int iters) {
-  auto run = [&](bool rs, bool ag) {
-    return timed(ngpu, 5, iters, [&, rs, ag](auto& ctx, cudaStream_t s) {
+  enum first_op { none, int64_reduce_scatter, f32_all_to_all };
+  auto run = [&](first_op first, bool ag) {
+    return timed(ngpu, 5, iters, [&, first, ag](auto& ctx, cudaStream_t s) {
       const auto n = static_cast<std::size_t>(ctx.comm().size()), me = static_cast<std::size_t>(ctx.comm().rank());
       const std::size_t per = total / n;
       std::int64_t* sums = nullptr;
@@ -305,21 +306,25 @@ inline void bench_e_flat(std::size_t total, int ngpu, int iters) {
       fill_kernel<<<1024, 256, 0, s>>>(grads, per * n, 7u);
       auto* comm = &ctx.comm();
       return std::pair{nothing(), std::function<void()>([=] {
-                         if (rs) {
+                         if (first == int64_reduce_scatter) {
                            auto w = comm->reduce_scatter(sums, sums + me * per, per, lockstep::dtype::i64,
                                                          lockstep::reduce_op::sum);
+                           if (!ag) w.wait();
+                         } else if (first == f32_all_to_all) {
+                           auto w = comm->all_to_all(grads, sums, per, lockstep::dtype::f32);
                            if (!ag) w.wait();
                          }
                          if (ag) comm->all_gather(grads + me * per, grads, per, lockstep::dtype::f32).wait();
                        })};
     });
   };
-  const double both = run(true, true), rs = run(true, false), ag = run(false, true);
+  const double rs_ag = run(int64_reduce_scatter, true), rs = run(int64_reduce_scatter, false), ag = run(none, true);
+  const double a2a_ag = run(f32_all_to_all, true), a2a = run(f32_all_to_all, false);
   const double flat = flat_time<float>(total, ngpu, iters);
   if (g_print)
     std::printf("e  %d GPU  %zu elements: int64 reduce-scatter + f32 all-gather %7.3f ms (reduce-scatter %7.3f, "
-                "all-gather %7.3f)  f32 all-reduce %7.3f ms\n",
-                ngpu, total, both, rs, ag, flat);
+                "all-gather %7.3f)  f32 all-to-all + all-gather %7.3f ms (all-to-all %7.3f)  f32 all-reduce %7.3f ms\n",
+                ngpu, total, rs_ag, rs, ag, a2a_ag, a2a, flat);
 }
 
 // a. gradient sync once every gradient is final: lockstep's finish() (the remaining buckets
@@ -622,7 +627,8 @@ int main(int argc, char** argv) {
       else if (a == "--node-size" && i + 1 < argc) node = std::stoi(argv[++i]);
       else {
         std::fprintf(
-            stderr, "usage: bench_sync [--shapes FILE] [--iters N] [--gpus N] [--only abceghkstwxyz] [--node-size L]\n");
+            stderr,
+            "usage: bench_sync [--shapes FILE] [--iters N] [--gpus N] [--only abceghkstwxyz] [--node-size L]\n");
         return 2;
       }
     }
@@ -736,7 +742,8 @@ int main(int argc, char** argv) {
             for (std::size_t cap_mib : {std::size_t{64}, std::size_t{128}}) {
               const lockstep::BucketPolicy bp{.first_bytes = std::size_t{1} << 20, .cap_bytes = cap_mib << 20};
               const double p = train_step_time<float>(mlp, g, iters, 0, mfwd, mbwd, bp);
-              const double d = train_step_time<float, false, false, false, true, true>(mlp, g, iters, 0, mfwd, mbwd, bp);
+              const double d =
+                  train_step_time<float, false, false, false, true, true>(mlp, g, iters, 0, mfwd, mbwd, bp);
               if (g_print)
                 std::printf("e  %d GPU  mlp fp32 cap %zu MiB: plain %7.3f ms  deterministic %7.3f ms (%.3fx)\n", g,
                             cap_mib, p, d, d / p);

@@ -73,15 +73,14 @@ struct DevGradModel {
 };
 
 // run_grads (deterministic_grads.hpp) on `gpus` GPUs. Sharded (ShardedOptimizer): each rank
-// holds the mean of its shard only; the test puts the step's gradients together from every
-// rank's slices (handed to finish()'s callback).
+// holds the mean of its shard only; the test reads it through the values (below).
 template <bool Bind, bool Sharded = false>
 grad_run run_gpu(const grad_values& values, split sp, lockstep::BucketPolicy buckets,
                  lockstep::DeterministicOptions o) {
   grad_run out;
   out.grads.resize(values.size());
   for (auto& g : out.grads)
-    for (auto n : grad_sizes) g.emplace_back(n, std::numeric_limits<float>::quiet_NaN());
+    for (auto n : grad_sizes) g.emplace_back(n);
   lockstep::run(lockstep::Gpus{first_gpus(sp.ranks)}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
     const cudaStream_t s = ctx.comm().compute_stream();
     DevGradModel<Bind> m(grad_sizes);
@@ -98,19 +97,20 @@ grad_run run_gpu(const grad_values& values, split sp, lockstep::BucketPolicy buc
           LOCKSTEP_TRY_CUDA(
               cudaMemcpyAsync(m.g[p], mb[p].data(), mb[p].size() * sizeof(float), cudaMemcpyHostToDevice, s));
         LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s));
+        // Sharded: the "optimizer" sets each shard's values to its gradients, and the gather
+        // after it hands every rank the whole mean in the values.
         (void)st.finish([&](std::span<const lockstep::param_slice> slices) {
-          if (!Sharded) return;
-          LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s));
-          for (const auto& sl : slices)  // the ranks' slices are disjoint: no lock
-            LOCKSTEP_TRY_CUDA(cudaMemcpy(grads[sl.param].data() + sl.offset, sl.grad, sl.count * sizeof(float),
-                                         cudaMemcpyDeviceToHost));
+          if (Sharded)
+            for (const auto& sl : slices)
+              LOCKSTEP_TRY_CUDA(
+                  cudaMemcpyAsync(sl.value, sl.grad, sl.count * sizeof(float), cudaMemcpyDeviceToDevice, s));
         });
       }
       LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s));
       if (ctx.rank() == 0) {
-        if (!Sharded)
-          for (std::size_t p = 0; p < m.g.size(); ++p)
-            LOCKSTEP_TRY_CUDA(cudaMemcpy(grads[p].data(), m.g[p], m.n[p] * sizeof(float), cudaMemcpyDeviceToHost));
+        const auto& from = Sharded ? m.v : m.g;
+        for (std::size_t p = 0; p < m.g.size(); ++p)
+          LOCKSTEP_TRY_CUDA(cudaMemcpy(grads[p].data(), from[p], m.n[p] * sizeof(float), cudaMemcpyDeviceToHost));
         out.reports.push_back(dp.hook().report());
       }
     }
@@ -182,8 +182,8 @@ void check_one_each_against_cpu(int gpus) {
   REQUIRE(cpu.reports[1].underflowed == 1);
   REQUIRE(cpu.reports[2].nonfinite == 1);
   const split sp{gpus, 1};
-  for (const lockstep::BucketPolicy b : {lockstep::BucketPolicy{}, lockstep::BucketPolicy{1024, 4096},
-                                         lockstep::BucketPolicy{148, 148}}) {
+  for (const lockstep::BucketPolicy b :
+       {lockstep::BucketPolicy{}, lockstep::BucketPolicy{1024, 4096}, lockstep::BucketPolicy{148, 148}}) {
     CAPTURE(b.cap_bytes);
     const auto zero_copy = run_gpu<true>(v, sp, b, o), packed = run_gpu<false>(v, sp, b, o);
     CHECK(same_bits(zero_copy, cpu));
@@ -299,7 +299,8 @@ void check_training(int gpus) {
   if (gpus == 1) return;
   // One micro-step a GPU against the same micro-batches on one GPU, one after another.
   const auto ref_one = train_gpu(d, {1, gpus}, {}, init);
-  const auto c = train_gpu(d, {gpus, 1}, {}, init), e = train_gpu(d, {gpus, 1}, {.first_bytes = 256, .cap_bytes = 512}, init);
+  const auto c = train_gpu(d, {gpus, 1}, {}, init),
+             e = train_gpu(d, {gpus, 1}, {.first_bytes = 256, .cap_bytes = 512}, init);
   CHECK(std::memcmp(c.data(), ref_one.data(), ref_one.size() * sizeof(float)) == 0);
   CHECK(std::memcmp(e.data(), ref_one.data(), ref_one.size() * sizeof(float)) == 0);
 }

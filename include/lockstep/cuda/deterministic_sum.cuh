@@ -33,10 +33,10 @@ void launch_runs(const Op& op, const fixed_state& st, void* a, std::size_t a_byt
         const auto& r = st.runs[i];
         const std::size_t from = std::max(lo, r.offset), to = std::min(hi, r.offset + r.count);
         const std::size_t at = from < to ? from : lo;  // (an empty run's pointers are not used)
-        cuda::kernels::tensor_ref<2> t{{static_cast<char*>(a) + (at - a_first) * a_bytes,
-                                        static_cast<char*>(b) + at * b_bytes},
-                                       from < to ? to - from : 0,
-                                       exps + r.slot};
+        cuda::kernels::tensor_ref<2> t{
+            {static_cast<char*>(a) + (at - a_first) * a_bytes, static_cast<char*>(b) + at * b_bytes},
+            from < to ? to - from : 0,
+            exps + r.slot};
         return t;
       },
       s, who);
@@ -112,8 +112,7 @@ inline NcclComm::work fold_mean_all_reduce(NcclComm& comm, fixed_state& st, fixe
   const std::size_t lo = static_cast<std::size_t>(sums - static_cast<std::int64_t*>(a.sums.get()));
   const auto n = static_cast<std::size_t>(comm.size()), me = static_cast<std::size_t>(comm.rank());
   auto* base = static_cast<char*>(const_cast<void*>(a.base));
-  if (n == 1)
-    return comm.enqueue([&](cudaStream_t s) { fold_mean_runs(st, a, base, 0, 1, 0, lo, lo + count, s); });
+  if (n == 1) return comm.enqueue([&](cudaStream_t s) { fold_mean_runs(st, a, base, 0, 1, 0, lo, lo + count, s); });
   const std::size_t per = count / n / 4 * 4, split = per * n, size = size_of(a.type);
   NcclComm::work w;
   if (split < count) {
@@ -124,9 +123,8 @@ inline NcclComm::work fold_mean_all_reduce(NcclComm& comm, fixed_state& st, fixe
   }
   (void)comm.all_to_all(base + lo * size, sums, per, a.type);
   const std::size_t mine = lo + me * per;
-  (void)comm.enqueue([&](cudaStream_t s) {
-    fold_mean_runs(st, a, sums, mine, static_cast<int>(n), per, mine, mine + per, s);
-  });
+  (void)comm.enqueue(
+      [&](cudaStream_t s) { fold_mean_runs(st, a, sums, mine, static_cast<int>(n), per, mine, mine + per, s); });
   return comm.all_gather(base + mine * size, base + lo * size, per, a.type);
 }
 }  // namespace detail

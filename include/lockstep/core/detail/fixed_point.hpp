@@ -37,10 +37,19 @@ LOCKSTEP_HOST_DEVICE inline double scaled(double x, int e) {
 #endif
 }
 
+#if defined(__CUDA_ARCH__)
+//! 2^k for a normal double (−1022 ≤ k ≤ 1023), from its bits. On the device x · pow2(k) takes
+//! ldexp's place where 2^k is normal: both are x · 2^k rounded once (exact unless subnormal),
+//! so they have the same bits, and a multiplication costs far less than ldexp's general case.
+__device__ inline double pow2(int k) { return __longlong_as_double(static_cast<long long>(k + 1023) << 52); }
+#endif
+
 //! The e with 2^(e−1) ≤ |x| < 2^e, for finite x ≠ 0.
 LOCKSTEP_HOST_DEVICE inline int exponent_of(double x) {
   int e = 0;
 #if defined(__CUDA_ARCH__)
+  const int biased = static_cast<int>((__double_as_longlong(x) >> 52) & 0x7ff);
+  if (biased != 0) return biased - 1022;  // normal: x = 1.m · 2^(biased − 1023) = 0.1m · 2^(biased − 1022)
   (void)::frexp(x, &e);
 #else
   (void)std::frexp(x, &e);
@@ -62,14 +71,19 @@ LOCKSTEP_HOST_DEVICE inline std::int64_t to_fixed(double x, int e, int f, fold_f
     return 0;
   }
   const double a = x < 0 ? -x : x;
+#if defined(__CUDA_ARCH__)
+  if (a >= pow2(e)) {  // (e within ±300, f − e within ±362: both powers normal)
+#else
   if (a >= scaled(1.0, e)) {
+#endif
     flags.clamped = true;
     return x < 0 ? -(std::int64_t{1} << f) : (std::int64_t{1} << f);
   }
-  const double v = scaled(x, f - e);  // exact: a power-of-two scale of a float or double
 #if defined(__CUDA_ARCH__)
+  const double v = x * pow2(f - e);
   const std::int64_t q = __double2ll_rn(v);
 #else
+  const double v = scaled(x, f - e);      // exact: a power-of-two scale of a float or double
   const std::int64_t q = std::llrint(v);  // the default rounding mode: nearest, ties to even
 #endif
   if (q == 0 && x != 0.0) flags.underflow = true;
@@ -79,11 +93,14 @@ LOCKSTEP_HOST_DEVICE inline std::int64_t to_fixed(double x, int e, int f, fold_f
 //! The mean of M contributions whose fixed-point sum is s (exponent e, F fractional bits).
 LOCKSTEP_HOST_DEVICE inline double from_fixed(std::int64_t s, int e, int f, std::int64_t contributions) {
 #if defined(__CUDA_ARCH__)
-  const double d = __ll2double_rn(s);
+  const double t = __ll2double_rn(s) * pow2(e - f);  // exact: |s| < 2^63, e − f ≥ −362
+  // A power of two's reciprocal is exact, and t / 2^h and t · 2^−h are one value rounded once.
+  if ((contributions & (contributions - 1)) == 0) return t * pow2(1 - __ffsll(contributions));
+  return t / static_cast<double>(contributions);
 #else
   const double d = static_cast<double>(s);
-#endif
   return scaled(d, e - f) / static_cast<double>(contributions);
+#endif
 }
 
 //! The next step's exponent from this step's largest (over ranks and micro-steps).
