@@ -60,9 +60,11 @@
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/reduce_op.hpp"
 #include "lockstep/cuda/detail/nccl_costs.cuh"
+#include "lockstep/cuda/detail/nccl_control.cuh"
 #include "lockstep/cuda/detail/nccl_handle.cuh"
 #include "lockstep/cuda/detail/nccl_marker.cuh"
 #include "lockstep/cuda/detail/nccl_order.cuh"
+#include "lockstep/cuda/detail/nccl_regroup.cuh"
 #include "lockstep/cuda/detail/nccl_state.cuh"
 #include "lockstep/cuda/detail/nccl_symmetric.cuh"
 #include "lockstep/cuda/detail/nccl_window.cuh"
@@ -75,8 +77,20 @@
 
 namespace lockstep {
 
-class NcclComm : private detail::nccl_handle {
+class NcclComm : private detail::nccl_control {
  public:
+  // Failure handling and the order check (cuda/detail/nccl_control.cuh).
+  using nccl_control::abort;
+  using nccl_control::aborted;
+  using nccl_control::check_async_error;
+  using nccl_control::label_next;
+  using nccl_control::order_check;
+  using nccl_control::order_failure;
+  using nccl_control::overdue;
+  using nccl_control::track_collectives;
+  using nccl_control::tracked_launch;
+  using nccl_control::verify_order;
+
   //! The handle of one collective in flight (cuda/detail/nccl_work.cuh).
   using work = detail::nccl_work;
   using work_type = work;
@@ -215,6 +229,30 @@ class NcclComm : private detail::nccl_handle {
     });
   }
 
+  //! A ring shift: recv ← the `count` elements that the rank `distance` places after this one
+  //! (mod size()) sent; each rank's send goes once, to one rank (an ncclSend and an ncclRecv in
+  //! one group). Every rank calls it with the same count and distance. Not in place.
+  //! (PeerCopy's transport: each rank's optimizer part to the rank before it.)
+  work shift(const void* send, void* recv, std::size_t count, dtype t, int distance) {
+    state& s = live("shift");
+    const collective c = detail::nccl_check_order(s, collective::shift(count, t, distance));
+    if (count == 0) return {};
+    detail::nccl_require(send, "send", "shift");
+    detail::nccl_require(recv, "recv", "shift");
+    const ncclDataType_t nt = to_nccl(t);
+    const int n = s.size, d = ((distance % n) + n) % n;
+    return issue(s, c, [&](cudaStream_t cs) {
+      if (!s.comm || d == 0) return detail::nccl_local(send, recv, count * size_of(t), cs);
+      LOCKSTEP_TRY_NCCL(ncclGroupStart());
+      const ncclResult_t to = ncclSend(send, count, nt, (s.rank - d + n) % n, s.comm, cs);
+      const ncclResult_t from = ncclRecv(recv, count, nt, (s.rank + d) % n, s.comm, cs);
+      const ncclResult_t end = ncclGroupEnd();  // always: a group left open would swallow the next call
+      LOCKSTEP_TRY_NCCL(to);
+      LOCKSTEP_TRY_NCCL(from);
+      LOCKSTEP_TRY_NCCL(end);
+    });
+  }
+
   //! Queues f(stream) on the communication stream: after every collective issued so far and
   //! the compute stream's work queued so far, before the next collective. The work orders the
   //! compute stream after it, like a collective's. For kernels between collectives (the bf16
@@ -269,98 +307,6 @@ class NcclComm : private detail::nccl_handle {
     live("barrier");  // an abort() while we waited turns into aborted_error here
   }
 
-  //! Throws nccl_error if NCCL has recorded an asynchronous failure on this communicator or
-  //! on one split from the same (e.g. a peer's network connection broke). Cheap; meant for
-  //! watchdogs and error paths.
-  void check_async_error() const {
-    if (s_) detail::nccl_check_async_error(*s_->family);
-  }
-
-  //! The order check (comm/order_check.hpp): the first mismatch across ranks the seals compared
-  //! so far show, here or in a split of the same; never blocks, safe from a watchdog's thread.
-  std::optional<std::string> order_failure() const {
-    if (!s_) return std::nullopt;
-    for (const auto& m : s_->family->live()) {
-      if (m->aborted.load(std::memory_order_acquire)) continue;  // its seals died with it
-      detail::device_guard g(m->device, std::nothrow);           // a watchdog's thread: no context on GPU 0
-      if (auto why = m->seals.poll([&] { return detail::nccl_order_how(*m); })) return why;
-    }
-    return std::nullopt;
-  }
-  //! Waits (up to LOCKSTEP_TIMEOUT) for the order check of every collective issued so far on
-  //! this communicator and throws mismatch_error if any differed across ranks.
-  void verify_order() {
-    state& s = live("verify_order");
-    detail::device_guard g(s.device);
-    if (!s.seals.drain(detail::default_timeout()))
-      throw timeout_error("NcclComm::verify_order: " + s.who() +
-                          ": the order check of earlier collectives did not "
-                          "complete within LOCKSTEP_TIMEOUT (a peer never issued them)");
-    live("verify_order");  // aborted meanwhile: that, not what the killed checks left
-    if (auto why = order_failure()) throw mismatch_error(*why);
-  }
-  order_check_mode order_check() const noexcept { return s_ ? s_->seals.mode() : order_check_mode::off; }
-
-  //! Stops this rank's communication now (ncclCommAbort), on this communicator and on every
-  //! one split from the same (a failure in one group ends the job): NCCL kernels in flight
-  //! quit, a thread blocked in barrier()/synchronize() is released, and every later call
-  //! throws aborted_error carrying `reason`. Safe from any thread; idempotent; never throws.
-  void abort(std::string_view reason = "aborted") noexcept {
-    if (!s_) return;
-    std::vector<std::shared_ptr<state>> all;
-    try {
-      // Marks the family as well: a split() racing this abort is aborted as it joins (and
-      // throws aborted_error) instead of being left running, unreachable.
-      all = s_->family->abort_all(reason);
-    } catch (...) {
-    }
-    if (std::find(all.begin(), all.end(), s_) == all.end()) detail::nccl_abort(*s_, reason);
-    // Newest first: a sub-group's kernel stuck on this device would keep the parent's abort
-    // (which frees memory, and so waits for the device) from returning.
-    for (auto m = all.rbegin(); m != all.rend(); ++m) detail::nccl_abort(**m, reason);
-  }
-  bool aborted() const noexcept { return s_ && s_->aborted.load(std::memory_order_acquire); }
-
-  //! From now on remember when each collective was issued, so that overdue() can tell a
-  //! collective that never completes (a peer died, hangs, or issued something else) from
-  //! one that is merely slow. Costs one event record per collective. Collectives captured
-  //! into a CUDA graph are not tracked. Applies to the communicators split from this one too.
-  void track_collectives() {
-    live("track_collectives");
-    for (const auto& m : s_->family->live()) m->tracking = true;
-  }
-
-  //! With track_collectives(): a description of the oldest collective still running after
-  //! `limit` on this communicator or one split from the same, else nothing. Safe to call
-  //! from another thread (a watchdog) while this rank issues collectives.
-  std::optional<std::string> overdue(std::chrono::milliseconds limit) const {
-    if (!s_) return std::nullopt;
-    for (const auto& m : s_->family->live())
-      if (auto why = detail::nccl_overdue(*m, limit)) return why;
-    return std::nullopt;
-  }
-
-  //! Runs launch(), which queues work holding collectives of this communicator on the compute
-  //! stream (a CUDA graph replay: StepGraph, libtorch's CUDAGraph::replay()), tracked like a
-  //! collective with track_collectives(): overdue() names it, "graph_replay #n of <what>", if
-  //! it has not completed in time (a peer died or hangs inside the replay).
-  template <class Launch>
-  void tracked_launch(std::string what, Launch&& launch) {
-    state& s = live("tracked_launch");
-    detail::device_guard g(s.device);
-    collective c;
-    c.kind = collective_kind::graph_replay;
-    c.seq = s.launches++;
-    c.label = std::move(what);
-    detail::nccl_marker mark(s, c, false, s.compute_stream());
-    std::forward<Launch>(launch)();
-    mark.done();
-  }
-
-  //! Labels the next collective (e.g. "bucket 3: 64 f32 at 192"): shown in overdue() and in the
-  //! order check's mismatch messages, and compared there. DataParallel labels its buckets.
-  void label_next(std::string label) { live("label_next").next_label = std::move(label); }
-
   //! A communicator over the ranks that pass the same colour (≥ 0), ordered by key (ties: by
   //! rank here), by ncclCommSplit — collective over this group, every rank calls it. The new
   //! one is on the same device and orders on this one's compute stream, also one set later by
@@ -372,6 +318,30 @@ class NcclComm : private detail::nccl_handle {
   //! Its first collective connects its peers (NCCL_RUNTIME_CONNECT=1, NCCL's default) inside
   //! the host call, which waits for them there; overdue() names it meanwhile.
   NcclComm split(int color, int key) { return split_with(color, key, nullptr, "split"); }
+
+  //! After a failure aborted this rank's communicators (docs/elastic.md): a new one over the
+  //! job ranks `members` (ascending, the same on every member, as agree_on_survivors decides)
+  //! for the `change`-th change of the job's membership, this rank being job rank `job_rank`.
+  //! Every member calls it; job ranks not in `members` take no part. The lowest member makes
+  //! the NCCL id and shares it through `store` (key "lockstep.elastic/<change>/nccl_id"; the
+  //! others wait for it, bounded by the store's timeout); then ncclCommInitRank over the
+  //! members, which waits for all of them (a member lost in those moments is not survived: the
+  //! job ends through its watchdog). The new communicator stays on this device, orders on this
+  //! one's compute stream and joins its family, re-armed: abort() of the job's first
+  //! communicator (run(Gpus)'s failure handling) reaches it, and a later failure is named on
+  //! its own. NCCL's ncclCommShrink is not used: it needs a parent not yet aborted, and a
+  //! failure here aborts at once (the watchdog releases the blocked ranks that way).
+  template <class Store>
+  NcclComm regroup(std::uint64_t change, std::span<const int> members, int job_rank, Store& store) {
+    if (!s_) throw config_error("NcclComm::regroup: this communicator was moved from");
+    const detail::regroup_place at = detail::regroup_place_of(members, job_rank);
+    const ncclUniqueId id = detail::regroup_id(store, change, at.rank == 0);
+    ncclComm_t c = detail::nccl_init_rank(id, at.rank, at.size, s_->device);
+    s_->family->rearm();
+    NcclComm out(adopt_tag{}, c, at.rank, at.size, s_->device, s_, "regroup " + std::to_string(change));
+    out.s_->one_process = s_->one_process;
+    return out;
+  }
 
 #if LOCKSTEP_NCCL_COPY_ENGINE
   //! The same ranks in a new communicator (a split, so collective) with NCCL's zero-CTA
@@ -432,7 +402,7 @@ class NcclComm : private detail::nccl_handle {
   // `parent`: the communicator this one was split from (nullptr: a rank's first one).
   NcclComm(adopt_tag, ncclComm_t c, int rank, int world, int device, const std::shared_ptr<state>& parent = {},
            std::string group_name = {})
-      : nccl_handle(c, rank, world, device, parent, std::move(group_name)) {}
+      : nccl_control(c, rank, world, device, parent, std::move(group_name)) {}
 
   NcclComm split_with(int color, int key, ncclConfig_t* config, const char* what) {
     split_part sub = split_comm(color, key, config, what);  // cuda/detail/nccl_handle.cuh

@@ -14,7 +14,7 @@
 //! The loop: docs/elastic.md (compiled and run by tests/docs/snippets.cpp).
 //! Host snapshots: the parameters and the optimizer state are copied to host memory at each
 //! snapshot (a device-resident copy on the copy stream is issue 29's next step). Needs a
-//! communicator with shift(): ThreadComm today.
+//! communicator with shift(): ThreadComm and NcclComm (staged through device memory) today.
 
 #include <algorithm>
 #include <cstddef>
@@ -36,7 +36,7 @@
 namespace lockstep {
 
 //! A communicator with a ring shift: `shift(send, recv, count, t, d)` gives each rank the
-//! block of the rank d places after it (ThreadComm).
+//! block of the rank d places after it (ThreadComm, NcclComm).
 template <class C>
 concept shifting_communicator = communicator<C> && requires(C& c, const void* s, void* r, std::size_t n, dtype t,
                                                             int d) { c.shift(s, r, n, t, d); };
@@ -63,8 +63,8 @@ class PeerCopy {
     requires DP::sharded
   bool save(std::int64_t step, const membership& members, DP& dp, const Opt& opt, const Sampler& sampler) {
     static_assert(shifting_communicator<std::remove_cvref_t<decltype(dp.comm())>>,
-                  "lockstep::PeerCopy needs a communicator with shift() (ThreadComm); NcclComm and MpiComm "
-                  "do not have one yet (issue 29): roll back to a checkpoint instead");
+                  "lockstep::PeerCopy needs a communicator with shift() (ThreadComm, NcclComm); MpiComm "
+                  "does not have one yet (issue 29): roll back to a checkpoint instead");
     if (step < 0)
       throw config_error("PeerCopy::save: step " + std::to_string(step) + "; pass the optimizer steps done");
     if (step % opt_.every != 0) return false;
