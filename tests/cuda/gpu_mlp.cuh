@@ -123,6 +123,11 @@ class GpuMlp {
     return ps;
   }
   void bind_gradient(std::size_t i, void* p) { grads_[i] = static_cast<float*>(p); }
+  // Zeroes the gradients on the stream (backward adds into them).
+  void zero_gradients() {
+    for (std::size_t i = 0; i < grads_.size(); ++i)
+      LOCKSTEP_TRY_CUDA(cudaMemsetAsync(grads_[i], 0, sizes_[i] * sizeof(float), s_));
+  }
   // lockstep::model (d): the gradients back into the model's own buffers (before the
   // DataParallel that bound them goes; the elastic tests rebuild it over fewer ranks).
   void unbind_gradients() {

@@ -71,7 +71,8 @@ std::vector<float> train(const dataset& d, std::uint64_t seed, int gpus, int fro
     using DP = lockstep::DataParallel<GpuMlp, lockstep::NcclComm>;
     std::optional<DP> dp(std::in_place, group.comm(), m);
     group.on_change([&](const lockstep::membership_change&) {
-      dp.reset();  // the model takes its gradients back
+      dp.reset();          // the model takes its gradients back,
+      m.zero_gradients();  // which hold what the interrupted backward added (it adds: +=)
       dp.emplace(group.comm(), m);
     });
     bool changed_once = false;
