@@ -8,6 +8,7 @@
 #include <cuda_runtime_api.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <random>
@@ -176,6 +177,13 @@ TEST_CASE("elastic_gpu: a rank dies mid-backward - the survivor regroups and goe
   const auto before = train(d, init_seed, 2, 0, die, nullptr, std::nullopt);
   const auto after = train(d, init_seed, 1, die, steps, &before, std::nullopt);
   TestMlp<float> init(d.dims, init_seed);
+  auto norm = [](const std::vector<float>& v) {
+    double s = 0;
+    for (float x : v) s += static_cast<double>(x) * x;
+    return std::sqrt(s);
+  };
+  MESSAGE("norms: init " << norm(init.flat_values()) << " before " << norm(before) << " elastic " << norm(elastic)
+                         << " after " << norm(after) << " elastic vs before " << max_rel_diff(elastic, before));
   REQUIRE(elastic.size() == after.size());
   CHECK(max_rel_diff(init.flat_values(), elastic) > 1e-3);  // it trained
   CHECK(max_rel_diff(elastic, after) <= 1e-5);
