@@ -123,22 +123,6 @@ class GpuMlp {
     return ps;
   }
   void bind_gradient(std::size_t i, void* p) { grads_[i] = static_cast<float*>(p); }
-  // Zeroes the gradients on the stream (backward adds into them).
-  void zero_gradients() {
-    for (std::size_t i = 0; i < grads_.size(); ++i)
-      LOCKSTEP_TRY_CUDA(cudaMemsetAsync(grads_[i], 0, sizes_[i] * sizeof(float), s_));
-  }
-  // lockstep::model (d): the gradients back into the model's own buffers (before the
-  // DataParallel that bound them goes; the elastic tests rebuild it over fewer ranks).
-  void unbind_gradients() {
-    for (std::size_t i = 0; i < grads_.size(); ++i) {
-      if (grads_[i] != own_grads_[i])
-        LOCKSTEP_TRY_CUDA(
-            cudaMemcpyAsync(own_grads_[i], grads_[i], sizes_[i] * sizeof(float), cudaMemcpyDeviceToDevice, s_));
-      grads_[i] = own_grads_[i];
-    }
-    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s_));
-  }
   // Sharded (lockstep::model (e)): the values move into lockstep's arena, copied on the stream.
   void bind_value(std::size_t i, void* p) {
     LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(p, vals_.at(i), sizes_[i] * sizeof(float), cudaMemcpyDeviceToDevice, s_));

@@ -497,6 +497,20 @@ TEST_CASE("NcclComm on 1 GPU: no NCCL communicator - little device memory and sp
   CHECK(sub.aborted());
   CHECK(what_of([&] { comms[0].barrier(); }).find("one-rank abort") != std::string::npos);
 }
+TEST_CASE("NcclComm shift: each rank gets the block of the rank d places after it - 1 GPU") {
+  LOCKSTEP_REQUIRE_GPUS(1);
+  lockstep::run(lockstep::Gpus{{0}}, [](lockstep::context<lockstep::NcclComm>& ctx) {
+    LOCKSTEP_SEEDED(std::mt19937_64 rng);
+    const auto mine = lockstep_test::random_vector<float>(37, rng, -1, 1);
+    lockstep::CudaMemory mem = ctx.comm().memory();
+    auto send = mem.allocate(mine.size() * 4), recv = mem.allocate(mine.size() * 4);
+    mem.upload(send.get(), mine.data(), mine.size() * 4);
+    ctx.comm().shift(send.get(), recv.get(), mine.size(), lockstep::dtype::f32, 3).wait();
+    std::vector<float> got(mine.size());
+    mem.download(got.data(), recv.get(), got.size() * 4);
+    CHECK(got == mine);
+  });
+}
 }
 
 TEST_SUITE("multigpu") {
@@ -716,5 +730,26 @@ TEST_CASE("NcclComm split: the parent's overdue() and abort() reach a sub-group"
 TEST_CASE("NcclComm on all visible GPUs: conformance - every collective matches the reference") {
   LOCKSTEP_REQUIRE_GPUS(3);  // with 2 visible, the 2-GPU test already covers it
   conformance_on_gpus(lockstep::test::visible_gpus());
+}
+TEST_CASE("NcclComm shift: each rank gets the block of the rank d places after it - 2 GPUs") {
+  LOCKSTEP_REQUIRE_GPUS(2);
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
+  const std::size_t count = 1000 + rng() % 3000;
+  std::vector<std::vector<float>> blocks;
+  for (int r = 0; r < 2; ++r) blocks.push_back(lockstep_test::random_vector<float>(count, rng, -1, 1));
+  for (int distance : {-3, -1, 0, 1, 2}) {
+    CAPTURE(distance);
+    lockstep::run(lockstep::Gpus{{0, 1}}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
+      const auto& mine = blocks[static_cast<std::size_t>(ctx.rank())];
+      lockstep::CudaMemory mem = ctx.comm().memory();
+      auto send = mem.allocate(count * 4), recv = mem.allocate(count * 4);
+      mem.upload(send.get(), mine.data(), count * 4);
+      ctx.comm().shift(send.get(), recv.get(), count, lockstep::dtype::f32, distance).wait();
+      std::vector<float> got(count);
+      mem.download(got.data(), recv.get(), count * 4);
+      const int from = ((ctx.rank() + distance) % 2 + 2) % 2;
+      CHECK(got == blocks[static_cast<std::size_t>(from)]);
+    });
+  }
 }
 }

@@ -64,7 +64,6 @@
 #include "lockstep/cuda/detail/nccl_handle.cuh"
 #include "lockstep/cuda/detail/nccl_marker.cuh"
 #include "lockstep/cuda/detail/nccl_order.cuh"
-#include "lockstep/cuda/detail/nccl_regroup.cuh"
 #include "lockstep/cuda/detail/nccl_state.cuh"
 #include "lockstep/cuda/detail/nccl_symmetric.cuh"
 #include "lockstep/cuda/detail/nccl_window.cuh"
@@ -318,30 +317,6 @@ class NcclComm : private detail::nccl_control {
   //! Its first collective connects its peers (NCCL_RUNTIME_CONNECT=1, NCCL's default) inside
   //! the host call, which waits for them there; overdue() names it meanwhile.
   NcclComm split(int color, int key) { return split_with(color, key, nullptr, "split"); }
-
-  //! After a failure aborted this rank's communicators (docs/elastic.md): a new one over the
-  //! job ranks `members` (ascending, the same on every member, as agree_on_survivors decides)
-  //! for the `change`-th change of the job's membership, this rank being job rank `job_rank`.
-  //! Every member calls it; job ranks not in `members` take no part. The lowest member makes
-  //! the NCCL id and shares it through `store` (key "lockstep.elastic/<change>/nccl_id"; the
-  //! others wait for it, bounded by the store's timeout); then ncclCommInitRank over the
-  //! members, which waits for all of them (a member lost in those moments is not survived: the
-  //! job ends through its watchdog). The new communicator stays on this device, orders on this
-  //! one's compute stream and joins its family, re-armed: abort() of the job's first
-  //! communicator (run(Gpus)'s failure handling) reaches it, and a later failure is named on
-  //! its own. NCCL's ncclCommShrink is not used: it needs a parent not yet aborted, and a
-  //! failure here aborts at once (the watchdog releases the blocked ranks that way).
-  template <class Store>
-  NcclComm regroup(std::uint64_t change, std::span<const int> members, int job_rank, Store& store) {
-    if (!s_) throw config_error("NcclComm::regroup: this communicator was moved from");
-    const detail::regroup_place at = detail::regroup_place_of(members, job_rank);
-    const ncclUniqueId id = detail::regroup_id(store, change, at.rank == 0);
-    ncclComm_t c = detail::nccl_init_rank(id, at.rank, at.size, s_->device);
-    s_->family->rearm();
-    NcclComm out(adopt_tag{}, c, at.rank, at.size, s_->device, s_, "regroup " + std::to_string(change));
-    out.s_->one_process = s_->one_process;
-    return out;
-  }
 
 #if LOCKSTEP_NCCL_COPY_ENGINE
   //! The same ranks in a new communicator (a split, so collective) with NCCL's zero-CTA

@@ -45,9 +45,7 @@ void run(Gpus mode, Body&& body) {
         // Finish this rank's queued work before its communicator goes away.
         LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(ctx.comm().compute_stream()));
         LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(ctx.comm().comm_stream()));
-        // The last collectives' order check, compared now — unless a failure aborted this
-        // communicator and the rank went on in a smaller group (ElasticGroup).
-        if (!ctx.comm().aborted()) ctx.comm().verify_order();
+        ctx.comm().verify_order();  // the last collectives' order check, compared now
       },
       [&](const std::string& why) {
         // Release ranks blocked in NCCL kernels waiting for the failed one (the first reason

@@ -13,8 +13,7 @@
 //! What the step may have done when a peer fails: anything but apply the optimizer on some
 //! ranks and not others — update after finish() returned, as DataParallel's step does (a
 //! failure after every collective of the step completed is found at the next step's first).
-//! Today: CPU ranks as threads (ThreadComm::regroup) and GPUs driven by one process
-//! (run(Gpus), NcclComm::regroup); processes and MpiComm follow (issue 29).
+//! Today: CPU ranks as threads (ThreadComm::regroup); NcclComm and MpiComm follow (issue 29).
 
 #include <exception>
 #include <functional>
@@ -31,33 +30,22 @@
 
 namespace lockstep {
 
-//! A communicator whose survivors can form a smaller one after a failure: ThreadComm
-//! (regroup(change, members)), NcclComm (regroup(change, members, job rank, store): the new
-//! NCCL id goes through the store).
-template <class C, class S>
-concept regroupable_communicator =
-    communicator<C> && (requires(C& c, std::uint64_t change, std::span<const int> m) {
-      { c.regroup(change, m) } -> std::same_as<C>;
-    } || requires(C& c, std::uint64_t change, std::span<const int> m, int job, S& s) {
-      { c.regroup(change, m, job, s) } -> std::same_as<C>;
-    });
+//! A communicator whose survivors can form a smaller one after a failure (ThreadComm).
+template <class C>
+concept regroupable_communicator = communicator<C> && requires(C& c, std::uint64_t change, std::span<const int> m) {
+  { c.regroup(change, m) } -> std::same_as<C>;
+};
 
-template <class Comm, store Store>
-  requires regroupable_communicator<Comm, Store>
+template <regroupable_communicator Comm, store Store>
 class ElasticGroup {
  public:
   //! The job's communicator `comm` (its ranks are the job ranks), the job's store.
   ElasticGroup(Comm comm, Store& store, SurvivorOptions o = {})
-      : own_(std::move(comm)), comm_(&*own_), store_(&store), opt_(o),
-        now_(membership::whole(comm_->size(), comm_->rank())) {}
-  //! The rank's communicator, used in place until the first change (so NcclComm, which is
-  //! not copyable, stays where run(Gpus)'s failure handling aborts it: the groups after a
-  //! change join its family).
-  ElasticGroup(context<Comm>& ctx, Store& store, SurvivorOptions o = {})
-      : comm_(&ctx.comm()), store_(&store), opt_(o), now_(membership::whole(comm_->size(), comm_->rank())) {}
+      : comm_(std::move(comm)), store_(&store), opt_(o), now_(membership::whole(comm_.size(), comm_.rank())) {}
+  ElasticGroup(context<Comm>& ctx, Store& store, SurvivorOptions o = {}) : ElasticGroup(ctx.comm(), store, o) {}
 
   //! The communicator of the ranks that go on (a new one after each change).
-  Comm& comm() noexcept { return *comm_; }
+  Comm& comm() noexcept { return comm_; }
   int rank() const noexcept { return now_.rank; }
   int size() const noexcept { return now_.size(); }
   const membership& members() const noexcept { return now_; }
@@ -95,22 +83,17 @@ class ElasticGroup {
  private:
   membership_change change() {
     auto gone_now = [this] {
-      if constexpr (requires { comm_->failed_ranks(); }) return comm_->failed_ranks();
+      if constexpr (requires { comm_.failed_ranks(); }) return comm_.failed_ranks();
       else return std::vector<int>{};
     };
     membership_change c = agree_on_survivors(*store_, now_, gone_now, opt_);
-    const std::span<const int> members(c.after.ranks);
-    if constexpr (requires { comm_->regroup(c.after.epoch, members); })
-      own_.emplace(comm_->regroup(c.after.epoch, members));
-    else own_.emplace(comm_->regroup(c.after.epoch, members, now_.ranks[static_cast<std::size_t>(now_.rank)], *store_));
-    comm_ = &*own_;
+    comm_ = comm_.regroup(c.after.epoch, c.after.ranks);
     now_ = c.after;
     changes_.push_back(c);
     return c;
   }
 
-  std::optional<Comm> own_;  // the communicator after a change (or the one handed in)
-  Comm* comm_;
+  Comm comm_;
   Store* store_;
   SurvivorOptions opt_;
   membership now_;

@@ -76,13 +76,6 @@ struct nccl_family {
     std::lock_guard lk(m);
     return aborted;
   }
-  //! A new communicator replaces the aborted ones (NcclComm::regroup): a later abort() of the
-  //! family reaches it, and a later failure is named on its own. The aborted members stay so.
-  void rearm() {
-    std::lock_guard lk(m);
-    aborted = false;
-    abort_reason.clear();
-  }
 
  private:
   std::vector<std::shared_ptr<nccl_state>> live_locked() {
