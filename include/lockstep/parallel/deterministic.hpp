@@ -52,9 +52,11 @@ struct DeterministicOptions {
   int initial_exponent = 16;
 };
 
-//! What the fixed-point sums met. Counts of one step are the largest of any one rank's: of its
-//! own contributions, or on a GPU with one micro-step a cycle, of its block's values from every
-//! rank — nonzero whenever any value met it, not a total over the job.
+//! What the fixed-point sums met. Counts of one step are the largest of any one rank's count of
+//! the values it converted — its own contributions, or on a GPU with one micro-step a cycle its
+//! blocks' values from every rank (and its own of a bucket's few leftover elements) — so they
+//! depend on how the elements were split over ranks and buckets. Nonzero whenever any value
+//! met the condition; not a total over the job.
 struct fixed_point_report {
   std::int64_t steps = 0;              //!< steps reduced
   std::int64_t clamped = 0;            //!< last step: values beyond their range, clamped to it
@@ -80,7 +82,7 @@ struct fixed_state {
     const void* base = nullptr;
     std::size_t count = 0;
     dtype type = dtype::f32;
-    std::shared_ptr<void> sums;  // int64[count], zero where no parameter lies (padding)
+    std::shared_ptr<void> sums;  // int64[count]; a one-micro-step cycle's all-to-all lands here (GPU)
     bool holds = false;          // the sums hold earlier micro-steps of this cycle
   };
   std::vector<arena> arenas;

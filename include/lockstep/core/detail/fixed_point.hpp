@@ -72,7 +72,7 @@ LOCKSTEP_HOST_DEVICE inline std::int64_t to_fixed(double x, int e, int f, fold_f
   }
   const double a = x < 0 ? -x : x;
 #if defined(__CUDA_ARCH__)
-  if (a >= pow2(e)) {  // (e within ±300, f − e within ±362: both powers normal)
+  if (a >= pow2(e)) {  // (e within ±300, f − e within [−268, 362]: both powers normal)
 #else
   if (a >= scaled(1.0, e)) {
 #endif
