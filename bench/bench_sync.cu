@@ -15,8 +15,8 @@
 //  g. lockstep's own host time per step and per bucket for GPT-2's tensors (no compute);
 //  k. bucket caps from the cost model (BucketPolicy::tune) beside a hand sweep (1, 4, 25, 64,
 //     128 MiB) on b's GPT-2 step and c's MLP;
-//  y. the mean all-reduce of 1-256 MiB in plain memory vs in a symmetric window (NCCL's
-//     symmetric kernels), bus bandwidth;
+//  y. the mean all-reduce of 1-256 MiB in plain memory vs in a symmetric window (lockstep's
+//     peer kernel; NCCL's symmetric kernels), bus bandwidth, each op timed alone and chained;
 //  x. Deterministic's fixed-point sums beside the plain mean on b's GPT-2 step (fp32 gradients)
 //     and c's MLP, at every GPU count (1 GPU: the conversion passes alone);
 //  h. Hierarchical reduction (nodes of --node-size ranks) vs the flat all-reduce (not in the
@@ -402,37 +402,53 @@ void bench_g(const std::vector<shape>& shapes, int ngpu, int iters, const char* 
 }
 
 // y. The mean all-reduce of 1-256 MiB on the same communicator, plain device memory (NCCL's
-// ring or tree, ncclAvg) beside a symmetric window (NcclComm::allocate_symmetric: NCCL's
-// symmetric kernels sum, then x1/N; and their sum alone): bus bandwidth, busbw = bytes/t *
-// 2(n-1)/n.
+// ring or tree, ncclAvg) beside a symmetric window (NcclComm::allocate_symmetric): lockstep's
+// peer kernel (up to LOCKSTEP_PEER_ALL_REDUCE_MIB, default 64; NCCL's symmetric kernels above)
+// and, with the peer kernel off, NCCL's symmetric kernels (their sum, then x1/N). Bus
+// bandwidth, busbw = bytes/t * 2(n-1)/n.
 template <class T>
 void bench_y(int ngpu, int iters, const char* tname) {
   std::string why;
+  const char* limit = std::getenv("LOCKSTEP_PEER_ALL_REDUCE_MIB");
+  const std::string user_limit = limit ? limit : "";
   for (std::size_t mib : {1, 4, 16, 64, 256}) {
     const std::size_t bytes = mib << 20, n = bytes / sizeof(T);
-    auto run_one = [&](int how) {  // 0 plain mean, 1 window mean, 2 window sum
+    auto run_one = [&](int how) {  // 0 plain, 1 window (the default path), 2 window with the peer kernel off
+      if (how == 2) setenv("LOCKSTEP_PEER_ALL_REDUCE_MIB", "0", 1);
+      else if (limit) setenv("LOCKSTEP_PEER_ALL_REDUCE_MIB", user_limit.c_str(), 1);
+      else unsetenv("LOCKSTEP_PEER_ALL_REDUCE_MIB");
       return timed(ngpu, 5, iters, [&, how](auto& ctx, cudaStream_t s) {
+        // The group decides its symmetric path once: a fresh split for the peer kernel off
+        // (a process's communicator lives across benchmarks under a launcher).
+        std::shared_ptr<lockstep::NcclComm> own;
+        lockstep::NcclComm* comm = &ctx.comm();
+        if (how == 2) {
+          own = std::make_shared<lockstep::NcclComm>(ctx.comm().split(0, ctx.rank()));
+          comm = own.get();
+        }
         std::shared_ptr<void> buf;
-        if (how == 0) buf = ctx.comm().memory().allocate(bytes);
+        if (how == 0) buf = comm->memory().allocate(bytes);
         else {
-          buf = ctx.comm().allocate_symmetric(bytes).first;
-          if (ctx.rank() == 0) why = ctx.comm().symmetric_kernels().second;
+          buf = comm->allocate_symmetric(bytes).first;
+          if (ctx.rank() == 0 && how == 1) why = comm->symmetric_kernels().second;
         }
         fill_kernel<<<1024, 256, 0, s>>>(static_cast<T*>(buf.get()), n, 7u);
-        auto* comm = &ctx.comm();
-        const auto op = how == 2 ? lockstep::reduce_op::sum : lockstep::reduce_op::avg;
-        return std::pair{nothing(),
-                         std::function<void()>([=] { comm->all_reduce(buf.get(), buf.get(), n, dt<T>(), op).wait(); })};
+        return std::pair{nothing(), std::function<void()>([=] {
+                           comm->all_reduce(buf.get(), buf.get(), n, dt<T>(), lockstep::reduce_op::avg).wait();
+                           (void)own;
+                         })};
       });
     };
-    const double plain = run_one(0), window = run_one(1), sum = run_one(2);
+    const double plain = run_one(0), window = run_one(1), nccl = run_one(2);
+    if (limit) setenv("LOCKSTEP_PEER_ALL_REDUCE_MIB", user_limit.c_str(), 1);
+    else unsetenv("LOCKSTEP_PEER_ALL_REDUCE_MIB");
     const double f = 2.0 * (ngpu - 1) / ngpu;
     auto bw = [&](double ms) { return static_cast<double>(bytes) / (ms * 1e-3) * f / 1e9; };
     if (g_print)
-      std::printf("y  %s %d GPU  %4zu MiB  plain %8.1f us %6.1f GB/s | symmetric mean %8.1f us %6.1f GB/s (%.2fx) | "
-                  "symmetric sum alone %8.1f us %6.1f GB/s (%.2fx)\n",
-                  tname, ngpu, mib, plain * 1e3, bw(plain), window * 1e3, bw(window), plain / window, sum * 1e3,
-                  bw(sum), plain / sum);
+      std::printf("y  %s %d GPU  %4zu MiB  plain %8.1f us %6.1f GB/s | window (lockstep peer kernel <= limit) %8.1f us "
+                  "%6.1f GB/s (%.2fx) | NCCL symmetric %8.1f us %6.1f GB/s (%.2fx)\n",
+                  tname, ngpu, mib, plain * 1e3, bw(plain), window * 1e3, bw(window), plain / window, nccl * 1e3,
+                  bw(nccl), plain / nccl);
   }
   if (g_print) std::printf("y  symmetric_kernels(): %s\n", why.c_str());
 }
@@ -653,10 +669,14 @@ int main(int argc, char** argv) {
         for (int g : counts) bench_g<__nv_bfloat16>(gpt2, g, iters, "bf16");
       if (wanted('y'))
         for (int g : counts)
-          if (g > 1) {
-            bench_y<__nv_bfloat16>(g, iters, "bf16");
-            bench_y<float>(g, iters, "fp32");
-          }
+          if (g > 1)
+            for (bool chained : {false, true}) {  // each op alone (its latency), then back to back
+              g_chained = chained;
+              if (g_print) std::printf("y  %s\n", chained ? "chained: ops back to back" : "each op alone");
+              bench_y<__nv_bfloat16>(g, iters, "bf16");
+              bench_y<float>(g, iters, "fp32");
+              g_chained = false;
+            }
       if (wanted('a'))
         for (int g : counts)
           if (g > 1) {

@@ -14,7 +14,8 @@
 #               bit for bit (the batches are the same floats whichever way they come in, and a
 #               graph replays the eager step's kernels), and each run names its input mode.
 #               Skipped where no GPU is visible.
-# gpu_symmetric: (2+ GPUs) example 02 (EXE) on 2 processes under LAUNCHER with --symmetric:
+# gpu_symmetric: (2+ GPUs) example 02 (EXE) on 2 processes under LAUNCHER with --symmetric
+#               and lockstep's peer kernel off (LOCKSTEP_PEER_ALL_REDUCE_MIB=0):
 #               NCCL's log says the buckets were all-reduced by its symmetric kernels and
 #               that no NVLS algorithm or multimem kernel was chosen.
 # deterministic: --deterministic 8 with a global batch of 96 on 1, 2, 3 (16 KiB buckets) and 4
@@ -267,6 +268,9 @@ elseif(MODE STREQUAL "gpu_symmetric")
   set(ENV{NCCL_DEBUG_SUBSYS} TUNING)
   set(ENV{NCCL_DEBUG_FILE} "${WORK}/nccl.%p.log")
   set(ENV{NCCL_NVLS_ENABLE} 0)
+  # lockstep's peer kernel would take every bucket of this model (they are small): off, so
+  # that NCCL's kernels, whose choice this checks, reduce them.
+  set(ENV{LOCKSTEP_PEER_ALL_REDUCE_MIB} 0)
   if(NOT DEFINED LAUNCHER)
     message(FATAL_ERROR "check_cli.cmake: gpu_symmetric needs -DLAUNCHER=<lockstep-run> (one process per GPU)")
   endif()

@@ -18,8 +18,12 @@
 # 6. graph:    as 2, with every full step replayed as one CUDA graph (--input device
 #              --cuda-graph): rank 1 dies during replays; the survivors exit within 5 s, saying
 #              "rank 1 left".
-# 7. symmetric: as 2 with --symmetric (NCCL's symmetric kernels, which an abort does not end):
-#              the survivors exit within 10 s (the watchdog's 5 s grace), saying "rank 1 left".
+# 7. symmetric: as 2 with --symmetric (the buckets in lockstep's peer kernel, which an abort
+#              ends): the survivors exit within 5 s, saying "rank 1 left".
+# 8. symmetric, NCCL: as 7 with the peer kernel off (NCCL's symmetric kernels, which an abort
+#              does not end): within 10 s (the watchdog's 5 s grace), saying "rank 1 left".
+# KILL_TEST_PHASES="6 7" runs only those phases (3 needs 1 and 2). A survivor that outlives its
+# limit has its threads' stacks printed (gdb, where installed) before the test fails.
 # Exit 0 pass, 1 fail, 77 skip (fewer than 2 GPUs, or Fashion-MNIST not installed).
 set -u
 if [ $# -lt 3 ]; then
@@ -55,6 +59,12 @@ fail() {
   echo "FAIL: $*" >&2
   for f in "$work"/*.log; do [ -f "$f" ] && { echo "--- $f"; tail -n 15 "$f"; }; done >&2
   exit 1
+}
+phases=" ${KILL_TEST_PHASES:-1 2 3 4 5 6 7 8} "
+want() { [[ $phases == *" $1 "* ]]; }
+stacks() {  # where a process that should have ended is
+  command -v gdb >/dev/null || { echo "(no gdb here: no stacks)"; return; }
+  timeout 60 gdb -p "$1" -batch -ex "thread apply all bt 15" 2>/dev/null | grep -E "^(Thread|#)" | head -120
 }
 now() { echo "$EPOCHREALTIME"; }
 elapsed() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", b - a }'; }
@@ -92,7 +102,7 @@ check_survivors() {
     [ "$r" -eq "$victim" ] && continue
     p=${pids[$r]}
     while kill -0 "$p" 2>/dev/null; do
-      less_than "$(elapsed "$T0" "$(now)")" "$((limit + 20))" || fail "rank $r still runs $((limit + 20)) s after the failure"
+      less_than "$(elapsed "$T0" "$(now)")" "$((limit + 20))" || { stacks "$p" >&2; fail "rank $r still runs $((limit + 20)) s after the failure"; }
       sleep 0.01
     done
     t=$(elapsed "$T0" "$(now)")
@@ -127,52 +137,74 @@ kill_and_check() {
 }
 
 # --- 1. straight ---------------------------------------------------------------------------
-LOCKSTEP_TIMEOUT=$timeout_s "$lr" --nproc "$np" "$exe" "${args[@]}" >"$work/straight.log" 2>&1
-rc=$?
-[ $rc -eq 77 ] && { echo "SKIPPED:"; cat "$work/straight.log"; exit 77; }
-[ $rc -eq 0 ] || fail "the uninterrupted run exited $rc"
-straight=$(final_checksum "$work/straight.log")
-[ -n "$straight" ] || fail "the uninterrupted run has no agreeing final line"
-echo "straight: $epochs epochs on $np GPU processes, parameters $straight"
+if want 1 || want 3; then
+  LOCKSTEP_TIMEOUT=$timeout_s "$lr" --nproc "$np" "$exe" "${args[@]}" >"$work/straight.log" 2>&1
+  rc=$?
+  [ $rc -eq 77 ] && { echo "SKIPPED:"; cat "$work/straight.log"; exit 77; }
+  [ $rc -eq 0 ] || fail "the uninterrupted run exited $rc"
+  straight=$(final_checksum "$work/straight.log")
+  [ -n "$straight" ] || fail "the uninterrupted run has no agreeing final line"
+  echo "straight: $epochs epochs on $np GPU processes, parameters $straight"
+fi
 
 # --- 2. kill -9 rank 1 after the first checkpoint ------------------------------------------
-kill_and_check kill 1 "$kill_limit_s" ""
-grep -q "epoch $epochs/$epochs" "$work/kill.0.log" && fail "the killed run finished all epochs; the kill came too late"
-pids=()
+if want 2 || want 3; then
+  kill_and_check kill 1 "$kill_limit_s" ""
+  grep -q "epoch $epochs/$epochs" "$work/kill.0.log" && fail "the killed run finished all epochs; the kill came too late"
+  pids=()
+fi
 
 # --- 3. resume from the last checkpoint ------------------------------------------------------
-cp "$work/kill.ck" "$work/ck.killed"
-LOCKSTEP_TIMEOUT=$timeout_s "$lr" --nproc "$np" "$exe" "${args[@]}" --resume "$work/ck.killed" >"$work/resume.log" 2>&1
-rc=$?
-[ $rc -eq 0 ] || fail "the resumed run exited $rc"
-done_epochs=$(sed -n 's/^\(\[0\] \)\{0,1\}resumed from .*: \([0-9]*\) epochs\{0,1\} done.*/\2/p' "$work/resume.log")
-[ -n "$done_epochs" ] || fail "the resumed run did not load the checkpoint"
-resumed=$(final_checksum "$work/resume.log")
-[ "$resumed" = "$straight" ] || fail "resumed parameters '$resumed' != uninterrupted $straight"
-echo "resume: checkpoint after $done_epochs epoch(s); epochs $((done_epochs + 1))-$epochs end on $resumed = the uninterrupted run"
+if want 3; then
+  cp "$work/kill.ck" "$work/ck.killed"
+  LOCKSTEP_TIMEOUT=$timeout_s "$lr" --nproc "$np" "$exe" "${args[@]}" --resume "$work/ck.killed" >"$work/resume.log" 2>&1
+  rc=$?
+  [ $rc -eq 0 ] || fail "the resumed run exited $rc"
+  done_epochs=$(sed -n 's/^\(\[0\] \)\{0,1\}resumed from .*: \([0-9]*\) epochs\{0,1\} done.*/\2/p' "$work/resume.log")
+  [ -n "$done_epochs" ] || fail "the resumed run did not load the checkpoint"
+  resumed=$(final_checksum "$work/resume.log")
+  [ "$resumed" = "$straight" ] || fail "resumed parameters '$resumed' != uninterrupted $straight"
+  echo "resume: checkpoint after $done_epochs epoch(s); epochs $((done_epochs + 1))-$epochs end on $resumed = the uninterrupted run"
+fi
 
 # --- 4. SIGSTOP rank 1 ----------------------------------------------------------------------
-RUN_TIMEOUT=$stop_timeout_s start_and_signal stop STOP 1
-stopped=${pids[1]}
-echo "SIGSTOP of rank 1 (LOCKSTEP_TIMEOUT=$stop_timeout_s):"
-check_survivors 1 "$((stop_timeout_s + 5))" "rank 1 stopped responding"
-kill -KILL "$stopped"; kill -CONT "$stopped" 2>/dev/null; wait "$stopped" 2>/dev/null; stopped=
-pids=()
+if want 4; then
+  RUN_TIMEOUT=$stop_timeout_s start_and_signal stop STOP 1
+  stopped=${pids[1]}
+  echo "SIGSTOP of rank 1 (LOCKSTEP_TIMEOUT=$stop_timeout_s):"
+  check_survivors 1 "$((stop_timeout_s + 5))" "rank 1 stopped responding"
+  kill -KILL "$stopped"; kill -CONT "$stopped" 2>/dev/null; wait "$stopped" 2>/dev/null; stopped=
+  pids=()
+fi
 
 # --- 5. kill -9 rank 0, the store's host ------------------------------------------------------
-kill_and_check kill0 0 "$kill_limit_s" ", the store's host"
-pids=()
+if want 5; then
+  kill_and_check kill0 0 "$kill_limit_s" ", the store's host"
+  pids=()
+fi
 
 # --- 6. kill -9 rank 1 while each step is a CUDA graph replay ---------------------------------
-kill_and_check kill_graph 1 "$kill_limit_s" " during CUDA graph replays" --input device --cuda-graph
-pids=()
+if want 6; then
+  kill_and_check kill_graph 1 "$kill_limit_s" " during CUDA graph replays" --input device --cuda-graph
+  pids=()
+fi
 
-# --- 7. kill -9 rank 1 with the buckets in NCCL's symmetric kernels ---------------------------
-# An aborted communicator does not end those kernels: the survivors stop when the watchdog's
-# grace period (5 s) ends their processes, still naming rank 1.
-kill_and_check kill_symmetric 1 "$((kill_limit_s + 5))" " with --symmetric" --symmetric
-pids=()
+# --- 7. kill -9 rank 1 with the buckets in lockstep's peer kernel -----------------------------
+if want 7; then
+  # Its waits poll the abort word: the survivors stop as in 2.
+  kill_and_check kill_symmetric 1 "$kill_limit_s" " with --symmetric" --symmetric
+  pids=()
+fi
 
-echo "PASS: kill -9 / SIGSTOP / kill -9 of rank 0 / kill -9 during graph replays / with symmetric kernels all" \
-  "ended the job; resume == uninterrupted ($straight)"
+# --- 8. kill -9 rank 1 with the buckets in NCCL's symmetric kernels ---------------------------
+if want 8; then
+  # An aborted communicator does not end those kernels: the survivors stop when the watchdog's
+  # grace period (5 s) ends their processes, still naming rank 1.
+  LOCKSTEP_PEER_ALL_REDUCE_MIB=0 kill_and_check kill_symmetric_nccl 1 "$((kill_limit_s + 5))" \
+    " with --symmetric, NCCL's kernels" --symmetric
+  pids=()
+fi
+
+echo "PASS: phases$phases(kill -9 / SIGSTOP / kill -9 of rank 0 / kill -9 during graph replays / with symmetric" \
+  "kernels: lockstep's, NCCL's) all ended the job; resume == uninterrupted (${straight:-not run})"
 exit 0

@@ -10,6 +10,9 @@
 //   distributed_equivalence --symmetric   the gradient arena in a symmetric window
 //   (BucketPolicy::symmetric_memory): the buckets go to NCCL's symmetric kernels where the
 //   GPUs allow (printed), with the same parameters.
+//   distributed_equivalence --sweep    the all-reduce of buffers in a symmetric window alone
+//   (lockstep's peer kernel, NCCL's symmetric kernels above its limit), random cases against
+//   each rank's CPU sum (symmetric_sweep.cuh); no training.
 //   distributed_equivalence --tune     BucketPolicy::tune: the cap chosen from the first
 //   step's gradient times and NCCL's estimates (printed), the same parameters. Flags combine.
 #include <chrono>
@@ -25,21 +28,24 @@
 
 #include "gpu_mlp.cuh"
 #include "mlp.hpp"
+#include "symmetric_sweep.cuh"
 #include "test_util.hpp"
 
 using namespace lockstep_test;
 
 int main(int argc, char** argv) {
   try {
-    bool uneven = false, graphed = false, symmetric = false, tune = false;
+    bool uneven = false, graphed = false, symmetric = false, tune = false, sweep = false;
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
       if (a == "--uneven") uneven = true;
       else if (a == "--graph") graphed = true;
       else if (a == "--symmetric") symmetric = true;
       else if (a == "--tune") tune = true;
+      else if (a == "--sweep") sweep = true;
       else {
-        std::fprintf(stderr, "distributed_equivalence: unknown option '%s' (--uneven, --graph, --symmetric, --tune)\n",
+        std::fprintf(stderr,
+                     "distributed_equivalence: unknown option '%s' (--uneven, --graph, --symmetric, --tune, --sweep)\n",
                      a.c_str());
         return 2;
       }
@@ -71,6 +77,10 @@ int main(int argc, char** argv) {
     for (auto& v : y) v = lab(rng);
     int failures = 0;
     lockstep::run(lockstep::Processes{}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
+      if (sweep) {
+        failures += symmetric_sweep(ctx);
+        return;
+      }
       const int world = ctx.size();
       const std::size_t global = static_cast<std::size_t>(batch * world * accumulate);
       TestMlp<float> ref(dims, seed + 1);

@@ -115,6 +115,7 @@ class nccl_handle {
     if (s_->aborted.load(std::memory_order_acquire))
       throw aborted_error(std::string("NcclComm::") + what + ": rank " + std::to_string(s_->rank) + " was aborted (" +
                           s_->abort_reason + "); create a new communicator to continue");
+    if (auto why = s_->peer_failure()) throw timeout_error(std::string("NcclComm::") + what + ": " + *why);
     return *s_;
   }
 

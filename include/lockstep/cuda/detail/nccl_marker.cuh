@@ -20,6 +20,7 @@ namespace lockstep::detail {
 
 inline std::optional<std::string> nccl_overdue(nccl_state& s, std::chrono::milliseconds limit) {
   if (s.aborted.load(std::memory_order_acquire)) return std::nullopt;
+  if (auto why = s.peer_failure()) return why;
   device_guard g(s.device, std::nothrow);
   // A query from this (watchdog) thread must not invalidate a graph capture the rank's own
   // thread may be running in cudaStreamCaptureModeGlobal: relaxed mode for its duration.

@@ -152,6 +152,27 @@ struct nccl_state {
   int symmetric = -1;
   std::string symmetric_why;
   bool one_process = false;  // one of create_local()'s group: every rank a thread of this process
+  // lockstep's peer all-reduce of buffers in symmetric windows (nccl_peer.cuh), set up with
+  // symmetric_kernels(): buffers up to max_bytes; the flags' window and each rank's base of it
+  // as this rank addresses them; per-block call counters; two words of mapped host memory
+  // ([0] abort: set before ncclCommAbort, [1] why a kernel gave up); the symmetric windows
+  // with each rank's base (under windows_m).
+  struct peer_window {
+    std::uintptr_t start;
+    std::size_t bytes;
+    std::array<char*, 8> bases;
+  };
+  struct peer_reduce {
+    std::size_t max_bytes = 0;  // 0: not used
+    void* signal = nullptr;
+    void* signal_window = nullptr;  // ncclWindow_t
+    std::array<unsigned*, 8> flags{};
+    unsigned* epochs = nullptr;
+    int* words = nullptr;
+    int* words_device = nullptr;
+    std::chrono::milliseconds timeout{0};
+    std::vector<peer_window> windows;
+  } peer;
 
   nccl_state() = default;
   nccl_state(const nccl_state&) = delete;
@@ -185,7 +206,8 @@ struct nccl_state {
     for (const auto& w : staging) n += w.bytes;
     return n;
   }
-  // Deregisters and frees the staging windows (only once no collective is in flight).
+  // Deregisters and frees the staging windows and the peer all-reduce's flags, counters and
+  // words (only once no collective is in flight).
   void free_staging() noexcept {
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
     for (const auto& w : staging) {
@@ -194,6 +216,25 @@ struct nccl_state {
     }
 #endif
     staging.clear();
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+    if (peer.signal_window != nullptr) (void)ncclCommWindowDeregister(comm, static_cast<ncclWindow_t>(peer.signal_window));
+    if (peer.signal != nullptr) (void)ncclMemFree(peer.signal);
+#endif
+    if (peer.epochs != nullptr) (void)cudaFree(peer.epochs);
+    if (peer.words != nullptr) (void)cudaFreeHost(peer.words);
+    peer.signal = peer.signal_window = nullptr;
+    peer.epochs = nullptr;
+    peer.words = nullptr;
+  }
+
+  //! Why a peer all-reduce gave up (it waited LOCKSTEP_TIMEOUT for a rank), if one did.
+  std::optional<std::string> peer_failure() const {
+    if (peer.words == nullptr) return std::nullopt;
+    const int code = static_cast<const volatile int*>(peer.words)[1];
+    if (code <= 0) return std::nullopt;  // -1: ended by abort(), which says why itself
+    return who() + ": lockstep's peer all-reduce (a buffer in a symmetric window) waited " +
+           std::to_string(peer.timeout.count() / 1000) + " s (LOCKSTEP_TIMEOUT) for rank " + std::to_string(code - 1) +
+           ", which never reached it (it died, hangs, or called a different collective); its result is not valid";
   }
 
   //! "rank 1" or "rank 1 (rank 0 of split 2 (colour 1))": who, in messages.
@@ -282,6 +323,7 @@ inline void nccl_abort(nccl_state& s, std::string_view reason) noexcept {
   } catch (...) {
   }
   s.aborted.store(true, std::memory_order_release);
+  if (s.peer.words != nullptr) static_cast<volatile int*>(s.peer.words)[0] = 1;  // ends peer kernels' waits
   device_guard g(s.device, std::nothrow);
   std::lock_guard lk(s.abort_m);
   if (s.comm == nullptr) return;  // one rank: its copies end on their own

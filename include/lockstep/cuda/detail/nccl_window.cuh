@@ -55,6 +55,7 @@ struct nccl_window_deleter {
     if (win != nullptr) {
       std::lock_guard wl(s->windows_m);
       std::erase_if(s->windows, [p](const auto& w) { return w.first == reinterpret_cast<std::uintptr_t>(p); });
+      std::erase_if(s->peer.windows, [p](const auto& w) { return w.start == reinterpret_cast<std::uintptr_t>(p); });
       (void)ncclCommWindowDeregister(s->comm, win);
     }
     (void)ncclMemFree(p);
@@ -90,8 +91,9 @@ inline std::pair<void*, ncclWindow_t> nccl_window_raw(nccl_state& s, std::size_t
 //! .second says whether NCCL returned a window. That the gathers then run on the copy
 //! engines is NCCL's choice: it needs GPUs that map each other's memory (NVLink or PCIe peer
 //! access), CUDA virtual memory and a driver of CUDA 12.5 or later; else it uses its kernels.
+//! `handle`, if given, receives the window (nullptr: none).
 inline std::pair<std::shared_ptr<void>, bool> nccl_window(const std::shared_ptr<nccl_state>& s, std::size_t bytes,
-                                                          cudaStream_t stream) {
+                                                          cudaStream_t stream, ncclWindow_t* handle = nullptr) {
   device_guard g(s->device);
   if (s->comm == nullptr) {  // one rank, no NCCL communicator: plain memory, no window
     std::shared_ptr<void> owner = CudaMemory(s->device, stream).allocate(bytes == 0 ? 1 : bytes);
@@ -101,6 +103,7 @@ inline std::pair<std::shared_ptr<void>, bool> nccl_window(const std::shared_ptr<
   }
   const auto [p, win] = nccl_window_raw(*s, bytes, "ShardedOptimizer::copy_engine_gather/_scatter");
   std::shared_ptr<void> owner(p, nccl_window_deleter{s, win});  // should this throw, it frees p itself
+  if (handle != nullptr) *handle = win;
   if (win != nullptr) {
     std::lock_guard wl(s->windows_m);
     s->windows.emplace_back(reinterpret_cast<std::uintptr_t>(p), bytes);
