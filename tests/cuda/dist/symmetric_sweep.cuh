@@ -116,7 +116,8 @@ inline int symmetric_sweep(lockstep::context<lockstep::NcclComm>& ctx) {
     if (!lockstep::cuda::kernels::peer_reducible(t)) continue;
     const bool peer = count * es <= peer_max;
     if (!peer && t != lockstep::dtype::f32 && t != lockstep::dtype::bf16) continue;  // neither path takes it
-    const std::size_t send_at = (rng() % 64) * es, recv_at = in_place ? send_at : send_at + count * es + (rng() % 64) * es;
+    const std::size_t send_at = (rng() % 64) * es,
+                      recv_at = in_place ? send_at : send_at + count * es + (rng() % 64) * es;
     // Known bytes everywhere, then this rank's input.
     for (std::size_t i = 0; i < window; ++i) host[i] = static_cast<unsigned char>((i * 131 + c) & 0xff);
     double v = 0;
@@ -125,7 +126,8 @@ inline int symmetric_sweep(lockstep::context<lockstep::NcclComm>& ctx) {
       std::memcpy(host.data() + send_at + i * es, &b, es);  // little-endian: the low bytes
     }
     mem.upload(base, host.data(), window);
-    comm.all_reduce(base + send_at, base + recv_at, count, t, mean ? lockstep::reduce_op::avg : lockstep::reduce_op::sum)
+    comm.all_reduce(base + send_at, base + recv_at, count, t,
+                    mean ? lockstep::reduce_op::avg : lockstep::reduce_op::sum)
         .synchronize();
     std::vector<unsigned char> got(window);
     mem.download(got.data(), base, window);

@@ -116,7 +116,7 @@ inline bool peer_prepare(nccl_state& s, std::size_t max_bytes, cudaStream_t stre
 //! The kernel's arguments for an all-reduce of send → recv, if the peer kernel takes it: set
 //! up, a sum or mean of a type it reduces, at most max_bytes, both buffers in one window.
 inline std::optional<cuda::kernels::peer_reduce_args> peer_args(nccl_state& s, const void* send, const void* recv,
-                                                                 std::size_t count, dtype t, reduce_op op) {
+                                                                std::size_t count, dtype t, reduce_op op) {
   const std::size_t bytes = count * size_of(t);
   if (s.peer.max_bytes == 0 || bytes > s.peer.max_bytes || !cuda::kernels::peer_reducible(t) ||
       (op != reduce_op::sum && op != reduce_op::avg))
@@ -151,7 +151,7 @@ inline std::optional<cuda::kernels::peer_reduce_args> peer_args(nccl_state& s, c
 inline void peer_add_window(nccl_state&, void*, std::size_t, void*, cudaStream_t) {}
 inline bool peer_prepare(nccl_state&, std::size_t, cudaStream_t) { return false; }
 inline std::optional<cuda::kernels::peer_reduce_args> peer_args(nccl_state&, const void*, const void*, std::size_t,
-                                                                 dtype, reduce_op) {
+                                                                dtype, reduce_op) {
   return std::nullopt;
 }
 

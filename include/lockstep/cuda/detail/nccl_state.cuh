@@ -217,7 +217,8 @@ struct nccl_state {
 #endif
     staging.clear();
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
-    if (peer.signal_window != nullptr) (void)ncclCommWindowDeregister(comm, static_cast<ncclWindow_t>(peer.signal_window));
+    if (peer.signal_window != nullptr)
+      (void)ncclCommWindowDeregister(comm, static_cast<ncclWindow_t>(peer.signal_window));
     if (peer.signal != nullptr) (void)ncclMemFree(peer.signal);
 #endif
     if (peer.epochs != nullptr) (void)cudaFree(peer.epochs);

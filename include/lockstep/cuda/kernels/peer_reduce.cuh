@@ -39,11 +39,11 @@ constexpr std::size_t peer_signal_slots = static_cast<std::size_t>(peer_max_bloc
 struct peer_reduce_args {
   char* data[peer_max_ranks] = {};
   unsigned* flags[peer_max_ranks] = {};
-  unsigned* epochs = nullptr;            //!< this rank's per-block call counters (device memory)
-  const volatile int* abort = nullptr;   //!< nonzero: the communicator was aborted (mapped host memory)
-  volatile int* error = nullptr;         //!< set on giving up: -1 aborted, 1 + q waiting for rank q (mapped)
+  unsigned* epochs = nullptr;           //!< this rank's per-block call counters (device memory)
+  const volatile int* abort = nullptr;  //!< nonzero: the communicator was aborted (mapped host memory)
+  volatile int* error = nullptr;        //!< set on giving up: -1 aborted, 1 + q waiting for rank q (mapped)
   std::size_t send_off = 0, recv_off = 0, count = 0;
-  std::size_t chunk = 0;                 //!< elements a rank owns (the last rank's may be fewer)
+  std::size_t chunk = 0;  //!< elements a rank owns (the last rank's may be fewer)
   int rank = 0, ranks = 0;
   float scale = 1.0f;
   unsigned long long timeout_ns = 0;
@@ -176,8 +176,8 @@ inline void peer_all_reduce(peer_reduce_args a, dtype t, cudaStream_t s) {
     a.chunk = (per + V - 1) / V * V;
     const bool vec = a.send_off % 16 == 0 && a.recv_off % 16 == 0;
     const std::size_t items = vec ? a.chunk / V : a.chunk;
-    const auto blocks = static_cast<unsigned>(
-        std::clamp<std::size_t>((items + peer_threads - 1) / peer_threads, 1, peer_max_blocks));
+    const auto blocks =
+        static_cast<unsigned>(std::clamp<std::size_t>((items + peer_threads - 1) / peer_threads, 1, peer_max_blocks));
     if (vec) peer_detail::all_reduce<Element, V><<<blocks, peer_threads, 0, s>>>(a);
     else peer_detail::all_reduce<Element, 1><<<blocks, peer_threads, 0, s>>>(a);
   });
