@@ -23,7 +23,8 @@
 # 8. symmetric, NCCL: as 7 with the peer kernel off (NCCL's symmetric kernels, which an abort
 #              does not end): within 10 s (the watchdog's 5 s grace), saying "rank 1 left".
 # KILL_TEST_PHASES="6 7" runs only those phases (3 needs 1 and 2). A survivor that outlives its
-# limit has its threads' stacks printed (gdb, where installed) before the test fails.
+# limit has its threads' stacks printed (gdb, where installed; else each thread's kernel wait
+# and system call) before the test fails.
 # Exit 0 pass, 1 fail, 77 skip (fewer than 2 GPUs, or Fashion-MNIST not installed).
 set -u
 if [ $# -lt 3 ]; then
@@ -62,9 +63,16 @@ fail() {
 }
 phases=" ${KILL_TEST_PHASES:-1 2 3 4 5 6 7 8} "
 want() { [[ $phases == *" $1 "* ]]; }
-stacks() {  # where a process that should have ended is
-  command -v gdb >/dev/null || { echo "(no gdb here: no stacks)"; return; }
-  timeout 60 gdb -p "$1" -batch -ex "thread apply all bt 15" 2>/dev/null | grep -E "^(Thread|#)" | head -120
+stacks() {  # where a process that should have ended is: gdb's stacks, else each thread's wait
+  if command -v gdb >/dev/null; then
+    timeout 60 gdb -p "$1" -batch -ex "thread apply all bt 15" 2>/dev/null | grep -E "^(Thread|#)" | head -120
+    return
+  fi
+  local t
+  for t in /proc/"$1"/task/*; do
+    echo "  thread $(basename "$t") $(cat "$t/comm" 2>/dev/null): waits in $(cat "$t/wchan" 2>/dev/null)," \
+      "syscall $(cut -d' ' -f1 "$t/syscall" 2>/dev/null)"
+  done
 }
 now() { echo "$EPOCHREALTIME"; }
 elapsed() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", b - a }'; }

@@ -37,6 +37,7 @@
 #include "lockstep/core/error.hpp"
 #include "lockstep/cuda/error.cuh"
 #include "lockstep/cuda/nccl_comm.cuh"
+#include "lockstep/launch/detail/teardown_deadline.hpp"
 #include "lockstep/launch/detect.hpp"
 #include "lockstep/launch/job_store.hpp"
 #include "lockstep/launch/launch_env.hpp"
@@ -134,6 +135,8 @@ void run(Processes mode, Body&& body) {
                            std::to_string(sizeof id) + ": ranks were built against different NCCL versions");
     std::memcpy(&id, bytes.data(), sizeof id);
   }
+  // Declared before ctx: after a failure it bounds the teardown, the communicator's included.
+  detail::teardown_deadline deadline;
   context<NcclComm> ctx(NcclComm(id, info.rank, info.world, device), info.local_rank, device);
   const auto limit = store.timeout();
   ctx.comm().track_collectives();
@@ -168,6 +171,7 @@ void run(Processes mode, Body&& body) {
         watchdog_options{.timeout = limit});
     self.store(&*dog);
   } catch (...) {  // a communicator whose peers may be waiting must be aborted, not destroyed
+    deadline.arm(info.rank, "rank " + std::to_string(info.rank) + " could not start its watchdog");
     ctx.comm().abort("rank " + std::to_string(info.rank) + " could not start its watchdog");
     throw;
   }
@@ -182,6 +186,7 @@ void run(Processes mode, Body&& body) {
     if (const auto peer = dog->failure()) {
       std::fprintf(stderr, "lockstep: rank %d stopped: %s (here: %s)\n", info.rank, peer->c_str(), e.what());
       std::fflush(stderr);
+      deadline.arm(info.rank, *peer);  // the watchdog thread may be stuck in ncclCommAbort: stop() joins it
       ctx.comm().abort(*peer);
       dog->stop();
       throw aborted_error("rank " + std::to_string(info.rank) + " stopped: " + *peer + " (here: " + e.what() + ")");
@@ -189,15 +194,19 @@ void run(Processes mode, Body&& body) {
     std::fprintf(stderr, "lockstep: rank %d failed: %s\n", info.rank, e.what());
     std::fflush(stderr);
     dog->report("rank " + std::to_string(info.rank) + " failed: " + e.what());
+    deadline.arm(info.rank, "rank " + std::to_string(info.rank) + " failed: " + e.what());
     ctx.comm().abort(std::string("rank ") + std::to_string(info.rank) + " failed");
     dog->stop();
     throw;
   }
   // This rank issues no more collectives: a peer still waiting in one is told (first one wins).
   store.set_if_absent(Watchdog::departure_key, bytes_of("rank " + std::to_string(info.rank)));
+  if (const auto why = dog->failure()) deadline.arm(info.rank, *why);  // stop() joins a thread that may be stuck
   dog->stop();
-  if (auto why = dog->failure())  // the body finished, but a peer did not: do not wait for it
+  if (auto why = dog->failure()) {  // the body finished, but a peer did not: do not wait for it
+    deadline.arm(info.rank, *why);
     throw aborted_error("rank " + std::to_string(info.rank) + " finished, but the job failed: " + *why);
+  }
   // Rank 0 hosts the store: it leaves only after everyone is done with it. A peer's failure
   // (say, one that waited for this rank after it left) ends the wait at once.
   final_barrier(store, "lockstep/finished", info.rank, std::chrono::milliseconds(store.timeout()),

@@ -69,9 +69,7 @@ inline bool mpi_running() {
 [[noreturn]] inline void mpi_fail(int rank, const std::string& why) {
   std::fprintf(stderr, "lockstep: rank %d failed: %s\n", rank, why.c_str());
   std::fflush(stderr);
-  double grace = 2.0;
-  if (auto g = env("LOCKSTEP_ABORT_GRACE")) grace = std::max(0.0, std::strtod(g->c_str(), nullptr));
-  std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<long long>(grace * 1000.0)));
+  std::this_thread::sleep_for(abort_grace());
   std::fprintf(stderr, "lockstep: rank %d: ending the job (MPI_Abort)\n", rank);
   std::fflush(stderr);
   MPI_Abort(MPI_COMM_WORLD, 1);

@@ -2,6 +2,7 @@
 //! The environment variables lockstep reads (LOCKSTEP_TIMEOUT, LOCKSTEP_DEBUG, ...): a
 //! malformed value is a config_error naming the variable.
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <optional>
@@ -37,6 +38,15 @@ inline std::chrono::milliseconds default_timeout() {
   if (end == v->c_str() || *end != '\0' || !(s > 0))
     throw config_error("LOCKSTEP_TIMEOUT='" + *v + "' is not a positive number of seconds (e.g. LOCKSTEP_TIMEOUT=120)");
   return std::chrono::milliseconds(static_cast<long long>(s * 1000.0));
+}
+
+//! LOCKSTEP_ABORT_GRACE (seconds, default 2; negative counts as 0): how long a rank that
+//! failed or saw a failure may take to end — MPI ranks wait that long before MPI_Abort, and a
+//! process's teardown after a failure is cut off after it (launch/teardown_deadline.hpp).
+inline std::chrono::milliseconds abort_grace() {
+  double seconds = 2.0;
+  if (auto g = env("LOCKSTEP_ABORT_GRACE")) seconds = std::max(0.0, std::strtod(g->c_str(), nullptr));
+  return std::chrono::milliseconds(static_cast<long long>(seconds * 1000.0));
 }
 
 }  // namespace lockstep::detail
