@@ -26,6 +26,8 @@
 // median over --iters steps after warm-up; a step's time is the slowest rank's.
 //
 //   bench_sync --shapes path/to/gpt2_124m_shapes.txt [--iters 30] [--gpus 4]
+//   --symmetric: the training steps' gradient arenas in symmetric windows (BucketPolicy::
+//   symmetric_memory: lockstep's peer all-reduce with one process per GPU).
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
@@ -201,6 +203,7 @@ lockstep::sync_stats g_stats;  // rank 0's, after train_step_time's last step (k
 bool g_chained = false;
 bool g_sm_gather = false;   // sharded: ShardedOptimizer::copy_engine_gather off (NCCL's SM kernels gather)
 bool g_ce_scatter = false;  // sharded: ShardedOptimizer::copy_engine_scatter on (copy-engine reduce-scatters)
+bool g_symmetric = false;   // --symmetric: the training steps' gradient arenas in symmetric windows
 
 // rank_body(ctx, mine) on every rank — this process's (Distributed mode) or one thread per GPU
 // of ngpu — filling `mine` with one figure per iteration; the median over iterations of the
@@ -530,6 +533,7 @@ double train_step_time(const std::vector<shape>& shapes, int ngpu, int iters, do
     }
     // The DataParallel hands the model its values back when it goes (unbind_values): it holds
     // the model, so the model outlives it whatever order the closures release them in.
+    buckets.symmetric_memory = buckets.symmetric_memory || g_symmetric;
     auto dp = std::shared_ptr<DP>(new DP(ctx, *m, lockstep::DataParallelOptions{.buckets = buckets}, strategy),
                                   [m](DP* p) { delete p; });
     if constexpr (Sharded) {  // where the time goes: did the options take effect?
@@ -641,10 +645,12 @@ int main(int argc, char** argv) {
       else if (a == "--gpus" && i + 1 < argc) max_gpus = std::stoi(argv[++i]);
       else if (a == "--only" && i + 1 < argc) only = argv[++i];
       else if (a == "--node-size" && i + 1 < argc) node = std::stoi(argv[++i]);
+      else if (a == "--symmetric") g_symmetric = true;
       else {
         std::fprintf(
             stderr,
-            "usage: bench_sync [--shapes FILE] [--iters N] [--gpus N] [--only abceghkstwxyz] [--node-size L]\n");
+            "usage: bench_sync [--shapes FILE] [--iters N] [--gpus N] [--only abceghkstwxyz] [--node-size L] "
+            "[--symmetric]\n");
         return 2;
       }
     }
