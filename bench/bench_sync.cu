@@ -647,10 +647,9 @@ int main(int argc, char** argv) {
       else if (a == "--node-size" && i + 1 < argc) node = std::stoi(argv[++i]);
       else if (a == "--symmetric") g_symmetric = true;
       else {
-        std::fprintf(
-            stderr,
-            "usage: bench_sync [--shapes FILE] [--iters N] [--gpus N] [--only abceghkstwxyz] [--node-size L] "
-            "[--symmetric]\n");
+        std::fprintf(stderr,
+                     "usage: bench_sync [--shapes FILE] [--iters N] [--gpus N] [--only abceghkstwxyz] [--node-size L] "
+                     "[--symmetric]\n");
         return 2;
       }
     }
