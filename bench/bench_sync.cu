@@ -406,7 +406,7 @@ void bench_g(const std::vector<shape>& shapes, int ngpu, int iters, const char* 
 
 // y. The mean all-reduce of 1-256 MiB on the same communicator, plain device memory (NCCL's
 // ring or tree, ncclAvg) beside a symmetric window (NcclComm::allocate_symmetric): lockstep's
-// peer kernel (up to LOCKSTEP_PEER_ALL_REDUCE_MIB, default 64; NCCL's symmetric kernels above)
+// peer kernel (up to LOCKSTEP_PEER_ALL_REDUCE_MIB, default 1024; NCCL's symmetric kernels above)
 // and, with the peer kernel off, NCCL's symmetric kernels (their sum, then x1/N). Bus
 // bandwidth, busbw = bytes/t * 2(n-1)/n.
 template <class T>

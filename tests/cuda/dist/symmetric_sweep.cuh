@@ -3,10 +3,13 @@
 // (NcclComm::allocate_symmetric) against each rank's own CPU sum of every rank's input. Random
 // cases, fresh per run (rank 0's seed, printed): f32, bf16, f16, f64; sum and mean; sizes from
 // one element to 6 MiB; offsets that leave the buffer unaligned; in place and out of place
-// (the elements around the output must stay as they were). Buffers up to
-// LOCKSTEP_PEER_ALL_REDUCE_MIB (default 64) go to lockstep's peer kernel, which sums in rank
-// order in f32 (f64) and rounds once: the CPU does the same, so they must agree bit for bit;
-// larger ones (f32, bf16) go to NCCL's symmetric kernels: within rounding.
+// (the elements around the output must stay as they were), and fixed edge counts (1, fewer
+// than the ranks, a vector's width ± 1 per rank). Buffers up to the limit symmetric_kernels()
+// names (LOCKSTEP_PEER_ALL_REDUCE_MIB, default 1024) go to lockstep's peer kernel, which sums
+// in rank order in f32 (f64), multiplies by float(1/N) (1/N for f64) and rounds once: the CPU
+// does the same, so they must agree bit for bit; larger ones (f32, bf16) go to NCCL's
+// symmetric kernels: within rounding. The peer kernel off for any reason but
+// LOCKSTEP_PEER_ALL_REDUCE_MIB=0 is a failure that names it.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -58,7 +61,7 @@ inline std::uint64_t sweep_expected(lockstep::dtype t, std::uint64_t seed, int r
       sweep_bits(t, seed, q, i, v);
       acc = q == 0 ? v : acc + v;
     }
-    const double r = acc * static_cast<double>(mean ? 1.0f / static_cast<float>(ranks) : 1.0f);
+    const double r = acc * (mean ? 1.0 / static_cast<double>(ranks) : 1.0);
     return std::bit_cast<std::uint64_t>(r);
   }
   float acc = 0;
@@ -66,7 +69,7 @@ inline std::uint64_t sweep_expected(lockstep::dtype t, std::uint64_t seed, int r
     sweep_bits(t, seed, q, i, v);
     acc = q == 0 ? static_cast<float>(v) : acc + static_cast<float>(v);
   }
-  const float r = acc * (mean ? 1.0f / static_cast<float>(ranks) : 1.0f);
+  const float r = acc * (mean ? static_cast<float>(1.0 / static_cast<double>(ranks)) : 1.0f);
   switch (t) {
     case lockstep::dtype::f32: return std::bit_cast<std::uint32_t>(r);
     case lockstep::dtype::bf16: return lockstep::detail::bf16_of_float(r);
@@ -95,8 +98,15 @@ inline int symmetric_sweep(lockstep::context<lockstep::NcclComm>& ctx) {
   std::vector<double> shared{ctx.rank() == 0 ? static_cast<double>(std::random_device{}() & 0xffffffffu) : 0.0};
   lockstep::all_reduce_scalars(comm, std::span<double>(shared), lockstep::reduce_op::max);
   const auto seed = static_cast<std::uint64_t>(shared[0]);
-  const char* lim = std::getenv("LOCKSTEP_PEER_ALL_REDUCE_MIB");
-  const std::size_t peer_max = (lim ? std::strtoull(lim, nullptr, 10) : 64) << 20;
+  // The limit the group agreed on, as symmetric_kernels() says it.
+  std::size_t peer_max = 0;
+  int failures = 0, peer_cases = 0;
+  if (const auto at = why.find("buffers up to "); at != std::string::npos)
+    peer_max = std::strtoull(why.c_str() + at + 14, nullptr, 10) << 20;
+  else if (why.find("LOCKSTEP_PEER_ALL_REDUCE_MIB=0") == std::string::npos) {
+    std::printf("rank %d: lockstep's peer all-reduce is off: %s\n", ctx.rank(), why.c_str());
+    ++failures;
+  }
   const std::size_t window = std::size_t{14} << 20;
   auto buf = comm.allocate_symmetric(window).first;
   auto* base = static_cast<unsigned char*>(buf.get());
@@ -104,15 +114,18 @@ inline int symmetric_sweep(lockstep::context<lockstep::NcclComm>& ctx) {
   std::mt19937_64 rng(seed + 17);
   const lockstep::dtype types[] = {lockstep::dtype::f32, lockstep::dtype::bf16, lockstep::dtype::f16,
                                    lockstep::dtype::f64};
-  int failures = 0, peer_cases = 0;
   std::vector<unsigned char> host(window);
-  for (int c = 0; c < 48; ++c) {
-    const lockstep::dtype t = types[rng() % 4];
+  const auto ranks = static_cast<std::size_t>(ctx.size());
+  const std::size_t edges[] = {1, ranks - 1, 8 * ranks - 1, 8 * ranks + 1, 2 * ranks + 1};
+  for (int c = 0; c < 68; ++c) {
+    const bool edge = c < 20;  // every edge count with every type, then random cases
+    const lockstep::dtype t = edge ? types[c % 4] : types[rng() % 4];
     const std::size_t es = lockstep::size_of(t);
     const bool mean = rng() % 2 == 0, in_place = rng() % 3 != 0;
     const int band = static_cast<int>(rng() % 3);  // small, medium, large
     const std::size_t limit = band == 0 ? 5000 : band == 1 ? 300000 : (std::size_t{6} << 20) / es;
-    const std::size_t count = 1 + rng() % limit;
+    const std::size_t count = edge ? edges[c / 4] : 1 + rng() % limit;
+    if (count == 0) continue;  // fewer than the ranks, on one rank
     if (!lockstep::cuda::kernels::peer_reducible(t)) continue;
     const bool peer = count * es <= peer_max;
     if (!peer && t != lockstep::dtype::f32 && t != lockstep::dtype::bf16) continue;  // neither path takes it

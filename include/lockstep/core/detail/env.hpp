@@ -40,12 +40,16 @@ inline std::chrono::milliseconds default_timeout() {
   return std::chrono::milliseconds(static_cast<long long>(s * 1000.0));
 }
 
-//! LOCKSTEP_ABORT_GRACE (seconds, default 2; negative counts as 0): how long a rank that
-//! failed or saw a failure may take to end — MPI ranks wait that long before MPI_Abort, and a
-//! process's teardown after a failure is cut off after it (launch/teardown_deadline.hpp).
+//! LOCKSTEP_ABORT_GRACE (seconds, default 2; what is not a number from 0 to 3600 counts as
+//! 0 or 3600): how long a rank that failed or saw a failure may take to end — MPI ranks wait
+//! that long before MPI_Abort, and a process's teardown after a failure is cut off after it
+//! (at least 1 s there: launch/detail/teardown_deadline.hpp).
 inline std::chrono::milliseconds abort_grace() {
   double seconds = 2.0;
-  if (auto g = env("LOCKSTEP_ABORT_GRACE")) seconds = std::max(0.0, std::strtod(g->c_str(), nullptr));
+  if (auto g = env("LOCKSTEP_ABORT_GRACE")) {
+    seconds = std::strtod(g->c_str(), nullptr);
+    seconds = seconds >= 0.0 ? std::min(seconds, 3600.0) : 0.0;  // NaN: 0
+  }
   return std::chrono::milliseconds(static_cast<long long>(seconds * 1000.0));
 }
 

@@ -15,9 +15,11 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <exception>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -42,9 +44,9 @@ inline std::pair<std::size_t, std::string> peer_local_limit(const nccl_state& s)
   if (auto v = env("LOCKSTEP_PEER_ALL_REDUCE_MIB")) {
     char* end = nullptr;
     const long long n = std::strtoll(v->c_str(), &end, 10);
-    if (end == v->c_str() || *end != '\0' || n < 0)
+    if (end == v->c_str() || *end != '\0' || n < 0 || n > (1ll << 30))
       throw config_error("LOCKSTEP_PEER_ALL_REDUCE_MIB='" + *v +
-                         "' is not a whole number of MiB (0 turns lockstep's peer all-reduce off)");
+                         "' is not a whole number of MiB from 0 to 2^30 (0 turns lockstep's peer all-reduce off)");
     mib = static_cast<std::size_t>(n);
   }
   if (mib == 0) return {0, "LOCKSTEP_PEER_ALL_REDUCE_MIB=0"};
@@ -89,26 +91,37 @@ inline void peer_add_window(nccl_state& s, void* p, std::size_t bytes, ncclWindo
 
 //! This rank's part of the setup (collective: the flags' window): false if it could not be
 //! made here (the caller agrees with the others).
-inline bool peer_prepare(nccl_state& s, std::size_t max_bytes, cudaStream_t stream) {
+inline bool peer_prepare(nccl_state& s, std::size_t max_bytes, cudaStream_t stream, std::string& why_not) {
   auto& p = s.peer;
   std::size_t bytes = cuda::kernels::peer_signal_slots * sizeof(unsigned);
   const auto [mem, win] = nccl_window_raw(s, bytes, "BucketPolicy::symmetric_memory");
   p.signal = mem;
   p.signal_window = win;  // both freed with the communicator (nccl_state::free_staging)
-  if (win == nullptr) return false;
-  LOCKSTEP_TRY_CUDA(cudaMemsetAsync(mem, 0, bytes, stream));
-  LOCKSTEP_TRY_CUDA(cudaMalloc(&p.epochs, sizeof(unsigned) * cuda::kernels::peer_max_blocks));
-  LOCKSTEP_TRY_CUDA(cudaMemsetAsync(p.epochs, 0, sizeof(unsigned) * cuda::kernels::peer_max_blocks, stream));
-  void* words = nullptr;
-  LOCKSTEP_TRY_CUDA(cudaHostAlloc(&words, 2 * sizeof(int), cudaHostAllocMapped | cudaHostAllocPortable));
-  p.words = static_cast<int*>(words);
-  p.words[0] = p.words[1] = 0;
-  void* dev = nullptr;
-  LOCKSTEP_TRY_CUDA(cudaHostGetDevicePointer(&dev, words, 0));
-  p.words_device = static_cast<int*>(dev);
-  const auto bases = peer_bases(s, win, stream);
-  for (int q = 0; q < s.size; ++q) p.flags[static_cast<std::size_t>(q)] = reinterpret_cast<unsigned*>(bases[q]);
-  p.timeout = default_timeout();
+  if (win == nullptr) {
+    why_not = "NCCL returned no window for its flags";
+    return false;
+  }
+  try {  // past the collective registration: a failure here is this rank's, agreed on after
+    LOCKSTEP_TRY_CUDA(cudaMemsetAsync(mem, 0, bytes, stream));
+    const std::size_t epochs = sizeof(unsigned) * cuda::kernels::peer_epoch_words;
+    LOCKSTEP_TRY_CUDA(cudaMalloc(&p.epochs, epochs));
+    LOCKSTEP_TRY_CUDA(cudaMemsetAsync(p.epochs, 0, epochs, stream));
+    void* words = nullptr;
+    LOCKSTEP_TRY_CUDA(cudaHostAlloc(&words, 2 * sizeof(int), cudaHostAllocMapped | cudaHostAllocPortable));
+    p.words = static_cast<int*>(words);
+    p.words[0] = p.words[1] = 0;
+    void* dev = nullptr;
+    LOCKSTEP_TRY_CUDA(cudaHostGetDevicePointer(&dev, words, 0));
+    p.words_device = static_cast<int*>(dev);
+    const auto bases = peer_bases(s, win, stream);
+    for (int q = 0; q < s.size; ++q) p.flags[static_cast<std::size_t>(q)] = reinterpret_cast<unsigned*>(bases[q]);
+    // The watchdog names a stuck peer LOCKSTEP_TIMEOUT + 2 s after a collective was issued
+    // (a stopped peer first by its missing heartbeat): the kernel waits that long too.
+    p.timeout = default_timeout() + std::chrono::seconds(2);
+  } catch (const std::exception& e) {
+    why_not = std::string("its setup failed on a rank: ") + e.what();
+    return false;
+  }
   p.max_bytes = max_bytes;
   return true;
 }
@@ -139,7 +152,7 @@ inline std::optional<cuda::kernels::peer_reduce_args> peer_args(nccl_state& s, c
     r.count = count;
     r.rank = s.rank;
     r.ranks = s.size;
-    r.scale = op == reduce_op::avg ? 1.0f / static_cast<float>(s.size) : 1.0f;
+    r.scale = op == reduce_op::avg ? 1.0 / static_cast<double>(s.size) : 1.0;
     r.timeout_ns = static_cast<unsigned long long>(s.peer.timeout.count()) * 1000000ull;
     return r;
   }
@@ -149,7 +162,7 @@ inline std::optional<cuda::kernels::peer_reduce_args> peer_args(nccl_state& s, c
 #else
 
 inline void peer_add_window(nccl_state&, void*, std::size_t, void*, cudaStream_t) {}
-inline bool peer_prepare(nccl_state&, std::size_t, cudaStream_t) { return false; }
+inline bool peer_prepare(nccl_state&, std::size_t, cudaStream_t, std::string&) { return false; }
 inline std::optional<cuda::kernels::peer_reduce_args> peer_args(nccl_state&, const void*, const void*, std::size_t,
                                                                 dtype, reduce_op) {
   return std::nullopt;

@@ -234,7 +234,8 @@ struct nccl_state {
     const int code = static_cast<const volatile int*>(peer.words)[1];
     if (code <= 0) return std::nullopt;  // -1: ended by abort(), which says why itself
     return who() + ": lockstep's peer all-reduce (a buffer in a symmetric window) waited " +
-           std::to_string(peer.timeout.count() / 1000) + " s (LOCKSTEP_TIMEOUT) for rank " + std::to_string(code - 1) +
+           std::to_string(peer.timeout.count() / 1000) + " s (LOCKSTEP_TIMEOUT + 2 s) for rank " +
+           std::to_string(code - 1) +
            ", which never reached it (it died, hangs, or called a different collective); its result is not valid";
   }
 

@@ -158,11 +158,13 @@ void decide_peer(Comm& comm, nccl_state& s, std::size_t max_bytes, const std::st
     s.symmetric_why += "; lockstep's peer all-reduce off (" + why_not + "): NCCL's symmetric kernels reduce";
     return;
   }
-  std::int64_t ready = peer_prepare(s, max_bytes, comm.compute_stream()) ? 1 : 0;
+  std::string why_here;
+  std::int64_t ready = peer_prepare(s, max_bytes, comm.compute_stream(), why_here) ? 1 : 0;
   agree_min(comm, &ready, 1, "symmetric_kernels: the peer all-reduce's flags registered");
   if (ready == 0) {
     s.peer.max_bytes = 0;
-    s.symmetric_why += "; lockstep's peer all-reduce off (a rank's flags window did not register)";
+    s.symmetric_why +=
+        "; lockstep's peer all-reduce off (" + (why_here.empty() ? "its setup failed on another rank" : why_here) + ")";
     return;
   }
   s.symmetric_why += "; buffers up to " + std::to_string(max_bytes >> 20) +

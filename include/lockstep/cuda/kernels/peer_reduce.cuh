@@ -13,8 +13,9 @@
 //! set before ncclCommAbort) and a deadline (LOCKSTEP_TIMEOUT); either ends the kernel and
 //! records why in the error word, which the host reads (nccl_peer.cuh). The blocks of one call
 //! pair with the same blocks on the peers, so the grid is the same on every rank for the same
-//! count, and at most peer_max_blocks (fewer than the GPU's SMs: the paired blocks are resident
-//! together).
+//! count (at most peer_max_blocks). No block waits for another block of its own GPU, so blocks
+//! that are not yet resident only delay their partners. A call after one that gave up returns
+//! at once: the communicator is broken from then on.
 
 #include <cuda_runtime_api.h>
 
@@ -31,6 +32,8 @@ namespace lockstep::cuda::kernels {
 constexpr int peer_max_ranks = 8;
 constexpr int peer_max_blocks = 64;
 constexpr int peer_threads = 512;
+//! Per-block call counters, then one word: nonzero once a call on this communicator gave up.
+constexpr std::size_t peer_epoch_words = peer_max_blocks + 1;
 //! Signal slots a rank holds: one per (block, sending rank).
 constexpr std::size_t peer_signal_slots = static_cast<std::size_t>(peer_max_blocks) * peer_max_ranks;
 
@@ -39,13 +42,13 @@ constexpr std::size_t peer_signal_slots = static_cast<std::size_t>(peer_max_bloc
 struct peer_reduce_args {
   char* data[peer_max_ranks] = {};
   unsigned* flags[peer_max_ranks] = {};
-  unsigned* epochs = nullptr;           //!< this rank's per-block call counters (device memory)
-  const volatile int* abort = nullptr;  //!< nonzero: the communicator was aborted (mapped host memory)
-  volatile int* error = nullptr;        //!< set on giving up: -1 aborted, 1 + q waiting for rank q (mapped)
+  unsigned* epochs = nullptr;     //!< this rank's peer_epoch_words (device memory)
+  volatile int* abort = nullptr;  //!< nonzero: the communicator was aborted (mapped host memory)
+  volatile int* error = nullptr;  //!< set on giving up: -1 aborted, 1 + q waiting for rank q (mapped)
   std::size_t send_off = 0, recv_off = 0, count = 0;
   std::size_t chunk = 0;  //!< elements a rank owns (the last rank's may be fewer)
   int rank = 0, ranks = 0;
-  float scale = 1.0f;
+  double scale = 1.0;  //!< in the compute type: float(1/N) for f32 and halves, 1/N for f64
   unsigned long long timeout_ns = 0;
 };
 
@@ -86,6 +89,9 @@ __device__ bool meet(const peer_reduce_args& a, unsigned epoch, volatile int& ga
         *a.error = 1 + q;
         gave_up = 1;
       }
+      // Later calls on this communicator must not pair with a peer's older ones (this block's
+      // counter did not advance): they return at once (the host reports the failure).
+      if (gave_up) *static_cast<volatile unsigned*>(a.epochs + peer_max_blocks) = 1;
     }
   }
   __syncthreads();
@@ -150,10 +156,10 @@ __global__ void __launch_bounds__(peer_threads) all_reduce(peer_reduce_args a) {
   __shared__ volatile int gave_up;
   if (threadIdx.x == 0) {
     base = a.epochs[blockIdx.x];
-    gave_up = 0;
+    gave_up = static_cast<volatile unsigned*>(a.epochs)[peer_max_blocks] != 0;  // an earlier call gave up
   }
   __syncthreads();  // base is read below as meet()'s argument, before meet()'s own barrier
-  if (!meet(a, base + 1, gave_up)) return;
+  if (gave_up || !meet(a, base + 1, gave_up)) return;
   walk<V>(a, a.rank, reduce_and_push<Element>{a});
   if (!meet(a, base + 2, gave_up)) return;
   if (threadIdx.x == 0) a.epochs[blockIdx.x] = base + 2;

@@ -5,9 +5,10 @@
 //! of a peer during CUDA graph replays: the survivor named the failure within a second, then
 //! never ended — and by then the watchdog, whose grace period ends a stuck process, has been
 //! stopped. arm() on a failure starts the clock; the destructor (after the communicator's)
-//! stops it. Past LOCKSTEP_ABORT_GRACE (default 2 s) the process prints why and exits with
-//! status 1: a survivor must never outlive the job.
+//! stops it. Past LOCKSTEP_ABORT_GRACE (default 2 s, at least 1 s here) the process prints why
+//! and exits with status 1: a survivor must never outlive the job.
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -41,7 +42,7 @@ class teardown_deadline {
     try {
       std::lock_guard lk(m_);
       if (clock_.joinable() || done_) return;
-      const auto grace = abort_grace();
+      const auto grace = std::max(abort_grace(), std::chrono::milliseconds(1000));
       clock_ = std::thread([this, rank, grace, why = std::move(why)] {
         std::unique_lock lk(m_);
         if (cv_.wait_for(lk, grace, [&] { return done_; })) return;
@@ -50,6 +51,7 @@ class teardown_deadline {
                      "LOCKSTEP_ABORT_GRACE: ncclCommAbort or a free still waits for GPU work that waits for a "
                      "dead peer)\n",
                      rank, why.c_str(), static_cast<long long>(grace.count()));
+        std::fflush(stdout);
         std::fflush(stderr);
         std::_Exit(1);
       });

@@ -57,11 +57,12 @@ class allreduce_units {
     return make_bucket_plan(t, std::move(order), sizes, policy,
                             zero_copy ? std::max<std::size_t>(1, 256 / size_of(t)) : 1);
   }
-  //! A symmetric window where the policy asks for one and the communicator has them (NCCL's
-  //! symmetric kernels then reduce the buckets: NcclComm::all_reduce).
+  //! A symmetric window where the policy asks for one and the communicator has them
+  //! (lockstep's peer all-reduce, or NCCL's symmetric kernels, then reduce the buckets:
+  //! NcclComm::all_reduce).
   std::shared_ptr<void> allocate(std::size_t bytes, dtype t, const BucketPolicy& policy) {
     if constexpr (requires { comm_.allocate_symmetric(bytes); }) {
-      // Not f16: NCCL's symmetric kernels would sum it (NcclComm::all_reduce takes the ring).
+      // Not f16: above the peer all-reduce's limit NCCL's symmetric kernels would sum it.
       if (t == dtype::f16) return comm_.memory().allocate(bytes);
       if (policy.symmetric_memory && comm_.size() > 1) {
         auto [p, symmetric] = comm_.allocate_symmetric(bytes);
