@@ -182,11 +182,12 @@ struct BucketPolicy {
   bool rebuild_after_first_step = true;            //!< reorder by observed arrival, once
   //! Replicated over a communicator with symmetric windows (NcclComm whose
   //! symmetric_kernels() holds: one process per GPU on one host, peer-connected GPUs, NCCL
-  //! 2.28+): the gradient arena is one symmetric window and each bucket is all-reduced by
-  //! NCCL's symmetric kernels (sync_stats::symmetric_memory says whether it is); elsewhere
-  //! plain memory. Off by default: when a peer dies, an aborted communicator does not end
-  //! those kernels, so a survivor stops only when the watchdog's grace period ends the
-  //! process (5 s, not at once); docs/communicator.md has the measurements.
+  //! 2.28+): the gradient arena (not f16) is one symmetric window and each bucket is
+  //! all-reduced by lockstep's peer all-reduce (up to LOCKSTEP_PEER_ALL_REDUCE_MIB) or NCCL's
+  //! symmetric kernels (sync_stats::symmetric_memory says whether it is); elsewhere plain
+  //! memory. Off by default: the collective alone is faster (1.0-1.55x at 1-256 MiB on 2
+  //! H200s), a whole step is not (its blocks compete with the backward for SMs);
+  //! docs/communicator.md §11 has the measurements.
   bool symmetric_memory = false;
   //! Choose cap_bytes from a cost model when the first step ends (with
   //! rebuild_after_first_step, on communicators that give one: NcclComm): the first step's
