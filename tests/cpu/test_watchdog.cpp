@@ -22,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include <lockstep/launch/detail/teardown_deadline.hpp>
 #include <lockstep/launch/watchdog.hpp>
 #include <lockstep/store/store.hpp>
 #include <lockstep/store/tcp_store.hpp>
@@ -337,6 +338,60 @@ TEST_CASE("Watchdog: a rank whose main thread never returns is ended after the g
     CHECK(exit_code(k) == 1);
     CHECK(k.exited_after > g);
     CHECK(k.exited_after < g + 1.5);
+  }
+}
+
+// run(Processes)'s teardown after a failure (launch/detail/teardown_deadline.hpp): a child
+// arms the deadline with a random LOCKSTEP_ABORT_GRACE, then hangs (it must be ended, status 1,
+// within the grace plus a margin, naming the failure), or finishes its teardown in time (it
+// must end normally, also after the grace has passed), or never arms it.
+TEST_CASE("teardown deadline: a teardown that hangs past LOCKSTEP_ABORT_GRACE ends the process and names the failure") {
+  std::mt19937_64 rng(std::random_device{}());
+  const double grace = 1.0 + static_cast<double>(rng() % 600) / 1000.0;
+  CAPTURE(grace);
+  const lockstep_test::temp_dir tmp("teardown");
+  const std::string& dir = tmp.path;
+  const std::string why = "rank " + std::to_string(1 + rng() % 7) + " left: test " + std::to_string(rng() % 1000);
+  // 0: hangs after arm(); 1: tears down in 0.2 s, then lives on past the grace; 2: never armed.
+  std::vector<child> kids(3);
+  const auto mark = clk::now();
+  for (int mode = 0; mode < 3; ++mode) {
+    std::fflush(stdout);
+    std::fflush(stderr);
+    const pid_t pid = ::fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+      std::FILE* err = std::freopen((dir + "/err" + std::to_string(mode)).c_str(), "w", stderr);
+      (void)err;
+      ::setenv("LOCKSTEP_ABORT_GRACE", std::to_string(grace).c_str(), 1);
+      {
+        lockstep::detail::teardown_deadline deadline;
+        if (mode != 2) deadline.arm(3, why);
+        std::this_thread::sleep_for(mode == 0 ? std::chrono::milliseconds(30000) : std::chrono::milliseconds(200));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<long long>(grace * 1000) + 500));
+      ::_exit(0);
+    }
+    kids[static_cast<std::size_t>(mode)].pid = pid;
+  }
+  reap(kids, mark, 20s);
+  const auto text = [&](int mode) {
+    std::FILE* f = std::fopen((dir + "/err" + std::to_string(mode)).c_str(), "r");
+    std::string out;
+    if (f == nullptr) return out;
+    char buf[512];
+    while (std::fgets(buf, sizeof buf, f) != nullptr) out += buf;
+    std::fclose(f);
+    return out;
+  };
+  CHECK(exit_code(kids[0]) == 1);
+  CHECK(kids[0].exited_after > grace);
+  CHECK(kids[0].exited_after < grace + 1.5);
+  CHECK(text(0).find("lockstep: rank 3 exits: " + why) != std::string::npos);
+  for (int mode : {1, 2}) {
+    CAPTURE(mode);
+    CHECK(exit_code(kids[static_cast<std::size_t>(mode)]) == 0);
+    CHECK(text(mode).empty());
   }
 }
 
