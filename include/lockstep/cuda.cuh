@@ -2,7 +2,9 @@
 //! lockstep on GPUs: everything of <lockstep/lockstep.hpp> plus the CUDA/NCCL part (target
 //! lockstep::cuda): NcclComm, run(Gpus) and run(Processes), device memory, the multi-tensor
 //! kernels, grad_ops on device memory, DeviceDynamicScale and the fused optimizers. Include it
-//! from a CUDA translation unit (.cu); run(Auto) then also picks the GPUs.
+//! from a CUDA translation unit (.cu); run(Auto) then also picks the GPUs. Not included here,
+//! because CUB costs every translation unit compile time: the device permutation
+//! (lockstep/cuda/kernels/permutation.cuh).
 
 #include "lockstep/cuda/bf16_wire.cuh"
 #include "lockstep/cuda/deterministic_sum.cuh"
@@ -15,7 +17,6 @@
 #include "lockstep/cuda/kernels/grad_kernels.cuh"
 #include "lockstep/cuda/kernels/memory_ops.cuh"
 #include "lockstep/cuda/kernels/optimizers.cuh"
-#include "lockstep/cuda/kernels/permutation.cuh"
 #include "lockstep/cuda/memory.cuh"
 #include "lockstep/cuda/nccl_comm.cuh"
 #include "lockstep/cuda/prefetch.cuh"

@@ -25,6 +25,7 @@
 
 #include "gpu_test_util.cuh"
 #include "lockstep/cuda.cuh"
+#include "lockstep/cuda/kernels/permutation.cuh"
 
 namespace {
 

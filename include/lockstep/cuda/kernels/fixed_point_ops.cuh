@@ -16,6 +16,7 @@
 #include "lockstep/core/detail/fixed_point.hpp"
 #include "lockstep/cuda/error.cuh"
 #include "lockstep/cuda/kernels/engine.cuh"
+#include "lockstep/cuda/kernels/reduce.cuh"
 
 namespace lockstep::cuda::kernels {
 
@@ -38,18 +39,6 @@ __device__ inline void store_vec(E* p, const E (&in)[N]) {
 #pragma unroll
   for (int k = 0; k < N; ++k) v.x[k] = in[k];
   *reinterpret_cast<vec<E, N>*>(p) = v;
-}
-
-__device__ inline std::int64_t warp_max(std::int64_t v) {
-  for (int o = 16; o > 0; o /= 2) {
-    const std::int64_t w = __shfl_xor_sync(0xffffffffu, static_cast<long long>(v), o);
-    v = w > v ? w : v;
-  }
-  return v;
-}
-__device__ inline std::int64_t warp_sum(std::int64_t v) {
-  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, static_cast<long long>(v), o);
-  return v;
 }
 
 //! What a thread of a converting op saw: its run's exponent and slot, the largest exponent,

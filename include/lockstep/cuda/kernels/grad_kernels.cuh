@@ -13,8 +13,6 @@
 
 #include <cuda_runtime_api.h>
 
-#include <cub/block/block_reduce.cuh>
-
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -31,6 +29,7 @@
 #include "lockstep/cuda/error.cuh"
 #include "lockstep/cuda/kernels/access.cuh"
 #include "lockstep/cuda/kernels/engine.cuh"
+#include "lockstep/cuda/kernels/reduce.cuh"
 #include "lockstep/cuda/memory.cuh"
 
 namespace lockstep::cuda::kernels {
@@ -100,9 +99,7 @@ struct unscale_op : op_base<storage_of<Element>> {
     // the same value are well defined).
     if (flag != nullptr && __any_sync(0xffffffffu, st.bad != 0) && (threadIdx.x & 31) == 0) atomicExch(flag, 1);
     if constexpr (Partials) {
-      using reduce_t = cub::BlockReduce<double, tuning_of<unscale_op>.block_threads>;
-      __shared__ typename reduce_t::TempStorage temp;
-      const double total = reduce_t(temp).Sum(st.ss);
+      const double total = block_sum<tuning_of<unscale_op>.block_threads>(st.ss);
       if (threadIdx.x == 0) partials[info.chunk] = total;
     }
   }
@@ -142,9 +139,7 @@ __global__ void __launch_bounds__(BlockThreads)
     sum_partials_kernel(const double* partials, std::size_t n, double* out) {
   double s = 0.0;
   for (std::size_t i = threadIdx.x; i < n; i += BlockThreads) s += partials[i];
-  using reduce_t = cub::BlockReduce<double, BlockThreads>;
-  __shared__ typename reduce_t::TempStorage temp;
-  const double total = reduce_t(temp).Sum(s);
+  const double total = block_sum<BlockThreads>(s);
   if (threadIdx.x == 0) *out = total;
 }
 
