@@ -64,6 +64,7 @@
 #include "lockstep/cuda/detail/nccl_handle.cuh"
 #include "lockstep/cuda/detail/nccl_marker.cuh"
 #include "lockstep/cuda/detail/nccl_order.cuh"
+#include "lockstep/cuda/detail/nccl_peer.cuh"
 #include "lockstep/cuda/detail/nccl_state.cuh"
 #include "lockstep/cuda/detail/nccl_symmetric.cuh"
 #include "lockstep/cuda/detail/nccl_window.cuh"
@@ -169,10 +170,15 @@ class NcclComm : private detail::nccl_control {
   //! symmetric_kernels() holds: NCCL's symmetric kernels sum them, then ×1/N.
   work all_reduce(const void* send, void* recv, std::size_t count, dtype t, reduce_op op) {
     state& s = live("all_reduce");
-    const collective c = detail::nccl_check_order(s, collective::all_reduce(count, t, op));
+    // lockstep's peer kernel where it takes the buffers (cuda/detail/nccl_peer.cuh): it carries
+    // the order check's seal too.
+    const auto peer = detail::peer_args(s, send, recv, count, t, op);
+    std::optional<detail::seal_words> seal;
+    const collective c = detail::nccl_check_order(s, collective::all_reduce(count, t, op), peer ? &seal : nullptr);
     if (count == 0) return {};
     detail::nccl_require(send, "send", "all_reduce");
     detail::nccl_require(recv, "recv", "all_reduce");
+    if (peer) return issue(s, c, [&](cudaStream_t cs) { detail::peer_all_reduce(s, *peer, seal, t, cs); });
     if (detail::symmetric_reducible(s, send, recv, count, t, op))  // cuda/detail/nccl_symmetric.cuh
       return issue(s, c, [&](cudaStream_t cs) { detail::symmetric_all_reduce(s, send, recv, count, t, op, cs); });
     const ncclDataType_t nt = to_nccl(t);

@@ -185,9 +185,9 @@ struct BucketPolicy {
   //! 2.28+): the gradient arena (not f16) is one symmetric window and each bucket is
   //! all-reduced by lockstep's peer all-reduce (up to LOCKSTEP_PEER_ALL_REDUCE_MIB) or NCCL's
   //! symmetric kernels (sync_stats::symmetric_memory says whether it is); elsewhere plain
-  //! memory. Off by default: the collective alone is faster (1.0-1.55x at 1-256 MiB on 2
-  //! H200s), a whole step is not (its blocks compete with the backward for SMs);
-  //! docs/communicator.md §11 has the measurements.
+  //! memory. Off by default: the collective alone is faster (1.0-2.4x at 1-256 MiB on 2
+  //! H200s), a whole step only where communication dominates (the fp32 MLP 12-14 % faster;
+  //! GPT-2 and the bf16 MLP within 1 %, slower); docs/communicator.md §11 has the numbers.
   bool symmetric_memory = false;
   //! Choose cap_bytes from a cost model when the first step ends (with
   //! rebuild_after_first_step, on communicators that give one: NcclComm): the first step's

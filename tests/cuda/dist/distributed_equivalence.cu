@@ -13,6 +13,8 @@
 //   distributed_equivalence --sweep    the all-reduce of buffers in a symmetric window alone
 //   (lockstep's peer kernel, NCCL's symmetric kernels above its limit), random cases against
 //   each rank's CPU sum (symmetric_sweep.cuh); no training.
+//   distributed_equivalence --sweep-order   the order check carried by the peer kernel: agreed
+//   calls pass, a mismatched label is named (symmetric_sweep.cuh); run() then ends with it.
 //   distributed_equivalence --tune     BucketPolicy::tune: the cap chosen from the first
 //   step's gradient times and NCCL's estimates (printed), the same parameters. Flags combine.
 #include <chrono>
@@ -35,7 +37,7 @@ using namespace lockstep_test;
 
 int main(int argc, char** argv) {
   try {
-    bool uneven = false, graphed = false, symmetric = false, tune = false, sweep = false;
+    bool uneven = false, graphed = false, symmetric = false, tune = false, sweep = false, sweep_order = false;
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
       if (a == "--uneven") uneven = true;
@@ -43,9 +45,11 @@ int main(int argc, char** argv) {
       else if (a == "--symmetric") symmetric = true;
       else if (a == "--tune") tune = true;
       else if (a == "--sweep") sweep = true;
+      else if (a == "--sweep-order") sweep_order = true;
       else {
         std::fprintf(stderr,
-                     "distributed_equivalence: unknown option '%s' (--uneven, --graph, --symmetric, --tune, --sweep)\n",
+                     "distributed_equivalence: unknown option '%s' (--uneven, --graph, --symmetric, --tune, --sweep, "
+                     "--sweep-order)\n",
                      a.c_str());
         return 2;
       }
@@ -76,6 +80,19 @@ int main(int argc, char** argv) {
     std::uniform_int_distribution<int> lab(0, 9);
     for (auto& v : y) v = lab(rng);
     int failures = 0;
+    if (sweep_order) {  // run() must end with the mismatch the body provokes
+      bool ended = false;
+      try {
+        lockstep::run(lockstep::Processes{},
+                      [&](lockstep::context<lockstep::NcclComm>& ctx) { failures = symmetric_order_sweep(ctx); });
+      } catch (const std::exception& e) {
+        ended = true;
+        std::printf("run() ended with: %s\n", e.what());
+      }
+      if (failures < 0) return 0;  // skipped
+      std::printf("order check over the peer kernel: %s\n", failures == 0 && ended ? "PASS" : "FAIL");
+      return failures == 0 && ended ? 0 : 1;
+    }
     lockstep::run(lockstep::Processes{}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
       if (sweep) {
         failures += symmetric_sweep(ctx);

@@ -176,4 +176,60 @@ inline int symmetric_sweep(lockstep::context<lockstep::NcclComm>& ctx) {
   return failures;
 }
 
+// distributed_equivalence --sweep_order: the order check when lockstep's peer kernel carries the
+// seals (deferred mode). Ten agreed calls of random sizes (the same on every rank) must pass
+// verify_order(); then rank 0 labels one call differently from the others, and verify_order()
+// (or the watchdog, which may abort first) must report a mismatch naming both labels. The
+// communicator is unusable after that, so run() ends with the mismatch as well. Returns the
+// failed checks on this rank, or −1 where the peer kernel or the deferred check is off.
+inline int symmetric_order_sweep(lockstep::context<lockstep::NcclComm>& ctx) {
+  auto& comm = ctx.comm();
+  const auto [ok, why] = comm.symmetric_kernels();
+  if (!ok || why.find("buffers up to ") == std::string::npos ||
+      comm.order_check() != lockstep::order_check_mode::deferred) {
+    if (ctx.rank() == 0)
+      std::printf("[lockstep-skip] no peer kernel or no deferred order check here: %s\n", why.c_str());
+    return -1;
+  }
+  std::vector<double> shared{ctx.rank() == 0 ? static_cast<double>(std::random_device{}() & 0xffffffffu) : 0.0};
+  lockstep::all_reduce_scalars(comm, std::span<double>(shared), lockstep::reduce_op::max);
+  std::mt19937_64 rng(static_cast<std::uint64_t>(shared[0]));  // the same sizes on every rank
+  const std::size_t most = std::size_t{1} << 20;
+  auto buf = comm.allocate_symmetric(most * sizeof(float)).first;
+  auto* x = static_cast<float*>(buf.get());
+  std::vector<float> host(most);
+  std::mt19937 values(std::random_device{}());
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (auto& v : host) v = u(values);
+  comm.memory().upload(x, host.data(), most * sizeof(float));
+  int failures = 0;
+  for (int i = 0; i < 10; ++i) {
+    comm.label_next("sweep order: agreed call " + std::to_string(i));
+    comm.all_reduce(x, x, 1 + rng() % most, lockstep::dtype::f32, lockstep::reduce_op::avg);
+  }
+  try {
+    comm.verify_order();
+  } catch (const std::exception& e) {
+    std::printf("rank %d: agreed calls were reported: %s\n", ctx.rank(), e.what());
+    return failures + 1;
+  }
+  comm.label_next(ctx.rank() == 0 ? "sweep order: rank 0's label" : "sweep order: the others' label");
+  comm.all_reduce(x, x, 1000, lockstep::dtype::f32, lockstep::reduce_op::sum);
+  try {
+    comm.verify_order();
+    std::printf("rank %d: a call labelled differently went unnoticed\n", ctx.rank());
+    ++failures;
+  } catch (const std::exception& e) {
+    const std::string m = e.what();
+    if (m.find("sweep order: rank 0's label") == std::string::npos ||
+        m.find("sweep order: the others' label") == std::string::npos) {
+      std::printf("rank %d: the report does not name both labels: %s\n", ctx.rank(), e.what());
+      ++failures;
+    } else {
+      std::printf("rank %d: the mismatch was named: %s\n", ctx.rank(), e.what());
+    }
+  }
+  return failures;
+}
+
 }  // namespace lockstep_test

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -36,7 +37,9 @@ inline std::string nccl_order_how(const nccl_state& s) {
 // collective starts, so a rank that skipped a collective or called another one fails with a
 // mismatch_error naming both calls on every rank, in step. No seal while the stream is being
 // captured into a CUDA graph (every rank captures the same calls; the replays go unchecked).
-inline collective nccl_check_order(nccl_state& s, collective c) {
+// With `carry` (the collective's own kernel can carry a seal: lockstep's peer all-reduce) a
+// deferred seal is not all-gathered here: its words go to *carry, for a carried_seal.
+inline collective nccl_check_order(nccl_state& s, collective c, std::optional<seal_words>* carry = nullptr) {
   c.seq = s.calls++;
   c.label = std::exchange(s.next_label, {});
   const auto mode = s.seals.mode();
@@ -51,6 +54,10 @@ inline collective nccl_check_order(nccl_state& s, collective c) {
     if (s.aborted.load(std::memory_order_acquire))
       throw aborted_error(s.who() + " was aborted (" + s.abort_reason + "); create a new communicator to continue");
     throw mismatch_error(*why);
+  }
+  if (carry != nullptr && mode == order_check_mode::deferred) {
+    *carry = encode_order(c);
+    return c;
   }
   constexpr std::size_t k = order_words;
   auto e = s.seals.take();
@@ -81,5 +88,32 @@ inline collective nccl_check_order(nccl_state& s, collective c) {
   if (why) throw mismatch_error(*why);
   return c;
 }
+
+// A seal delivered by the collective's own kernel (lockstep's peer all-reduce): this rank's words
+// in place; the kernel writes every rank's, in rank order, at gathered() (pinned host memory);
+// queued() then records the event after the kernel and hands the seal to the check, which
+// compares it like an all-gathered one, unless *void_if is nonzero by then (the kernel gave up).
+class carried_seal {
+ public:
+  carried_seal(nccl_state& s, const seal_words& mine) : s_(s), e_(s.seals.take()) {
+    std::copy(mine.begin(), mine.end(), e_.host);
+  }
+  ~carried_seal() {
+    if (e_.host != nullptr) s_.seals.give_back(e_);  // the kernel never ran
+  }
+  carried_seal(const carried_seal&) = delete;
+  carried_seal& operator=(const carried_seal&) = delete;
+  std::int64_t* gathered() const noexcept { return e_.device + order_words; }
+  void queued(cudaStream_t stream, const volatile int* void_if) {
+    LOCKSTEP_TRY_CUDA(cudaEventRecord(e_.done, stream));
+    e_.void_if = void_if;
+    s_.seals.push(e_);
+    e_ = {};
+  }
+
+ private:
+  nccl_state& s_;
+  nccl_seals::entry e_;
+};
 
 }  // namespace lockstep::detail

@@ -5,7 +5,10 @@
 //! peer_default_mib; 0 turns it off), and with NCCL's symmetric kernels above. NCCL's device
 //! API (2.28) gives each rank its peers' window addresses (ncclGetPeerPointer: every rank of
 //! the group must be in NCCL's load/store-accessible team). Set up once, agreed by every rank:
-//! the flags' window registers, or no rank uses the kernel.
+//! the flags' window registers, or no rank uses the kernel; the grid's cap
+//! (LOCKSTEP_PEER_BLOCKS, default peer_default_blocks) is the group's smallest. The kernel
+//! carries the order check's seal of its call (deferred mode), so that the check adds no
+//! collective to it (nccl_order.cuh's carried_seal).
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
@@ -28,6 +31,7 @@
 #include "lockstep/core/dtype.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/reduce_op.hpp"
+#include "lockstep/cuda/detail/nccl_order.cuh"
 #include "lockstep/cuda/detail/nccl_state.cuh"
 #include "lockstep/cuda/detail/nccl_window.cuh"
 #include "lockstep/cuda/error.cuh"
@@ -37,6 +41,19 @@ namespace lockstep::detail {
 
 //! Buffers up to this many MiB go to the peer kernel by default (bench/RESULTS.md, session 25).
 constexpr std::size_t peer_default_mib = 1024;
+
+//! The grid's cap this rank asks for (LOCKSTEP_PEER_BLOCKS; the group takes the smallest).
+inline int peer_local_blocks() {
+  if (auto v = env("LOCKSTEP_PEER_BLOCKS")) {
+    char* end = nullptr;
+    const long n = std::strtol(v->c_str(), &end, 10);
+    if (end == v->c_str() || *end != '\0' || n < 1 || n > cuda::kernels::peer_max_blocks)
+      throw config_error("LOCKSTEP_PEER_BLOCKS='" + *v + "' is not a whole number of blocks from 1 to " +
+                         std::to_string(cuda::kernels::peer_max_blocks) + " (the peer all-reduce's grid cap)");
+    return static_cast<int>(n);
+  }
+  return cuda::kernels::peer_default_blocks;
+}
 
 //! The largest buffer this rank would reduce with the peer kernel, or 0 and why not.
 inline std::pair<std::size_t, std::string> peer_local_limit(const nccl_state& s) {
@@ -71,12 +88,12 @@ __global__ void peer_window_bases(ncclWindow_t w, int ranks, char** out) {
   for (int q = 0; q < ranks; ++q) out[q] = static_cast<char*>(ncclGetPeerPointer(w, 0, q));
 }
 
-inline std::array<char*, 8> peer_bases(nccl_state& s, ncclWindow_t w, cudaStream_t stream) {
+inline std::array<char*, cuda::kernels::peer_max_ranks> peer_bases(nccl_state& s, ncclWindow_t w, cudaStream_t stream) {
   const CudaMemory mem(s.device, stream);
   auto dev = mem.allocate(sizeof(char*) * cuda::kernels::peer_max_ranks);
   peer_window_bases<<<1, 1, 0, stream>>>(w, s.size, static_cast<char**>(dev.get()));
   LOCKSTEP_CHECK_LAUNCH();
-  std::array<char*, 8> out{};
+  std::array<char*, cuda::kernels::peer_max_ranks> out{};
   mem.download(out.data(), dev.get(), sizeof(char*) * static_cast<std::size_t>(s.size));
   return out;
 }
@@ -91,9 +108,10 @@ inline void peer_add_window(nccl_state& s, void* p, std::size_t bytes, ncclWindo
 
 //! This rank's part of the setup (collective: the flags' window): false if it could not be
 //! made here (the caller agrees with the others).
-inline bool peer_prepare(nccl_state& s, std::size_t max_bytes, cudaStream_t stream, std::string& why_not) {
+inline bool peer_prepare(nccl_state& s, std::size_t max_bytes, int blocks, cudaStream_t stream, std::string& why_not) {
+  static_assert(order_words <= cuda::kernels::peer_seal_words, "a seal fits the peer kernel's slots");
   auto& p = s.peer;
-  std::size_t bytes = cuda::kernels::peer_signal_slots * sizeof(unsigned);
+  std::size_t bytes = cuda::kernels::peer_window_bytes;
   const auto [mem, win] = nccl_window_raw(s, bytes, "BucketPolicy::symmetric_memory");
   p.signal = mem;
   p.signal_window = win;  // both freed with the communicator (nccl_state::free_staging)
@@ -123,15 +141,16 @@ inline bool peer_prepare(nccl_state& s, std::size_t max_bytes, cudaStream_t stre
     return false;
   }
   p.max_bytes = max_bytes;
+  p.blocks = blocks;
   return true;
 }
 
 //! The kernel's arguments for an all-reduce of send → recv, if the peer kernel takes it: set
-//! up, a sum or mean of a type it reduces, at most max_bytes, both buffers in one window.
+//! up, a sum or mean of a type it reduces, 1 to max_bytes, both buffers in one window.
 inline std::optional<cuda::kernels::peer_reduce_args> peer_args(nccl_state& s, const void* send, const void* recv,
                                                                 std::size_t count, dtype t, reduce_op op) {
   const std::size_t bytes = count * size_of(t);
-  if (s.peer.max_bytes == 0 || bytes > s.peer.max_bytes || !cuda::kernels::peer_reducible(t) ||
+  if (s.peer.max_bytes == 0 || count == 0 || bytes > s.peer.max_bytes || !cuda::kernels::peer_reducible(t) ||
       (op != reduce_op::sum && op != reduce_op::avg))
     return std::nullopt;
   const auto a = reinterpret_cast<std::uintptr_t>(send), b = reinterpret_cast<std::uintptr_t>(recv);
@@ -154,19 +173,35 @@ inline std::optional<cuda::kernels::peer_reduce_args> peer_args(nccl_state& s, c
     r.ranks = s.size;
     r.scale = op == reduce_op::avg ? 1.0 / static_cast<double>(s.size) : 1.0;
     r.timeout_ns = static_cast<unsigned long long>(s.peer.timeout.count()) * 1000000ull;
+    r.max_blocks = s.peer.blocks;
     return r;
   }
   return std::nullopt;
 }
 
+//! Queues the peer all-reduce `a` of t on stream; with `seal` (nccl_check_order's words for
+//! it), the kernel delivers them and the check compares what every rank's kernel delivered.
+inline void peer_all_reduce(nccl_state& s, cuda::kernels::peer_reduce_args a, const std::optional<seal_words>& seal,
+                            dtype t, cudaStream_t stream) {
+  if (!seal) return cuda::kernels::peer_all_reduce(a, t, stream);
+  carried_seal carried(s, *seal);
+  std::copy(seal->begin(), seal->end(), a.seal);
+  a.seal_words = static_cast<int>(order_words);
+  a.seal_out = carried.gathered();
+  cuda::kernels::peer_all_reduce(a, t, stream);
+  carried.queued(stream, s.peer.words + 1);
+}
+
 #else
 
 inline void peer_add_window(nccl_state&, void*, std::size_t, void*, cudaStream_t) {}
-inline bool peer_prepare(nccl_state&, std::size_t, cudaStream_t, std::string&) { return false; }
+inline bool peer_prepare(nccl_state&, std::size_t, int, cudaStream_t, std::string&) { return false; }
 inline std::optional<cuda::kernels::peer_reduce_args> peer_args(nccl_state&, const void*, const void*, std::size_t,
                                                                 dtype, reduce_op) {
   return std::nullopt;
 }
+inline void peer_all_reduce(nccl_state&, const cuda::kernels::peer_reduce_args&, const std::optional<seal_words>&,
+                            dtype, cudaStream_t) {}
 
 #endif
 

@@ -37,11 +37,15 @@ struct relaxed_capture {
 
 class nccl_seals {
  public:
-  //! A seal's pinned host words (this rank's, then every rank's) and the event after their
-  //! copy back.
+  //! A seal's pinned host words (this rank's, then every rank's; `device`: the same words as
+  //! kernels address them) and the event after their copy back. A seal carried by lockstep's
+  //! peer kernel (nccl_peer.cuh) is not compared if that kernel gave up (*void_if nonzero): a
+  //! rank that never came left older words behind.
   struct entry {
     std::int64_t* host = nullptr;
+    std::int64_t* device = nullptr;
     cudaEvent_t done = nullptr;
+    const volatile int* void_if = nullptr;
   };
 
   nccl_seals() = default;
@@ -89,11 +93,12 @@ class nccl_seals {
     const relaxed_capture relaxed;
     entry e;
     const std::size_t bytes = sizeof(std::int64_t) * order_words * (1 + ranks_);
-    LOCKSTEP_TRY_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&e.host), bytes, cudaHostAllocDefault));
-    const cudaError_t r = cudaEventCreateWithFlags(&e.done, cudaEventDisableTiming);
+    LOCKSTEP_TRY_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&e.host), bytes, cudaHostAllocMapped));
+    cudaError_t r = cudaHostGetDevicePointer(reinterpret_cast<void**>(&e.device), e.host, 0);
+    if (r == cudaSuccess) r = cudaEventCreateWithFlags(&e.done, cudaEventDisableTiming);
     if (r != cudaSuccess) {
       (void)cudaFreeHost(e.host);
-      check_cuda(r, "cudaEventCreateWithFlags(seal)", __FILE__, __LINE__);
+      check_cuda(r, "cudaHostGetDevicePointer / cudaEventCreateWithFlags (seal)", __FILE__, __LINE__);
     }
     return e;
   }
@@ -102,6 +107,7 @@ class nccl_seals {
     pending_.push_back(e);
   }
   void give_back(entry e) noexcept {
+    e.void_if = nullptr;
     std::lock_guard lk(m_);
     try {
       spare_.push_back(e);
@@ -119,11 +125,12 @@ class nccl_seals {
       const relaxed_capture relaxed;
       std::lock_guard lk(m_);
       while (mismatch_.empty() && !pending_.empty()) {
-        const entry e = pending_.front();
+        entry e = pending_.front();
         const cudaError_t q = cudaEventQuery(e.done);
         if (q != cudaSuccess) break;  // not yet (a failed device is reported elsewhere)
         pending_.pop_front();
-        auto why = compare(e, how);
+        auto why = e.void_if != nullptr && *e.void_if != 0 ? std::nullopt : compare(e, how);
+        e.void_if = nullptr;
         spare_.push_back(e);
         if (why) mismatch_ = std::move(*why);
       }

@@ -31,6 +31,7 @@
 #include "lockstep/cuda/detail/nccl_seals.cuh"
 #include "lockstep/cuda/detail/nccl_work.cuh"
 #include "lockstep/cuda/error.cuh"
+#include "lockstep/cuda/kernels/peer_reduce.cuh"
 #include "lockstep/cuda/memory.cuh"
 
 namespace lockstep::detail {
@@ -153,20 +154,21 @@ struct nccl_state {
   std::string symmetric_why;
   bool one_process = false;  // one of create_local()'s group: every rank a thread of this process
   // lockstep's peer all-reduce of buffers in symmetric windows (nccl_peer.cuh), set up with
-  // symmetric_kernels(): buffers up to max_bytes; the flags' window and each rank's base of it
-  // as this rank addresses them; per-block call counters; two words of mapped host memory
-  // ([0] abort: set before ncclCommAbort, [1] why a kernel gave up); the symmetric windows
-  // with each rank's base (under windows_m).
+  // symmetric_kernels(): buffers up to max_bytes, grids up to `blocks`; the flags' window (its
+  // seal slots too) and each rank's base of it as this rank addresses them; per-block call
+  // counters; two words of mapped host memory ([0] abort: set before ncclCommAbort, [1] why a
+  // kernel gave up); the symmetric windows with each rank's base (under windows_m).
   struct peer_window {
     std::uintptr_t start;
     std::size_t bytes;
-    std::array<char*, 8> bases;
+    std::array<char*, cuda::kernels::peer_max_ranks> bases;
   };
   struct peer_reduce {
     std::size_t max_bytes = 0;  // 0: not used
+    int blocks = cuda::kernels::peer_default_blocks;
     void* signal = nullptr;
     void* signal_window = nullptr;  // ncclWindow_t
-    std::array<unsigned*, 8> flags{};
+    std::array<unsigned*, cuda::kernels::peer_max_ranks> flags{};
     unsigned* epochs = nullptr;
     int* words = nullptr;
     int* words_device = nullptr;

@@ -86,9 +86,9 @@ inline symmetric_verdict local_verdict(int device) {
   return v;
 }
 
-//! Whether an all-reduce of send → recv goes to the symmetric path: the group can use it, a
-//! sum or mean, both buffers inside windows of s, and a type lockstep's peer kernel takes at
-//! that size (nccl_peer.cuh) or f32 or bf16 (NCCL's symmetric kernels).
+//! Whether an all-reduce of send → recv that lockstep's peer kernel does not take (peer_args)
+//! goes to NCCL's symmetric kernels: the group can use them, a sum or mean, both buffers
+//! inside windows of s, f32 or bf16.
 inline bool symmetric_reducible(nccl_state& s, const void* send, const void* recv, std::size_t count, dtype t,
                                 reduce_op op) {
 #if LOCKSTEP_NCCL_COPY_ENGINE
@@ -96,20 +96,19 @@ inline bool symmetric_reducible(nccl_state& s, const void* send, const void* rec
   if (op != reduce_op::sum && op != reduce_op::avg) return false;
   const std::size_t bytes = count * size_of(t);
   if (!in_window(s, send, bytes) || (recv != send && !in_window(s, recv, bytes))) return false;
-  // Not f16 for NCCL's: their sum of N ranks' values can overflow where ncclAvg's pre-divided
-  // one does not (the peer kernel sums in f32).
-  return t == dtype::f32 || t == dtype::bf16 || peer_args(s, send, recv, count, t, op).has_value();
+  // Not f16: their sum of N ranks' values can overflow where ncclAvg's pre-divided one does
+  // not (the peer kernel sums in f32).
+  return t == dtype::f32 || t == dtype::bf16;
 #else
   (void)s, (void)send, (void)recv, (void)count, (void)t, (void)op;
   return false;
 #endif
 }
 
-//! The all-reduce of symmetric_reducible() buffers, queued on `stream`: lockstep's peer kernel
-//! where it takes them, else NCCL's sum (its symmetric kernels), then ×1/N for a mean.
+//! The all-reduce of symmetric_reducible() buffers, queued on `stream`: NCCL's sum (its
+//! symmetric kernels), then ×1/N for a mean.
 inline void symmetric_all_reduce(nccl_state& s, const void* send, void* recv, std::size_t count, dtype t, reduce_op op,
                                  cudaStream_t stream) {
-  if (const auto a = peer_args(s, send, recv, count, t, op)) return cuda::kernels::peer_all_reduce(*a, t, stream);
   LOCKSTEP_TRY_NCCL(ncclAllReduce(send, recv, count, to_nccl(t), ncclSum, s.comm, stream));
   if (op == reduce_op::avg) cuda::kernels::scale(recv, count, t, 1.0 / static_cast<double>(s.size), stream);
 }
@@ -151,15 +150,16 @@ std::shared_ptr<void> symmetric_window(Comm& comm, const std::shared_ptr<nccl_st
 }
 
 //! With the group's symmetric kernels agreed: sets up the peer kernel for buffers up to
-//! `max_bytes` (the group's minimum; 0: `why_not`), or says why not, the same on every rank.
+//! `max_bytes` with grids up to `blocks` (the group's minima; max_bytes 0: `why_not`), or says
+//! why not, the same on every rank.
 template <class Comm>
-void decide_peer(Comm& comm, nccl_state& s, std::size_t max_bytes, const std::string& why_not) {
+void decide_peer(Comm& comm, nccl_state& s, std::size_t max_bytes, int blocks, const std::string& why_not) {
   if (max_bytes == 0) {
     s.symmetric_why += "; lockstep's peer all-reduce off (" + why_not + "): NCCL's symmetric kernels reduce";
     return;
   }
   std::string why_here;
-  std::int64_t ready = peer_prepare(s, max_bytes, comm.compute_stream(), why_here) ? 1 : 0;
+  std::int64_t ready = peer_prepare(s, max_bytes, blocks, comm.compute_stream(), why_here) ? 1 : 0;
   agree_min(comm, &ready, 1, "symmetric_kernels: the peer all-reduce's flags registered");
   if (ready == 0) {
     s.peer.max_bytes = 0;
@@ -168,12 +168,15 @@ void decide_peer(Comm& comm, nccl_state& s, std::size_t max_bytes, const std::st
     return;
   }
   s.symmetric_why += "; buffers up to " + std::to_string(max_bytes >> 20) +
-                     " MiB reduced by lockstep's peer all-reduce (LOCKSTEP_PEER_ALL_REDUCE_MIB), larger ones by "
+                     " MiB reduced by lockstep's peer all-reduce (LOCKSTEP_PEER_ALL_REDUCE_MIB; up to " +
+                     std::to_string(blocks) +
+                     " blocks, twice for 2-byte types: LOCKSTEP_PEER_BLOCKS), larger ones by "
                      "NCCL's symmetric kernels";
 }
 
 //! Agrees on NcclComm::symmetric_kernels() over comm's group (state s): the minimum of every
-//! rank's local verdict, and one host for all (an all-reduce of {ok, host, −host} by min).
+//! rank's local verdict, and one host for all (an all-reduce of {ok, host, −host} by min), and
+//! the peer kernel's limits.
 template <class Comm>
 void decide_symmetric(Comm& comm, nccl_state& s) {
   if (s.comm == nullptr || s.size < 2) {
@@ -190,8 +193,9 @@ void decide_symmetric(Comm& comm, nccl_state& s) {
   }
   const symmetric_verdict mine = local_verdict(s.device);
   const auto [peer_max, peer_why] = mine.ok ? peer_local_limit(s) : std::pair<std::size_t, std::string>{};
-  std::int64_t v[4] = {mine.ok ? 1 : 0, mine.host, -mine.host, static_cast<std::int64_t>(peer_max)};
-  agree_min(comm, v, 4, "symmetric_kernels: the group's verdict");
+  std::int64_t v[5] = {mine.ok ? 1 : 0, mine.host, -mine.host, static_cast<std::int64_t>(peer_max),
+                       peer_local_blocks()};
+  agree_min(comm, v, 5, "symmetric_kernels: the group's verdict");
   s.symmetric = 0;
   if (!mine.ok) s.symmetric_why = mine.why;
   else if (v[0] == 0) s.symmetric_why = "another rank cannot use them (its lockstep-info says why)";
@@ -200,7 +204,8 @@ void decide_symmetric(Comm& comm, nccl_state& s) {
   else {
     s.symmetric = 1;
     s.symmetric_why = mine.why;
-    decide_peer(comm, s, static_cast<std::size_t>(v[3]), peer_max == 0 ? peer_why : "another rank's limit");
+    decide_peer(comm, s, static_cast<std::size_t>(v[3]), static_cast<int>(v[4]),
+                peer_max == 0 ? peer_why : "another rank's limit");
   }
 }
 

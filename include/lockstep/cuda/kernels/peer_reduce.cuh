@@ -16,6 +16,12 @@
 //! count (at most peer_max_blocks). No block waits for another block of its own GPU, so blocks
 //! that are not yet resident only delay their partners. A call after one that gave up returns
 //! at once: the communicator is broken from then on.
+//!
+//! The order check rides along (deferred mode): block 0 writes the call's seal into every
+//! rank's seal slots (after the flags) ahead of its first barrier and, past it, copies the
+//! slots (every rank's seal) to the host's pinned words, so that the check needs neither a
+//! collective nor a copy of its own (cuda/detail/nccl_peer.cuh). A peer's next sealed call
+//! cannot overwrite the slots before that: it passes this call's second barrier first.
 
 #include <cuda_runtime_api.h>
 
@@ -30,12 +36,30 @@
 namespace lockstep::cuda::kernels {
 
 constexpr int peer_max_ranks = 8;
-constexpr int peer_max_blocks = 64;
+constexpr int peer_max_blocks = 128;
+//! The grid's cap for 4- and 8-byte elements unless LOCKSTEP_PEER_BLOCKS says otherwise; twice
+//! that for 2-byte ones, which convert twice as many elements per byte. Few blocks leave the
+//! SMs to the backward a bucket overlaps and still carry 1–256 MiB alone at NVLink speed
+//! (bench/RESULTS.md, session 26).
+constexpr int peer_default_blocks = 16;
 constexpr int peer_threads = 512;
 //! Per-block call counters, then one word: nonzero once a call on this communicator gave up.
 constexpr std::size_t peer_epoch_words = peer_max_blocks + 1;
 //! Signal slots a rank holds: one per (block, sending rank).
 constexpr std::size_t peer_signal_slots = static_cast<std::size_t>(peer_max_blocks) * peer_max_ranks;
+//! Room for one seal of the order check (comm/order_check.hpp's order_words fit).
+constexpr std::size_t peer_seal_words = 24;
+//! The seal slots after the signal slots: [sending rank][seal words].
+constexpr std::size_t peer_seal_slot_words = peer_max_ranks * peer_seal_words;
+//! The flags window's bytes: signal slots, then seal slots.
+constexpr std::size_t peer_window_bytes =
+    peer_signal_slots * sizeof(unsigned) + peer_seal_slot_words * sizeof(std::int64_t);
+static_assert(peer_signal_slots * sizeof(unsigned) % sizeof(std::int64_t) == 0, "seal slots are 8-byte aligned");
+
+//! The seal slots of the flags window that starts at `flags` (any rank's).
+__device__ __forceinline__ std::int64_t* peer_seal_slots(unsigned* flags) {
+  return reinterpret_cast<std::int64_t*>(flags + peer_signal_slots);
+}
 
 //! What one call reads and writes. data[q] and flags[q] are rank q's window bases as this rank
 //! addresses them (its own at [rank]); the buffer lies at the same offsets in every rank's window.
@@ -50,6 +74,13 @@ struct peer_reduce_args {
   int rank = 0, ranks = 0;
   double scale = 1.0;  //!< in the compute type: float(1/N) for f32 and halves, 1/N for f64
   unsigned long long timeout_ns = 0;
+  int max_blocks = peer_default_blocks;  //!< the grid's cap for 4-byte elements (the same on every rank)
+  //! The order check's seal of this call: seal_words words (0: none), delivered into word
+  //! rank · seal_words of every rank's seal slots; every rank's, in rank order, then go to
+  //! seal_out (pinned host memory).
+  std::int64_t seal[peer_seal_words] = {};
+  int seal_words = 0;
+  std::int64_t* seal_out = nullptr;
 };
 
 namespace peer_detail {
@@ -68,13 +99,21 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
   return v;
 }
 
+// Thread q's part of delivering the seal: into rank q's slots (its own too).
+__device__ __forceinline__ void deliver_seal(const peer_reduce_args& a, int q) {
+  std::int64_t* to = peer_seal_slots(a.flags[q]) + a.rank * a.seal_words;
+  for (int i = 0; i < a.seal_words; ++i) to[i] = a.seal[i];
+}
+
 // Block b of this rank meets block b of every peer at `epoch` (the block's counter, the same on
-// every rank). Thread q < ranks tells rank q and waits for it. False (the same in every thread
-// of the block) when a wait gave up.
-__device__ bool meet(const peer_reduce_args& a, unsigned epoch, volatile int& gave_up) {
+// every rank). Thread q < ranks tells rank q and waits for it; with `seal`, it first delivers
+// the seal to rank q. False (the same in every thread of the block) when a wait gave up.
+__device__ bool meet(const peer_reduce_args& a, unsigned epoch, volatile int& gave_up, bool seal) {
   __syncthreads();  // the block's loads and stores so far are done
   const int q = static_cast<int>(threadIdx.x);
+  if (seal && q == a.rank) deliver_seal(a, q);
   if (q < a.ranks && q != a.rank) {
+    if (seal) deliver_seal(a, q);
     __threadfence_system();
     store_release(a.flags[q] + blockIdx.x * peer_max_ranks + a.rank, epoch);
     const unsigned* mine = a.flags[a.rank] + blockIdx.x * peer_max_ranks + q;
@@ -159,9 +198,14 @@ __global__ void __launch_bounds__(peer_threads) all_reduce(peer_reduce_args a) {
     gave_up = static_cast<volatile unsigned*>(a.epochs)[peer_max_blocks] != 0;  // an earlier call gave up
   }
   __syncthreads();  // base is read below as meet()'s argument, before meet()'s own barrier
-  if (gave_up || !meet(a, base + 1, gave_up)) return;
+  const bool seal = blockIdx.x == 0 && a.seal_words > 0;
+  if (gave_up || !meet(a, base + 1, gave_up, seal)) return;
+  if (seal) {  // every rank's seal has arrived
+    const std::int64_t* slots = peer_seal_slots(a.flags[a.rank]);
+    for (int i = static_cast<int>(threadIdx.x); i < a.ranks * a.seal_words; i += peer_threads) a.seal_out[i] = slots[i];
+  }
   walk<V>(a, a.rank, reduce_and_push<Element>{a});
-  if (!meet(a, base + 2, gave_up)) return;
+  if (!meet(a, base + 2, gave_up, false)) return;
   if (threadIdx.x == 0) a.epochs[blockIdx.x] = base + 2;
 }
 
@@ -182,8 +226,10 @@ inline void peer_all_reduce(peer_reduce_args a, dtype t, cudaStream_t s) {
     a.chunk = (per + V - 1) / V * V;
     const bool vec = a.send_off % 16 == 0 && a.recv_off % 16 == 0;
     const std::size_t items = vec ? a.chunk / V : a.chunk;
+    const int wide = sizeof(storage_of<Element>) == 2 ? 2 : 1;
+    const auto cap = static_cast<std::size_t>(std::clamp(a.max_blocks * wide, 1, peer_max_blocks));
     const auto blocks =
-        static_cast<unsigned>(std::clamp<std::size_t>((items + peer_threads - 1) / peer_threads, 1, peer_max_blocks));
+        static_cast<unsigned>(std::clamp<std::size_t>((items + peer_threads - 1) / peer_threads, 1, cap));
     if (vec) peer_detail::all_reduce<Element, V><<<blocks, peer_threads, 0, s>>>(a);
     else peer_detail::all_reduce<Element, 1><<<blocks, peer_threads, 0, s>>>(a);
   });
