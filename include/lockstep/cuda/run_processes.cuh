@@ -81,10 +81,14 @@ inline int process_device(const launch_info& info) {
 //! Every rank must run the same lockstep with the same world size: compare with rank 0.
 template <class S>
 void check_same_job(S& store, const launch_info& info) {
-  // The order check too: a rank that sends seals pairs them with another's collectives.
-  const bool checks = order_check_mode_from_env() != order_check_mode::off;
+  // The order check's mode too: a rank that sends seals pairs them with another's collectives,
+  // and deferred seals ride on lockstep's peer all-reduce where immediate ones are gathered.
+  const auto mode = order_check_mode_from_env();
   const std::string mine = std::string("lockstep ") + version_string + ", world " + std::to_string(info.world) +
-                           ", launcher " + info.launcher + ", order check " + (checks ? "on" : "off");
+                           ", launcher " + info.launcher + ", order check " +
+                           (mode == order_check_mode::off         ? "off"
+                            : mode == order_check_mode::immediate ? "immediate"
+                                                                  : "deferred");
   store.set("lockstep/hello/" + std::to_string(info.rank), bytes_of(mine));
   const auto root = string_of(store.get("lockstep/hello/0"));
   if (root != mine)

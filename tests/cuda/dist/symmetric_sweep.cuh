@@ -178,11 +178,14 @@ inline int symmetric_sweep(lockstep::context<lockstep::NcclComm>& ctx) {
 
 // distributed_equivalence --sweep_order: the order check when lockstep's peer kernel carries the
 // seals (deferred mode). Ten agreed calls of random sizes (the same on every rank) must pass
-// verify_order(); then rank 0 labels one call differently from the others, and verify_order()
-// (or the watchdog, which may abort first) must report a mismatch naming both labels. The
-// communicator is unusable after that, so run() ends with the mismatch as well. Returns the
-// failed checks on this rank, or −1 where the peer kernel or the deferred check is off.
-inline int symmetric_order_sweep(lockstep::context<lockstep::NcclComm>& ctx) {
+// verify_order(); then rank 0 issues one call with another label and size than the others, and
+// verify_order() (or the watchdog, which may abort first) must report a mismatch naming both
+// labels within the test's time, not after the kernel's LOCKSTEP_TIMEOUT + 2 s. The
+// communicator is unusable after that, so run() ends with the mismatch as well (the caller
+// checks that). Returns the failed checks on this rank, or −1 where the peer kernel or the
+// deferred check is off; `reached` is set once the report was checked (an exception before
+// that, a false mismatch among the agreed calls included, leaves it unset).
+inline int symmetric_order_sweep(lockstep::context<lockstep::NcclComm>& ctx, bool& reached) {
   auto& comm = ctx.comm();
   const auto [ok, why] = comm.symmetric_kernels();
   if (!ok || why.find("buffers up to ") == std::string::npos ||
@@ -213,8 +216,10 @@ inline int symmetric_order_sweep(lockstep::context<lockstep::NcclComm>& ctx) {
     std::printf("rank %d: agreed calls were reported: %s\n", ctx.rank(), e.what());
     return failures + 1;
   }
+  // Other sizes too: rank 0's kernel runs one block, the others' 16, whose blocks past the first
+  // wait for partners that never come — the seals (block 0's) must be compared all the same.
   comm.label_next(ctx.rank() == 0 ? "sweep order: rank 0's label" : "sweep order: the others' label");
-  comm.all_reduce(x, x, 1000, lockstep::dtype::f32, lockstep::reduce_op::sum);
+  comm.all_reduce(x, x, ctx.rank() == 0 ? 1000 : most, lockstep::dtype::f32, lockstep::reduce_op::sum);
   try {
     comm.verify_order();
     std::printf("rank %d: a call labelled differently went unnoticed\n", ctx.rank());
@@ -229,6 +234,7 @@ inline int symmetric_order_sweep(lockstep::context<lockstep::NcclComm>& ctx) {
       std::printf("rank %d: the mismatch was named: %s\n", ctx.rank(), e.what());
     }
   }
+  reached = true;
   return failures;
 }
 

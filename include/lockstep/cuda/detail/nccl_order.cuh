@@ -90,23 +90,27 @@ inline collective nccl_check_order(nccl_state& s, collective c, std::optional<se
 }
 
 // A seal delivered by the collective's own kernel (lockstep's peer all-reduce): this rank's words
-// in place; the kernel writes every rank's, in rank order, at gathered() (pinned host memory);
-// queued() then records the event after the kernel and hands the seal to the check, which
-// compares it like an all-gathered one, unless *void_if is nonzero by then (the kernel gave up).
+// in place; the kernel writes every rank's, in rank order, at gathered() (pinned host memory),
+// then sets the entry's `arrived` word; queued() records the event after the kernel and hands
+// the seal to the check, which compares it like an all-gathered one once it arrived. Call
+// launching() right before the kernel's launch: from then on a failure leaks the entry (the
+// kernel may have been queued and write it), as an aborted communicator's are.
 class carried_seal {
  public:
   carried_seal(nccl_state& s, const seal_words& mine) : s_(s), e_(s.seals.take()) {
     std::copy(mine.begin(), mine.end(), e_.host);
+    e_.arrived = e_.host + order_words * (1 + s.seals.ranks());
+    *e_.arrived = 0;
   }
   ~carried_seal() {
-    if (e_.host != nullptr) s_.seals.give_back(e_);  // the kernel never ran
+    if (e_.host != nullptr && !launching_) s_.seals.give_back(e_);
   }
   carried_seal(const carried_seal&) = delete;
   carried_seal& operator=(const carried_seal&) = delete;
   std::int64_t* gathered() const noexcept { return e_.device + order_words; }
-  void queued(cudaStream_t stream, const volatile int* void_if) {
+  void launching() noexcept { launching_ = true; }
+  void queued(cudaStream_t stream) {
     LOCKSTEP_TRY_CUDA(cudaEventRecord(e_.done, stream));
-    e_.void_if = void_if;
     s_.seals.push(e_);
     e_ = {};
   }
@@ -114,6 +118,7 @@ class carried_seal {
  private:
   nccl_state& s_;
   nccl_seals::entry e_;
+  bool launching_ = false;
 };
 
 }  // namespace lockstep::detail

@@ -188,8 +188,9 @@ inline void peer_all_reduce(nccl_state& s, cuda::kernels::peer_reduce_args a, co
   std::copy(seal->begin(), seal->end(), a.seal);
   a.seal_words = static_cast<int>(order_words);
   a.seal_out = carried.gathered();
+  carried.launching();
   cuda::kernels::peer_all_reduce(a, t, stream);
-  carried.queued(stream, s.peer.words + 1);
+  carried.queued(stream);
 }
 
 #else

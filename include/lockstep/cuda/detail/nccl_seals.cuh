@@ -37,15 +37,16 @@ struct relaxed_capture {
 
 class nccl_seals {
  public:
-  //! A seal's pinned host words (this rank's, then every rank's; `device`: the same words as
-  //! kernels address them) and the event after their copy back. A seal carried by lockstep's
-  //! peer kernel (nccl_peer.cuh) is not compared if that kernel gave up (*void_if nonzero): a
-  //! rank that never came left older words behind.
+  //! A seal's pinned host words (this rank's, then every rank's, then one more; `device`: the
+  //! same words as kernels address them) and the event after their copy back. A seal carried by
+  //! lockstep's peer kernel (nccl_peer.cuh) has `arrived`, the last word, which the kernel sets
+  //! once every rank's words are there: it is compared from then on, also while the kernel
+  //! still runs, and not at all if the kernel ended without (it gave up: a rank never came).
   struct entry {
     std::int64_t* host = nullptr;
     std::int64_t* device = nullptr;
     cudaEvent_t done = nullptr;
-    const volatile int* void_if = nullptr;
+    std::int64_t* arrived = nullptr;
   };
 
   nccl_seals() = default;
@@ -92,7 +93,7 @@ class nccl_seals {
     }
     const relaxed_capture relaxed;
     entry e;
-    const std::size_t bytes = sizeof(std::int64_t) * order_words * (1 + ranks_);
+    const std::size_t bytes = sizeof(std::int64_t) * (order_words * (1 + ranks_) + 1);
     LOCKSTEP_TRY_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&e.host), bytes, cudaHostAllocMapped));
     cudaError_t r = cudaHostGetDevicePointer(reinterpret_cast<void**>(&e.device), e.host, 0);
     if (r == cudaSuccess) r = cudaEventCreateWithFlags(&e.done, cudaEventDisableTiming);
@@ -107,7 +108,7 @@ class nccl_seals {
     pending_.push_back(e);
   }
   void give_back(entry e) noexcept {
-    e.void_if = nullptr;
+    e.arrived = nullptr;
     std::lock_guard lk(m_);
     try {
       spare_.push_back(e);
@@ -126,11 +127,13 @@ class nccl_seals {
       std::lock_guard lk(m_);
       while (mismatch_.empty() && !pending_.empty()) {
         entry e = pending_.front();
-        const cudaError_t q = cudaEventQuery(e.done);
-        if (q != cudaSuccess) break;  // not yet (a failed device is reported elsewhere)
+        const bool there = e.arrived != nullptr && *static_cast<volatile std::int64_t*>(e.arrived) != 0;
+        // Not yet (a failed device is reported elsewhere); a carried seal that never arrived
+        // although its kernel ended is dropped.
+        if (!there && cudaEventQuery(e.done) != cudaSuccess) break;
         pending_.pop_front();
-        auto why = e.void_if != nullptr && *e.void_if != 0 ? std::nullopt : compare(e, how);
-        e.void_if = nullptr;
+        auto why = e.arrived == nullptr || there ? compare(e, how) : std::nullopt;
+        e.arrived = nullptr;
         spare_.push_back(e);
         if (why) mismatch_ = std::move(*why);
       }

@@ -192,10 +192,25 @@ void decide_symmetric(Comm& comm, nccl_state& s) {
     return;
   }
   const symmetric_verdict mine = local_verdict(s.device);
-  const auto [peer_max, peer_why] = mine.ok ? peer_local_limit(s) : std::pair<std::size_t, std::string>{};
-  std::int64_t v[5] = {mine.ok ? 1 : 0, mine.host, -mine.host, static_cast<std::int64_t>(peer_max),
-                       peer_local_blocks()};
-  agree_min(comm, v, 5, "symmetric_kernels: the group's verdict");
+  // A bad LOCKSTEP_PEER_* is thrown on every rank after the agreement, not here: the others
+  // would wait for this rank in it.
+  std::pair<std::size_t, std::string> peer{};
+  int blocks = 1;
+  std::string bad;
+  try {
+    if (mine.ok) peer = peer_local_limit(s);
+    blocks = peer_local_blocks();
+  } catch (const config_error& e) {
+    bad = e.what();
+  }
+  const auto& [peer_max, peer_why] = peer;
+  std::int64_t v[6] = {mine.ok ? 1 : 0, mine.host,          -mine.host, static_cast<std::int64_t>(peer_max),
+                       blocks,          bad.empty() ? 1 : 0};
+  agree_min(comm, v, 6, "symmetric_kernels: the group's verdict");
+  if (v[5] == 0)
+    throw config_error(bad.empty() ? "another rank's LOCKSTEP_PEER_ALL_REDUCE_MIB or LOCKSTEP_PEER_BLOCKS is not "
+                                     "valid (its error says why): give every rank valid, equal settings"
+                                   : bad);
   s.symmetric = 0;
   if (!mine.ok) s.symmetric_why = mine.why;
   else if (v[0] == 0) s.symmetric_why = "another rank cannot use them (its lockstep-info says why)";

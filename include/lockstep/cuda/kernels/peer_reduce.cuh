@@ -19,8 +19,9 @@
 //!
 //! The order check rides along (deferred mode): block 0 writes the call's seal into every
 //! rank's seal slots (after the flags) ahead of its first barrier and, past it, copies the
-//! slots (every rank's seal) to the host's pinned words, so that the check needs neither a
-//! collective nor a copy of its own (cuda/detail/nccl_peer.cuh). A peer's next sealed call
+//! slots (every rank's seal) to the host's pinned words, then sets the word after them, so
+//! that the check needs neither a collective nor a copy of its own and can compare as soon as
+//! block 0 is past its first barrier (cuda/detail/nccl_peer.cuh). A peer's next sealed call
 //! cannot overwrite the slots before that: it passes this call's second barrier first.
 
 #include <cuda_runtime_api.h>
@@ -77,7 +78,7 @@ struct peer_reduce_args {
   int max_blocks = peer_default_blocks;  //!< the grid's cap for 4-byte elements (the same on every rank)
   //! The order check's seal of this call: seal_words words (0: none), delivered into word
   //! rank · seal_words of every rank's seal slots; every rank's, in rank order, then go to
-  //! seal_out (pinned host memory).
+  //! seal_out (pinned host memory), and 1 to the word after them.
   std::int64_t seal[peer_seal_words] = {};
   int seal_words = 0;
   std::int64_t* seal_out = nullptr;
@@ -200,9 +201,13 @@ __global__ void __launch_bounds__(peer_threads) all_reduce(peer_reduce_args a) {
   __syncthreads();  // base is read below as meet()'s argument, before meet()'s own barrier
   const bool seal = blockIdx.x == 0 && a.seal_words > 0;
   if (gave_up || !meet(a, base + 1, gave_up, seal)) return;
-  if (seal) {  // every rank's seal has arrived
+  if (seal) {  // every rank's seal has arrived: to the host, then the word that says so
     const std::int64_t* slots = peer_seal_slots(a.flags[a.rank]);
-    for (int i = static_cast<int>(threadIdx.x); i < a.ranks * a.seal_words; i += peer_threads) a.seal_out[i] = slots[i];
+    const int words = a.ranks * a.seal_words;
+    for (int i = static_cast<int>(threadIdx.x); i < words; i += peer_threads) a.seal_out[i] = slots[i];
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) *static_cast<volatile std::int64_t*>(a.seal_out + words) = 1;
   }
   walk<V>(a, a.rank, reduce_and_push<Element>{a});
   if (!meet(a, base + 2, gave_up, false)) return;
