@@ -18,6 +18,13 @@ configure=(cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE="${CMAKE_BUILD_TYPE:-
 if [[ ! -f "$build/CMakeCache.txt" ]] && command -v ninja >/dev/null; then
   configure+=(-G Ninja)
 fi
+# No GPU to run them on: the GPU tests and CUDA benchmarks are only compiled (as unoptimised
+# PTX); with one, built for real (also in a build folder configured without one before).
+if nvidia-smi -L >/dev/null 2>&1; then
+  configure+=(-DLOCKSTEP_CUDA_COMPILE_ONLY=OFF)
+else
+  configure+=(-DLOCKSTEP_CUDA_COMPILE_ONLY=ON)
+fi
 # shellcheck disable=SC2206  # CMAKE_ARGS is a list of words on purpose
 configure+=(${CMAKE_ARGS:-})
 "${configure[@]}"
