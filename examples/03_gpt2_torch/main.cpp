@@ -262,7 +262,7 @@ int main(int argc, char** argv) {
           rows.copy_(text.batch(opt.batch, opt.seq, opt.seed, s,
                                 static_cast<int>((micro_steps - 1) * ctx.size() + ctx.rank())),
                      /*non_blocking=*/true);
-          if (!opt.cuda_graph || s < graph_warmup) {
+          if (!opt.cuda_graph || s < graph_warmup + (opt.tune ? dp_options.buckets.tune_step - 1 : 0)) {
             one_step();
           } else {
 #if GPT2_GPU

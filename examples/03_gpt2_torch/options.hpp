@@ -33,7 +33,8 @@ struct options : gpt2::run_options {
 };
 
 // Eager steps before --cuda-graph captures one: the first lays lockstep's buckets out in the
-// order gradients arrived, the second runs the final layout (StepGraphOptions::warmup).
+// order gradients arrived, the second runs the final layout (StepGraphOptions::warmup); with
+// --tune, tune_step - 1 more (the tuner times step tune_step, its cut applies at the next).
 constexpr std::int64_t graph_warmup = 2;
 
 constexpr std::int64_t profiled_steps = 3;

@@ -57,6 +57,44 @@ struct lockstep::detail::bucket_costs<TunerComm> {
 
 namespace {
 
+//! ThreadComm with a clock for the bucket tuner inside DataParallel: each stamp `gap` µs after
+//! the one before, all-reduces costing alpha + bytes / beta µs; counts its stamps.
+struct ClockedThreadComm : lockstep::ThreadComm {
+  explicit ClockedThreadComm(const lockstep::ThreadComm& c) : ThreadComm(c) {}
+  double gap = 1, alpha = 0, beta = 1, clock = 0;
+  int stamps = 0;
+};
+
+//! TestMlp counting the gradients bound into lockstep's arena.
+struct CountingMlp : TestMlp<float> {
+  using TestMlp<float>::TestMlp;
+  int binds = 0;
+  void bind_gradient(std::size_t i, void* p) {
+    ++binds;
+    TestMlp<float>::bind_gradient(i, p);
+  }
+};
+
+}  // namespace
+
+template <>
+struct lockstep::detail::bucket_costs<ClockedThreadComm> {
+  static constexpr bool available = true;
+  using stamp_type = double;
+  static double now(ClockedThreadComm& c) {
+    ++c.stamps;
+    return c.clock += c.gap;
+  }
+  static double elapsed_us(ClockedThreadComm&, double a, double b) { return b - a; }
+  static std::vector<double> probe_us(ClockedThreadComm& c, const std::vector<std::size_t>& counts, lockstep::dtype t) {
+    std::vector<double> us;
+    for (auto n : counts) us.push_back(c.alpha + static_cast<double>(n * lockstep::size_of(t)) / c.beta);
+    return us;
+  }
+};
+
+namespace {
+
 //! The tuner's cap for 40 parameters of 1 MiB (f32) reported every `gap` µs (reverse
 //! registration order), all-reduces costing alpha + bytes/beta.
 std::size_t tuned_cap(double gap, double alpha, double beta, std::string& why) {
@@ -72,7 +110,7 @@ std::size_t tuned_cap(double gap, double alpha, double beta, std::string& why) {
     order.push_back(i);
     comm.times.push_back(gap * static_cast<double>(order.size()));
   }
-  lockstep::detail::first_step_timer<TunerComm> timer;
+  lockstep::detail::bucket_tuner<TunerComm> timer;
   timer.start(comm);
   for (auto i : order) timer.mark(comm, i);
   lockstep::BucketPolicy policy{.tune = true};
@@ -113,6 +151,80 @@ TEST_CASE("bucket tuner: the cost model picks small buckets when backward is slo
   // Launches cost nothing and every gradient is ready at once: every cap ends the sync at the
   // same time, and the tie goes to the fewest launches (the largest cap tried, one bucket).
   CHECK(tuned_cap(0, 0, 1e4, why) == 64);
+}
+
+TEST_CASE(
+    "bucket tuner: DataParallel times step tune_step and binds the gradients once after it; rank 0's clock decides") {
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
+  const std::vector<int> dims{256, 1024, 1024, 4};  // 1 MiB + 4 MiB + 16 KiB of weights
+  const std::size_t rows_per_rank = 4;
+  std::normal_distribution<float> nd;
+  std::vector<float> X(static_cast<std::size_t>(dims[0]) * rows_per_rank * 2);
+  for (auto& x : X) x = nd(rng);
+  std::vector<int> y(rows_per_rank * 2);
+  for (auto& v : y) v = static_cast<int>(rng() % 4);
+  const std::uint64_t model_seed = rng();
+  // Six steps on two ranks; rank `slow`'s clock puts 5 ms between gradients (small buckets
+  // pay), the other's none (one bucket pays). Returns each rank's parameters and tuned cap.
+  struct result {
+    std::vector<std::vector<float>> values{2};
+    std::vector<std::size_t> caps = std::vector<std::size_t>(2);
+  };
+  auto train = [&](lockstep::BucketPolicy policy, int slow) {
+    result out;
+    lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
+      const int r = ctx.rank();
+      ClockedThreadComm comm(ctx.comm());
+      comm.gap = r == slow ? 5000 : 0;
+      comm.alpha = r == slow ? 10 : 200;
+      comm.beta = r == slow ? 1e4 : 1e5;
+      CountingMlp m(dims, model_seed);
+      lockstep::DataParallel<CountingMlp, ClockedThreadComm> dp(comm, m,
+                                                                lockstep::DataParallelOptions{.buckets = policy});
+      std::vector<std::size_t> rows(rows_per_rank);
+      std::iota(rows.begin(), rows.end(), static_cast<std::size_t>(r) * rows_per_rank);
+      const int timed = policy.tune ? policy.tune_step : 0, params = 6;
+      for (int s = 1; s <= 6; ++s) {
+        auto step = dp.step();
+        m.forward_backward(X, y, rows, step.on_gradient_ready());
+        CHECK(step.finish().synced);
+        m.sgd(0.05);
+        CAPTURE(s);
+        CAPTURE(r);
+        const auto& st = dp.stats();
+        CHECK(comm.stamps == (s < timed ? 0 : timed > 0 ? 1 + params : 0));  // one start, one per gradient
+        CHECK((st.tuned_cap_bytes != 0) == (timed > 0 && s >= timed));
+        // Bound once, in the final layout: after the first step's order, and after the tuning.
+        const int bound_from = std::max(2, timed + 1);
+        CHECK(m.binds == (s < bound_from ? 0 : params));
+        CHECK(st.zero_copy == (s >= bound_from));
+      }
+      out.values[static_cast<std::size_t>(r)] = m.flat_values();
+      out.caps[static_cast<std::size_t>(r)] = dp.stats().tuned_cap_bytes;
+      if (policy.tune) CHECK(dp.stats().tuning.find("rank 0's choice") != std::string::npos);
+    });
+    return out;
+  };
+  const auto plain = train({}, 0);
+  CHECK(plain.values[0] == plain.values[1]);
+  const auto fast0 = train({.tune = true}, 1);  // rank 0 sees no backward to overlap
+  const auto slow0 = train({.tune = true}, 0);
+  const auto first = train({.tune = true, .tune_step = 1}, 0);
+  for (const auto* run : {&fast0, &slow0, &first}) {
+    CHECK(run->caps[0] == run->caps[1]);       // rank 0's, broadcast
+    CHECK(run->values[0] == plain.values[0]);  // ThreadComm sums each element in rank order: any cut, the same bits
+    CHECK(run->values[1] == plain.values[0]);
+  }
+  CHECK(fast0.caps[0] > slow0.caps[0]);
+  CHECK(slow0.caps[0] == first.caps[0]);
+  // A step to time is counted from 1.
+  lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
+    ClockedThreadComm comm(ctx.comm());
+    CountingMlp m({8, 8, 4}, model_seed);
+    using DP = lockstep::DataParallel<CountingMlp, ClockedThreadComm>;
+    CHECK_THROWS_WITH_AS(DP(comm, m, lockstep::DataParallelOptions{.buckets = {.tune = true, .tune_step = 0}}),
+                         doctest::Contains("tune_step is 0"), lockstep::config_error);
+  });
 }
 
 TEST_CASE("bucket tuner: a tuned cap travels in the plan state and comes back on load") {

@@ -1274,6 +1274,68 @@ TEST_CASE(
   check_dp_scaled<lockstep::DeviceDynamicScale>({.gpus = 2, .per_bucket = false, .zero_copy = false});
   check_dp_scaled<lockstep::DynamicScale>({.gpus = 2, .buckets = {.first_bytes = 1000, .cap_bytes = 3000}});
 }
+// BucketPolicy::tune under a graph: the tuner times synchronising step tune_step and re-cuts
+// the arena at the next, so a StepGraph that captures either is refused by name; warmed up
+// past them, the tuned step is captured and trains as the CPU reference does (above: tune_step 2,
+// the capture at the fourth step).
+TEST_CASE("StepGraph with BucketPolicy::tune: capturing the timed step is refused by name - warmed up past it, "
+          "captured") {
+  LOCKSTEP_REQUIRE_GPUS(2);
+  check_dp_scaled<lockstep::DeviceDynamicScale>(
+      {.gpus = 2, .capture = true, .buckets = {.first_bytes = 1000, .cap_bytes = 3000, .tune = true, .tune_step = 2}});
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  std::mt19937_64 rng(seed);
+  const std::vector<int> dims{19, 24, 7};
+  const int batch = 8, samples = 64;
+  auto X = random_vector<float>(samples * dims[0], rng, -2, 2);
+  std::vector<int> y(samples), rows(batch);
+  for (auto& v : y) v = static_cast<int>(rng() % 7);
+  for (int i = 0; i < batch; ++i) rows[static_cast<std::size_t>(i)] = static_cast<int>(rng() % samples);
+  std::vector<std::string> seen(2), after(2);  // warmup 2's outcome, warmup 4's
+  std::vector<std::size_t> tuned(2);
+  std::vector<std::uint64_t> replays(2);
+  lockstep::run(lockstep::Gpus{{0, 1}}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
+    cudaStream_t s = ctx.comm().compute_stream();
+    const lockstep::CudaMemory mem = ctx.comm().memory();
+    auto dX = mem.allocate(X.size() * sizeof(float)), dy = mem.allocate(y.size() * sizeof(int)),
+         drows = mem.allocate(rows.size() * sizeof(int));
+    mem.upload(dX.get(), X.data(), X.size() * sizeof(float));
+    mem.upload(dy.get(), y.data(), y.size() * sizeof(int));
+    mem.upload(drows.get(), rows.data(), rows.size() * sizeof(int));
+    for (const int warmup : {2, 4}) {  // the default (refused), tune_step + 1 (captured)
+      TestMlp<float> init(dims, seed + 1);
+      GpuMlp m(dims, split_params(init), s);
+      lockstep::DataParallel dp(ctx, m, {.buckets = {.tune = true}}, lockstep::DeviceDynamicScale{});
+      lockstep::FusedSgd opt({.lr = 0.1}, dp.parameters(), ctx.device());
+      auto one_step = [&] {
+        auto step = dp.step();
+        auto hook = step.on_gradient_ready();
+        m.forward_backward(static_cast<const float*>(dX.get()), static_cast<const int*>(dy.get()),
+                           static_cast<const int*>(drows.get()), batch, [&](std::size_t i) { hook(i); });
+        step.finish([&](std::span<const lockstep::param_slice> sl) { opt.step(sl, s); });
+      };
+      lockstep::StepGraph graph(ctx.comm(), {.warmup = warmup});
+      const auto r = static_cast<std::size_t>(ctx.rank());
+      try {
+        for (int st = 0; st < 6; ++st) graph.run(one_step);
+        (warmup == 2 ? seen : after)[r] = "captured";
+        tuned[r] = dp.stats().tuned_cap_bytes;
+        replays[r] = graph.replays();
+      } catch (const lockstep::config_error& e) {
+        (warmup == 2 ? seen : after)[r] = e.what();
+      }
+    }
+  });
+  for (std::size_t r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    CHECK(seen[r].find("BucketPolicy::tune times synchronising step") != std::string::npos);
+    CHECK(seen[r].find("StepGraphOptions::warmup") != std::string::npos);
+    CHECK(after[r] == "captured");
+    CHECK(replays[r] == 2);
+    CHECK(tuned[r] != 0);
+  }
+}
 TEST_CASE("DeviceDynamicScale names the rank whose gradients were non-finite: 2 GPUs") {
   LOCKSTEP_REQUIRE_GPUS(2);
   check_device_origin(2, 1);

@@ -9,7 +9,9 @@
 //!
 //! run(step) calls step() eagerly for the first `warmup` calls: lockstep allocates, registers
 //! windows and staging, and DataParallel rebuilds its bucket plan in the order the first step
-//! reported gradients; a second step runs the final plan. The next call captures step() on the
+//! reported gradients; a second step runs the final plan (with BucketPolicy::tune, warm up
+//! tune_step + 1 steps: the tuner times step tune_step and re-cuts at the next; a capture of
+//! either is refused by name). The next call captures step() on the
 //! communicator's compute stream and launches the graph; later calls only launch it. While it
 //! captures, lockstep refuses to allocate (config_error naming the call), and CUDA refuses any
 //! host synchronisation on the capturing thread (a DynamicScale that reads the inf flag, a
@@ -66,7 +68,8 @@ class CaptureScope {
 
 struct StepGraphOptions {
   //! Eager calls of run() before the capture (at least 2 under DataParallel: its first step
-  //! lays the buckets out again in the order gradients arrived).
+  //! lays the buckets out again in the order gradients arrived; with BucketPolicy::tune,
+  //! tune_step + 1).
   int warmup = 2;
   //! ThreadLocal: a host synchronisation (or another call a capture forbids) on the capturing
   //! thread fails the capture. Global extends that to every thread of the process: the

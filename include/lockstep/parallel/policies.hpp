@@ -189,11 +189,18 @@ struct BucketPolicy {
   //! H200s), a whole step only where communication dominates (the fp32 MLP 12-14 % faster;
   //! GPT-2 and the bf16 MLP within 1 %, slower); docs/communicator.md §11 has the numbers.
   bool symmetric_memory = false;
-  //! Choose cap_bytes from a cost model when the first step ends (with
-  //! rebuild_after_first_step, on communicators that give one: NcclComm): the first step's
-  //! gradient times, stamped on the device, and NCCL's estimate of each bucket's all-reduce
-  //! (parallel/detail/bucket_tuner.hpp). sync_stats::tuning says what it chose and why.
+  //! Choose cap_bytes from a cost model (with rebuild_after_first_step, on communicators that
+  //! give one: NcclComm): the gradient times of synchronising step tune_step, stamped on the
+  //! device, and timed all-reduces of a few sizes (parallel/detail/bucket_tuner.hpp).
+  //! sync_stats::tuning says what it chose and why.
   bool tune = false;
+  //! The synchronising step the tuner times (1 = the first). The first step is often much
+  //! slower than the rest (cuBLAS and allocator warm-up: 541 ms against 29 ms on libtorch's
+  //! GPT-2) and the second is the first in the rebuilt order, so the default times the third.
+  //! The new cap takes effect at the next step; until then the gradients stay out of the
+  //! arena (packed buckets), so that they are bound into it once, in the final layout. A
+  //! StepGraph must warm up tune_step + 1 steps (StepGraphOptions::warmup).
+  int tune_step = 3;
 };
 
 struct DataParallelOptions {

@@ -14,7 +14,9 @@
 #include <vector>
 
 #include "lockstep/core/dtype.hpp"
+#include "lockstep/core/error.hpp"
 #include "lockstep/core/reduce_op.hpp"
+#include "lockstep/cuda/detail/capture_guard.cuh"
 #include "lockstep/cuda/error.cuh"
 #include "lockstep/cuda/memory.cuh"
 #include "lockstep/parallel/detail/bucket_tuner.hpp"
@@ -33,6 +35,13 @@ struct bucket_costs<NcclComm> {
   template <class C>
   static stamp_type now(C& comm) {
     device_guard g(comm.device());
+    // The timed step ends with timed all-reduces on the host's clock, and its cap re-cuts
+    // the arena: neither can be part of a graph.
+    if (stream_capturing(comm.compute_stream()))
+      throw config_error("BucketPolicy::tune times synchronising step BucketPolicy::tune_step (default 3) and "
+                         "re-cuts the buckets after it, but that step is being captured into a CUDA graph: run "
+                         "tune_step + 1 steps eagerly before the capture (StepGraphOptions::warmup), or lower "
+                         "tune_step");
     stamp_type s = event(comm.device());
     LOCKSTEP_TRY_CUDA(cudaEventRecord(s.get(), comm.compute_stream()));
     return s;

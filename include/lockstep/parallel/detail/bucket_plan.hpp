@@ -90,6 +90,22 @@ struct bucket_plan {
   std::vector<std::vector<std::size_t>> buckets_of;  //!< per entry of order: bucket indices
 };
 
+//! The bucket order a first step observed: the parameters in the order `arrivals` first reported
+//! them (a repeat, from a later micro-step of the cycle, ignored), then those never reported, in
+//! reverse registration order (backward produces the last layer first).
+inline std::vector<std::int64_t> observed_order(const std::vector<std::size_t>& arrivals, std::size_t params) {
+  std::vector<std::int64_t> order;
+  std::vector<bool> seen(params, false);
+  for (auto i : arrivals) {
+    if (seen[i]) continue;
+    order.push_back(static_cast<std::int64_t>(i));
+    seen[i] = true;
+  }
+  for (std::size_t i = params; i-- > 0;)
+    if (!seen[i]) order.push_back(static_cast<std::int64_t>(i));
+  return order;
+}
+
 //! Where a parameter's gradient sits in the reducer: which element-type group, and its
 //! position in that group's plan order (PyTorch's Reducer calls this a VariableLocator).
 struct gradient_locator {

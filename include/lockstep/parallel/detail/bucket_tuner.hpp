@@ -1,6 +1,8 @@
 #pragma once
-//! Bucket sizes from a cost model (BucketPolicy::tune): during the first synchronising step
-//! the reducer stamps, on the device, when each gradient was reported; when that step ends,
+//! Bucket sizes from a cost model (BucketPolicy::tune): during synchronising step
+//! BucketPolicy::tune_step (default the third: the first is a cold one, and the second the
+//! first in the rebuilt order) the reducer stamps, on the device, when each gradient was
+//! reported; when that step ends,
 //! every rank times real mean all-reduces of a few sizes (1, 4, 16, 64, 256 MiB, up to the
 //! arena) and replays the step on paper for each candidate cap — the buckets cut as the plan
 //! would cut them (in the observed order), each all-reduce starting when its last gradient is
@@ -76,12 +78,24 @@ struct bucket_costs {
 //! The caps tried (MiB): DDP's 25 beside powers of two, until a cap cuts as the one before.
 inline constexpr std::size_t tuner_caps_mib[] = {1, 2, 4, 8, 16, 25, 32, 64, 128, 256};
 
-//! The first synchronising step's device stamps: one at its start, one per reported gradient.
+//! BucketPolicy::tune in a reducer: which synchronising step to time, its device stamps (one
+//! at its start, one per reported gradient), and the choice made from them.
 template <class Comm>
-class first_step_timer {
+class bucket_tuner {
   using costs = bucket_costs<Comm>;
 
  public:
+  //! Whether the tuner has yet to time a step: asked for, on a communicator that gives costs,
+  //! more than one rank, a layout that is rebuilt, not tuned (nor given a cap by a checkpoint),
+  //! and a model that reports its gradients (`silent`: every rank agreed it does not).
+  bool due(const BucketPolicy& p, int ranks, bool silent) const noexcept {
+    return costs::available && p.tune && p.rebuild_after_first_step && !done_ && !silent && ranks > 1;
+  }
+  //! A synchronising micro-step begins: stamps from here on if it is the one to time.
+  void begin_sync(Comm& comm, const BucketPolicy& p, bool silent) {
+    if (due(p, comm.size(), silent) && syncs_ + 1 >= static_cast<std::uint64_t>(p.tune_step)) start(comm);
+  }
+  //! Stamps from now on (begin_sync calls it for the step to time).
   void start(Comm& comm) {
     if constexpr (costs::available) {
       stamps_.clear();
@@ -89,17 +103,21 @@ class first_step_timer {
       on_ = true;
     }
   }
+  //! A synchronising micro-step ended (before settle).
+  void end_sync() noexcept { ++syncs_; }
   void mark(Comm& comm, std::size_t i) {
     if constexpr (costs::available) stamps_.push_back({i, costs::now(comm)});
   }
   bool on() const noexcept { return on_; }
-  //! No tuning after all (the first step reported nothing, or a checkpoint's plan came).
-  void stop() noexcept {
+  //! No tuning now (the model reports no gradient, or a checkpoint's plan came); `done`: none
+  //! later either (the checkpoint gave the cap).
+  void stop(bool done = false) noexcept {
     on_ = false;
+    done_ = done_ || done;
     stamps_.clear();
   }
 
-  //! The first step is over: for the element type with the most bytes (order: the settled
+  //! The timed step is over: for the element type with the most bytes (order: the settled
   //! order, sizes: elements per parameter), the cap with the earliest simulated end of the
   //! sync; plan(type, order, policy) cuts the arena as the units would. Every rank calls it
   //! (NCCL's estimates are collective); rank 0's answer is broadcast. Sets policy's caps and
@@ -108,6 +126,7 @@ class first_step_timer {
   bool settle(Comm& comm, const std::vector<std::size_t>& order, const std::vector<parameter>& params,
               BucketPolicy& policy, Plan&& plan, sync_stats& st) {
     on_ = false;
+    done_ = true;
     if constexpr (!costs::available) {
       return false;
     } else {
@@ -167,7 +186,8 @@ class first_step_timer {
       const auto cap = static_cast<std::size_t>(best[0]);
       char head[240];
       std::snprintf(head, sizeof head,
-                    "cap %zu MiB (rank 0's first step: %.0f us from its start to the last gradient; a %zu MiB "
+                    "cap %zu MiB (rank 0's choice; this rank's timed step: %.0f us from its start to the last "
+                    "gradient; a %zu MiB "
                     "all-reduce took %.0f us; the sync ends, per cap, this many us after it: ",
                     cap >> 20, last, counts.back() * size_of(t) >> 20, probed.back());
       return adopt_tuned_cap(cap, policy, st, head + table + ")");
@@ -182,6 +202,8 @@ class first_step_timer {
   typename costs::stamp_type begin_{};
   std::vector<stamp_at> stamps_;
   bool on_ = false;
+  bool done_ = false;        // timed (or a checkpoint gave the cap): never again
+  std::uint64_t syncs_ = 0;  // synchronising micro-steps ended
 };
 
 }  // namespace lockstep::detail

@@ -56,6 +56,9 @@ class reducer {
         bind_(Units::lends_gradients ? bind_fn{} : std::move(bind)), refresh_(std::move(refresh)),
         units_(comm, hook, rec, strategy, model) {
     if constexpr (Units::fixed_layout) policy_.rebuild_after_first_step = false;
+    if (policy_.tune && policy_.tune_step < 1)
+      throw config_error("BucketPolicy::tune_step is " + std::to_string(policy_.tune_step) +
+                         "; give the synchronising step the tuner times, counted from 1 (default 3)");
     if constexpr (!Units::lends_gradients)
       for (std::size_t i = 0; i < params_.size(); ++i)
         if (params_[i].grad == nullptr && params_[i].numel() > 0)
@@ -83,7 +86,7 @@ class reducer {
     if (!pending_order_) return;
     auto o = std::move(*pending_order_);
     pending_order_.reset();
-    build(o, static_cast<bool>(bind_));
+    build(o, bind_ && !tuner_.due(policy_, comm_.size(), fused_));  // bound once: in the tuned layout
     rec_.stats().rebuilt = true;
   }
 
@@ -112,7 +115,7 @@ class reducer {
     prescale_ = prescale;
     ready_.assign(params_.size(), false);
     if (!launching_) return;
-    if (sync && !observed_ && policy_.tune && policy_.rebuild_after_first_step && comm_.size() > 1) timer_.start(comm_);
+    if (sync) tuner_.begin_sync(comm_, policy_, fused_);
     if (sync) sync_arrivals_.clear();
     for (auto& g : groups_) {
       g.pending.clear();
@@ -135,7 +138,7 @@ class reducer {
     ready_[i] = true;
     if (!observed_) arrivals_.push_back(i);
     if (sync_) sync_arrivals_.push_back(i);
-    if (sync_ && timer_.on()) timer_.mark(comm_, i);  // BucketPolicy::tune: when it was ready
+    if (sync_ && tuner_.on()) tuner_.mark(comm_, i);  // BucketPolicy::tune: when it was ready
     count_ready(i);
   }
 
@@ -229,7 +232,7 @@ class reducer {
     observed_ = saved.observed;
     fused_ = saved.fused;
     arrivals_.clear();
-    timer_.stop();
+    tuner_.stop(saved.tuned_cap != 0);
     const bool recut = adopt_tuned_cap(saved.tuned_cap, policy_, rec_.stats());  // the same rounding on resume
     if (saved.order != current_order_ || binding_due() || recut) pending_order_ = std::move(saved.order);
     else pending_order_.reset();
@@ -253,8 +256,23 @@ class reducer {
 
   void end_sync() {
     ++rec_.stats().syncs;
+    tuner_.end_sync();
     if (!sync_arrivals_.empty()) last_sync_arrivals_.swap(sync_arrivals_);  // for replay_arrivals
-    if (!observed_) settle_order();
+    if (!observed_) {
+      settle_order();
+    } else if (tuner_.on() && (tune(current_order_) || binding_due())) {
+      pending_order_ = current_order_;  // the tuned cap, and the gradients bound into the arena
+    }
+  }
+
+  // The timed step is over: the cap for the arena laid out in `order`; whether it changed.
+  bool tune(const std::vector<std::size_t>& order) {
+    return tuner_.settle(
+        comm_, order, params_, policy_,
+        [&](dtype t, auto idx, auto p) {
+          return units_.make_plan(t, idx, sizes_of(params_), p, static_cast<bool>(bind_));
+        },
+        rec_.stats());
   }
 
   // Hands bucket b of group gi to fn (the optimizer).
@@ -322,29 +340,15 @@ class reducer {
     if (comm_.size() > 1) host_all_reduce(comm_, std::span<std::int64_t>(reported), reduce_op::max);
     fused_ = reported[0] == 0;
     if (!policy_.rebuild_after_first_step || fused_) {
-      timer_.stop();
+      tuner_.stop();
       arrivals_.clear();
       if (binding_due()) pending_order_ = current_order_;  // the layout is final: bind now
       return;
     }
-    std::vector<std::int64_t> order;
-    std::vector<bool> seen(params_.size(), false);
-    for (auto i : arrivals_) {
-      if (seen[i]) continue;  // reported again in a later micro-step of the first cycle
-      order.push_back(static_cast<std::int64_t>(i));
-      seen[i] = true;
-    }
-    for (std::size_t i = params_.size(); i-- > 0;)
-      if (!seen[i]) order.push_back(static_cast<std::int64_t>(i));
+    std::vector<std::int64_t> order = observed_order(arrivals_, params_.size());
     if (comm_.size() > 1) host_broadcast(comm_, order, 0);
     std::vector<std::size_t> o(order.begin(), order.end());
-    const bool recut =
-        timer_.on() && timer_.settle(
-                           comm_, o, params_, policy_,
-                           [&](dtype t, auto idx, auto p) {
-                             return units_.make_plan(t, idx, sizes_of(params_), p, static_cast<bool>(bind_));
-                           },
-                           rec_.stats());
+    const bool recut = tuner_.on() && tune(o);  // BucketPolicy::tune_step 1
     if (o != current_order_ || binding_due() || recut) pending_order_ = std::move(o);
     arrivals_.clear();
   }
@@ -432,7 +436,7 @@ class reducer {
   std::vector<bool> ready_;
   bool observed_ = false;
   bool fused_ = false;
-  first_step_timer<Comm> timer_;     // BucketPolicy::tune
+  bucket_tuner<Comm> tuner_;         // BucketPolicy::tune
   bool bound_ = false;               // the model's gradients live in the arena
   Units units_;                      // the strategy: the units' collectives and what finish() does with them
   std::vector<param_slice> slices_;  // hand_over's scratch
