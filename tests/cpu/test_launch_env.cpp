@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include <lockstep/core/detail/env.hpp>
 #include <lockstep/launch/launch_env.hpp>
 
 #include "test_util.hpp"
@@ -663,6 +664,27 @@ TEST_CASE("detect_launcher: overrides beat the environment") {
   // An override does not hide a malformed variable: the variable is still an error.
   g.set("WORLD_SIZE", "eight");
   expect_config_error({"WORLD_SIZE"}, all);
+}
+
+TEST_CASE("env_between: a number in range, else an error naming the variable, the value and the range") {
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
+  const char* name = "LOCKSTEP_TEST_ENV_BETWEEN";
+  const long lo = static_cast<long>(rng() % 100), hi = lo + 1 + static_cast<long>(rng() % 1000);
+  ::unsetenv(name);
+  CHECK_FALSE(lockstep::detail::env_between(name, lo, hi, "blocks").has_value());
+  const long in = lo + static_cast<long>(rng() % static_cast<std::uint64_t>(hi - lo + 1));
+  ::setenv(name, std::to_string(in).c_str(), 1);
+  CHECK(lockstep::detail::env_between(name, lo, hi, "blocks") == in);
+  for (const std::string bad :
+       {std::to_string(lo - 1), std::to_string(hi + 1), std::string("12x"), std::string("1e3")}) {
+    CAPTURE(bad);
+    ::setenv(name, bad.c_str(), 1);
+    const std::string want = std::string(name) + "='" + bad + "' is not a whole number of blocks from " +
+                             std::to_string(lo) + " to " + std::to_string(hi);
+    CHECK_THROWS_WITH_AS((void)lockstep::detail::env_between(name, lo, hi, "blocks"), doctest::Contains(want.c_str()),
+                         config_error);
+  }
+  ::unsetenv(name);
 }
 
 }  // TEST_SUITE

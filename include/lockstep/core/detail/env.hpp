@@ -29,6 +29,19 @@ inline std::optional<long> env_long(const char* name) {
   return x;
 }
 
+//! An integer variable from lo to hi; a malformed or out-of-range value is an error naming it,
+//! the range and `unit` (what the number counts, and what it is for).
+inline std::optional<long> env_between(const char* name, long lo, long hi, const std::string& unit) {
+  auto v = env(name);
+  if (!v) return std::nullopt;
+  char* end = nullptr;
+  const long x = std::strtol(v->c_str(), &end, 10);
+  if (end == v->c_str() || *end != '\0' || x < lo || x > hi)
+    throw config_error(std::string(name) + "='" + *v + "' is not a whole number of " + unit + " from " +
+                       std::to_string(lo) + " to " + std::to_string(hi));
+  return x;
+}
+
 //! How long any wait on another rank may take: LOCKSTEP_TIMEOUT seconds, default 60.
 inline std::chrono::milliseconds default_timeout() {
   auto v = env("LOCKSTEP_TIMEOUT");

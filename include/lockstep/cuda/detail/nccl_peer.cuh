@@ -44,28 +44,16 @@ constexpr std::size_t peer_default_mib = 1024;
 
 //! The grid's cap this rank asks for (LOCKSTEP_PEER_BLOCKS; the group takes the smallest).
 inline int peer_local_blocks() {
-  if (auto v = env("LOCKSTEP_PEER_BLOCKS")) {
-    char* end = nullptr;
-    const long n = std::strtol(v->c_str(), &end, 10);
-    if (end == v->c_str() || *end != '\0' || n < 1 || n > cuda::kernels::peer_max_blocks)
-      throw config_error("LOCKSTEP_PEER_BLOCKS='" + *v + "' is not a whole number of blocks from 1 to " +
-                         std::to_string(cuda::kernels::peer_max_blocks) + " (the peer all-reduce's grid cap)");
-    return static_cast<int>(n);
-  }
-  return cuda::kernels::peer_default_blocks;
+  return static_cast<int>(
+      env_between("LOCKSTEP_PEER_BLOCKS", 1, cuda::kernels::peer_max_blocks, "blocks (the peer all-reduce's grid cap)")
+          .value_or(cuda::kernels::peer_default_blocks));
 }
 
 //! The largest buffer this rank would reduce with the peer kernel, or 0 and why not.
 inline std::pair<std::size_t, std::string> peer_local_limit(const nccl_state& s) {
-  std::size_t mib = peer_default_mib;
-  if (auto v = env("LOCKSTEP_PEER_ALL_REDUCE_MIB")) {
-    char* end = nullptr;
-    const long long n = std::strtoll(v->c_str(), &end, 10);
-    if (end == v->c_str() || *end != '\0' || n < 0 || n > (1ll << 30))
-      throw config_error("LOCKSTEP_PEER_ALL_REDUCE_MIB='" + *v +
-                         "' is not a whole number of MiB from 0 to 2^30 (0 turns lockstep's peer all-reduce off)");
-    mib = static_cast<std::size_t>(n);
-  }
+  const auto mib = static_cast<std::size_t>(
+      env_between("LOCKSTEP_PEER_ALL_REDUCE_MIB", 0, 1l << 30, "MiB (0 turns lockstep's peer all-reduce off)")
+          .value_or(static_cast<long>(peer_default_mib)));
   if (mib == 0) return {0, "LOCKSTEP_PEER_ALL_REDUCE_MIB=0"};
   if (s.size > cuda::kernels::peer_max_ranks)
     return {0, std::to_string(s.size) + " ranks (it reduces over at most " +
@@ -98,12 +86,13 @@ inline std::array<char*, cuda::kernels::peer_max_ranks> peer_bases(nccl_state& s
   return out;
 }
 
-//! Records window w at p (bytes long) for the peer kernel (with every rank's base of it).
-inline void peer_add_window(nccl_state& s, void* p, std::size_t bytes, ncclWindow_t w, cudaStream_t stream) {
+//! Opens window w at p (one nccl_window recorded) to the peer kernel: every rank's base of it.
+inline void peer_add_window(nccl_state& s, void* p, ncclWindow_t w, cudaStream_t stream) {
   if (s.peer.max_bytes == 0 || w == nullptr) return;
   const auto bases = peer_bases(s, w, stream);
   std::lock_guard wl(s.windows_m);
-  s.peer.windows.push_back({reinterpret_cast<std::uintptr_t>(p), bytes, bases});
+  for (auto& e : s.windows)
+    if (e.start == reinterpret_cast<std::uintptr_t>(p)) e.bases = bases;
 }
 
 //! This rank's part of the setup (collective: the flags' window): false if it could not be
@@ -155,7 +144,8 @@ inline std::optional<cuda::kernels::peer_reduce_args> peer_args(nccl_state& s, c
     return std::nullopt;
   const auto a = reinterpret_cast<std::uintptr_t>(send), b = reinterpret_cast<std::uintptr_t>(recv);
   std::lock_guard wl(s.windows_m);
-  for (const auto& w : s.peer.windows) {
+  for (const auto& w : s.windows) {
+    if (w.bases[0] == nullptr) continue;  // not opened to the peer kernel
     auto inside = [&](std::uintptr_t x) { return x >= w.start && x + bytes <= w.start + w.bytes; };
     if (!inside(a) || !inside(b)) continue;
     cuda::kernels::peer_reduce_args r;
@@ -195,7 +185,7 @@ inline void peer_all_reduce(nccl_state& s, cuda::kernels::peer_reduce_args a, co
 
 #else
 
-inline void peer_add_window(nccl_state&, void*, std::size_t, void*, cudaStream_t) {}
+inline void peer_add_window(nccl_state&, void*, void*, cudaStream_t) {}
 inline bool peer_prepare(nccl_state&, std::size_t, int, cudaStream_t, std::string&) { return false; }
 inline std::optional<cuda::kernels::peer_reduce_args> peer_args(nccl_state&, const void*, const void*, std::size_t,
                                                                 dtype, reduce_op) {

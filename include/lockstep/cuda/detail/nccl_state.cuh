@@ -135,13 +135,21 @@ struct nccl_state {
   std::mutex track_m;
   std::deque<tracked> pending;
   std::vector<cudaEvent_t> spare;
-  // A copy-engine group (NcclComm::copy_engine_group, nccl_window.cuh): the windows of this
-  // communicator, [start, start + bytes), for telling which reduce-scatters the copy engines
-  // can do; and the staging windows those reduce-scatters receive into, the newest last (an
-  // older one may still be read by a reduction in flight: all go with the communicator).
-  bool copy_engines = false;
+  // The symmetric windows of this communicator (nccl_window.cuh), [start, start + bytes), for
+  // telling which collectives the copy engines (in_window) and lockstep's peer all-reduce
+  // (peer_args) can do; `bases`, each rank's base of the window as this rank addresses them,
+  // is filled in for the peer kernel (peer_add_window; else bases[0] is null).
+  struct window_entry {
+    std::uintptr_t start;
+    std::size_t bytes;
+    std::array<char*, cuda::kernels::peer_max_ranks> bases{};
+  };
   std::mutex windows_m;
-  std::vector<std::pair<std::uintptr_t, std::size_t>> windows;  // under windows_m
+  std::vector<window_entry> windows;  // under windows_m
+  // A copy-engine group (NcclComm::copy_engine_group): the staging windows its reduce-scatters
+  // receive into, the newest last (an older one may still be read by a reduction in flight:
+  // all go with the communicator).
+  bool copy_engines = false;
   struct staging_window {
     void* memory;
     void* window;  // ncclWindow_t
@@ -157,12 +165,7 @@ struct nccl_state {
   // symmetric_kernels(): buffers up to max_bytes, grids up to `blocks`; the flags' window (its
   // seal slots too) and each rank's base of it as this rank addresses them; per-block call
   // counters; two words of mapped host memory ([0] abort: set before ncclCommAbort, [1] why a
-  // kernel gave up); the symmetric windows with each rank's base (under windows_m).
-  struct peer_window {
-    std::uintptr_t start;
-    std::size_t bytes;
-    std::array<char*, cuda::kernels::peer_max_ranks> bases;
-  };
+  // kernel gave up). The windows it reduces in are `windows` with their bases.
   struct peer_reduce {
     std::size_t max_bytes = 0;  // 0: not used
     int blocks = cuda::kernels::peer_default_blocks;
@@ -173,7 +176,6 @@ struct nccl_state {
     int* words = nullptr;
     int* words_device = nullptr;
     std::chrono::milliseconds timeout{0};
-    std::vector<peer_window> windows;
   } peer;
 
   nccl_state() = default;

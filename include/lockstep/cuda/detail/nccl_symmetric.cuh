@@ -141,7 +141,7 @@ std::shared_ptr<void> symmetric_window(Comm& comm, const std::shared_ptr<nccl_st
                      " bytes on " + (registered ? "another rank" : "this rank") +
                      ", although the group's ranks agreed that they can use them (" + s->symmetric_why +
                      "); turn BucketPolicy::symmetric_memory off");
-  peer_add_window(*s, p.get(), bytes, handle, stream);
+  peer_add_window(*s, p.get(), handle, stream);
   return std::move(p);
 #else
   (void)comm;

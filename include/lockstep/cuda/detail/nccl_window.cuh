@@ -54,8 +54,7 @@ struct nccl_window_deleter {
     if (s->released.load(std::memory_order_acquire)) return;
     if (win != nullptr) {
       std::lock_guard wl(s->windows_m);
-      std::erase_if(s->windows, [p](const auto& w) { return w.first == reinterpret_cast<std::uintptr_t>(p); });
-      std::erase_if(s->peer.windows, [p](const auto& w) { return w.start == reinterpret_cast<std::uintptr_t>(p); });
+      std::erase_if(s->windows, [p](const auto& w) { return w.start == reinterpret_cast<std::uintptr_t>(p); });
       (void)ncclCommWindowDeregister(s->comm, win);
     }
     (void)ncclMemFree(p);
@@ -106,7 +105,7 @@ inline std::pair<std::shared_ptr<void>, bool> nccl_window(const std::shared_ptr<
   if (handle != nullptr) *handle = win;
   if (win != nullptr) {
     std::lock_guard wl(s->windows_m);
-    s->windows.emplace_back(reinterpret_cast<std::uintptr_t>(p), bytes);
+    s->windows.push_back({reinterpret_cast<std::uintptr_t>(p), bytes});
   }
   LOCKSTEP_TRY_CUDA(cudaMemsetAsync(p, 0, bytes, stream));
   LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(stream));
@@ -118,7 +117,7 @@ inline bool in_window(nccl_state& s, const void* p, std::size_t bytes) {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
   std::lock_guard wl(s.windows_m);
   return std::any_of(s.windows.begin(), s.windows.end(),
-                     [&](const auto& w) { return a >= w.first && a + bytes <= w.first + w.second; });
+                     [&](const auto& w) { return a >= w.start && a + bytes <= w.start + w.bytes; });
 }
 
 //! Makes s's newest staging window hold at least `bytes` (collective when it grows: every rank
