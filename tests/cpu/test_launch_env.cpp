@@ -11,7 +11,9 @@
 #include <vector>
 
 #include <lockstep/core/detail/env.hpp>
+#include <lockstep/launch/detail/same_job.hpp>
 #include <lockstep/launch/launch_env.hpp>
+#include <lockstep/store/hash_store.hpp>
 
 #include "test_util.hpp"
 
@@ -685,6 +687,56 @@ TEST_CASE("env_between: a number in range, else an error naming the variable, th
                          config_error);
   }
   ::unsetenv(name);
+}
+
+TEST_CASE("check_same_job: ranks with another order-check mode, world or launcher than rank 0's are refused by name") {
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
+  // Each mode as the environment sets it: {LOCKSTEP_DEBUG, LOCKSTEP_CHECK_ORDER} (null: unset).
+  struct mode {
+    const char* debug;
+    const char* check;
+    const char* name;
+  };
+  const mode modes[] = {{nullptr, nullptr, "deferred"}, {nullptr, "deferred", "deferred"},
+                        {nullptr, "off", "off"},        {nullptr, "0", "off"},
+                        {"1", nullptr, "immediate"},    {nullptr, "sync", "immediate"}};
+  const auto set_mode = [](const mode& m) {
+    for (auto [k, v] : {std::pair{"LOCKSTEP_DEBUG", m.debug}, std::pair{"LOCKSTEP_CHECK_ORDER", m.check}})
+      v ? ::setenv(k, v, 1) : ::unsetenv(k);
+  };
+  const auto saved_debug = lockstep::detail::env("LOCKSTEP_DEBUG"),
+             saved_check = lockstep::detail::env("LOCKSTEP_CHECK_ORDER");
+  for (int trial = 0; trial < 12; ++trial) {
+    const mode& m0 = modes[rng() % std::size(modes)];
+    const mode& m1 = modes[rng() % std::size(modes)];
+    const int world = 2 + static_cast<int>(rng() % 7), other_world = rng() % 4 == 0 ? world + 1 : world;
+    const std::string launcher = rng() % 4 == 0 ? "torchrun" : "lockstep-run";
+    CAPTURE(m0.name);
+    CAPTURE(m1.name);
+    CAPTURE(other_world);
+    CAPTURE(launcher);
+    lockstep::HashStore store(world, std::chrono::seconds(2));
+    set_mode(m0);
+    lockstep::detail::check_same_job(store, {.rank = 0, .world = world, .launcher = "lockstep-run"});
+    set_mode(m1);
+    const lockstep::launch_info rank1{.rank = 1, .world = other_world, .launcher = launcher};
+    const bool same = std::string(m0.name) == m1.name && other_world == world && launcher == "lockstep-run";
+    if (same) {
+      CHECK_NOTHROW(lockstep::detail::check_same_job(store, rank1));
+    } else {
+      try {
+        lockstep::detail::check_same_job(store, rank1);
+        FAIL_CHECK("rank 1 was let in");
+      } catch (const lockstep::mismatch_error& e) {
+        const std::string msg = e.what();
+        CHECK(msg.find(std::string("order check ") + m1.name + "' but rank 0 runs") != std::string::npos);
+        CHECK(msg.find(std::string("order check ") + m0.name + "':") != std::string::npos);
+        CHECK(msg.find("world " + std::to_string(other_world) + ", launcher " + launcher) != std::string::npos);
+        CHECK(msg.find("LOCKSTEP_CHECK_ORDER / LOCKSTEP_DEBUG") != std::string::npos);
+      }
+    }
+  }
+  set_mode({saved_debug ? saved_debug->c_str() : nullptr, saved_check ? saved_check->c_str() : nullptr, ""});
 }
 
 }  // TEST_SUITE

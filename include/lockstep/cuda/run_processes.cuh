@@ -37,6 +37,7 @@
 #include "lockstep/core/error.hpp"
 #include "lockstep/cuda/error.cuh"
 #include "lockstep/cuda/nccl_comm.cuh"
+#include "lockstep/launch/detail/same_job.hpp"
 #include "lockstep/launch/detail/teardown_deadline.hpp"
 #include "lockstep/launch/detect.hpp"
 #include "lockstep/launch/job_store.hpp"
@@ -76,25 +77,6 @@ inline int process_device(const launch_info& info) {
                        "(lockstep-run --nproc " +
                        std::to_string(visible) + ")");
   return device;
-}
-
-//! Every rank must run the same lockstep with the same world size: compare with rank 0.
-template <class S>
-void check_same_job(S& store, const launch_info& info) {
-  // The order check's mode too: a rank that sends seals pairs them with another's collectives,
-  // and deferred seals ride on lockstep's peer all-reduce where immediate ones are gathered.
-  const auto mode = order_check_mode_from_env();
-  const std::string mine = std::string("lockstep ") + version_string + ", world " + std::to_string(info.world) +
-                           ", launcher " + info.launcher + ", order check " +
-                           (mode == order_check_mode::off         ? "off"
-                            : mode == order_check_mode::immediate ? "immediate"
-                                                                  : "deferred");
-  store.set("lockstep/hello/" + std::to_string(info.rank), bytes_of(mine));
-  const auto root = string_of(store.get("lockstep/hello/0"));
-  if (root != mine)
-    throw mismatch_error("rank " + std::to_string(info.rank) + " runs '" + mine + "' but rank 0 runs '" + root +
-                         "': start every process of the job from the same build and launcher, with the same "
-                         "LOCKSTEP_CHECK_ORDER / LOCKSTEP_DEBUG");
 }
 
 }  // namespace detail
