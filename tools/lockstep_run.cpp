@@ -62,14 +62,20 @@ options:
   --rank0-only        print only rank 0's output; a failing rank's last stderr lines are
                       still printed when it fails.
   --grace SECONDS     after SIGTERM/SIGINT, wait this long before SIGKILL (default 10).
-  --timeout SECONDS   stop the job (SIGTERM, then SIGKILL after the grace) after this long;
-                      exit code 124. Default: no limit.
+  --timeout SECONDS   stop the job (SIGTERM, then SIGKILL after the grace) after this long,
+                      restarts included; exit code 124. Default: no limit.
+  --max-restarts N    when a rank fails, stop the others and start the whole job again, up
+                      to N times (default 0). Each launch gets LOCKSTEP_RESTART_COUNT (0 for
+                      the first), a fresh job token and, without --master-port, a fresh port;
+                      the program resumes from its own last checkpoint. Not restarted: a job
+                      stopped by a signal to lockstep-run or by --timeout.
   -h, --help          show this help.
 
 Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT,
 and LOCKSTEP_RANK, LOCKSTEP_LOCAL_RANK, LOCKSTEP_WORLD_SIZE, LOCKSTEP_LOCAL_WORLD_SIZE,
 LOCKSTEP_MASTER_ADDR, LOCKSTEP_MASTER_PORT, LOCKSTEP_JOB_TOKEN, LOCKSTEP_LAUNCHER=lockstep-run;
-the rest of the environment (NCCL_NVLS_ENABLE included) is passed on unchanged. The job token is
+LOCKSTEP_RESTART_COUNT; the rest of the environment (NCCL_NVLS_ENABLE included) is passed on
+unchanged. The job token is
 drawn afresh (16 random bytes) for every launch and is the run's id: lockstep's store refuses a
 process of an earlier launch that still reaches the same --master-port.
 Output lines are prefixed "[RANK] " (stdout to stdout, stderr to stderr).
@@ -81,8 +87,8 @@ The answer to the last reaches the program as LOCKSTEP_LR_SCALING=linear|sqrt (l
 lr_scaling_from_env() reads it). It never asks when stdin is not a terminal, nor with
 LOCKSTEP_NO_PROMPT=1.
 
-exit status: 0 when every rank exits 0; the failing rank's exit code, or 128+signal when it was
-killed; 128+signal when lockstep-run was interrupted; 124 on --timeout; 2 for usage errors;
+exit status: 0 when every rank exits 0 (in the last launch); the failing rank's exit code, or
+128+signal when it was killed; 128+signal when lockstep-run was interrupted; 124 on --timeout; 2 for usage errors;
 127 when PROGRAM cannot be found or run.
 )";
 
@@ -294,6 +300,7 @@ struct Options {
   bool rank0_only = false;
   double grace = 10;
   double timeout = 0;       // 0: none
+  int max_restarts = 0;     // launches of the whole job after a rank failed
   bool any_option = false;  // a launcher option was given (no questions then)
   std::vector<std::string> command;
 };
@@ -340,6 +347,11 @@ Options parse_options(int argc, char** argv) {
       auto s = parse_seconds(*v);
       if (!s) usage_error("--grace wants a number of seconds >= 0, got '" + *v + "'");
       o.grace = *s;
+    } else if (auto v = value_of(a, "--max-restarts")) {
+      auto n = parse_long(*v);
+      if (!n || *n < 0 || *n > 1000000)
+        usage_error("--max-restarts wants a whole number from 0 to 1000000, got '" + *v + "'");
+      o.max_restarts = static_cast<int>(*n);
     } else if (auto v = value_of(a, "--timeout")) {
       auto s = parse_seconds(*v);
       if (!s || *s <= 0) usage_error("--timeout wants a number of seconds > 0, got '" + *v + "'");
@@ -393,8 +405,20 @@ struct Rank {
 
 class Launcher {
  public:
-  explicit Launcher(Options o) : opt_(std::move(o)) {}
+  //! Launch number `restart` (0: the first) of a job that began at `began` (--timeout counts
+  //! from there).
+  Launcher(Options o, int restart, clock_type::time_point began)
+      : opt_(std::move(o)), restart_(restart), began_(began) {}
   int run();
+  //! Why the launch failed when a rank failed (not lockstep-run's signal, timeout or setup):
+  //! "rank 1 exited with code 3"; empty otherwise. Only such a launch is restarted.
+  std::string rank_failure() const { return interrupted_ ? std::string() : rank_failure_; }
+  //! SIGKILL to what is left of the ranks' process groups (helpers of a failed rank), before
+  //! the next launch.
+  void kill_leftovers() const {
+    for (const auto& r : ranks_)
+      if (r.pid > 0) ::kill(-r.pid, SIGKILL);
+  }
 
  private:
   bool start_rank(Rank& r, const std::string& path, const std::vector<std::string>& base_env,
@@ -410,6 +434,10 @@ class Launcher {
   std::string still_running() const;
 
   Options opt_;
+  int restart_ = 0;
+  clock_type::time_point began_;
+  std::string rank_failure_;
+  bool interrupted_ = false;  // lockstep-run received a signal
   std::vector<Rank> ranks_;
   int alive_ = 0;
   bool stopping_ = false;
@@ -575,6 +603,7 @@ void Launcher::reap() {
 #endif
     }
     const std::string what = "rank " + std::to_string(r.rank) + " " + how;
+    rank_failure_ = what;
     if (opt_.rank0_only && r.rank != 0) {
       flush_partial(r, r.err);
       if (!r.tail.empty()) {
@@ -706,7 +735,8 @@ int Launcher::run() {
                                                         "LOCKSTEP_MASTER_ADDR",
                                                         "LOCKSTEP_MASTER_PORT",
                                                         "LOCKSTEP_JOB_TOKEN",
-                                                        "LOCKSTEP_LAUNCHER"};
+                                                        "LOCKSTEP_LAUNCHER",
+                                                        "LOCKSTEP_RESTART_COUNT"};
   std::vector<std::string> base_env;
   for (char** e = environ; e && *e; ++e) {
     std::string_view kv = *e;
@@ -720,6 +750,7 @@ int Launcher::run() {
   base_env.push_back("MASTER_PORT=" + port_s);
   base_env.push_back("LOCKSTEP_MASTER_PORT=" + port_s);
   base_env.push_back("LOCKSTEP_JOB_TOKEN=" + *token);
+  base_env.push_back("LOCKSTEP_RESTART_COUNT=" + std::to_string(restart_));
 
   // Ranks run in their own process groups, so they are not in the terminal's foreground group
   // and a read from the terminal would stop them (SIGTTIN): only a non-terminal stdin is handed
@@ -734,8 +765,13 @@ int Launcher::run() {
     return 1;
   }
   g_wake_write = wake[1];
-  sigset_t original_mask;
-  ::sigprocmask(SIG_SETMASK, nullptr, &original_mask);
+  // The mask lockstep-run started with, for the ranks: read once (a restart's launch runs after
+  // this one unblocked the handled signals).
+  static const sigset_t original_mask = [] {
+    sigset_t m;
+    ::sigprocmask(SIG_SETMASK, nullptr, &m);
+    return m;
+  }();
   struct sigaction sa{};
   sa.sa_handler = on_signal;
   sigemptyset(&sa.sa_mask);
@@ -755,7 +791,6 @@ int Launcher::run() {
   // --- start ---------------------------------------------------------------------------------
   ranks_.resize(static_cast<std::size_t>(n));
   for (int i = 0; i < n; ++i) ranks_[static_cast<std::size_t>(i)].rank = i;
-  const auto started = clock_type::now();
   for (auto& r : ranks_) {
     const int in = (r.rank == 0 && stdin_ok) ? STDIN_FILENO : devnull;
     if (!start_rank(r, *path, base_env, original_mask, in)) {
@@ -771,8 +806,8 @@ int Launcher::run() {
   // --- supervise: until every rank has been reaped (not until EOF: a rank may close its
   // output and go on running, or leave a helper holding the pipes) ---------------------------
   const bool has_deadline = opt_.timeout > 0;
-  const auto deadline = started + std::chrono::duration_cast<clock_type::duration>(
-                                      std::chrono::duration<double>(has_deadline ? opt_.timeout : 0.0));
+  const auto deadline = began_ + std::chrono::duration_cast<clock_type::duration>(
+                                     std::chrono::duration<double>(has_deadline ? opt_.timeout : 0.0));
   sig_atomic_t signals_seen = 0;
   std::vector<pollfd> pfds;
   std::vector<std::pair<Rank*, Stream*>> owners;
@@ -808,6 +843,7 @@ int Launcher::run() {
 
     if (g_signal_count != signals_seen) {
       signals_seen = g_signal_count;
+      interrupted_ = true;
       const int sig = g_last_signal;
       if (!stopping_) {
         exit_code_ = 128 + sig;
@@ -841,7 +877,9 @@ int Launcher::run() {
       flush_partial(r, *s);
     }
   }
+  g_wake_write = -1;
   ::close(wake[0]);
+  ::close(wake[1]);
   return exit_code_;
 }
 
@@ -958,6 +996,26 @@ int main(int argc, char** argv) {
   const char* no_prompt = std::getenv("LOCKSTEP_NO_PROMPT");
   if (!opt.any_option && ::isatty(STDIN_FILENO) && !(no_prompt && *no_prompt && std::strcmp(no_prompt, "0") != 0))
     if (auto rc = interactive(opt)) return *rc;
-  Launcher launcher(std::move(opt));
-  return launcher.run();
+  const auto began = clock_type::now();
+  for (int restart = 0;; ++restart) {
+    Launcher launcher(opt, restart, began);
+    const int rc = launcher.run();
+    // Not restarted: success, a stop for another reason than a rank's failure, or a signal to
+    // lockstep-run (also one that came after the last rank was reaped).
+    if (rc == 0 || launcher.rank_failure().empty() || opt.max_restarts == 0 || g_signal_count != 0) return rc;
+    if (opt.timeout > 0 && clock_type::now() >= began + std::chrono::duration_cast<clock_type::duration>(
+                                                            std::chrono::duration<double>(opt.timeout))) {
+      say("timeout: the job ran longer than " + format_seconds(opt.timeout) +
+          " (restarts included); not restarting after: " + launcher.rank_failure());
+      return 124;
+    }
+    if (restart == opt.max_restarts) {
+      say("giving up: the job failed in each of its " + std::to_string(restart + 1) + " launches (--max-restarts " +
+          std::to_string(opt.max_restarts) + "); the last: " + launcher.rank_failure());
+      return rc;
+    }
+    launcher.kill_leftovers();
+    say("restarting the job (" + std::to_string(restart + 1) + " of " + std::to_string(opt.max_restarts) +
+        " restarts): " + launcher.rank_failure());
+  }
 }

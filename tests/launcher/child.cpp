@@ -8,6 +8,9 @@
 //                to stderr, each line B bytes of payload, written in several small pieces so
 //                lines cross write and pipe-buffer boundaries
 //   exit=C       exit with code C;   kill=S  raise signal S
+//   exit_first=C exit with code C in the first launch (LOCKSTEP_RESTART_COUNT unset or 0)
+//   mark=DIR     create DIR/<restart count>.<rank> (an empty file)
+//   await=DIR:N  wait (at most 20 s) until N ranks of this launch have marked DIR
 //   ignore=S     ignore signal S
 //   trap         on SIGINT/SIGTERM print "CAUGHT <rank> <signal number>" and exit 0
 //   sleep=SEC    sleep SEC seconds (fractions allowed; "inf": forever)
@@ -24,6 +27,7 @@
 #include <string>
 #include <thread>
 #include <chrono>
+#include <filesystem>
 
 namespace {
 
@@ -87,11 +91,26 @@ int main(int argc, char** argv) {
     const std::string name = a.substr(0, eq);
     const std::string value = eq == std::string::npos ? "" : a.substr(eq + 1);
     if (name == "env") {
-      for (const char* v :
-           {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCKSTEP_RANK",
-            "LOCKSTEP_LOCAL_RANK", "LOCKSTEP_WORLD_SIZE", "LOCKSTEP_LOCAL_WORLD_SIZE", "LOCKSTEP_MASTER_ADDR",
-            "LOCKSTEP_MASTER_PORT", "LOCKSTEP_JOB_TOKEN", "LOCKSTEP_LAUNCHER", "NCCL_NVLS_ENABLE",
-            "LAUNCHER_TEST_CANARY", "LOCKSTEP_LR_SCALING", "LOCKSTEP_CPU_RANKS", "LOCKSTEP_DEVICES"}) {
+      for (const char* v : {"RANK",
+                            "LOCAL_RANK",
+                            "WORLD_SIZE",
+                            "LOCAL_WORLD_SIZE",
+                            "MASTER_ADDR",
+                            "MASTER_PORT",
+                            "LOCKSTEP_RANK",
+                            "LOCKSTEP_LOCAL_RANK",
+                            "LOCKSTEP_WORLD_SIZE",
+                            "LOCKSTEP_LOCAL_WORLD_SIZE",
+                            "LOCKSTEP_MASTER_ADDR",
+                            "LOCKSTEP_MASTER_PORT",
+                            "LOCKSTEP_JOB_TOKEN",
+                            "LOCKSTEP_LAUNCHER",
+                            "LOCKSTEP_RESTART_COUNT",
+                            "NCCL_NVLS_ENABLE",
+                            "LAUNCHER_TEST_CANARY",
+                            "LOCKSTEP_LR_SCALING",
+                            "LOCKSTEP_CPU_RANKS",
+                            "LOCKSTEP_DEVICES"}) {
         const char* val = std::getenv(v);
         write_str(STDOUT_FILENO, std::string(v) + "=" + (val ? val : "<unset>") + "\n");
       }
@@ -110,6 +129,25 @@ int main(int argc, char** argv) {
       spam("E", STDERR_FILENO, lines, bytes);
     } else if (name == "exit") {
       return std::atoi(value.c_str());
+    } else if (name == "mark" || name == "await") {
+      const char* n = std::getenv("LOCKSTEP_RESTART_COUNT");
+      const std::string dir = value.substr(0, value.find(':')), launch = n ? n : "0";
+      if (name == "mark") {
+        std::fclose(std::fopen((dir + "/" + launch + "." + std::to_string(g_rank)).c_str(), "w"));
+      } else {
+        const long want = std::atol(value.substr(value.find(':') + 1).c_str());
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+        for (;;) {
+          long seen = 0;
+          for (const auto& e : std::filesystem::directory_iterator(dir))
+            if (e.path().filename().string().rfind(launch + ".", 0) == 0) ++seen;
+          if (seen >= want || std::chrono::steady_clock::now() > until) break;
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
+      }
+    } else if (name == "exit_first") {
+      const char* n = std::getenv("LOCKSTEP_RESTART_COUNT");
+      if (n == nullptr || std::strcmp(n, "0") == 0) return std::atoi(value.c_str());
     } else if (name == "kill") {
       ::raise(std::atoi(value.c_str()));
     } else if (name == "ignore") {

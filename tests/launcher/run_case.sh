@@ -91,7 +91,7 @@ check_env() {
     LOCKSTEP_JOB_TOKEN=stale LOCKSTEP_LAUNCHER=other run_lr "${args[@]}" "$CHILD" env
   expect_rc 0
   [[ -s $WORK/err ]] && fail "unexpected stderr"
-  (( $(wc -l <"$WORK/out") == 19 * n )) || fail "expected $((19 * n)) lines"
+  (( $(wc -l <"$WORK/out") == 20 * n )) || fail "expected $((20 * n)) lines"
   get() {  # sets GOT to rank $1's value of $2, which must be printed exactly once
     local v; v=$(grep -E "^\[$1\] $2=" "$WORK/out")
     [[ $(grep -c . <<<"$v") -eq 1 ]] || fail "rank $1: $2 printed $(grep -c . <<<"$v") times"
@@ -109,7 +109,7 @@ check_env() {
                 WORLD_SIZE "$n" LOCAL_WORLD_SIZE "$n" LOCKSTEP_WORLD_SIZE "$n" LOCKSTEP_LOCAL_WORLD_SIZE "$n"
                 MASTER_ADDR 127.0.0.1 LOCKSTEP_MASTER_ADDR 127.0.0.1 MASTER_PORT "$port0"
                 LOCKSTEP_MASTER_PORT "$port0" LOCKSTEP_JOB_TOKEN "$token0" LOCKSTEP_LAUNCHER lockstep-run
-                NCCL_NVLS_ENABLE "$nvls" LAUNCHER_TEST_CANARY "$canary")
+                LOCKSTEP_RESTART_COUNT 0 NCCL_NVLS_ENABLE "$nvls" LAUNCHER_TEST_CANARY "$canary")
     local k
     for (( k = 0; k < ${#want[@]}; k += 2 )); do
       get "$r" "${want[k]}"
@@ -318,6 +318,67 @@ no_zombie)
   kill -0 "$LR_PID" 2>/dev/null || fail "lockstep-run ended before rank 1"
   wait_lr 20
   expect_rc 0
+  ;;
+
+restart)
+  # --max-restarts: a rank failing in the first launch stops the others; the whole job starts
+  # again with LOCKSTEP_RESTART_COUNT=1, a new token and port, and ends with status 0.
+  n=$(rand 2 4) bad=$(rand 0 $((n - 1))) code=$(rand 1 120) max=$(rand 1 3)
+  mkdir "$WORK/m"  # the failing rank fails once every rank has printed its environment
+  run_lr --cpu --nproc $n --grace 5 --max-restarts $max "$CHILD" env "mark=$WORK/m" "@$bad:await=$WORK/m:$n" \
+    "@$bad:exit_first=$code" sleep=0.5
+  expect_rc 0
+  expect_err "restarting the job (1 of $max restarts): rank $bad exited with code $code"
+  grep -q -F "restarting the job (2 of" "$WORK/err" && fail "restarted twice"
+  for k in 0 1; do
+    c=$(grep -c -E "^\[[0-9]+\] LOCKSTEP_RESTART_COUNT=$k\$" "$WORK/out")
+    (( c == n )) || fail "$c ranks saw LOCKSTEP_RESTART_COUNT=$k, expected $n"
+  done
+  (( $(grep -c -E '^\[[0-9]+\] LOCKSTEP_RESTART_COUNT=[^01]' "$WORK/out") == 0 )) || fail "a third launch"
+  tokens=$(sed -n -E 's/^\[0\] LOCKSTEP_JOB_TOKEN=//p' "$WORK/out" | sort -u | wc -l)
+  (( tokens == 2 )) || fail "$tokens distinct job tokens over two launches"
+  expect_faster 8000
+  ;;
+
+restart_limit)
+  # A rank that fails every time: max + 1 launches, then the rank's code and a message.
+  n=$(rand 2 3) bad=$(rand 0 $((n - 1))) code=$(rand 1 120) max=$(rand 1 2)
+  mkdir "$WORK/m"
+  run_lr --cpu --nproc $n --grace 5 --max-restarts $max "$CHILD" env "mark=$WORK/m" "@$bad:await=$WORK/m:$n" \
+    "@$bad:exit=$code" sleep=30
+  expect_rc "$code"
+  expect_err "giving up: the job failed in each of its $((max + 1)) launches (--max-restarts $max); the last: rank $bad exited with code $code"
+  for (( k = 0; k <= max; ++k )); do
+    c=$(grep -c -E "^\[[0-9]+\] LOCKSTEP_RESTART_COUNT=$k\$" "$WORK/out")
+    (( c == n )) || fail "$c ranks saw LOCKSTEP_RESTART_COUNT=$k, expected $n"
+  done
+  expect_faster 10000
+  ;;
+
+restart_signal)
+  # A job that lockstep-run was told to stop is not restarted; nor one whose time ran out.
+  start_lr --cpu --nproc 2 --grace 5 --max-restarts 3 "$CHILD" pid sleep=60
+  wait_lines 2 '^\[[0-9]+\] PID='
+  kill -TERM "$LR_PID"
+  wait_lr 20
+  expect_rc 143
+  grep -q -F "restarting" "$WORK/err" && fail "restarted after SIGTERM to lockstep-run"
+  run_lr --cpu --nproc 2 --grace 1 --max-restarts 3 --timeout 0.5 "$CHILD" sleep=60
+  expect_rc 124
+  grep -q -F "restarting" "$WORK/err" && fail "restarted after --timeout"
+  # A rank failed and the others are still stopping (they ignore SIGTERM) when lockstep-run is
+  # told to stop: no restart either.
+  start_lr --cpu --nproc 2 --grace 3 --max-restarts 3 "$CHILD" pid ignore=15 @1:sleep=0.3 @1:exit=7 sleep=60
+  wait_lines 2 '^\[[0-9]+\] PID='
+  until grep -q -F "rank 1 exited with code 7" "$WORK/err"; do sleep 0.05; done
+  kill -TERM "$LR_PID"
+  wait_lr 20
+  grep -q -F "restarting" "$WORK/err" && fail "restarted after SIGTERM to lockstep-run during the stop"
+  # --timeout spans the restarts: a rank failing in every launch is cut off by it.
+  run_lr --cpu --nproc 2 --grace 0.2 --max-restarts 1000 --timeout 1.5 "$CHILD" @0:sleep=0.2 @0:exit=3 sleep=60
+  expect_rc 124
+  expect_faster 6000
+  (( $(grep -c -F "restarting the job" "$WORK/err") >= 2 )) || fail "fewer than 2 restarts in 1.5 s"
   ;;
 
 *)
