@@ -57,7 +57,7 @@ constexpr std::int64_t profiled_steps = 3;
       "  --torch-deterministic: only libtorch's deterministic kernels (what --deterministic sets for the model),\n"
       "                to measure their share of its cost\n"
       "  --bucket-mib M: gradient buckets of M MiB (default: lockstep's, 1 MiB first, 25 MiB cap)\n"
-      "  --tune: the bucket cap chosen after the first step from lockstep's cost model (BucketPolicy::tune;\n"
+      "  --tune: the bucket cap chosen after the third step from lockstep's cost model (BucketPolicy::tune;\n"
       "                GPUs; with --bench, prints its choice)\n");
   std::exit(rc);
 }

@@ -164,13 +164,15 @@ TEST_CASE(
   std::vector<int> y(rows_per_rank * 2);
   for (auto& v : y) v = static_cast<int>(rng() % 4);
   const std::uint64_t model_seed = rng();
-  // Six steps on two ranks; rank `slow`'s clock puts 5 ms between gradients (small buckets
-  // pay), the other's none (one bucket pays). Returns each rank's parameters and tuned cap.
+  // Six optimizer steps of `micro` micro-steps on two ranks; rank `slow`'s clock puts 5 ms
+  // between gradients (small buckets pay), the other's none (one bucket pays). With `reload`,
+  // each rank loads its own plan state after step 1 (before the tuning: the tuner still times
+  // its step). Returns each rank's parameters and tuned cap.
   struct result {
     std::vector<std::vector<float>> values{2};
     std::vector<std::size_t> caps = std::vector<std::size_t>(2);
   };
-  auto train = [&](lockstep::BucketPolicy policy, int slow) {
+  auto train = [&](lockstep::BucketPolicy policy, int slow, int micro = 1, bool reload = false) {
     result out;
     lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
       const int r = ctx.rank();
@@ -179,16 +181,19 @@ TEST_CASE(
       comm.alpha = r == slow ? 10 : 200;
       comm.beta = r == slow ? 1e4 : 1e5;
       CountingMlp m(dims, model_seed);
-      lockstep::DataParallel<CountingMlp, ClockedThreadComm> dp(comm, m,
-                                                                lockstep::DataParallelOptions{.buckets = policy});
+      lockstep::DataParallel<CountingMlp, ClockedThreadComm, lockstep::Accumulate<>> dp(
+          comm, m, lockstep::DataParallelOptions{.buckets = policy}, lockstep::Accumulate<>(micro));
       std::vector<std::size_t> rows(rows_per_rank);
       std::iota(rows.begin(), rows.end(), static_cast<std::size_t>(r) * rows_per_rank);
       const int timed = policy.tune ? policy.tune_step : 0, params = 6;
       for (int s = 1; s <= 6; ++s) {
-        auto step = dp.step();
-        m.forward_backward(X, y, rows, step.on_gradient_ready());
-        CHECK(step.finish().synced);
+        for (int k = 0; k < micro; ++k) {
+          auto step = dp.step();
+          m.forward_backward(X, y, rows, step.on_gradient_ready());
+          CHECK(step.finish().synced == (k + 1 == micro));
+        }
         m.sgd(0.05);
+        if (reload && s == 1) dp.load_plan_state(dp.plan_state());
         CAPTURE(s);
         CAPTURE(r);
         const auto& st = dp.stats();
@@ -210,13 +215,24 @@ TEST_CASE(
   const auto fast0 = train({.tune = true}, 1);  // rank 0 sees no backward to overlap
   const auto slow0 = train({.tune = true}, 0);
   const auto first = train({.tune = true, .tune_step = 1}, 0);
-  for (const auto* run : {&fast0, &slow0, &first}) {
+  const auto reloaded = train({.tune = true}, 0, 1, true);
+  // The cap it will choose given from the start: no re-cut, but the binding still waits for it.
+  const auto same = train({.cap_bytes = fast0.caps[0], .tune = true}, 1);
+  for (const auto* run : {&fast0, &slow0, &first, &reloaded, &same}) {
     CHECK(run->caps[0] == run->caps[1]);       // rank 0's, broadcast
     CHECK(run->values[0] == plain.values[0]);  // ThreadComm sums each element in rank order: any cut, the same bits
     CHECK(run->values[1] == plain.values[0]);
   }
   CHECK(fast0.caps[0] > slow0.caps[0]);
   CHECK(slow0.caps[0] == first.caps[0]);
+  CHECK(slow0.caps[0] == reloaded.caps[0]);
+  CHECK(same.caps[0] == fast0.caps[0]);
+  // Accumulation: the tuner counts synchronising steps (the third sync is the sixth micro-step).
+  const auto plain2 = train({}, 0, 2);
+  const auto accum = train({.tune = true}, 0, 2);
+  CHECK(accum.caps[0] == slow0.caps[0]);
+  CHECK(accum.values[0] == plain2.values[0]);
+  CHECK(accum.values[1] == plain2.values[0]);
   // A step to time is counted from 1.
   lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
     ClockedThreadComm comm(ctx.comm());

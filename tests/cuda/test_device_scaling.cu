@@ -1275,9 +1275,10 @@ TEST_CASE(
   check_dp_scaled<lockstep::DynamicScale>({.gpus = 2, .buckets = {.first_bytes = 1000, .cap_bytes = 3000}});
 }
 // BucketPolicy::tune under a graph: the tuner times synchronising step tune_step and re-cuts
-// the arena at the next, so a StepGraph that captures either is refused by name; warmed up
-// past them, the tuned step is captured and trains as the CPU reference does (above: tune_step 2,
-// the capture at the fourth step).
+// the arena at the next, so a StepGraph that captures a step up to the timed one is refused by
+// name (the timed step itself, or one before it: that graph would hold the untuned, unbound
+// layout for ever); warmed up past them, the tuned step is captured and trains as the CPU
+// reference does (above: tune_step 2, the capture at the fourth step).
 TEST_CASE("StepGraph with BucketPolicy::tune: capturing the timed step is refused by name - warmed up past it, "
           "captured") {
   LOCKSTEP_REQUIRE_GPUS(2);
@@ -1292,7 +1293,11 @@ TEST_CASE("StepGraph with BucketPolicy::tune: capturing the timed step is refuse
   std::vector<int> y(samples), rows(batch);
   for (auto& v : y) v = static_cast<int>(rng() % 7);
   for (int i = 0; i < batch; ++i) rows[static_cast<std::size_t>(i)] = static_cast<int>(rng() % samples);
-  std::vector<std::string> seen(2), after(2);  // warmup 2's outcome, warmup 4's
+  struct trial {
+    int warmup, tune_step;
+  };
+  const trial trials[] = {{2, 3}, {2, 5}, {4, 3}};  // the timed step captured, one before it, none
+  std::vector<std::vector<std::string>> seen(2, std::vector<std::string>(3));
   std::vector<std::size_t> tuned(2);
   std::vector<std::uint64_t> replays(2);
   lockstep::run(lockstep::Gpus{{0, 1}}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
@@ -1303,10 +1308,11 @@ TEST_CASE("StepGraph with BucketPolicy::tune: capturing the timed step is refuse
     mem.upload(dX.get(), X.data(), X.size() * sizeof(float));
     mem.upload(dy.get(), y.data(), y.size() * sizeof(int));
     mem.upload(drows.get(), rows.data(), rows.size() * sizeof(int));
-    for (const int warmup : {2, 4}) {  // the default (refused), tune_step + 1 (captured)
+    for (std::size_t t = 0; t < 3; ++t) {
       TestMlp<float> init(dims, seed + 1);
       GpuMlp m(dims, split_params(init), s);
-      lockstep::DataParallel dp(ctx, m, {.buckets = {.tune = true}}, lockstep::DeviceDynamicScale{});
+      lockstep::DataParallel dp(ctx, m, {.buckets = {.tune = true, .tune_step = trials[t].tune_step}},
+                                lockstep::DeviceDynamicScale{});
       lockstep::FusedSgd opt({.lr = 0.1}, dp.parameters(), ctx.device());
       auto one_step = [&] {
         auto step = dp.step();
@@ -1315,23 +1321,26 @@ TEST_CASE("StepGraph with BucketPolicy::tune: capturing the timed step is refuse
                            static_cast<const int*>(drows.get()), batch, [&](std::size_t i) { hook(i); });
         step.finish([&](std::span<const lockstep::param_slice> sl) { opt.step(sl, s); });
       };
-      lockstep::StepGraph graph(ctx.comm(), {.warmup = warmup});
+      lockstep::StepGraph graph(ctx.comm(), {.warmup = trials[t].warmup});
       const auto r = static_cast<std::size_t>(ctx.rank());
       try {
         for (int st = 0; st < 6; ++st) graph.run(one_step);
-        (warmup == 2 ? seen : after)[r] = "captured";
+        seen[r][t] = "captured";
         tuned[r] = dp.stats().tuned_cap_bytes;
         replays[r] = graph.replays();
       } catch (const lockstep::config_error& e) {
-        (warmup == 2 ? seen : after)[r] = e.what();
+        seen[r][t] = e.what();
       }
     }
   });
   for (std::size_t r = 0; r < 2; ++r) {
     CAPTURE(r);
-    CHECK(seen[r].find("BucketPolicy::tune times synchronising step") != std::string::npos);
-    CHECK(seen[r].find("StepGraphOptions::warmup") != std::string::npos);
-    CHECK(after[r] == "captured");
+    for (std::size_t t = 0; t < 2; ++t) {
+      CAPTURE(t);
+      CHECK(seen[r][t].find("BucketPolicy::tune times synchronising step") != std::string::npos);
+      CHECK(seen[r][t].find("StepGraphOptions::warmup") != std::string::npos);
+    }
+    CHECK(seen[r][2] == "captured");
     CHECK(replays[r] == 2);
     CHECK(tuned[r] != 0);
   }

@@ -15,8 +15,10 @@
 //   each rank's CPU sum (symmetric_sweep.cuh); no training.
 //   distributed_equivalence --sweep-order   the order check carried by the peer kernel: agreed
 //   calls pass, a mismatched label is named (symmetric_sweep.cuh); run() then ends with it.
-//   distributed_equivalence --tune     BucketPolicy::tune: the cap chosen from the first
-//   step's gradient times and NCCL's estimates (printed), the same parameters. Flags combine.
+//   distributed_equivalence --tune     BucketPolicy::tune: the cap chosen from the third
+//   synchronising step's gradient times and timed all-reduces (printed), the same parameters.
+//   Flags combine, but not --graph with --tune (the capture of cycle 3 would hold the step the
+//   tuner times: refused by name).
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>

@@ -32,16 +32,22 @@ struct bucket_costs<NcclComm> {
   static constexpr bool available = true;
   using stamp_type = std::shared_ptr<CUevent_st>;
 
+  //! Throws while the compute stream is being captured: the tuner's step ends with timed
+  //! all-reduces on the host's clock and re-cuts the arena at the next, so no step up to that
+  //! one may be part of a graph.
+  template <class C>
+  static void refuse_capture(C& comm) {
+    device_guard g(comm.device());
+    if (stream_capturing(comm.compute_stream()))
+      throw config_error("BucketPolicy::tune times synchronising step BucketPolicy::tune_step (default 3) and "
+                         "re-cuts the buckets after it, but a step up to that one is being captured into a CUDA "
+                         "graph: run tune_step + 1 steps eagerly before the capture (StepGraphOptions::warmup), or "
+                         "lower tune_step");
+  }
+
   template <class C>
   static stamp_type now(C& comm) {
     device_guard g(comm.device());
-    // The timed step ends with timed all-reduces on the host's clock, and its cap re-cuts
-    // the arena: neither can be part of a graph.
-    if (stream_capturing(comm.compute_stream()))
-      throw config_error("BucketPolicy::tune times synchronising step BucketPolicy::tune_step (default 3) and "
-                         "re-cuts the buckets after it, but that step is being captured into a CUDA graph: run "
-                         "tune_step + 1 steps eagerly before the capture (StepGraphOptions::warmup), or lower "
-                         "tune_step");
     stamp_type s = event(comm.device());
     LOCKSTEP_TRY_CUDA(cudaEventRecord(s.get(), comm.compute_stream()));
     return s;

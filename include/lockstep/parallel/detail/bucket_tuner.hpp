@@ -91,9 +91,13 @@ class bucket_tuner {
   bool due(const BucketPolicy& p, int ranks, bool silent) const noexcept {
     return costs::available && p.tune && p.rebuild_after_first_step && !done_ && !silent && ranks > 1;
   }
-  //! A synchronising micro-step begins: stamps from here on if it is the one to time.
+  //! A synchronising micro-step begins: stamps from here on if it is the one to time. Until the
+  //! tuning, no step may be captured into a CUDA graph (the communicator's refuse_capture: the
+  //! layout the graph would hold is not the final one).
   void begin_sync(Comm& comm, const BucketPolicy& p, bool silent) {
-    if (due(p, comm.size(), silent) && syncs_ + 1 >= static_cast<std::uint64_t>(p.tune_step)) start(comm);
+    if (!due(p, comm.size(), silent)) return;
+    if constexpr (requires { costs::refuse_capture(comm); }) costs::refuse_capture(comm);
+    if (syncs_ + 1 >= static_cast<std::uint64_t>(p.tune_step)) start(comm);
   }
   //! Stamps from now on (begin_sync calls it for the step to time).
   void start(Comm& comm) {
@@ -182,8 +186,13 @@ class bucket_tuner {
       }
       for (const auto& [c, tail] : tails)  // within 1% of the best, the largest cap: fewer launches
         if (tail <= best_us * 1.01) best[0] = static_cast<std::int64_t>(c);
+      if (stamps_.empty()) best[0] = 0;  // nothing reported here (a Join shadow): no choice
       if (comm.size() > 1) host_broadcast(comm, best, 0);
       const auto cap = static_cast<std::size_t>(best[0]);
+      if (cap == 0) {  // rank 0 saw no gradient: time the next synchronising step instead
+        done_ = false;
+        return false;
+      }
       char head[240];
       std::snprintf(head, sizeof head,
                     "cap %zu MiB (rank 0's choice; this rank's timed step: %.0f us from its start to the last "
