@@ -42,17 +42,23 @@ struct TunerComm {
 
 }  // namespace
 
-template <>
-struct lockstep::detail::bucket_costs<TunerComm> {
+//! The test communicators' costs: stamps in µs, an all-reduce of n bytes costing
+//! alpha + n / beta µs (C's fields); C's bucket_costs adds now().
+template <class C>
+struct model_costs {
   static constexpr bool available = true;
   using stamp_type = double;
-  static double now(TunerComm& c) { return c.times.at(c.next++); }
-  static double elapsed_us(TunerComm&, double a, double b) { return b - a; }
-  static std::vector<double> probe_us(TunerComm& c, const std::vector<std::size_t>& counts, lockstep::dtype t) {
+  static double elapsed_us(C&, double a, double b) { return b - a; }
+  static std::vector<double> probe_us(C& c, const std::vector<std::size_t>& counts, lockstep::dtype t) {
     std::vector<double> us;
     for (auto n : counts) us.push_back(c.alpha + static_cast<double>(n * lockstep::size_of(t)) / c.beta);
     return us;
   }
+};
+
+template <>
+struct lockstep::detail::bucket_costs<TunerComm> : model_costs<TunerComm> {
+  static double now(TunerComm& c) { return c.times.at(c.next++); }
 };
 
 namespace {
@@ -78,18 +84,10 @@ struct CountingMlp : TestMlp<float> {
 }  // namespace
 
 template <>
-struct lockstep::detail::bucket_costs<ClockedThreadComm> {
-  static constexpr bool available = true;
-  using stamp_type = double;
+struct lockstep::detail::bucket_costs<ClockedThreadComm> : model_costs<ClockedThreadComm> {
   static double now(ClockedThreadComm& c) {
     ++c.stamps;
     return c.clock += c.gap;
-  }
-  static double elapsed_us(ClockedThreadComm&, double a, double b) { return b - a; }
-  static std::vector<double> probe_us(ClockedThreadComm& c, const std::vector<std::size_t>& counts, lockstep::dtype t) {
-    std::vector<double> us;
-    for (auto n : counts) us.push_back(c.alpha + static_cast<double>(n * lockstep::size_of(t)) / c.beta);
-    return us;
   }
 };
 

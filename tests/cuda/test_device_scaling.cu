@@ -912,6 +912,46 @@ void check_device_origin(int gpus, int log_every) {
   }
 }
 
+namespace {
+
+// One batch of a small classifier (19 -> 24 -> 7) for the capture tests: 64 samples drawn from
+// `seed` in [-2, 2], labels below 7, 8 of them picked; on a rank's GPU by upload().
+struct capture_batch {
+  const std::vector<int> dims{19, 24, 7};
+  static constexpr int batch = 8, samples = 64;
+  std::vector<float> X;
+  std::vector<int> y = std::vector<int>(samples), rows = std::vector<int>(batch);
+  explicit capture_batch(std::uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    X = random_vector<float>(samples * dims[0], rng, -2, 2);
+    for (auto& v : y) v = static_cast<int>(rng() % 7);
+    for (auto& r : rows) r = static_cast<int>(rng() % samples);
+  }
+  struct on_device {
+    std::shared_ptr<void> X, y, rows;
+  };
+  on_device upload(const lockstep::CudaMemory& mem) const {
+    on_device d{mem.allocate(X.size() * sizeof(float)), mem.allocate(y.size() * sizeof(int)),
+                mem.allocate(rows.size() * sizeof(int))};
+    mem.upload(d.X.get(), X.data(), X.size() * sizeof(float));
+    mem.upload(d.y.get(), y.data(), y.size() * sizeof(int));
+    mem.upload(d.rows.get(), rows.data(), rows.size() * sizeof(int));
+    return d;
+  }
+};
+
+// One training step of dp over m on the batch d: every gradient reported, FusedSgd on each bucket.
+template <class DP>
+void capture_step(DP& dp, GpuMlp& m, lockstep::FusedSgd& opt, const capture_batch::on_device& d, cudaStream_t s) {
+  auto step = dp.step();
+  auto hook = step.on_gradient_ready();
+  m.forward_backward(static_cast<const float*>(d.X.get()), static_cast<const int*>(d.y.get()),
+                     static_cast<const int*>(d.rows.get()), capture_batch::batch, [&](std::size_t i) { hook(i); });
+  step.finish([&](std::span<const lockstep::param_slice> sl) { opt.step(sl, s); });
+}
+
+}  // namespace
+
 TEST_SUITE("gpu") {
 TEST_CASE("grad_ops<CudaMemory> == host grad_ops: unscale + flag - sum of squares - clamp (f32 f64 f16 bf16)") {
   LOCKSTEP_REQUIRE_GPUS(1);
@@ -1057,33 +1097,17 @@ TEST_CASE("StepGraph refuses a step that synchronises with the host or allocates
   LOCKSTEP_REQUIRE_GPUS(1);
   const auto seed = fresh_seed();
   CAPTURE(seed);
-  std::mt19937_64 rng(seed);
-  const std::vector<int> dims{19, 24, 7};
-  const int batch = 8, samples = 64;
-  auto X = random_vector<float>(samples * dims[0], rng, -2, 2);
-  std::vector<int> y(samples), rows(batch);
-  for (auto& v : y) v = static_cast<int>(rng() % 7);
-  for (int i = 0; i < batch; ++i) rows[static_cast<std::size_t>(i)] = static_cast<int>(rng() % samples);
+  const capture_batch data(seed);
   std::vector<std::string> seen;
   lockstep::run(lockstep::Gpus{{0}}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
     cudaStream_t s = ctx.comm().compute_stream();
-    TestMlp<float> init(dims, seed + 1);
-    GpuMlp m(dims, split_params(init), s);
+    TestMlp<float> init(data.dims, seed + 1);
+    GpuMlp m(data.dims, split_params(init), s);
     lockstep::DataParallel dp(ctx, m, {}, lockstep::EveryStep{}, lockstep::DynamicScale{});
     lockstep::FusedSgd opt({.lr = 0.1}, dp.parameters(), ctx.device());
     const lockstep::CudaMemory mem = ctx.comm().memory();
-    auto dX = mem.allocate(X.size() * sizeof(float)), dy = mem.allocate(y.size() * sizeof(int)),
-         drows = mem.allocate(rows.size() * sizeof(int));
-    mem.upload(dX.get(), X.data(), X.size() * sizeof(float));
-    mem.upload(dy.get(), y.data(), y.size() * sizeof(int));
-    mem.upload(drows.get(), rows.data(), rows.size() * sizeof(int));
-    auto one_step = [&] {
-      auto step = dp.step();
-      auto hook = step.on_gradient_ready();
-      m.forward_backward(static_cast<const float*>(dX.get()), static_cast<const int*>(dy.get()),
-                         static_cast<const int*>(drows.get()), batch, [&](std::size_t i) { hook(i); });
-      step.finish([&](std::span<const lockstep::param_slice> sl) { opt.step(sl, s); });
-    };
+    const auto d = data.upload(mem);
+    auto one_step = [&] { capture_step(dp, m, opt, d, s); };
     lockstep::StepGraph graph(ctx.comm());  // 2 eager steps, then the capture
     CHECK_FALSE(graph.run(one_step));
     CHECK_FALSE(graph.run(one_step));
@@ -1286,13 +1310,7 @@ TEST_CASE("StepGraph with BucketPolicy::tune: capturing the timed step is refuse
       {.gpus = 2, .capture = true, .buckets = {.first_bytes = 1000, .cap_bytes = 3000, .tune = true, .tune_step = 2}});
   const auto seed = fresh_seed();
   CAPTURE(seed);
-  std::mt19937_64 rng(seed);
-  const std::vector<int> dims{19, 24, 7};
-  const int batch = 8, samples = 64;
-  auto X = random_vector<float>(samples * dims[0], rng, -2, 2);
-  std::vector<int> y(samples), rows(batch);
-  for (auto& v : y) v = static_cast<int>(rng() % 7);
-  for (int i = 0; i < batch; ++i) rows[static_cast<std::size_t>(i)] = static_cast<int>(rng() % samples);
+  const capture_batch data(seed);
   struct trial {
     int warmup, tune_step;
   };
@@ -1302,25 +1320,14 @@ TEST_CASE("StepGraph with BucketPolicy::tune: capturing the timed step is refuse
   std::vector<std::uint64_t> replays(2);
   lockstep::run(lockstep::Gpus{{0, 1}}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
     cudaStream_t s = ctx.comm().compute_stream();
-    const lockstep::CudaMemory mem = ctx.comm().memory();
-    auto dX = mem.allocate(X.size() * sizeof(float)), dy = mem.allocate(y.size() * sizeof(int)),
-         drows = mem.allocate(rows.size() * sizeof(int));
-    mem.upload(dX.get(), X.data(), X.size() * sizeof(float));
-    mem.upload(dy.get(), y.data(), y.size() * sizeof(int));
-    mem.upload(drows.get(), rows.data(), rows.size() * sizeof(int));
+    const auto d = data.upload(ctx.comm().memory());
     for (std::size_t t = 0; t < 3; ++t) {
-      TestMlp<float> init(dims, seed + 1);
-      GpuMlp m(dims, split_params(init), s);
+      TestMlp<float> init(data.dims, seed + 1);
+      GpuMlp m(data.dims, split_params(init), s);
       lockstep::DataParallel dp(ctx, m, {.buckets = {.tune = true, .tune_step = trials[t].tune_step}},
                                 lockstep::DeviceDynamicScale{});
       lockstep::FusedSgd opt({.lr = 0.1}, dp.parameters(), ctx.device());
-      auto one_step = [&] {
-        auto step = dp.step();
-        auto hook = step.on_gradient_ready();
-        m.forward_backward(static_cast<const float*>(dX.get()), static_cast<const int*>(dy.get()),
-                           static_cast<const int*>(drows.get()), batch, [&](std::size_t i) { hook(i); });
-        step.finish([&](std::span<const lockstep::param_slice> sl) { opt.step(sl, s); });
-      };
+      auto one_step = [&] { capture_step(dp, m, opt, d, s); };
       lockstep::StepGraph graph(ctx.comm(), {.warmup = trials[t].warmup});
       const auto r = static_cast<std::size_t>(ctx.rank());
       try {
