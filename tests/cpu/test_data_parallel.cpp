@@ -152,7 +152,7 @@ TEST_CASE("bucket tuner: the cost model picks small buckets when backward is slo
 }
 
 TEST_CASE(
-    "bucket tuner: DataParallel times step tune_step and binds the gradients once after it; rank 0's clock decides") {
+    "bucket tuner: DataParallel times step tune_step and binds the gradients once after it - rank 0's clock decides") {
   LOCKSTEP_SEEDED(std::mt19937_64 rng);
   const std::vector<int> dims{256, 1024, 1024, 4};  // 1 MiB + 4 MiB + 16 KiB of weights
   const std::size_t rows_per_rank = 4;

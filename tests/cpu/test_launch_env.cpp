@@ -668,7 +668,7 @@ TEST_CASE("detect_launcher: overrides beat the environment") {
   expect_config_error({"WORLD_SIZE"}, all);
 }
 
-TEST_CASE("env_between: a number in range, else an error naming the variable, the value and the range") {
+TEST_CASE("env_between: a number in range - else an error naming the variable and the value and the range") {
   LOCKSTEP_SEEDED(std::mt19937_64 rng);
   const char* name = "LOCKSTEP_TEST_ENV_BETWEEN";
   const long lo = static_cast<long>(rng() % 100), hi = lo + 1 + static_cast<long>(rng() % 1000);
@@ -689,7 +689,8 @@ TEST_CASE("env_between: a number in range, else an error naming the variable, th
   ::unsetenv(name);
 }
 
-TEST_CASE("check_same_job: ranks with another order-check mode, world or launcher than rank 0's are refused by name") {
+TEST_CASE(
+    "check_same_job: ranks with another order-check mode or world or launcher than rank 0's are refused by name") {
   LOCKSTEP_SEEDED(std::mt19937_64 rng);
   // Each mode as the environment sets it: {LOCKSTEP_DEBUG, LOCKSTEP_CHECK_ORDER} (null: unset).
   struct mode {

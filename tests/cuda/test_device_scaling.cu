@@ -1303,7 +1303,7 @@ TEST_CASE(
 // name (the timed step itself, or one before it: that graph would hold the untuned, unbound
 // layout for ever); warmed up past them, the tuned step is captured and trains as the CPU
 // reference does (above: tune_step 2, the capture at the fourth step).
-TEST_CASE("StepGraph with BucketPolicy::tune: capturing the timed step is refused by name - warmed up past it, "
+TEST_CASE("StepGraph with BucketPolicy::tune: capturing the timed step is refused by name - warmed up past it it is "
           "captured") {
   LOCKSTEP_REQUIRE_GPUS(2);
   check_dp_scaled<lockstep::DeviceDynamicScale>(
