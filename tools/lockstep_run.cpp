@@ -75,9 +75,8 @@ Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0
 and LOCKSTEP_RANK, LOCKSTEP_LOCAL_RANK, LOCKSTEP_WORLD_SIZE, LOCKSTEP_LOCAL_WORLD_SIZE,
 LOCKSTEP_MASTER_ADDR, LOCKSTEP_MASTER_PORT, LOCKSTEP_JOB_TOKEN, LOCKSTEP_LAUNCHER=lockstep-run;
 LOCKSTEP_RESTART_COUNT; the rest of the environment (NCCL_NVLS_ENABLE included) is passed on
-unchanged. The job token is
-drawn afresh (16 random bytes) for every launch and is the run's id: lockstep's store refuses a
-process of an earlier launch that still reaches the same --master-port.
+unchanged. The job token is drawn afresh (16 random bytes) for every launch and is the run's id:
+lockstep's store refuses a process of an earlier launch that still reaches the same --master-port.
 Output lines are prefixed "[RANK] " (stdout to stdout, stderr to stderr).
 
 interactive: `lockstep-run PROGRAM [ARGS...]` with no option, stdin a terminal, asks how to run
@@ -88,8 +87,8 @@ lr_scaling_from_env() reads it). It never asks when stdin is not a terminal, nor
 LOCKSTEP_NO_PROMPT=1.
 
 exit status: 0 when every rank exits 0 (in the last launch); the failing rank's exit code, or
-128+signal when it was killed; 128+signal when lockstep-run was interrupted; 124 on --timeout; 2 for usage errors;
-127 when PROGRAM cannot be found or run.
+128+signal when it was killed; 128+signal when lockstep-run was interrupted; 124 on --timeout;
+2 for usage errors; 127 when PROGRAM cannot be found or run.
 )";
 
 // ---------------------------------------------------------------------------------------------
@@ -134,6 +133,11 @@ std::string signal_name(int sig) {
   for (const auto& e : names)
     if (e.sig == sig) return e.name;
   return "SIG" + std::to_string(sig);
+}
+
+//! The time `seconds` after t.
+clock_type::time_point after(clock_type::time_point t, double seconds) {
+  return t + std::chrono::duration_cast<clock_type::duration>(std::chrono::duration<double>(seconds));
 }
 
 std::string format_seconds(double s) {
@@ -410,9 +414,10 @@ class Launcher {
   Launcher(Options o, int restart, clock_type::time_point began)
       : opt_(std::move(o)), restart_(restart), began_(began) {}
   int run();
-  //! Why the launch failed when a rank failed (not lockstep-run's signal, timeout or setup):
-  //! "rank 1 exited with code 3"; empty otherwise. Only such a launch is restarted.
-  std::string rank_failure() const { return interrupted_ ? std::string() : rank_failure_; }
+  //! Why the launch failed when a rank failed first (not a timeout or setup failure): "rank 1
+  //! exited with code 3"; empty otherwise. Only such a launch is restarted (and only when
+  //! lockstep-run received no signal: main checks g_signal_count).
+  const std::string& rank_failure() const noexcept { return rank_failure_; }
   //! SIGKILL to what is left of the ranks' process groups (helpers of a failed rank), before
   //! the next launch.
   void kill_leftovers() const {
@@ -437,7 +442,6 @@ class Launcher {
   int restart_ = 0;
   clock_type::time_point began_;
   std::string rank_failure_;
-  bool interrupted_ = false;  // lockstep-run received a signal
   std::vector<Rank> ranks_;
   int alive_ = 0;
   bool stopping_ = false;
@@ -559,8 +563,7 @@ std::string Launcher::still_running() const {
 
 void Launcher::stop_all(int sig, const std::string& why) {
   stopping_ = true;
-  kill_at_ =
-      clock_type::now() + std::chrono::duration_cast<clock_type::duration>(std::chrono::duration<double>(opt_.grace));
+  kill_at_ = after(clock_type::now(), opt_.grace);
   if (alive_ > 0) {
     say(why + "; sending " + signal_name(sig) + " to " + still_running() + " (SIGKILL after " +
         format_seconds(opt_.grace) + ")");
@@ -806,8 +809,7 @@ int Launcher::run() {
   // --- supervise: until every rank has been reaped (not until EOF: a rank may close its
   // output and go on running, or leave a helper holding the pipes) ---------------------------
   const bool has_deadline = opt_.timeout > 0;
-  const auto deadline = began_ + std::chrono::duration_cast<clock_type::duration>(
-                                     std::chrono::duration<double>(has_deadline ? opt_.timeout : 0.0));
+  const auto deadline = after(began_, has_deadline ? opt_.timeout : 0.0);
   sig_atomic_t signals_seen = 0;
   std::vector<pollfd> pfds;
   std::vector<std::pair<Rank*, Stream*>> owners;
@@ -843,7 +845,6 @@ int Launcher::run() {
 
     if (g_signal_count != signals_seen) {
       signals_seen = g_signal_count;
-      interrupted_ = true;
       const int sig = g_last_signal;
       if (!stopping_) {
         exit_code_ = 128 + sig;
@@ -1003,8 +1004,7 @@ int main(int argc, char** argv) {
     // Not restarted: success, a stop for another reason than a rank's failure, or a signal to
     // lockstep-run (also one that came after the last rank was reaped).
     if (rc == 0 || launcher.rank_failure().empty() || opt.max_restarts == 0 || g_signal_count != 0) return rc;
-    if (opt.timeout > 0 && clock_type::now() >= began + std::chrono::duration_cast<clock_type::duration>(
-                                                            std::chrono::duration<double>(opt.timeout))) {
+    if (opt.timeout > 0 && clock_type::now() >= after(began, opt.timeout)) {
       say("timeout: the job ran longer than " + format_seconds(opt.timeout) +
           " (restarts included); not restarting after: " + launcher.rank_failure());
       return 124;
