@@ -69,6 +69,10 @@ options:
                       the first), a fresh job token and, without --master-port, a fresh port;
                       the program resumes from its own last checkpoint. Not restarted: a job
                       stopped by a signal to lockstep-run or by --timeout.
+  --elastic           a rank other than 0 that fails does not stop the others: they may go on
+                      without it (lockstep::ElasticGroup, docs/elastic.md). The job's status is
+                      then rank 0's (it hosts the store: its loss stops the job as without
+                      --elastic, and --max-restarts restarts it).
   -h, --help          show this help.
 
 Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT,
@@ -86,7 +90,7 @@ The answer to the last reaches the program as LOCKSTEP_LR_SCALING=linear|sqrt (l
 lr_scaling_from_env() reads it). It never asks when stdin is not a terminal, nor with
 LOCKSTEP_NO_PROMPT=1.
 
-exit status: 0 when every rank exits 0 (in the last launch); the failing rank's exit code, or
+exit status: 0 when every rank exits 0 (in the last launch; with --elastic, when rank 0 does); the failing rank's exit code, or
 128+signal when it was killed; 128+signal when lockstep-run was interrupted; 124 on --timeout;
 2 for usage errors; 127 when PROGRAM cannot be found or run.
 )";
@@ -305,6 +309,7 @@ struct Options {
   double grace = 10;
   double timeout = 0;       // 0: none
   int max_restarts = 0;     // launches of the whole job after a rank failed
+  bool elastic = false;     // a failed rank but 0 leaves the others running
   bool any_option = false;  // a launcher option was given (no questions then)
   std::vector<std::string> command;
 };
@@ -336,6 +341,8 @@ Options parse_options(int argc, char** argv) {
     }
     if (a == "--cpu") {
       o.cpu = true;
+    } else if (a == "--elastic") {
+      o.elastic = true;
     } else if (a == "--rank0-only") {
       o.rank0_only = true;
     } else if (auto v = value_of(a, "--nproc"); v || (v = value_of(a, "--nproc-per-node"))) {
@@ -594,19 +601,20 @@ void Launcher::reap() {
     if (!failed || stopping_) continue;  // ranks exiting after we told them to stop are expected
     drain(r);                            // its last words first, then ours
     std::string how;
+    int code = 0;
     if (WIFEXITED(status)) {
-      exit_code_ = WEXITSTATUS(status);
-      how = "exited with code " + std::to_string(exit_code_);
+      code = WEXITSTATUS(status);
+      how = "exited with code " + std::to_string(code);
     } else {
       const int sig = WTERMSIG(status);
-      exit_code_ = 128 + sig;
+      code = 128 + sig;
       how = "was killed by signal " + std::to_string(sig) + " (" + signal_name(sig) + ")";
 #ifdef WCOREDUMP
       if (WCOREDUMP(status)) how += ", core dumped";
 #endif
     }
     const std::string what = "rank " + std::to_string(r.rank) + " " + how;
-    rank_failure_ = what;
+    const bool go_on = opt_.elastic && r.rank != 0;
     if (opt_.rank0_only && r.rank != 0) {
       flush_partial(r, r.err);
       if (!r.tail.empty()) {
@@ -616,6 +624,12 @@ void Launcher::reap() {
         r.tail_bytes = 0;
       }
     }
+    if (go_on) {
+      say(what + "; the other ranks go on without it (--elastic)");
+      continue;
+    }
+    exit_code_ = code;
+    rank_failure_ = what;
     stop_all(SIGTERM, what);
   }
 }

@@ -955,6 +955,11 @@ TEST_CASE("wire: a watched connection that closes or goes silent sets its key on
   const auto reader = connect();
   auto v = request(reader, wire::op::get, 0, key, {});
   CHECK(lockstep::string_of(v.value) == first);
+  // ... but each firing is kept under the key and its own text: who is gone.
+  CHECK(lockstep::string_of(request(reader, wire::op::get, 0, key + "/rank 3", {}).value).find("rank 3 left") == 0);
+  CHECK(lockstep::string_of(request(reader, wire::op::get, 0, key + "/rank 2", {}).value) == first);
+  CHECK(request(reader, wire::op::check, 0, {}, lockstep::string_of(wire::encode_key_list({key + "/rank 1"}))).arg ==
+        0);
 
   // set with flag 1 stores only when absent and says which happened.
   const std::string k2 = "once/" + std::to_string(rng());
@@ -994,6 +999,8 @@ TEST_CASE("TcpStore: watch - set_if_absent - unwatch over sockets") {
     b.unwatch();
   }  // both close; only a's watch fires
   CHECK(lockstep::string_of(server.get("dead")).find("rank 1 left") == 0);
+  CHECK(server.check({"dead/rank 1"}));
+  CHECK_FALSE(server.check({"dead/rank 2"}));  // unwatched: a clean leave
   CHECK_FALSE(server.set_if_absent("dead", lockstep::bytes_of("later")));
   CHECK(lockstep::string_of(server.get("dead")).find("rank 1 left") == 0);
   CHECK(server.set_if_absent("fresh", lockstep::bytes_of("x")));

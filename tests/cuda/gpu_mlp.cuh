@@ -123,6 +123,16 @@ class GpuMlp {
     return ps;
   }
   void bind_gradient(std::size_t i, void* p) { grads_[i] = static_cast<float*>(p); }
+  // lockstep::model (d): the gradients back in the model's own storage when DataParallel goes
+  // (an elastic job rebuilds it after a change).
+  void unbind_gradients() {
+    for (std::size_t i = 0; i < grads_.size(); ++i)
+      if (grads_[i] != own_grads_[i])
+        LOCKSTEP_TRY_CUDA(
+            cudaMemcpyAsync(own_grads_[i], grads_[i], sizes_[i] * sizeof(float), cudaMemcpyDeviceToDevice, s_));
+    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s_));  // before lockstep frees its arena
+    grads_ = own_grads_;
+  }
   // Sharded (lockstep::model (e)): the values move into lockstep's arena, copied on the stream.
   void bind_value(std::size_t i, void* p) {
     LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(p, vals_.at(i), sizes_[i] * sizeof(float), cudaMemcpyDeviceToDevice, s_));

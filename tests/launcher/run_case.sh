@@ -355,6 +355,25 @@ restart_limit)
   expect_faster 10000
   ;;
 
+elastic)
+  # --elastic: a rank other than 0 failing leaves the others running, and the job's status is
+  # rank 0's; rank 0 failing stops the others as without it.
+  n=$(rand 3 4) bad=$(rand 1 $((n - 1))) code=$(rand 1 120)
+  mkdir "$WORK/m"
+  run_lr --cpu --nproc $n --grace 5 --elastic "$CHILD" "mark=$WORK/m" "@$bad:await=$WORK/m:$n" "@$bad:exit=$code" \
+    sleep=1 out=done
+  expect_rc 0
+  expect_err "rank $bad exited with code $code; the other ranks go on without it (--elastic)"
+  c=$(grep -c -E '^\[[0-9]+\] done$' "$WORK/out")
+  (( c == n - 1 )) || fail "$c ranks finished, expected $((n - 1))"
+  grep -q -E "^\[$bad\] done\$" "$WORK/out" && fail "rank $bad finished after exiting"
+  rm -rf "$WORK/m" && mkdir "$WORK/m"
+  run_lr --cpu --nproc $n --grace 5 --elastic "$CHILD" "mark=$WORK/m" "@0:await=$WORK/m:$n" "@0:exit=$code" sleep=30
+  expect_rc "$code"
+  expect_err "rank 0 exited with code $code; sending SIGTERM"
+  expect_faster 10000
+  ;;
+
 restart_signal)
   # A job that lockstep-run was told to stop is not restarted; nor one whose time ran out.
   start_lr --cpu --nproc 2 --grace 5 --max-restarts 3 "$CHILD" pid sleep=60

@@ -8,6 +8,8 @@
 
 namespace lockstep {
 
+class elastic_link;  // launch/elastic_link.hpp
+
 template <class Comm>
 class context {
  public:
@@ -24,8 +26,15 @@ class context {
   Comm& comm() noexcept { return comm_; }
   const Comm& comm() const noexcept { return comm_; }
 
+  //! What the launch mode lends an ElasticGroup built on this context (run(Processes):
+  //! the job's store and a watchdog per membership); nullptr where the mode lends nothing
+  //! (the group is then given a store, as with ranks as threads).
+  elastic_link* elastic() const noexcept { return elastic_; }
+  void set_elastic(elastic_link* link) noexcept { elastic_ = link; }
+
  private:
   Comm comm_;
+  elastic_link* elastic_ = nullptr;
   int local_rank_ = 0;
   int device_ = -1;
 };

@@ -65,6 +65,7 @@
 #include "lockstep/cuda/detail/nccl_marker.cuh"
 #include "lockstep/cuda/detail/nccl_order.cuh"
 #include "lockstep/cuda/detail/nccl_peer.cuh"
+#include "lockstep/cuda/detail/nccl_regroup.cuh"
 #include "lockstep/cuda/detail/nccl_state.cuh"
 #include "lockstep/cuda/detail/nccl_symmetric.cuh"
 #include "lockstep/cuda/detail/nccl_window.cuh"
@@ -312,6 +313,16 @@ class NcclComm : private detail::nccl_control {
     live("barrier");  // an abort() while we waited turns into aborted_error here
   }
 
+  //! Returns (on the host) once this rank's queued work — compute and communication — has
+  //! finished; aborted_error if the communicator was aborted before or meanwhile (its
+  //! collectives may then have ended early: ElasticGroup::commit).
+  void synchronize() {
+    state& s = live("synchronize");
+    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s.compute_stream()));
+    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s.comm_stream));
+    live("synchronize");
+  }
+
   //! A communicator over the ranks that pass the same colour (≥ 0), ordered by key (ties: by
   //! rank here), by ncclCommSplit — collective over this group, every rank calls it. The new
   //! one is on the same device and orders on this one's compute stream, also one set later by
@@ -323,6 +334,31 @@ class NcclComm : private detail::nccl_control {
   //! Its first collective connects its peers (NCCL_RUNTIME_CONNECT=1, NCCL's default) inside
   //! the host call, which waits for them there; overdue() names it meanwhile.
   NcclComm split(int color, int key) { return split_with(color, key, nullptr, "split"); }
+
+  //! After ranks failed (lockstep::ElasticGroup, docs/elastic.md): this rank's communicator
+  //! over the job ranks `members` — ascending, this rank's job rank (its rank as launched)
+  //! among them, the same list on every member —, made afresh through the job's store `st`
+  //! (the first member draws the NCCL id: cuda/detail/nccl_regroup.cuh) by ncclCommInitRank,
+  //! which returns once every member joined. `change` numbers the change (the store's keys).
+  //! This communicator is aborted first, never destroyed (a collective of the failed step may
+  //! still wait for a lost peer); the new one takes its compute stream and its tracking of
+  //! collectives, and is a rank's first communicator again (no splits).
+  template <store S>
+  NcclComm regroup(std::uint64_t change, std::span<const int> members, S& st) {
+    if (!s_) throw config_error("NcclComm::regroup: this communicator was moved from");
+    if (s_->parent)
+      throw config_error("NcclComm::regroup: " + s_->who() +
+                         " was split from another; regroup the communicator the job started with");
+    const int place = detail::regroup_place(s_->job_rank, members, change);
+    const int n = static_cast<int>(members.size());
+    abort("regrouped after a change of membership");
+    const ncclComm_t c =
+        n > 1 ? detail::nccl_init_rank(detail::regroup_id(st, change, place), place, n, s_->device) : nullptr;
+    NcclComm next(adopt_tag{}, c, place, n, s_->device);
+    next.s_->job_rank = s_->job_rank;
+    detail::regroup_carry_over(*s_, *next.s_);
+    return next;
+  }
 
 #if LOCKSTEP_NCCL_COPY_ENGINE
   //! The same ranks in a new communicator (a split, so collective) with NCCL's zero-CTA

@@ -42,6 +42,7 @@
 #include "lockstep/launch/detect.hpp"
 #include "lockstep/launch/job_store.hpp"
 #include "lockstep/launch/launch_env.hpp"
+#include "lockstep/launch/membership_watch.hpp"
 #include "lockstep/launch/watchdog.hpp"
 #include "lockstep/store/store.hpp"
 #include "lockstep/store/tcp_store.hpp"
@@ -130,73 +131,82 @@ void run(Processes mode, Body&& body) {
   // its missing heartbeat before a survivor blames its own stuck collective.
   const auto overdue_after = limit + std::chrono::seconds(2);
   // Declared after ctx: it stops (joins its thread) before the communicator is destroyed.
-  std::optional<Watchdog> dog;
-  std::atomic<const Watchdog*> self{nullptr};  // for the poll, once dog is constructed
+  // One watchdog per membership (launch/membership_watch.hpp): an ElasticGroup on ctx
+  // regroups the job after a failure instead of ending it.
+  std::optional<membership_watch<NcclComm>> watch;
   try {
-    dog.emplace(
-        store.host(), store.port(), info.rank, info.world, info.job_token,
-        [&ctx](const std::string& why) { ctx.comm().abort(why); },
-        [&ctx, &self, overdue_after, rank = info.rank]() -> std::optional<std::string> {
+    watch.emplace(
+        store, store.host(), store.port(), info.rank, info.world, info.job_token, ctx.comm(),
+        [overdue_after](NcclComm& comm, const Watchdog& dog) -> std::optional<std::string> {
+          const std::string rank = "rank " + std::to_string(comm.rank());
           // Mismatched collectives first: what follows them (a stuck one) is their effect.
-          if (auto why = ctx.comm().order_failure()) return "rank " + std::to_string(rank) + ": " + *why;
+          if (auto why = comm.order_failure()) return rank + ": " + *why;
           try {
-            ctx.comm().check_async_error();
+            comm.check_async_error();
           } catch (const std::exception& e) {
-            return "rank " + std::to_string(rank) + ": NCCL reported an asynchronous error: " + e.what();
+            return rank + ": NCCL reported an asynchronous error: " + e.what();
           }
           // A peer whose body returned never issues another collective: one of ours still
           // running 2 s after that is waiting for nobody (uneven inputs without a Join).
-          if (const Watchdog* d = self.load(); d != nullptr)
-            if (const auto who = d->departed())
-              if (const auto pending = ctx.comm().overdue(std::chrono::seconds(2)))
-                return *who + " has left the training body; " + *pending +
-                       " — uneven inputs? Every rank must issue the same collectives; with different "
-                       "numbers of batches per rank, use dp.join() (lockstep::Join)";
-          return ctx.comm().overdue(overdue_after);
+          if (const auto who = dog.departed())
+            if (const auto pending = comm.overdue(std::chrono::seconds(2)))
+              return *who + " has left the training body; " + *pending +
+                     " — uneven inputs? Every rank must issue the same collectives; with different "
+                     "numbers of batches per rank, use dp.join() (lockstep::Join)";
+          return comm.overdue(overdue_after);
         },
         watchdog_options{.timeout = limit});
-    self.store(&*dog);
   } catch (...) {  // a communicator whose peers may be waiting must be aborted, not destroyed
     deadline.arm(info.rank, "rank " + std::to_string(info.rank) + " could not start its watchdog");
     ctx.comm().abort("rank " + std::to_string(info.rank) + " could not start its watchdog");
     throw;
   }
+  ctx.set_elastic(&*watch);
+  // Ranks are named by their job rank (as launched), also after a change of membership.
+  const std::string me = "rank " + std::to_string(info.rank);
   try {
     body(ctx);
     LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(ctx.comm().compute_stream()));
     LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(ctx.comm().comm_stream()));
     ctx.comm().verify_order();  // the last collectives' order check, compared now
   } catch (const std::exception& e) {
+    ctx.set_elastic(nullptr);
     // Released by a peer's failure (the watchdog aborted us): that is the cause, not whatever
     // the aborted NCCL or CUDA call said here — every rank ends naming the same one.
-    if (const auto peer = dog->failure()) {
-      std::fprintf(stderr, "lockstep: rank %d stopped: %s (here: %s)\n", info.rank, peer->c_str(), e.what());
+    if (const auto peer = watch->failure()) {
+      std::fprintf(stderr, "lockstep: %s stopped: %s (here: %s)\n", me.c_str(), peer->c_str(), e.what());
       std::fflush(stderr);
       deadline.arm(info.rank, *peer);  // the watchdog thread may be stuck in ncclCommAbort: stop() joins it
       ctx.comm().abort(*peer);
-      dog->stop();
-      throw aborted_error("rank " + std::to_string(info.rank) + " stopped: " + *peer + " (here: " + e.what() + ")");
+      watch->stop();
+      throw aborted_error(me + " stopped: " + *peer + " (here: " + e.what() + ")");
     }
-    std::fprintf(stderr, "lockstep: rank %d failed: %s\n", info.rank, e.what());
+    std::fprintf(stderr, "lockstep: %s failed: %s\n", me.c_str(), e.what());
     std::fflush(stderr);
-    dog->report("rank " + std::to_string(info.rank) + " failed: " + e.what());
-    deadline.arm(info.rank, "rank " + std::to_string(info.rank) + " failed: " + e.what());
-    ctx.comm().abort(std::string("rank ") + std::to_string(info.rank) + " failed");
-    dog->stop();
+    watch->report(me + " failed: " + e.what());
+    deadline.arm(info.rank, me + " failed: " + e.what());
+    ctx.comm().abort(me + " failed");
+    watch->stop();
     throw;
   }
+  ctx.set_elastic(nullptr);
   // This rank issues no more collectives: a peer still waiting in one is told (first one wins).
-  store.set_if_absent(Watchdog::departure_key, bytes_of("rank " + std::to_string(info.rank)));
-  if (const auto why = dog->failure()) deadline.arm(info.rank, *why);  // stop() joins a thread that may be stuck
-  dog->stop();
-  if (auto why = dog->failure()) {  // the body finished, but a peer did not: do not wait for it
+  store.set_if_absent(Watchdog::departure_key, bytes_of(me));
+  if (const auto why = watch->failure()) deadline.arm(info.rank, *why);  // stop() joins a thread that may be stuck
+  watch->stop();
+  if (auto why = watch->failure()) {  // the body finished, but a peer did not: do not wait for it
     deadline.arm(info.rank, *why);
-    throw aborted_error("rank " + std::to_string(info.rank) + " finished, but the job failed: " + *why);
+    throw aborted_error(me + " finished, but the job failed: " + *why);
   }
   // Rank 0 hosts the store: it leaves only after everyone is done with it. A peer's failure
-  // (say, one that waited for this rank after it left) ends the wait at once.
-  final_barrier(store, "lockstep/finished", info.rank, std::chrono::milliseconds(store.timeout()),
-                Watchdog::failure_key);
+  // (say, one that waited for this rank after it left) ends the wait at once. After a change
+  // of membership, everyone is the survivors.
+  if (watch->epoch() == 0)
+    final_barrier(store, "lockstep/finished", info.rank, std::chrono::milliseconds(store.timeout()),
+                  Watchdog::failure_key);
+  else
+    final_barrier_of(store, "lockstep/finished/" + std::to_string(watch->epoch()), info.rank, watch->members(),
+                     std::chrono::milliseconds(store.timeout()), watch->failure_key());
 }
 
 }  // namespace lockstep

@@ -13,8 +13,12 @@
 //! What the step may have done when a peer fails: anything but apply the optimizer on some
 //! ranks and not others — update after finish() returned, as DataParallel's step does (a
 //! failure after every collective of the step completed is found at the next step's first).
-//! Today: CPU ranks as threads (ThreadComm::regroup); NcclComm and MpiComm follow (issue 29).
+//! Ranks as threads (ThreadComm::regroup, a store the ranks share) and one process per GPU
+//! (run(Processes): NcclComm::regroup through the job's store, the context lends the store and
+//! a watchdog per membership: launch/elastic_link.hpp). MpiComm cannot regroup.
 
+#include <concepts>
+#include <cstdint>
 #include <exception>
 #include <functional>
 #include <optional>
@@ -26,77 +30,149 @@
 #include "lockstep/core/context.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/elastic/membership.hpp"
+#include "lockstep/launch/elastic_link.hpp"
 #include "lockstep/store/store.hpp"
+#include "lockstep/store/tcp_store.hpp"
 
 namespace lockstep {
 
-//! A communicator whose survivors can form a smaller one after a failure (ThreadComm).
-template <class C>
-concept regroupable_communicator = communicator<C> && requires(C& c, std::uint64_t change, std::span<const int> m) {
-  { c.regroup(change, m) } -> std::same_as<C>;
-};
+//! A communicator whose survivors can form a smaller one after a failure: by itself
+//! (ThreadComm: regroup(change, members)) or through the job's store (NcclComm:
+//! regroup(change, members, store)).
+template <class C, class S>
+concept regroupable_communicator =
+    communicator<C> && (requires(C& c, std::uint64_t change, std::span<const int> m) {
+      { c.regroup(change, m) } -> std::same_as<C>;
+    } || requires(C& c, std::uint64_t change, std::span<const int> m, S& s) {
+      { c.regroup(change, m, s) } -> std::same_as<C>;
+    });
 
-template <regroupable_communicator Comm, store Store>
+template <class Comm, store Store>
+  requires regroupable_communicator<Comm, Store>
 class ElasticGroup {
  public:
   //! The job's communicator `comm` (its ranks are the job ranks), the job's store.
   ElasticGroup(Comm comm, Store& store, SurvivorOptions o = {})
-      : comm_(std::move(comm)), store_(&store), opt_(o), now_(membership::whole(comm_.size(), comm_.rank())) {}
-  ElasticGroup(context<Comm>& ctx, Store& store, SurvivorOptions o = {}) : ElasticGroup(ctx.comm(), store, o) {}
+      : own_(std::move(comm)), comm_(&*own_), store_(&store), opt_(o),
+        now_(membership::whole(comm_->size(), comm_->rank())) {}
+  ElasticGroup(context<Comm>& ctx, Store& store, SurvivorOptions o = {})
+    requires std::copy_constructible<Comm>
+      : ElasticGroup(ctx.comm(), store, o) {}
+  //! On the context of a launch mode that lends its store and watchdogs (run(Processes)):
+  //! the group regroups the context's communicator in place. config_error on another context.
+  explicit ElasticGroup(context<Comm>& ctx, SurvivorOptions o = {})
+    requires std::same_as<Store, TcpStore>
+      : comm_(&ctx.comm()), store_(&link_of(ctx).store()), link_(ctx.elastic()), opt_(o),
+        now_(membership::whole(comm_->size(), comm_->rank())) {}
+  ElasticGroup(const ElasticGroup&) = delete;
+  ElasticGroup& operator=(const ElasticGroup&) = delete;
 
   //! The communicator of the ranks that go on (a new one after each change).
-  Comm& comm() noexcept { return comm_; }
+  Comm& comm() noexcept { return *comm_; }
   int rank() const noexcept { return now_.rank; }
   int size() const noexcept { return now_.size(); }
   const membership& members() const noexcept { return now_; }
   //! Every change so far, oldest first.
   const std::vector<membership_change>& changes() const noexcept { return changes_; }
+  //! The steps completed: attempt() calls that returned empty, since the start or — after a
+  //! change — since the step the coordinator had completed (membership_change::steps).
+  std::int64_t steps() const noexcept { return steps_; }
+
+  //! Call it in the step between DataParallel's finish() and the optimizer's update. On GPUs
+  //! (NcclComm) it waits until this rank's collectives of the step have completed and throws
+  //! aborted_error if a peer's failure aborted the communicator first: an aborted NCCL
+  //! collective leaves partial sums, which the update must never see. The host waits once a
+  //! step for it. With ranks as threads the collectives already completed: nothing to do.
+  void commit() {
+    if constexpr (requires { comm_->synchronize(); }) comm_->synchronize();
+  }
 
   //! Runs after each change, in the order given, once the new communicator exists: rebuild
   //! what holds the old one (DataParallel), re-partition the data (the sampler).
   void on_change(std::function<void(const membership_change&)> f) { callbacks_.push_back(std::move(f)); }
 
-  //! Runs step(). When it throws aborted_error — a peer failed and this rank's communicator
-  //! was released — the survivors agree on who goes on (agree_on_survivors, naming the ranks
-  //! the communicator knows failed), the communicator is regrouped over them, the on_change
-  //! callbacks run (a failure while they run changes the membership again), and the last
-  //! change is returned: redo the step. Empty when the step completed. Throws aborted_error
-  //! when this rank cannot go on (too few ranks, out of the decision, the coordinator gone);
-  //! any other exception of the step propagates.
+  //! Runs step(). When it fails because a peer failed — aborted_error, or any error while this
+  //! rank's communicator is aborted (an NCCL call the abort interrupted) — the survivors agree
+  //! on who goes on (agree_on_survivors, naming the ranks known gone), the communicator is
+  //! regrouped over them, the on_change callbacks run (a failure while they run changes the
+  //! membership again), and the last change is returned: redo the step. Empty when the step
+  //! completed. Throws aborted_error when this rank cannot go on (too few ranks, out of the
+  //! decision, the coordinator gone, or — processes — the communicator was released but no
+  //! rank is gone: a failure of another kind, named); any other exception of the step
+  //! propagates.
   template <class Step>
   std::optional<membership_change> attempt(Step&& step) {
     try {
       std::forward<Step>(step)();
+      ++steps_;
       return std::nullopt;
-    } catch (const aborted_error&) {
+    } catch (const std::exception& e) {
+      if (!released(e)) throw;
     }
     for (;;) {
       membership_change c = change();
       try {
         for (auto& f : callbacks_) f(c);
         return c;
-      } catch (const aborted_error&) {  // another rank failed while this one rebuilt
+      } catch (const std::exception& e) {  // another rank failed while this one rebuilt
+        if (!released(e)) throw;
       }
     }
   }
 
  private:
+  static elastic_link& link_of(context<Comm>& ctx) {
+    if (ctx.elastic() == nullptr)
+      throw config_error("ElasticGroup: this context lends no store (only run(Processes) does); pass the job's "
+                         "store: ElasticGroup(ctx, store, options)");
+    return *ctx.elastic();
+  }
+
+  bool released(const std::exception& e) const {
+    if (dynamic_cast<const aborted_error*>(&e) != nullptr) return true;
+    if constexpr (requires { comm_->aborted(); }) return comm_->aborted();
+    return false;
+  }
+
   membership_change change() {
+    if (link_) link_->leave();
     auto gone_now = [this] {
-      if constexpr (requires { comm_.failed_ranks(); }) return comm_.failed_ranks();
-      else return std::vector<int>{};
+      std::vector<int> gone;
+      if (link_) gone = link_->gone(now_.epoch, now_.ranks);
+      if constexpr (requires { comm_->failed_ranks(); })
+        for (int r : comm_->failed_ranks()) gone.push_back(r);
+      return gone;
     };
-    membership_change c = agree_on_survivors(*store_, now_, gone_now, opt_);
-    comm_ = comm_.regroup(c.after.epoch, c.after.ranks);
+    membership_change c = agree_on_survivors(*store_, now_, gone_now, opt_, steps_);
+    if (link_ && c.gone.empty())
+      throw aborted_error("rank " + std::to_string(now_.job_rank()) +
+                          ": the communicator was released, but every rank is still there: " + link_failure() +
+                          "; this is not a lost rank, so the job cannot go on without it");
+    if (link_) link_->watch(c.after.epoch, c.after.ranks);
+    if constexpr (requires { comm_->regroup(c.after.epoch, std::span<const int>(c.after.ranks), *store_); })
+      *comm_ = comm_->regroup(c.after.epoch, std::span<const int>(c.after.ranks), *store_);
+    else *comm_ = comm_->regroup(c.after.epoch, std::span<const int>(c.after.ranks));
     now_ = c.after;
+    steps_ = c.steps;
     changes_.push_back(c);
+    // A member lost while the communicator was made: it is aborted already, so the callbacks'
+    // first collective (or the redone step's) fails and the survivors change again.
+    if (link_) (void)link_->adopt();
     return c;
   }
 
-  Comm comm_;
+  std::string link_failure() const {
+    const auto why = link_ ? link_->failure() : std::nullopt;
+    return why ? *why : std::string("no failure was named");
+  }
+
+  std::optional<Comm> own_;  // the communicator, unless it is the context's (regrouped in place)
+  Comm* comm_;
   Store* store_;
+  elastic_link* link_ = nullptr;
   SurvivorOptions opt_;
   membership now_;
+  std::int64_t steps_ = 0;
   std::vector<membership_change> changes_;
   std::vector<std::function<void(const membership_change&)>> callbacks_;
 };
@@ -105,5 +181,7 @@ template <class Comm, class Store>
 ElasticGroup(context<Comm>&, Store&, SurvivorOptions = {}) -> ElasticGroup<Comm, Store>;
 template <class Comm, class Store>
 ElasticGroup(Comm, Store&, SurvivorOptions = {}) -> ElasticGroup<Comm, Store>;
+template <class Comm>
+ElasticGroup(context<Comm>&, SurvivorOptions = {}) -> ElasticGroup<Comm, TcpStore>;
 
 }  // namespace lockstep

@@ -65,6 +65,10 @@ struct membership_change {
   membership before;
   membership after;
   std::vector<int> gone;  //!< job ranks of `before` not in `after`, ascending
+  //! The steps the job completed before the change as the coordinator counted them (the
+  //! `steps` it passed): the survivors go on from there. On GPUs a survivor may count one
+  //! more or one less (ElasticGroup::commit): it follows the coordinator.
+  std::int64_t steps = 0;
   //! How long this rank took to agree (from its call to the decision).
   std::chrono::milliseconds agreement{0};
 };
@@ -82,17 +86,20 @@ inline std::string elastic_key(std::uint64_t epoch, const std::string& what) {
   return "lockstep.elastic/" + std::to_string(epoch) + "/" + what;
 }
 
-inline std::vector<std::byte> encode_ranks(std::span<const int> ranks, std::string_view failure = {}) {
+inline std::vector<std::byte> encode_ranks(std::span<const int> ranks, std::string_view failure = {},
+                                           std::int64_t steps = 0) {
   byte_writer w;
   w.write(static_cast<std::uint64_t>(ranks.size()));
   for (int r : ranks) w.write(static_cast<std::int64_t>(r));
   w.write_string(failure);
+  w.write(steps);
   return std::move(w).release();
 }
 
 struct decoded_ranks {
   std::vector<int> ranks;
   std::string failure;
+  std::int64_t steps = 0;
 };
 inline decoded_ranks decode_ranks(std::span<const std::byte> bytes, const std::string& key) {
   byte_reader r(bytes, "membership record '" + key + "'");
@@ -101,6 +108,7 @@ inline decoded_ranks decode_ranks(std::span<const std::byte> bytes, const std::s
   if (n > bytes.size()) r.fail("names " + std::to_string(n) + " ranks; the record is damaged");
   for (std::uint64_t i = 0; i < n; ++i) out.ranks.push_back(static_cast<int>(r.read<std::int64_t>()));
   out.failure = r.read_string();
+  out.steps = r.read<std::int64_t>();
   return out;
 }
 
@@ -115,7 +123,7 @@ inline std::string rank_list(std::span<const int> ranks) {
 // may fail after the first).
 template <store S, class GoneNow>
 std::vector<std::byte> coordinate(S& st, const membership& now, GoneNow& gone_now, const SurvivorOptions& o,
-                                  std::string& failure) {
+                                  std::int64_t steps, std::string& failure) {
   std::vector<int> gone = gone_now();
   const auto deadline = std::chrono::steady_clock::now() + o.settle;
   std::vector<int> alive{now.job_rank()}, pending;
@@ -142,7 +150,7 @@ std::vector<std::byte> coordinate(S& st, const membership& now, GoneNow& gone_no
   if (static_cast<int>(alive.size()) < o.min_ranks)
     failure = std::to_string(alive.size()) + " rank(s) remain (job ranks " + rank_list(alive) +
               "), fewer than SurvivorOptions::min_ranks = " + std::to_string(o.min_ranks);
-  return encode_ranks(alive, failure);
+  return encode_ranks(alive, failure, steps);
 }
 
 }  // namespace detail
@@ -154,9 +162,12 @@ std::vector<std::byte> coordinate(S& st, const membership& now, GoneNow& gone_no
 //! this process's rank in the smaller group. Throws aborted_error, naming why, when this rank
 //! is not among them, when fewer than o.min_ranks remain, or when the coordinator
 //! (now.ranks[0]) is gone; timeout_error when no decision came within the store's timeout.
+//! `steps`: the steps this rank completed; the coordinator's reach every survivor (`steps` of
+//! the change).
 template <store S, class GoneNow>
   requires std::is_invocable_r_v<std::vector<int>, GoneNow&>
-membership_change agree_on_survivors(S& st, const membership& now, GoneNow gone_now, const SurvivorOptions& o = {}) {
+membership_change agree_on_survivors(S& st, const membership& now, GoneNow gone_now, const SurvivorOptions& o = {},
+                                     std::int64_t steps = 0) {
   if (now.rank < 0 || now.rank >= now.size())
     throw config_error("agree_on_survivors: this rank's place " + std::to_string(now.rank) +
                        " is outside the membership of " + std::to_string(now.size()) + " ranks");
@@ -173,7 +184,7 @@ membership_change agree_on_survivors(S& st, const membership& now, GoneNow gone_
   std::vector<std::byte> decision;
   if (now.job_rank() == coordinator) {
     std::string failure;
-    decision = detail::coordinate(st, now, gone_now, o, failure);
+    decision = detail::coordinate(st, now, gone_now, o, steps, failure);
     st.set(decision_key, decision);
   } else {
     st.set(detail::elastic_key(now.epoch, "alive/" + std::to_string(now.job_rank())), detail::encode_ranks(known_gone));
@@ -195,6 +206,7 @@ membership_change agree_on_survivors(S& st, const membership& now, GoneNow gone_
     throw aborted_error(who + " reported after the survivors were decided (job ranks " + detail::rank_list(got.ranks) +
                         " go on without it); it is out of the job and may join again as a new rank");
   c.after.rank = static_cast<int>(me - got.ranks.begin());
+  c.steps = got.steps;
   for (int r : now.ranks)
     if (std::find(got.ranks.begin(), got.ranks.end(), r) == got.ranks.end()) c.gone.push_back(r);
   c.agreement = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);

@@ -58,6 +58,9 @@ struct watchdog_options {
   //! After a failure, how long the main thread has to return before the process is ended
   //! (exit status 1). 0: never end it.
   std::chrono::milliseconds grace = std::chrono::seconds(5);
+  //! The key watched and reported to (failure_key; an elastic job one per membership, whose
+  //! "<key>/rank R" then says which ranks are gone: store/detail/wire.hpp).
+  std::string key = "lockstep/failed";
 };
 
 class Watchdog {
@@ -84,7 +87,7 @@ class Watchdog {
     // rank 0 is noticed within `timeout`, like any other stopped rank.
     store_ = std::make_unique<TcpStore>(host_, port_, false, world_, token_,
                                         std::max(opt_.timeout / 2, std::chrono::milliseconds(1)));
-    store_->watch(failure_key, "rank " + std::to_string(rank), opt_.timeout);
+    store_->watch(opt_.key, "rank " + std::to_string(rank), opt_.timeout);
     thread_ = std::thread([this] { loop(); });
   }
 
@@ -100,7 +103,7 @@ class Watchdog {
     if (failure()) return;
     try {
       TcpStore once(host_, port_, false, world_, token_, std::chrono::seconds(2));
-      once.set_if_absent(failure_key, bytes_of(what));
+      once.set_if_absent(opt_.key, bytes_of(what));
     } catch (const std::exception& e) {
       std::fprintf(stderr, "lockstep: rank %d could not report its failure (%s): %s\n", rank_, what.c_str(), e.what());
     }
@@ -109,29 +112,12 @@ class Watchdog {
   //! Stops the thread. After no failure this is a clean leave (the watch is withdrawn, so
   //! closing the connection is not taken for a death). Idempotent; never throws. Called
   //! from on_failure it only asks the thread to end (the destructor joins it).
-  void stop() noexcept {
-    {
-      std::lock_guard lk(m_);
-      stopping_ = true;
-    }
-    cv_.notify_all();
-    if (std::this_thread::get_id() == thread_.get_id()) return;
-    if (thread_.joinable()) thread_.join();
-    if (reaper_.joinable()) reaper_.join();
-    std::lock_guard lk(store_m_);
-    if (!store_) return;
-    if (failure()) {
-      // Rank 0's process hosts the store: keep it up a little longer, so every rank reads the
-      // cause at its next heartbeat instead of seeing only "rank 0 left".
-      if (rank_ == 0) std::this_thread::sleep_for(std::max(2 * opt_.period, std::chrono::milliseconds(500)));
-    } else {
-      try {
-        store_->unwatch();
-      } catch (...) {  // the store is gone: nobody is left to mistake our leave for a death
-      }
-    }
-    store_.reset();
-  }
+  void stop() noexcept { end(false); }
+
+  //! Stops the thread and withdraws the watch even after a failure: this rank goes on (in a
+  //! smaller membership of an elastic job, under a watchdog of its own), so closing this
+  //! connection must not report it gone. Idempotent; never throws; not from on_failure.
+  void retire() noexcept { end(true); }
 
   //! The first failure seen, if any.
   std::optional<std::string> failure() const {
@@ -147,6 +133,30 @@ class Watchdog {
   }
 
  private:
+  void end(bool going_on) noexcept {
+    {
+      std::lock_guard lk(m_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    if (std::this_thread::get_id() == thread_.get_id()) return;
+    if (thread_.joinable()) thread_.join();
+    if (reaper_.joinable()) reaper_.join();
+    std::lock_guard lk(store_m_);
+    if (!store_) return;
+    if (failure() && !going_on) {
+      // Rank 0's process hosts the store: keep it up a little longer, so every rank reads the
+      // cause at its next heartbeat instead of seeing only "rank 0 left".
+      if (rank_ == 0) std::this_thread::sleep_for(std::max(2 * opt_.period, std::chrono::milliseconds(500)));
+    } else {
+      try {
+        store_->unwatch();
+      } catch (...) {  // the store is gone: nobody is left to mistake our leave for a death
+      }
+    }
+    store_.reset();
+  }
+
   void loop() noexcept {
     std::unique_lock lk(m_);
     while (!stopping_) {
@@ -200,7 +210,7 @@ class Watchdog {
     {
       std::lock_guard lk(store_m_);
       try {
-        if (store_->check({failure_key})) return string_of(store_->get(failure_key));
+        if (store_->check({opt_.key})) return string_of(store_->get(opt_.key));
         if (!departed() && store_->check({departure_key})) {
           auto who = string_of(store_->get(departure_key));
           std::lock_guard lk(m_);

@@ -268,6 +268,24 @@ void final_barrier(S& s, std::string_view name, int rank, std::chrono::milliseco
   for (int r = 1; r < s.world(); ++r) keys.push_back(base + std::to_string(r));
   if (!keys.empty()) detail::wait_unless(s, keys, timeout, abort_key);
 }
+//! The same over some ranks of the job only (`members`: job ranks, rank 0 among them as it
+//! hosts the store; an elastic job's survivors): each member but rank 0 says it has passed,
+//! and rank 0 returns once all have (bounded by `timeout`).
+template <store S>
+void final_barrier_of(S& s, std::string_view name, int rank, std::span<const int> members,
+                      std::chrono::milliseconds timeout, std::string_view abort_key = {}) {
+  const std::string base = "lockstep/barrier/" + std::string(name) + "/passed/";
+  if (rank != 0) {
+    static constexpr std::byte one[1] = {std::byte{1}};
+    s.set(base + std::to_string(rank), one);
+    return;
+  }
+  std::vector<std::string> keys;
+  for (int r : members)
+    if (r != 0) keys.push_back(base + std::to_string(r));
+  if (!keys.empty()) detail::wait_unless(s, keys, timeout, abort_key);
+}
+
 template <store S>
 void final_barrier(S& s, std::string_view name, int rank) {
   final_barrier(s, name, rank, std::chrono::milliseconds(s.timeout()));

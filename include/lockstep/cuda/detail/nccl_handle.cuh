@@ -39,6 +39,7 @@ class nccl_handle {
     state& s = *s_;  // from here on s_ owns c: a throw destroys it with the rest
     s.comm = c;
     s.rank = rank;
+    s.job_rank = rank;
     s.size = world;
     s.device = device;
     s.parent = parent;

@@ -98,6 +98,8 @@ struct nccl_state {
   int rank = 0;
   int size = 0;
   int device = 0;
+  //! The rank as launched (rank here until regroup() makes a smaller group of the job).
+  int job_rank = 0;
   cudaStream_t comm_stream = nullptr;
   cudaStream_t own_compute = nullptr;
   cudaStream_t compute = nullptr;  // unused while follows_parent

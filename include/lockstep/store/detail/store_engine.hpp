@@ -355,15 +355,18 @@ class store_engine {
     }
   }
 
-  //! A watched connection died or went silent: set its key, unless a failure is there already.
+  //! A watched connection died or went silent: set its key, unless a failure is there already,
+  //! and "<key>/<who>" in any case (which of several connections fired: wire.hpp).
   void fire(conn& c, const std::string& what) {
     c.watched = false;
     const std::string text = c.watch_who + " " + what;
     log_.push_back(text);
-    if (values_.find(c.watch_key) != values_.end()) return;
     const auto* p = reinterpret_cast<const std::byte*>(text.data());
-    if (!put_value(c.watch_key, std::vector<std::byte>(p, p + text.size())))
-      log_.push_back("could not record it under " + printable_key(c.watch_key) + ": the store is full");
+    for (const std::string& key : {c.watch_key + "/" + c.watch_who, c.watch_key}) {
+      if (key == c.watch_key && values_.find(key) != values_.end()) continue;
+      if (!put_value(key, std::vector<std::byte>(p, p + text.size())))
+        log_.push_back("could not record it under " + printable_key(key) + ": the store is full");
+    }
   }
 
   //! Stores (or replaces) a value within max_total_bytes and wakes its waiters; false, with

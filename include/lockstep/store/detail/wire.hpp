@@ -30,7 +30,9 @@
 //! closes without an `unwatch` first — the process died — or, when a heartbeat limit was
 //! given, when no request arrived on it for that long — the process is stopped or hung (a
 //! request parked on the server does not count as a heartbeat).
-//! The value is the watch's own text (e.g. "rank 3") followed by what happened.
+//! The value is the watch's own text (e.g. "rank 3") followed by what happened. The same value
+//! goes under "<key>/<text>" (e.g. "lockstep/failed/rank 3") whether or not the key was set
+//! already: who of several watchers sharing a key is gone (elastic jobs ask, elastic/).
 
 #include <algorithm>
 #include <array>

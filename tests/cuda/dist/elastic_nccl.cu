@@ -1,0 +1,248 @@
+// A job that loses ranks and goes on (issue 29, docs/elastic.md): one process per GPU under
+// `lockstep-run --elastic`, an ElasticGroup on run(Processes)'s context. The ranks of --kill
+// (default: the last) SIGKILL themselves at step --at (default 3), in --phase:
+//   forward   before the step's first kernel;
+//   backward  once the step's second gradient is ready (bucket all-reduces in flight);
+//   update    after finish() and ElasticGroup::commit(): the others complete the step first.
+// The survivors agree, make a smaller NcclComm through the job's store, rebuild DataParallel
+// (rank 0's parameters broadcast), keep the per-rank batch and redo the interrupted step over
+// the rest of the data. Each survivor checks: one change, the killed ranks gone, the step the
+// change came at, its parameters against a CPU run that switched rank counts there (fp32, rel.
+// diff <= 1e-5), and every survivor's parameters identical; rank 0 prints PASS or FAIL for all.
+// Each prints the time from the (first) kill to its next applied step ("recovered in").
+// Inputs are random, drawn by rank 0 for each run. "[lockstep-skip]" with too few GPUs.
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <optional>
+#include <random>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <lockstep/cuda/run_processes.cuh>
+#include <lockstep/elastic/elastic_group.hpp>
+#include <lockstep/lockstep.hpp>
+#include <lockstep/parallel/data_parallel.hpp>
+
+#include "gpu_mlp.cuh"
+#include "mlp.hpp"
+#include "test_util.hpp"
+
+using namespace lockstep_test;
+using clk = std::chrono::steady_clock;  // CLOCK_MONOTONIC: one clock for every process of the host
+
+namespace {
+
+std::string kill_stamp_path() {
+  const char* token = std::getenv("LOCKSTEP_JOB_TOKEN");
+  const char* tmp = std::getenv("TMPDIR");
+  return std::string(tmp && *tmp ? tmp : "/tmp") + "/lockstep_elastic_kill_" + (token ? token : "none");
+}
+
+[[noreturn]] void die_now(int rank, const char* phase) {
+  std::printf("rank %d: killing itself (%s)\n", rank, phase);
+  std::fflush(stdout);
+  {
+    std::ofstream(kill_stamp_path(), std::ios::trunc) << clk::now().time_since_epoch().count();
+  }
+  ::raise(SIGKILL);
+  std::abort();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    std::string phase = "backward";
+    int at = 3, steps = 8;
+    std::set<int> victims;
+    for (int i = 1; i < argc; ++i) {
+      const std::string a = argv[i];
+      const bool has = i + 1 < argc;
+      if (a == "--phase" && has) phase = argv[++i];
+      else if (a == "--at" && has) at = std::atoi(argv[++i]);
+      else if (a == "--steps" && has) steps = std::atoi(argv[++i]);
+      else if (a == "--kill" && has) {
+        std::stringstream list(argv[++i]);
+        for (std::string r; std::getline(list, r, ',');) victims.insert(std::atoi(r.c_str()));
+      } else {
+        std::fprintf(stderr,
+                     "elastic_nccl: unknown option '%s' (--phase forward|backward|update, --at K, --steps S, "
+                     "--kill R[,R...])\n",
+                     a.c_str());
+        return 2;
+      }
+    }
+    if (phase != "forward" && phase != "backward" && phase != "update") {
+      std::fprintf(stderr, "elastic_nccl: --phase is forward, backward or update, not '%s'\n", phase.c_str());
+      return 2;
+    }
+    const auto info = lockstep::detect_launcher();
+    if (!info) {
+      std::fprintf(stderr, "elastic_nccl: start me with lockstep-run --elastic\n");
+      return 2;
+    }
+    int visible = 0;
+    if (cudaGetDeviceCount(&visible) != cudaSuccess || visible < info->local_world) {
+      std::printf("[lockstep-skip] needs %d GPUs, found %d\n", info->local_world, visible);
+      return 0;
+    }
+    if (victims.empty()) victims.insert(info->world - 1);
+    if (victims.count(0) || *victims.rbegin() >= info->world || at < 0 || at >= steps) {
+      std::fprintf(stderr, "elastic_nccl: --kill names ranks 1..%d (rank 0 hosts the store), --at a step < --steps\n",
+                   info->world - 1);
+      return 2;
+    }
+    const std::vector<int> dims{37, 64, 33, 10};
+    const std::size_t samples = 1999;
+    const int batch = 16;
+    const float lr = 0.1f;
+    int failures = 0;
+    lockstep::run(lockstep::Processes{}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
+      const int job_rank = ctx.rank(), world0 = ctx.size();
+      // A fresh seed each run, rank 0's.
+      std::vector<double> drawn{job_rank == 0 ? static_cast<double>(std::random_device{}() % (1u << 30)) : 0.0};
+      lockstep::all_reduce_scalars(ctx.comm(), std::span<double>(drawn), lockstep::reduce_op::max);
+      const auto seed = static_cast<std::uint64_t>(drawn[0]);
+      if (job_rank == 0) std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+      std::mt19937_64 rng(seed);
+      const auto X = random_vector<float>(samples * dims[0], rng, -2, 2);
+      std::vector<int> y(samples);
+      std::uniform_int_distribution<int> lab(0, 9);
+      for (auto& v : y) v = lab(rng);
+
+      cudaStream_t st = ctx.comm().compute_stream();
+      // Each rank starts elsewhere: DataParallel broadcasts rank 0's, also when rebuilt.
+      TestMlp<float> init(dims, seed + 1 + static_cast<std::uint64_t>(job_rank) * 7919);
+      std::vector<std::vector<float>> values;
+      for (auto& p : init.parameters()) {
+        auto v = p.value_as<float>();
+        values.emplace_back(v.begin(), v.end());
+      }
+      GpuMlp m(dims, values, st);
+      float* dX = nullptr;
+      int *dy = nullptr, *drows = nullptr;
+      LOCKSTEP_TRY_CUDA(cudaMalloc(&dX, X.size() * sizeof(float)));
+      LOCKSTEP_TRY_CUDA(cudaMalloc(&dy, y.size() * sizeof(int)));
+      LOCKSTEP_TRY_CUDA(cudaMalloc(&drows, batch * sizeof(int)));
+      LOCKSTEP_TRY_CUDA(cudaMemcpy(dX, X.data(), X.size() * sizeof(float), cudaMemcpyHostToDevice));
+      LOCKSTEP_TRY_CUDA(cudaMemcpy(dy, y.data(), y.size() * sizeof(int), cudaMemcpyHostToDevice));
+
+      lockstep::ElasticGroup group(ctx, {.min_ranks = 1});
+      using DP = lockstep::DataParallel<GpuMlp, lockstep::NcclComm>;
+      const lockstep::DataParallelOptions opts{.buckets = {.first_bytes = 2000, .cap_bytes = 6000}};
+      std::optional<DP> dp(std::in_place, group.comm(), m, opts);
+      group.on_change([&](const lockstep::membership_change&) {
+        dp.reset();  // the model takes its gradients back
+        dp.emplace(group.comm(), m, opts);
+      });
+      std::vector<int> worlds;  // the group's size at each applied step
+      std::optional<clk::time_point> changed_at;
+      double recovered_s = -1;
+      bool died = false;
+      while (group.steps() < steps) {
+        const auto s = static_cast<std::size_t>(group.steps());
+        worlds.resize(s);  // after a change: the coordinator's count
+        std::size_t pos = 0;
+        for (int w : worlds) pos += static_cast<std::size_t>(w * batch);
+        std::vector<int> rows(static_cast<std::size_t>(batch));
+        for (int i = 0; i < batch; ++i)
+          rows[static_cast<std::size_t>(i)] =
+              static_cast<int>((pos + static_cast<std::size_t>(group.rank() * batch + i)) % samples);
+        LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(drows, rows.data(), rows.size() * sizeof(int), cudaMemcpyHostToDevice, st));
+        LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(st));
+        const bool die = victims.count(job_rank) && static_cast<int>(s) == at && !died;
+        const auto change = group.attempt([&] {
+          if (die && phase == "forward") die_now(job_rank, "forward");
+          auto step = dp->step();
+          auto ready = step.on_gradient_ready();
+          int seen = 0;
+          m.forward_backward(dX, dy, drows, batch, [&](std::size_t i) {
+            ready(i);
+            if (die && phase == "backward" && ++seen == 2) die_now(job_rank, "backward");
+          });
+          if (step.finish()) {
+            group.commit();
+            if (die && phase == "update") die_now(job_rank, "update");
+            m.sgd(lr);
+          }
+        });
+        if (change) {
+          if (!changed_at) changed_at = clk::now();
+          std::printf("rank %d: change %llu at step %lld: %d -> %d ranks, agreed in %lld ms\n", job_rank,
+                      static_cast<unsigned long long>(change->after.epoch), static_cast<long long>(change->steps),
+                      change->before.size(), change->after.size(), static_cast<long long>(change->agreement.count()));
+          continue;
+        }
+        worlds.push_back(group.size());
+        if (changed_at && recovered_s < 0) {
+          LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(st));
+          long long killed = 0;
+          std::ifstream(kill_stamp_path()) >> killed;
+          const auto now = clk::now();
+          recovered_s = std::chrono::duration<double>(now.time_since_epoch() - clk::duration(killed)).count();
+          std::printf("rank %d: recovered in %.3f s (the kill to its next applied step; the change took %.3f s)\n",
+                      job_rank, recovered_s, std::chrono::duration<double>(now - *changed_at).count());
+        }
+      }
+      LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(st));
+      // What the survivors must have seen.
+      const int expect_switch = phase == "update" ? at + 1 : at;
+      std::vector<int> expect_worlds(static_cast<std::size_t>(steps), world0 - static_cast<int>(victims.size()));
+      for (int s = 0; s < expect_switch && s < steps; ++s) expect_worlds[static_cast<std::size_t>(s)] = world0;
+      const auto& changes = group.changes();
+      const std::vector<int> gone(victims.begin(), victims.end());
+      if (changes.size() != 1 || changes[0].gone != gone || worlds != expect_worlds) {
+        std::printf("rank %d: FAIL: %zu change(s), the first at step %lld with %zu gone; expected one at step %d with "
+                    "ranks %s gone\n",
+                    job_rank, changes.size(), static_cast<long long>(changes.empty() ? -1 : changes[0].steps),
+                    changes.empty() ? 0 : changes[0].gone.size(), expect_switch,
+                    lockstep::detail::rank_list(gone).c_str());
+        ++failures;
+      }
+      // The CPU reference: rank 0's start, each step the mean gradient over the rows the
+      // group's ranks took together.
+      TestMlp<float> ref(dims, seed + 1);
+      std::size_t pos = 0;
+      for (int w : worlds) {
+        ref.zero_grad();
+        std::vector<std::size_t> rows(static_cast<std::size_t>(w * batch));
+        for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = (pos + i) % samples;
+        pos += rows.size();
+        ref.forward_backward(X, y, rows, [](std::size_t) {});
+        ref.sgd(lr);
+      }
+      const auto got = m.flat_values();
+      const double err = max_rel_diff(got, ref.flat_values());
+      double sum = 0;
+      for (float v : got) sum += static_cast<double>(v) * 1.000001;
+      std::vector<double> mx{sum}, mn{-sum}, failed{static_cast<double>(failures)};
+      lockstep::all_reduce_scalars(group.comm(), std::span<double>(mx), lockstep::reduce_op::max);
+      lockstep::all_reduce_scalars(group.comm(), std::span<double>(mn), lockstep::reduce_op::max);
+      const bool same = mx[0] == -mn[0];
+      std::printf("rank %d (now %d of %d): rel. diff to the CPU reference %.3g, survivors identical: %s\n", job_rank,
+                  group.rank(), group.size(), err, same ? "yes" : "NO");
+      if (!(err <= 1e-5) || !same) ++failures;
+      failed[0] = failures;
+      lockstep::all_reduce_scalars(group.comm(), std::span<double>(failed), lockstep::reduce_op::sum);
+      failures = static_cast<int>(failed[0]);
+      cudaFree(dX);
+      cudaFree(dy);
+      cudaFree(drows);
+    });
+    if (info->rank == 0) {
+      std::remove(kill_stamp_path().c_str());
+      std::printf("%s\n", failures ? "FAIL" : "PASS");
+    }
+    return failures ? 1 : 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "elastic_nccl: %s\n", e.what());
+    return 1;
+  }
+}
