@@ -34,6 +34,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 extern char** environ;
@@ -70,15 +71,17 @@ options:
                       the program resumes from its own last checkpoint. Not restarted: a job
                       stopped by a signal to lockstep-run or by --timeout.
   --elastic           a rank other than 0 that fails does not stop the others: they may go on
-                      without it (lockstep::ElasticGroup, docs/elastic.md). The job's status is
-                      then rank 0's (it hosts the store: its loss stops the job as without
-                      --elastic, and --max-restarts restarts it).
+                      without it (lockstep::ElasticGroup, docs/elastic.md), and with
+                      --max-restarts N up to N replacements are started, each with the failed
+                      rank's number and LOCKSTEP_ELASTIC_JOIN=1, to join the running job. The
+                      job's status is rank 0's: it hosts the store, so its loss stops the job as
+                      without --elastic (and --max-restarts then restarts the whole job).
   -h, --help          show this help.
 
 Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT,
 and LOCKSTEP_RANK, LOCKSTEP_LOCAL_RANK, LOCKSTEP_WORLD_SIZE, LOCKSTEP_LOCAL_WORLD_SIZE,
 LOCKSTEP_MASTER_ADDR, LOCKSTEP_MASTER_PORT, LOCKSTEP_JOB_TOKEN, LOCKSTEP_LAUNCHER=lockstep-run;
-LOCKSTEP_RESTART_COUNT; the rest of the environment (NCCL_NVLS_ENABLE included) is passed on
+LOCKSTEP_RESTART_COUNT (and LOCKSTEP_ELASTIC_JOIN=1 for an --elastic replacement); the rest of the environment (NCCL_NVLS_ENABLE included) is passed on
 unchanged. The job token is drawn afresh (16 random bytes) for every launch and is the run's id:
 lockstep's store refuses a process of an earlier launch that still reaches the same --master-port.
 Output lines are prefixed "[RANK] " (stdout to stdout, stderr to stderr).
@@ -444,8 +447,16 @@ class Launcher {
   void stop_all(int sig, const std::string& why);
   void signal_unreaped(int sig);
   std::string still_running() const;
+  void start_replacements(int stdin_fd);
 
   Options opt_;
+  int world_ = 0;
+  // What a replacement (--elastic --max-restarts) is started with, as the first launch was.
+  std::string path_;
+  std::vector<std::string> base_env_;
+  const sigset_t* mask_ = nullptr;
+  std::vector<int> to_replace_;  // ranks that failed under --elastic and are to be started again
+  int replaced_ = 0;
   int restart_ = 0;
   clock_type::time_point began_;
   std::string rank_failure_;
@@ -625,7 +636,15 @@ void Launcher::reap() {
       }
     }
     if (go_on) {
-      say(what + "; the other ranks go on without it (--elastic)");
+      const bool replace = replaced_ < opt_.max_restarts;
+      say(what + "; the other ranks go on without it (--elastic)" +
+          (replace ? ", and a replacement joins them (restart " + std::to_string(replaced_ + 1) + " of " +
+                         std::to_string(opt_.max_restarts) + ")"
+                   : std::string()));
+      if (replace) {
+        ++replaced_;
+        to_replace_.push_back(r.rank);
+      }
       continue;
     }
     exit_code_ = code;
@@ -643,8 +662,7 @@ bool Launcher::start_rank(Rank& r, const std::string& path, const std::vector<st
     ::close(out[1]);
     return false;
   }
-  const int n = static_cast<int>(ranks_.size());
-  const std::string rank = std::to_string(r.rank), size = std::to_string(n);
+  const std::string rank = std::to_string(r.rank), size = std::to_string(world_);
   std::vector<std::string> env = base_env;
   for (const char* name : {"RANK", "LOCAL_RANK", "LOCKSTEP_RANK", "LOCKSTEP_LOCAL_RANK"})
     env.push_back(std::string(name) + "=" + rank);
@@ -708,6 +726,28 @@ bool Launcher::start_rank(Rank& r, const std::string& path, const std::vector<st
   return true;
 }
 
+// --elastic --max-restarts: a failed rank's replacement, with the same rank and the launch's
+// environment, told to join the running job (LOCKSTEP_ELASTIC_JOIN=1) as restart k.
+void Launcher::start_replacements(int stdin_fd) {
+  for (int rank : std::exchange(to_replace_, {})) {
+    std::vector<std::string> env;
+    for (const auto& kv : base_env_)
+      if (kv.rfind("LOCKSTEP_RESTART_COUNT=", 0) != 0) env.push_back(kv);
+    env.push_back("LOCKSTEP_RESTART_COUNT=" + std::to_string(restart_ + replaced_));
+    env.push_back("LOCKSTEP_ELASTIC_JOIN=1");
+    ranks_.emplace_back();  // reserved: the references into ranks_ stay valid
+    Rank& r = ranks_.back();
+    r.rank = rank;
+    if (!start_rank(r, path_, env, *mask_, stdin_fd)) {
+      r.reaped = true;
+      say("cannot start a replacement for rank " + std::to_string(rank) + ": " + std::strerror(errno));
+    } else {
+      say("started a replacement for rank " + std::to_string(rank) + " (pid " + std::to_string(r.pid) +
+          ", LOCKSTEP_ELASTIC_JOIN=1)");
+    }
+  }
+}
+
 int Launcher::run() {
   // --- what to run, how many, where -------------------------------------------------------
   auto path = resolve_program(opt_.command[0]);
@@ -753,7 +793,8 @@ int Launcher::run() {
                                                         "LOCKSTEP_MASTER_PORT",
                                                         "LOCKSTEP_JOB_TOKEN",
                                                         "LOCKSTEP_LAUNCHER",
-                                                        "LOCKSTEP_RESTART_COUNT"};
+                                                        "LOCKSTEP_RESTART_COUNT",
+                                                        "LOCKSTEP_ELASTIC_JOIN"};
   std::vector<std::string> base_env;
   for (char** e = environ; e && *e; ++e) {
     std::string_view kv = *e;
@@ -806,6 +847,11 @@ int Launcher::run() {
   ::sigprocmask(SIG_UNBLOCK, &handled, nullptr);
 
   // --- start ---------------------------------------------------------------------------------
+  world_ = n;
+  path_ = *path;
+  base_env_ = base_env;
+  mask_ = &original_mask;
+  ranks_.reserve(static_cast<std::size_t>(n) + static_cast<std::size_t>(opt_.elastic ? opt_.max_restarts : 0));
   ranks_.resize(static_cast<std::size_t>(n));
   for (int i = 0; i < n; ++i) ranks_[static_cast<std::size_t>(i)].rank = i;
   for (auto& r : ranks_) {
@@ -818,7 +864,6 @@ int Launcher::run() {
       break;
     }
   }
-  if (devnull >= 0) ::close(devnull);
 
   // --- supervise: until every rank has been reaped (not until EOF: a rank may close its
   // output and go on running, or leave a helper holding the pipes) ---------------------------
@@ -871,6 +916,7 @@ int Launcher::run() {
       }
     }
     reap();
+    if (!stopping_) start_replacements(devnull);
     const auto now = clock_type::now();
     if (!stopping_ && has_deadline && now >= deadline) {
       exit_code_ = 124;
@@ -892,6 +938,7 @@ int Launcher::run() {
       flush_partial(r, *s);
     }
   }
+  if (devnull >= 0) ::close(devnull);
   g_wake_write = -1;
   ::close(wake[0]);
   ::close(wake[1]);

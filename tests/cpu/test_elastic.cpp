@@ -9,6 +9,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <map>
@@ -22,6 +23,9 @@
 
 #include <lockstep/lockstep.hpp>
 
+#include "lockstep/launch/elastic_join.hpp"
+#include "lockstep/launch/elastic_link.hpp"
+#include "lockstep/launch/watchdog.hpp"
 #include "lockstep/store/tcp_store.hpp"
 #include "mlp.hpp"
 #include "test_util.hpp"
@@ -717,3 +721,105 @@ TEST_CASE("going on with fewer ranks: the same global batch by more micro-steps 
   CHECK(lockstep::lr_for_rank_change(0.3, change(4, 3)) == doctest::Approx(0.225));
 }
 }  // TEST_SUITE
+
+// ---- growing back and run(Processes)'s parts, on CPU ---------------------------------------
+
+TEST_CASE("growing back: joiners ask - the coordinator admits them at a step boundary - members and joiners read "
+          "one membership") {
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
+  const int world = 4 + static_cast<int>(rng() % 4);
+  lockstep::HashStore store(world);
+  // Members: rank 0 and a random part of the others (epoch 3); the rest may join.
+  std::vector<int> members{0}, outside;
+  for (int r = 1; r < world; ++r) (rng() % 2 ? members : outside).push_back(r);
+  if (outside.empty()) outside.push_back(members.back()), members.pop_back();
+  const auto steps = static_cast<std::int64_t>(rng() % 1000);
+  // Each outsider asks once; one member's job rank asks too (refused), and one outsider twice.
+  std::vector<int> asks(outside);
+  const int member_asking = members[rng() % members.size()];
+  const int twice = outside[rng() % outside.size()];
+  asks.push_back(member_asking);
+  asks.push_back(twice);
+  std::shuffle(asks.begin(), asks.end(), rng);
+  std::map<std::int64_t, int> request_of;  // request number → job rank
+  for (int r : asks) request_of[lockstep::request_join(store, r)] = r;
+  CHECK(lockstep::joins_requested(store) == static_cast<std::int64_t>(asks.size()));
+  std::int64_t next = 1;
+  const lockstep::growth g = lockstep::admit(store, 4, members, next, steps, next);
+  CHECK(next == static_cast<std::int64_t>(asks.size()) + 1);
+  std::vector<int> expected = members;
+  expected.insert(expected.end(), outside.begin(), outside.end());
+  std::sort(expected.begin(), expected.end());
+  CHECK(g.epoch == 4);
+  CHECK(g.ranks == expected);
+  CHECK(g.joined == std::vector<int>([&] {
+          auto o = outside;
+          std::sort(o.begin(), o.end());
+          return o;
+        }()));
+  CHECK(g.steps == steps);
+  const auto read = lockstep::read_growth(store, 4);
+  CHECK(read.ranks == g.ranks);
+  CHECK(read.joined == g.joined);
+  CHECK(read.steps == steps);
+  // Each request is answered: the first of each outsider admitted, a member's and a second
+  // request refused by name.
+  std::set<int> admitted;
+  for (const auto& [n, r] : request_of) {
+    CAPTURE(n);
+    CAPTURE(r);
+    if (r == member_asking) {
+      CHECK_THROWS_WITH_AS(lockstep::await_admission(store, n, r, 1s), doctest::Contains("a member of the running job"),
+                           lockstep::aborted_error);
+    } else if (admitted.count(r)) {
+      CHECK_THROWS_WITH_AS(lockstep::await_admission(store, n, r, 1s),
+                           doctest::Contains("joining by an earlier request"), lockstep::aborted_error);
+    } else {
+      const auto got = lockstep::await_admission(store, n, r, 1s);
+      CHECK(got.ranks == g.ranks);
+      CHECK(got.steps == steps);
+      admitted.insert(r);
+    }
+  }
+  // A request nobody admits times out by name.
+  const auto late = lockstep::request_join(store, outside.front());
+  CHECK_THROWS_WITH_AS(lockstep::await_admission(store, late, outside.front(), 50ms),
+                       doctest::Contains("was not admitted within"), lockstep::timeout_error);
+}
+
+TEST_CASE("an ElasticGroup on a context that lends no store is refused by name") {
+  lockstep::run(lockstep::Threads{2}, [&](lockstep::context<lockstep::ThreadComm>& ctx) {
+    CHECK_THROWS_WITH_AS(lockstep::ElasticGroup(ctx, SurvivorOptions{}), doctest::Contains("lends no store"),
+                         lockstep::config_error);
+  });
+}
+
+TEST_CASE("watchdogs of one membership: the store names each rank gone - a retired one is not - a new key is "
+          "apart") {
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
+  const int world = 3;
+  const std::string token = "watch-" + std::to_string(rng());
+  lockstep::TcpStore server("127.0.0.1", 0, true, world, token, 10s);
+  const std::string key = lockstep::membership_failure_key(1 + rng() % 9);
+  CHECK(lockstep::membership_failure_key(0) == lockstep::Watchdog::failure_key);
+  const lockstep::watchdog_options o{.timeout = 5s, .period = 20ms, .grace = 0ms, .key = key};
+  std::atomic<int> fired{0};
+  auto make = [&](int r) {
+    return std::make_unique<lockstep::Watchdog>(
+        "127.0.0.1", server.port(), r, world, token, [&](const std::string&) { ++fired; },
+        lockstep::Watchdog::poll_fn{}, o);
+  };
+  auto one = make(1), two = make(2);
+  one->report("rank 1 failed: a test");  // both see the failure under this membership's key
+  for (int i = 0; i < 200 && fired < 2; ++i) std::this_thread::sleep_for(10ms);
+  CHECK(fired == 2);
+  CHECK(lockstep::string_of(server.get(key)) == "rank 1 failed: a test");
+  CHECK_FALSE(server.check({lockstep::Watchdog::failure_key}));  // membership 0's key untouched
+  one->retire();                                                 // goes on in the next membership: its leave is clean
+  two->stop();  // after a failure: its connection closes without a leave, so the store fires
+  one.reset();
+  two.reset();
+  for (int i = 0; i < 200 && !server.check({key + "/rank 2"}); ++i) std::this_thread::sleep_for(10ms);
+  CHECK(server.check({key + "/rank 2"}));
+  CHECK_FALSE(server.check({key + "/rank 1"}));
+}

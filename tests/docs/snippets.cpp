@@ -273,7 +273,10 @@ TEST_CASE("snippets: a job that goes on when a rank dies (docs/elastic.md)") {
           static thread_local int backwards = 0;
           if (ctx.rank() == 2 && ++backwards == 3) throw std::runtime_error("rank 2 lost its GPU");
           // [snippet docs/elastic.md#1]
-          if (step.finish()) optimizer.update(model);
+          if (step.finish()) {
+            group.commit();  // on GPUs: the step's collectives completed (threads: nothing to do)
+            optimizer.update(model);
+          }
         });
         if (changed) continue;  // ranks died: the survivors redo this step
         sampler.advance(batch.size());

@@ -1,6 +1,8 @@
 // The CUDA headers' code blocks (verbatim between snippet markers, compared by
 // check_snippets.py), compiled only: running them needs GPUs, and the GPU tests
 // (tests/cuda) run the same calls. What a block presumes is declared around it.
+#include <cstdint>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -128,4 +130,39 @@ void hybrid_snippet() {
     lockstep::DataParallel dp(mesh.data, model);
     (void)mesh.world().size();
   });
+}
+
+//! What docs/elastic.md's loop over processes presumes (declared only).
+struct PlainUpdate {
+  void update(GpuModel& model) const;
+};
+Batch batch_for(std::int64_t step, int rank, int ranks);
+void share_loop_state(lockstep::NcclComm& comm);
+
+void elastic_processes_snippet(GpuModel& model, const PlainUpdate& optimizer, std::int64_t steps) {
+  // [snippet docs/elastic.md#4]
+  lockstep::run(lockstep::Processes{}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
+    lockstep::ElasticGroup group(ctx, {.min_ranks = 1});  // the job's store, lent by run()
+    using DP = lockstep::DataParallel<GpuModel, lockstep::NcclComm>;
+    std::optional<DP> dp(std::in_place, group.comm(), model);    // rank 0's parameters everywhere
+    group.on_change([&](const lockstep::membership_change& c) {  // ranks gone, or joined
+      dp.reset();
+      dp.emplace(group.comm(), model);                        // a replacement builds the same, in the same order
+      if (!c.joined.empty()) share_loop_state(group.comm());  // what is not the model's, from rank 0
+    });
+    if (group.replacement()) share_loop_state(group.comm());  // as the members do in on_change
+    while (group.steps() < steps) {
+      const auto batch = batch_for(group.steps(), group.rank(), group.size());
+      const auto changed = group.attempt([&] {
+        auto step = dp->step();
+        model.backward(batch, step.on_gradient_ready());
+        if (step.finish()) {
+          group.commit();  // the step's collectives completed here; and: does anyone join?
+          optimizer.update(model);
+        }
+      });
+      if (changed) continue;  // ranks gone: redo the step; a replacement: this step, for all
+    }
+  });
+  // [end snippet]
 }

@@ -106,6 +106,7 @@ int main(int argc, char** argv) {
                             "LOCKSTEP_JOB_TOKEN",
                             "LOCKSTEP_LAUNCHER",
                             "LOCKSTEP_RESTART_COUNT",
+                            "LOCKSTEP_ELASTIC_JOIN",
                             "NCCL_NVLS_ENABLE",
                             "LAUNCHER_TEST_CANARY",
                             "LOCKSTEP_LR_SCALING",

@@ -88,10 +88,10 @@ check_env() {
   (( RANDOM % 2 )) && args=(--cpu "${args[@]}")
   [[ -n $port_expect ]] && args+=(--master-port "$port_expect")
   LAUNCHER_TEST_CANARY=$canary NCCL_NVLS_ENABLE=$nvls RANK=999 WORLD_SIZE=999 MASTER_PORT=1 \
-    LOCKSTEP_JOB_TOKEN=stale LOCKSTEP_LAUNCHER=other run_lr "${args[@]}" "$CHILD" env
+    LOCKSTEP_JOB_TOKEN=stale LOCKSTEP_LAUNCHER=other LOCKSTEP_ELASTIC_JOIN=1 run_lr "${args[@]}" "$CHILD" env
   expect_rc 0
   [[ -s $WORK/err ]] && fail "unexpected stderr"
-  (( $(wc -l <"$WORK/out") == 20 * n )) || fail "expected $((20 * n)) lines"
+  (( $(wc -l <"$WORK/out") == 21 * n )) || fail "expected $((21 * n)) lines"
   get() {  # sets GOT to rank $1's value of $2, which must be printed exactly once
     local v; v=$(grep -E "^\[$1\] $2=" "$WORK/out")
     [[ $(grep -c . <<<"$v") -eq 1 ]] || fail "rank $1: $2 printed $(grep -c . <<<"$v") times"
@@ -109,7 +109,8 @@ check_env() {
                 WORLD_SIZE "$n" LOCAL_WORLD_SIZE "$n" LOCKSTEP_WORLD_SIZE "$n" LOCKSTEP_LOCAL_WORLD_SIZE "$n"
                 MASTER_ADDR 127.0.0.1 LOCKSTEP_MASTER_ADDR 127.0.0.1 MASTER_PORT "$port0"
                 LOCKSTEP_MASTER_PORT "$port0" LOCKSTEP_JOB_TOKEN "$token0" LOCKSTEP_LAUNCHER lockstep-run
-                LOCKSTEP_RESTART_COUNT 0 NCCL_NVLS_ENABLE "$nvls" LAUNCHER_TEST_CANARY "$canary")
+                LOCKSTEP_RESTART_COUNT 0 LOCKSTEP_ELASTIC_JOIN "<unset>" NCCL_NVLS_ENABLE "$nvls"
+                LAUNCHER_TEST_CANARY "$canary")
     local k
     for (( k = 0; k < ${#want[@]}; k += 2 )); do
       get "$r" "${want[k]}"
@@ -372,6 +373,23 @@ elastic)
   expect_rc "$code"
   expect_err "rank 0 exited with code $code; sending SIGTERM"
   expect_faster 10000
+  ;;
+
+elastic_replace)
+  # --elastic --max-restarts: the failed rank's replacement starts with its rank number,
+  # LOCKSTEP_ELASTIC_JOIN=1 and the next restart count, while the others run on.
+  n=$(rand 2 3) bad=$(rand 1 $((n - 1))) code=$(rand 1 120) max=$(rand 1 3)
+  run_lr --cpu --nproc $n --grace 5 --elastic --max-restarts $max "$CHILD" "@$bad:sleep=0.3" \
+    "@$bad:exit_first=$code" env sleep=2 out=done
+  expect_rc 0
+  expect_err "rank $bad exited with code $code; the other ranks go on without it (--elastic), and a replacement joins them (restart 1 of $max)"
+  expect_err "started a replacement for rank $bad"
+  grep -q -E "^\[$bad\] LOCKSTEP_ELASTIC_JOIN=1\$" "$WORK/out" || fail "the replacement lacks LOCKSTEP_ELASTIC_JOIN=1"
+  grep -q -E "^\[$bad\] LOCKSTEP_RESTART_COUNT=1\$" "$WORK/out" || fail "the replacement lacks LOCKSTEP_RESTART_COUNT=1"
+  c=$(grep -c -E '^\[[0-9]+\] LOCKSTEP_ELASTIC_JOIN=1$' "$WORK/out")
+  (( c == 1 )) || fail "$c processes saw LOCKSTEP_ELASTIC_JOIN=1, expected the replacement alone"
+  c=$(grep -c -E '^\[[0-9]+\] done$' "$WORK/out")
+  (( c == n )) || fail "$c processes finished, expected $n (the replacement among them)"
   ;;
 
 restart_signal)

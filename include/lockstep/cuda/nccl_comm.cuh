@@ -335,28 +335,35 @@ class NcclComm : private detail::nccl_control {
   //! the host call, which waits for them there; overdue() names it meanwhile.
   NcclComm split(int color, int key) { return split_with(color, key, nullptr, "split"); }
 
-  //! After ranks failed (lockstep::ElasticGroup, docs/elastic.md): this rank's communicator
-  //! over the job ranks `members` — ascending, this rank's job rank (its rank as launched)
-  //! among them, the same list on every member —, made afresh through the job's store `st`
-  //! (the first member draws the NCCL id: cuda/detail/nccl_regroup.cuh) by ncclCommInitRank,
-  //! which returns once every member joined. `change` numbers the change (the store's keys).
-  //! This communicator is aborted first, never destroyed (a collective of the failed step may
-  //! still wait for a lost peer); the new one takes its compute stream and its tracking of
-  //! collectives, and is a rank's first communicator again (no splits).
+  //! After the job's membership changed (lockstep::ElasticGroup, docs/elastic.md): this rank's
+  //! communicator over the job ranks `members` — ascending, this rank's job rank (its rank as
+  //! launched) among them, the same list on every member —, made afresh through the job's
+  //! store `st` (the first member draws the NCCL id: cuda/detail/nccl_regroup.cuh) by
+  //! ncclCommInitRank, which returns once every member joined. `change` numbers the change
+  //! (the store's keys). This communicator is aborted first, never destroyed (a collective of
+  //! the failed step may still wait for a lost peer); the new one takes its compute stream and
+  //! its tracking of collectives, and is a rank's first communicator again (no splits).
   template <store S>
   NcclComm regroup(std::uint64_t change, std::span<const int> members, S& st) {
     if (!s_) throw config_error("NcclComm::regroup: this communicator was moved from");
     if (s_->parent)
       throw config_error("NcclComm::regroup: " + s_->who() +
                          " was split from another; regroup the communicator the job started with");
-    const int place = detail::regroup_place(s_->job_rank, members, change);
-    const int n = static_cast<int>(members.size());
     abort("regrouped after a change of membership");
-    const ncclComm_t c =
-        n > 1 ? detail::nccl_init_rank(detail::regroup_id(st, change, place), place, n, s_->device) : nullptr;
-    NcclComm next(adopt_tag{}, c, place, n, s_->device);
-    next.s_->job_rank = s_->job_rank;
+    NcclComm next = join(change, members, s_->job_rank, s_->device, st);
     detail::regroup_carry_over(*s_, *next.s_);
+    return next;
+  }
+  //! The same for a process that joins the job at change `change` as job rank `job_rank`
+  //! (a replacement: run(Processes) with LOCKSTEP_ELASTIC_JOIN=1), on `device`.
+  template <store S>
+  static NcclComm join(std::uint64_t change, std::span<const int> members, int job_rank, int device, S& st) {
+    const int place = detail::regroup_place(job_rank, members, change);
+    const int n = static_cast<int>(members.size());
+    const ncclComm_t c =
+        n > 1 ? detail::nccl_init_rank(detail::regroup_id(st, change, place), place, n, device) : nullptr;
+    NcclComm next(adopt_tag{}, c, place, n, device);
+    next.s_->job_rank = job_rank;
     return next;
   }
 

@@ -40,6 +40,7 @@
 #include "lockstep/launch/detail/same_job.hpp"
 #include "lockstep/launch/detail/teardown_deadline.hpp"
 #include "lockstep/launch/detect.hpp"
+#include "lockstep/launch/elastic_join.hpp"
 #include "lockstep/launch/job_store.hpp"
 #include "lockstep/launch/launch_env.hpp"
 #include "lockstep/launch/membership_watch.hpp"
@@ -111,20 +112,37 @@ void run(Processes mode, Body&& body) {
   LOCKSTEP_TRY_CUDA(cudaSetDevice(device));
   TcpStore store = job_store(info);
   detail::check_same_job(store, info);
-  ncclUniqueId id{};
-  if (info.rank == 0) {
-    LOCKSTEP_TRY_NCCL(ncclGetUniqueId(&id));
-    store.set("lockstep/nccl_id", std::span<const std::byte>(reinterpret_cast<const std::byte*>(&id), sizeof id));
+  // The membership this process starts in: the whole job, or — a replacement, started with
+  // LOCKSTEP_ELASTIC_JOIN=1 — the one the running job admits it to (launch/elastic_join.hpp).
+  growth first{0, {}, 0, {}};
+  for (int r = 0; r < info.world; ++r) first.ranks.push_back(r);
+  std::optional<NcclComm> comm;
+  if (const auto join = detail::env("LOCKSTEP_ELASTIC_JOIN"); join && *join == "1") {
+    if (info.rank == 0)
+      throw config_error("LOCKSTEP_ELASTIC_JOIN=1 on rank 0: rank 0 hosts the job's store, so a job that lost it "
+                         "cannot be joined; start a replacement with the job rank of a rank that left");
+    const std::int64_t request = request_join(store, info.rank);
+    first = await_admission(store, request, info.rank, store.timeout());
+    comm.emplace(NcclComm::join(first.epoch, first.ranks, info.rank, device, store));
   } else {
-    const auto bytes = store.get("lockstep/nccl_id");
-    if (bytes.size() != sizeof id)
-      throw mismatch_error("the NCCL unique id from rank 0 has " + std::to_string(bytes.size()) + " bytes, expected " +
-                           std::to_string(sizeof id) + ": ranks were built against different NCCL versions");
-    std::memcpy(&id, bytes.data(), sizeof id);
+    ncclUniqueId id{};
+    if (info.rank == 0) {
+      LOCKSTEP_TRY_NCCL(ncclGetUniqueId(&id));
+      store.set("lockstep/nccl_id", std::span<const std::byte>(reinterpret_cast<const std::byte*>(&id), sizeof id));
+    } else {
+      const auto bytes = store.get("lockstep/nccl_id");
+      if (bytes.size() != sizeof id)
+        throw mismatch_error("the NCCL unique id from rank 0 has " + std::to_string(bytes.size()) +
+                             " bytes, expected " + std::to_string(sizeof id) +
+                             ": ranks were built against different NCCL versions");
+      std::memcpy(&id, bytes.data(), sizeof id);
+    }
+    comm.emplace(id, info.rank, info.world, device);
   }
   // Declared before ctx: after a failure it bounds the teardown, the communicator's included.
   detail::teardown_deadline deadline;
-  context<NcclComm> ctx(NcclComm(id, info.rank, info.world, device), info.local_rank, device);
+  context<NcclComm> ctx(std::move(*comm), info.local_rank, device);
+  comm.reset();
   const auto limit = store.timeout();
   ctx.comm().track_collectives();
   // A collective is overdue 2 s after the heartbeat limit, so that a stopped peer is named by
@@ -155,7 +173,7 @@ void run(Processes mode, Body&& body) {
                      "numbers of batches per rank, use dp.join() (lockstep::Join)";
           return comm.overdue(overdue_after);
         },
-        watchdog_options{.timeout = limit});
+        watchdog_options{.timeout = limit}, first);
   } catch (...) {  // a communicator whose peers may be waiting must be aborted, not destroyed
     deadline.arm(info.rank, "rank " + std::to_string(info.rank) + " could not start its watchdog");
     ctx.comm().abort("rank " + std::to_string(info.rank) + " could not start its watchdog");

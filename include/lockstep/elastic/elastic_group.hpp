@@ -17,6 +17,8 @@
 //! (run(Processes): NcclComm::regroup through the job's store, the context lends the store and
 //! a watchdog per membership: launch/elastic_link.hpp). MpiComm cannot regroup.
 
+#include <algorithm>
+#include <chrono>
 #include <concepts>
 #include <cstdint>
 #include <exception>
@@ -30,6 +32,9 @@
 #include "lockstep/core/context.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/elastic/membership.hpp"
+#include "lockstep/comm/detail/host_collectives.hpp"
+#include "lockstep/core/reduce_op.hpp"
+#include "lockstep/launch/elastic_join.hpp"
 #include "lockstep/launch/elastic_link.hpp"
 #include "lockstep/store/store.hpp"
 #include "lockstep/store/tcp_store.hpp"
@@ -60,10 +65,22 @@ class ElasticGroup {
       : ElasticGroup(ctx.comm(), store, o) {}
   //! On the context of a launch mode that lends its store and watchdogs (run(Processes)):
   //! the group regroups the context's communicator in place. config_error on another context.
+  //! A replacement process (LOCKSTEP_ELASTIC_JOIN=1) starts in the membership it was admitted
+  //! to, with the steps the job had completed (steps()).
   explicit ElasticGroup(context<Comm>& ctx, SurvivorOptions o = {})
     requires std::same_as<Store, TcpStore>
-      : comm_(&ctx.comm()), store_(&link_of(ctx).store()), link_(ctx.elastic()), opt_(o),
-        now_(membership::whole(comm_->size(), comm_->rank())) {}
+      : comm_(&ctx.comm()), store_(&link_of(ctx).store()), link_(ctx.elastic()), opt_(o) {
+    const growth first = link_->start();
+    now_.epoch = first.epoch;
+    now_.ranks = first.ranks;
+    now_.rank = comm_->rank();
+    steps_ = first.steps;
+    replacement_ = first.epoch > 0;
+    if (now_.ranks.size() != static_cast<std::size_t>(comm_->size()))
+      throw config_error("ElasticGroup: the context's communicator has " + std::to_string(comm_->size()) +
+                         " ranks, its membership " + std::to_string(now_.ranks.size()) +
+                         "; build the group before anything regroups the communicator");
+  }
   ElasticGroup(const ElasticGroup&) = delete;
   ElasticGroup& operator=(const ElasticGroup&) = delete;
 
@@ -74,6 +91,10 @@ class ElasticGroup {
   const membership& members() const noexcept { return now_; }
   //! Every change so far, oldest first.
   const std::vector<membership_change>& changes() const noexcept { return changes_; }
+  //! Whether this process joined the running job as a replacement (run(Processes) with
+  //! LOCKSTEP_ELASTIC_JOIN=1): what the loop keeps besides the model it must get from rank 0,
+  //! as the members send it in on_change for the change that admitted it (c.joined).
+  bool replacement() const noexcept { return replacement_; }
   //! The steps completed: attempt() calls that returned empty, since the start or — after a
   //! change — since the step the coordinator had completed (membership_change::steps).
   std::int64_t steps() const noexcept { return steps_; }
@@ -83,7 +104,15 @@ class ElasticGroup {
   //! aborted_error if a peer's failure aborted the communicator first: an aborted NCCL
   //! collective leaves partial sums, which the update must never see. The host waits once a
   //! step for it. With ranks as threads the collectives already completed: nothing to do.
+  //! Where the launch mode lends a store (run(Processes)), commit() also tells every member
+  //! whether a replacement asked to join (the coordinator's word, in one small all-reduce, so
+  //! that all see it at the same step): the next attempt() then admits it (below).
   void commit() {
+    if (link_) {
+      std::int64_t want[1] = {now_.rank == 0 && joiner_waiting() ? 1 : 0};
+      detail::host_all_reduce(*comm_, std::span<std::int64_t>(want), reduce_op::max);
+      grow_ = want[0] != 0;
+    }
     if constexpr (requires { comm_->synchronize(); }) comm_->synchronize();
   }
 
@@ -100,8 +129,26 @@ class ElasticGroup {
   //! decision, the coordinator gone, or — processes — the communicator was released but no
   //! rank is gone: a failure of another kind, named); any other exception of the step
   //! propagates.
+  //!
+  //! When a commit() reported a replacement waiting (run(Processes)), attempt() first admits
+  //! it — the members and the joiners agree through the store (launch/elastic_join.hpp), the
+  //! communicator is regrouped over all, the on_change callbacks run (the replacement builds
+  //! the same in its body: DataParallel broadcasts rank 0's parameters) — and returns that
+  //! change without running step(): run it next, with the data cut for the larger group.
   template <class Step>
   std::optional<membership_change> attempt(Step&& step) {
+    if (grow_) {
+      grow_ = false;
+      std::optional<membership_change> c;
+      try {
+        c = grow();
+        for (auto& f : callbacks_) f(*c);
+        return c;
+      } catch (const std::exception& e) {  // a rank failed while the group grew
+        if (!released(e)) throw;
+      }
+      return settle();
+    }
     try {
       std::forward<Step>(step)();
       ++steps_;
@@ -109,6 +156,12 @@ class ElasticGroup {
     } catch (const std::exception& e) {
       if (!released(e)) throw;
     }
+    return settle();
+  }
+
+ private:
+  // After a peer's failure: change until a membership's callbacks complete.
+  membership_change settle() {
     for (;;) {
       membership_change c = change();
       try {
@@ -120,7 +173,44 @@ class ElasticGroup {
     }
   }
 
- private:
+  // The communicator of membership m: through the store where the communicator needs it.
+  void regroup(const membership& m) {
+    const std::span<const int> ranks(m.ranks);
+    if constexpr (requires { comm_->regroup(m.epoch, ranks, *store_); })
+      *comm_ = comm_->regroup(m.epoch, ranks, *store_);
+    else *comm_ = comm_->regroup(m.epoch, ranks);
+  }
+
+  bool joiner_waiting() {
+    const auto now = std::chrono::steady_clock::now();
+    if (now < next_poll_) return false;
+    next_poll_ = now + std::chrono::milliseconds(100);
+    return joins_requested(*store_) >= next_request_;
+  }
+
+  // The coordinator admits what asked to join; every member reads its record; all regroup.
+  membership_change grow() {
+    const std::uint64_t epoch = now_.epoch + 1;
+    const growth g = now_.rank == 0 ? admit(*store_, epoch, now_.ranks, next_request_, steps_, next_request_)
+                                    : read_growth(*store_, epoch);
+    membership_change c;
+    c.before = now_;
+    c.after.epoch = epoch;
+    c.after.ranks = g.ranks;
+    c.after.rank = static_cast<int>(std::find(g.ranks.begin(), g.ranks.end(), now_.job_rank()) - g.ranks.begin());
+    c.joined = g.joined;
+    c.steps = g.steps;
+    // The membership is the grown one from here on, also when a rank fails before the new
+    // communicator exists: the survivors then agree under this epoch, the joiner among them.
+    now_ = c.after;
+    changes_.push_back(c);
+    link_->leave();
+    link_->watch(epoch, g.ranks);
+    regroup(c.after);
+    (void)link_->adopt();
+    return c;
+  }
+
   static elastic_link& link_of(context<Comm>& ctx) {
     if (ctx.elastic() == nullptr)
       throw config_error("ElasticGroup: this context lends no store (only run(Processes) does); pass the job's "
@@ -149,9 +239,7 @@ class ElasticGroup {
                           ": the communicator was released, but every rank is still there: " + link_failure() +
                           "; this is not a lost rank, so the job cannot go on without it");
     if (link_) link_->watch(c.after.epoch, c.after.ranks);
-    if constexpr (requires { comm_->regroup(c.after.epoch, std::span<const int>(c.after.ranks), *store_); })
-      *comm_ = comm_->regroup(c.after.epoch, std::span<const int>(c.after.ranks), *store_);
-    else *comm_ = comm_->regroup(c.after.epoch, std::span<const int>(c.after.ranks));
+    regroup(c.after);
     now_ = c.after;
     steps_ = c.steps;
     changes_.push_back(c);
@@ -173,6 +261,10 @@ class ElasticGroup {
   SurvivorOptions opt_;
   membership now_;
   std::int64_t steps_ = 0;
+  bool replacement_ = false;
+  bool grow_ = false;                                  // commit() said: admit a replacement
+  std::int64_t next_request_ = 1;                      // the coordinator's next join request
+  std::chrono::steady_clock::time_point next_poll_{};  // the coordinator's next look at them
   std::vector<membership_change> changes_;
   std::vector<std::function<void(const membership_change&)>> callbacks_;
 };

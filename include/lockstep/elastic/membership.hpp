@@ -64,7 +64,8 @@ struct membership {
 struct membership_change {
   membership before;
   membership after;
-  std::vector<int> gone;  //!< job ranks of `before` not in `after`, ascending
+  std::vector<int> gone;    //!< job ranks of `before` not in `after`, ascending
+  std::vector<int> joined;  //!< job ranks of `after` not in `before` (replacements), ascending
   //! The steps the job completed before the change as the coordinator counted them (the
   //! `steps` it passed): the survivors go on from there. On GPUs a survivor may count one
   //! more or one less (ElasticGroup::commit): it follows the coordinator.

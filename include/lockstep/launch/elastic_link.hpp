@@ -15,12 +15,16 @@
 //!  4. adopt() — the new communicator is in place (the context's): the watchdog may abort and
 //!     poll it from now on. Returns the failure seen since watch(), if any (then the new
 //!     communicator is aborted already: change again).
+//! The same leave / watch / adopt when the membership grows (launch/elastic_join.hpp). A
+//! replacement process starts in the membership it joined: start().
 
 #include <cstdint>
 #include <optional>
 #include <span>
 #include <string>
 #include <vector>
+
+#include "lockstep/launch/elastic_join.hpp"
 
 namespace lockstep {
 
@@ -37,6 +41,9 @@ class elastic_link {
   virtual std::optional<std::string> adopt() = 0;
   //! The failure that released the communicator (the watchdog's text), if one was seen.
   virtual std::optional<std::string> failure() const = 0;
+  //! The membership this process started in: the whole job (epoch 0, no steps), or for a
+  //! replacement the one it was admitted to.
+  virtual growth start() const = 0;
 };
 
 //! The key a membership's watchdogs watch: the job's failure key for the first membership (a

@@ -30,14 +30,15 @@ class membership_watch final : public elastic_link {
   //! The watchdog's poll of the communicator in place (this membership's watchdog passed too).
   using poll_fn = std::function<std::optional<std::string>(Comm&, const Watchdog&)>;
 
-  //! Watches the whole job (membership 0): `store` is the job's, reached by the watchdogs at
-  //! host:port; `comm` the context's communicator, aborted on a failure. Throws like Watchdog.
+  //! Watches the membership `first` (the whole job; a replacement's: the one it joined):
+  //! `store` is the job's, reached by the watchdogs at host:port; `comm` the context's
+  //! communicator, aborted on a failure. Throws like Watchdog.
   membership_watch(TcpStore& store, std::string host, int port, int rank, int world, std::string token, Comm& comm,
-                   poll_fn poll, watchdog_options o)
+                   poll_fn poll, watchdog_options o, growth first)
       : store_(store), host_(std::move(host)), port_(port), rank_(rank), world_(world), token_(std::move(token)),
-        comm_(comm), poll_(std::move(poll)), opt_(std::move(o)) {
-    for (int r = 0; r < world; ++r) members_.push_back(r);
-    start();
+        comm_(comm), poll_(std::move(poll)), opt_(std::move(o)), first_(std::move(first)), epoch_(first_.epoch),
+        members_(first_.ranks) {
+    begin();
     std::lock_guard lk(m_);
     ready_ = true;
   }
@@ -93,8 +94,10 @@ class membership_watch final : public elastic_link {
     leave();
     epoch_ = epoch;
     members_.assign(ranks.begin(), ranks.end());
-    start();
+    begin();
   }
+
+  growth start() const override { return first_; }
 
   std::optional<std::string> adopt() override {
     std::lock_guard lk(m_);
@@ -105,7 +108,7 @@ class membership_watch final : public elastic_link {
   }
 
  private:
-  void start() {
+  void begin() {
     watchdog_options o = opt_;
     o.key = membership_failure_key(epoch_);
     dog_.emplace(
@@ -135,6 +138,7 @@ class membership_watch final : public elastic_link {
   bool ready_ = false;  // comm_ is the membership's communicator: the watchdog may use it
   std::optional<Watchdog> dog_;
   std::optional<std::string> last_;
+  growth first_;
   std::uint64_t epoch_ = 0;
   std::vector<int> members_;
 };

@@ -10,6 +10,11 @@
 // change came at, its parameters against a CPU run that switched rank counts there (fp32, rel.
 // diff <= 1e-5), and every survivor's parameters identical; rank 0 prints PASS or FAIL for all.
 // Each prints the time from the (first) kill to its next applied step ("recovered in").
+//   --rejoin  (under lockstep-run --elastic --max-restarts 1) the killed rank's replacement
+//   joins the running job (LOCKSTEP_ELASTIC_JOIN=1): the members admit it at a step boundary,
+//   the job is back at its size and ends where a CPU run that switched rank counts at both
+//   steps ends; the replacement prints how long from its start to its first applied step.
+//   Steps take --step-ms (with --rejoin 100 ms) so that it arrives before the end.
 // Inputs are random, drawn by rank 0 for each run. "[lockstep-skip]" with too few GPUs.
 #include <signal.h>
 #include <unistd.h>
@@ -23,6 +28,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <lockstep/cuda/run_processes.cuh>
@@ -58,9 +64,11 @@ std::string kill_stamp_path() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  const auto started = clk::now();
   try {
     std::string phase = "backward";
-    int at = 3, steps = 8;
+    int at = 3, steps = 8, step_ms = -1;
+    bool rejoin = false;
     std::set<int> victims;
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
@@ -68,13 +76,15 @@ int main(int argc, char** argv) {
       if (a == "--phase" && has) phase = argv[++i];
       else if (a == "--at" && has) at = std::atoi(argv[++i]);
       else if (a == "--steps" && has) steps = std::atoi(argv[++i]);
+      else if (a == "--step-ms" && has) step_ms = std::atoi(argv[++i]);
+      else if (a == "--rejoin") rejoin = true;
       else if (a == "--kill" && has) {
         std::stringstream list(argv[++i]);
         for (std::string r; std::getline(list, r, ',');) victims.insert(std::atoi(r.c_str()));
       } else {
         std::fprintf(stderr,
                      "elastic_nccl: unknown option '%s' (--phase forward|backward|update, --at K, --steps S, "
-                     "--kill R[,R...])\n",
+                     "--kill R[,R...], --rejoin, --step-ms M)\n",
                      a.c_str());
         return 2;
       }
@@ -104,19 +114,19 @@ int main(int argc, char** argv) {
     const int batch = 16;
     const float lr = 0.1f;
     int failures = 0;
+    if (step_ms < 0) step_ms = rejoin ? 100 : 0;
+    const char* join_env = std::getenv("LOCKSTEP_ELASTIC_JOIN");
+    const bool joiner = join_env && std::string(join_env) == "1";  // a replacement
     lockstep::run(lockstep::Processes{}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
-      const int job_rank = ctx.rank(), world0 = ctx.size();
-      // A fresh seed each run, rank 0's.
-      std::vector<double> drawn{job_rank == 0 ? static_cast<double>(std::random_device{}() % (1u << 30)) : 0.0};
-      lockstep::all_reduce_scalars(ctx.comm(), std::span<double>(drawn), lockstep::reduce_op::max);
-      const auto seed = static_cast<std::uint64_t>(drawn[0]);
-      if (job_rank == 0) std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
-      std::mt19937_64 rng(seed);
-      const auto X = random_vector<float>(samples * dims[0], rng, -2, 2);
-      std::vector<int> y(samples);
-      std::uniform_int_distribution<int> lab(0, 9);
-      for (auto& v : y) v = lab(rng);
-
+      const int job_rank = ctx.rank(), world0 = info->world;
+      // A fresh seed each run, rank 0's (a replacement gets it with the history, below).
+      std::uint64_t seed = 0;
+      if (!joiner) {
+        std::vector<double> drawn{job_rank == 0 ? static_cast<double>(std::random_device{}() % (1u << 30)) : 0.0};
+        lockstep::all_reduce_scalars(ctx.comm(), std::span<double>(drawn), lockstep::reduce_op::max);
+        seed = static_cast<std::uint64_t>(drawn[0]);
+        if (job_rank == 0) std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+      }
       cudaStream_t st = ctx.comm().compute_stream();
       // Each rank starts elsewhere: DataParallel broadcasts rank 0's, also when rebuilt.
       TestMlp<float> init(dims, seed + 1 + static_cast<std::uint64_t>(job_rank) * 7919);
@@ -126,23 +136,57 @@ int main(int argc, char** argv) {
         values.emplace_back(v.begin(), v.end());
       }
       GpuMlp m(dims, values, st);
+      std::vector<float> X;
+      std::vector<int> y(samples);
       float* dX = nullptr;
       int *dy = nullptr, *drows = nullptr;
-      LOCKSTEP_TRY_CUDA(cudaMalloc(&dX, X.size() * sizeof(float)));
+      LOCKSTEP_TRY_CUDA(cudaMalloc(&dX, samples * dims[0] * sizeof(float)));
       LOCKSTEP_TRY_CUDA(cudaMalloc(&dy, y.size() * sizeof(int)));
       LOCKSTEP_TRY_CUDA(cudaMalloc(&drows, batch * sizeof(int)));
-      LOCKSTEP_TRY_CUDA(cudaMemcpy(dX, X.data(), X.size() * sizeof(float), cudaMemcpyHostToDevice));
-      LOCKSTEP_TRY_CUDA(cudaMemcpy(dy, y.data(), y.size() * sizeof(int), cudaMemcpyHostToDevice));
+      const auto make_data = [&] {
+        std::mt19937_64 rng(seed);
+        X = random_vector<float>(samples * dims[0], rng, -2, 2);
+        std::uniform_int_distribution<int> lab(0, 9);
+        for (auto& v : y) v = lab(rng);
+        LOCKSTEP_TRY_CUDA(cudaMemcpy(dX, X.data(), X.size() * sizeof(float), cudaMemcpyHostToDevice));
+        LOCKSTEP_TRY_CUDA(cudaMemcpy(dy, y.data(), y.size() * sizeof(int), cudaMemcpyHostToDevice));
+      };
+      if (!joiner) make_data();
 
       lockstep::ElasticGroup group(ctx, {.min_ranks = 1});
       using DP = lockstep::DataParallel<GpuMlp, lockstep::NcclComm>;
       const lockstep::DataParallelOptions opts{.buckets = {.first_bytes = 2000, .cap_bytes = 6000}};
       std::optional<DP> dp(std::in_place, group.comm(), m, opts);
-      group.on_change([&](const lockstep::membership_change&) {
+
+      std::vector<int> worlds;  // the group's size at each applied step
+      // What a replacement needs besides the parameters: the seed and the sizes so far, rank 0's.
+      const auto share_history = [&] {
+        std::vector<double> v(static_cast<std::size_t>(steps) + 2, 0.0);
+        if (group.rank() == 0) {
+          v[0] = static_cast<double>(seed);
+          v[1] = static_cast<double>(worlds.size());
+          for (std::size_t i = 0; i < worlds.size(); ++i) v[i + 2] = worlds[i];
+        }
+        lockstep::all_reduce_scalars(group.comm(), std::span<double>(v), lockstep::reduce_op::max);
+        seed = static_cast<std::uint64_t>(v[0]);
+        worlds.assign(static_cast<std::size_t>(v[1]), 0);
+        for (std::size_t i = 0; i < worlds.size(); ++i) worlds[i] = static_cast<int>(v[i + 2]);
+      };
+      if (group.replacement() != joiner) {
+        std::printf("rank %d: FAIL: ElasticGroup::replacement() says %d\n", job_rank, group.replacement() ? 1 : 0);
+        ++failures;
+      }
+      if (group.replacement()) {
+        share_history();
+        make_data();
+        std::printf("rank %d: joined at step %lld as %d of %d\n", job_rank, static_cast<long long>(group.steps()),
+                    group.rank(), group.size());
+      }
+      group.on_change([&](const lockstep::membership_change& c) {
         dp.reset();  // the model takes its gradients back
         dp.emplace(group.comm(), m, opts);
+        if (!c.joined.empty()) share_history();  // as the replacement does after its DataParallel
       });
-      std::vector<int> worlds;  // the group's size at each applied step
       std::optional<clk::time_point> changed_at;
       double recovered_s = -1;
       bool died = false;
@@ -157,7 +201,7 @@ int main(int argc, char** argv) {
               static_cast<int>((pos + static_cast<std::size_t>(group.rank() * batch + i)) % samples);
         LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(drows, rows.data(), rows.size() * sizeof(int), cudaMemcpyHostToDevice, st));
         LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(st));
-        const bool die = victims.count(job_rank) && static_cast<int>(s) == at && !died;
+        const bool die = !joiner && victims.count(job_rank) && static_cast<int>(s) == at && !died;
         const auto change = group.attempt([&] {
           if (die && phase == "forward") die_now(job_rank, "forward");
           auto step = dp->step();
@@ -181,6 +225,12 @@ int main(int argc, char** argv) {
           continue;
         }
         worlds.push_back(group.size());
+        if (step_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(step_ms));
+        if (joiner && recovered_s < 0) {
+          LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(st));
+          recovered_s = std::chrono::duration<double>(clk::now() - started).count();
+          std::printf("rank %d: joined in %.3f s (its start to its first applied step)\n", job_rank, recovered_s);
+        }
         if (changed_at && recovered_s < 0) {
           LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(st));
           long long killed = 0;
@@ -192,17 +242,32 @@ int main(int argc, char** argv) {
         }
       }
       LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(st));
-      // What the survivors must have seen.
+      // What the members must have seen: one shrink at the step the phase says (the killed
+      // ranks gone) and, with --rejoin, one growth back to the job's size (a replacement: none).
       const int expect_switch = phase == "update" ? at + 1 : at;
-      std::vector<int> expect_worlds(static_cast<std::size_t>(steps), world0 - static_cast<int>(victims.size()));
-      for (int s = 0; s < expect_switch && s < steps; ++s) expect_worlds[static_cast<std::size_t>(s)] = world0;
+      const int fewer = world0 - static_cast<int>(victims.size());
       const auto& changes = group.changes();
       const std::vector<int> gone(victims.begin(), victims.end());
-      if (changes.size() != 1 || changes[0].gone != gone || worlds != expect_worlds) {
-        std::printf("rank %d: FAIL: %zu change(s), the first at step %lld with %zu gone; expected one at step %d with "
-                    "ranks %s gone\n",
-                    job_rank, changes.size(), static_cast<long long>(changes.empty() ? -1 : changes[0].steps),
-                    changes.empty() ? 0 : changes[0].gone.size(), expect_switch,
+      const std::size_t expect_changes = joiner ? 0 : rejoin ? 2 : 1;
+      bool ok = changes.size() == expect_changes && group.size() == (rejoin ? world0 : fewer);
+      if (ok && !joiner) ok = changes[0].gone == gone && changes[0].steps == expect_switch;
+      if (ok && rejoin && !joiner) ok = changes[1].joined == gone && changes[1].gone.empty();
+      // The sizes: world0 until the shrink, then `fewer` (with --rejoin: at least one step,
+      // then world0 again to the end).
+      std::size_t s = 0;
+      while (s < worlds.size() && worlds[s] == world0) ++s;
+      ok = ok && static_cast<int>(s) == expect_switch;
+      const std::size_t low = s;
+      while (s < worlds.size() && worlds[s] == fewer) ++s;
+      ok = ok && s > low && (rejoin ? s < worlds.size() : s == worlds.size());
+      while (rejoin && s < worlds.size() && worlds[s] == world0) ++s;
+      ok = ok && s == worlds.size() && worlds.size() == static_cast<std::size_t>(steps);
+      if (!ok) {
+        std::string sizes;
+        for (int w : worlds) sizes += std::to_string(w);
+        std::printf("rank %d: FAIL: %zu change(s) (expected %zu), %d ranks at the end, sizes by step %s; expected "
+                    "the shrink at step %d with ranks %s gone\n",
+                    job_rank, changes.size(), expect_changes, group.size(), sizes.c_str(), expect_switch,
                     lockstep::detail::rank_list(gone).c_str());
         ++failures;
       }

@@ -31,7 +31,8 @@ inline int regroup_place(int job_rank, std::span<const int> members, std::uint64
   }
   if (place < 0)
     throw config_error("NcclComm::regroup: change " + std::to_string(change) + ": job rank " +
-                       std::to_string(job_rank) + " is not among the members; only the survivors regroup");
+                       std::to_string(job_rank) +
+                       " is not among the members; only the members of the new group regroup");
   return place;
 }
 

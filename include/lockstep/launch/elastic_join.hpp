@@ -1,0 +1,147 @@
+#pragma once
+//! A replacement rank joining an elastic job (docs/elastic.md, "Growing back"): the store's
+//! half of it, for any store (run(Processes) uses the job's TcpStore).
+//!
+//! Protocol, keys under "lockstep.elastic/":
+//!  1. The joiner takes a request number n = add("joins", 1) and sets "join/<n>" to its job
+//!     rank (request_join).
+//!  2. The coordinator of the running job (rank 0) sees the count grow (joins_requested, a
+//!     counter read; ElasticGroup::commit asks at most every 100 ms) and, at a step boundary
+//!     every member agreed on, admits the requests so far (admit): the new membership — the
+//!     members and the joiners, ascending — and the steps completed go under "<e>/grow" for
+//!     the new epoch e, and "admit/<n>" tells each joiner e (or why it was refused: its job
+//!     rank is a member already, or another request takes it).
+//!  3. The members read "<e>/grow" (read_growth), the joiner "admit/<n>" and then "<e>/grow"
+//!     (await_admission); all make the communicator of epoch e (NcclComm::regroup / join).
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "lockstep/core/codec.hpp"
+#include "lockstep/core/error.hpp"
+#include "lockstep/store/store.hpp"
+
+namespace lockstep {
+
+//! A membership that grew: its epoch, its job ranks (ascending), the steps the job had
+//! completed, and the job ranks that joined.
+struct growth {
+  std::uint64_t epoch = 0;
+  std::vector<int> ranks;
+  std::int64_t steps = 0;
+  std::vector<int> joined;
+};
+
+namespace detail {
+
+inline std::string join_key(const std::string& what) { return "lockstep.elastic/" + what; }
+
+inline std::vector<std::byte> encode_growth(const growth& g) {
+  byte_writer w;
+  w.write(g.epoch);
+  w.write(g.steps);
+  for (const auto* list : {&g.ranks, &g.joined}) {
+    w.write(static_cast<std::uint64_t>(list->size()));
+    for (int r : *list) w.write(static_cast<std::int64_t>(r));
+  }
+  return std::move(w).release();
+}
+
+inline growth decode_growth(std::span<const std::byte> bytes, const std::string& key) {
+  byte_reader r(bytes, "membership record '" + key + "'");
+  growth g;
+  g.epoch = r.read<std::uint64_t>();
+  g.steps = r.read<std::int64_t>();
+  for (auto* list : {&g.ranks, &g.joined}) {
+    const auto n = r.read<std::uint64_t>();
+    if (n > bytes.size()) r.fail("names " + std::to_string(n) + " ranks; the record is damaged");
+    for (std::uint64_t i = 0; i < n; ++i) list->push_back(static_cast<int>(r.read<std::int64_t>()));
+  }
+  return g;
+}
+
+}  // namespace detail
+
+//! The joiner's step 1: asks to join as job rank `job_rank`; returns the request number.
+template <store S>
+std::int64_t request_join(S& st, int job_rank) {
+  const std::int64_t n = st.add(detail::join_key("joins"), 1);
+  st.set(detail::join_key("join/" + std::to_string(n)), bytes_of(std::to_string(job_rank)));
+  return n;
+}
+
+//! The joiner's step 3: waits (at most `timeout`) until request `n` is answered; the
+//! membership it joins. aborted_error naming why when it was refused; timeout_error when the
+//! job did not admit it in time (no step boundary came: the job is stuck or has ended).
+template <store S>
+growth await_admission(S& st, std::int64_t n, int job_rank, std::chrono::milliseconds timeout) {
+  const std::string key = detail::join_key("admit/" + std::to_string(n));
+  try {
+    st.wait({key}, timeout);
+  } catch (const timeout_error& e) {
+    throw timeout_error("rank " + std::to_string(job_rank) + " asked to join the job, but it was not admitted within " +
+                        detail::seconds_text(timeout) +
+                        " (its members admit joiners at a step boundary, from ElasticGroup::commit(); has the job "
+                        "ended, or does its loop not call commit()?): " +
+                        e.what());
+  }
+  const std::string answer = string_of(st.get(key));
+  if (answer.rfind("refused: ", 0) == 0)
+    throw aborted_error("rank " + std::to_string(job_rank) + " may not join the job: " + answer.substr(9));
+  const std::string grow_key = detail::join_key(answer + "/grow");
+  return detail::decode_growth(st.get(grow_key), grow_key);
+}
+
+//! The coordinator's poll: how many join requests were made so far (a counter read).
+template <store S>
+std::int64_t joins_requested(S& st) {
+  return st.add(detail::join_key("joins"), 0);
+}
+
+//! The coordinator's step 2: admits requests `first` … joins_requested() into the membership
+//! after `ranks` (epoch `epoch` - 1 → `epoch`), the job having completed `steps`. Requests for
+//! a job rank that is a member or asked for twice are refused. Returns the new membership
+//! (joined empty when every request was refused: then nothing changes). Writes the record
+//! the members read (read_growth) whether or not anyone joined.
+template <store S>
+growth admit(S& st, std::uint64_t epoch, std::span<const int> ranks, std::int64_t first, std::int64_t steps,
+             std::int64_t& next_request) {
+  growth g{epoch, std::vector<int>(ranks.begin(), ranks.end()), steps, {}};
+  const std::int64_t last = joins_requested(st);
+  std::vector<std::pair<std::int64_t, std::string>> answers;
+  for (std::int64_t n = first; n <= last; ++n) {
+    const int r = std::stoi(string_of(st.get(detail::join_key("join/" + std::to_string(n)))));
+    const bool member = std::find(g.ranks.begin(), g.ranks.end(), r) != g.ranks.end();
+    if (member)
+      answers.emplace_back(
+          n, "refused: job rank " + std::to_string(r) + " is " +
+                 (std::find(g.joined.begin(), g.joined.end(), r) != g.joined.end() ? "joining by an earlier request"
+                                                                                   : "a member of the running job") +
+                 "; a replacement takes the job rank of a rank that left");
+    else {
+      g.ranks.push_back(r);
+      g.joined.push_back(r);
+      answers.emplace_back(n, std::to_string(epoch));
+    }
+  }
+  std::sort(g.ranks.begin(), g.ranks.end());
+  std::sort(g.joined.begin(), g.joined.end());
+  st.set(detail::join_key(std::to_string(epoch) + "/grow"), detail::encode_growth(g));
+  for (const auto& [n, a] : answers) st.set(detail::join_key("admit/" + std::to_string(n)), bytes_of(a));
+  next_request = last + 1;
+  return g;
+}
+
+//! A member's step 3: the membership of epoch `epoch` as the coordinator admitted it (waits
+//! for the record: the store's timeout).
+template <store S>
+growth read_growth(S& st, std::uint64_t epoch) {
+  const std::string key = detail::join_key(std::to_string(epoch) + "/grow");
+  return detail::decode_growth(st.get(key), key);
+}
+
+}  // namespace lockstep
