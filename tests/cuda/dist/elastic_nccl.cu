@@ -15,6 +15,10 @@
 //   the job is back at its size and ends where a CPU run that switched rank counts at both
 //   steps ends; the replacement prints how long from its start to its first applied step.
 //   Steps take --step-ms (with --rejoin 100 ms) so that it arrives before the end.
+//   --time N  no failure: the steady step of a larger MLP (1024-1024-1024-10, batch 64 per rank)
+//   timed over N steps with plain DataParallel and with the same loop through
+//   ElasticGroup::attempt and commit() (a host wait and an 8-byte all-reduce per step),
+//   alternated twice; rank 0 prints both and the difference ("elastic step overhead").
 // Inputs are random, drawn by rank 0 for each run. "[lockstep-skip]" with too few GPUs.
 #include <signal.h>
 #include <unistd.h>
@@ -61,13 +65,74 @@ std::string kill_stamp_path() {
   std::abort();
 }
 
+// --time: ms per step of plain DataParallel and of the elastic loop (attempt + commit).
+void time_elastic_step(lockstep::context<lockstep::NcclComm>& ctx, int n) {
+  const std::vector<int> dims{1024, 1024, 1024, 10};
+  const int batch = 64, samples = 4096;
+  std::mt19937_64 rng(7);
+  const auto X = random_vector<float>(static_cast<std::size_t>(samples) * dims[0], rng, -1, 1);
+  std::vector<int> y(samples), rows(batch);
+  for (auto& v : y) v = static_cast<int>(rng() % 10);
+  for (int i = 0; i < batch; ++i) rows[static_cast<std::size_t>(i)] = (ctx.rank() * batch + i) % samples;
+  cudaStream_t st = ctx.comm().compute_stream();
+  TestMlp<float> init(dims, 11);
+  std::vector<std::vector<float>> values;
+  for (auto& p : init.parameters()) {
+    auto v = p.value_as<float>();
+    values.emplace_back(v.begin(), v.end());
+  }
+  GpuMlp m(dims, values, st);
+  float* dX = nullptr;
+  int *dy = nullptr, *drows = nullptr;
+  LOCKSTEP_TRY_CUDA(cudaMalloc(&dX, X.size() * sizeof(float)));
+  LOCKSTEP_TRY_CUDA(cudaMalloc(&dy, y.size() * sizeof(int)));
+  LOCKSTEP_TRY_CUDA(cudaMalloc(&drows, rows.size() * sizeof(int)));
+  LOCKSTEP_TRY_CUDA(cudaMemcpy(dX, X.data(), X.size() * sizeof(float), cudaMemcpyHostToDevice));
+  LOCKSTEP_TRY_CUDA(cudaMemcpy(dy, y.data(), y.size() * sizeof(int), cudaMemcpyHostToDevice));
+  LOCKSTEP_TRY_CUDA(cudaMemcpy(drows, rows.data(), rows.size() * sizeof(int), cudaMemcpyHostToDevice));
+  lockstep::ElasticGroup group(ctx, {.min_ranks = 1});
+  using DP = lockstep::DataParallel<GpuMlp, lockstep::NcclComm>;
+  const auto one = [&](DP& dp, bool elastic) {
+    auto step = dp.step();
+    m.forward_backward(dX, dy, drows, batch, step.on_gradient_ready());
+    if (step.finish()) {
+      if (elastic) group.commit();
+      m.sgd(0.01f);
+    }
+  };
+  double ms[2] = {1e30, 1e30};
+  for (int round = 0; round < 4; ++round) {
+    const bool elastic = round % 2 == 1;
+    std::optional<DP> dp(std::in_place, group.comm(), m);
+    for (int s = 0; s < 20; ++s) one(*dp, false);  // warm-up
+    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(st));
+    ctx.comm().barrier();
+    const auto t0 = clk::now();
+    for (int s = 0; s < n; ++s) {
+      if (elastic) (void)group.attempt([&] { one(*dp, true); });
+      else one(*dp, false);
+    }
+    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(st));
+    const double t = std::chrono::duration<double, std::milli>(clk::now() - t0).count() / n;
+    ms[elastic] = std::min(ms[elastic], t);
+  }
+  if (ctx.rank() == 0)
+    std::printf("steady step (MLP 1024-1024-1024-10, batch %d per rank, %d ranks, best of 2 x %d steps): plain "
+                "DataParallel %.4f ms, through ElasticGroup (attempt + commit) %.4f ms; elastic step overhead %.4f ms "
+                "(%.1f %%)\n",
+                batch, ctx.size(), n, ms[0], ms[1], ms[1] - ms[0], 100.0 * (ms[1] - ms[0]) / ms[0]);
+  cudaFree(dX);
+  cudaFree(dy);
+  cudaFree(drows);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const auto started = clk::now();
   try {
     std::string phase = "backward";
-    int at = 3, steps = 8, step_ms = -1;
+    int at = 3, steps = 8, step_ms = -1, time_steps = 0;
     bool rejoin = false;
     std::set<int> victims;
     for (int i = 1; i < argc; ++i) {
@@ -78,6 +143,7 @@ int main(int argc, char** argv) {
       else if (a == "--steps" && has) steps = std::atoi(argv[++i]);
       else if (a == "--step-ms" && has) step_ms = std::atoi(argv[++i]);
       else if (a == "--rejoin") rejoin = true;
+      else if (a == "--time" && has) time_steps = std::atoi(argv[++i]);
       else if (a == "--kill" && has) {
         std::stringstream list(argv[++i]);
         for (std::string r; std::getline(list, r, ',');) victims.insert(std::atoi(r.c_str()));
@@ -117,6 +183,11 @@ int main(int argc, char** argv) {
     if (step_ms < 0) step_ms = rejoin ? 100 : 0;
     const char* join_env = std::getenv("LOCKSTEP_ELASTIC_JOIN");
     const bool joiner = join_env && std::string(join_env) == "1";  // a replacement
+    if (time_steps > 0) {
+      lockstep::run(lockstep::Processes{},
+                    [&](lockstep::context<lockstep::NcclComm>& ctx) { time_elastic_step(ctx, time_steps); });
+      return 0;
+    }
     lockstep::run(lockstep::Processes{}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
       const int job_rank = ctx.rank(), world0 = info->world;
       // A fresh seed each run, rank 0's (a replacement gets it with the history, below).
