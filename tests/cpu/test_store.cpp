@@ -337,6 +337,42 @@ TEST_CASE("final_barrier with an abort key: a failure set by a rank ends the oth
     CHECK(got[static_cast<std::size_t>(r)].find("rank 2 failed: deliberately") != std::string::npos);
 }
 
+TEST_CASE("final_barrier_of: rank 0 waits for the members it names only - and times out on a silent one") {
+  // An elastic job's survivors: a random part of the job with rank 0, the others gone.
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
+  const int world = 3 + static_cast<int>(rng() % 4);
+  std::vector<int> members{0};
+  for (int r = 1; r < world; ++r)
+    if (rng() % 2) members.push_back(r);
+  if (members.size() == 1) members.push_back(world - 1);
+  lockstep::HashStore s(world, std::chrono::seconds(30));
+  std::atomic<int> passed{0};
+  std::vector<std::thread> ts;
+  for (int r : members)
+    if (r != 0)
+      ts.emplace_back([&, r] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20 * r));
+        lockstep::final_barrier_of(s, "end", r, members, std::chrono::seconds(5));
+        ++passed;
+      });
+  lockstep::final_barrier_of(s, "end", 0, members, std::chrono::seconds(5));
+  for (int r : members)  // rank 0 returned once every member had said so, and only then
+    if (r != 0) CHECK(s.check({"lockstep/barrier/end/passed/" + std::to_string(r)}));
+  for (auto& t : ts) t.join();
+  CHECK(passed.load() == static_cast<int>(members.size()) - 1);
+  // A member that never comes: rank 0 is told by the timeout, not left waiting.
+  std::vector<int> with_silent = members;
+  if (with_silent.size() < static_cast<std::size_t>(world)) {
+    for (int r = 1; r < world; ++r)
+      if (std::find(members.begin(), members.end(), r) == members.end()) {
+        with_silent.push_back(r);
+        break;
+      }
+    CHECK_THROWS_AS(lockstep::final_barrier_of(s, "end", 0, with_silent, std::chrono::milliseconds(100)),
+                    lockstep::timeout_error);
+  }
+}
+
 TEST_CASE("stores refuse oversized values and keys before sending") {
   lockstep::store_limits lim;
   lim.max_value_bytes = 1000;

@@ -248,29 +248,9 @@ void barrier(S& s, std::string_view name) {
   barrier(s, name, std::chrono::milliseconds(s.timeout()));
 }
 
-//! The job's last barrier, before the process that hosts the store (rank 0 of a TcpStore)
-//! exits. A plain barrier lets its last arriver return while the others may still be on
-//! their way to the server to learn that it is done; if that arriver is the host, they would
-//! find it gone. Here every rank but 0 says it has passed, and rank 0 returns only once all
-//! have: after that nobody needs the store. Each of its two waits is bounded by `timeout`
-//! (rank 0 may take up to twice that). Use each name once: it is the job's last barrier.
-template <store S>
-void final_barrier(S& s, std::string_view name, int rank, std::chrono::milliseconds timeout,
-                   std::string_view abort_key = {}) {
-  barrier(s, name, timeout, abort_key);
-  const std::string base = "lockstep/barrier/" + std::string(name) + "/passed/";
-  if (rank != 0) {
-    static constexpr std::byte one[1] = {std::byte{1}};
-    s.set(base + std::to_string(rank), one);
-    return;
-  }
-  std::vector<std::string> keys;
-  for (int r = 1; r < s.world(); ++r) keys.push_back(base + std::to_string(r));
-  if (!keys.empty()) detail::wait_unless(s, keys, timeout, abort_key);
-}
-//! The same over some ranks of the job only (`members`: job ranks, rank 0 among them as it
-//! hosts the store; an elastic job's survivors): each member but rank 0 says it has passed,
-//! and rank 0 returns once all have (bounded by `timeout`).
+//! final_barrier's second half over some ranks of the job only (`members`: job ranks, rank 0
+//! among them as it hosts the store; an elastic job's survivors, who need no barrier first): each member but rank 0
+//! says it has passed, and rank 0 returns once all have (bounded by `timeout`).
 template <store S>
 void final_barrier_of(S& s, std::string_view name, int rank, std::span<const int> members,
                       std::chrono::milliseconds timeout, std::string_view abort_key = {}) {
@@ -286,6 +266,20 @@ void final_barrier_of(S& s, std::string_view name, int rank, std::span<const int
   if (!keys.empty()) detail::wait_unless(s, keys, timeout, abort_key);
 }
 
+//! The job's last barrier, before the process that hosts the store (rank 0 of a TcpStore)
+//! exits. A plain barrier lets its last arriver return while the others may still be on
+//! their way to the server to learn that it is done; if that arriver is the host, they would
+//! find it gone. Here every rank but 0 says it has passed, and rank 0 returns only once all
+//! have: after that nobody needs the store. Each of its two waits is bounded by `timeout`
+//! (rank 0 may take up to twice that). Use each name once: it is the job's last barrier.
+template <store S>
+void final_barrier(S& s, std::string_view name, int rank, std::chrono::milliseconds timeout,
+                   std::string_view abort_key = {}) {
+  barrier(s, name, timeout, abort_key);
+  std::vector<int> everyone(static_cast<std::size_t>(s.world()));
+  for (int r = 0; r < s.world(); ++r) everyone[static_cast<std::size_t>(r)] = r;
+  final_barrier_of(s, name, rank, everyone, timeout, abort_key);
+}
 template <store S>
 void final_barrier(S& s, std::string_view name, int rank) {
   final_barrier(s, name, rank, std::chrono::milliseconds(s.timeout()));

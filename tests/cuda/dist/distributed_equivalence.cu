@@ -31,6 +31,7 @@
 #include <lockstep/parallel/data_parallel.hpp>
 
 #include "gpu_mlp.cuh"
+#include "launched.hpp"
 #include "mlp.hpp"
 #include "symmetric_sweep.cuh"
 #include "test_util.hpp"
@@ -59,16 +60,11 @@ int main(int argc, char** argv) {
     // What run(Auto) asks first (the GPUs, their properties and peer access): it must leave
     // no CUDA context behind on a GPU this process does not use (checked at the end).
     (void)lockstep::detect();
-    const auto info = lockstep::detect_launcher();
-    if (!info) {
-      std::fprintf(stderr, "distributed_equivalence: start me with lockstep-run or torchrun\n");
-      return 2;
-    }
-    int visible = 0;
-    if (cudaGetDeviceCount(&visible) != cudaSuccess || visible < info->local_world) {
-      std::printf("[lockstep-skip] needs %d GPUs, found %d\n", info->local_world, visible);
-      return 0;
-    }
+    int exit_code = 0;
+    const auto here = launched_on_gpus("distributed_equivalence", "lockstep-run or torchrun", exit_code);
+    if (!here) return exit_code;
+    const auto* info = &here->info;
+    const int visible = here->visible;
     // The same seed everywhere: rank 0's, through the environment the test sets (or fixed).
     const std::uint64_t seed =
         std::getenv("LOCKSTEP_TEST_SEED") ? std::strtoull(std::getenv("LOCKSTEP_TEST_SEED"), nullptr, 10) : 20261126;

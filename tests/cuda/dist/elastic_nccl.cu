@@ -41,6 +41,7 @@
 #include <lockstep/parallel/data_parallel.hpp>
 
 #include "gpu_mlp.cuh"
+#include "launched.hpp"
 #include "mlp.hpp"
 #include "test_util.hpp"
 
@@ -159,16 +160,10 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "elastic_nccl: --phase is forward, backward or update, not '%s'\n", phase.c_str());
       return 2;
     }
-    const auto info = lockstep::detect_launcher();
-    if (!info) {
-      std::fprintf(stderr, "elastic_nccl: start me with lockstep-run --elastic\n");
-      return 2;
-    }
-    int visible = 0;
-    if (cudaGetDeviceCount(&visible) != cudaSuccess || visible < info->local_world) {
-      std::printf("[lockstep-skip] needs %d GPUs, found %d\n", info->local_world, visible);
-      return 0;
-    }
+    int exit_code = 0;
+    const auto here = launched_on_gpus("elastic_nccl", "lockstep-run --elastic", exit_code);
+    if (!here) return exit_code;
+    const auto* info = &here->info;
     if (victims.empty()) victims.insert(info->world - 1);
     if (victims.count(0) || *victims.rbegin() >= info->world || at < 0 || at >= steps) {
       std::fprintf(stderr, "elastic_nccl: --kill names ranks 1..%d (rank 0 hosts the store), --at a step < --steps\n",

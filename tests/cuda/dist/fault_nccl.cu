@@ -17,6 +17,7 @@
 #include <lockstep/lockstep.hpp>
 
 #include "gpu_mlp.cuh"
+#include "launched.hpp"
 #include "mlp.hpp"
 #include "test_util.hpp"
 
@@ -47,16 +48,10 @@ std::vector<std::vector<float>> values_of(TestMlp<float>& m) {
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
-  const auto info = lockstep::detect_launcher();
-  if (!info) {
-    std::fprintf(stderr, "fault_nccl: start me with lockstep-run\n");
-    return 2;
-  }
-  int visible = 0;
-  if (cudaGetDeviceCount(&visible) != cudaSuccess || visible < info->local_world) {
-    std::printf("[lockstep-skip] needs %d GPUs, found %d\n", info->local_world, visible);
-    return 0;
-  }
+  int exit_code = 0;
+  const auto here = lockstep_test::launched_on_gpus("fault_nccl", "lockstep-run", exit_code);
+  if (!here) return exit_code;
+  const auto* info = &here->info;
   const int rank = info->rank;
   try {
     const std::vector<int> dims{8, 8, 8, 8, 8};
