@@ -18,7 +18,8 @@
 //   --time N  no failure: the steady step of a larger MLP (1024-1024-1024-10, batch 64 per rank)
 //   timed over N steps with plain DataParallel and with the same loop through
 //   ElasticGroup::attempt and commit() (a host wait and an 8-byte all-reduce per step),
-//   alternated twice; rank 0 prints both and the difference ("elastic step overhead").
+//   alternated twice; rank 0 prints both and the difference ("elastic step overhead"). Two
+//   or more ranks (the options are checked as for a kill).
 // Inputs are random, drawn by rank 0 for each run. "[lockstep-skip]" with too few GPUs.
 #include <signal.h>
 #include <unistd.h>
