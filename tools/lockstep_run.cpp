@@ -457,6 +457,7 @@ class Launcher {
   const sigset_t* mask_ = nullptr;
   std::vector<int> to_replace_;  // ranks that failed under --elastic and are to be started again
   int replaced_ = 0;
+  bool rank0_ended_ = false;  // rank 0 (the store's host) was reaped
   int restart_ = 0;
   clock_type::time_point began_;
   std::string rank_failure_;
@@ -603,11 +604,13 @@ void Launcher::reap() {
       alive_ = 0;
       return;
     }
-    auto it = std::find_if(ranks_.begin(), ranks_.end(), [&](const Rank& r) { return r.pid == pid; });
+    // Not a reaped one: a replacement may have got a pid an earlier process of its rank had.
+    auto it = std::find_if(ranks_.begin(), ranks_.end(), [&](const Rank& r) { return r.pid == pid && !r.reaped; });
     if (it == ranks_.end()) continue;  // not one of ours (e.g. an adopted process)
     Rank& r = *it;
     r.reaped = true;
     --alive_;
+    if (r.rank == 0) rank0_ended_ = true;
     const bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
     if (!failed || stopping_) continue;  // ranks exiting after we told them to stop are expected
     drain(r);                            // its last words first, then ours
@@ -636,7 +639,8 @@ void Launcher::reap() {
       }
     }
     if (go_on) {
-      const bool replace = replaced_ < opt_.max_restarts;
+      // Not once rank 0 has ended: the job is over, a replacement would wait for nothing.
+      const bool replace = replaced_ < opt_.max_restarts && !rank0_ended_;
       say(what + "; the other ranks go on without it (--elastic)" +
           (replace ? ", and a replacement joins them (restart " + std::to_string(replaced_ + 1) + " of " +
                          std::to_string(opt_.max_restarts) + ")"
@@ -730,6 +734,7 @@ bool Launcher::start_rank(Rank& r, const std::string& path, const std::vector<st
 // environment, told to join the running job (LOCKSTEP_ELASTIC_JOIN=1) as restart k.
 void Launcher::start_replacements(int stdin_fd) {
   for (int rank : std::exchange(to_replace_, {})) {
+    if (rank0_ended_) break;
     std::vector<std::string> env;
     for (const auto& kv : base_env_)
       if (kv.rfind("LOCKSTEP_RESTART_COUNT=", 0) != 0) env.push_back(kv);

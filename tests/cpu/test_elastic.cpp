@@ -25,6 +25,7 @@
 
 #include "lockstep/launch/elastic_join.hpp"
 #include "lockstep/launch/elastic_link.hpp"
+#include "lockstep/launch/membership_watch.hpp"
 #include "lockstep/launch/watchdog.hpp"
 #include "lockstep/store/tcp_store.hpp"
 #include "mlp.hpp"
@@ -822,4 +823,70 @@ TEST_CASE("watchdogs of one membership: the store names each rank gone - a retir
   for (int i = 0; i < 200 && !server.check({key + "/rank 2"}); ++i) std::this_thread::sleep_for(10ms);
   CHECK(server.check({key + "/rank 2"}));
   CHECK_FALSE(server.check({key + "/rank 1"}));
+}
+
+TEST_CASE("growing back: a request that names no job rank is refused - the others are admitted") {
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
+  lockstep::HashStore store(6);
+  const int joiner = 1 + static_cast<int>(rng() % 4);
+  (void)store.add("lockstep.elastic/joins", 1);  // a joiner that died between its number and its rank
+  const auto bad = store.add("lockstep.elastic/joins", 1);
+  store.set("lockstep.elastic/join/" + std::to_string(bad), lockstep::bytes_of("rank?"));
+  const auto good = lockstep::request_join(store, joiner);
+  std::int64_t next = 1;
+  const std::vector<int> members{0, 5};
+  const auto g = lockstep::admit(store, 2, members, next, 9, next);
+  CHECK(g.joined == std::vector<int>{joiner});
+  CHECK(next == good + 1);
+  CHECK(lockstep::await_admission(store, good, joiner, 1s).ranks == g.ranks);
+  for (std::int64_t n : {std::int64_t{1}, bad})
+    CHECK_THROWS_WITH_AS(lockstep::await_admission(store, n, 3, 1s), doctest::Contains("named no job rank"),
+                         lockstep::aborted_error);
+}
+
+// A communicator stand-in for membership_watch: it only records its aborts.
+struct AbortRecorder {
+  std::atomic<int> aborts{0};
+  void abort(const std::string&) { ++aborts; }
+};
+
+TEST_CASE("membership_watch: a peer's failure aborts the communicator in place - the store names who is gone - the "
+          "next membership's watchdog reaches the communicator only once adopted") {
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
+  const int world = 3;
+  const std::string token = "membership-" + std::to_string(rng());
+  lockstep::TcpStore server("127.0.0.1", 0, true, world, token, 10s);
+  const lockstep::watchdog_options o{.timeout = 5s, .period = 20ms, .grace = 0ms};
+  lockstep::growth whole{0, {0, 1, 2}, 0, {}};
+  AbortRecorder comm1, comm2;
+  using Watch = lockstep::membership_watch<AbortRecorder>;
+  auto w1 =
+      std::make_unique<Watch>(server, "127.0.0.1", server.port(), 1, world, token, comm1, Watch::poll_fn{}, o, whole);
+  auto w2 =
+      std::make_unique<Watch>(server, "127.0.0.1", server.port(), 2, world, token, comm2, Watch::poll_fn{}, o, whole);
+  CHECK(w1->start().ranks == whole.ranks);
+  CHECK_THROWS_WITH_AS(w1->start(), doctest::Contains("one ElasticGroup"), lockstep::config_error);
+  w2->report("rank 2 failed: a test");
+  for (int i = 0; i < 300 && (comm1.aborts == 0 || !w1->failure()); ++i) std::this_thread::sleep_for(10ms);
+  CHECK(comm1.aborts == 1);                 // aborted by its watchdog, in place
+  CHECK(w1->gone(0, whole.ranks).empty());  // a report names no rank gone: the process is there
+  w2.reset();                               // rank 2's process ends after its failure: its watch fires
+  std::vector<int> gone;
+  for (int i = 0; i < 300 && gone.empty(); ++i, std::this_thread::sleep_for(10ms)) gone = w1->gone(0, whole.ranks);
+  CHECK(gone == std::vector<int>{2});
+  w1->leave();
+  CHECK(w1->failure() == std::optional<std::string>("rank 2 failed: a test"));  // still said after leave()
+  w1->watch(1, std::vector<int>{0, 1});
+  CHECK(w1->epoch() == 1);
+  CHECK(w1->failure_key() == lockstep::membership_failure_key(1));
+  // A failure of the new membership before adopt(): the communicator being made is not
+  // touched; adopt() aborts it then and says why.
+  server.set(lockstep::membership_failure_key(1), lockstep::bytes_of("rank 0 failed: the next one"));
+  for (int i = 0; i < 300 && !w1->failure(); ++i) std::this_thread::sleep_for(10ms);
+  CHECK(comm1.aborts == 1);
+  const auto why = w1->adopt();
+  REQUIRE(why.has_value());
+  CHECK(*why == "rank 0 failed: the next one");
+  CHECK(comm1.aborts == 2);
+  CHECK_FALSE(server.check({lockstep::membership_failure_key(0) + "/rank 1"}));  // rank 1 left membership 0 cleanly
 }

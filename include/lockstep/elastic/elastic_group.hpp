@@ -108,12 +108,16 @@ class ElasticGroup {
   //! whether a replacement asked to join (the coordinator's word, in one small all-reduce, so
   //! that all see it at the same step): the next attempt() then admits it (below).
   void commit() {
+    std::int64_t want[1] = {0};
     if (link_) {
-      std::int64_t want[1] = {now_.rank == 0 && joiner_waiting() ? 1 : 0};
+      want[0] = now_.rank == 0 && joiner_waiting() ? 1 : 0;
       detail::host_all_reduce(*comm_, std::span<std::int64_t>(want), reduce_op::max);
-      grow_ = want[0] != 0;
     }
     if constexpr (requires { comm_->synchronize(); }) comm_->synchronize();
+    // Only a commit that passed says "grow": one that threw leads to a change instead, on
+    // every member (a member whose all-reduce completed but whose wait threw must not grow
+    // while the others shrink).
+    grow_ = want[0] != 0;
   }
 
   //! Runs after each change, in the order given, once the new communicator exists: rebuild
@@ -200,6 +204,7 @@ class ElasticGroup {
     c.after.rank = static_cast<int>(std::find(g.ranks.begin(), g.ranks.end(), now_.job_rank()) - g.ranks.begin());
     c.joined = g.joined;
     c.steps = g.steps;
+    steps_ = g.steps;
     // The membership is the grown one from here on, also when a rank fails before the new
     // communicator exists: the survivors then agree under this epoch, the joiner among them.
     now_ = c.after;
@@ -225,6 +230,7 @@ class ElasticGroup {
   }
 
   membership_change change() {
+    grow_ = false;  // a joiner still waiting is seen again at a later commit()
     if (link_) link_->leave();
     auto gone_now = [this] {
       std::vector<int> gone;

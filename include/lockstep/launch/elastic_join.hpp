@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -62,6 +63,12 @@ inline growth decode_growth(std::span<const std::byte> bytes, const std::string&
     for (std::uint64_t i = 0; i < n; ++i) list->push_back(static_cast<int>(r.read<std::int64_t>()));
   }
   return g;
+}
+
+//! The job rank a join request names: a whole number from 0, else nothing.
+inline std::optional<int> job_rank_of(const std::string& text) {
+  if (text.empty() || text.size() > 9 || text.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
+  return std::stoi(text);
 }
 
 }  // namespace detail
@@ -114,7 +121,20 @@ growth admit(S& st, std::uint64_t epoch, std::span<const int> ranks, std::int64_
   const std::int64_t last = joins_requested(st);
   std::vector<std::pair<std::int64_t, std::string>> answers;
   for (std::int64_t n = first; n <= last; ++n) {
-    const int r = std::stoi(string_of(st.get(detail::join_key("join/" + std::to_string(n)))));
+    // The joiner sets its rank right after taking the number; one that died in between, or
+    // wrote something else, is refused (it is not there to read it) instead of stopping here.
+    const std::string key = detail::join_key("join/" + std::to_string(n));
+    std::optional<int> asked;
+    try {
+      st.wait({key}, std::chrono::seconds(2));
+      asked = detail::job_rank_of(string_of(st.get(key)));
+    } catch (const timeout_error&) {
+    }
+    if (!asked) {
+      answers.emplace_back(n, "refused: request " + std::to_string(n) + " named no job rank within 2 s");
+      continue;
+    }
+    const int r = *asked;
     const bool member = std::find(g.ranks.begin(), g.ranks.end(), r) != g.ranks.end();
     if (member)
       answers.emplace_back(

@@ -42,8 +42,9 @@ class elastic_link {
   //! The failure that released the communicator (the watchdog's text), if one was seen.
   virtual std::optional<std::string> failure() const = 0;
   //! The membership this process started in: the whole job (epoch 0, no steps), or for a
-  //! replacement the one it was admitted to.
-  virtual growth start() const = 0;
+  //! replacement the one it was admitted to. For the one ElasticGroup of the run: a second
+  //! call throws config_error (a second group would start from a membership long changed).
+  virtual growth start() = 0;
 };
 
 //! The key a membership's watchdogs watch: the job's failure key for the first membership (a

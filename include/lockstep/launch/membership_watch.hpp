@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "lockstep/core/error.hpp"
 #include "lockstep/launch/elastic_link.hpp"
 #include "lockstep/launch/watchdog.hpp"
 #include "lockstep/store/tcp_store.hpp"
@@ -97,7 +98,12 @@ class membership_watch final : public elastic_link {
     begin();
   }
 
-  growth start() const override { return first_; }
+  growth start() override {
+    if (std::exchange(started_, true))
+      throw config_error("ElasticGroup: run(Processes) lends its store and watchdogs to one ElasticGroup; build "
+                         "one for the run and keep it for the whole loop");
+    return first_;
+  }
 
   std::optional<std::string> adopt() override {
     std::lock_guard lk(m_);
@@ -139,6 +145,7 @@ class membership_watch final : public elastic_link {
   std::optional<Watchdog> dog_;
   std::optional<std::string> last_;
   growth first_;
+  bool started_ = false;  // start() was called: an ElasticGroup took the link
   std::uint64_t epoch_ = 0;
   std::vector<int> members_;
 };
