@@ -867,12 +867,14 @@ TEST_CASE("membership_watch: a peer's failure aborts the communicator in place -
   CHECK(w1->start().ranks == whole.ranks);
   CHECK_THROWS_WITH_AS(w1->start(), doctest::Contains("one ElasticGroup"), lockstep::config_error);
   w2->report("rank 2 failed: a test");
-  for (int i = 0; i < 300 && (comm1.aborts == 0 || !w1->failure()); ++i) std::this_thread::sleep_for(10ms);
+  for (int i = 0; i < 300 && (comm1.aborts == 0 || !w1->failure() || !w2->failure()); ++i)
+    std::this_thread::sleep_for(10ms);
   CHECK(comm1.aborts == 1);                 // aborted by its watchdog, in place
   CHECK(w1->gone(0, whole.ranks).empty());  // a report names no rank gone: the process is there
   w2.reset();                               // rank 2's process ends after its failure: its watch fires
   std::vector<int> gone;
   for (int i = 0; i < 300 && gone.empty(); ++i, std::this_thread::sleep_for(10ms)) gone = w1->gone(0, whole.ranks);
+  CAPTURE(lockstep::detail::rank_list(gone));
   CHECK(gone == std::vector<int>{2});
   w1->leave();
   CHECK(w1->failure() == std::optional<std::string>("rank 2 failed: a test"));  // still said after leave()
@@ -889,4 +891,26 @@ TEST_CASE("membership_watch: a peer's failure aborts the communicator in place -
   CHECK(*why == "rank 0 failed: the next one");
   CHECK(comm1.aborts == 2);
   CHECK_FALSE(server.check({lockstep::membership_failure_key(0) + "/rank 1"}));  // rank 1 left membership 0 cleanly
+}
+
+TEST_CASE("membership_watch: a communicator never made (a member lost while the group changed) is reported after "
+          "the timeout - not waited for") {
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
+  const std::string token = "made-" + std::to_string(rng());
+  lockstep::TcpStore server("127.0.0.1", 0, true, 2, token, 10s);
+  const auto limit = std::chrono::milliseconds(200 + rng() % 300);
+  const lockstep::watchdog_options o{.timeout = limit, .period = 20ms, .grace = 0ms};
+  AbortRecorder comm;
+  using Watch = lockstep::membership_watch<AbortRecorder>;
+  Watch w(server, "127.0.0.1", server.port(), 1, 2, token, comm, Watch::poll_fn{}, o, {0, {0, 1}, 0, {}});
+  w.leave();
+  const auto t0 = std::chrono::steady_clock::now();
+  w.watch(1, std::vector<int>{0, 1});  // and no adopt(): the communicator is never made
+  for (int i = 0; i < 500 && !w.failure(); ++i) std::this_thread::sleep_for(10ms);
+  const auto took = std::chrono::steady_clock::now() - t0;
+  REQUIRE(w.failure().has_value());
+  CHECK(w.failure()->find("was not made within") != std::string::npos);
+  CHECK(took >= limit);
+  CHECK(lockstep::string_of(server.get(lockstep::membership_failure_key(1))) == *w.failure());  // the others hear it
+  CHECK(comm.aborts == 0);
 }

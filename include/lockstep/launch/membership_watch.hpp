@@ -117,18 +117,36 @@ class membership_watch final : public elastic_link {
   void begin() {
     watchdog_options o = opt_;
     o.key = membership_failure_key(epoch_);
+    // Until adopt(), the members are making the membership's communicator, which waits for
+    // every one of them (ncclCommInitRank cannot be interrupted). A member that died before it
+    // watched this membership is named by no key: past the timeout this rank reports the
+    // communicator not made, and every member's watchdog then ends its process after the grace
+    // instead of leaving it waiting for ever.
+    const auto made_by = std::chrono::steady_clock::now() + opt_.timeout;
     dog_.emplace(
         host_, port_, rank_, world_, token_,
         [this](const std::string& why) {
           std::lock_guard lk(m_);
           if (ready_) comm_.abort(why);
         },
-        [this]() -> std::optional<std::string> {
+        [this, made_by]() -> std::optional<std::string> {
           std::lock_guard lk(m_);
-          if (!ready_ || !poll_) return std::nullopt;
+          if (!ready_) {
+            if (std::chrono::steady_clock::now() < made_by) return std::nullopt;
+            return "rank " + std::to_string(rank_) + ": the communicator of membership " + std::to_string(epoch_) +
+                   " (job ranks " + list(members_) + ") was not made within " + detail::seconds_text(opt_.timeout) +
+                   ": a member never joined it (lost while the group changed?)";
+          }
+          if (!poll_) return std::nullopt;
           return poll_(comm_, *dog_);
         },
         o);
+  }
+
+  static std::string list(const std::vector<int>& ranks) {
+    std::string s;
+    for (int r : ranks) s += (s.empty() ? "" : ", ") + std::to_string(r);
+    return s;
   }
 
   TcpStore& store_;
