@@ -721,7 +721,6 @@ TEST_CASE("going on with fewer ranks: the same global batch by more micro-steps 
                        lockstep::config_error);
   CHECK(lockstep::lr_for_rank_change(0.3, change(4, 3)) == doctest::Approx(0.225));
 }
-}  // TEST_SUITE
 
 // ---- growing back and run(Processes)'s parts, on CPU ---------------------------------------
 
@@ -914,3 +913,4 @@ TEST_CASE("membership_watch: a communicator never made (a member lost while the 
   CHECK(lockstep::string_of(server.get(lockstep::membership_failure_key(1))) == *w.failure());  // the others hear it
   CHECK(comm.aborts == 0);
 }
+}  // TEST_SUITE
