@@ -81,8 +81,8 @@ options:
 Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT,
 and LOCKSTEP_RANK, LOCKSTEP_LOCAL_RANK, LOCKSTEP_WORLD_SIZE, LOCKSTEP_LOCAL_WORLD_SIZE,
 LOCKSTEP_MASTER_ADDR, LOCKSTEP_MASTER_PORT, LOCKSTEP_JOB_TOKEN, LOCKSTEP_LAUNCHER=lockstep-run;
-LOCKSTEP_RESTART_COUNT (and LOCKSTEP_ELASTIC_JOIN=1 for an --elastic replacement); the rest of the environment (NCCL_NVLS_ENABLE included) is passed on
-unchanged. The job token is drawn afresh (16 random bytes) for every launch and is the run's id:
+LOCKSTEP_RESTART_COUNT (and LOCKSTEP_ELASTIC_JOIN=1 for an --elastic replacement); the rest of
+the environment (NCCL_NVLS_ENABLE included) is passed on unchanged. The job token is drawn afresh (16 random bytes) for every launch and is the run's id:
 lockstep's store refuses a process of an earlier launch that still reaches the same --master-port.
 Output lines are prefixed "[RANK] " (stdout to stdout, stderr to stderr).
 
