@@ -82,8 +82,9 @@ Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0
 and LOCKSTEP_RANK, LOCKSTEP_LOCAL_RANK, LOCKSTEP_WORLD_SIZE, LOCKSTEP_LOCAL_WORLD_SIZE,
 LOCKSTEP_MASTER_ADDR, LOCKSTEP_MASTER_PORT, LOCKSTEP_JOB_TOKEN, LOCKSTEP_LAUNCHER=lockstep-run;
 LOCKSTEP_RESTART_COUNT (and LOCKSTEP_ELASTIC_JOIN=1 for an --elastic replacement); the rest of
-the environment (NCCL_NVLS_ENABLE included) is passed on unchanged. The job token is drawn afresh (16 random bytes) for every launch and is the run's id:
-lockstep's store refuses a process of an earlier launch that still reaches the same --master-port.
+the environment (NCCL_NVLS_ENABLE included) is passed on unchanged. The job token is drawn afresh
+(16 random bytes) for every launch and is the run's id: lockstep's store refuses a process of an
+earlier launch that still reaches the same --master-port.
 Output lines are prefixed "[RANK] " (stdout to stdout, stderr to stderr).
 
 interactive: `lockstep-run PROGRAM [ARGS...]` with no option, stdin a terminal, asks how to run
@@ -93,9 +94,9 @@ The answer to the last reaches the program as LOCKSTEP_LR_SCALING=linear|sqrt (l
 lr_scaling_from_env() reads it). It never asks when stdin is not a terminal, nor with
 LOCKSTEP_NO_PROMPT=1.
 
-exit status: 0 when every rank exits 0 (in the last launch; with --elastic, when rank 0 does); the failing rank's exit code, or
-128+signal when it was killed; 128+signal when lockstep-run was interrupted; 124 on --timeout;
-2 for usage errors; 127 when PROGRAM cannot be found or run.
+exit status: 0 when every rank exits 0 (in the last launch; with --elastic, when rank 0 does);
+the failing rank's exit code, or 128+signal when it was killed; 128+signal when lockstep-run was
+interrupted; 124 on --timeout; 2 for usage errors; 127 when PROGRAM cannot be found or run.
 )";
 
 // ---------------------------------------------------------------------------------------------
