@@ -118,7 +118,8 @@ struct job {
   // ShardedOptimizer with lockstep::PeerCopy (a snapshot every `peer_copy_every` steps; 0: none):
   // a lost shard comes from the rank before it, or, when that is lost too, from the checkpoint.
   std::int64_t peer_copy_every = 0;
-  int flaky_shift_rank = -1;  // with FlakyComm: the rank whose snapshot at the deaths' step fails after its shift
+  int flaky_shift_rank = -1;   // with FlakyComm: the rank whose snapshot at the deaths' step fails after its shift
+  bool flaky_regroup = false;  // with FlakyComm: every rank's first regroup fails
   std::vector<double> X;
   std::vector<int> y;
 };
@@ -133,6 +134,11 @@ struct rank_killed : std::runtime_error {
 struct flaky_shift {
   static inline thread_local bool now = false;
 };
+// And whose regroup() fails once on a rank that set flaky_regroup::now, before it makes
+// anything (as ncclCommInitRank can fail on every member: the survivors change again).
+struct flaky_regroup {
+  static inline thread_local bool now = false;
+};
 class FlakyComm : public lockstep::ThreadComm {
  public:
   explicit FlakyComm(lockstep::ThreadComm c) : ThreadComm(std::move(c)) {}
@@ -142,6 +148,9 @@ class FlakyComm : public lockstep::ThreadComm {
     return w;
   }
   FlakyComm regroup(std::uint64_t change, std::span<const int> members) {
+    if (std::exchange(flaky_regroup::now, false))
+      throw lockstep::aborted_error("FlakyComm: the communicator of change " + std::to_string(change) +
+                                    " could not be made");
     return FlakyComm(ThreadComm::regroup(change, members));
   }
 };
@@ -194,6 +203,7 @@ trained train(const job& j, int world, const deaths& d, std::int64_t stop_at = -
   while (dead.count(first_survivor)) ++first_survivor;
   auto body = [&](lockstep::context<lockstep::ThreadComm>& ctx) {
     TestMlp<double> m(j.dims, j.seed);
+    flaky_regroup::now = j.flaky_regroup;
     lockstep::ElasticGroup group(Comm(ctx.comm()), store, {.settle = 5s});  // failed ranks are named: no settling
     std::optional<DP> dp;
     int micro_steps = j.accumulate;
@@ -400,6 +410,32 @@ TEST_CASE("ranks die mid-step: the survivors shrink - redo the step - and end bi
     CHECK(elastic.params == switched.params);  // bit for bit
     CHECK(lockstep_test::max_rel_diff(elastic.params, TestMlp<double>(j.dims, j.seed).flat_values()) > 1e-3);
   }
+}
+
+TEST_CASE("the survivors' new communicator fails to be made - they change again and end bit for bit where a switch "
+          "of rank counts at that step ends") {
+  fresh_job f("elastic-regroup");
+  auto& [j, rng, dir, ck] = f;
+  CAPTURE(j.seed);
+  j.flaky_regroup = true;  // every rank's first regroup throws
+  const int world = 3 + static_cast<int>(rng() % 2);
+  const int victim = 1 + static_cast<int>(rng() % static_cast<std::uint64_t>(world - 1));
+  const deaths d{.ranks = {victim}, .step = 2 + static_cast<std::int64_t>(rng() % 8), .phase = 0};
+  CAPTURE(world);
+  CAPTURE(victim);
+  CAPTURE(d.step);
+  const trained elastic = train<false, FlakyComm>(j, world, d);
+  REQUIRE(elastic.seen.size() == 2u);
+  CHECK(elastic.seen[0].gone == std::vector<int>{victim});
+  CHECK(elastic.seen[1].gone.empty());  // nobody else was lost: the same survivors, a new epoch
+  CHECK(elastic.seen[1].before.ranks == elastic.seen[0].after.ranks);
+  CHECK(elastic.seen[1].after.ranks == elastic.seen[0].after.ranks);
+  CHECK(elastic.seen[1].after.epoch == 2u);
+  j.flaky_regroup = false;
+  train(j, world, {}, d.step, &ck);
+  const trained switched = train(j, world - 1, {}, -1, nullptr, &ck);
+  CHECK(elastic.params == switched.params);  // bit for bit
+  CHECK(lockstep_test::max_rel_diff(elastic.params, TestMlp<double>(j.dims, j.seed).flat_values()) > 1e-3);
 }
 
 TEST_CASE("ranks die mid-cycle with accumulation: the survivors keep the global batch by more micro-steps - and "

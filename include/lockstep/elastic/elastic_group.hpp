@@ -127,8 +127,8 @@ class ElasticGroup {
   //! Runs step(). When it fails because a peer failed — aborted_error, or any error while this
   //! rank's communicator is aborted (an NCCL call the abort interrupted) — the survivors agree
   //! on who goes on (agree_on_survivors, naming the ranks known gone), the communicator is
-  //! regrouped over them, the on_change callbacks run (a failure while they run changes the
-  //! membership again), and the last change is returned: redo the step. Empty when the step
+  //! regrouped over them, the on_change callbacks run (a failure while the communicator is made or
+  //! while they run changes the membership again), and the last change is returned: redo the step. Empty when the step
   //! completed. Throws aborted_error when this rank cannot go on (too few ranks, out of the
   //! decision, the coordinator gone, or — processes — the communicator was released but no
   //! rank is gone: a failure of another kind, named); any other exception of the step
@@ -143,10 +143,9 @@ class ElasticGroup {
   std::optional<membership_change> attempt(Step&& step) {
     if (grow_) {
       grow_ = false;
-      std::optional<membership_change> c;
       try {
-        c = grow();
-        for (auto& f : callbacks_) f(*c);
+        membership_change c = grow();
+        enter(c);
         return c;
       } catch (const std::exception& e) {  // a rank failed while the group grew
         if (!released(e)) throw;
@@ -164,17 +163,33 @@ class ElasticGroup {
   }
 
  private:
-  // After a peer's failure: change until a membership's callbacks complete.
+  // After a peer's failure: change until a membership's communicator is made and its callbacks
+  // complete. The decision's own errors (too few ranks, the coordinator gone) propagate.
   membership_change settle() {
     for (;;) {
       membership_change c = change();
       try {
-        for (auto& f : callbacks_) f(c);
+        enter(c);
         return c;
-      } catch (const std::exception& e) {  // another rank failed while this one rebuilt
-        if (!released(e)) throw;
+      } catch (const std::exception& e) {  // a rank failed (or the communicator could not be
+        if (!released(e)) throw;           // made) while this one regrouped or rebuilt
       }
     }
+  }
+
+  // The membership is c.after from here on, also when a rank fails before its communicator
+  // exists (the survivors then agree under its epoch, a joiner among them): its watchdog, its
+  // communicator, then the callbacks.
+  void enter(const membership_change& c) {
+    now_ = c.after;
+    steps_ = c.steps;
+    changes_.push_back(c);
+    if (link_) link_->watch(c.after.epoch, c.after.ranks);
+    regroup(c.after);
+    // A member lost while the communicator was made: it is aborted already, so the callbacks'
+    // first collective (or the redone step's) fails and the survivors change again.
+    if (link_) (void)link_->adopt();
+    for (auto& f : callbacks_) f(c);
   }
 
   // The communicator of membership m: through the store where the communicator needs it.
@@ -192,7 +207,8 @@ class ElasticGroup {
     return joins_requested(*store_) >= next_request_;
   }
 
-  // The coordinator admits what asked to join; every member reads its record; all regroup.
+  // The coordinator admits what asked to join; every member reads its record (enter() makes
+  // the grown membership's communicator).
   membership_change grow() {
     const std::uint64_t epoch = now_.epoch + 1;
     const growth g = now_.rank == 0 ? admit(*store_, epoch, now_.ranks, next_request_, steps_, next_request_)
@@ -204,15 +220,6 @@ class ElasticGroup {
     c.after.rank = static_cast<int>(std::find(g.ranks.begin(), g.ranks.end(), now_.job_rank()) - g.ranks.begin());
     c.joined = g.joined;
     c.steps = g.steps;
-    steps_ = g.steps;
-    // The membership is the grown one from here on, also when a rank fails before the new
-    // communicator exists: the survivors then agree under this epoch, the joiner among them.
-    now_ = c.after;
-    changes_.push_back(c);
-    link_->leave();
-    link_->watch(epoch, g.ranks);
-    regroup(c.after);
-    (void)link_->adopt();
     return c;
   }
 
@@ -244,14 +251,6 @@ class ElasticGroup {
       throw aborted_error("rank " + std::to_string(now_.job_rank()) +
                           ": the communicator was released, but every rank is still there: " + link_failure() +
                           "; this is not a lost rank, so the job cannot go on without it");
-    if (link_) link_->watch(c.after.epoch, c.after.ranks);
-    regroup(c.after);
-    now_ = c.after;
-    steps_ = c.steps;
-    changes_.push_back(c);
-    // A member lost while the communicator was made: it is aborted already, so the callbacks'
-    // first collective (or the redone step's) fails and the survivors change again.
-    if (link_) (void)link_->adopt();
     return c;
   }
 
