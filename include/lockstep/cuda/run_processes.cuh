@@ -26,7 +26,6 @@
 #include <cstdio>
 #include <atomic>
 #include <chrono>
-#include <cstring>
 #include <optional>
 #include <string>
 #include <vector>
@@ -125,18 +124,7 @@ void run(Processes mode, Body&& body) {
     first = await_admission(store, request, info.rank, store.timeout());
     comm.emplace(NcclComm::join(first.epoch, first.ranks, info.rank, device, store));
   } else {
-    ncclUniqueId id{};
-    if (info.rank == 0) {
-      LOCKSTEP_TRY_NCCL(ncclGetUniqueId(&id));
-      store.set("lockstep/nccl_id", std::span<const std::byte>(reinterpret_cast<const std::byte*>(&id), sizeof id));
-    } else {
-      const auto bytes = store.get("lockstep/nccl_id");
-      if (bytes.size() != sizeof id)
-        throw mismatch_error("the NCCL unique id from rank 0 has " + std::to_string(bytes.size()) +
-                             " bytes, expected " + std::to_string(sizeof id) +
-                             ": ranks were built against different NCCL versions");
-      std::memcpy(&id, bytes.data(), sizeof id);
-    }
+    const ncclUniqueId id = detail::shared_nccl_id(store, "lockstep/nccl_id", info.rank == 0, "the job (rank 0's)");
     comm.emplace(id, info.rank, info.world, device);
   }
   // Declared before ctx: after a failure it bounds the teardown, the communicator's included.

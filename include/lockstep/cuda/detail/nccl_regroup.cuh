@@ -36,24 +36,32 @@ inline int regroup_place(int job_rank, std::span<const int> members, std::uint64
   return place;
 }
 
-//! The NCCL id of change `change`'s group: drawn by its first member (place 0) and set in the
-//! store under "lockstep.elastic/<change>/nccl_id"; the others wait for it (the store's timeout).
+//! The NCCL id of a group made through the store `st`: drawn by its first member (`first`)
+//! and set under `key`; the others wait for it there (the store's timeout). `group` names it
+//! in the error.
 template <store S>
-ncclUniqueId regroup_id(S& st, std::uint64_t change, int place) {
-  const std::string key = "lockstep.elastic/" + std::to_string(change) + "/nccl_id";
+ncclUniqueId shared_nccl_id(S& st, const std::string& key, bool first, const std::string& group) {
   ncclUniqueId id{};
-  if (place == 0) {
+  if (first) {
     LOCKSTEP_TRY_NCCL(ncclGetUniqueId(&id));
     st.set(key, std::span<const std::byte>(reinterpret_cast<const std::byte*>(&id), sizeof id));
     return id;
   }
   const auto bytes = st.get(key);
   if (bytes.size() != sizeof id)
-    throw mismatch_error("NcclComm::regroup: the NCCL id of change " + std::to_string(change) + " has " +
-                         std::to_string(bytes.size()) + " bytes, expected " + std::to_string(sizeof id) +
+    throw mismatch_error("the NCCL id of " + group + " (store key " + key + ") has " + std::to_string(bytes.size()) +
+                         " bytes, expected " + std::to_string(sizeof id) +
                          ": the ranks were built against different NCCL versions");
   std::memcpy(&id, bytes.data(), sizeof id);
   return id;
+}
+
+//! The NCCL id of change `change`'s group: drawn by its first member (place 0) and set in the
+//! store under "lockstep.elastic/<change>/nccl_id".
+template <store S>
+ncclUniqueId regroup_id(S& st, std::uint64_t change, int place) {
+  return shared_nccl_id(st, "lockstep.elastic/" + std::to_string(change) + "/nccl_id", place == 0,
+                        "change " + std::to_string(change) + "'s group (NcclComm::regroup)");
 }
 
 //! `next` takes over from `old` what the model and the watchdog rely on: the compute stream
