@@ -17,6 +17,7 @@
 #include <lockstep/cuda.cuh>
 #include <lockstep/lockstep.hpp>
 
+#include "device_vector.cuh"
 #include "gpu_mlp.cuh"
 #include "gpu_test_util.cuh"
 #include "mlp.hpp"
@@ -24,6 +25,7 @@
 
 namespace {
 
+using lockstep_test::device_vector;
 using lockstep_test::GpuMlp;
 using lockstep_test::max_rel_diff;
 using lockstep_test::TestMlp;
@@ -45,19 +47,6 @@ data make_data(std::uint64_t seed) {
   for (std::size_t i = 0; i < d.samples; ++i) d.y.push_back(lab(rng));
   return d;
 }
-
-// A device copy of a host vector, freed with the object.
-template <class T>
-struct device_vector {
-  T* p = nullptr;
-  explicit device_vector(const std::vector<T>& h) {
-    LOCKSTEP_TRY_CUDA(cudaMalloc(&p, h.size() * sizeof(T)));
-    LOCKSTEP_TRY_CUDA(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  ~device_vector() { cudaFree(p); }
-  device_vector(const device_vector&) = delete;
-  device_vector& operator=(const device_vector&) = delete;
-};
 
 std::vector<float> flat(const std::vector<std::vector<float>>& v) {
   std::vector<float> out;

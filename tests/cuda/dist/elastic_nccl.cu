@@ -41,6 +41,7 @@
 #include <lockstep/lockstep.hpp>
 #include <lockstep/parallel/data_parallel.hpp>
 
+#include "device_vector.cuh"
 #include "gpu_mlp.cuh"
 #include "launched.hpp"
 #include "mlp.hpp"
@@ -84,19 +85,13 @@ void time_elastic_step(lockstep::context<lockstep::NcclComm>& ctx, int n) {
     values.emplace_back(v.begin(), v.end());
   }
   GpuMlp m(dims, values, st);
-  float* dX = nullptr;
-  int *dy = nullptr, *drows = nullptr;
-  LOCKSTEP_TRY_CUDA(cudaMalloc(&dX, X.size() * sizeof(float)));
-  LOCKSTEP_TRY_CUDA(cudaMalloc(&dy, y.size() * sizeof(int)));
-  LOCKSTEP_TRY_CUDA(cudaMalloc(&drows, rows.size() * sizeof(int)));
-  LOCKSTEP_TRY_CUDA(cudaMemcpy(dX, X.data(), X.size() * sizeof(float), cudaMemcpyHostToDevice));
-  LOCKSTEP_TRY_CUDA(cudaMemcpy(dy, y.data(), y.size() * sizeof(int), cudaMemcpyHostToDevice));
-  LOCKSTEP_TRY_CUDA(cudaMemcpy(drows, rows.data(), rows.size() * sizeof(int), cudaMemcpyHostToDevice));
+  const device_vector<float> dX(X);
+  const device_vector<int> dy(y), drows(rows);
   lockstep::ElasticGroup group(ctx, {.min_ranks = 1});
   using DP = lockstep::DataParallel<GpuMlp, lockstep::NcclComm>;
   const auto one = [&](DP& dp, bool elastic) {
     auto step = dp.step();
-    m.forward_backward(dX, dy, drows, batch, step.on_gradient_ready());
+    m.forward_backward(dX.p, dy.p, drows.p, batch, step.on_gradient_ready());
     if (step.finish()) {
       if (elastic) group.commit();
       m.sgd(0.01f);
@@ -123,9 +118,6 @@ void time_elastic_step(lockstep::context<lockstep::NcclComm>& ctx, int n) {
                 "DataParallel %.4f ms, through ElasticGroup (attempt + commit) %.4f ms; elastic step overhead %.4f ms "
                 "(%.1f %%)\n",
                 batch, ctx.size(), n, ms[0], ms[1], ms[1] - ms[0], 100.0 * (ms[1] - ms[0]) / ms[0]);
-  cudaFree(dX);
-  cudaFree(dy);
-  cudaFree(drows);
 }
 
 }  // namespace
@@ -205,18 +197,15 @@ int main(int argc, char** argv) {
       GpuMlp m(dims, values, st);
       std::vector<float> X;
       std::vector<int> y(samples);
-      float* dX = nullptr;
-      int *dy = nullptr, *drows = nullptr;
-      LOCKSTEP_TRY_CUDA(cudaMalloc(&dX, samples * dims[0] * sizeof(float)));
-      LOCKSTEP_TRY_CUDA(cudaMalloc(&dy, y.size() * sizeof(int)));
-      LOCKSTEP_TRY_CUDA(cudaMalloc(&drows, batch * sizeof(int)));
+      device_vector<float> dX(static_cast<std::size_t>(samples * dims[0]));
+      device_vector<int> dy(y.size()), drows(static_cast<std::size_t>(batch));
       const auto make_data = [&] {
         std::mt19937_64 rng(seed);
         X = random_vector<float>(samples * dims[0], rng, -2, 2);
         std::uniform_int_distribution<int> lab(0, 9);
         for (auto& v : y) v = lab(rng);
-        LOCKSTEP_TRY_CUDA(cudaMemcpy(dX, X.data(), X.size() * sizeof(float), cudaMemcpyHostToDevice));
-        LOCKSTEP_TRY_CUDA(cudaMemcpy(dy, y.data(), y.size() * sizeof(int), cudaMemcpyHostToDevice));
+        dX.upload(X);
+        dy.upload(y);
       };
       if (!joiner) make_data();
 
@@ -266,7 +255,7 @@ int main(int argc, char** argv) {
         for (int i = 0; i < batch; ++i)
           rows[static_cast<std::size_t>(i)] =
               static_cast<int>((pos + static_cast<std::size_t>(group.rank() * batch + i)) % samples);
-        LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(drows, rows.data(), rows.size() * sizeof(int), cudaMemcpyHostToDevice, st));
+        drows.upload(rows, st, true);
         LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(st));
         const bool die = !joiner && victims.count(job_rank) && static_cast<int>(s) == at && !died;
         const auto change = group.attempt([&] {
@@ -274,7 +263,7 @@ int main(int argc, char** argv) {
           auto step = dp->step();
           auto ready = step.on_gradient_ready();
           int seen = 0;
-          m.forward_backward(dX, dy, drows, batch, [&](std::size_t i) {
+          m.forward_backward(dX.p, dy.p, drows.p, batch, [&](std::size_t i) {
             ready(i);
             if (die && phase == "backward" && ++seen == 2) die_now(job_rank, "backward");
           });
@@ -364,9 +353,6 @@ int main(int argc, char** argv) {
       failed[0] = failures;
       lockstep::all_reduce_scalars(group.comm(), std::span<double>(failed), lockstep::reduce_op::sum);
       failures = static_cast<int>(failed[0]);
-      cudaFree(dX);
-      cudaFree(dy);
-      cudaFree(drows);
     });
     if (info->rank == 0) {
       std::remove(kill_stamp_path().c_str());

@@ -16,6 +16,7 @@
 #include <lockstep/cuda.cuh>
 #include <lockstep/lockstep.hpp>
 
+#include "device_vector.cuh"
 #include "gpu_mlp.cuh"
 #include "launched.hpp"
 #include "mlp.hpp"
@@ -61,20 +62,14 @@ int main(int argc, char** argv) {
     const std::vector<int> y{0, 1, 2, 3, 4, 5, 6, 7}, rows{0, 1, 2, 3};
     lockstep::run(lockstep::Processes{}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
       cudaStream_t s = ctx.comm().compute_stream();
-      float* dX = nullptr;
-      int *dy = nullptr, *drows = nullptr;
-      LOCKSTEP_TRY_CUDA(cudaMalloc(&dX, X.size() * sizeof(float)));
-      LOCKSTEP_TRY_CUDA(cudaMalloc(&dy, y.size() * sizeof(int)));
-      LOCKSTEP_TRY_CUDA(cudaMalloc(&drows, rows.size() * sizeof(int)));
-      LOCKSTEP_TRY_CUDA(cudaMemcpy(dX, X.data(), X.size() * sizeof(float), cudaMemcpyHostToDevice));
-      LOCKSTEP_TRY_CUDA(cudaMemcpy(dy, y.data(), y.size() * sizeof(int), cudaMemcpyHostToDevice));
-      LOCKSTEP_TRY_CUDA(cudaMemcpy(drows, rows.data(), rows.size() * sizeof(int), cudaMemcpyHostToDevice));
+      const lockstep_test::device_vector<float> dX(X);
+      const lockstep_test::device_vector<int> dy(y), drows(rows);
       TestMlp<float> init(dims, 7);
       std::optional<GpuMlp> m(std::in_place, dims, values_of(init), s);
       const auto train = [&](auto& dp, int steps, auto&& before_ready) {
         for (int k = 0; k < steps; ++k) {
           auto st = dp.step();
-          m->forward_backward(dX, dy, drows, 4, [&](std::size_t i) {
+          m->forward_backward(dX.p, dy.p, drows.p, 4, [&](std::size_t i) {
             before_ready(i);
             st.on_gradient_ready()(i);
           });
@@ -92,7 +87,7 @@ int main(int argc, char** argv) {
         for (int k = 0; k < 200; ++k) {
           auto st = dp.step();
           const auto params = dp.parameters();
-          m->forward_backward(dX, dy, drows, 4, [&](std::size_t i) {
+          m->forward_backward(dX.p, dy.p, drows.p, 4, [&](std::size_t i) {
             if (ctx.rank() == 1 && i == 0) poison<<<1, 1, 0, s>>>(static_cast<float*>(params[0].grad));
             st.on_gradient_ready()(i);
           });
