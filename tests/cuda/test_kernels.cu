@@ -609,6 +609,26 @@ double opt_tol() {
 
 double rel_err(double got, double want) { return std::abs(got - want) / std::max(1.0, std::abs(want)); }
 
+//! A host copy of gpu's state image, read by another optimizer of the same options (never
+//! stepped, over parameters of the same shapes), gives what gpu.save() writes, byte for byte;
+//! an image of other shapes is refused.
+template <class Rule, class T>
+void check_image(const lockstep::FusedOptimizer<Rule>& gpu, const typename Rule::options& o, const OptWorld<T>& w) {
+  LOCKSTEP_TRY_CUDA(cudaDeviceSynchronize());
+  const auto img = gpu.state_image();
+  std::vector<std::byte> host(img.size());
+  LOCKSTEP_TRY_CUDA(cudaMemcpy(host.data(), img.data(), img.size(), cudaMemcpyDeviceToHost));
+  std::vector<lockstep::param_shape> shapes;
+  for (const auto& p : w.params()) shapes.push_back({p.numel(), p.type});
+  const lockstep::FusedOptimizer<Rule> other(o, w.params());
+  lockstep::byte_writer bw;
+  other.save_image(shapes, host, bw);
+  CHECK(std::move(bw).release() == lockstep::to_bytes(gpu));
+  for (int k = 0; k < 40; ++k) shapes.push_back({1000, dt<T>()});  // (40 more step counters: 320 bytes)
+  lockstep::byte_writer bad;
+  CHECK_THROWS_AS(other.save_image(shapes, host, bad), lockstep::checkpoint_error);
+}
+
 //! Fused (rule R, parameters of T) against the host optimizer on A copies over `steps` steps,
 //! some skipped through the device flag: parameters, masters and every state buffer agree
 //! (within opt_tol: AdamW's pow differs in the last bit between host and device libraries),
@@ -657,6 +677,7 @@ void check_rule(std::mt19937_64& rng, const typename Cpu::options_type& o, int s
       }
       w.step_cpu(cpu, hg, skip);
       taken += skip ? 0 : 1;
+      check_image(gpu, o, w);  // (also after a skipped first step: masters filled, counters 0)
     }
     const auto blob = lockstep::to_bytes(gpu);
     const auto parsed = lockstep::test::parse_blob(blob, Rule::saves_step);

@@ -77,6 +77,14 @@ struct param_slice {
   void* grad = nullptr;   //!< grad + offset
 };
 
+//! A parameter's element count and type: what an optimizer's state layout depends on
+//! (FusedOptimizer::save_image).
+struct param_shape {
+  std::size_t numel = 0;
+  dtype type = dtype::f32;
+  bool operator==(const param_shape&) const = default;
+};
+
 //! Builds a parameter from raw pointers. shape's product is the element count.
 template <element T>
 parameter param(std::string name, T* value, T* grad, std::vector<std::int64_t> shape) {

@@ -80,6 +80,17 @@ class FusedOptimizer : public detail::rule_options<Rule> {
   const std::int64_t* device_steps() const noexcept { return st_.counters(); }
   //! Device memory the state takes, in bytes.
   std::size_t state_bytes() const noexcept { return st_.bytes(); }
+  //! The whole state where it lies — one allocation of device(): step counters, the rate,
+  //! the state buffers, the masters — for a copy without save()'s synchronisation (PeerCopy
+  //! copies it on the stream of the steps). load() moves it: take it afresh each time.
+  std::span<const std::byte> state_image() const noexcept { return st_.image(); }
+  //! What save() writes of an optimizer of this rule and options built over parameters of
+  //! `shapes`, read from a host copy of that optimizer's state_image() (its steps, state
+  //! buffers and masters are all in it). checkpoint_error if the image's size does not fit.
+  void save_image(std::span<const param_shape> shapes, std::span<const std::byte> image, byte_writer& w) const {
+    detail::fused_state layout(shapes, Rule::fused_name);
+    layout.template save_image<Rule>(w, opt_, image);
+  }
 
   //! For learning-rate schedules: takes effect at the next step. The update kernels read the
   //! rate from device memory, so a step captured in a CUDA graph (StepGraph) replays with the
@@ -161,6 +172,7 @@ using FusedSgd = FusedOptimizer<SgdRule>;
 using FusedAdamW = FusedOptimizer<AdamWRule>;
 
 static_assert(serializable<FusedSgd> && serializable<FusedAdamW>);
+static_assert(imaged_optimizer<FusedSgd> && imaged_optimizer<FusedAdamW>);
 
 // The names of 0.2.0 (docs/design.md, "Namespaces": public CUDA types are lockstep::'s).
 namespace cuda {

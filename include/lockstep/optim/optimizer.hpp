@@ -115,6 +115,18 @@ concept optimizer_rule = std::is_trivially_copyable_v<typename R::options> &&
                            { o.lr } -> std::convertible_to<double>;
                          };
 
+//! An optimizer whose whole state lies in one buffer of its memory space, so that a copy of
+//! it needs no synchronisation (FusedSgd, FusedAdamW): `state_image()` that buffer, and
+//! `save_image(shapes, host_copy, w)` what save() writes of an optimizer like this one built
+//! over parameters of `shapes`, read from a host copy of its state_image(). PeerCopy keeps
+//! such a state by a copy on the stream of the steps instead of save().
+template <class O>
+concept imaged_optimizer = serializable<O> && requires(const O& o, std::span<const param_shape> s,
+                                                       std::span<const std::byte> b, byte_writer& w) {
+  { o.state_image() } -> std::convertible_to<std::span<const std::byte>>;
+  o.save_image(s, b, w);
+};
+
 namespace detail {
 
 //! One slot's header in the checkpoint layout (see the file comment).

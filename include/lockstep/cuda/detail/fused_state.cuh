@@ -49,17 +49,12 @@ class fused_state {
   fused_state(const std::vector<parameter>& params, int device, const char* who) : who_(who) {
     if (device < 0) LOCKSTEP_TRY_CUDA(cudaGetDevice(&device));
     device_ = device;
-    for (const auto& p : params) {
-      if (!is_floating(p.type))
-        throw config_error(std::string(who) + ": parameter '" + p.name + "' holds " + name_of(p.type) +
-                           " elements; it updates f16, bf16, f32 and f64");
-      meta m;
-      m.numel = p.numel();
-      m.type = p.type;
-      m.has_master = p.type == dtype::f16 || p.type == dtype::bf16;
-      meta_.push_back(m);
-    }
-    master_ready_.assign(meta_.size(), false);
+    for (const auto& p : params) add(p.numel(), p.type, p.name);
+  }
+  //! The layout only (nothing allocated): of an optimizer built over parameters of these
+  //! shapes, whose state_image() save_image() reads.
+  fused_state(std::span<const param_shape> shapes, const char* who) : who_(who) {
+    for (std::size_t i = 0; i < shapes.size(); ++i) add(shapes[i].numel, shapes[i].type, "#" + std::to_string(i));
   }
   // One owner per state: a copy would alias the device buffers.
   fused_state(const fused_state&) = delete;
@@ -70,11 +65,21 @@ class fused_state {
   //! (Re)allocates a zeroed arena with `states` (≤ 2) state buffers per parameter, and writes
   //! `lr` to device_lr() before it returns (so a step captured next finds it there).
   void build(int states, double lr) {
+    const std::size_t at = lay_out(states);
+    arena_ = CudaMemory(device_, nullptr).allocate(at);
+    bytes_ = at;
+    std::fill(master_ready_.begin(), master_ready_.end(), false);
+    write_lr_now(lr);
+  }
+  //! The arena's layout for `states` buffers a parameter; returns its bytes.
+  std::size_t lay_out(int states) {
     states_ = states;
     auto align = [](std::size_t b) { return (b + 255) / 256 * 256; };
     std::size_t at = align(meta_.size() * sizeof(std::int64_t));
     lr_off_ = at;  // the learning rate the kernels read (set_lr)
     at += align(sizeof(double));
+    ready_off_ = at;  // per parameter: 1 once its master was filled (so that an image says so)
+    at += align(meta_.size());
     for (auto& m : meta_) {
       const std::size_t bytes = align(m.numel * state_size(m));
       for (int k = 0; k < 2; ++k) {
@@ -84,10 +89,7 @@ class fused_state {
       m.master_off = at;
       if (m.has_master) at += align(m.numel * sizeof(float));
     }
-    arena_ = CudaMemory(device_, nullptr).allocate(at);
-    bytes_ = at;
-    std::fill(master_ready_.begin(), master_ready_.end(), false);
-    write_lr_now(lr);
+    return at;
   }
 
   std::size_t size() const noexcept { return meta_.size(); }
@@ -99,6 +101,10 @@ class fused_state {
   static dtype state_type(const meta& m) { return m.type == dtype::f64 ? dtype::f64 : dtype::f32; }
 
   std::int64_t* counters() const { return static_cast<std::int64_t*>(arena_.get()); }
+  //! The whole arena (device memory).
+  std::span<const std::byte> image() const noexcept {
+    return {static_cast<const std::byte*>(arena_.get()), arena_ ? bytes_ : 0};
+  }
   //! The learning rate the update kernels read (device memory).
   const double* device_lr() const { return reinterpret_cast<const double*>(base() + lr_off_); }
   //! Makes the kernels that s runs next read lr: nothing when device_lr() holds it already
@@ -169,6 +175,7 @@ class fused_state {
               [&](std::size_t) { return cuda::kernels::tensor_ref<2>{{const_cast<void*>(whole), dst}, m.numel}; }, s,
               who_);
         });
+        LOCKSTEP_TRY_CUDA(cudaMemsetAsync(base() + ready_off_ + sl.param, 1, 1, s));
         master_ready_[sl.param] = true;
       }
       if (sl.offset == 0) advance.push_back(counters() + sl.param);
@@ -183,25 +190,22 @@ class fused_state {
   void save(byte_writer& w, const typename Rule::options& o) const {
     lockstep::detail::device_guard g(device_);
     wait_idle();
-    const auto steps = download<std::int64_t>(counters(), meta_.size());
-    const bool masters = any_master();
-    const int states = Rule::states(o);
-    w.write_bytes(masters ? Rule::magic_with_masters : Rule::magic, 8);
-    lockstep::detail::save_options<Rule>(w, o);
-    w.write(static_cast<std::uint64_t>(size()));
-    for (std::size_t i = 0; i < size(); ++i) {
-      const bool has = states > 0 && steps[i] > 0;
-      const meta& m = meta_[i];
-      const lockstep::detail::slot_header head{has, state_type(m), has ? static_cast<std::uint64_t>(m.numel) : 0,
-                                               steps[i]};
-      lockstep::detail::put_slot_header(w, head, Rule::saves_step);
-      if (!has) continue;
-      for (int k = 0; k < states; ++k) {
-        if (m.type == dtype::f64) w.write_elements(std::span<const double>(download<double>(state(i, k, 0), m.numel)));
-        else w.write_elements(std::span<const float>(download<float>(state(i, k, 0), m.numel)));
-      }
-    }
-    if (masters) put_masters(w);
+    write<Rule>(w, o, [&](std::size_t offset, std::size_t bytes, void* dst) {
+      if (bytes) LOCKSTEP_TRY_CUDA(cudaMemcpy(dst, base() + offset, bytes, cudaMemcpyDeviceToHost));
+    });
+  }
+  //! What save() writes, read from `image` (host bytes: a copy of an arena of this layout)
+  //! instead of the device.
+  template <optimizer_rule Rule>
+  void save_image(byte_writer& w, const typename Rule::options& o, std::span<const std::byte> image) {
+    const std::size_t need = lay_out(Rule::states(o));
+    if (image.size() != need)
+      throw checkpoint_error(std::string(who_) + ": a state image of " + std::to_string(image.size()) +
+                             " bytes, but an optimizer over these parameters has " + std::to_string(need) +
+                             "; it was taken of another optimizer (other parameters or options)");
+    write<Rule>(w, o, [&](std::size_t offset, std::size_t bytes, void* dst) {
+      if (bytes) std::memcpy(dst, image.data() + offset, bytes);
+    });
   }
 
   //! Reads what save (or the host optimizer) wrote and returns its options; the state is
@@ -237,6 +241,61 @@ class fused_state {
   }
 
  private:
+  void add(std::size_t numel, dtype type, const std::string& name) {
+    if (!is_floating(type))
+      throw config_error(std::string(who_) + ": parameter '" + name + "' holds " + name_of(type) +
+                         " elements; it updates f16, bf16, f32 and f64");
+    meta m;
+    m.numel = numel;
+    m.type = type;
+    m.has_master = type == dtype::f16 || type == dtype::bf16;
+    meta_.push_back(m);
+    master_ready_.push_back(false);
+  }
+
+  //! The host optimizers' layout, the arena's bytes read through fetch(offset, bytes, dst).
+  template <optimizer_rule Rule, class Fetch>
+  void write(byte_writer& w, const typename Rule::options& o, Fetch&& fetch) const {
+    std::vector<std::int64_t> steps(meta_.size());
+    fetch(0, steps.size() * sizeof(std::int64_t), steps.data());
+    const bool masters = any_master();
+    const int states = Rule::states(o);
+    w.write_bytes(masters ? Rule::magic_with_masters : Rule::magic, 8);
+    lockstep::detail::save_options<Rule>(w, o);
+    w.write(static_cast<std::uint64_t>(size()));
+    for (std::size_t i = 0; i < size(); ++i) {
+      const bool has = states > 0 && steps[i] > 0;
+      const meta& m = meta_[i];
+      const lockstep::detail::slot_header head{has, state_type(m), has ? static_cast<std::uint64_t>(m.numel) : 0,
+                                               steps[i]};
+      lockstep::detail::put_slot_header(w, head, Rule::saves_step);
+      if (!has) continue;
+      for (int k = 0; k < states; ++k) {
+        if (m.type == dtype::f64)
+          w.write_elements(std::span<const double>(fetched<double>(fetch, m.state_off[k], m.numel)));
+        else w.write_elements(std::span<const float>(fetched<float>(fetch, m.state_off[k], m.numel)));
+      }
+    }
+    if (!masters) return;
+    std::vector<unsigned char> ready(meta_.size());
+    fetch(ready_off_, ready.size(), ready.data());
+    std::uint64_t n = 0;
+    for (std::size_t i = 0; i < meta_.size(); ++i) n += meta_[i].has_master && ready[i];
+    w.write(n);
+    for (std::size_t i = 0; i < meta_.size(); ++i) {
+      if (!meta_[i].has_master || !ready[i]) continue;
+      w.write(static_cast<std::uint64_t>(i));
+      w.write(static_cast<std::uint64_t>(meta_[i].numel));
+      w.write_elements(std::span<const float>(fetched<float>(fetch, meta_[i].master_off, meta_[i].numel)));
+    }
+  }
+  template <class T, class Fetch>
+  static std::vector<T> fetched(Fetch& fetch, std::size_t offset, std::size_t n) {
+    std::vector<T> v(n);
+    fetch(offset, n * sizeof(T), v.data());
+    return v;
+  }
+
   //! A parameter's state as read from a checkpoint, before it is uploaded.
   struct host_slot {
     std::size_t index = 0;
@@ -267,12 +326,6 @@ class fused_state {
                          " has a null value or gradient pointer");
   }
 
-  template <class T>
-  std::vector<T> download(const void* src, std::size_t n) const {
-    std::vector<T> v(n);
-    if (n) LOCKSTEP_TRY_CUDA(cudaMemcpy(v.data(), src, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return v;
-  }
   static void upload(void* dst, const void* src, std::size_t bytes) {
     if (bytes) LOCKSTEP_TRY_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
   }
@@ -291,17 +344,6 @@ class fused_state {
     r.expect_magic(std::string_view(m ? Rule::magic_with_masters : Rule::magic, 8),
                    std::string(Rule::name) + "::save() or " + Rule::fused_name + "::save()");
     return m;
-  }
-  void put_masters(byte_writer& w) const {
-    std::uint64_t n = 0;
-    for (std::size_t i = 0; i < meta_.size(); ++i) n += meta_[i].has_master && master_ready_[i];
-    w.write(n);
-    for (std::size_t i = 0; i < meta_.size(); ++i) {
-      if (!meta_[i].has_master || !master_ready_[i]) continue;
-      w.write(static_cast<std::uint64_t>(i));
-      w.write(static_cast<std::uint64_t>(meta_[i].numel));
-      w.write_elements(std::span<const float>(download<float>(master(i, 0), meta_[i].numel)));
-    }
   }
   host_masters read_masters(byte_reader& r) const {
     host_masters out;
@@ -342,6 +384,8 @@ class fused_state {
     }
     for (const auto& [i, v] : masters) {
       upload(master(i, 0), v.data(), v.size() * sizeof(float));
+      const unsigned char one = 1;
+      upload(base() + ready_off_ + i, &one, 1);
       master_ready_[i] = true;
     }
     upload(counters(), steps.data(), steps.size() * sizeof(std::int64_t));
@@ -353,6 +397,7 @@ class fused_state {
   int device_ = 0;
   int states_ = 0;
   std::size_t bytes_ = 0;
+  std::size_t ready_off_ = 0;
   std::vector<meta> meta_;
   std::vector<bool> master_ready_;
   std::shared_ptr<void> arena_;
