@@ -118,7 +118,7 @@ struct job {
   // ShardedOptimizer with lockstep::PeerCopy (a snapshot every `peer_copy_every` steps; 0: none):
   // a lost shard comes from the rank before it, or, when that is lost too, from the checkpoint.
   std::int64_t peer_copy_every = 0;
-  int flaky_shift_rank = -1;   // with FlakyComm: the rank whose snapshot at the deaths' step fails after its shift
+  int flaky_seal_rank = -1;    // with FlakyComm: the rank that does not see the seal of the deaths' step's snapshot
   bool flaky_regroup = false;  // with FlakyComm: every rank's first regroup fails
   std::vector<double> X;
   std::vector<int> y;
@@ -128,11 +128,17 @@ struct rank_killed : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// A ThreadComm whose shift() completes and then reports a failure on a rank that set
-// flaky_shift::now (each rank is a thread): a collective that completed on some ranks only, as
-// NCCL's can when a peer dies during it. That rank's PeerCopy snapshot is then one behind.
-struct flaky_shift {
+// A ThreadComm whose i64 max all-reduces, on a rank that set flaky_seal::now (each rank is a
+// thread), return a work that never reports itself complete (query() is false), although the
+// collective completed: a seal that this rank did not see complete, as on a GPU that lags
+// behind. That rank then holds the snapshot it seals unsealed.
+struct flaky_seal {
   static inline thread_local bool now = false;
+};
+struct flaky_work {
+  bool done = true;
+  void wait() noexcept {}
+  bool query() const noexcept { return done; }
 };
 // And whose regroup() fails once on a rank that set flaky_regroup::now, before it makes
 // anything (as ncclCommInitRank can fail on every member: the survivors change again).
@@ -142,10 +148,9 @@ struct flaky_regroup {
 class FlakyComm : public lockstep::ThreadComm {
  public:
   explicit FlakyComm(lockstep::ThreadComm c) : ThreadComm(std::move(c)) {}
-  lockstep::ready_work shift(const void* send, void* recv, std::size_t count, lockstep::dtype t, int distance) {
-    auto w = ThreadComm::shift(send, recv, count, t, distance);
-    if (std::exchange(flaky_shift::now, false)) throw lockstep::aborted_error("FlakyComm: this rank's shift failed");
-    return w;
+  flaky_work all_reduce(const void* send, void* recv, std::size_t count, lockstep::dtype t, lockstep::reduce_op op) {
+    (void)ThreadComm::all_reduce(send, recv, count, t, op);
+    return {!(flaky_seal::now && t == lockstep::dtype::i64 && op == lockstep::reduce_op::max)};
   }
   FlakyComm regroup(std::uint64_t change, std::span<const int> members) {
     if (std::exchange(flaky_regroup::now, false))
@@ -307,8 +312,9 @@ trained train(const job& j, int world, const deaths& d, std::int64_t stop_at = -
         ++steps;
         if constexpr (Sharded)
           if (j.peer_copy_every > 0) {
-            flaky_shift::now = job_rank == j.flaky_shift_rank && steps == d.step + 1 && group.changes().empty();
+            flaky_seal::now = job_rank == j.flaky_seal_rank && steps == d.step + 1 && group.changes().empty();
             copies.save(steps, group.members(), *dp, opt, sampler);
+            flaky_seal::now = false;
           }
         if (d.ranks.count(job_rank) && steps == d.step + 1 && d.phase == 3)
           throw rank_killed("job rank " + std::to_string(job_rank) + " killed");
@@ -368,7 +374,7 @@ void check_as_sharded_switch(job plain, int world, int survivors, std::int64_t a
                              const trained& elastic) {
   plain.rollback_every = 0;
   plain.peer_copy_every = 0;
-  plain.flaky_shift_rank = -1;
+  plain.flaky_seal_rank = -1;
   train<true>(plain, world, {}, at, &ck);
   const trained switched = train<true>(plain, survivors, {}, -1, nullptr, &ck);
   CHECK(elastic.params == switched.params);  // bit for bit
@@ -545,22 +551,23 @@ TEST_CASE("sharded optimizer with PeerCopy: a lost shard comes from the rank bef
   }
 }
 
-TEST_CASE("sharded optimizer with PeerCopy: survivors one snapshot apart agree on the older - bit for bit where a "
-          "switch of rank counts at its step ends") {
+TEST_CASE("sharded optimizer with PeerCopy: a survivor that did not see the newest snapshot sealed restores it "
+          "from what it holds - bit for bit where a switch of rank counts at its step ends") {
   fresh_job f("elastic-peer-apart");
   auto& [j, rng, dir, ck] = f;
   CAPTURE(j.seed);
   j.peer_copy_every = 1;
-  // Job rank 3 dies after the snapshot of step s + 1, whose shift failed on job rank 1 (it
-  // holds the snapshot of step s only): the survivors 0, 1, 2 go on from step s.
+  // Job rank 3 dies after the snapshot of step s + 1, whose seal job rank 1 did not see
+  // complete (the others did): the survivors 0, 1, 2 agree on step s + 1, rank 1 from the
+  // snapshot it holds unsealed.
   const std::int64_t s = 3 + static_cast<std::int64_t>(rng() % 10);
   CAPTURE(s);
-  j.flaky_shift_rank = 1;
+  j.flaky_seal_rank = 1;
   const deaths d{.ranks = {3}, .step = s, .phase = 3};
   const trained elastic = train<true, FlakyComm>(j, 4, d);
   REQUIRE(elastic.seen.size() == 1u);
-  CHECK(elastic.restored_to == std::vector<std::int64_t>{s});
-  check_as_sharded_switch(j, 4, 3, s, ck, elastic);
+  CHECK(elastic.restored_to == std::vector<std::int64_t>{s + 1});
+  check_as_sharded_switch(j, 4, 3, s + 1, ck, elastic);
 }
 
 TEST_CASE("PeerCopy: a snapshot ahead of the step saved is dropped - clear() drops all - restore() without one says "
@@ -611,7 +618,7 @@ TEST_CASE("PeerCopy: a snapshot ahead of the step saved is dropped - clear() dro
     CAPTURE(r);
     const auto k = static_cast<std::size_t>(r);
     CHECK(steps[k] == std::vector<std::int64_t>{10, 11, 9, 9, -1, -2});
-    CHECK(why[k].find("no snapshot yet on every survivor") != std::string::npos);
+    CHECK(why[k].find("no snapshot sealed yet") != std::string::npos);
     CHECK(after[k] == before[k]);  // the parameters of step 9's snapshot are back
   }
 }

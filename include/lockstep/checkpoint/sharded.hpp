@@ -85,9 +85,9 @@ inline sharded_part read_sharded_part(std::span<const std::byte> bytes, std::uin
 }  // namespace detail
 
 namespace detail {
-//! This rank's part of the section: its shard map and what opt.save() writes.
-template <class DP, serializable Opt>
-std::string sharded_part_of(DP& dp, const Opt& opt) {
+//! The head of this rank's part of the section: its shard map.
+template <class DP>
+std::string sharded_map_of(DP& dp) {
   byte_writer mine;
   const auto map = dp.shard_map();
   mine.write(static_cast<std::uint64_t>(map.size()));
@@ -99,13 +99,27 @@ std::string sharded_part_of(DP& dp, const Opt& opt) {
       for (const auto v : fields) mine.write(v);
     }
   }
-  byte_writer state;
-  opt.save(state);
-  const auto state_bytes = std::move(state).release();
-  mine.write(static_cast<std::uint64_t>(state_bytes.size()));
-  mine.write_bytes(state_bytes.data(), state_bytes.size());
   const auto bytes = std::move(mine).release();
   return std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+}
+
+//! A part of the section: a shard map (sharded_map_of) and the optimizer's bytes.
+inline std::string sharded_part(std::string map, std::span<const std::byte> state) {
+  byte_writer w;
+  w.write(static_cast<std::uint64_t>(state.size()));
+  const auto len = std::move(w).release();
+  map.append(reinterpret_cast<const char*>(len.data()), len.size());
+  map.append(reinterpret_cast<const char*>(state.data()), state.size());
+  return map;
+}
+
+//! This rank's part of the section: its shard map and what opt.save() writes.
+template <class DP, serializable Opt>
+std::string sharded_part_of(DP& dp, const Opt& opt) {
+  byte_writer state;
+  opt.save(state);
+  const auto bytes = std::move(state).release();
+  return sharded_part(sharded_map_of(dp), bytes);
 }
 
 //! What the section's head says of the DataParallel that saved it: its shard layout and its

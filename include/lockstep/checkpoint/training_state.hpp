@@ -92,6 +92,22 @@ inline std::vector<std::int64_t> int64s(const Checkpoint& ck, const char* name) 
   std::memcpy(v.data(), bytes.data(), bytes.size());
   return v;
 }
+//! The training state but the parameters: the loss scale, the layout, Deterministic's exponents.
+template <class DP>
+void add_training_sections(Checkpoint& ck, DP& dp) {
+  ck.add_value("lockstep.loss_scale", dp.scaler().state());
+  add_int64s(ck, "lockstep.plan", dp.plan_state());
+  if constexpr (requires { dp.hook().exponents(); })
+    add_int64s(ck, "lockstep.fixed_point_exponents", dp.hook().exponents());
+}
+//! The sampler's state: the section "lockstep.sampler", meta.epoch and meta.sample_position.
+template <class Sampler>
+void add_sampler_state(Checkpoint& ck, const Sampler& sampler) {
+  const auto st = sampler.state();
+  ck.add("lockstep.sampler", sampler);
+  ck.meta.epoch = static_cast<std::int64_t>(st.epoch);
+  ck.meta.sample_position = static_cast<std::int64_t>(st.position);
+}
 }  // namespace detail
 
 //! With Deterministic, its exponents too ("lockstep.fixed_point_exponents"): the next step's
@@ -100,10 +116,7 @@ template <class DP>
 void add_training_state(Checkpoint& ck, DP& dp) {
   dp.wait_all_parameters();  // gather_in_forward: the values still in flight
   ck.add_parameters(dp.parameters(), dp.comm().memory());
-  ck.add_value("lockstep.loss_scale", dp.scaler().state());
-  detail::add_int64s(ck, "lockstep.plan", dp.plan_state());
-  if constexpr (requires { dp.hook().exponents(); })
-    detail::add_int64s(ck, "lockstep.fixed_point_exponents", dp.hook().exponents());
+  detail::add_training_sections(ck, dp);
 }
 
 //! Every section is read and checked before parameters are written (the layout, which is
@@ -132,11 +145,8 @@ void restore_training_state(const Checkpoint& ck, DP& dp) {
 template <class DP, class Sampler>
   requires serializable<Sampler> && requires(const Sampler& s) { s.state(); }
 void add_training_state(Checkpoint& ck, DP& dp, const Sampler& sampler) {
-  const auto st = sampler.state();
-  ck.add("lockstep.sampler", sampler);
+  detail::add_sampler_state(ck, sampler);
   add_training_state(ck, dp);
-  ck.meta.epoch = static_cast<std::int64_t>(st.epoch);
-  ck.meta.sample_position = static_cast<std::int64_t>(st.position);
 }
 
 template <class DP, class Sampler>

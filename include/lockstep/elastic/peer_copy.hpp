@@ -1,24 +1,30 @@
 #pragma once
 //! lockstep::PeerCopy — ShardedOptimizer's state held twice, so that a lost rank's optimizer
-//! shard outlives it: every `every` optimizer steps each rank snapshots, in memory, the
-//! replicated training state (parameters, loss scale, gradient layout, data position) and its
-//! own part of the sharded state (its shard map and optimizer state, as gather_sharded cuts
-//! it), and hands its part to the rank before it in the ring (a communicator `shift`), which
-//! keeps it. When ranks die, the survivors agree on the newest snapshot all of them completed,
-//! gather the parts — their own, and the copies of the lost ranks' from the ranks before
-//! those — and load them resharded for their number (load_sharded), the training state with
-//! them: training goes on from the snapshot's step. With `every = 1` that is the step that was
-//! interrupted; nothing is lost. A rank and the one before it lost together take the only copy
-//! of the first: restore() then says so and changes nothing (roll back to a checkpoint).
+//! shard outlives it: every `every` optimizer steps each rank copies its part of the sharded
+//! state — its shards' values and its optimizer's state — within the communicator's memory
+//! (device memory on GPUs) and hands it to the rank before it in the ring (a communicator
+//! `shift`), which keeps it; the replicated rest (loss scale, layout, data position) is kept
+//! on the host. Nothing waits for the copy: it runs on the streams of the steps, and a seal (a
+//! one-element all-reduce issued after the shift on every rank) is waited for at the next
+//! snapshot. When ranks die, the survivors agree on the newest snapshot whose seal any of them
+//! saw complete (then every rank had received its copy), gather the parts — their own, and the
+//! copies of the lost ranks' from the ranks before those — and load them resharded for their
+//! number (load_sharded), the parameters and the training state with them: training goes on
+//! from the snapshot's step. A rank and the one before it lost together take the only copy of
+//! the first: restore() then says so and changes nothing (roll back to a checkpoint).
 //!
-//! The loop: docs/elastic.md (compiled and run by tests/docs/snippets.cpp).
-//! Host snapshots: the parameters and the optimizer state are copied to host memory at each
-//! snapshot (a device-resident copy on the copy stream is issue 29's next step). Needs a
-//! communicator with shift(): ThreadComm and NcclComm (staged through device memory) today.
+//! The optimizer's state is copied whole where the optimizer keeps it in one buffer
+//! (imaged_optimizer: FusedSgd, FusedAdamW — a device-to-device copy, turned into save()'s
+//! bytes only at a restore); any other serializable optimizer is saved at each snapshot (a
+//! host copy). The loop: docs/elastic.md (compiled and run by tests/docs/snippets.cpp). Needs
+//! a communicator with shift(): ThreadComm and NcclComm.
 
 #include <algorithm>
 #include <cstddef>
+#include <cstring>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -31,6 +37,8 @@
 #include "lockstep/comm/detail/host_collectives.hpp"
 #include "lockstep/core/codec.hpp"
 #include "lockstep/core/error.hpp"
+#include "lockstep/core/host_memory.hpp"
+#include "lockstep/elastic/detail/peer_part.hpp"
 #include "lockstep/elastic/membership.hpp"
 
 namespace lockstep {
@@ -54,70 +62,190 @@ class PeerCopy {
       throw config_error("PeerCopyOptions::every = " + std::to_string(o.every) +
                          ": snapshots are taken every `every` optimizer steps, at least 1");
   }
+  PeerCopy(const PeerCopy&) = delete;
+  PeerCopy& operator=(const PeerCopy&) = delete;
+  ~PeerCopy() {
+    for (auto& g : gen_) settle_quietly(g);  // (a copy in flight must not outlive its buffers)
+  }
 
   //! After optimizer step `step` is complete on this rank (the sampler advanced past it), inside
   //! the step's ElasticGroup::attempt: when `step` is a multiple of `every`, a snapshot, and this
   //! rank's part to the rank before it in `members` (collective over dp.comm()). Returns whether
-  //! it took one. A failure meanwhile leaves the snapshots before it usable.
+  //! it took one. Waits only for the seal of the snapshot before (issued a snapshot ago); the
+  //! first snapshot of a DataParallel, or of another shard layout, also exchanges the parts'
+  //! heads (host collectives). A failure meanwhile leaves the snapshots before it usable.
   template <class DP, serializable Opt, class Sampler>
     requires DP::sharded
   bool save(std::int64_t step, const membership& members, DP& dp, const Opt& opt, const Sampler& sampler) {
-    static_assert(shifting_communicator<std::remove_cvref_t<decltype(dp.comm())>>,
+    return save_with(step, members, dp, opt, [&](Checkpoint& ck) { detail::add_sampler_state(ck, sampler); });
+  }
+  //! The same for a loop without a sampler (the data position is the loop's).
+  template <class DP, serializable Opt>
+    requires DP::sharded
+  bool save(std::int64_t step, const membership& members, DP& dp, const Opt& opt) {
+    return save_with(step, members, dp, opt, [](Checkpoint&) {});
+  }
+
+  //! In ElasticGroup::on_change, once DataParallel (and an optimizer over its shards) was rebuilt
+  //! over the survivors `now` (group.members()): the survivors agree on the newest snapshot
+  //! whose seal one of them saw complete, and — when each lost rank's part survives, its own or
+  //! its copy — the sampler is re-partitioned, the snapshot's parameters and training state
+  //! restored and the optimizer state loaded resharded (collective over dp.comm()). Returns the
+  //! snapshot's step: go on from it. Empty, with nothing changed, when a rank and the rank before
+  //! it were both lost (lost() names them) or no snapshot was sealed yet (why() says so):
+  //! restore from a checkpoint then (the snapshots are dropped). Until the next save() the
+  //! copies are those of the group before the change. A throw after the agreement (a damaged
+  //! part) may leave the training state restored but not the optimizer: go back to a
+  //! checkpoint then too.
+  template <class DP, serializable Opt, class Sampler>
+    requires DP::sharded
+  std::optional<std::int64_t> restore(const membership& now, DP& dp, Opt& opt, Sampler& sampler) {
+    return restore_with(now, dp, opt, [&](const Checkpoint& ck) { restore_training_state(ck, dp, sampler); });
+  }
+  template <class DP, serializable Opt>
+    requires DP::sharded
+  std::optional<std::int64_t> restore(const membership& now, DP& dp, Opt& opt) {
+    return restore_with(now, dp, opt, [&](const Checkpoint& ck) { restore_training_state(ck, dp); });
+  }
+
+  //! Drops every snapshot: call it when the loop goes back to a checkpoint by other means (the
+  //! snapshots are ahead of it; save() also drops any of the step it is given or later).
+  void clear() {
+    for (auto& g : gen_) drop(g);
+  }
+
+  //! After restore() returned empty: why (no snapshot sealed yet, or parts lost), and the job
+  //! ranks whose part was lost with the rank holding its copy.
+  const std::string& why() const noexcept { return why_; }
+  const std::vector<int>& lost() const noexcept { return lost_; }
+  //! The step of the newest snapshot this rank saw sealed (−1: none yet).
+  std::int64_t step() const noexcept { return newest_sealed(); }
+  //! Memory the snapshots hold on this rank: in the communicator's memory space (device memory
+  //! on GPUs: two snapshots, each this rank's part and the copy of the next rank's), and on the
+  //! host (the replicated training state, the heads).
+  std::size_t bytes() const {
+    std::size_t b = 0;
+    for (const auto& g : gen_) b += 2 * g.width + g.mine_head.map.size() + g.next_head.map.size() + state_bytes(g);
+    return b;
+  }
+
+ private:
+  struct generation {
+    std::int64_t step = -1;
+    std::vector<int> members;  // job ranks when it was taken
+    Checkpoint state;          // replicated, but the parameters: loss scale, layout, sampler
+    detail::sharded_origin origin;
+    detail::peer_part_head mine_head, next_head;
+    std::shared_ptr<void> mine, next, seal_buf;  // the communicator's memory: `width` bytes each
+    std::size_t width = 0;
+    std::function<bool()> seal_done;  // the seal's work: completed (never blocks)
+    std::function<void()> seal_wait;  // ... waited for on the host
+    bool sealed = false;              // this rank saw the seal complete: every rank holds its copy
+  };
+
+  template <class DP, class Opt, class AddSampler>
+  bool save_with(std::int64_t step, const membership& members, DP& dp, const Opt& opt, AddSampler&& add_sampler) {
+    using Comm = std::remove_cvref_t<decltype(dp.comm())>;
+    static_assert(shifting_communicator<Comm>,
                   "lockstep::PeerCopy needs a communicator with shift() (ThreadComm, NcclComm); MpiComm "
                   "does not have one yet (issue 29): roll back to a checkpoint instead");
     if (step < 0)
       throw config_error("PeerCopy::save: step " + std::to_string(step) + "; pass the optimizer steps done");
     if (step % opt_.every != 0) return false;
     check_group("save", members, dp);
+    auto& comm = dp.comm();
+    // The snapshot before this one: its seal (long since complete, unless the device lags).
+    for (auto& g : gen_) seal(g, comm);
     // A snapshot of this step or a later one is of steps the loop went back before (a rollback
     // to a checkpoint): dropped, so that it can never be restored.
-    for (auto& c : gen_)
-      if (c.step >= step) c = generation{};
-    // The older (or an empty) slot is overwritten; the newer stays until this one completes.
-    generation& g = gen_[!gen_[0].complete ? 0 : !gen_[1].complete ? 1 : gen_[0].step < gen_[1].step ? 0 : 1];
-    g = generation{};
+    for (auto& g : gen_)
+      if (g.step >= step) drop(g);
+    // The older (or an empty) slot is overwritten; the newer stays until this one is sealed.
+    generation& g = gen_[gen_[0].step < 0 ? 0 : gen_[1].step < 0 ? 1 : gen_[0].step < gen_[1].step ? 0 : 1];
+    drop(g);
+    // This rank's part: its shards' values, then the optimizer's image or save()'s bytes.
+    std::vector<std::pair<const void*, std::size_t>> from;
+    for (const auto& p : dp.shard_parameters()) from.emplace_back(p.value, p.bytes());
+    std::vector<std::byte> saved;
+    if constexpr (imaged_optimizer<Opt>) {
+      const auto img = opt.state_image();
+      from.emplace_back(img.data(), img.size());
+    } else {
+      byte_writer w;
+      opt.save(w);
+      saved = std::move(w).release();
+    }
+    auto mine =
+        detail::peer_head_of(dp, imaged_optimizer<Opt>, imaged_optimizer<Opt> ? from.back().second : saved.size());
+    // The heads go round once for a layout and membership (an image's size is fixed), at every
+    // snapshot for saved bytes (their length may change). Collective either way: the same on
+    // every rank.
+    const bool fresh = !imaged_optimizer<Opt> || !(head_ && head_->layout == dp.shard_layout() &&
+                                                   head_->members == members && head_->mine == mine);
+    if (fresh) {
+      if (head_ && head_->layout == dp.shard_layout() && head_->members == members && imaged_optimizer<Opt>)
+        throw config_error("PeerCopy::save: the optimizer's state changed size since the last snapshot of this "
+                           "group (another optimizer?); call clear() on every rank, or keep one optimizer");
+      std::int64_t width = static_cast<std::int64_t>(mine.bytes());
+      detail::host_all_reduce(comm, std::span<std::int64_t>(&width, 1), reduce_op::max);
+      const auto next = detail::peer_part_head::decode(detail::host_shift_string(comm, mine.encode(), 1));
+      head_ = heads{dp.shard_layout(), members, mine, next, static_cast<std::size_t>(width)};
+    }
+    auto mem = comm.memory();
+    if (g.width != head_->width || !g.mine) {
+      g = generation{};
+      g.mine = mem.allocate(head_->width);
+      g.next = mem.allocate(head_->width);
+      g.seal_buf = mem.allocate(sizeof(std::int64_t));
+      g.width = head_->width;
+    }
     g.step = step;
     g.members = members.ranks;
     g.state.meta.step = static_cast<std::uint64_t>(step);
-    add_training_state(g.state, dp, sampler);
+    add_sampler(g.state);
+    detail::add_training_sections(g.state, dp);
     g.origin = detail::sharded_origin::of(dp);
-    g.mine = detail::sharded_part_of(dp, opt);
-    g.next = detail::host_shift_string(dp.comm(), g.mine, 1);
-    g.complete = true;
+    g.mine_head = head_->mine;
+    g.next_head = head_->next;
+    detail::pack_bytes(mem, std::span<const std::pair<const void*, std::size_t>>(from), g.mine.get());
+    if (!saved.empty())
+      mem.upload(static_cast<std::byte*>(g.mine.get()) + mine.value_bytes(), saved.data(), saved.size());
+    (void)comm.shift(g.mine.get(), g.next.get(), g.width, dtype::u8, 1);
+    auto w =
+        std::make_shared<decltype(comm.all_reduce(g.seal_buf.get(), g.seal_buf.get(), 1, dtype::i64, reduce_op::max))>(
+            comm.all_reduce(g.seal_buf.get(), g.seal_buf.get(), 1, dtype::i64, reduce_op::max));
+    g.seal_done = [w] {
+      if constexpr (requires { w->query(); }) return w->query();
+      else return true;  // (a host communicator's collectives complete before they return)
+    };
+    g.seal_wait = [w] {
+      if constexpr (requires { w->synchronize(); }) w->synchronize();
+      else w->wait();
+    };
+    if (g.seal_done() && !aborted(comm)) g.sealed = true;
     return true;
   }
 
-  //! In ElasticGroup::on_change, once DataParallel was rebuilt over the survivors `now`
-  //! (group.members()): the survivors agree on the newest snapshot they all completed, and —
-  //! when each lost rank's part survives, its own or its copy — the sampler is re-partitioned,
-  //! the snapshot's training state restored and the optimizer state loaded resharded
-  //! (collective over dp.comm()). Returns the snapshot's step: go on from it. Empty, with
-  //! nothing changed, when a rank and the rank before it were both lost (lost() names them) or
-  //! a survivor has no snapshot yet (why() says which): restore from a checkpoint then (the
-  //! snapshots are dropped). Until the next save() the copies are those of the group before
-  //! the change. A throw after the agreement (a damaged part) may leave the training state
-  //! restored but not the optimizer: go back to a checkpoint then too.
-  template <class DP, serializable Opt, class Sampler>
-    requires DP::sharded
-  std::optional<std::int64_t> restore(const membership& now, DP& dp, Opt& opt, Sampler& sampler) {
+  template <class DP, class Opt, class RestoreState>
+  std::optional<std::int64_t> restore_with(const membership& now, DP& dp, Opt& opt, RestoreState&& restore_state) {
     check_group("restore", now, dp);
-    std::int64_t agreed = newest_complete();
-    detail::host_all_reduce(dp.comm(), std::span<std::int64_t>(&agreed, 1), reduce_op::min);
+    std::int64_t agreed = newest_sealed();
+    detail::host_all_reduce(dp.comm(), std::span<std::int64_t>(&agreed, 1), reduce_op::max);
     lost_.clear();
     why_.clear();
     if (agreed < 0) {
-      why_ = "no snapshot yet on every survivor (the first is taken at step " + std::to_string(opt_.every) + ")";
+      why_ = "no snapshot sealed yet on any survivor (the first is taken at step " + std::to_string(opt_.every) + ")";
       clear();  // the caller goes back to a checkpoint: what some ranks hold is ahead of it
       return std::nullopt;
     }
     int at = -1;
     for (int k = 0; k < 2; ++k)
-      if (gen_[k].complete && gen_[k].step == agreed) at = k;
-    if (at < 0)  // survivors differ by at most one snapshot (each completed the step between)
+      if (gen_[k].step == agreed) at = k;
+    if (at < 0)  // a survivor saw its seal: every rank took that snapshot and still holds it
       throw checkpoint_error("PeerCopy::restore: this rank no longer holds the snapshot of step " +
                              std::to_string(agreed) + " that the survivors agreed on");
     // A newer snapshot than the agreed one belongs to steps the survivors now redo: dropped.
-    if (gen_[1 - at].step > agreed) gen_[1 - at] = generation{};
+    if (gen_[1 - at].step > agreed) drop(gen_[1 - at]);
     const generation* g = &gen_[at];
     for (int r : now.ranks)
       if (std::find(g->members.begin(), g->members.end(), r) == g->members.end())
@@ -140,72 +268,139 @@ class PeerCopy {
     byte_writer held;
     const bool successor_gone = n > 1 && !alive(g->members[(me + 1) % n]);
     held.write(static_cast<std::uint32_t>(successor_gone ? 2 : 1));
-    const auto hold = [&](std::size_t place, const std::string& part) {
+    auto mem = dp.comm().memory();
+    const auto hold = [&](std::size_t place, const detail::peer_part_head& h, const void* where) {
+      std::vector<std::byte> bytes(h.bytes());
+      if (!bytes.empty()) mem.download(bytes.data(), where, bytes.size());
+      const auto part = detail::sharded_part_from(h, bytes, opt);
+      const auto head = h.encode();
       held.write(static_cast<std::uint64_t>(place));
+      held.write(static_cast<std::uint64_t>(head.size()));
+      held.write_bytes(head.data(), head.size());
       held.write(static_cast<std::uint64_t>(part.size()));
       held.write_bytes(part.data(), part.size());
+      held.write(static_cast<std::uint64_t>(h.value_bytes()));
+      held.write_bytes(bytes.data(), h.value_bytes());
     };
-    hold(me, g->mine);
-    if (successor_gone) hold((me + 1) % n, g->next);
+    hold(me, g->mine_head, g->mine.get());
+    if (successor_gone) hold((me + 1) % n, g->next_head, g->next.get());
     const auto bytes = std::move(held).release();
     const auto all = detail::host_all_gather_strings(
         dp.comm(), std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
-    std::vector<std::string> parts(n);
+    std::vector<std::string> heads(n), parts(n), values(n);
     std::vector<bool> have(n, false);
     for (const auto& s : all) {
       byte_reader r(std::as_bytes(std::span(s.data(), s.size())), "a survivor's parts of the peer copy");
       const auto k = r.read<std::uint32_t>();
       for (std::uint32_t i = 0; i < k; ++i) {
         const auto place = r.read<std::uint64_t>();
-        const auto len = r.read<std::uint64_t>();
-        if (place >= n || len > r.remaining())
-          r.fail("names part " + std::to_string(place) + " of " + std::to_string(n));
-        const auto b = r.take(static_cast<std::size_t>(len));
-        parts[place].assign(reinterpret_cast<const char*>(b.data()), b.size());
+        if (place >= n) r.fail("names part " + std::to_string(place) + " of " + std::to_string(n));
+        for (std::string* into : {&heads[place], &parts[place], &values[place]}) {
+          const auto len = r.read<std::uint64_t>();
+          if (len > r.remaining()) r.fail("claims " + std::to_string(len) + " bytes for part " + std::to_string(place));
+          const auto b = r.take(static_cast<std::size_t>(len));
+          into->assign(reinterpret_cast<const char*>(b.data()), b.size());
+        }
         have[place] = true;
       }
     }
     if (std::find(have.begin(), have.end(), false) != have.end())
       throw checkpoint_error("PeerCopy::restore: a part of the snapshot of step " + std::to_string(agreed) +
                              " came from no survivor");
-    restore_training_state(g->state, dp, sampler);  // (the sampler moved to the survivors' ranks first)
+    Checkpoint ck = g->state;
+    add_parameters(ck, dp, g->origin, heads, parts, values);
+    restore_state(ck);  // (the sampler moved to the survivors' ranks first)
     load_sharded(dp, opt, detail::sharded_section(g->origin, parts));
     return agreed;
   }
 
-  //! Drops every snapshot: call it when the loop goes back to a checkpoint by other means (the
-  //! snapshots are ahead of it; save() also drops any of the step it is given or later).
-  void clear() {
-    for (auto& c : gen_) c = generation{};
+  // The parameters of the snapshot, put together from every part's shard values through its
+  // shard map, into `ck` (host memory).
+  template <class DP>
+  static void add_parameters(Checkpoint& ck, DP& dp, const detail::sharded_origin& origin,
+                             const std::vector<std::string>& heads, const std::vector<std::string>& parts,
+                             const std::vector<std::string>& values) {
+    std::vector<parameter> ps(dp.parameters().begin(), dp.parameters().end());
+    const auto fail = [](const std::string& why) { throw checkpoint_error("PeerCopy::restore: " + why); };
+    if (ps.size() != origin.lengths.size())
+      fail("the snapshot is of " + std::to_string(origin.lengths.size()) + " parameters, the DataParallel has " +
+           std::to_string(ps.size()));
+    std::vector<std::vector<std::byte>> host(ps.size());
+    std::vector<std::size_t> filled(ps.size(), 0);
+    for (std::size_t i = 0; i < ps.size(); ++i) {
+      if (ps[i].numel() != origin.lengths[i])
+        fail("parameter '" + ps[i].name + "' has " + std::to_string(ps[i].numel()) + " elements, the snapshot " +
+             std::to_string(origin.lengths[i]));
+      host[i].resize(ps[i].bytes());
+    }
+    for (std::size_t q = 0; q < parts.size(); ++q) {
+      const auto head = detail::peer_part_head::decode(heads[q]);
+      const auto part = detail::read_sharded_part(std::as_bytes(std::span(parts[q].data(), parts[q].size())),
+                                                  static_cast<std::uint32_t>(q));
+      if (part.map.size() != head.shards.size() || values[q].size() != head.value_bytes())
+        fail("part " + std::to_string(q) + "'s head does not match its shard map");
+      std::size_t base = 0;  // the shard's first byte in this part's values
+      for (std::size_t j = 0; j < part.map.size(); ++j) {
+        const std::size_t width = size_of(head.shards[j].type);
+        if (part.counts[j] != head.shards[j].numel)
+          fail("part " + std::to_string(q) + "'s shard " + std::to_string(j) + " holds " +
+               std::to_string(head.shards[j].numel) + " values, its map says " + std::to_string(part.counts[j]));
+        for (const auto& s : part.map[j]) {
+          if (s.param >= ps.size() || s.param_offset + s.count > ps[s.param].numel() ||
+              ps[s.param].type != head.shards[j].type)
+            fail("part " + std::to_string(q) + " maps shard " + std::to_string(j) + " outside the parameters");
+          std::memcpy(host[s.param].data() + s.param_offset * width, values[q].data() + base + s.slot_offset * width,
+                      s.count * width);
+          filled[s.param] += s.count;
+        }
+        base += head.shards[j].numel * width;
+      }
+    }
+    for (std::size_t i = 0; i < ps.size(); ++i) {
+      if (filled[i] != ps[i].numel())
+        fail("the parts hold " + std::to_string(filled[i]) + " of parameter '" + ps[i].name + "''s " +
+             std::to_string(ps[i].numel()) + " elements");
+      ps[i].value = host[i].data();
+    }
+    ck.add_parameters(ps, HostMemory{});
   }
 
-  //! After restore() returned empty: why (no snapshot on every survivor yet, or parts lost),
-  //! and the job ranks whose part was lost with the rank holding its copy.
-  const std::string& why() const noexcept { return why_; }
-  const std::vector<int>& lost() const noexcept { return lost_; }
-  //! The step of the newest complete snapshot on this rank (−1: none yet).
-  std::int64_t step() const noexcept { return newest_complete(); }
-  //! Host memory the snapshots hold on this rank.
-  std::size_t bytes() const {
-    std::size_t b = 0;
-    for (const auto& g : gen_) {
-      b += g.mine.size() + g.next.size();
-      for (const auto& t : g.state.parameters()) b += t.data.size();
-      for (const auto& name : g.state.section_names()) b += g.state.blob(name).size();
+  template <class Comm>
+  static bool aborted(Comm& comm) {
+    if constexpr (requires { comm.aborted(); }) return comm.aborted();
+    else return false;
+  }
+  // Waits for g's seal; a communicator aborted meanwhile means it may have ended early.
+  template <class Comm>
+  static void seal(generation& g, Comm& comm) {
+    if (g.sealed || !g.seal_wait) return;
+    g.seal_wait();  // (also for a dropped one: its buffers are about to be reused)
+    if (g.step < 0) return;
+    if (aborted(comm))
+      throw aborted_error("PeerCopy::save: the communicator was aborted while the snapshot of step " +
+                          std::to_string(g.step) + " was handed on");
+    g.sealed = true;
+  }
+  static void settle_quietly(generation& g) noexcept {
+    try {
+      if (g.seal_wait) g.seal_wait();
+    } catch (...) {
     }
+    g.seal_wait = {};
+    g.seal_done = {};
+  }
+  // Forgets g's snapshot; its buffers stay (a copy may still run into them).
+  static void drop(generation& g) {
+    g.step = -1;
+    g.sealed = false;
+    g.members.clear();
+    g.state = Checkpoint{};
+  }
+  static std::size_t state_bytes(const generation& g) {
+    std::size_t b = 0;
+    for (const auto& name : g.state.section_names()) b += g.state.blob(name).size();
     return b;
   }
-
- private:
-  struct generation {
-    std::int64_t step = -1;
-    std::vector<int> members;  // job ranks when it was taken
-    Checkpoint state;          // replicated: parameters, loss scale, layout, sampler
-    detail::sharded_origin origin;
-    std::string mine;  // this rank's part
-    std::string next;  // the part of the rank after this one in `members`
-    bool complete = false;
-  };
   template <class DP>
   static void check_group(const char* what, const membership& m, DP& dp) {
     if (m.size() != dp.size() || m.rank != dp.rank())
@@ -214,15 +409,24 @@ class PeerCopy {
                          std::to_string(dp.size()) + " ranks, this one " + std::to_string(dp.rank()) +
                          "); pass ElasticGroup::members()");
   }
-  std::int64_t newest_complete() const {
+  std::int64_t newest_sealed() const {
     std::int64_t s = -1;
     for (const auto& g : gen_)
-      if (g.complete) s = std::max(s, g.step);
+      if (g.sealed) s = std::max(s, g.step);
     return s;
   }
 
+  // The heads of this group's parts: this rank's and the next one's, and the parts' width.
+  struct heads {
+    std::uint64_t layout = 0;
+    membership members;
+    detail::peer_part_head mine, next;
+    std::size_t width = 0;
+  };
+
   PeerCopyOptions opt_;
   generation gen_[2];
+  std::optional<heads> head_;
   std::vector<int> lost_;
   std::string why_;
 };
