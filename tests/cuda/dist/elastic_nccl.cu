@@ -15,6 +15,11 @@
 //   the job is back at its size and ends where a CPU run that switched rank counts at both
 //   steps ends; the replacement prints how long from its start to its first applied step.
 //   Steps take --step-ms (with --rejoin 100 ms) so that it arrives before the end.
+//   --peer-copy  ShardedOptimizer with FusedSgd (momentum 0.9) on each rank's shards and a
+//   lockstep::PeerCopy snapshot after every step: the survivors restore the lost rank's shard
+//   (values and momentum) from the copy the rank before it held, resharded for their number,
+//   and go on from the snapshot's step (the one before the interrupted step's, or that one:
+//   the newest whose seal a survivor saw); the CPU reference (lockstep::Sgd) switches there.
 //   --time N  no failure: the steady step of a larger MLP (1024-1024-1024-10, batch 64 per rank)
 //   timed over N steps with plain DataParallel and with the same loop through
 //   ElasticGroup::attempt and commit() (a host wait and an 8-byte all-reduce per step),
@@ -36,8 +41,10 @@
 #include <thread>
 #include <vector>
 
+#include <lockstep/cuda/fused_optimizer.cuh>
 #include <lockstep/cuda/run_processes.cuh>
 #include <lockstep/elastic/elastic_group.hpp>
+#include <lockstep/elastic/peer_copy.hpp>
 #include <lockstep/lockstep.hpp>
 #include <lockstep/parallel/data_parallel.hpp>
 
@@ -127,7 +134,7 @@ int main(int argc, char** argv) {
   try {
     std::string phase = "backward";
     int at = 3, steps = 8, step_ms = -1, time_steps = 0;
-    bool rejoin = false;
+    bool rejoin = false, peer = false;
     std::set<int> victims;
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
@@ -137,6 +144,7 @@ int main(int argc, char** argv) {
       else if (a == "--steps" && has) steps = std::atoi(argv[++i]);
       else if (a == "--step-ms" && has) step_ms = std::atoi(argv[++i]);
       else if (a == "--rejoin") rejoin = true;
+      else if (a == "--peer-copy") peer = true;
       else if (a == "--time" && has) time_steps = std::atoi(argv[++i]);
       else if (a == "--kill" && has) {
         std::stringstream list(argv[++i]);
@@ -144,10 +152,14 @@ int main(int argc, char** argv) {
       } else {
         std::fprintf(stderr,
                      "elastic_nccl: unknown option '%s' (--phase forward|backward|update, --at K, --steps S, "
-                     "--kill R[,R...], --rejoin, --step-ms M)\n",
+                     "--kill R[,R...], --rejoin, --peer-copy, --step-ms M)\n",
                      a.c_str());
         return 2;
       }
+    }
+    if (peer && rejoin) {
+      std::fprintf(stderr, "elastic_nccl: --peer-copy restores survivors; it does not combine with --rejoin\n");
+      return 2;
     }
     if (phase != "forward" && phase != "backward" && phase != "update") {
       std::fprintf(stderr, "elastic_nccl: --phase is forward, backward or update, not '%s'\n", phase.c_str());
@@ -210,9 +222,7 @@ int main(int argc, char** argv) {
       if (!joiner) make_data();
 
       lockstep::ElasticGroup group(ctx, {.min_ranks = 1});
-      using DP = lockstep::DataParallel<GpuMlp, lockstep::NcclComm>;
       const lockstep::DataParallelOptions opts{.buckets = {.first_bytes = 2000, .cap_bytes = 6000}};
-      std::optional<DP> dp(std::in_place, group.comm(), m, opts);
 
       std::vector<int> worlds;  // the group's size at each applied step
       // What a replacement needs besides the parameters: the seed and the sizes so far, rank 0's.
@@ -232,127 +242,166 @@ int main(int argc, char** argv) {
         std::printf("rank %d: FAIL: ElasticGroup::replacement() says %d\n", job_rank, group.replacement() ? 1 : 0);
         ++failures;
       }
-      if (group.replacement()) {
-        share_history();
-        make_data();
-        std::printf("rank %d: joined at step %lld as %d of %d\n", job_rank, static_cast<long long>(group.steps()),
-                    group.rank(), group.size());
-      }
-      group.on_change([&](const lockstep::membership_change& c) {
-        dp.reset();  // the model takes its gradients back
-        dp.emplace(group.comm(), m, opts);
-        if (!c.joined.empty()) share_history();  // as the replacement does after its DataParallel
-      });
-      std::optional<clk::time_point> changed_at;
-      double recovered_s = -1;
-      bool died = false;
-      while (group.steps() < steps) {
-        const auto s = static_cast<std::size_t>(group.steps());
-        worlds.resize(s);  // after a change: the coordinator's count
-        std::size_t pos = 0;
-        for (int w : worlds) pos += static_cast<std::size_t>(w * batch);
-        std::vector<int> rows(static_cast<std::size_t>(batch));
-        for (int i = 0; i < batch; ++i)
-          rows[static_cast<std::size_t>(i)] =
-              static_cast<int>((pos + static_cast<std::size_t>(group.rank() * batch + i)) % samples);
-        drows.upload(rows, st, true);
-        LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(st));
-        const bool die = !joiner && victims.count(job_rank) && static_cast<int>(s) == at && !died;
-        const auto change = group.attempt([&] {
-          if (die && phase == "forward") die_now(job_rank, "forward");
-          auto step = dp->step();
-          auto ready = step.on_gradient_ready();
-          int seen = 0;
-          m.forward_backward(dX.p, dy.p, drows.p, batch, [&](std::size_t i) {
-            ready(i);
-            if (die && phase == "backward" && ++seen == 2) die_now(job_rank, "backward");
-          });
-          if (step.finish()) {
-            group.commit();
-            if (die && phase == "update") die_now(job_rank, "update");
-            m.sgd(lr);
+      // --peer-copy: ShardedOptimizer, FusedSgd with momentum on this rank's shards, a PeerCopy
+      // snapshot after every step; the survivors restore the lost shard from it. Else the
+      // replicated step (its parameters, rank 0's after a change) and plain SGD.
+      const lockstep::SgdOptions momentum{.lr = lr, .momentum = 0.9};
+      const auto train = [&]<class Strategy>(Strategy) {
+        constexpr bool sharded = std::is_same_v<Strategy, lockstep::ShardedOptimizer>;
+        using DP = lockstep::DataParallel<GpuMlp, lockstep::NcclComm, Strategy>;
+        std::optional<DP> dp(std::in_place, group.comm(), m, opts);
+        std::optional<lockstep::FusedSgd> opt;
+        if constexpr (sharded) opt.emplace(momentum, dp->shard_parameters(), ctx.device());
+        if (group.replacement()) {  // after its DataParallel, as the members do in on_change
+          share_history();
+          make_data();
+          std::printf("rank %d: joined at step %lld as %d of %d\n", job_rank, static_cast<long long>(group.steps()),
+                      group.rank(), group.size());
+        }
+        lockstep::PeerCopy copies;
+        std::int64_t done = group.steps(), restored = -1;  // steps applied; sharded: from the snapshot after a change
+        group.on_change([&](const lockstep::membership_change& c) {
+          dp.reset();  // the model takes its gradients back
+          dp.emplace(group.comm(), m, opts);
+          if constexpr (sharded) {
+            opt.reset();
+            opt.emplace(momentum, dp->shard_parameters(), ctx.device());
+            const auto at = copies.restore(group.members(), *dp, *opt);
+            if (!at) throw std::runtime_error("PeerCopy::restore: " + copies.why());
+            done = restored = *at;
+          } else {
+            done = group.steps();
           }
+          if (!c.joined.empty()) share_history();  // as the replacement does after its DataParallel
         });
-        if (change) {
-          if (!changed_at) changed_at = clk::now();
-          std::printf("rank %d: change %llu at step %lld: %d -> %d ranks, agreed in %lld ms\n", job_rank,
-                      static_cast<unsigned long long>(change->after.epoch), static_cast<long long>(change->steps),
-                      change->before.size(), change->after.size(), static_cast<long long>(change->agreement.count()));
-          continue;
-        }
-        worlds.push_back(group.size());
-        if (step_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(step_ms));
-        if (joiner && recovered_s < 0) {
+        std::optional<clk::time_point> changed_at;
+        double recovered_s = -1;
+        bool died = false;
+        while (done < steps) {
+          const auto s = static_cast<std::size_t>(done);
+          worlds.resize(s);  // after a change: the coordinator's count (sharded: the snapshot's)
+          std::size_t pos = 0;
+          for (int w : worlds) pos += static_cast<std::size_t>(w * batch);
+          std::vector<int> rows(static_cast<std::size_t>(batch));
+          for (int i = 0; i < batch; ++i)
+            rows[static_cast<std::size_t>(i)] =
+                static_cast<int>((pos + static_cast<std::size_t>(group.rank() * batch + i)) % samples);
+          drows.upload(rows, st, true);
           LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(st));
-          recovered_s = std::chrono::duration<double>(clk::now() - started).count();
-          std::printf("rank %d: joined in %.3f s (its start to its first applied step)\n", job_rank, recovered_s);
+          const bool die = !joiner && victims.count(job_rank) && static_cast<int>(s) == at && !died;
+          const auto change = group.attempt([&] {
+            if (die && phase == "forward") die_now(job_rank, "forward");
+            auto step = dp->step();
+            auto ready = step.on_gradient_ready();
+            int seen = 0;
+            m.forward_backward(dX.p, dy.p, drows.p, batch, [&](std::size_t i) {
+              ready(i);
+              if (die && phase == "backward" && ++seen == 2) die_now(job_rank, "backward");
+            });
+            if constexpr (sharded) {
+              (void)step.finish([&](std::span<const lockstep::param_slice> sl) { opt->step(sl, st, nullptr); });
+              group.commit();
+              if (die && phase == "update") die_now(job_rank, "update");
+              copies.save(done + 1, group.members(), *dp, *opt);
+            } else if (step.finish()) {
+              group.commit();
+              if (die && phase == "update") die_now(job_rank, "update");
+              m.sgd(lr);
+            }
+          });
+          if (change) {
+            if (!changed_at) changed_at = clk::now();
+            std::printf("rank %d: change %llu at step %lld: %d -> %d ranks, agreed in %lld ms\n", job_rank,
+                        static_cast<unsigned long long>(change->after.epoch), static_cast<long long>(change->steps),
+                        change->before.size(), change->after.size(), static_cast<long long>(change->agreement.count()));
+            continue;
+          }
+          ++done;
+          worlds.push_back(group.size());
+          if (step_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(step_ms));
+          if (joiner && recovered_s < 0) {
+            LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(st));
+            recovered_s = std::chrono::duration<double>(clk::now() - started).count();
+            std::printf("rank %d: joined in %.3f s (its start to its first applied step)\n", job_rank, recovered_s);
+          }
+          if (changed_at && recovered_s < 0) {
+            LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(st));
+            long long killed = 0;
+            std::ifstream(kill_stamp_path()) >> killed;
+            const auto now = clk::now();
+            recovered_s = std::chrono::duration<double>(now.time_since_epoch() - clk::duration(killed)).count();
+            std::printf("rank %d: recovered in %.3f s (the kill to its next applied step; the change took %.3f s)\n",
+                        job_rank, recovered_s, std::chrono::duration<double>(now - *changed_at).count());
+          }
         }
-        if (changed_at && recovered_s < 0) {
-          LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(st));
-          long long killed = 0;
-          std::ifstream(kill_stamp_path()) >> killed;
-          const auto now = clk::now();
-          recovered_s = std::chrono::duration<double>(now.time_since_epoch() - clk::duration(killed)).count();
-          std::printf("rank %d: recovered in %.3f s (the kill to its next applied step; the change took %.3f s)\n",
-                      job_rank, recovered_s, std::chrono::duration<double>(now - *changed_at).count());
+        LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(st));
+        // What the members must have seen: one shrink at the step the phase says (the killed
+        // ranks gone) and, with --rejoin, one growth back to the job's size (a replacement: none).
+        // Sharded: the step of the newest snapshot a survivor saw sealed, the one before the
+        // interrupted step's or that one.
+        const int expect_switch = sharded ? static_cast<int>(restored) : phase == "update" ? at + 1 : at;
+        if (sharded && !(restored == at - 1 || restored == at || (phase == "update" && restored == at + 1))) {
+          std::printf("rank %d: FAIL: PeerCopy restored step %lld after a kill in step %d\n", job_rank,
+                      static_cast<long long>(restored), at);
+          ++failures;
         }
-      }
-      LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(st));
-      // What the members must have seen: one shrink at the step the phase says (the killed
-      // ranks gone) and, with --rejoin, one growth back to the job's size (a replacement: none).
-      const int expect_switch = phase == "update" ? at + 1 : at;
-      const int fewer = world0 - static_cast<int>(victims.size());
-      const auto& changes = group.changes();
-      const std::vector<int> gone(victims.begin(), victims.end());
-      const std::size_t expect_changes = joiner ? 0 : rejoin ? 2 : 1;
-      bool ok = changes.size() == expect_changes && group.size() == (rejoin ? world0 : fewer);
-      if (ok && !joiner) ok = changes[0].gone == gone && changes[0].steps == expect_switch;
-      if (ok && rejoin && !joiner) ok = changes[1].joined == gone && changes[1].gone.empty();
-      // The sizes: world0 until the shrink, then `fewer` (with --rejoin: at least one step,
-      // then world0 again to the end).
-      std::size_t s = 0;
-      while (s < worlds.size() && worlds[s] == world0) ++s;
-      ok = ok && static_cast<int>(s) == expect_switch;
-      const std::size_t low = s;
-      while (s < worlds.size() && worlds[s] == fewer) ++s;
-      ok = ok && s > low && (rejoin ? s < worlds.size() : s == worlds.size());
-      while (rejoin && s < worlds.size() && worlds[s] == world0) ++s;
-      ok = ok && s == worlds.size() && worlds.size() == static_cast<std::size_t>(steps);
-      if (!ok) {
-        std::string sizes;
-        for (int w : worlds) sizes += std::to_string(w);
-        std::printf("rank %d: FAIL: %zu change(s) (expected %zu), %d ranks at the end, sizes by step %s; expected "
-                    "the shrink at step %d with ranks %s gone\n",
-                    job_rank, changes.size(), expect_changes, group.size(), sizes.c_str(), expect_switch,
-                    lockstep::detail::rank_list(gone).c_str());
-        ++failures;
-      }
-      // The CPU reference: rank 0's start, each step the mean gradient over the rows the
-      // group's ranks took together.
-      TestMlp<float> ref(dims, seed + 1);
-      std::size_t pos = 0;
-      for (int w : worlds) {
-        ref.zero_grad();
-        std::vector<std::size_t> rows(static_cast<std::size_t>(w * batch));
-        for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = (pos + i) % samples;
-        pos += rows.size();
-        ref.forward_backward(X, y, rows, [](std::size_t) {});
-        ref.sgd(lr);
-      }
-      const auto got = m.flat_values();
-      const double err = max_rel_diff(got, ref.flat_values());
-      double sum = 0;
-      for (float v : got) sum += static_cast<double>(v) * 1.000001;
-      std::vector<double> mx{sum}, mn{-sum}, failed{static_cast<double>(failures)};
-      lockstep::all_reduce_scalars(group.comm(), std::span<double>(mx), lockstep::reduce_op::max);
-      lockstep::all_reduce_scalars(group.comm(), std::span<double>(mn), lockstep::reduce_op::max);
-      const bool same = mx[0] == -mn[0];
-      std::printf("rank %d (now %d of %d): rel. diff to the CPU reference %.3g, survivors identical: %s\n", job_rank,
-                  group.rank(), group.size(), err, same ? "yes" : "NO");
-      if (!(err <= 1e-5) || !same) ++failures;
-      failed[0] = failures;
-      lockstep::all_reduce_scalars(group.comm(), std::span<double>(failed), lockstep::reduce_op::sum);
-      failures = static_cast<int>(failed[0]);
+        const int fewer = world0 - static_cast<int>(victims.size());
+        const auto& changes = group.changes();
+        const std::vector<int> gone(victims.begin(), victims.end());
+        const std::size_t expect_changes = joiner ? 0 : rejoin ? 2 : 1;
+        bool ok = changes.size() == expect_changes && group.size() == (rejoin ? world0 : fewer);
+        if (ok && !joiner) ok = changes[0].gone == gone && (sharded || changes[0].steps == expect_switch);
+        if (ok && rejoin && !joiner) ok = changes[1].joined == gone && changes[1].gone.empty();
+        // The sizes: world0 until the shrink, then `fewer` (with --rejoin: at least one step,
+        // then world0 again to the end).
+        std::size_t s = 0;
+        while (s < worlds.size() && worlds[s] == world0) ++s;
+        ok = ok && static_cast<int>(s) == expect_switch;
+        const std::size_t low = s;
+        while (s < worlds.size() && worlds[s] == fewer) ++s;
+        ok = ok && s > low && (rejoin ? s < worlds.size() : s == worlds.size());
+        while (rejoin && s < worlds.size() && worlds[s] == world0) ++s;
+        ok = ok && s == worlds.size() && worlds.size() == static_cast<std::size_t>(steps);
+        if (!ok) {
+          std::string sizes;
+          for (int w : worlds) sizes += std::to_string(w);
+          std::printf("rank %d: FAIL: %zu change(s) (expected %zu), %d ranks at the end, sizes by step %s; expected "
+                      "the shrink at step %d with ranks %s gone\n",
+                      job_rank, changes.size(), expect_changes, group.size(), sizes.c_str(), expect_switch,
+                      lockstep::detail::rank_list(gone).c_str());
+          ++failures;
+        }
+        // The CPU reference: rank 0's start, each step the mean gradient over the rows the
+        // group's ranks took together.
+        TestMlp<float> ref(dims, seed + 1);
+        lockstep::Sgd ref_opt(momentum);
+        std::size_t pos = 0;
+        for (int w : worlds) {
+          ref.zero_grad();
+          std::vector<std::size_t> rows(static_cast<std::size_t>(w * batch));
+          for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = (pos + i) % samples;
+          pos += rows.size();
+          ref.forward_backward(X, y, rows, [](std::size_t) {});
+          if (sharded) ref_opt.step(ref.parameters());
+          else ref.sgd(lr);
+        }
+        const auto got = m.flat_values();
+        const double err = max_rel_diff(got, ref.flat_values());
+        double sum = 0;
+        for (float v : got) sum += static_cast<double>(v) * 1.000001;
+        std::vector<double> mx{sum}, mn{-sum}, failed{static_cast<double>(failures)};
+        lockstep::all_reduce_scalars(group.comm(), std::span<double>(mx), lockstep::reduce_op::max);
+        lockstep::all_reduce_scalars(group.comm(), std::span<double>(mn), lockstep::reduce_op::max);
+        const bool same = mx[0] == -mn[0];
+        std::printf("rank %d (now %d of %d): rel. diff to the CPU reference %.3g, survivors identical: %s\n", job_rank,
+                    group.rank(), group.size(), err, same ? "yes" : "NO");
+        if (!(err <= 1e-5) || !same) ++failures;
+        failed[0] = failures;
+        lockstep::all_reduce_scalars(group.comm(), std::span<double>(failed), lockstep::reduce_op::sum);
+        failures = static_cast<int>(failed[0]);
+      };
+      if (peer) train(lockstep::ShardedOptimizer{});
+      else train(lockstep::Replicated{});
     });
     if (info->rank == 0) {
       std::remove(kill_stamp_path().c_str());
