@@ -65,6 +65,7 @@ struct run_options {
   }
 };
 
+using lockstep_bench::mean_after_warmup;
 using lockstep_bench::median_after_warmup;
 
 //! "bench: <what> gpus=N step_ms=... tokens_per_s=... peak_gib=... loss_first=... loss_last=...",

@@ -43,6 +43,14 @@ inline double median_after_warmup(const std::vector<double>& step_ms, std::int64
   return timed[timed.size() / 2];
 }
 
+//! The mean of the steps after the warm-up (where steps differ by design, e.g. every K-th one
+//! does more, the median hides that share).
+inline double mean_after_warmup(const std::vector<double>& step_ms, std::int64_t warmup) {
+  double sum = 0;
+  for (auto i = static_cast<std::size_t>(warmup); i < step_ms.size(); ++i) sum += step_ms[i];
+  return sum / static_cast<double>(step_ms.size() - static_cast<std::size_t>(warmup));
+}
+
 //! Turns CUDA autocast to bf16 on (or off) for the calling thread: autocast's switch and dtype
 //! are per thread (the dtype defaults to fp16 in every new thread).
 inline void set_cuda_bf16_autocast(bool on) {

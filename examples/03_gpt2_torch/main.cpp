@@ -198,6 +198,9 @@ int main(int argc, char** argv) {
         if constexpr (!gpu && !sharded)
           cpu_opt.emplace(tm.tensors(), torch::optim::AdamWOptions(opt.lr).betas({0.9, 0.95}).weight_decay(0.1));
         if constexpr (!gpu && sharded) host_opt.emplace(adamw);
+        // --peer-copy K: what an elastic job keeps to survive a lost rank (docs/elastic.md).
+        lockstep::PeerCopy copies({.every = std::max<std::int64_t>(1, opt.peer_copy)});
+        const auto members = lockstep::membership::whole(ctx.size(), ctx.rank());
         mark("DataParallel, optimizer");
 
         auto sync = [&] {
@@ -292,6 +295,13 @@ int main(int argc, char** argv) {
             }
 #endif
           }
+          if constexpr (sharded && !blocked)
+            if (opt.peer_copy > 0) {
+#if GPT2_GPU
+              if constexpr (gpu) copies.save(s + 1, members, dp, *gpu_opt);
+#endif
+              if constexpr (!gpu) copies.save(s + 1, members, dp, *host_opt);
+            }
           const bool log = s % opt.log_every == 0 || s + 1 == opt.steps;  // the same on every rank
           if (opt.bench || log || profiling) sync();
           step_ms.push_back(std::chrono::duration<double, std::milli>(clock::now() - t0).count());
@@ -346,7 +356,7 @@ int main(int argc, char** argv) {
             used_gib = static_cast<double>(total - free) / (1 << 30);
           }
 #endif
-          double worst[3] = {median, peak_gib, used_gib};
+          double worst[4] = {median, peak_gib, used_gib, gpt2::mean_after_warmup(step_ms, opt.warmup)};
           lockstep::detail::host_all_reduce(ctx.comm(), std::span<double>(worst), lockstep::reduce_op::max);
           const double peak = worst[1];
           if (ctx.is_root())
@@ -358,6 +368,7 @@ int main(int argc, char** argv) {
                                        (sharded && dp.stats().gathers_by_copy_engine ? "-cegather" : "") +
                                        (sharded && dp.stats().scatters_by_copy_engine ? "-cescatter" : "") +
                                        (opt.cuda_graph ? "-graph" : "") +
+                                       (opt.peer_copy > 0 ? "-peercopy" + std::to_string(opt.peer_copy) : "") +
                                        (opt.deterministic         ? "-deterministic"
                                         : opt.torch_deterministic ? "-torchdeterministic"
                                                                   : ""),
@@ -369,6 +380,11 @@ int main(int argc, char** argv) {
           if (ctx.is_root() && gpu)
             std::printf("bench-memory: device_used_gib=%.2f (cudaMemGetInfo at the end, the most of any GPU)\n",
                         worst[2]);
+          if (ctx.is_root())
+            std::printf("bench-mean: step_ms=%.2f (the mean after warm-up, the slowest rank's)\n", worst[3]);
+          if (ctx.is_root() && opt.peer_copy > 0)
+            std::printf("bench-peercopy: rank 0 holds %.3f GiB of snapshots\n",
+                        static_cast<double>(copies.bytes()) / (1 << 30));
         } else if (ctx.is_root()) {
           std::printf("gpt2_torch: loss %.3f -> %.3f over %lld steps\n", first_loss, last_loss,
                       static_cast<long long>(opt.steps));

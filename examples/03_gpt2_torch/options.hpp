@@ -30,6 +30,7 @@ struct options : gpt2::run_options {
   std::int64_t bucket_mib = 0;       // 0: lockstep's default buckets
   bool tune = false;                 // BucketPolicy::tune: the cap from lockstep's cost model
   bool torch_deterministic = false;  // libtorch's deterministic kernels (on with --deterministic)
+  std::int64_t peer_copy = 0;        // --shard: a PeerCopy snapshot every K steps (0: none)
 };
 
 // Eager steps before --cuda-graph captures one: the first lays lockstep's buckets out in the
@@ -46,7 +47,7 @@ constexpr std::int64_t profiled_steps = 3;
       "                  [--memory-trace]\n"
       "                  [--profile TRACE.json] [--wire fp32|bf16] [--shard [--pack-values] [--copy-engine[-gather]]]\n"
       "                  [--zero 2|3 [--recompute] [--keep-grad-shards] [--prefetch N]] [--cuda-graph]\n"
-      "                  [--deterministic Q] [--bucket-mib M] [--tune]\n"
+      "                  [--deterministic Q] [--bucket-mib M] [--tune] [--peer-copy K]\n"
       "  batch: sequences per rank and step; on GPUs: all local GPUs, or one per process under a launcher\n"
       "  --cuda-graph: (GPUs, not with --zero) after two eager steps, capture the whole step\n"
       "                (forward, backward, lockstep's collectives, AdamW) with at::cuda::CUDAGraph and replay it\n"
@@ -57,6 +58,9 @@ constexpr std::int64_t profiled_steps = 3;
       "  --torch-deterministic: only libtorch's deterministic kernels (what --deterministic sets for the model),\n"
       "                to measure their share of its cost\n"
       "  --bucket-mib M: gradient buckets of M MiB (default: lockstep's, 1 MiB first, 25 MiB cap)\n"
+      "  --peer-copy K: (--shard) a lockstep::PeerCopy snapshot every K steps: each rank's shards and\n"
+      "                optimizer state copied and handed to the rank before it (what an elastic job\n"
+      "                keeps to survive a lost rank); to measure its cost\n"
       "  --tune: the bucket cap chosen after the third step from lockstep's cost model (BucketPolicy::tune;\n"
       "                GPUs; with --bench, prints its choice)\n");
   std::exit(rc);
@@ -84,6 +88,7 @@ inline options parse(int argc, char** argv) {
     else if (a == "--bucket-mib") o.bucket_mib = std::stoll(next());
     else if (a == "--tune") o.tune = true;
     else if (a == "--torch-deterministic") o.torch_deterministic = true;
+    else if (a == "--peer-copy") o.peer_copy = std::stoll(next());
     else return false;
     return true;
   });
@@ -123,6 +128,12 @@ inline options parse(int argc, char** argv) {
                  : o.cuda_graph ? "--cuda-graph (it captures one micro-step)"
                  : o.ce_scatter ? "--copy-engine (the copy engines do not add integers)"
                                 : "--wire bf16");
+    usage(2);
+  }
+  if (o.peer_copy < 0 || (o.peer_copy > 0 && (!o.shard || o.zero != 0 || o.cuda_graph))) {
+    std::fprintf(stderr,
+                 "gpt2_torch: --peer-copy K (K >= 1) keeps ShardedOptimizer's state twice: give it with --shard, "
+                 "without --zero and --cuda-graph\n");
     usage(2);
   }
   if (o.deterministic > 0) o.torch_deterministic = true;
