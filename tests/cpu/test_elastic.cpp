@@ -185,6 +185,7 @@ struct trained {
   std::vector<std::int64_t> rolled_back_to;       // by the first survivor: the step of each rollback
   std::vector<std::int64_t> restored_to;          // by the first survivor: the step of each PeerCopy restore
   std::vector<int> lost;                          // by the first survivor: what PeerCopy could not restore
+  std::int64_t flaky_step = -2;                   // by the rank of flaky_seal: its newest sealed step then
 };
 
 // Trains `world` CPU ranks for j.epochs epochs; stops after `stop_at` steps and saves a
@@ -314,7 +315,7 @@ trained train(const job& j, int world, const deaths& d, std::int64_t stop_at = -
           if (j.peer_copy_every > 0) {
             flaky_seal::now = job_rank == j.flaky_seal_rank && steps == d.step + 1 && group.changes().empty();
             copies.save(steps, group.members(), *dp, opt, sampler);
-            flaky_seal::now = false;
+            if (std::exchange(flaky_seal::now, false)) t.flaky_step = copies.step();  // (the flake took effect?)
           }
         if (d.ranks.count(job_rank) && steps == d.step + 1 && d.phase == 3)
           throw rank_killed("job rank " + std::to_string(job_rank) + " killed");
@@ -566,6 +567,7 @@ TEST_CASE("sharded optimizer with PeerCopy: a survivor that did not see the newe
   const deaths d{.ranks = {3}, .step = s, .phase = 3};
   const trained elastic = train<true, FlakyComm>(j, 4, d);
   REQUIRE(elastic.seen.size() == 1u);
+  CHECK(elastic.flaky_step == s);  // job rank 1 had not seen the seal of s + 1
   CHECK(elastic.restored_to == std::vector<std::int64_t>{s + 1});
   check_as_sharded_switch(j, 4, 3, s + 1, ck, elastic);
 }

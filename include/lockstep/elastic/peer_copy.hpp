@@ -21,7 +21,6 @@
 
 #include <algorithm>
 #include <cstddef>
-#include <cstring>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -37,7 +36,6 @@
 #include "lockstep/comm/detail/host_collectives.hpp"
 #include "lockstep/core/codec.hpp"
 #include "lockstep/core/error.hpp"
-#include "lockstep/core/host_memory.hpp"
 #include "lockstep/elastic/detail/peer_part.hpp"
 #include "lockstep/elastic/membership.hpp"
 
@@ -132,6 +130,7 @@ class PeerCopy {
  private:
   struct generation {
     std::int64_t step = -1;
+    std::uint64_t epoch = 0;   // the membership's: its seal is trusted only over that communicator
     std::vector<int> members;  // job ranks when it was taken
     Checkpoint state;          // replicated, but the parameters: loss scale, layout, sampler
     detail::sharded_origin origin;
@@ -155,7 +154,7 @@ class PeerCopy {
     check_group("save", members, dp);
     auto& comm = dp.comm();
     // The snapshot before this one: its seal (long since complete, unless the device lags).
-    for (auto& g : gen_) seal(g, comm);
+    for (auto& g : gen_) seal(g, comm, members.epoch);
     // A snapshot of this step or a later one is of steps the loop went back before (a rollback
     // to a checkpoint): dropped, so that it can never be restored.
     for (auto& g : gen_)
@@ -193,13 +192,13 @@ class PeerCopy {
     }
     auto mem = comm.memory();
     if (g.width != head_->width || !g.mine) {
-      g = generation{};
+      g = generation{};  // (nothing runs into its buffers: its seal was waited for above, or they were retired)
       g.mine = mem.allocate(head_->width);
       g.next = mem.allocate(head_->width);
       g.seal_buf = mem.allocate(sizeof(std::int64_t));
       g.width = head_->width;
     }
-    g.step = step;
+    g.epoch = members.epoch;
     g.members = members.ranks;
     g.state.meta.step = static_cast<std::uint64_t>(step);
     add_sampler(g.state);
@@ -222,6 +221,7 @@ class PeerCopy {
       if constexpr (requires { w->synchronize(); }) w->synchronize();
       else w->wait();
     };
+    g.step = step;  // (only now: a throw above leaves the slot empty)
     if (g.seal_done() && !aborted(comm)) g.sealed = true;
     return true;
   }
@@ -238,19 +238,26 @@ class PeerCopy {
       clear();  // the caller goes back to a checkpoint: what some ranks hold is ahead of it
       return std::nullopt;
     }
+    // What only this rank may find (survivors that hold the agreed snapshot all pass or fail
+    // alike): agreed on before anything else, so that no survivor waits in a collective for one
+    // that gave up.
     int at = -1;
     for (int k = 0; k < 2; ++k)
       if (gen_[k].step == agreed) at = k;
+    std::string problem;
     if (at < 0)  // a survivor saw its seal: every rank took that snapshot and still holds it
-      throw checkpoint_error("PeerCopy::restore: this rank no longer holds the snapshot of step " +
-                             std::to_string(agreed) + " that the survivors agreed on");
+      problem =
+          "this rank no longer holds the snapshot of step " + std::to_string(agreed) + " that the survivors agreed on";
+    for (int r : now.ranks)
+      if (problem.empty() && std::find(gen_[at].members.begin(), gen_[at].members.end(), r) == gen_[at].members.end())
+        problem = "job rank " + std::to_string(r) +
+                  " was not a member when the snapshot was taken: a grown group cannot be restored from the copies "
+                  "(go back to a checkpoint: load_sharded cuts the state for it)";
+    detail::peer_agree_or_throw(dp.comm(), problem, agreed);
     // A newer snapshot than the agreed one belongs to steps the survivors now redo: dropped.
     if (gen_[1 - at].step > agreed) drop(gen_[1 - at]);
+    gen_[at].sealed = true;  // (every survivor holds it whole: whoever saw its seal said so)
     const generation* g = &gen_[at];
-    for (int r : now.ranks)
-      if (std::find(g->members.begin(), g->members.end(), r) == g->members.end())
-        throw config_error("PeerCopy::restore: job rank " + std::to_string(r) +
-                           " was not a member when the snapshot was taken (a grown group: take a new one)");
     const auto alive = [&](int r) { return std::find(now.ranks.begin(), now.ranks.end(), r) != now.ranks.end(); };
     const std::size_t n = g->members.size();
     for (std::size_t q = 0; q < n; ++q)
@@ -282,8 +289,13 @@ class PeerCopy {
       held.write(static_cast<std::uint64_t>(h.value_bytes()));
       held.write_bytes(bytes.data(), h.value_bytes());
     };
-    hold(me, g->mine_head, g->mine.get());
-    if (successor_gone) hold((me + 1) % n, g->next_head, g->next.get());
+    try {
+      hold(me, g->mine_head, g->mine.get());
+      if (successor_gone) hold((me + 1) % n, g->next_head, g->next.get());
+    } catch (const std::exception& e) {  // (an image that the optimizer given cannot read)
+      problem = e.what();
+    }
+    detail::peer_agree_or_throw(dp.comm(), problem, agreed);
     const auto bytes = std::move(held).release();
     const auto all = detail::host_all_gather_strings(
         dp.comm(), std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
@@ -308,61 +320,10 @@ class PeerCopy {
       throw checkpoint_error("PeerCopy::restore: a part of the snapshot of step " + std::to_string(agreed) +
                              " came from no survivor");
     Checkpoint ck = g->state;
-    add_parameters(ck, dp, g->origin, heads, parts, values);
+    detail::add_peer_parameters(ck, dp, g->origin, heads, parts, values);
     restore_state(ck);  // (the sampler moved to the survivors' ranks first)
     load_sharded(dp, opt, detail::sharded_section(g->origin, parts));
     return agreed;
-  }
-
-  // The parameters of the snapshot, put together from every part's shard values through its
-  // shard map, into `ck` (host memory).
-  template <class DP>
-  static void add_parameters(Checkpoint& ck, DP& dp, const detail::sharded_origin& origin,
-                             const std::vector<std::string>& heads, const std::vector<std::string>& parts,
-                             const std::vector<std::string>& values) {
-    std::vector<parameter> ps(dp.parameters().begin(), dp.parameters().end());
-    const auto fail = [](const std::string& why) { throw checkpoint_error("PeerCopy::restore: " + why); };
-    if (ps.size() != origin.lengths.size())
-      fail("the snapshot is of " + std::to_string(origin.lengths.size()) + " parameters, the DataParallel has " +
-           std::to_string(ps.size()));
-    std::vector<std::vector<std::byte>> host(ps.size());
-    std::vector<std::size_t> filled(ps.size(), 0);
-    for (std::size_t i = 0; i < ps.size(); ++i) {
-      if (ps[i].numel() != origin.lengths[i])
-        fail("parameter '" + ps[i].name + "' has " + std::to_string(ps[i].numel()) + " elements, the snapshot " +
-             std::to_string(origin.lengths[i]));
-      host[i].resize(ps[i].bytes());
-    }
-    for (std::size_t q = 0; q < parts.size(); ++q) {
-      const auto head = detail::peer_part_head::decode(heads[q]);
-      const auto part = detail::read_sharded_part(std::as_bytes(std::span(parts[q].data(), parts[q].size())),
-                                                  static_cast<std::uint32_t>(q));
-      if (part.map.size() != head.shards.size() || values[q].size() != head.value_bytes())
-        fail("part " + std::to_string(q) + "'s head does not match its shard map");
-      std::size_t base = 0;  // the shard's first byte in this part's values
-      for (std::size_t j = 0; j < part.map.size(); ++j) {
-        const std::size_t width = size_of(head.shards[j].type);
-        if (part.counts[j] != head.shards[j].numel)
-          fail("part " + std::to_string(q) + "'s shard " + std::to_string(j) + " holds " +
-               std::to_string(head.shards[j].numel) + " values, its map says " + std::to_string(part.counts[j]));
-        for (const auto& s : part.map[j]) {
-          if (s.param >= ps.size() || s.param_offset + s.count > ps[s.param].numel() ||
-              ps[s.param].type != head.shards[j].type)
-            fail("part " + std::to_string(q) + " maps shard " + std::to_string(j) + " outside the parameters");
-          std::memcpy(host[s.param].data() + s.param_offset * width, values[q].data() + base + s.slot_offset * width,
-                      s.count * width);
-          filled[s.param] += s.count;
-        }
-        base += head.shards[j].numel * width;
-      }
-    }
-    for (std::size_t i = 0; i < ps.size(); ++i) {
-      if (filled[i] != ps[i].numel())
-        fail("the parts hold " + std::to_string(filled[i]) + " of parameter '" + ps[i].name + "''s " +
-             std::to_string(ps[i].numel()) + " elements");
-      ps[i].value = host[i].data();
-    }
-    ck.add_parameters(ps, HostMemory{});
   }
 
   template <class Comm>
@@ -370,16 +331,38 @@ class PeerCopy {
     if constexpr (requires { comm.aborted(); }) return comm.aborted();
     else return false;
   }
-  // Waits for g's seal; a communicator aborted meanwhile means it may have ended early.
+  // Waits for g's seal; a communicator aborted meanwhile means it may have ended early. A seal
+  // issued over the communicator of another membership (aborted at the change, or left by a
+  // grow) proves nothing: that snapshot is dropped, its buffers retired if its copy still runs.
   template <class Comm>
-  static void seal(generation& g, Comm& comm) {
-    if (g.sealed || !g.seal_wait) return;
+  void seal(generation& g, Comm& comm, std::uint64_t epoch) {
+    if (!g.seal_wait) return;
+    if (g.sealed) {
+      g.seal_wait = {};
+      g.seal_done = {};
+      return;
+    }
+    if (g.epoch != epoch) {
+      if (!g.seal_done()) retire(g);
+      g.seal_wait = {};
+      g.seal_done = {};
+      drop(g);
+      return;
+    }
     g.seal_wait();  // (also for a dropped one: its buffers are about to be reused)
+    g.seal_wait = {};
+    g.seal_done = {};
     if (g.step < 0) return;
     if (aborted(comm))
       throw aborted_error("PeerCopy::save: the communicator was aborted while the snapshot of step " +
                           std::to_string(g.step) + " was handed on");
     g.sealed = true;
+  }
+  // g's buffers, kept (until this object ends) rather than reused: a copy may still run into them.
+  void retire(generation& g) {
+    for (auto* b : {&g.mine, &g.next, &g.seal_buf})
+      if (*b) retired_.push_back(std::move(*b));
+    g.width = 0;
   }
   static void settle_quietly(generation& g) noexcept {
     try {
@@ -427,6 +410,7 @@ class PeerCopy {
   PeerCopyOptions opt_;
   generation gen_[2];
   std::optional<heads> head_;
+  std::vector<std::shared_ptr<void>> retired_;  // buffers a copy of an older membership may still reach
   std::vector<int> lost_;
   std::string why_;
 };

@@ -1,7 +1,8 @@
 #pragma once
 //! PeerCopy's pieces (elastic/peer_copy.hpp): what one rank's part of a snapshot holds and
 //! where, how it is copied into the communicator's memory without a synchronisation, and
-//! how a held part becomes the bytes of a sharded checkpoint section again.
+//! how a held part becomes the bytes of a sharded checkpoint section again, and how the
+//! parameters are put together from the parts.
 //!
 //! A part, in the communicator's memory space: each shard parameter's values, in shard
 //! order, then the optimizer's state — a copy of its state_image() (imaged_optimizer), or
@@ -12,12 +13,16 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "lockstep/checkpoint/checkpoint.hpp"
 #include "lockstep/checkpoint/sharded.hpp"
+#include "lockstep/comm/detail/host_collectives.hpp"
+#include "lockstep/core/host_memory.hpp"
 #include "lockstep/core/codec.hpp"
 #include "lockstep/core/concepts.hpp"
 #include "lockstep/core/dtype.hpp"
@@ -121,6 +126,69 @@ std::string sharded_part_from(const peer_part_head& h, std::span<const std::byte
     throw config_error("PeerCopy::restore: the snapshot holds an optimizer's state image, but the optimizer "
                        "given to restore() reads none; restore with the same kind of optimizer");
   }
+}
+
+//! The parameters of a PeerCopy snapshot, put together from every part's shard values through
+//! its shard map (parts: sharded parts, heads: their encoded heads), into `ck` (host memory).
+template <class DP>
+void add_peer_parameters(Checkpoint& ck, DP& dp, const sharded_origin& origin, const std::vector<std::string>& heads,
+                         const std::vector<std::string>& parts, const std::vector<std::string>& values) {
+  std::vector<parameter> ps(dp.parameters().begin(), dp.parameters().end());
+  const auto fail = [](const std::string& why) { throw checkpoint_error("PeerCopy::restore: " + why); };
+  if (ps.size() != origin.lengths.size())
+    fail("the snapshot is of " + std::to_string(origin.lengths.size()) + " parameters, the DataParallel has " +
+         std::to_string(ps.size()));
+  std::vector<std::vector<std::byte>> host(ps.size());
+  std::vector<std::size_t> filled(ps.size(), 0);
+  for (std::size_t i = 0; i < ps.size(); ++i) {
+    if (ps[i].numel() != origin.lengths[i])
+      fail("parameter '" + ps[i].name + "' has " + std::to_string(ps[i].numel()) + " elements, the snapshot " +
+           std::to_string(origin.lengths[i]));
+    host[i].resize(ps[i].bytes());
+  }
+  for (std::size_t q = 0; q < parts.size(); ++q) {
+    const auto head = peer_part_head::decode(heads[q]);
+    const auto part =
+        read_sharded_part(std::as_bytes(std::span(parts[q].data(), parts[q].size())), static_cast<std::uint32_t>(q));
+    if (part.map.size() != head.shards.size() || values[q].size() != head.value_bytes())
+      fail("part " + std::to_string(q) + "'s head does not match its shard map");
+    std::size_t base = 0;  // the shard's first byte in this part's values
+    for (std::size_t j = 0; j < part.map.size(); ++j) {
+      const std::size_t width = size_of(head.shards[j].type);
+      if (part.counts[j] != head.shards[j].numel)
+        fail("part " + std::to_string(q) + "'s shard " + std::to_string(j) + " holds " +
+             std::to_string(head.shards[j].numel) + " values, its map says " + std::to_string(part.counts[j]));
+      for (const auto& s : part.map[j]) {
+        if (s.param >= ps.size() || s.param_offset + s.count > ps[s.param].numel() ||
+            ps[s.param].type != head.shards[j].type)
+          fail("part " + std::to_string(q) + " maps shard " + std::to_string(j) + " outside the parameters");
+        std::memcpy(host[s.param].data() + s.param_offset * width, values[q].data() + base + s.slot_offset * width,
+                    s.count * width);
+        filled[s.param] += s.count;
+      }
+      base += head.shards[j].numel * width;
+    }
+  }
+  for (std::size_t i = 0; i < ps.size(); ++i) {
+    if (filled[i] != ps[i].numel())
+      fail("the parts hold " + std::to_string(filled[i]) + " of parameter '" + ps[i].name + "''s " +
+           std::to_string(ps[i].numel()) + " elements");
+    ps[i].value = host[i].data();
+  }
+  ck.add_parameters(ps, HostMemory{});
+}
+
+//! Every survivor of a PeerCopy::restore throws `problem`, or names another survivor's, when
+//! any has one (collective).
+template <class Comm>
+void peer_agree_or_throw(Comm& comm, const std::string& problem, std::int64_t agreed) {
+  std::int64_t bad = problem.empty() ? 0 : 1;
+  host_all_reduce(comm, std::span<std::int64_t>(&bad, 1), reduce_op::max);
+  if (bad != 0)
+    throw checkpoint_error("PeerCopy::restore: " + (problem.empty()
+                                                        ? "another survivor cannot restore the snapshot of step " +
+                                                              std::to_string(agreed) + " (its error says why)"
+                                                        : problem));
 }
 
 }  // namespace lockstep::detail
