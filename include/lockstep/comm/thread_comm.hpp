@@ -225,7 +225,9 @@ class ThreadComm {
   //! for the `change`-th change of the job's membership. Every member calls it, each rank's
   //! place in `members` its new rank; ranks of the job not in it take no part. The new group
   //! shares the job's failure handling (a later failure aborts it too); the failure that
-  //! ended the old one is forgotten, so a later one is named on its own.
+  //! ended the old one is forgotten, so a later one is named on its own. A rank that regroups
+  //! is alive: a failed rank started again (run(Threads) with max_restarts) that joins a new
+  //! group is no longer among failed_ranks().
   ThreadComm regroup(std::uint64_t change, std::span<const int> members) {
     const int job = g_->world_ranks[static_cast<std::size_t>(rank_)];
     const auto at = std::find(members.begin(), members.end(), job);
@@ -253,6 +255,7 @@ class ThreadComm {
       }
       group = made;
       if (++taken == n) f.regrouping.erase(change);
+      std::erase(f.failed, job);
     }
     return ThreadComm(std::move(group), static_cast<int>(at - members.begin()));
   }

@@ -32,9 +32,24 @@ class context {
   elastic_link* elastic() const noexcept { return elastic_; }
   void set_elastic(elastic_link* link) noexcept { elastic_ = link; }
 
+  //! How often this rank's body was started again after it failed: 0 on its first start
+  //! (run(Threads) with Threads::max_restarts; a restarted rank joins the running job as a
+  //! replacement when it builds an ElasticGroup on this context). run(Processes) says it
+  //! through elastic() instead (LOCKSTEP_ELASTIC_JOIN).
+  int restart_count() const noexcept { return restart_count_; }
+  //! Whether the launch mode starts a failed rank's body again (run(Threads) with
+  //! max_restarts > 0): an ElasticGroup on this context then looks for replacements at commit().
+  bool restarts_failed() const noexcept { return restarts_failed_; }
+  void set_restarts(int count, bool enabled) noexcept {
+    restart_count_ = count;
+    restarts_failed_ = enabled;
+  }
+
  private:
   Comm comm_;
   elastic_link* elastic_ = nullptr;
+  int restart_count_ = 0;
+  bool restarts_failed_ = false;
   int local_rank_ = 0;
   int device_ = -1;
 };

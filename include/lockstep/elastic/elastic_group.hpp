@@ -60,9 +60,17 @@ class ElasticGroup {
   ElasticGroup(Comm comm, Store& store, SurvivorOptions o = {})
       : own_(std::move(comm)), comm_(&*own_), store_(&store), opt_(o),
         now_(membership::whole(comm_->size(), comm_->rank())) {}
-  ElasticGroup(context<Comm>& ctx, Store& store, SurvivorOptions o = {})
-    requires std::copy_constructible<Comm>
-      : ElasticGroup(ctx.comm(), store, o) {}
+  //! On the context of ranks as threads (a communicator made from the context's, the job's
+  //! store given). With run(Threads{.max_restarts = k}) the members look for replacements at
+  //! commit(), and a rank that was started again (ctx.restart_count() > 0) joins the running
+  //! job as one: it asks through the store, waits to be admitted (the store's timeout) and
+  //! starts in the grown membership with steps() set, replacement() true.
+  template <class C>
+    requires std::constructible_from<Comm, C&>
+  ElasticGroup(context<C>& ctx, Store& store, SurvivorOptions o = {}) : ElasticGroup(Comm(ctx.comm()), store, o) {
+    joins_ = ctx.restarts_failed();
+    if (ctx.restart_count() > 0) join();
+  }
   //! On the context of a launch mode that lends its store and watchdogs (run(Processes)):
   //! the group regroups the context's communicator in place. config_error on another context.
   //! A replacement process (LOCKSTEP_ELASTIC_JOIN=1) starts in the membership it was admitted
@@ -91,9 +99,9 @@ class ElasticGroup {
   const membership& members() const noexcept { return now_; }
   //! Every change so far, oldest first.
   const std::vector<membership_change>& changes() const noexcept { return changes_; }
-  //! Whether this process joined the running job as a replacement (run(Processes) with
-  //! LOCKSTEP_ELASTIC_JOIN=1): what the loop keeps besides the model it must get from rank 0,
-  //! as the members send it in on_change for the change that admitted it (c.joined).
+  //! Whether this rank joined the running job as a replacement (run(Processes) with
+  //! LOCKSTEP_ELASTIC_JOIN=1, run(Threads) with max_restarts): what the loop keeps besides the model it must get from
+  //! rank 0, as the members send it in on_change for the change that admitted it (c.joined).
   bool replacement() const noexcept { return replacement_; }
   //! The steps completed: attempt() calls that returned empty, since the start or — after a
   //! change — since the step the coordinator had completed (membership_change::steps).
@@ -103,13 +111,14 @@ class ElasticGroup {
   //! (NcclComm) it waits until this rank's collectives of the step have completed and throws
   //! aborted_error if a peer's failure aborted the communicator first: an aborted NCCL
   //! collective leaves partial sums, which the update must never see. The host waits once a
-  //! step for it. With ranks as threads the collectives already completed: nothing to do.
-  //! Where the launch mode lends a store (run(Processes)), commit() also tells every member
+  //! step for it. With ranks as threads the collectives already completed: nothing to wait
+  //! for. Where the launch mode lends a store (run(Processes)) or restarts failed ranks
+  //! (run(Threads) with max_restarts: call it there too), commit() also tells every member
   //! whether a replacement asked to join (the coordinator's word, in one small all-reduce, so
   //! that all see it at the same step): the next attempt() then admits it (below).
   void commit() {
     std::int64_t want[1] = {0};
-    if (link_) {
+    if (link_ || joins_) {
       want[0] = now_.rank == 0 && joiner_waiting() ? 1 : 0;
       detail::host_all_reduce(*comm_, std::span<std::int64_t>(want), reduce_op::max);
     }
@@ -134,7 +143,7 @@ class ElasticGroup {
   //! rank is gone: a failure of another kind, named); any other exception of the step
   //! propagates.
   //!
-  //! When a commit() reported a replacement waiting (run(Processes)), attempt() first admits
+  //! When a commit() reported a replacement waiting, attempt() first admits
   //! it — the members and the joiners agree through the store (launch/elastic_join.hpp), the
   //! communicator is regrouped over all, the on_change callbacks run (the replacement builds
   //! the same in its body: DataParallel broadcasts rank 0's parameters) — and returns that
@@ -198,6 +207,20 @@ class ElasticGroup {
     if constexpr (requires { comm_->regroup(m.epoch, ranks, *store_); })
       *comm_ = comm_->regroup(m.epoch, ranks, *store_);
     else *comm_ = comm_->regroup(m.epoch, ranks);
+  }
+
+  // A rank started again: asks to join, waits for its admission, makes the grown membership's
+  // communicator with the members (their enter() of the same epoch).
+  void join() {
+    const int job = now_.job_rank();
+    const std::int64_t n = request_join(*store_, job);
+    const growth g = await_admission(*store_, n, job, std::chrono::milliseconds(store_->timeout()));
+    now_.epoch = g.epoch;
+    now_.ranks = g.ranks;
+    now_.rank = static_cast<int>(std::find(g.ranks.begin(), g.ranks.end(), job) - g.ranks.begin());
+    steps_ = g.steps;
+    replacement_ = true;
+    regroup(now_);
   }
 
   bool joiner_waiting() {
@@ -267,8 +290,9 @@ class ElasticGroup {
   membership now_;
   std::int64_t steps_ = 0;
   bool replacement_ = false;
-  bool grow_ = false;                                  // commit() said: admit a replacement
-  std::int64_t next_request_ = 1;                      // the coordinator's next join request
+  bool joins_ = false;             // replacements may join (ranks as threads, restarted: commit() asks)
+  bool grow_ = false;              // commit() said: admit a replacement
+  std::int64_t next_request_ = 1;  // the coordinator's next join request
   std::chrono::steady_clock::time_point next_poll_{};  // the coordinator's next look at them
   std::vector<membership_change> changes_;
   std::vector<std::function<void(const membership_change&)>> callbacks_;
