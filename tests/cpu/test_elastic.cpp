@@ -120,6 +120,11 @@ struct job {
   std::int64_t peer_copy_every = 0;
   int flaky_seal_rank = -1;    // with FlakyComm: the rank that does not see the seal of the deaths' step's snapshot
   bool flaky_regroup = false;  // with FlakyComm: every rank's first regroup fails
+  // run(Threads{.max_restarts = restarts}): a rank that died is started again and joins the job
+  // that went on without it; what the loop keeps besides the model it gets from rank 0 through a
+  // checkpoint in `share` (PeerCopy: from the snapshot).
+  int restarts = 0;
+  fs::path share;
   std::vector<double> X;
   std::vector<int> y;
 };
@@ -195,7 +200,9 @@ struct trained {
 // on (through a HashStore), regroup, rebuild DataParallel (its loss scale carried over; with
 // j.keep_global_batch more micro-steps each) and re-partition the rest of the epoch in
 // on_change, and the loop redoes the whole step. Sharded (ShardedOptimizer): on_change rolls
-// back to the last j.rollback checkpoint instead (its optimizer state resharded).
+// back to the last j.rollback checkpoint instead (its optimizer state resharded). With
+// j.restarts, a dead rank starts again and joins: a change that grows the group, after which
+// every rank gets the loop's state from rank 0 (PeerCopy: restores the snapshot of the group).
 template <bool Sharded = false, class Comm = lockstep::ThreadComm>
 trained train(const job& j, int world, const deaths& d, std::int64_t stop_at = -1, const fs::path* save = nullptr,
               const fs::path* resume = nullptr) {
@@ -210,7 +217,8 @@ trained train(const job& j, int world, const deaths& d, std::int64_t stop_at = -
   auto body = [&](lockstep::context<lockstep::ThreadComm>& ctx) {
     TestMlp<double> m(j.dims, j.seed);
     flaky_regroup::now = j.flaky_regroup;
-    lockstep::ElasticGroup group(Comm(ctx.comm()), store, {.settle = 5s});  // failed ranks are named: no settling
+    // (Failed ranks are named: no settling. A rank started again joins here.)
+    lockstep::ElasticGroup<Comm, lockstep::HashStore> group(ctx, store, {.settle = 5s});
     std::optional<DP> dp;
     int micro_steps = j.accumulate;
     auto build = [&] {
@@ -248,13 +256,9 @@ trained train(const job& j, int world, const deaths& d, std::int64_t stop_at = -
     std::vector<std::int64_t> rolled_back_to, restored_to;
     std::vector<int> lost;
     lockstep::PeerCopy copies({.every = std::max<std::int64_t>(1, j.peer_copy_every)});
-    group.on_change([&](const lockstep::membership_change& c) {
-      if (d.in_change.count(ctx.rank())) throw rank_killed("job rank " + std::to_string(ctx.rank()) + " killed");
-      if (j.keep_global_batch) micro_steps = lockstep::steps_for_same_global_batch(micro_steps, c);
-      const auto scale = dp->scaler().state();
-      dp.reset();
-      build();
-      if constexpr (Sharded) {  // the lost ranks' optimizer shards: from their copies, else the last checkpoint
+    // The lost ranks' optimizer shards (or a joiner's): from their copies, else the last checkpoint.
+    auto recover_shards = [&] {
+      if constexpr (Sharded) {
         if (j.peer_copy_every > 0) {
           if (const auto at = copies.restore(group.members(), *dp, opt, sampler)) {
             steps = *at;
@@ -265,14 +269,36 @@ trained train(const job& j, int world, const deaths& d, std::int64_t stop_at = -
         }
         load_from(j.rollback);  // (the sampler, made for the ranks before, is moved to the survivors' by it)
         rolled_back_to.push_back(steps);
+      }
+    };
+    // After a grow: what the loop keeps besides the model, from rank 0.
+    auto share = [&] {
+      const fs::path at = j.share / ("grown-" + std::to_string(group.members().epoch) + ".ckpt");
+      save_to(at);
+      load_from(at);
+    };
+    group.on_change([&](const lockstep::membership_change& c) {
+      if (d.in_change.count(ctx.rank())) throw rank_killed("job rank " + std::to_string(ctx.rank()) + " killed");
+      if (j.keep_global_batch) micro_steps = lockstep::steps_for_same_global_batch(micro_steps, c);
+      const auto scale = dp->scaler().state();
+      dp.reset();
+      build();
+      if constexpr (Sharded) {
+        recover_shards();
       } else {
         dp->scaler().load_state(scale);
         sampler.repartition(group.rank(), group.size());
+        if (!c.joined.empty()) share();
       }
     });
+    if (group.replacement()) {  // as the members do in on_change for the change that admitted it
+      if constexpr (Sharded) recover_shards();
+      else share();
+    }
     if (resume) load_from(*resume);
     const int job_rank = ctx.rank();
     while (sampler.epoch() < j.epochs && steps != stop_at) {
+      if (j.restarts > 0 && group.size() < world) std::this_thread::sleep_for(10ms);  // (time for a joiner)
       const auto batches = sampler.batches(j.batch);
       if (batches.size() < static_cast<std::size_t>(micro_steps)) {
         sampler.set_epoch(sampler.epoch() + 1);
@@ -302,10 +328,14 @@ trained train(const job& j, int world, const deaths& d, std::int64_t stop_at = -
           if constexpr (Sharded) {  // each rank's optimizer steps its shards, inside finish
             (void)step.finish([&](std::span<const lockstep::param_slice> sl) { opt.step(sl); });
             die(2);
+            if (k + 1 == micro_steps) group.commit();  // (with restarts: does a replacement wait?)
           } else {
             auto r = step.finish();
             die(2);
-            if (k + 1 == micro_steps) opt.step(dp->parameters(), !r);
+            if (k + 1 == micro_steps) {
+              group.commit();
+              opt.step(dp->parameters(), !r);
+            }
           }
           taken += rows.size();
         }
@@ -332,14 +362,15 @@ trained train(const job& j, int world, const deaths& d, std::int64_t stop_at = -
       t.lost = lost;
     }
   };
-  if (dead.empty()) {
-    lockstep::run(lockstep::Threads{world}, body);
+  const lockstep::Threads mode{.ranks = world, .max_restarts = j.restarts};
+  if (dead.empty() || j.restarts > 0) {  // (a rank that died and was started again is no failure of run())
+    lockstep::run(mode, body);
   } else {  // run() reports the first rank that died, once every rank has ended
-    CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{world}, body), doctest::Contains("killed"), rank_killed);
+    CHECK_THROWS_WITH_AS(lockstep::run(mode, body), doctest::Contains("killed"), rank_killed);
   }
   t.params = out[static_cast<std::size_t>(first_survivor)];
   for (int r = 0; r < world; ++r)
-    if (!dead.count(r)) {
+    if (!dead.count(r) || j.restarts > 0) {  // (every rank, the replacements too)
       CAPTURE(r);
       CHECK(out[static_cast<std::size_t>(r)] == t.params);
     }
@@ -371,15 +402,56 @@ struct fresh_job {
 // The same switch as an elastic sharded run made, without a failure: `world` ranks to step `at`,
 // a checkpoint (at `ck`), the rest on `survivors` ranks, with neither rollbacks nor copies; the
 // elastic run must end there bit for bit, trained.
-void check_as_sharded_switch(job plain, int world, int survivors, std::int64_t at, const fs::path& ck,
-                             const trained& elastic) {
+// The changes a run saw for deaths `d`: ranks that die in the same step are seen in one change,
+// or — when one of them was released by another's failure before it reached its own (threads run
+// unevenly) — in one each, the later one dying as the step is redone. Either way the ranks gone
+// are the dead, the epochs count up and the survivors are the rest.
+void check_changes(const trained& t, const deaths& d, int world) {
+  const std::set<int> dead = d.all();
+  REQUIRE(t.seen.size() >= (d.in_change.empty() ? 1u : 2u));
+  REQUIRE(t.seen.size() <= dead.size());
+  std::set<int> gone;
+  for (std::size_t k = 0; k < t.seen.size(); ++k) {
+    gone.insert(t.seen[k].gone.begin(), t.seen[k].gone.end());
+    CHECK(t.seen[k].after.epoch == k + 1);
+  }
+  CHECK(gone == dead);
+  CHECK(t.seen.back().after.ranks.size() == static_cast<std::size_t>(world) - dead.size());
+}
+bool all_equal(const std::vector<std::int64_t>& v, std::int64_t x) {
+  return !v.empty() && std::all_of(v.begin(), v.end(), [&](std::int64_t y) { return y == x; });
+}
+
+struct rank_switch {
+  std::int64_t at;  // the step
+  int ranks;        // the ranks from there on
+};
+// A run without failures that switches rank counts: `world` ranks to the first switch's step,
+// a checkpoint (in `dir`), each switch's ranks from there to the next one's; the elastic run
+// must end there bit for bit, trained.
+template <bool Sharded>
+void check_as_switches(job plain, int world, const std::vector<rank_switch>& switches, const fs::path& dir,
+                       const trained& elastic) {
   plain.rollback_every = 0;
   plain.peer_copy_every = 0;
   plain.flaky_seal_rank = -1;
-  train<true>(plain, world, {}, at, &ck);
-  const trained switched = train<true>(plain, survivors, {}, -1, nullptr, &ck);
+  plain.restarts = 0;
+  fs::path from;
+  int ranks = world;
+  for (std::size_t k = 0; k < switches.size(); ++k) {
+    if (k + 1 < switches.size() && switches[k + 1].at == switches[k].at) continue;  // (no steps on these ranks)
+    const fs::path to = dir / ("switch-" + std::to_string(k) + ".ckpt");
+    train<Sharded>(plain, ranks, {}, switches[k].at, &to, k == 0 ? nullptr : &from);
+    from = to;
+    ranks = switches[k].ranks;
+  }
+  const trained switched = train<Sharded>(plain, ranks, {}, -1, nullptr, &from);
   CHECK(elastic.params == switched.params);  // bit for bit
   CHECK(lockstep_test::max_rel_diff(elastic.params, TestMlp<double>(plain.dims, plain.seed).flat_values()) > 1e-3);
+}
+void check_as_sharded_switch(const job& plain, int world, int survivors, std::int64_t at, const fs::path& ck,
+                             const trained& elastic) {
+  check_as_switches<true>(plain, world, {{at, survivors}}, ck.parent_path(), elastic);
 }
 
 }  // namespace
@@ -406,10 +478,7 @@ TEST_CASE("ranks die mid-step: the survivors shrink - redo the step - and end bi
     // Where the survivors went on without the dead: that step (phase 2: the next one).
     const std::int64_t at = d.step + (d.phase == 2 ? 1 : 0);
     const std::set<int> dead = d.all();
-    REQUIRE(elastic.seen.size() == (d.in_change.empty() ? 1u : 2u));
-    CHECK(elastic.seen[0].gone == std::vector<int>(d.ranks.begin(), d.ranks.end()));
-    CHECK(elastic.seen.back().after.ranks.size() == static_cast<std::size_t>(world) - dead.size());
-    CHECK(elastic.seen.back().after.epoch == elastic.seen.size());
+    check_changes(elastic, d, world);
     for (const auto& c : elastic.seen) CHECK(c.agreement < 2s);  // the dead were named: no 5 s settle
     // The same switch without a failure: `world` ranks to step `at`, a checkpoint, the rest on fewer.
     train(j, world, {}, at, &ck);
@@ -468,8 +537,7 @@ TEST_CASE("ranks die mid-cycle with accumulation: the survivors keep the global 
     CAPTURE(d.micro);
     j.accumulate = 3;
     const trained elastic = train(j, world, d);
-    REQUIRE(elastic.seen.size() == 1u);
-    CHECK(elastic.seen[0].gone == std::vector<int>(d.ranks.begin(), d.ranks.end()));
+    check_changes(elastic, d, world);
     // The same switch without a failure: 4 ranks x 3 to step d.step, a checkpoint, the rest on
     // the survivors' count with `after` micro-steps each.
     train(j, world, {}, d.step, &ck);
@@ -501,9 +569,9 @@ TEST_CASE("sharded optimizer: a lost shard - the survivors roll back to the last
   for (const auto& d : cases) {
     CAPTURE(d.step);
     const trained elastic = train<true>(j, world, d);
-    REQUIRE(elastic.seen.size() == 1u);
+    check_changes(elastic, d, world);
     const std::int64_t at = d.step / j.rollback_every * j.rollback_every;  // the last checkpoint before
-    REQUIRE(elastic.rolled_back_to == std::vector<std::int64_t>{at});
+    CHECK(all_equal(elastic.rolled_back_to, at));
     // The same switch without a failure, at the checkpoint's step.
     check_as_sharded_switch(j, world, world - static_cast<int>(d.ranks.size()), at, ck, elastic);
   }
@@ -539,12 +607,12 @@ TEST_CASE("sharded optimizer with PeerCopy: a lost shard comes from the rank bef
     j.peer_copy_every = every;
     const trained elastic = train<true>(j, world, d);
     const std::set<int> dead = d.all();
-    REQUIRE(elastic.seen.size() == (d.in_change.empty() ? 1u : 2u));
+    check_changes(elastic, d, world);
     if (from_copies) {
-      CHECK(elastic.restored_to == std::vector<std::int64_t>{at});  // (a change cut short restores nothing)
+      CHECK(all_equal(elastic.restored_to, at));  // (a change cut short restores nothing)
       CHECK(elastic.rolled_back_to.empty());
-    } else {
-      CHECK(elastic.restored_to.empty());
+    } else {  // (in one change; or rank 1's first, from the copies, then rank 2's)
+      CHECK(elastic.restored_to.size() == elastic.seen.size() - 1);
       CHECK(elastic.lost == std::vector<int>{2});
       CHECK(elastic.rolled_back_to == std::vector<std::int64_t>{at});
     }
@@ -570,6 +638,81 @@ TEST_CASE("sharded optimizer with PeerCopy: a survivor that did not see the newe
   CHECK(elastic.flaky_step == s);  // job rank 1 had not seen the seal of s + 1
   CHECK(elastic.restored_to == std::vector<std::int64_t>{s + 1});
   check_as_sharded_switch(j, 4, 3, s + 1, ck, elastic);
+}
+
+TEST_CASE("a dead rank started again joins the survivors at a step boundary - the job ends bit for bit where a run "
+          "that switched rank counts at those steps ends") {
+  fresh_job f("elastic-grow");
+  auto& [j, rng, dir, ck] = f;
+  CAPTURE(j.seed);
+  j.restarts = 1;  // run(Threads{.max_restarts = 1}): the dead rank's body starts again, as a replacement
+  j.share = dir;
+  const std::vector<deaths> cases{
+      {.ranks = {2},
+       .step = 3 + static_cast<std::int64_t>(rng() % 6),
+       .phase = 1,
+       .hooks = static_cast<int>(rng() % 4)},
+      {.ranks = {1}, .step = 4, .phase = 2},   // after finish(): found by the others' commit()
+      {.ranks = {3}, .step = 16, .phase = 0},  // in the second epoch
+  };
+  const int world = 4;
+  for (const auto& d : cases) {
+    CAPTURE(d.step);
+    CAPTURE(d.phase);
+    const trained elastic = train(j, world, d);
+    REQUIRE(elastic.seen.size() == 2u);
+    const auto& shrink = elastic.seen[0];
+    const auto& grow = elastic.seen[1];
+    const std::vector<int> victim(d.ranks.begin(), d.ranks.end());
+    CHECK(shrink.gone == victim);
+    CHECK(shrink.steps == d.step);  // (phase 2 too: commit()'s all-reduce, before the update, finds the loss)
+    CHECK(grow.joined == victim);
+    CHECK(grow.gone.empty());
+    CHECK(grow.after.ranks == std::vector<int>{0, 1, 2, 3});
+    CHECK(grow.after.epoch == 2u);
+    CHECK(grow.steps > shrink.steps);  // (admitted at a commit of the smaller group's)
+    // The same switches without a failure: 4 ranks to the shrink's step, 3 to the grow's, 4 on.
+    check_as_switches<false>(j, world, {{shrink.steps, world - 1}, {grow.steps, world}}, dir, elastic);
+  }
+}
+
+TEST_CASE("sharded optimizer with PeerCopy: a dead rank started again joins - the members' snapshot is cut for the "
+          "grown group - bit for bit where a run that switched rank counts at the restored steps ends") {
+  fresh_job f("elastic-peer-grow");
+  auto& [j, rng, dir, ck] = f;
+  CAPTURE(j.seed);
+  j.restarts = 1;
+  j.share = dir;
+  j.rollback_every = 4;  // (the fallback: not taken here)
+  j.rollback = dir / "rollback.ckpt";
+  struct grow_case {
+    deaths d;
+    std::int64_t every;
+  };
+  const std::vector<grow_case> cases{
+      {{.ranks = {2}, .step = 5 + static_cast<std::int64_t>(rng() % 3), .phase = 1, .hooks = 1}, 1},
+      {{.ranks = {1}, .step = 9, .phase = 2}, 1},
+      {{.ranks = {3}, .step = 7, .phase = 0}, 2},  // restored from step 6; the grow from the newest snapshot
+  };
+  const int world = 4;
+  for (const auto& [d, every] : cases) {
+    CAPTURE(d.step);
+    CAPTURE(every);
+    j.peer_copy_every = every;
+    const trained elastic = train<true>(j, world, d);
+    REQUIRE(elastic.seen.size() == 2u);
+    CHECK(elastic.seen[1].joined == std::vector<int>(d.ranks.begin(), d.ranks.end()));
+    CHECK(elastic.rolled_back_to.empty());
+    REQUIRE(elastic.restored_to.size() == 2u);
+    const std::int64_t shrunk = elastic.restored_to[0], grown = elastic.restored_to[1];
+    CHECK(shrunk == d.step / every * every);  // (phase 2: the others' commit() or snapshot finds the loss)
+    // The grow: the members' newest snapshot, of the group that grew when one was taken since
+    // the shrink (with every = 1, of the step it grew at: nothing redone). (The group counts the
+    // steps it went back by the shrink's restore twice: the loop's count is the snapshot's.)
+    const std::int64_t loop_at_grow = elastic.seen[1].steps - (elastic.seen[0].steps - shrunk);
+    CHECK(grown == loop_at_grow / every * every);
+    check_as_switches<true>(j, world, {{shrunk, world - 1}, {grown, world}}, dir, elastic);
+  }
 }
 
 TEST_CASE("PeerCopy: a snapshot ahead of the step saved is dropped - clear() drops all - restore() without one says "

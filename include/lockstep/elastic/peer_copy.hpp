@@ -11,7 +11,9 @@
 //! copies of the lost ranks' from the ranks before those — and load them resharded for their
 //! number (load_sharded), the parameters and the training state with them: training goes on
 //! from the snapshot's step. A rank and the one before it lost together take the only copy of
-//! the first: restore() then says so and changes nothing (roll back to a checkpoint).
+//! the first: restore() then says so and changes nothing (roll back to a checkpoint). When a
+//! replacement joined (nobody lost), the members' own parts of their newest snapshot are cut
+//! for the grown group the same way; the replacement, which holds nothing, restores with them.
 //!
 //! The optimizer's state is copied whole where the optimizer keeps it in one buffer
 //! (imaged_optimizer: FusedSgd, FusedAdamW — a device-to-device copy, turned into save()'s
@@ -86,9 +88,10 @@ class PeerCopy {
 
   //! In ElasticGroup::on_change, once DataParallel (and an optimizer over its shards) was rebuilt
   //! over the survivors `now` (group.members()): the survivors agree on the newest snapshot
-  //! whose seal one of them saw complete, and — when each lost rank's part survives, its own or
-  //! its copy — the sampler is re-partitioned, the snapshot's parameters and training state
-  //! restored and the optimizer state loaded resharded (collective over dp.comm()). Returns the
+  //! whose seal one of them saw complete, or of whose members none is gone (after a grow: the
+  //! newest, the replacement calling restore() too, once it built the same), and — when each
+  //! lost rank's part survives, its own or its copy — the sampler is re-partitioned, the snapshot's parameters and
+  //! training state restored and the optimizer state loaded resharded (collective over dp.comm()). Returns the
   //! snapshot's step: go on from it. Empty, with nothing changed, when a rank and the rank before
   //! it were both lost (lost() names them) or no snapshot was sealed yet (why() says so):
   //! restore from a checkpoint then (the snapshots are dropped). Until the next save() the
@@ -179,10 +182,10 @@ class PeerCopy {
     // The heads go round once for a layout and membership (an image's size is fixed), at every
     // snapshot for saved bytes (their length may change). Collective either way: the same on
     // every rank.
-    const bool fresh = !imaged_optimizer<Opt> || !(head_ && head_->layout == dp.shard_layout() &&
-                                                   head_->members == members && head_->mine == mine);
+    const bool same_group = head_ && head_->layout == dp.shard_layout() && head_->members == members;
+    const bool fresh = !imaged_optimizer<Opt> || !(same_group && head_->mine == mine);
     if (fresh) {
-      if (head_ && head_->layout == dp.shard_layout() && head_->members == members && imaged_optimizer<Opt>)
+      if (same_group && imaged_optimizer<Opt>)
         throw config_error("PeerCopy::save: the optimizer's state changed size since the last snapshot of this "
                            "group (another optimizer?); call clear() on every rank, or keep one optimizer");
       std::int64_t width = static_cast<std::int64_t>(mine.bytes());
@@ -229,52 +232,47 @@ class PeerCopy {
   template <class DP, class Opt, class RestoreState>
   std::optional<std::int64_t> restore_with(const membership& now, DP& dp, Opt& opt, RestoreState&& restore_state) {
     check_group("restore", now, dp);
-    std::int64_t agreed = newest_sealed();
-    detail::host_all_reduce(dp.comm(), std::span<std::int64_t>(&agreed, 1), reduce_op::max);
-    lost_.clear();
+    // Every survivor tells what it holds (a replacement that joined: nothing); all then decide
+    // alike which snapshot to go on from, and find the same problems.
+    std::vector<detail::peer_holding> mine;
+    for (const auto& g : gen_)
+      if (g.step >= 0) mine.push_back({g.step, g.sealed, {g.members, g.state, g.origin}});
+    std::vector<std::vector<detail::peer_holding>> told;
+    for (const auto& t : detail::host_all_gather_strings(dp.comm(), detail::encode_holdings(mine)))
+      told.push_back(detail::decode_holdings(t));
+    const auto choice = detail::choose_peer_snapshot(told, now.ranks);
+    lost_ = choice.lost;
     why_.clear();
-    if (agreed < 0) {
-      why_ = "no snapshot sealed yet on any survivor (the first is taken at step " + std::to_string(opt_.every) + ")";
+    if (choice.step < 0) {
+      if (lost_.empty()) {
+        why_ = "no snapshot sealed yet on any survivor (the first is taken at step " + std::to_string(opt_.every) + ")";
+      } else {
+        why_ = "the part of job rank(s)";
+        for (int r : lost_) why_ += " " + std::to_string(r);
+        why_ += " was lost with the rank before it, which held its copy";
+      }
       clear();  // the caller goes back to a checkpoint: what some ranks hold is ahead of it
       return std::nullopt;
     }
-    // What only this rank may find (survivors that hold the agreed snapshot all pass or fail
-    // alike): agreed on before anything else, so that no survivor waits in a collective for one
-    // that gave up.
+    const std::int64_t agreed = choice.step;
+    const detail::peer_snapshot& snap = *choice.snap;
     int at = -1;
     for (int k = 0; k < 2; ++k)
       if (gen_[k].step == agreed) at = k;
-    std::string problem;
-    if (at < 0)  // a survivor saw its seal: every rank took that snapshot and still holds it
-      problem =
-          "this rank no longer holds the snapshot of step " + std::to_string(agreed) + " that the survivors agreed on";
-    for (int r : now.ranks)
-      if (problem.empty() && std::find(gen_[at].members.begin(), gen_[at].members.end(), r) == gen_[at].members.end())
-        problem = "job rank " + std::to_string(r) +
-                  " was not a member when the snapshot was taken: a grown group cannot be restored from the copies "
-                  "(go back to a checkpoint: load_sharded cuts the state for it)";
-    detail::peer_agree_or_throw(dp.comm(), problem, agreed);
-    // A newer snapshot than the agreed one belongs to steps the survivors now redo: dropped.
-    if (gen_[1 - at].step > agreed) drop(gen_[1 - at]);
-    gen_[at].sealed = true;  // (every survivor holds it whole: whoever saw its seal said so)
-    const generation* g = &gen_[at];
-    const auto alive = [&](int r) { return std::find(now.ranks.begin(), now.ranks.end(), r) != now.ranks.end(); };
-    const std::size_t n = g->members.size();
-    for (std::size_t q = 0; q < n; ++q)
-      if (!alive(g->members[q]) && !alive(g->members[(q + n - 1) % n])) lost_.push_back(g->members[q]);
-    if (!lost_.empty()) {
-      why_ = "the part of job rank(s)";
-      for (int r : lost_) why_ += " " + std::to_string(r);
-      why_ += " was lost with the rank before it, which held its copy";
-      clear();  // the caller goes back to a checkpoint: these are ahead of it
-      return std::nullopt;
+    if (at >= 0) {
+      // A newer snapshot than the agreed one belongs to steps the survivors now redo: dropped.
+      if (gen_[1 - at].step > agreed) drop(gen_[1 - at]);
+      if (choice.sealed) gen_[at].sealed = true;  // (whoever saw its seal said so)
     }
-    // What this survivor holds of the snapshot: its own part, and its successor's if that is gone.
-    const auto me =
-        static_cast<std::size_t>(std::find(g->members.begin(), g->members.end(), now.job_rank()) - g->members.begin());
+    // What this survivor gives: its own part, and the copy of its successor's where the
+    // successor does not give its own (gone, or back without it).
+    const std::size_t n = snap.members.size();
+    std::vector<std::size_t> give;
+    for (std::size_t q = 0; q < n; ++q)
+      if (choice.provider[q] == now.job_rank()) give.push_back(q);
+    std::string problem;
     byte_writer held;
-    const bool successor_gone = n > 1 && !alive(g->members[(me + 1) % n]);
-    held.write(static_cast<std::uint32_t>(successor_gone ? 2 : 1));
+    held.write(static_cast<std::uint32_t>(give.size()));
     auto mem = dp.comm().memory();
     const auto hold = [&](std::size_t place, const detail::peer_part_head& h, const void* where) {
       std::vector<std::byte> bytes(h.bytes());
@@ -290,8 +288,10 @@ class PeerCopy {
       held.write_bytes(bytes.data(), h.value_bytes());
     };
     try {
-      hold(me, g->mine_head, g->mine.get());
-      if (successor_gone) hold((me + 1) % n, g->next_head, g->next.get());
+      for (const std::size_t q : give) {
+        const bool own = snap.members[q] == now.job_rank();
+        hold(q, own ? gen_[at].mine_head : gen_[at].next_head, own ? gen_[at].mine.get() : gen_[at].next.get());
+      }
     } catch (const std::exception& e) {  // (an image that the optimizer given cannot read)
       problem = e.what();
     }
@@ -319,10 +319,10 @@ class PeerCopy {
     if (std::find(have.begin(), have.end(), false) != have.end())
       throw checkpoint_error("PeerCopy::restore: a part of the snapshot of step " + std::to_string(agreed) +
                              " came from no survivor");
-    Checkpoint ck = g->state;
-    detail::add_peer_parameters(ck, dp, g->origin, heads, parts, values);
+    Checkpoint ck = snap.state;
+    detail::add_peer_parameters(ck, dp, snap.origin, heads, parts, values);
     restore_state(ck);  // (the sampler moved to the survivors' ranks first)
-    load_sharded(dp, opt, detail::sharded_section(g->origin, parts));
+    load_sharded(dp, opt, detail::sharded_section(snap.origin, parts));
     return agreed;
   }
 

@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -82,6 +83,147 @@ struct peer_part_head {
     return h;
   }
 };
+
+//! What a survivor that holds a snapshot tells the others at a restore, so that every rank —
+//! a replacement that joined holds none — knows it: the snapshot's members (job ranks when it
+//! was taken), its replicated training state (no parameters) and the layout it was cut from.
+struct peer_snapshot {
+  std::vector<int> members;
+  Checkpoint state;
+  sharded_origin origin;
+
+  std::string encode() const {
+    byte_writer w;
+    std::vector<std::int64_t> ranks(members.begin(), members.end());
+    w.write_array(ranks);
+    w.write(state.meta.step);
+    w.write(state.meta.epoch);
+    w.write(state.meta.sample_position);
+    const auto names = state.section_names();
+    w.write(static_cast<std::uint64_t>(names.size()));
+    for (const auto& name : names) {
+      const auto b = state.blob(name);
+      w.write_string(name);
+      w.write_string(std::string_view(reinterpret_cast<const char*>(b.data()), b.size()));
+    }
+    w.write(origin.layout);
+    w.write_array(origin.lengths);
+    const auto b = std::move(w).release();
+    return std::string(reinterpret_cast<const char*>(b.data()), b.size());
+  }
+  static peer_snapshot decode(std::string_view s) {
+    byte_reader r(std::as_bytes(std::span(s.data(), s.size())), "a survivor's account of a peer copy's snapshot");
+    peer_snapshot p;
+    for (const auto k : r.read_array<std::int64_t>()) p.members.push_back(static_cast<int>(k));
+    p.state.meta.step = r.read<std::int64_t>();
+    p.state.meta.epoch = r.read<std::int64_t>();
+    p.state.meta.sample_position = r.read<std::int64_t>();
+    const auto sections = r.read<std::uint64_t>();
+    if (sections > r.remaining() / 16) r.fail("claims " + std::to_string(sections) + " sections");
+    for (std::uint64_t k = 0; k < sections; ++k) {
+      auto name = r.read_string();
+      const auto bytes = r.read_string();
+      p.state.add_blob(std::move(name), std::string_view(bytes));
+    }
+    p.origin.layout = r.read<std::uint64_t>();
+    p.origin.lengths = r.read_array<std::uint64_t>();
+    return p;
+  }
+};
+
+//! A snapshot a survivor holds, as it tells the others at a restore: its step, whether this
+//! rank saw its seal complete, what it is.
+struct peer_holding {
+  std::int64_t step = -1;
+  bool sealed = false;
+  peer_snapshot snap;
+};
+
+inline std::string encode_holdings(const std::vector<peer_holding>& held) {
+  byte_writer w;
+  w.write(static_cast<std::uint64_t>(held.size()));
+  for (const auto& h : held) {
+    w.write(h.step);
+    w.write(static_cast<std::uint8_t>(h.sealed ? 1 : 0));
+    w.write_string(h.snap.encode());
+  }
+  const auto b = std::move(w).release();
+  return std::string(reinterpret_cast<const char*>(b.data()), b.size());
+}
+inline std::vector<peer_holding> decode_holdings(std::string_view s) {
+  byte_reader r(std::as_bytes(std::span(s.data(), s.size())), "a survivor's account of its peer copy");
+  const auto n = r.read<std::uint64_t>();
+  if (n > 2) r.fail("claims " + std::to_string(n) + " snapshots (a rank holds at most 2)");
+  std::vector<peer_holding> held(static_cast<std::size_t>(n));
+  for (auto& h : held) {
+    h.step = r.read<std::int64_t>();
+    h.sealed = r.read<std::uint8_t>() != 0;
+    h.snap = peer_snapshot::decode(r.read_string());
+  }
+  return held;
+}
+
+//! The snapshot a restore goes on from — the same decision on every survivor, made from what
+//! all told (told[i]: what the survivor of job rank ranks[i] holds): the newest of which every
+//! member's part is there, held by the member itself or — once a survivor saw its seal
+//! complete, so that every copy had arrived — by the rank before it.
+struct peer_choice {
+  std::int64_t step = -1;  // none can be put together: -1
+  bool sealed = false;     // a survivor saw its seal complete
+  const peer_snapshot* snap = nullptr;
+  std::vector<int> provider;  // the job rank that gives each member's part (in `snap->members` order)
+  std::vector<int> lost;      // none: the parts missing from the newest sealed snapshot
+};
+
+inline peer_choice choose_peer_snapshot(const std::vector<std::vector<peer_holding>>& told,
+                                        std::span<const int> ranks) {
+  std::vector<std::int64_t> steps;
+  for (const auto& held : told)
+    for (const auto& h : held) steps.push_back(h.step);
+  std::sort(steps.begin(), steps.end(), std::greater<>());
+  steps.erase(std::unique(steps.begin(), steps.end()), steps.end());
+  peer_choice c;
+  bool reported = false;
+  for (const std::int64_t s : steps) {
+    const peer_holding* any = nullptr;
+    bool sealed = false;
+    const auto holder = [&](int job_rank) {  // job_rank, alive and holding s
+      const auto at = std::find(ranks.begin(), ranks.end(), job_rank);
+      if (at == ranks.end()) return false;
+      const auto& held = told[static_cast<std::size_t>(at - ranks.begin())];
+      return std::any_of(held.begin(), held.end(), [&](const peer_holding& h) { return h.step == s; });
+    };
+    for (const auto& held : told)
+      for (const auto& h : held) {
+        if (h.step != s) continue;
+        if (any && h.snap.members != any->snap.members)
+          throw checkpoint_error("PeerCopy::restore: the survivors hold snapshots of step " + std::to_string(s) +
+                                 " taken by different groups; were they saved with the same step numbers?");
+        any = any ? any : &h;
+        sealed = sealed || h.sealed;
+      }
+    const auto& m = any->snap.members;
+    std::vector<int> provider, missing;
+    for (std::size_t q = 0; q < m.size(); ++q) {
+      const int before = m[(q + m.size() - 1) % m.size()];
+      if (holder(m[q])) provider.push_back(m[q]);
+      else if (sealed && holder(before)) provider.push_back(before);
+      else missing.push_back(m[q]);
+    }
+    if (missing.empty()) {
+      c.step = s;
+      c.sealed = sealed;
+      c.snap = &any->snap;
+      c.provider = std::move(provider);
+      return c;
+    }
+    if (sealed && !reported) {
+      c.lost = std::move(missing);
+      reported = true;
+    }
+  }
+  return c;
+}
 
 //! This rank's head: `state_bytes` of the state to come.
 template <class DP>
