@@ -745,4 +745,56 @@ TEST_CASE_TEMPLATE("kernels: FusedAdamW matches lockstep::AdamW on many tensors 
   }
 }
 
+// Copies n bytes once about `cycles` clock cycles have passed: a reader that lags behind.
+__global__ void late_copy(const unsigned char* src, unsigned char* dst, std::size_t n, long long cycles) {
+  const long long start = clock64();
+  while (clock64() - start < cycles) {
+  }
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += std::size_t{gridDim.x} * blockDim.x)
+    dst[i] = src[i];
+}
+
+TEST_CASE("kernels: FusedOptimizer::fence_reads - the next step waits for a reader of its state on another stream") {
+  LOCKSTEP_REQUIRE_GPUS(1);
+  const auto seed = fresh_seed();
+  INFO("seed = ", seed);
+  std::mt19937_64 rng(seed);
+  OptWorld<float> w(rng, make_layout(rng, 6, {4000, 300}, true), 0);
+  lockstep::FusedSgd opt({.lr = 0.05, .momentum = 0.9}, w.params());
+  std::vector<float> hg;
+  Stream steps, reader;
+  w.new_grads(rng, hg);
+  opt.step_all(w.params(), steps.s);  // (momentum buffers and masters filled)
+  steps.sync();
+  const auto img = opt.state_image();
+  const auto image = [&](const void* at) {
+    std::vector<unsigned char> h(img.size());
+    LOCKSTEP_TRY_CUDA(cudaMemcpy(h.data(), at, h.size(), cudaMemcpyDeviceToHost));
+    return h;
+  };
+  const auto before = image(img.data());
+  DevBuf seen(img.size());
+  int khz = 0;
+  LOCKSTEP_TRY_CUDA(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0));
+  w.new_grads(rng, hg);
+  // The reader copies the state 50 ms from now; the second step, fenced, waits for it.
+  late_copy<<<64, 256, 0, reader.s>>>(reinterpret_cast<const unsigned char*>(img.data()), seen.as<unsigned char>(),
+                                      img.size(), 50LL * khz);
+  LOCKSTEP_TRY_CUDA(cudaGetLastError());
+  opt.fence_reads(reader.s);
+  opt.step_all(w.params(), steps.s);
+  steps.sync();
+  reader.sync();
+  CHECK(image(seen.p) == before);      // what the reader saw: the state before the step
+  CHECK(image(img.data()) != before);  // (the step ran)
+  // A fence is spent by the write it ordered: the next step does not wait for the reader again.
+  late_copy<<<64, 256, 0, reader.s>>>(reinterpret_cast<const unsigned char*>(img.data()), seen.as<unsigned char>(),
+                                      img.size(), 200LL * khz);
+  w.new_grads(rng, hg);
+  opt.step_all(w.params(), steps.s);
+  steps.sync();
+  CHECK(cudaStreamQuery(reader.s) == cudaErrorNotReady);  // (the step is done, the reader still waits)
+  reader.sync();
+}
+
 }  // TEST_SUITE
