@@ -2,9 +2,15 @@
 // bucket plan, the one-time rebuild, misuse errors, statistics, mode selection.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <mutex>
 #include <numeric>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include <lockstep/lockstep.hpp>
 
@@ -589,7 +595,42 @@ TEST_CASE("run(Threads{n}) refuses a negative count") {
   int calls = 0;
   CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{-1}, [&](auto&) { ++calls; }),
                        doctest::Contains("negative number of ranks"), lockstep::config_error);
+  CHECK_THROWS_WITH_AS(lockstep::run(lockstep::Threads{.ranks = 2, .max_restarts = -1}, [&](auto&) { ++calls; }),
+                       doctest::Contains("negative number of restarts"), lockstep::config_error);
   CHECK(calls == 0);
+}
+
+TEST_CASE("run(Threads{.max_restarts}) starts a failed rank's body again - up to the count in all - and the context "
+          "counts the restarts") {
+  // Rank 1 fails on its first `fails` starts; with max_restarts = 2 the third start completes.
+  for (const int fails : {1, 2, 3}) {
+    CAPTURE(fails);
+    std::mutex m;
+    std::vector<std::pair<int, int>> starts;  // (rank, restart_count)
+    bool enabled = true;
+    auto body = [&](lockstep::context<lockstep::ThreadComm>& ctx) {
+      {
+        std::lock_guard lk(m);
+        starts.emplace_back(ctx.rank(), ctx.restart_count());
+        enabled = enabled && ctx.restarts_failed();
+      }
+      if (ctx.rank() == 1 && ctx.restart_count() < fails)
+        throw std::runtime_error("start " + std::to_string(ctx.restart_count()) + " failed");
+    };
+    const lockstep::Threads mode{.ranks = 2, .max_restarts = 2};
+    if (fails <= 2) {
+      lockstep::run(mode, body);  // (a failure followed by a restart is not the job's)
+    } else {
+      CHECK_THROWS_WITH_AS(lockstep::run(mode, body), doctest::Contains("start 2 failed"), std::runtime_error);
+    }
+    std::vector<int> counts;
+    for (const auto& [rank, count] : starts)
+      if (rank == 1) counts.push_back(count);
+    std::vector<int> want;
+    for (int k = 0; k <= std::min(fails, 2); ++k) want.push_back(k);
+    CHECK(counts == want);
+    CHECK(enabled);
+  }
 }
 
 TEST_CASE("a model whose bind_gradient does not take effect is rejected") {

@@ -298,7 +298,7 @@ trained train(const job& j, int world, const deaths& d, std::int64_t stop_at = -
     if (resume) load_from(*resume);
     const int job_rank = ctx.rank();
     while (sampler.epoch() < j.epochs && steps != stop_at) {
-      if (j.restarts > 0 && group.size() < world) std::this_thread::sleep_for(10ms);  // (time for a joiner)
+      if (j.restarts > 0 && group.size() < world) std::this_thread::sleep_for(20ms);  // (time for a joiner)
       const auto batches = sampler.batches(j.batch);
       if (batches.size() < static_cast<std::size_t>(micro_steps)) {
         sampler.set_epoch(sampler.epoch() + 1);
@@ -707,8 +707,8 @@ TEST_CASE("sharded optimizer with PeerCopy: a dead rank started again joins - th
     const std::int64_t shrunk = elastic.restored_to[0], grown = elastic.restored_to[1];
     CHECK(shrunk == d.step / every * every);  // (phase 2: the others' commit() or snapshot finds the loss)
     // The grow: the members' newest snapshot, of the group that grew when one was taken since
-    // the shrink (with every = 1, of the step it grew at: nothing redone). (The group counts the
-    // steps it went back by the shrink's restore twice: the loop's count is the snapshot's.)
+    // the shrink (with every = 1, of the step it grew at: nothing redone). (The group's count of
+    // steps is ahead of the loop's by the steps the shrink's restore went back.)
     const std::int64_t loop_at_grow = elastic.seen[1].steps - (elastic.seen[0].steps - shrunk);
     CHECK(grown == loop_at_grow / every * every);
     check_as_switches<true>(j, world, {{shrunk, world - 1}, {grown, world}}, dir, elastic);

@@ -274,7 +274,7 @@ TEST_CASE("snippets: a job that goes on when a rank dies (docs/elastic.md)") {
           if (ctx.rank() == 2 && ++backwards == 3) throw std::runtime_error("rank 2 lost its GPU");
           // [snippet docs/elastic.md#1]
           if (step.finish()) {
-            group.commit();  // on GPUs: the step's collectives completed (threads: nothing to do)
+            group.commit();  // on GPUs: the step's collectives completed; with restarts: a joiner?
             optimizer.update(model);
           }
         });
