@@ -140,7 +140,6 @@ class PeerCopy {
     detail::peer_part_head mine_head, next_head;
     std::shared_ptr<void> mine, next, seal_buf;  // the communicator's memory: `width` bytes each
     std::size_t width = 0;
-    std::function<void()> pack_wait;  // the copy of this rank's part, when not on the steps' stream: waited for
     std::function<bool()> seal_done;  // the seal's work: completed (never blocks)
     std::function<void()> seal_wait;  // ... waited for on the host
     bool sealed = false;              // this rank saw the seal complete: every rank holds its copy
@@ -210,21 +209,9 @@ class PeerCopy {
     g.origin = detail::sharded_origin::of(dp);
     g.mine_head = head_->mine;
     g.next_head = head_->next;
-    // The copy of this rank's part: on the communication stream, beside the steps, where the
-    // optimizer can be fenced (its next write waits for the copy), else on the steps' stream.
-    const std::span<const std::pair<const void*, std::size_t>> parts(from);
-    g.pack_wait = {};
-    if constexpr (beside<Comm, Opt>) {
-      auto packed = std::make_shared<decltype(comm.enqueue([](auto) {}))>(comm.enqueue([&](auto stream) {
-        detail::pack_bytes(decltype(mem)(mem.device(), stream), parts, g.mine.get());
-        opt.fence_reads(stream);
-      }));
-      g.pack_wait = [packed] { packed->synchronize(); };
-    } else {
-      detail::pack_bytes(mem, parts, g.mine.get());
-      if (!saved.empty())
-        mem.upload(static_cast<std::byte*>(g.mine.get()) + mine.value_bytes(), saved.data(), saved.size());
-    }
+    detail::pack_bytes(mem, std::span<const std::pair<const void*, std::size_t>>(from), g.mine.get());
+    if (!saved.empty())
+      mem.upload(static_cast<std::byte*>(g.mine.get()) + mine.value_bytes(), saved.data(), saved.size());
     (void)comm.shift(g.mine.get(), g.next.get(), g.width, dtype::u8, 1);
     auto w =
         std::make_shared<decltype(comm.all_reduce(g.seal_buf.get(), g.seal_buf.get(), 1, dtype::i64, reduce_op::max))>(
@@ -241,13 +228,6 @@ class PeerCopy {
     if (g.seal_done() && !aborted(comm)) g.sealed = true;
     return true;
   }
-
-  // Whether this rank's part is copied beside the steps: a communicator with a communication
-  // stream to queue the copy on (NcclComm::enqueue: after the steps' work so far, before the
-  // shift), and an optimizer whose state lies in one buffer and whose next write can be fenced.
-  template <class Comm, class Opt>
-  static constexpr bool beside =
-      requires(Comm& c) { c.enqueue([](auto) {}); } && imaged_optimizer<Opt> && requires { &Opt::fence_reads; };
 
   template <class DP, class Opt, class RestoreState>
   std::optional<std::int64_t> restore_with(const membership& now, DP& dp, Opt& opt, RestoreState&& restore_state) {
@@ -308,7 +288,6 @@ class PeerCopy {
       held.write_bytes(bytes.data(), h.value_bytes());
     };
     try {
-      if (at >= 0 && gen_[at].pack_wait) gen_[at].pack_wait();  // (a copy beside the steps)
       for (const std::size_t q : give) {
         const bool own = snap.members[q] == now.job_rank();
         hold(q, own ? gen_[at].mine_head : gen_[at].next_head, own ? gen_[at].mine.get() : gen_[at].next.get());
