@@ -84,18 +84,6 @@ class FusedOptimizer : public detail::rule_options<Rule> {
   //! the state buffers, the masters — for a copy without save()'s synchronisation (PeerCopy
   //! copies it on the stream of the steps). load() moves it: take it afresh each time.
   std::span<const std::byte> state_image() const noexcept { return st_.image(); }
-  //! A reader of the state (or of the parameters' values it updates) on another stream than the
-  //! steps' — PeerCopy copies them there —: the next write through this optimizer (step(),
-  //! set_lr(), load()) first waits for the work `reader` holds when this is called. Not
-  //! queued itself; a later call replaces an earlier one (give one reader stream, or call it
-  //! again after the last read queued).
-  void fence_reads(cudaStream_t reader) const {
-    detail::device_guard g(st_.device());
-    if (!fence_.e) LOCKSTEP_TRY_CUDA(cudaEventCreateWithFlags(&fence_.e, cudaEventDisableTiming));
-    LOCKSTEP_TRY_CUDA(cudaEventRecord(fence_.e, reader));
-    fenced_ = true;
-  }
-
   //! What save() writes of an optimizer of this rule and options built over parameters of
   //! `shapes`, read from a host copy of that optimizer's state_image() (its steps, state
   //! buffers and masters are all in it). checkpoint_error if the image's size does not fit.
@@ -115,13 +103,8 @@ class FusedOptimizer : public detail::rule_options<Rule> {
     base::set_lr(lr);  // validates
     try {
       detail::device_guard g(st_.device());
-      if (!st_.stepped()) {
-        after_reads(nullptr);
-        st_.write_lr_now(opt_.lr);
-      } else {
-        after_reads(st_.last_stream());
-        st_.publish_lr(opt_.lr, st_.last_stream());
-      }
+      if (!st_.stepped()) st_.write_lr_now(opt_.lr);
+      else st_.publish_lr(opt_.lr, st_.last_stream());
     } catch (...) {  // refused (inside a capture): the rate stays the one before
       opt_ = before;
       throw;
@@ -133,7 +116,6 @@ class FusedOptimizer : public detail::rule_options<Rule> {
   void step(std::span<const param_slice> slices, cudaStream_t s, const int* d_found_inf = nullptr) {
     if (slices.empty()) return;
     detail::device_guard g(st_.device());
-    after_reads(s);
     st_.publish_lr(opt_.lr, s);
     st_.prepare(slices, s, d_found_inf);
     for (dtype t : {dtype::f32, dtype::f64, dtype::f16, dtype::bf16}) {
@@ -176,26 +158,12 @@ class FusedOptimizer : public detail::rule_options<Rule> {
   //! The host optimizer's layout (optim/optimizer.hpp). Synchronises.
   void save(byte_writer& w) const { st_.template save<Rule>(w, opt_); }
   //! Reads what save() or the host optimizer wrote (options included). Synchronises.
-  void load(byte_reader& r) {
-    detail::device_guard g(st_.device());
-    after_reads(nullptr);
-    opt_ = st_.template load<Rule>(r);
-  }
+  void load(byte_reader& r) { opt_ = st_.template load<Rule>(r); }
 
  private:
-  // Before a write queued on s (nullptr: a write from the host): what fence_reads() recorded.
-  void after_reads(cudaStream_t s) const {
-    if (!fenced_) return;
-    if (s) LOCKSTEP_TRY_CUDA(cudaStreamWaitEvent(s, fence_.e, 0));
-    else LOCKSTEP_TRY_CUDA(cudaEventSynchronize(fence_.e));
-    fenced_ = false;
-  }
-
   detail::fused_state st_;
   std::vector<const param_slice*> refs_;  // reused by step(): no allocation in steady state
   std::vector<param_slice> whole_;        // reused by step_all()
-  mutable detail::owned_event fence_;     // fence_reads(): the readers' work, waited for before a write
-  mutable bool fenced_ = false;
 };
 
 //! SGD (momentum, dampening, nesterov, weight decay; PyTorch semantics, as lockstep::Sgd).

@@ -16,7 +16,6 @@
 #include <new>
 #include <span>
 #include <string>
-#include <utility>
 
 #include <cuda.h>  // the driver API's types only (primary_context_active)
 #include <cuda_runtime_api.h>
@@ -109,17 +108,6 @@ class device_guard {
   int prev_ = 0;
   bool restore_ = false;
   bool ok_ = true;
-};
-
-//! A CUDA event destroyed with its owner (move-only).
-struct owned_event {
-  cudaEvent_t e = nullptr;
-  owned_event() = default;
-  owned_event(owned_event&& o) noexcept : e(std::exchange(o.e, nullptr)) {}
-  owned_event& operator=(owned_event&&) = delete;
-  ~owned_event() {
-    if (e != nullptr) (void)cudaEventDestroy(e);
-  }
 };
 
 //! `words` zeroed int64s of pinned host memory that kernels of `device` may write (mapped), freed

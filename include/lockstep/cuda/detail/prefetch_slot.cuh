@@ -18,6 +18,15 @@ namespace lockstep::detail {
 struct pinned_free {
   void operator()(std::byte* p) const noexcept { (void)cudaFreeHost(p); }
 };
+struct owned_event {
+  cudaEvent_t e = nullptr;
+  owned_event() = default;
+  owned_event(owned_event&& o) noexcept : e(std::exchange(o.e, nullptr)) {}
+  owned_event& operator=(owned_event&&) = delete;
+  ~owned_event() {
+    if (e != nullptr) (void)cudaEventDestroy(e);
+  }
+};
 struct owned_stream {
   cudaStream_t s = nullptr;
   ~owned_stream() {
