@@ -441,7 +441,7 @@ void check_as_switches(job plain, int world, const std::vector<rank_switch>& swi
   for (std::size_t k = 0; k < switches.size(); ++k) {
     if (k + 1 < switches.size() && switches[k + 1].at == switches[k].at) continue;  // (no steps on these ranks)
     const fs::path to = dir / ("switch-" + std::to_string(k) + ".ckpt");
-    train<Sharded>(plain, ranks, {}, switches[k].at, &to, k == 0 ? nullptr : &from);
+    train<Sharded>(plain, ranks, {}, switches[k].at, &to, from.empty() ? nullptr : &from);
     from = to;
     ranks = switches[k].ranks;
   }

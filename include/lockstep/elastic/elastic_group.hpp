@@ -64,7 +64,9 @@ class ElasticGroup {
   //! store given). With run(Threads{.max_restarts = k}) the members look for replacements at
   //! commit(), and a rank that was started again (ctx.restart_count() > 0) joins the running
   //! job as one: it asks through the store, waits to be admitted (the store's timeout) and
-  //! starts in the grown membership with steps() set, replacement() true.
+  //! starts in the grown membership with steps() set (the coordinator's count; where the loop
+  //! went back since, a PeerCopy::restore() says the step), replacement() true. One not admitted
+  //! before the job ends fails after the store's timeout.
   template <class C>
     requires std::constructible_from<Comm, C&>
   ElasticGroup(context<C>& ctx, Store& store, SurvivorOptions o = {}) : ElasticGroup(Comm(ctx.comm()), store, o) {

@@ -6,14 +6,15 @@
 //! `shift`), which keeps it; the replicated rest (loss scale, layout, data position) is kept
 //! on the host. Nothing waits for the copy: it runs on the streams of the steps, and a seal (a
 //! one-element all-reduce issued after the shift on every rank) is waited for at the next
-//! snapshot. When ranks die, the survivors agree on the newest snapshot whose seal any of them
-//! saw complete (then every rank had received its copy), gather the parts — their own, and the
-//! copies of the lost ranks' from the ranks before those — and load them resharded for their
-//! number (load_sharded), the parameters and the training state with them: training goes on
-//! from the snapshot's step. A rank and the one before it lost together take the only copy of
-//! the first: restore() then says so and changes nothing (roll back to a checkpoint). When a
-//! replacement joined (nobody lost), the members' own parts of their newest snapshot are cut
-//! for the grown group the same way; the replacement, which holds nothing, restores with them.
+//! snapshot. When ranks die, the survivors tell each other what they hold and all take the
+//! newest snapshot of which every part is there — held by its own rank, still a member, or, once
+//! a survivor saw its seal complete (then every rank had received its copy), by the rank before
+//! it —, gather the parts and load them resharded for their number (load_sharded), the
+//! parameters and the training state with them: training goes on from the snapshot's step. A
+//! rank and the one before it lost together take the only copy of the first: restore() then
+//! says so and changes nothing (roll back to a checkpoint). When a replacement joined (nobody
+//! lost), the members' own parts of their newest snapshot are cut for the grown group the same
+//! way; the replacement, which holds nothing, restores with them.
 //!
 //! The optimizer's state is copied whole where the optimizer keeps it in one buffer
 //! (imaged_optimizer: FusedSgd, FusedAdamW — a device-to-device copy, turned into save()'s
@@ -87,14 +88,15 @@ class PeerCopy {
   }
 
   //! In ElasticGroup::on_change, once DataParallel (and an optimizer over its shards) was rebuilt
-  //! over the survivors `now` (group.members()): the survivors agree on the newest snapshot
-  //! whose seal one of them saw complete, or of whose members none is gone (after a grow: the
-  //! newest, the replacement calling restore() too, once it built the same), and — when each
-  //! lost rank's part survives, its own or its copy — the sampler is re-partitioned, the snapshot's parameters and
-  //! training state restored and the optimizer state loaded resharded (collective over dp.comm()). Returns the
-  //! snapshot's step: go on from it. Empty, with nothing changed, when a rank and the rank before
-  //! it were both lost (lost() names them) or no snapshot was sealed yet (why() says so):
-  //! restore from a checkpoint then (the snapshots are dropped). Until the next save() the
+  //! over the survivors `now` (group.members()): the survivors agree on the newest snapshot of
+  //! which every part is held — by its own rank, or, once one of them saw its seal complete, by
+  //! the rank before it (after a grow: the members' newest, the replacement calling restore()
+  //! too, once it built the same) —, and the sampler is re-partitioned, the snapshot's
+  //! parameters and training state restored and the optimizer state loaded resharded
+  //! (collective over dp.comm()). Returns the snapshot's step: go on from it. Empty, with
+  //! nothing changed, when no snapshot is whole: a rank and the rank before it were both lost
+  //! (lost() names them) or none was sealed yet (why() says so): restore from a checkpoint then
+  //! (the snapshots are dropped). Until the next save() the
   //! copies are those of the group before the change. A throw after the agreement (a damaged
   //! part) may leave the training state restored but not the optimizer: go back to a
   //! checkpoint then too.

@@ -211,6 +211,7 @@ inline peer_choice choose_peer_snapshot(const std::vector<std::vector<peer_holdi
       else missing.push_back(m[q]);
     }
     if (missing.empty()) {
+      c.lost.clear();  // (an older snapshot is whole: nothing was lost)
       c.step = s;
       c.sealed = sealed;
       c.snap = &any->snap;
