@@ -30,6 +30,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -282,12 +283,9 @@ class PeerCopy {
       const auto part = detail::sharded_part_from(h, bytes, opt);
       const auto head = h.encode();
       held.write(static_cast<std::uint64_t>(place));
-      held.write(static_cast<std::uint64_t>(head.size()));
-      held.write_bytes(head.data(), head.size());
-      held.write(static_cast<std::uint64_t>(part.size()));
-      held.write_bytes(part.data(), part.size());
-      held.write(static_cast<std::uint64_t>(h.value_bytes()));
-      held.write_bytes(bytes.data(), h.value_bytes());
+      held.write_string(head);
+      held.write_string(part);
+      held.write_string(std::string_view(reinterpret_cast<const char*>(bytes.data()), h.value_bytes()));
     };
     try {
       for (const std::size_t q : give) {
@@ -309,12 +307,7 @@ class PeerCopy {
       for (std::uint32_t i = 0; i < k; ++i) {
         const auto place = r.read<std::uint64_t>();
         if (place >= n) r.fail("names part " + std::to_string(place) + " of " + std::to_string(n));
-        for (std::string* into : {&heads[place], &parts[place], &values[place]}) {
-          const auto len = r.read<std::uint64_t>();
-          if (len > r.remaining()) r.fail("claims " + std::to_string(len) + " bytes for part " + std::to_string(place));
-          const auto b = r.take(static_cast<std::size_t>(len));
-          into->assign(reinterpret_cast<const char*>(b.data()), b.size());
-        }
+        for (std::string* into : {&heads[place], &parts[place], &values[place]}) *into = r.read_string();
         have[place] = true;
       }
     }

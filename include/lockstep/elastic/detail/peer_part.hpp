@@ -49,8 +49,7 @@ struct peer_part_head {
 
   std::string encode() const {
     byte_writer w;
-    w.write(static_cast<std::uint64_t>(map.size()));
-    w.write_bytes(map.data(), map.size());
+    w.write_string(map);
     w.write(static_cast<std::uint64_t>(shards.size()));
     for (const auto& s : shards) {
       w.write(static_cast<std::uint64_t>(s.numel));
@@ -64,10 +63,7 @@ struct peer_part_head {
   static peer_part_head decode(std::string_view s) {
     byte_reader r(std::as_bytes(std::span(s.data(), s.size())), "the head of a peer copy's part");
     peer_part_head h;
-    const auto m = r.read<std::uint64_t>();
-    if (m > r.remaining()) r.fail("claims a shard map of " + std::to_string(m) + " bytes");
-    const auto mb = r.take(static_cast<std::size_t>(m));
-    h.map.assign(reinterpret_cast<const char*>(mb.data()), mb.size());
+    h.map = r.read_string();
     const auto n = r.read<std::uint64_t>();
     if (n > r.remaining() / 9) r.fail("claims " + std::to_string(n) + " shards");
     for (std::uint64_t j = 0; j < n; ++j) {
