@@ -6,7 +6,8 @@
 //     all) at N GPUs vs 1 GPU: exposed communication = step(N) − step(1);
 //  c. comm-bound MLP: 8 × 4096² (134M) with small per-layer compute (≈2.5 ms at 1 GPU);
 //  s. (with c) the same MLP step with ShardedOptimizer;
-//  w. (with c) the fp32 MLP step with gradients in bf16 on the wire (Bf16Wire), plain and sharded;
+//  w. (with c) the fp32 MLP step with gradients in bf16 (Bf16Wire) or blockwise int8 (Int8Wire) on
+//     the wire, plain and sharded;
 //  z. (with c) the MLP step under full sharding — each layer a block: ShardedGradients (ZeRO-2),
 //     FullySharded (ZeRO-3) — beside plain and ShardedOptimizer (ZeRO-1), steps chained, with
 //     each rank's shard and lent buffer bytes;
@@ -45,7 +46,7 @@
 #include <string>
 #include <vector>
 
-#include <lockstep/cuda/bf16_wire.cuh>
+#include <lockstep/cuda/wire.cuh>
 #include <lockstep/cuda/deterministic_sum.cuh>
 #include <lockstep/cuda/run_gpus.cuh>
 #include <lockstep/cuda/run_processes.cuh>
@@ -512,7 +513,7 @@ void bench_h(const std::vector<shape>& shapes, int ngpu, int iters, const char* 
 // Deferred: gather_in_forward — the forward waits for each layer's parameters (params_per_layer
 // of them, in order) just before its compute. Bound (sharded): the parameters live in the
 // shards' value arena (no pack before the optimizer, no unpack after the all-gather).
-template <class T, bool Sharded = false, bool Wire = false, bool Deferred = false, bool Bound = true,
+template <class T, bool Sharded = false, int Wire = 0, bool Deferred = false, bool Bound = true,
           bool Deterministic = false>
 double train_step_time(const std::vector<shape>& shapes, int ngpu, int iters, double head_us,
                        const std::vector<double>& fwd_us, const std::vector<double>& bwd_us,
@@ -522,8 +523,11 @@ double train_step_time(const std::vector<shape>& shapes, int ngpu, int iters, do
     auto m = std::make_shared<M>(shapes, 5u, s);
     using C = lockstep::NcclComm;
     using Strategy = std::conditional_t<Sharded, lockstep::ShardedOptimizer, lockstep::Replicated>;
-    using Hook = std::conditional_t<Deterministic, lockstep::Deterministic,
-                                    std::conditional_t<Wire, lockstep::Bf16Wire, lockstep::AllReduceMean>>;
+    // Wire: 0 the fp32 all-reduce, 1 Bf16Wire, 2 Int8Wire.
+    using Hook = std::conditional_t<
+        Deterministic, lockstep::Deterministic,
+        std::conditional_t<Wire == 1, lockstep::Bf16Wire,
+                           std::conditional_t<Wire == 2, lockstep::Int8Wire, lockstep::AllReduceMean>>>;
     using DP = lockstep::DataParallel<M, C, Hook, Strategy>;
     Strategy strategy{};
     if constexpr (Sharded) {  // field by field: nvcc 13.0 assigned `strategy = {.a = x, .c = y}` positionally
@@ -823,27 +827,32 @@ int main(int argc, char** argv) {
                 std::printf("c  %s %d GPU  cap %3zu MiB  step %7.3f ms  (flat all-reduce alone %6.3f ms)\n", tn, g,
                             cap_mib, t, flat);
             }
-            // w. fp32 gradients in bf16 on the wire (Bf16Wire), plain and sharded.
+            // w. fp32 gradients in bf16 (Bf16Wire) or blockwise int8 (Int8Wire) on the wire, plain
+            // and sharded.
             if (wanted('w') && pass == 0)
               for (std::size_t cap_mib : {std::size_t{25}, std::size_t{64}}) {
                 lockstep::BucketPolicy bp{.first_bytes = std::size_t{1} << 20, .cap_bytes = cap_mib << 20};
                 g_chained = true;
-                const double t = train_step_time<float, false, true>(mlp, g, iters, 0, fwd, bwd, bp);
-                const double ts = train_step_time<float, true, true>(mlp, g, iters, 0, fwd, bwd, bp);
-                const double tsd = train_step_time<float, true, true, true>(mlp, g, iters, 0, fwd, bwd, bp);
-                g_ce_scatter = true;
-                const double tss = train_step_time<float, true, true, true>(mlp, g, iters, 0, fwd, bwd, bp);
-                g_ce_scatter = false;
-                g_sm_gather = true;
-                const double tsm = train_step_time<float, true, true, true>(mlp, g, iters, 0, fwd, bwd, bp);
-                g_sm_gather = g_chained = false;
-                if (g_print)
-                  std::printf(
-                      "w  fp32 %d GPU  cap %3zu MiB  chained steps: bf16 wire %7.3f ms  sharded + bf16 wire %7.3f ms  "
-                      "+ gather in forward %7.3f ms (+ reduce-scatters on copy engines %7.3f ms; gathers on SMs %7.3f "
-                      "ms)  "
-                      "(1 GPU %6.3f ms, flat fp32 all-reduce alone %6.3f ms)\n",
-                      g, cap_mib, t, ts, tsd, tss, tsm, one, flat);
+                const auto wire_row = [&]<int W>(std::integral_constant<int, W>, const char* name) {
+                  const double t = train_step_time<float, false, W>(mlp, g, iters, 0, fwd, bwd, bp);
+                  const double ts = train_step_time<float, true, W>(mlp, g, iters, 0, fwd, bwd, bp);
+                  const double tsd = train_step_time<float, true, W, true>(mlp, g, iters, 0, fwd, bwd, bp);
+                  g_ce_scatter = true;
+                  const double tss = train_step_time<float, true, W, true>(mlp, g, iters, 0, fwd, bwd, bp);
+                  g_ce_scatter = false;
+                  g_sm_gather = true;
+                  const double tsm = train_step_time<float, true, W, true>(mlp, g, iters, 0, fwd, bwd, bp);
+                  g_sm_gather = false;
+                  if (g_print)
+                    std::printf(
+                        "w  fp32 %d GPU  cap %3zu MiB  chained steps: %s wire %7.3f ms  sharded + %s wire %7.3f ms  "
+                        "+ gather in forward %7.3f ms (+ reduce-scatters on copy engines %7.3f ms; gathers on SMs "
+                        "%7.3f ms)  (1 GPU %6.3f ms, flat fp32 all-reduce alone %6.3f ms)\n",
+                        g, cap_mib, name, t, name, ts, tsd, tss, tsm, one, flat);
+                };
+                wire_row(std::integral_constant<int, 1>{}, "bf16");
+                wire_row(std::integral_constant<int, 2>{}, "int8");
+                g_chained = false;
               }
             // t. Where the sharded step's time goes: the fastest schedule (gather in forward, both
             // copy-engine options, cap 64 MiB, chained) with its compute and with none (only the
@@ -860,15 +869,20 @@ int main(int argc, char** argv) {
                   pass == 0 ? train_step_time<float, true, false, true>(mlp, g, iters, 0, none, none_b, bp)
                             : train_step_time<__nv_bfloat16, true, false, true>(mlp, g, iters, 0, none, none_b, bp);
               const double wired =
-                  pass == 0 ? train_step_time<float, true, true, true>(mlp, g, iters, 0, fwd, bwd, bp) : 0.0;
+                  pass == 0 ? train_step_time<float, true, 1, true>(mlp, g, iters, 0, fwd, bwd, bp) : 0.0;
               const double wired_bare =
-                  pass == 0 ? train_step_time<float, true, true, true>(mlp, g, iters, 0, none, none_b, bp) : 0.0;
+                  pass == 0 ? train_step_time<float, true, 1, true>(mlp, g, iters, 0, none, none_b, bp) : 0.0;
+              const double int8 =
+                  pass == 0 ? train_step_time<float, true, 2, true>(mlp, g, iters, 0, fwd, bwd, bp) : 0.0;
+              const double int8_bare =
+                  pass == 0 ? train_step_time<float, true, 2, true>(mlp, g, iters, 0, none, none_b, bp) : 0.0;
               g_chained = g_ce_scatter = false;
               if (g_print)
                 std::printf(
                     "t  %s %d GPU  cap  64 MiB  sharded, gather in forward, copy engines, chained: step %7.3f ms, "
-                    "the same with no compute %7.3f ms;  + bf16 wire %7.3f ms, no compute %7.3f ms  (1 GPU %6.3f ms)\n",
-                    tn, g, full, bare, wired, wired_bare, one);
+                    "the same with no compute %7.3f ms;  + bf16 wire %7.3f ms, no compute %7.3f ms;  + int8 wire "
+                    "%7.3f ms, no compute %7.3f ms  (1 GPU %6.3f ms)\n",
+                    tn, g, full, bare, wired, wired_bare, int8, int8_bare, one);
             }
             // s. The same step with ShardedOptimizer (issue 13's schedule: the all-gather after
             // each unit's update, the optimizer on 1/N of the parameters).

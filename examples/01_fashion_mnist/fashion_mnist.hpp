@@ -79,8 +79,8 @@ struct options {
   std::filesystem::path logdir;  // TensorBoard event file (and scalars.csv) here
   int stop_after = 0;            // 0: run all epochs
   double progress = 1.0;
-  std::size_t bucket_kib = 0;  // 0: lockstep's default buckets (1 MiB first, 25 MiB cap)
-  bool wire_bf16 = false;      // --wire bf16: lockstep::Bf16Wire (CPU ranks)
+  std::size_t bucket_kib = 0;                                // 0: lockstep's default buckets (1 MiB first, 25 MiB cap)
+  lockstep::wire_format wire = lockstep::wire_format::fp32;  // --wire: lockstep::AnyWire (CPU ranks)
   bool smoke = false;
   bool check = false;  // compare the GPU model with the CPU model before training
   input_kind input = input_kind::prefetch;
@@ -124,8 +124,9 @@ inline constexpr const char* usage =
     "                      accuracy, samples/s, lockstep/* per epoch) and DIR/scalars.csv\n"
     "  --bucket-kib K      gradient buckets of K KiB (default: lockstep's 1 MiB first bucket,\n"
     "                      which holds this whole 0.9 MiB model)\n"
-    "  --wire W            (CPU ranks) gradients on the wire: fp32 (default), or bf16: each\n"
-    "                      rank's rounded to bf16 and summed in fp32, as lockstep::Bf16Wire does\n"
+    "  --wire W            (CPU ranks) gradients on the wire: fp32 (default); bf16: each\n"
+    "                      rank's rounded to bf16 and summed in fp32, as lockstep::Bf16Wire does;\n"
+    "                      int8: blockwise int8 (a scale per 256 values), as lockstep::Int8Wire\n"
     "  --input MODE        (GPU) how batches reach the device: prefetch (default): gathered on\n"
     "                      the host by a helper thread into pinned memory and copied on a copy\n"
     "                      stream while the previous step computes (lockstep::Prefetcher);\n"
@@ -209,8 +210,9 @@ inline options parse(int argc, char** argv) {
     else if (a == "--bucket-kib") o.bucket_kib = parse_number<std::size_t>(a, value());
     else if (a == "--wire") {
       const std::string w = value();
-      if (w != "fp32" && w != "bf16") throw usage_error("--wire expects fp32 or bf16, got '" + w + "'");
-      o.wire_bf16 = w == "bf16";
+      if (w != "fp32" && w != "bf16" && w != "int8")
+        throw usage_error("--wire expects fp32, bf16 or int8, got '" + w + "'");
+      o.wire = lockstep::wire_format_of(w);
     } else if (a == "--input") {
       const std::string m = value();
       if (m == "prefetch") o.input = input_kind::prefetch;
@@ -253,7 +255,8 @@ inline options parse(int argc, char** argv) {
     o.input = input_kind::device;
   }
   if (o.micro_batch > 0) {
-    if (o.wire_bf16) throw usage_error("--deterministic sums in fixed point: it cannot be combined with --wire bf16");
+    if (o.wire != lockstep::wire_format::fp32)
+      throw usage_error("--deterministic sums in fixed point: it cannot be combined with --wire bf16 or int8");
     if (o.cuda_graph)
       throw usage_error("--deterministic accumulates micro-steps, which --cuda-graph does not capture; drop one");
   }
@@ -453,16 +456,17 @@ void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
   if (plan.deterministic)
     return train_with(ctx, trainer, opt, plan, data, result, lockstep::Deterministic{},
                       lockstep::Accumulate<>(static_cast<int>(plan.micro_steps)));
-  // --wire bf16 on CPU ranks: each rank's gradients rounded to bf16, summed in fp32 — the numbers
-  // lockstep::Bf16Wire gives over NCCL (bit for bit, tests/cuda/test_bf16_wire.cu), for
-  // comparing accuracy with the fp32 wire. The GPU path keeps the plain all-reduce here.
+  // --wire bf16|int8 on CPU ranks: each rank's gradients as the wire carries them, summed in
+  // fp32 — the numbers lockstep::Bf16Wire and Int8Wire give over NCCL (bit for bit,
+  // tests/cuda/test_wire.cu), for comparing accuracy with the fp32 wire. The GPU path keeps the
+  // plain all-reduce here.
   using Comm = std::remove_cvref_t<decltype(ctx.comm())>;
   if constexpr (!requires(Comm& c) { c.comm_stream(); }) {
-    train_with(ctx, trainer, opt, plan, data, result, lockstep::Bf16Wire(opt.wire_bf16));
+    train_with(ctx, trainer, opt, plan, data, result, lockstep::AnyWire(opt.wire));
   } else {
-    if (opt.wire_bf16)
+    if (opt.wire != lockstep::wire_format::fp32)
       throw lockstep::config_error(
-          "--wire bf16 is for CPU ranks in this example (on GPUs see examples/03_gpt2_torch --wire)");
+          "--wire bf16|int8 is for CPU ranks in this example (on GPUs see examples/03_gpt2_torch --wire)");
     train_with(ctx, trainer, opt, plan, data, result, lockstep::AllReduceMean{});
   }
 }

@@ -150,7 +150,7 @@ int main(int argc, char** argv) {
                                                 .bind_values = !opt.pack_values,
                                                 .copy_engine_gather = opt.ce_gather,
                                                 .copy_engine_scatter = opt.ce_scatter};
-      const lockstep::Bf16Wire wire(opt.wire == "bf16");
+      const lockstep::AnyWire wire(lockstep::wire_format_of(opt.wire));
       // One body for both: ShardedOptimizer is a policy, so the DataParallel's type differs.
       auto train = [&](auto& dp) {
         using DP = std::remove_cvref_t<decltype(dp)>;
@@ -360,7 +360,7 @@ int main(int argc, char** argv) {
           lockstep::detail::host_all_reduce(ctx.comm(), std::span<double>(worst), lockstep::reduce_op::max);
           const double peak = worst[1];
           if (ctx.is_root())
-            gpt2::print_bench_line(std::string("lockstep") + (opt.wire == "bf16" ? "-bf16wire" : "") +
+            gpt2::print_bench_line(std::string("lockstep") + (opt.wire != "fp32" ? "-" + opt.wire + "wire" : "") +
                                        (sharded && !blocked ? "-sharded" : "") +
                                        (blocked ? "-zero" + std::to_string(opt.zero) : std::string()) +
                                        (blocked && opt.recompute ? "-recompute" : "") +

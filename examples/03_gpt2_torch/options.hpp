@@ -13,7 +13,7 @@ namespace gpt2 {
 struct options : gpt2::run_options {
   std::string device = "auto";
   std::string profile;        // a Chrome trace of steps [warmup, warmup + 3) (GPUs)
-  std::string wire = "fp32";  // gradients on the wire: fp32, or bf16 (lockstep::Bf16Wire)
+  std::string wire = "fp32";  // gradients on the wire: fp32, bf16 (lockstep::Bf16Wire), int8 (lockstep::Int8Wire)
   std::int64_t log_every = 25;
   bool bench = false;
   bool memory_trace = false;         // rank 0 prints the device memory in use after each phase (GPUs)
@@ -45,7 +45,8 @@ constexpr std::int64_t profiled_steps = 3;
       "usage: gpt2_torch [--data DIR|FILE] [--config small|tiny] [--device auto|cpu] [--batch B]\n"
       "                  [--seq T] [--steps N] [--warmup N] [--lr X] [--seed S] [--log-every N] [--bench]\n"
       "                  [--memory-trace]\n"
-      "                  [--profile TRACE.json] [--wire fp32|bf16] [--shard [--pack-values] [--copy-engine[-gather]]]\n"
+      "                  [--profile TRACE.json] [--wire fp32|bf16|int8] [--shard [--pack-values] "
+      "[--copy-engine[-gather]]]\n"
       "                  [--zero 2|3 [--recompute] [--keep-grad-shards] [--prefetch N]] [--cuda-graph]\n"
       "                  [--deterministic Q] [--bucket-mib M] [--tune] [--peer-copy K]\n"
       "  batch: sequences per rank and step; on GPUs: all local GPUs, or one per process under a launcher\n"
@@ -127,7 +128,7 @@ inline options parse(int argc, char** argv) {
                  o.zero != 0    ? "--zero (its gradient shards accumulate in floating point)"
                  : o.cuda_graph ? "--cuda-graph (it captures one micro-step)"
                  : o.ce_scatter ? "--copy-engine (the copy engines do not add integers)"
-                                : "--wire bf16");
+                                : "--wire bf16|int8");
     usage(2);
   }
   if (o.peer_copy < 0 || (o.peer_copy > 0 && (!o.shard || o.zero != 0 || o.cuda_graph))) {
@@ -137,8 +138,8 @@ inline options parse(int argc, char** argv) {
     usage(2);
   }
   if (o.deterministic > 0) o.torch_deterministic = true;
-  if (o.wire != "fp32" && o.wire != "bf16") {
-    std::fprintf(stderr, "gpt2_torch: --wire %s: say fp32 or bf16\n", o.wire.c_str());
+  if (o.wire != "fp32" && o.wire != "bf16" && o.wire != "int8") {  // (lockstep::wire_format_of's names)
+    std::fprintf(stderr, "gpt2_torch: --wire %s: say fp32, bf16 or int8\n", o.wire.c_str());
     usage(2);
   }
   if (!o.profile.empty() && o.steps < o.warmup + profiled_steps) {

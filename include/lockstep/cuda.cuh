@@ -6,7 +6,6 @@
 //! because CUB costs every translation unit compile time: the device permutation
 //! (lockstep/cuda/kernels/permutation.cuh).
 
-#include "lockstep/cuda/bf16_wire.cuh"
 #include "lockstep/cuda/deterministic_sum.cuh"
 #include "lockstep/cuda/device_dynamic_scale.cuh"
 #include "lockstep/cuda/error.cuh"
@@ -23,4 +22,5 @@
 #include "lockstep/cuda/run_gpus.cuh"
 #include "lockstep/cuda/run_processes.cuh"
 #include "lockstep/cuda/step_graph.cuh"
+#include "lockstep/cuda/wire.cuh"
 #include "lockstep/lockstep.hpp"

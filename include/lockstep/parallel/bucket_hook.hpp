@@ -2,20 +2,17 @@
 //! The bucket's collective as an extension point (PyTorch DDP's communication hooks): what a
 //! bucket of gradients goes through once every gradient in it is final. DataParallel takes a
 //! hook as one of its policies; the default averages with one all-reduce. A sharded optimizer
-//! (reduce-scatter), a compressed or low-precision wire plug in here.
+//! (reduce-scatter), a compressed or low-precision wire (parallel/wire.hpp) plug in here.
 
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 
 #include "lockstep/core/concepts.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/dtype.hpp"
-#include "lockstep/core/detail/half.hpp"
 #include "lockstep/core/reduce_op.hpp"
 
 namespace lockstep {
@@ -116,99 +113,6 @@ class Hierarchical {
 
  private:
   std::shared_ptr<Comm> node_, across_;
-};
-
-//! Staging buffers of a low-precision wire, one per bucket (keyed by the bucket's address,
-//! which stays put from step to step), allocated once in the communicator's memory space.
-class wire_staging {
- public:
-  template <class Memory>
-  void* get(const Memory& mem, const void* key, std::size_t bytes) {
-    std::lock_guard lock(mutex_);
-    auto& slot = bufs_[key];
-    if (slot.first < bytes) slot = {bytes, mem.allocate(bytes)};
-    return slot.second.get();
-  }
-  //! Bytes held (for the memory report).
-  std::size_t bytes() const {
-    std::lock_guard lock(mutex_);
-    std::size_t n = 0;
-    for (const auto& [k, v] : bufs_) n += v.first;
-    return n;
-  }
-
- private:
-  mutable std::mutex mutex_;
-  std::map<const void*, std::pair<std::size_t, std::shared_ptr<void>>> bufs_;
-};
-
-//! Gradients in bf16 on the wire, accumulated in fp32 (never a bf16 sum across ranks): fp32
-//! buckets are rounded to bf16, exchanged with an all-to-all, each rank sums its block of the N
-//! ranks' values in fp32 (in rank order) and takes the mean, and the means go round again in
-//! bf16 (an all-gather). Half the bytes of an fp32 all-reduce; every rank ends with the same
-//! bf16-rounded mean. With ShardedOptimizer the reduce-scatter half alone: the shard's mean
-//! stays fp32. Other element types (bf16, f16, f64 gradients) take the plain all-reduce.
-//!  - On NcclComm (include lockstep/cuda.cuh): the casts and the sum are kernels on the
-//!    communication stream between the collectives, so the compute stream is not held; staging
-//!    costs two bf16 copies of each bucket (the size of the fp32 gradients).
-//!  - On host communicators (ThreadComm, MpiComm) the same rounding with fp32 collectives, for
-//!    tests and CPU ranks: the numbers of the wire, not its bytes.
-//! \code
-//!   lockstep::DataParallel dp(ctx, model, lockstep::Bf16Wire{});
-//! \endcode
-class Bf16Wire {
- public:
-  Bf16Wire() = default;
-  //! on = false: the plain fp32 all-reduce, for choosing the wire at run time (a flag) without
-  //! a second DataParallel type.
-  explicit Bf16Wire(bool on) : on_(on) {}
-  bool on() const noexcept { return on_; }
-
-  template <communicator Comm>
-  auto reduce(Comm& comm, void* data, std::size_t count, dtype t) {
-    if (!on_ || t != dtype::f32 || comm.size() == 1) return comm.all_reduce(data, data, count, t, reduce_op::avg);
-    if constexpr (requires { bf16_wire_all_reduce(comm, *staging_, data, count); }) {
-      return bf16_wire_all_reduce(comm, *staging_, data, count);
-    } else {
-      host_only(comm);
-      round(data, count);
-      comm.all_reduce(data, data, count, t, reduce_op::avg).wait();
-      round(data, count);
-      return decltype(comm.all_reduce(data, data, count, t, reduce_op::avg)){};
-    }
-  }
-
-  //! Block rank() of data (size()·per elements) ← the fp32 mean over ranks of the blocks, each
-  //! rank's values rounded to bf16 first; mine points at that block.
-  template <communicator Comm>
-  auto reduce_scatter(Comm& comm, void* data, void* mine, std::size_t per, dtype t) {
-    if (!on_ || t != dtype::f32 || comm.size() == 1) return comm.reduce_scatter(data, mine, per, t, reduce_op::avg);
-    if constexpr (requires { bf16_wire_reduce_scatter(comm, *staging_, data, mine, per); }) {
-      return bf16_wire_reduce_scatter(comm, *staging_, data, mine, per);
-    } else {
-      host_only(comm);
-      round(data, per * static_cast<std::size_t>(comm.size()));
-      comm.reduce_scatter(data, mine, per, t, reduce_op::avg).wait();
-      return decltype(comm.reduce_scatter(data, mine, per, t, reduce_op::avg)){};
-    }
-  }
-
-  //! Staging bytes held on this rank.
-  std::size_t staging_bytes() const { return staging_->bytes(); }
-
- private:
-  template <class Comm>
-  static void host_only(Comm& comm) {
-    static_assert(
-        !requires { comm.comm_stream(); },
-        "lockstep::Bf16Wire on a device communicator: include lockstep/cuda.cuh (its wire kernels)");
-  }
-  static void round(void* data, std::size_t n) {
-    auto* f = static_cast<float*>(data);
-    for (std::size_t i = 0; i < n; ++i) f[i] = detail::float_of_bf16(detail::bf16_of_float(f[i]));
-  }
-  std::shared_ptr<wire_staging> staging_ = std::make_shared<wire_staging>();
-  bool on_ = true;
 };
 
 //! The hook's reduce-scatter where it has one (a low-precision wire), else the communicator's

@@ -1,0 +1,107 @@
+#pragma once
+//! lockstep's low-precision wires on NcclComm (parallel/wire.hpp has the hooks, Bf16Wire and
+//! Int8Wire, and the schedule): fp32 buckets go over NCCL encoded and are summed in fp32.
+//!
+//!   comm stream:  encode(bucket → send, N chunks) · all_to_all(send → recv) · mean(recv → my
+//!                 block: fp32, or encoded again) · all_gather(encoded block → recv) ·
+//!                 decode(recv → bucket)
+//!
+//! Everything runs on the communicator's stream (NcclComm::enqueue between the collectives):
+//! the compute stream waits only for the returned work. Bytes per value on the wire: the
+//! codec's chunk bytes · (N−1)/N each way for the all-to-all and the all-gather — half an fp32
+//! ring all-reduce's with bf16, about a quarter with int8.
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "lockstep/core/dtype.hpp"
+#include "lockstep/core/reduce_op.hpp"
+#include "lockstep/cuda/kernels/int8_ops.cuh"
+#include "lockstep/cuda/kernels/wire_ops.cuh"
+#include "lockstep/cuda/nccl_comm.cuh"
+#include "lockstep/parallel/wire.hpp"
+
+namespace lockstep {
+
+namespace detail {
+//! Where the wire's staging lives: on a copy-engine group (ShardedOptimizer's with
+//! ShardedOptimizer::copy_engine_scatter) in windows, so that its all-to-all runs on the
+//! copy engines; else plain device memory.
+struct wire_memory {
+  NcclComm& comm;
+  std::shared_ptr<void> allocate(std::size_t bytes) const {
+#if LOCKSTEP_NCCL_COPY_ENGINE
+    if (comm.copy_engines() && comm.size() > 1) return comm.allocate_window(bytes).first;
+#endif
+    return comm.memory().allocate(bytes);
+  }
+};
+
+//! A codec's kernels: `chunks` chunks of n values each, codec-encoded chunk_bytes(n) apart.
+template <class Codec>
+struct device_codec;
+
+template <>
+struct device_codec<bf16_codec> {
+  static void encode(const float* x, int chunks, std::size_t n, void* out, cudaStream_t s) {
+    cuda::kernels::to_bf16(x, out, static_cast<std::size_t>(chunks) * n, 1.0f, s);
+  }
+  static void mean(const void* in, int ranks, std::size_t n, float* out32, void* out_enc, cudaStream_t s) {
+    cuda::kernels::mean_blocks(in, ranks, n, out32, out_enc, s);
+  }
+  static void decode(const void* in, int chunks, std::size_t n, float* out, cudaStream_t s) {
+    cuda::kernels::from_bf16(in, out, static_cast<std::size_t>(chunks) * n, s);
+  }
+};
+
+template <>
+struct device_codec<int8_codec> {
+  static void encode(const float* x, int chunks, std::size_t n, void* out, cudaStream_t s) {
+    cuda::kernels::int8_encode(x, chunks, n, out, s);
+  }
+  static void mean(const void* in, int ranks, std::size_t n, float* out32, void* out_enc, cudaStream_t s) {
+    cuda::kernels::int8_mean(in, ranks, n, out32, out_enc, s);
+  }
+  static void decode(const void* in, int chunks, std::size_t n, float* out, cudaStream_t s) {
+    cuda::kernels::int8_decode(in, chunks, n, out, s);
+  }
+};
+}  // namespace detail
+
+//! data (count fp32, device) ← the mean over ranks through Codec's wire: every rank the same values.
+template <class Codec>
+NcclComm::work wire_all_reduce(NcclComm& comm, wire_staging& st, void* data, std::size_t count, Codec) {
+  using dev = detail::device_codec<Codec>;
+  const int ranks = comm.size();
+  const std::size_t n = static_cast<std::size_t>(ranks), per = count / n, main = per * n;
+  auto* f = static_cast<float*>(data);
+  if (per == 0) return comm.all_reduce(data, data, count, dtype::f32, reduce_op::avg);
+  if (main < count)  // the tail, exact; ordered before the rest on the communication stream
+    (void)comm.all_reduce(f + main, f + main, count - main, dtype::f32, reduce_op::avg);
+  const std::size_t cb = Codec::chunk_bytes(per);
+  auto* send = static_cast<unsigned char*>(st.get(detail::wire_memory{comm}, data, 2 * n * cb));
+  auto* recv = send + n * cb;
+  unsigned char* mine = send + static_cast<std::size_t>(comm.rank()) * cb;
+  (void)comm.enqueue([&](cudaStream_t s) { dev::encode(f, ranks, per, send, s); });
+  (void)comm.all_to_all(send, recv, cb, dtype::u8);
+  (void)comm.enqueue([&](cudaStream_t s) { dev::mean(recv, ranks, per, nullptr, mine, s); });
+  (void)comm.all_gather(mine, recv, cb, dtype::u8);
+  return comm.enqueue([&](cudaStream_t s) { dev::decode(recv, ranks, per, f, s); });
+}
+
+//! Block rank() of data (size()·per fp32) ← the fp32 mean over ranks of the blocks as Codec's
+//! wire carried them.
+template <class Codec>
+NcclComm::work wire_reduce_scatter(NcclComm& comm, wire_staging& st, void* data, void* mine, std::size_t per, Codec) {
+  using dev = detail::device_codec<Codec>;
+  const int ranks = comm.size();
+  const std::size_t n = static_cast<std::size_t>(ranks), cb = Codec::chunk_bytes(per);
+  auto* send = static_cast<unsigned char*>(st.get(detail::wire_memory{comm}, data, 2 * n * cb));
+  auto* recv = send + n * cb;
+  (void)comm.enqueue([&](cudaStream_t s) { dev::encode(static_cast<const float*>(data), ranks, per, send, s); });
+  (void)comm.all_to_all(send, recv, cb, dtype::u8);
+  return comm.enqueue([&](cudaStream_t s) { dev::mean(recv, ranks, per, static_cast<float*>(mine), nullptr, s); });
+}
+
+}  // namespace lockstep

@@ -1,0 +1,240 @@
+#pragma once
+//! Low-precision wires: bucket hooks (parallel/bucket_hook.hpp) that send fp32 gradients in
+//! fewer bytes and sum them in fp32, never in the wire's precision.
+//!
+//! Both run the same schedule, with a codec that says how values are written for the wire:
+//! every rank encodes its bucket as N chunks (chunk k: the k-th N-th of the bucket), an
+//! all-to-all gives rank k every rank's chunk k, and rank k decodes them and sums them in fp32
+//! in rank order (the same order on every rank), times 1/N: its block of the mean, in fp32 — a
+//! reduce-scatter (ShardedOptimizer's buckets) stops there. An all-reduce encodes that mean
+//! again and all-gathers it, and every rank — its own block included — decodes what went over
+//! the wire, so all ranks hold the same values. A tail the rank count does not divide takes one
+//! exact fp32 all-reduce; a bucket smaller than the rank count goes whole that way. Other
+//! element types than fp32 (and one rank) take the plain collective.
+//!  - Bf16Wire: bf16, round to nearest even: 2 bytes per value (half of fp32).
+//!  - Int8Wire: blockwise int8 (core/detail/int8_blocks.hpp): an fp32 scale per 256 values, a
+//!    byte per value — 1.016 bytes per value (about a quarter of fp32).
+//!  - On NcclComm (include lockstep/cuda.cuh, cuda/wire.cuh): the codec's kernels run on the
+//!    communication stream between the collectives, so the compute stream is not held; staging
+//!    costs twice the encoded bucket.
+//!  - On host communicators (ThreadComm, MpiComm) the same numbers, bit for bit, for tests and
+//!    CPU ranks: the encoded chunks are all-gathered whole (the numbers of the wire, not its bytes).
+//! \code
+//!   lockstep::DataParallel dp(ctx, model, lockstep::Int8Wire{});
+//! \endcode
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "lockstep/core/concepts.hpp"
+#include "lockstep/core/detail/half.hpp"
+#include "lockstep/core/detail/int8_blocks.hpp"
+#include "lockstep/core/dtype.hpp"
+#include "lockstep/core/error.hpp"
+#include "lockstep/core/reduce_op.hpp"
+
+namespace lockstep {
+
+//! Staging buffers of a low-precision wire, one per bucket (keyed by the bucket's address,
+//! which stays put from step to step), allocated once in the communicator's memory space.
+class wire_staging {
+ public:
+  template <class Memory>
+  void* get(const Memory& mem, const void* key, std::size_t bytes) {
+    std::lock_guard lock(mutex_);
+    auto& slot = bufs_[key];
+    if (slot.first < bytes) slot = {bytes, mem.allocate(bytes)};
+    return slot.second.get();
+  }
+  //! Bytes held (for the memory report).
+  std::size_t bytes() const {
+    std::lock_guard lock(mutex_);
+    std::size_t n = 0;
+    for (const auto& [k, v] : bufs_) n += v.first;
+    return n;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::map<const void*, std::pair<std::size_t, std::shared_ptr<void>>> bufs_;
+};
+
+namespace detail {
+
+//! A wire's codec: chunk_bytes(n), the bytes n values take; encode(x, n, out) and decode(in, n,
+//! out) on the host. cuda/wire.cuh has each codec's kernels.
+struct bf16_codec {
+  static constexpr std::size_t chunk_bytes(std::size_t n) noexcept { return 2 * n; }
+  static void encode(const float* x, std::size_t n, unsigned char* out) {
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::uint16_t b = bf16_of_float(x[i]);
+      std::memcpy(out + 2 * i, &b, sizeof b);
+    }
+  }
+  static void decode(const unsigned char* in, std::size_t n, float* out) {
+    for (std::size_t i = 0; i < n; ++i) {
+      std::uint16_t b;
+      std::memcpy(&b, in + 2 * i, sizeof b);
+      out[i] = float_of_bf16(b);
+    }
+  }
+};
+
+struct int8_codec {
+  static constexpr std::size_t chunk_bytes(std::size_t n) noexcept { return int8_chunk_bytes(n); }
+  static void encode(const float* x, std::size_t n, unsigned char* out) { int8_encode(x, n, out); }
+  static void decode(const unsigned char* in, std::size_t n, float* out) { int8_decode(in, n, out); }
+};
+
+//! mine[0, per) ← (Σ_r decode(rank r's chunk rank()) in fp32, rank order) · (1/N), for the
+//! bucket x of N·per values on every rank; host communicators (the chunks all-gathered whole).
+template <class Codec, class Comm>
+void host_wire_mean(Comm& comm, const float* x, std::size_t per, float* mine) {
+  const std::size_t n = static_cast<std::size_t>(comm.size()), cb = Codec::chunk_bytes(per);
+  std::vector<unsigned char> enc(n * cb), all(n * n * cb);
+  for (std::size_t k = 0; k < n; ++k) Codec::encode(x + k * per, per, enc.data() + k * cb);
+  comm.all_gather(enc.data(), all.data(), n * cb, dtype::u8).wait();
+  std::vector<float> acc(per, 0.0f), v(per);
+  for (std::size_t r = 0; r < n; ++r) {
+    Codec::decode(all.data() + (r * n + static_cast<std::size_t>(comm.rank())) * cb, per, v.data());
+    for (std::size_t i = 0; i < per; ++i) acc[i] = acc[i] + v[i];
+  }
+  const float inv = 1.0f / static_cast<float>(n);
+  for (std::size_t i = 0; i < per; ++i) mine[i] = acc[i] * inv;
+}
+
+//! The wires' hook (Bf16Wire, Int8Wire): the schedule above with Codec.
+template <class Codec>
+class basic_wire {
+ public:
+  basic_wire() = default;
+  //! on = false: the plain fp32 all-reduce, for choosing the wire at run time (a flag) without
+  //! a second DataParallel type.
+  explicit basic_wire(bool on) : on_(on) {}
+  bool on() const noexcept { return on_; }
+
+  template <communicator Comm>
+  auto reduce(Comm& comm, void* data, std::size_t count, dtype t) {
+    using work_t = decltype(comm.all_reduce(data, data, count, t, reduce_op::avg));
+    if (!on_ || t != dtype::f32 || comm.size() == 1) return comm.all_reduce(data, data, count, t, reduce_op::avg);
+    if constexpr (requires { wire_all_reduce(comm, *staging_, data, count, Codec{}); }) {
+      return wire_all_reduce(comm, *staging_, data, count, Codec{});
+    } else {
+      host_only(comm);
+      const std::size_t n = static_cast<std::size_t>(comm.size()), per = count / n, main = per * n;
+      auto* f = static_cast<float*>(data);
+      if (per == 0) return comm.all_reduce(data, data, count, t, reduce_op::avg);
+      if (main < count) comm.all_reduce(f + main, f + main, count - main, t, reduce_op::avg).wait();
+      std::vector<float> mean(per);
+      host_wire_mean<Codec>(comm, f, per, mean.data());
+      const std::size_t cb = Codec::chunk_bytes(per);
+      std::vector<unsigned char> mine(cb), all(n * cb);
+      Codec::encode(mean.data(), per, mine.data());
+      comm.all_gather(mine.data(), all.data(), cb, dtype::u8).wait();
+      for (std::size_t r = 0; r < n; ++r) Codec::decode(all.data() + r * cb, per, f + r * per);
+      return work_t{};
+    }
+  }
+
+  //! Block rank() of data (size()·per elements) ← the fp32 mean over ranks of the blocks as
+  //! they went over the wire; mine points at that block.
+  template <communicator Comm>
+  auto reduce_scatter(Comm& comm, void* data, void* mine, std::size_t per, dtype t) {
+    using work_t = decltype(comm.reduce_scatter(data, mine, per, t, reduce_op::avg));
+    if (!on_ || t != dtype::f32 || comm.size() == 1) return comm.reduce_scatter(data, mine, per, t, reduce_op::avg);
+    if constexpr (requires { wire_reduce_scatter(comm, *staging_, data, mine, per, Codec{}); }) {
+      return wire_reduce_scatter(comm, *staging_, data, mine, per, Codec{});
+    } else {
+      host_only(comm);
+      std::vector<float> mean(per);
+      host_wire_mean<Codec>(comm, static_cast<const float*>(data), per, mean.data());
+      std::memcpy(mine, mean.data(), per * sizeof(float));
+      return work_t{};
+    }
+  }
+
+  //! Staging bytes held on this rank.
+  std::size_t staging_bytes() const { return staging_->bytes(); }
+
+ private:
+  template <class Comm>
+  static void host_only(Comm& comm) {
+    static_assert(
+        !requires { comm.comm_stream(); },
+        "lockstep's low-precision wires on a device communicator: include lockstep/cuda.cuh (their kernels)");
+  }
+  std::shared_ptr<wire_staging> staging_ = std::make_shared<wire_staging>();
+  bool on_ = true;
+};
+
+}  // namespace detail
+
+//! Gradients in bf16 on the wire, summed in fp32: half the bytes of an fp32 all-reduce; every
+//! rank ends with the same bf16-rounded mean (with ShardedOptimizer: the shard's mean in fp32).
+class Bf16Wire : public detail::basic_wire<detail::bf16_codec> {
+ public:
+  using basic_wire::basic_wire;
+};
+
+//! Gradients as blockwise int8 on the wire (an fp32 scale per 256 values), summed in fp32:
+//! about a quarter of the bytes of an fp32 all-reduce. Each value reads back within half a
+//! step of its block's scale (max|x| / 127) — coarse for a block whose values span several
+//! orders of magnitude; every rank ends with the same values (with ShardedOptimizer: the
+//! shard's mean in fp32, as it came out of the fp32 sum).
+class Int8Wire : public detail::basic_wire<detail::int8_codec> {
+ public:
+  using basic_wire::basic_wire;
+};
+
+//! The wire as a value chosen at run time (a command-line flag): AnyWire.
+enum class wire_format { fp32, bf16, int8 };
+
+//! "fp32", "bf16" or "int8"; anything else is refused, naming the three.
+inline wire_format wire_format_of(std::string_view name) {
+  if (name == "fp32") return wire_format::fp32;
+  if (name == "bf16") return wire_format::bf16;
+  if (name == "int8") return wire_format::int8;
+  throw config_error("lockstep: no wire called '" + std::string(name) + "'; say fp32, bf16 or int8");
+}
+
+//! One of the wires, chosen at run time — the plain fp32 all-reduce (AllReduceMean), Bf16Wire
+//! or Int8Wire — with one DataParallel type for all three (name the type, Bf16Wire or Int8Wire,
+//! where the choice is made at compile time).
+//! \code
+//!   lockstep::DataParallel dp(ctx, model, lockstep::AnyWire(lockstep::wire_format_of(flag)));
+//! \endcode
+class AnyWire {
+ public:
+  AnyWire() = default;
+  explicit AnyWire(wire_format f) : format_(f) {}
+  wire_format format() const noexcept { return format_; }
+
+  template <communicator Comm>
+  auto reduce(Comm& comm, void* data, std::size_t count, dtype t) {
+    if (format_ == wire_format::bf16) return bf16_.reduce(comm, data, count, t);
+    if (format_ == wire_format::int8) return int8_.reduce(comm, data, count, t);
+    return comm.all_reduce(data, data, count, t, reduce_op::avg);
+  }
+  template <communicator Comm>
+  auto reduce_scatter(Comm& comm, void* data, void* mine, std::size_t per, dtype t) {
+    if (format_ == wire_format::bf16) return bf16_.reduce_scatter(comm, data, mine, per, t);
+    if (format_ == wire_format::int8) return int8_.reduce_scatter(comm, data, mine, per, t);
+    return comm.reduce_scatter(data, mine, per, t, reduce_op::avg);
+  }
+  std::size_t staging_bytes() const { return bf16_.staging_bytes() + int8_.staging_bytes(); }
+
+ private:
+  wire_format format_ = wire_format::fp32;
+  Bf16Wire bf16_;
+  Int8Wire int8_;
+};
+
+}  // namespace lockstep

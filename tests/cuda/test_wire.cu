@@ -1,0 +1,416 @@
+// lockstep's low-precision wires on NcclComm (cuda/wire.cuh): fp32 gradients go over NCCL as
+// bf16 (Bf16Wire) or blockwise int8 (Int8Wire) and are summed in fp32. Int8Wire's kernels
+// against the host codec (core/detail/int8_blocks.hpp, itself checked by its properties in
+// tests/cpu/test_wire_cpu.cpp) bit for bit, on random data with zero, inf/NaN, subnormal and
+// huge blocks, aligned or not. The hooks against a CPU reference computed here from the same
+// random inputs: the mean of the ranks' values as the codec carries them, summed in fp32 in rank
+// order (bit for bit), then carried once more (all-reduce) or kept in fp32 (reduce-scatter); a
+// plain low-precision ring sum would miss it on most elements. Tails the rank count does not
+// divide: the exact fp32 mean.
+#include <doctest/doctest.h>
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <lockstep/cuda.cuh>
+
+#include "device_vector.cuh"
+#include "gpu_test_util.cuh"
+#include "test_util.hpp"
+
+namespace {
+
+using lockstep::dtype;
+
+float bf16_round(float f) { return lockstep::detail::float_of_bf16(lockstep::detail::bf16_of_float(f)); }
+
+// A chunk of values as a wire's codec carries them.
+template <class Wire>
+void through(std::span<float> v) {
+  if constexpr (std::is_same_v<Wire, lockstep::Bf16Wire>) {
+    for (auto& f : v) f = bf16_round(f);
+  } else {
+    std::vector<unsigned char> enc(lockstep::detail::int8_chunk_bytes(v.size()));
+    lockstep::detail::int8_encode(v.data(), v.size(), enc.data());
+    lockstep::detail::int8_decode(enc.data(), v.size(), v.data());
+  }
+}
+
+// The wire's mean of chunk k (len values at offset + k·len) of every rank's x: Σ_r through(x_r's
+// chunk) in fp32, rank order, × 1/N.
+template <class Wire>
+std::vector<float> wire_mean(const std::vector<std::vector<float>>& x, std::size_t offset, std::size_t k,
+                             std::size_t len) {
+  std::vector<float> acc(len, 0.0f), part(len);
+  for (const auto& v : x) {
+    std::copy_n(v.begin() + static_cast<std::ptrdiff_t>(offset + k * len), len, part.begin());
+    through<Wire>(std::span<float>(part));
+    for (std::size_t i = 0; i < len; ++i) acc[i] += part[i];
+  }
+  for (auto& f : acc) f *= 1.0f / static_cast<float>(x.size());
+  return acc;
+}
+double exact_mean(const std::vector<std::vector<float>>& x, std::size_t i) {
+  double s = 0;
+  for (const auto& v : x) s += v[i];
+  return s / static_cast<double>(x.size());
+}
+
+std::vector<int> first_gpus(int n) {
+  std::vector<int> d(static_cast<std::size_t>(n));
+  for (int i = 0; i < n; ++i) d[static_cast<std::size_t>(i)] = i;
+  return d;
+}
+
+template <class Wire>
+std::size_t chunk_bytes(std::size_t n) {
+  if constexpr (std::is_same_v<Wire, lockstep::Bf16Wire>) return lockstep::detail::bf16_codec::chunk_bytes(n);
+  else return lockstep::detail::int8_codec::chunk_bytes(n);
+}
+
+// The hook alone on n GPUs: all-reduce of `count` elements at `offset` floats into a buffer (an
+// offset of 1 takes the unaligned kernels), and reduce-scatter of n·per.
+template <class Wire>
+void check_hook(int n, std::size_t count, std::size_t offset, std::size_t per) {
+  const auto seed = lockstep_test::fresh_seed();
+  CAPTURE(seed);
+  CAPTURE(n);
+  CAPTURE(count);
+  CAPTURE(offset);
+  CAPTURE(per);
+  std::mt19937_64 rng(seed);
+  const std::size_t un = static_cast<std::size_t>(n), total = per * un;
+  std::vector<std::vector<float>> x(un), y(un);
+  for (int r = 0; r < n; ++r) {
+    x[static_cast<std::size_t>(r)] = lockstep_test::random_vector<float>(count, rng, -3.0 * (r + 1), 2.0 * (r + 1));
+    y[static_cast<std::size_t>(r)] = lockstep_test::random_vector<float>(total, rng, -1.0, 1.0);
+  }
+  std::vector<std::vector<float>> got(un), got_rs(un);
+  std::vector<std::size_t> staging(un);
+  lockstep::run(lockstep::Gpus{first_gpus(n)}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
+    const auto r = static_cast<std::size_t>(ctx.rank());
+    auto& comm = ctx.comm();
+    float* buf = nullptr;
+    LOCKSTEP_TRY_CUDA(cudaMalloc(&buf, (count + offset + total) * sizeof(float)));
+    float* d = buf + offset;
+    float* e = buf + offset + count;
+    LOCKSTEP_TRY_CUDA(cudaMemcpy(d, x[r].data(), count * sizeof(float), cudaMemcpyHostToDevice));
+    if (total) LOCKSTEP_TRY_CUDA(cudaMemcpy(e, y[r].data(), total * sizeof(float), cudaMemcpyHostToDevice));
+    LOCKSTEP_TRY_CUDA(cudaDeviceSynchronize());
+    Wire wire;
+    wire.reduce(comm, d, count, dtype::f32).wait();
+    wire.reduce_scatter(comm, e, e + r * per, per, dtype::f32).wait();
+    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(comm.compute_stream()));
+    got[r].resize(count);
+    got_rs[r].resize(per);
+    LOCKSTEP_TRY_CUDA(cudaMemcpy(got[r].data(), d, count * sizeof(float), cudaMemcpyDeviceToHost));
+    if (per) LOCKSTEP_TRY_CUDA(cudaMemcpy(got_rs[r].data(), e + r * per, per * sizeof(float), cudaMemcpyDeviceToHost));
+    staging[r] = wire.staging_bytes();
+    cudaFree(buf);
+  });
+  const std::size_t len = n > 1 ? count / un : 0, main = len * un;
+  std::size_t off_wire = 0, off_tail = 0;
+  for (std::size_t k = 0; k < un && len > 0; ++k) {
+    auto want = wire_mean<Wire>(x, 0, k, len);
+    through<Wire>(std::span<float>(want));  // the all-reduce carries the mean once more
+    for (std::size_t i = 0; i < len; ++i)
+      if (got[0][k * len + i] != want[i] && off_wire++ < 3)
+        MESSAGE("element " << k * len + i << ": got " << got[0][k * len + i] << ", the wire's mean is " << want[i]);
+  }
+  for (std::size_t i = main; i < count; ++i) {
+    const float want = n > 1 ? static_cast<float>(exact_mean(x, i)) : x[0][i];
+    if (std::abs(got[0][i] - want) > 1e-6f * std::max(1.0f, std::abs(want)) && off_tail++ < 3)
+      MESSAGE("tail element " << i << ": got " << got[0][i] << ", the fp32 mean is " << want);
+  }
+  CHECK(off_wire == 0);
+  CHECK(off_tail == 0);
+  for (int r = 1; r < n; ++r)
+    CHECK(std::memcmp(got[static_cast<std::size_t>(r)].data(), got[0].data(), count * sizeof(float)) == 0);
+  std::size_t off_rs = 0;
+  for (std::size_t r = 0; r < un; ++r) {
+    const auto want = n > 1 ? wire_mean<Wire>(y, 0, r, per) : y[0];
+    for (std::size_t i = 0; i < per; ++i)
+      if (got_rs[r][i] != want[i] && off_rs++ < 3)
+        MESSAGE("reduce-scatter, rank " << r << " element " << i << ": got " << got_rs[r][i] << ", want " << want[i]);
+  }
+  CHECK(off_rs == 0);
+  if (n > 1 && main > 0) CHECK(staging[0] >= 2 * un * chunk_bytes<Wire>(len));  // the encoded bucket, twice
+}
+
+// DataParallel with Bf16Wire over a model whose gradients the test writes (the same each of two
+// steps) and whose values start at 0, stepped by FusedSgd with lr 1 in finish's per-bucket (or,
+// sharded, per-shard) callback: after two steps each value is exactly −2 × the averaged gradient,
+// read through the model's own value pointers (which never move). The average is the wire's mean
+// (buckets' main parts; sharded: in fp32, unsharded: rounded to bf16) or the exact fp32 mean
+// (bucket tails the rank count does not divide).
+struct given_grads {
+  std::vector<std::size_t> sizes;
+  std::vector<float*> vals, grads;
+  explicit given_grads(std::vector<std::size_t> s) : sizes(std::move(s)) {
+    for (auto n : sizes) {
+      float *v = nullptr, *g = nullptr;
+      LOCKSTEP_TRY_CUDA(cudaMalloc(&v, n * sizeof(float)));
+      LOCKSTEP_TRY_CUDA(cudaMalloc(&g, n * sizeof(float)));
+      LOCKSTEP_TRY_CUDA(cudaMemset(v, 0, n * sizeof(float)));
+      vals.push_back(v);
+      grads.push_back(g);
+    }
+    LOCKSTEP_TRY_CUDA(cudaDeviceSynchronize());
+  }
+  ~given_grads() {
+    for (auto p : vals) cudaFree(p);
+  }
+  std::vector<lockstep::parameter> parameters() {
+    std::vector<lockstep::parameter> ps;
+    for (std::size_t i = 0; i < sizes.size(); ++i)
+      ps.push_back(
+          lockstep::param<float>("p" + std::to_string(i), vals[i], grads[i], {static_cast<std::int64_t>(sizes[i])}));
+    return ps;
+  }
+  void bind_gradient(std::size_t i, void* p) { grads[i] = static_cast<float*>(p); }
+};
+
+// copy_engines (sharded): the reduce-scatters' all-to-alls and the all-gathers on the copy
+// engines (ShardedOptimizer::copy_engine_scatter/_gather): the same numbers.
+// Int8Wire's values depend on where the buckets cut the gradients (a block's scale is its
+// largest value's), which the test does not know: there each averaged gradient must lie within
+// the codec's bound of the exact mean — half a step of ≤ 2/127 per rank's value, and (unsharded)
+// half a step more for the mean carried again — and most must differ from it.
+template <class Wire, bool Sharded>
+void check_data_parallel(int n, bool copy_engines = false) {
+  const auto seed = lockstep_test::fresh_seed();
+  CAPTURE(seed);
+  CAPTURE(n);
+  CAPTURE(Sharded);
+  CAPTURE(copy_engines);
+  std::mt19937_64 rng(seed);
+  const std::vector<std::size_t> sizes{4096, 37, 1000, 5, 20000, 333};
+  std::vector<std::vector<std::vector<float>>> x(sizes.size());  // [param][rank][element]
+  for (std::size_t p = 0; p < sizes.size(); ++p)
+    for (int r = 0; r < n; ++r) x[p].push_back(lockstep_test::random_vector<float>(sizes[p], rng, -2.0, 2.0));
+  std::vector<std::vector<std::vector<float>>> got(static_cast<std::size_t>(n));  // [rank][param]
+  lockstep::run(lockstep::Gpus{first_gpus(n)}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
+    const auto r = static_cast<std::size_t>(ctx.rank());
+    cudaStream_t cs = ctx.comm().compute_stream();
+    given_grads m(sizes);
+    using DP =
+        std::conditional_t<Sharded,
+                           lockstep::DataParallel<given_grads, lockstep::NcclComm, Wire, lockstep::ShardedOptimizer>,
+                           lockstep::DataParallel<given_grads, lockstep::NcclComm, Wire>>;
+    const lockstep::DataParallelOptions o{.buckets = {.first_bytes = 4000, .cap_bytes = 30000}};
+    auto dp = [&] {
+      if constexpr (Sharded)
+        return DP(ctx, m, o,
+                  lockstep::ShardedOptimizer{.copy_engine_gather = copy_engines, .copy_engine_scatter = copy_engines});
+      else return DP(ctx, m, o);
+    }();
+    const auto& stepped = [&]() -> const std::vector<lockstep::parameter>& {
+      if constexpr (Sharded) return dp.shard_parameters();
+      else return dp.parameters();
+    }();
+    lockstep::FusedSgd opt({.lr = 1.0}, stepped, ctx.device());
+    for (int step = 0; step < 2; ++step) {
+      auto st = dp.step();
+      for (std::size_t p = sizes.size(); p-- > 0;) {
+        const auto params = dp.parameters();  // where the gradient lives now (the arena once bound)
+        LOCKSTEP_TRY_CUDA(
+            cudaMemcpyAsync(params[p].grad, x[p][r].data(), sizes[p] * sizeof(float), cudaMemcpyHostToDevice, cs));
+        LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(cs));
+        st.gradient_ready(p);
+      }
+      (void)st.finish([&](std::span<const lockstep::param_slice> sl) { opt.step(sl, cs, nullptr); });
+    }
+    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(cs));
+    for (std::size_t p = 0; p < sizes.size(); ++p) {
+      got[r].emplace_back(sizes[p]);
+      LOCKSTEP_TRY_CUDA(cudaMemcpy(got[r][p].data(), m.vals[p], sizes[p] * sizeof(float), cudaMemcpyDeviceToHost));
+    }
+  });
+  std::size_t total = 0, wire_exact = 0;
+  std::vector<std::string> problems;
+  for (std::size_t p = 0; p < sizes.size(); ++p)
+    for (std::size_t i = 0; i < sizes[p]; ++i) {
+      ++total;
+      const float v = got[0][p][i];
+      const float exact = static_cast<float>(exact_mean(x[p], i));
+      const float g = -v / 2.0f;
+      if constexpr (std::is_same_v<Wire, lockstep::Bf16Wire>) {
+        // Each step's bucket layout differs (step 1 runs on the rebuilt plan), so an element may
+        // be a tail in one step and go over the wire in the other: v = −(a + b), a and b each
+        // the wire's mean or the fp32 mean.
+        float wire = wire_mean<Wire>(x[p], i, 0, 1)[0];  // bf16 is element by element
+        if (!Sharded) wire = bf16_round(wire);
+        const auto near = [&](float want) { return std::abs(v - want) <= 2e-6f * std::max(1.0f, std::abs(want)); };
+        if (v == -(wire + wire)) ++wire_exact;
+        else if (!near(-(exact + exact)) && !near(-(wire + exact)) && problems.size() < 5)
+          problems.push_back("p" + std::to_string(p) + "[" + std::to_string(i) + "] averaged to " + std::to_string(g) +
+                             ": neither the wire's mean " + std::to_string(wire) + " nor the fp32 mean " +
+                             std::to_string(exact));
+      } else {
+        const float bound = (1.0f / 127.0f) * (Sharded ? 1.0f : 2.0f) * 1.001f;  // per step; v sums two
+        if (std::abs(g - exact) > bound && problems.size() < 5)
+          problems.push_back("p" + std::to_string(p) + "[" + std::to_string(i) + "] averaged to " + std::to_string(g) +
+                             ", the fp32 mean is " + std::to_string(exact) + ": beyond the int8 wire's bound");
+        wire_exact += std::abs(g - exact) > 1e-6f * std::max(1.0f, std::abs(exact));  // (it quantized)
+      }
+    }
+  for (const auto& pr : problems) MESSAGE(pr);
+  CHECK(problems.empty());
+  for (int r = 1; r < n; ++r)
+    for (std::size_t p = 0; p < sizes.size(); ++p) CHECK(got[static_cast<std::size_t>(r)][p] == got[0][p]);
+  // Almost everything went over the wire (only bucket tails the rank count does not divide not);
+  // one GPU has no wire.
+  if (n > 1) CHECK(wire_exact * 100 >= total * 90);
+}
+
+// Random values in blocks of different magnitudes, with a zero block, one with −inf, one with a
+// NaN, a subnormal one and one holding FLT_MAX (where n has those blocks).
+std::vector<float> codec_input(std::size_t n, std::mt19937_64& rng) {
+  std::vector<float> x(n);
+  const std::size_t blk = lockstep::detail::int8_block;
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::size_t b = i / blk;
+    const double mag = std::ldexp(1.0, static_cast<int>(b % 7) * 9 - 30);
+    x[i] = static_cast<float>(std::uniform_real_distribution<double>(-mag, mag)(rng));
+    if (b % 6 == 1) x[i] = 0.0f;
+    if (b % 6 == 4) x[i] = std::ldexp(static_cast<float>(std::uniform_int_distribution<int>(-5000, 5000)(rng)), -149);
+  }
+  const auto put = [&](std::size_t b, float v) {
+    if (b * blk + 17 < n) x[b * blk + 17] = v;
+  };
+  put(2, -std::numeric_limits<float>::infinity());
+  put(3, std::numeric_limits<float>::quiet_NaN());
+  put(5, std::numeric_limits<float>::max());
+  return x;
+}
+
+// The same value: the same bits, or both NaN (a NaN's payload and sign after q · NaN are the
+// hardware's: the GPU's canonical NaN, the host's propagated one).
+bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0 || (std::isnan(a) && std::isnan(b)); }
+
+// Int8Wire's three kernels against the host codec, bit for bit: `chunks` chunks of n values at
+// a float offset (1: the unaligned paths), and the mean of `chunks` encoded chunks.
+void check_int8_kernels(std::size_t n, int chunks, std::size_t offset) {
+  namespace d = lockstep::detail;
+  const auto seed = lockstep_test::fresh_seed();
+  CAPTURE(seed);
+  CAPTURE(n);
+  CAPTURE(chunks);
+  CAPTURE(offset);
+  std::mt19937_64 rng(seed);
+  const std::size_t un = static_cast<std::size_t>(chunks), cb = d::int8_chunk_bytes(n);
+  const auto x = codec_input(n * un, rng);
+  // The host's chunks, their decoded values, their mean, and the mean encoded.
+  std::vector<unsigned char> want_enc(un * cb), want_mean_enc(cb);
+  std::vector<float> want_dec(n * un), want_mean(n, 0.0f);
+  for (std::size_t c = 0; c < un; ++c) {
+    d::int8_encode(x.data() + c * n, n, want_enc.data() + c * cb);
+    d::int8_decode(want_enc.data() + c * cb, n, want_dec.data() + c * n);
+    for (std::size_t i = 0; i < n; ++i) want_mean[i] += want_dec[c * n + i];
+  }
+  for (auto& f : want_mean) f *= 1.0f / static_cast<float>(chunks);
+  d::int8_encode(want_mean.data(), n, want_mean_enc.data());
+
+  lockstep_test::device_vector<float> src(n * un + offset), dec(n * un + offset), mean32(n + offset);
+  lockstep_test::device_vector<unsigned char> enc(un * cb), mean_enc(cb);
+  LOCKSTEP_TRY_CUDA(cudaMemcpy(src.p + offset, x.data(), x.size() * sizeof(float), cudaMemcpyHostToDevice));
+  lockstep::cuda::kernels::int8_encode(src.p + offset, chunks, n, enc.p, nullptr);
+  lockstep::cuda::kernels::int8_decode(enc.p, chunks, n, dec.p + offset, nullptr);
+  lockstep::cuda::kernels::int8_mean(enc.p, chunks, n, mean32.p + offset, mean_enc.p, nullptr);
+  LOCKSTEP_TRY_CUDA(cudaDeviceSynchronize());
+  std::vector<unsigned char> got_enc(un * cb), got_mean_enc(cb);
+  std::vector<float> got_dec(n * un), got_mean(n);
+  LOCKSTEP_TRY_CUDA(cudaMemcpy(got_enc.data(), enc.p, got_enc.size(), cudaMemcpyDeviceToHost));
+  LOCKSTEP_TRY_CUDA(cudaMemcpy(got_mean_enc.data(), mean_enc.p, cb, cudaMemcpyDeviceToHost));
+  LOCKSTEP_TRY_CUDA(cudaMemcpy(got_dec.data(), dec.p + offset, got_dec.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  LOCKSTEP_TRY_CUDA(cudaMemcpy(got_mean.data(), mean32.p + offset, n * sizeof(float), cudaMemcpyDeviceToHost));
+  // Scales and values, not the padding (the kernels leave it as it was).
+  const auto same_chunk = [&](const unsigned char* a, const unsigned char* b) {
+    for (std::size_t k = 0; k < d::int8_blocks_of(n); ++k)
+      if (!same_bits(d::int8_scale_at(a, k), d::int8_scale_at(b, k))) return false;
+    return std::memcmp(a + d::int8_values_at(n), b + d::int8_values_at(n), n) == 0;
+  };
+  std::size_t off_enc = 0, off_dec = 0, off_mean = 0;
+  for (std::size_t c = 0; c < un; ++c) off_enc += !same_chunk(got_enc.data() + c * cb, want_enc.data() + c * cb);
+  for (std::size_t i = 0; i < n * un; ++i)
+    if (!same_bits(got_dec[i], want_dec[i]) && off_dec++ < 3)
+      MESSAGE("decoded " << i << ": got " << got_dec[i] << ", the host's " << want_dec[i]);
+  for (std::size_t i = 0; i < n; ++i)
+    if (!same_bits(got_mean[i], want_mean[i]) && off_mean++ < 3)
+      MESSAGE("mean " << i << ": got " << got_mean[i] << ", the host's " << want_mean[i]);
+  CHECK(off_enc == 0);
+  CHECK(off_dec == 0);
+  CHECK(off_mean == 0);
+  CHECK(same_chunk(got_mean_enc.data(), want_mean_enc.data()));
+  // The special blocks did what they should, on the GPU as on the host.
+  std::size_t nan_blocks = 0, zero_scales = 0;
+  for (std::size_t k = 0; k < d::int8_blocks_of(n); ++k) {
+    nan_blocks += std::isnan(d::int8_scale_at(got_enc.data(), k));
+    zero_scales += d::int8_scale_at(got_enc.data(), k) == 0.0f;
+  }
+  if (n > 4 * d::int8_block) CHECK(nan_blocks >= 2);
+  if (n > 2 * d::int8_block) CHECK(zero_scales >= 1);
+}
+
+}  // namespace
+
+TEST_SUITE("gpu") {
+TEST_CASE("int8 wire kernels on 1 GPU: encode - decode - mean of chunks - bit for bit with the host codec") {
+  LOCKSTEP_REQUIRE_GPUS(1);
+  for (const std::size_t n : {std::size_t{1}, std::size_t{255}, std::size_t{256}, std::size_t{257}, std::size_t{1540},
+                              std::size_t{8192}, std::size_t{5003}})
+    for (const int chunks : {1, 2, 3, 4})
+      for (const std::size_t offset : {std::size_t{0}, std::size_t{1}}) check_int8_kernels(n, chunks, offset);
+}
+TEST_CASE("low-precision wires on 1 GPU: the hooks are the identity - sharded and not") {
+  LOCKSTEP_REQUIRE_GPUS(1);
+  check_hook<lockstep::Bf16Wire>(1, 1003, 0, 77);
+  check_hook<lockstep::Int8Wire>(1, 1003, 0, 77);
+  check_data_parallel<lockstep::Bf16Wire, false>(1);
+  check_data_parallel<lockstep::Int8Wire, false>(1);
+}
+}
+
+TEST_SUITE("multigpu") {
+TEST_CASE("bf16 wire on 2 GPUs: fp32 sum of bf16 values - tails - unaligned - DataParallel - sharded - copy engines") {
+  LOCKSTEP_REQUIRE_GPUS(2);
+  check_hook<lockstep::Bf16Wire>(2, 8 * 2 * 1234, 0, 8 * 300);
+  check_hook<lockstep::Bf16Wire>(2, 8 * 2 * 1234 + 1, 1, 5);
+  check_hook<lockstep::Bf16Wire>(2, 1, 0, 3);
+  check_data_parallel<lockstep::Bf16Wire, false>(2);
+  check_data_parallel<lockstep::Bf16Wire, true>(2);
+  check_data_parallel<lockstep::Bf16Wire, true>(2, true);
+}
+TEST_CASE("int8 wire on 2 GPUs: fp32 sum of int8 blocks - tails - unaligned - DataParallel - sharded - copy engines") {
+  LOCKSTEP_REQUIRE_GPUS(2);
+  check_hook<lockstep::Int8Wire>(2, 8 * 2 * 1234, 0, 8 * 300);
+  check_hook<lockstep::Int8Wire>(2, 2 * 1000 + 1, 1, 5);
+  check_hook<lockstep::Int8Wire>(2, 1, 0, 3);
+  check_data_parallel<lockstep::Int8Wire, false>(2);
+  check_data_parallel<lockstep::Int8Wire, true>(2);
+  check_data_parallel<lockstep::Int8Wire, true>(2, true);
+}
+TEST_CASE("low-precision wires on 4 GPUs: fp32 sums - tails - DataParallel - sharded - copy engines") {
+  LOCKSTEP_REQUIRE_GPUS(4);
+  check_hook<lockstep::Bf16Wire>(4, 8 * 4 * 5000 + 3, 0, 8 * 1000);
+  check_hook<lockstep::Bf16Wire>(4, 4 * 999, 1, 13);
+  check_hook<lockstep::Int8Wire>(4, 8 * 4 * 5000 + 3, 0, 8 * 1000);
+  check_hook<lockstep::Int8Wire>(4, 4 * 999, 1, 13);
+  for (const bool engines : {false, true}) {
+    check_data_parallel<lockstep::Bf16Wire, true>(4, engines);
+    check_data_parallel<lockstep::Int8Wire, true>(4, engines);
+  }
+  check_data_parallel<lockstep::Bf16Wire, false>(4);
+  check_data_parallel<lockstep::Int8Wire, false>(4);
+}
+}
