@@ -951,13 +951,22 @@ TEST_CASE("snippets: micro-batches by global position (docs/sampler.md)") {
   });
 }
 
-TEST_CASE("snippets: gradients in bf16 on the wire (parallel/bucket_hook.hpp)") {
+TEST_CASE("snippets: gradients in int8 on the wire, a wire chosen at run time (parallel/wire.hpp)") {
   const std::uint64_t seed = lockstep_test::fresh_seed();
   const auto my_batches = snippet_env::batches(2);
   lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
     Mlp model(seed + static_cast<std::uint64_t>(ctx.rank()));
-    // [snippet include/lockstep/parallel/bucket_hook.hpp#2]
-    lockstep::DataParallel dp(ctx, model, lockstep::Bf16Wire{});
+    {
+      // [snippet include/lockstep/parallel/wire.hpp#1]
+      lockstep::DataParallel dp(ctx, model, lockstep::Int8Wire{});
+      // [end snippet]
+      auto step = dp.step();
+      model.backward(Batch(my_batches[static_cast<std::size_t>(ctx.rank())]), step.on_gradient_ready());
+      if (step.finish()) model.sgd(0.1);
+    }
+    const std::string flag = "bf16";  // a command line's --wire
+    // [snippet include/lockstep/parallel/wire.hpp#2]
+    lockstep::DataParallel dp(ctx, model, lockstep::AnyWire(lockstep::wire_format_of(flag)));
     // [end snippet]
     auto step = dp.step();
     model.backward(Batch(my_batches[static_cast<std::size_t>(ctx.rank())]), step.on_gradient_ready());
