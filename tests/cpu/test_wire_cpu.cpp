@@ -136,6 +136,41 @@ wire_counts check_wire(int n, std::mt19937_64& rng, Through through) {
   return c;
 }
 
+// Trains `draws` fresh data sets on 2 and 3 ranks with the fp32 wire and with Wire, sharded and
+// not: every draw trained, ends away from the fp32 wire's parameters (the wire rounded
+// something) but within 10 % of them, and the median draw within median_bound.
+template <class Wire>
+void trains_near_fp32(int draws, double median_bound) {
+  const auto first_seed = fresh_seed();
+  CAPTURE(first_seed);
+  for (int ranks : {2, 3}) {
+    CAPTURE(ranks);
+    std::vector<double> wire_diff, sharded_diff;
+    auto seed = first_seed;
+    for (int k = 0; k < draws; ++k, seed = next_seed(seed)) {
+      CAPTURE(seed);
+      const auto d = make_data(seed, 97);
+      const auto plain = train<lockstep::AllReduceMean, false>(d, ranks, seed + 1);
+      const auto wire = train<Wire, false>(d, ranks, seed + 1);
+      const auto sharded_wire = train<Wire, true>(d, ranks, seed + 1);
+      const TestMlp<float> init(d.dims, seed + 1);
+      CHECK(max_rel_diff(init.flat_values(), plain) > 1e-2);  // it trained
+      wire_diff.push_back(max_rel_diff(wire, plain));
+      sharded_diff.push_back(max_rel_diff(sharded_wire, plain));
+      CHECK(wire_diff.back() > 0);
+      CHECK(sharded_diff.back() > 0);
+      CHECK(wire_diff.back() < 0.1);
+      CHECK(sharded_diff.back() < 0.1);
+    }
+    std::ranges::sort(wire_diff);
+    std::ranges::sort(sharded_diff);
+    const auto mid = static_cast<std::size_t>(draws / 2);
+    MESSAGE(ranks << " ranks: median max-rel-diff " << wire_diff[mid] << " (sharded " << sharded_diff[mid] << ")");
+    CHECK(wire_diff[mid] < median_bound);
+    CHECK(sharded_diff[mid] < median_bound);
+  }
+}
+
 }  // namespace
 
 TEST_SUITE("cpu") {
@@ -173,34 +208,7 @@ TEST_CASE("int8 wire on CPU ranks: each rank's chunks through the blockwise code
 // rank count trains on `draws` fresh data sets: every draw stays near the fp32 wire (< 10 %), and
 // the median draw — one without such a flip unless most draws had one — stays within bf16's 2^-8.
 TEST_CASE("bf16 wire on CPU ranks: training stays within bf16 rounding of the fp32 wire - sharded and not") {
-  const auto first_seed = fresh_seed();
-  CAPTURE(first_seed);
-  constexpr int draws = 9;
-  const double bf16_step = std::ldexp(1.0, -8);
-  for (int ranks : {2, 3}) {
-    CAPTURE(ranks);
-    std::vector<double> wire_diff, sharded_diff;
-    auto seed = first_seed;
-    for (int k = 0; k < draws; ++k, seed = next_seed(seed)) {
-      CAPTURE(seed);
-      const auto d = make_data(seed, 97);
-      const auto plain = train<lockstep::AllReduceMean, false>(d, ranks, seed + 1);
-      const auto wire = train<lockstep::Bf16Wire, false>(d, ranks, seed + 1);
-      const auto sharded_wire = train<lockstep::Bf16Wire, true>(d, ranks, seed + 1);
-      const TestMlp<float> init(d.dims, seed + 1);
-      CHECK(max_rel_diff(init.flat_values(), plain) > 1e-2);  // it trained
-      wire_diff.push_back(max_rel_diff(wire, plain));
-      sharded_diff.push_back(max_rel_diff(sharded_wire, plain));
-      CHECK(wire_diff.back() > 0);  // the wire rounded something
-      CHECK(sharded_diff.back() > 0);
-      CHECK(wire_diff.back() < 0.1);
-      CHECK(sharded_diff.back() < 0.1);
-    }
-    std::ranges::sort(wire_diff);
-    std::ranges::sort(sharded_diff);
-    CHECK(wire_diff[draws / 2] < bf16_step);
-    CHECK(sharded_diff[draws / 2] < bf16_step);
-  }
+  trains_near_fp32<lockstep::Bf16Wire>(9, std::ldexp(1.0, -8));
 }
 
 // The codec by what it must do, not by its own formulas: each block's scale is its largest
@@ -281,32 +289,6 @@ TEST_CASE("int8 blockwise codec: error bound - zeros - inf and NaN - subnormals 
 // mean again): each draw within 10 % of the fp32 wire (a ReLU may flip, as with bf16 above),
 // the median draw within 2^-5 (seen: 0.002 to 0.007 over 15 runs).
 TEST_CASE("int8 wire on CPU ranks: training stays close to the fp32 wire - sharded and not") {
-  const auto first_seed = fresh_seed();
-  CAPTURE(first_seed);
-  constexpr int draws = 7;
-  for (int ranks : {2, 3}) {
-    CAPTURE(ranks);
-    std::vector<double> wire_diff, sharded_diff;
-    auto seed = first_seed;
-    for (int k = 0; k < draws; ++k, seed = next_seed(seed)) {
-      CAPTURE(seed);
-      const auto d = make_data(seed, 97);
-      const auto plain = train<lockstep::AllReduceMean, false>(d, ranks, seed + 1);
-      const auto wire = train<lockstep::Int8Wire, false>(d, ranks, seed + 1);
-      const auto sharded_wire = train<lockstep::Int8Wire, true>(d, ranks, seed + 1);
-      wire_diff.push_back(max_rel_diff(wire, plain));
-      sharded_diff.push_back(max_rel_diff(sharded_wire, plain));
-      CHECK(wire_diff.back() > 0);
-      CHECK(sharded_diff.back() > 0);
-      CHECK(wire_diff.back() < 0.1);
-      CHECK(sharded_diff.back() < 0.1);
-    }
-    std::ranges::sort(wire_diff);
-    std::ranges::sort(sharded_diff);
-    MESSAGE("int8 wire, " << ranks << " ranks: median max-rel-diff " << wire_diff[draws / 2] << " (sharded "
-                          << sharded_diff[draws / 2] << ")");
-    CHECK(wire_diff[draws / 2] < std::ldexp(1.0, -5));
-    CHECK(sharded_diff[draws / 2] < std::ldexp(1.0, -5));
-  }
+  trains_near_fp32<lockstep::Int8Wire>(7, std::ldexp(1.0, -5));
 }
 }
