@@ -291,4 +291,38 @@ TEST_CASE("int8 blockwise codec: error bound - zeros - inf and NaN - subnormals 
 TEST_CASE("int8 wire on CPU ranks: training stays close to the fp32 wire - sharded and not") {
   trains_near_fp32<lockstep::Int8Wire>(7, std::ldexp(1.0, -5));
 }
+
+// AnyWire is the wire it names, bit for bit, and refuses a name it does not know.
+TEST_CASE("AnyWire on CPU ranks: the chosen wire's numbers - fp32, bf16, int8 - an unknown name refused") {
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
+  const int n = 3;
+  const std::size_t count = 1000, per = 300;
+  std::vector<std::vector<float>> x;
+  for (int r = 0; r < n; ++r) x.push_back(random_vector<float>(count, rng, -2.0, 2.0));
+  // What `hook` makes of every rank's x: the all-reduce, and the reduce-scatter of the first n·per.
+  const auto through = [&](auto make_hook) {
+    std::vector<std::vector<float>> out(static_cast<std::size_t>(n));
+    lockstep::run(lockstep::Threads{n}, [&](auto& ctx) {
+      const auto r = static_cast<std::size_t>(ctx.rank());
+      auto a = x[r], b = x[r];
+      auto hook = make_hook();
+      hook.reduce(ctx.comm(), a.data(), count, lockstep::dtype::f32).wait();
+      lockstep::hook_reduce_scatter(hook, ctx.comm(), b.data(), b.data() + r * per, per, lockstep::dtype::f32).wait();
+      a.insert(a.end(), b.begin() + static_cast<std::ptrdiff_t>(r * per),
+               b.begin() + static_cast<std::ptrdiff_t>((r + 1) * per));
+      out[r] = a;
+    });
+    return out;
+  };
+  using lockstep::wire_format;
+  const auto any = [&](wire_format f) { return through([f] { return lockstep::AnyWire(f); }); };
+  CHECK(any(wire_format::fp32) == through([] { return lockstep::AllReduceMean{}; }));
+  CHECK(any(wire_format::bf16) == through([] { return lockstep::Bf16Wire{}; }));
+  CHECK(any(wire_format::int8) == through([] { return lockstep::Int8Wire{}; }));
+  CHECK(any(wire_format::int8) != any(wire_format::bf16));  // (they are different wires)
+  CHECK(lockstep::wire_format_of("int8") == wire_format::int8);
+  CHECK(lockstep::wire_format_of("fp32") == wire_format::fp32);
+  CHECK_THROWS_WITH_AS(lockstep::wire_format_of("fp16"),
+                       doctest::Contains("no wire called 'fp16'; say fp32, bf16 or int8"), lockstep::config_error);
+}
 }

@@ -17,8 +17,14 @@
 //!  - On NcclComm (include lockstep/cuda.cuh, cuda/wire.cuh): the codec's kernels run on the
 //!    communication stream between the collectives, so the compute stream is not held; staging
 //!    costs twice the encoded bucket.
-//!  - On host communicators (ThreadComm, MpiComm) the same numbers, bit for bit, for tests and
-//!    CPU ranks: the encoded chunks are all-gathered whole (the numbers of the wire, not its bytes).
+//!  - On host communicators (ThreadComm, MpiComm) the same numbers, bit for bit (but for the
+//!    tails: each communicator's own fp32 mean), for tests and CPU ranks: every rank's encoded
+//!    bucket is all-gathered whole — the numbers of the wire, not its bytes, at N times the
+//!    memory and traffic of the bucket per rank.
+//!  - Bit for bit also assumes the device code keeps subnormals: a translation unit compiled with
+//!    --use_fast_math (flush to zero) differs from the host on blocks of subnormal values.
+//!  - The fp32 sum comes before the 1/N: finite gradients whose sum overflows fp32 become inf (a
+//!    skipped step with loss scaling), as in an fp32 all-reduce that sums first.
 //! \code
 //!   lockstep::DataParallel dp(ctx, model, lockstep::Int8Wire{});
 //! \endcode

@@ -10,7 +10,8 @@
 //! where 1/s overflows), and it reads back as q · s: within s/2 of x (and an ulp). A block of
 //! zeros reads back as zeros. A block holding an inf or a NaN gets s = NaN and reads back as NaN
 //! throughout, so a found-inf check after the wire still sees it. Every operation is one IEEE
-//! fp32 operation (no fused multiply-add), so the host and the GPU agree.
+//! fp32 operation (no fused multiply-add), so the host and the GPU agree (device code compiled
+//! without flush-to-zero, i.e. not with --use_fast_math).
 //!
 //! Encoded (one "chunk" of n values): the blocks' scales (fp32), padded to 16 bytes, then the
 //! n int8 values, padded to 16 bytes — int8_chunk_bytes(n) bytes.
