@@ -46,7 +46,7 @@
 #include <string>
 #include <vector>
 
-#include <lockstep/cuda/wire.cuh>
+#include <lockstep/cuda/nccl_wire.cuh>
 #include <lockstep/cuda/deterministic_sum.cuh>
 #include <lockstep/cuda/run_gpus.cuh>
 #include <lockstep/cuda/run_processes.cuh>

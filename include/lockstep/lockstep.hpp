@@ -43,7 +43,7 @@
 #include "lockstep/parallel/mesh.hpp"
 #include "lockstep/parallel/policies.hpp"
 #include "lockstep/parallel/step.hpp"
-#include "lockstep/parallel/wire.hpp"
+#include "lockstep/parallel/gradient_wire.hpp"
 #include "lockstep/run.hpp"
 #include "lockstep/scaling/clipping.hpp"
 #include "lockstep/scaling/loss_scaler.hpp"

@@ -69,7 +69,7 @@ struct wire_counts {
 };
 
 // `Wire` on n CPU ranks: an all-reduce of `count` values and a reduce-scatter of n·per, against
-// what the schedule of parallel/wire.hpp makes of the codec's round trip `through` (a chunk's
+// what the schedule of parallel/gradient_wire.hpp makes of the codec's round trip `through` (a chunk's
 // values → as they read back after the wire): the mean of chunk k is Σ_r through(rank r's chunk k)
 // in fp32, rank order, × 1/N; the all-reduce's values go through once more; a tail the rank count
 // does not divide is the exact fp32 mean. Bit for bit, as the GPU (tests/cuda/test_wire.cu).

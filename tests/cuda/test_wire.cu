@@ -1,4 +1,4 @@
-// lockstep's low-precision wires on NcclComm (cuda/wire.cuh): fp32 gradients go over NCCL as
+// lockstep's low-precision wires on NcclComm (cuda/nccl_wire.cuh): fp32 gradients go over NCCL as
 // bf16 (Bf16Wire) or blockwise int8 (Int8Wire) and are summed in fp32. Int8Wire's kernels
 // against the host codec (core/detail/int8_blocks.hpp, itself checked by its properties in
 // tests/cpu/test_wire_cpu.cpp) bit for bit, on random data with zero, inf/NaN, subnormal and

@@ -951,13 +951,13 @@ TEST_CASE("snippets: micro-batches by global position (docs/sampler.md)") {
   });
 }
 
-TEST_CASE("snippets: gradients in int8 on the wire, a wire chosen at run time (parallel/wire.hpp)") {
+TEST_CASE("snippets: gradients in int8 on the wire, a wire chosen at run time (parallel/gradient_wire.hpp)") {
   const std::uint64_t seed = lockstep_test::fresh_seed();
   const auto my_batches = snippet_env::batches(2);
   lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
     Mlp model(seed + static_cast<std::uint64_t>(ctx.rank()));
     {
-      // [snippet include/lockstep/parallel/wire.hpp#1]
+      // [snippet include/lockstep/parallel/gradient_wire.hpp#1]
       lockstep::DataParallel dp(ctx, model, lockstep::Int8Wire{});
       // [end snippet]
       auto step = dp.step();
@@ -965,7 +965,7 @@ TEST_CASE("snippets: gradients in int8 on the wire, a wire chosen at run time (p
       if (step.finish()) model.sgd(0.1);
     }
     const std::string flag = "bf16";  // a command line's --wire
-    // [snippet include/lockstep/parallel/wire.hpp#2]
+    // [snippet include/lockstep/parallel/gradient_wire.hpp#2]
     lockstep::DataParallel dp(ctx, model, lockstep::AnyWire(lockstep::wire_format_of(flag)));
     // [end snippet]
     auto step = dp.step();

@@ -2,7 +2,7 @@
 //! The bucket's collective as an extension point (PyTorch DDP's communication hooks): what a
 //! bucket of gradients goes through once every gradient in it is final. DataParallel takes a
 //! hook as one of its policies; the default averages with one all-reduce. A sharded optimizer
-//! (reduce-scatter), a compressed or low-precision wire (parallel/wire.hpp) plug in here.
+//! (reduce-scatter), a compressed or low-precision wire (parallel/gradient_wire.hpp) plug in here.
 
 #include <concepts>
 #include <cstddef>

@@ -58,7 +58,7 @@
 #include "lockstep/parallel/detail/requirements.hpp"
 #include "lockstep/parallel/detail/shard_units.hpp"
 #include "lockstep/parallel/join.hpp"
-#include "lockstep/parallel/wire.hpp"
+#include "lockstep/parallel/gradient_wire.hpp"
 #include "lockstep/parallel/policies.hpp"
 #include "lockstep/parallel/step.hpp"
 #include "lockstep/parallel/step_handle.hpp"

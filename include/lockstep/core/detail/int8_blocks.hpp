@@ -1,5 +1,5 @@
 #pragma once
-//! Blockwise 8-bit quantization on the host — the numbers of Int8Wire (parallel/wire.hpp) for
+//! Blockwise 8-bit quantization on the host — the numbers of Int8Wire (parallel/gradient_wire.hpp) for
 //! host communicators, and the reference its CUDA kernels (cuda/kernels/int8_ops.cuh) are
 //! tested against bit for bit.
 //!

@@ -1,5 +1,5 @@
 #pragma once
-//! The kernels of Int8Wire (cuda/wire.cuh): fp32 values encoded as blockwise int8 chunks, the
+//! The kernels of Int8Wire (cuda/nccl_wire.cuh): fp32 values encoded as blockwise int8 chunks, the
 //! mean of N ranks' chunks summed in fp32, and chunks decoded — the numbers of
 //! core/detail/int8_blocks.hpp bit for bit (the layout and the rounding are said there; every
 //! operation here is an explicitly rounded fp32 one, never contracted into a fused

@@ -1,5 +1,5 @@
 #pragma once
-//! The kernels of the bf16 wire (cuda/wire.cuh): fp32 gradients rounded to bf16 for the
+//! The kernels of the bf16 wire (cuda/nccl_wire.cuh): fp32 gradients rounded to bf16 for the
 //! network, the mean of N ranks' bf16 blocks accumulated in fp32, and bf16 widened back. Each
 //! is one streaming pass; 8 elements per thread and 16-byte accesses where the pointers allow
 //! (buckets start 16-byte aligned), one element per thread otherwise. Every call queues work on

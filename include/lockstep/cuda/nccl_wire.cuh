@@ -1,5 +1,5 @@
 #pragma once
-//! lockstep's low-precision wires on NcclComm (parallel/wire.hpp has the hooks, Bf16Wire and
+//! lockstep's low-precision wires on NcclComm (parallel/gradient_wire.hpp has the hooks, Bf16Wire and
 //! Int8Wire, and the schedule): fp32 buckets go over NCCL encoded and are summed in fp32.
 //!
 //!   comm stream:  encode(bucket → send, N chunks) · all_to_all(send → recv) · mean(recv → my
@@ -20,7 +20,7 @@
 #include "lockstep/cuda/kernels/int8_ops.cuh"
 #include "lockstep/cuda/kernels/wire_ops.cuh"
 #include "lockstep/cuda/nccl_comm.cuh"
-#include "lockstep/parallel/wire.hpp"
+#include "lockstep/parallel/gradient_wire.hpp"
 
 namespace lockstep {
 

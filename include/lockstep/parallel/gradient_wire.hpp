@@ -14,7 +14,7 @@
 //!  - Bf16Wire: bf16, round to nearest even: 2 bytes per value (half of fp32).
 //!  - Int8Wire: blockwise int8 (core/detail/int8_blocks.hpp): an fp32 scale per 256 values, a
 //!    byte per value — 1.016 bytes per value (about a quarter of fp32).
-//!  - On NcclComm (include lockstep/cuda.cuh, cuda/wire.cuh): the codec's kernels run on the
+//!  - On NcclComm (include lockstep/cuda.cuh, cuda/nccl_wire.cuh): the codec's kernels run on the
 //!    communication stream between the collectives, so the compute stream is not held; staging
 //!    costs twice the encoded bucket.
 //!  - On host communicators (ThreadComm, MpiComm) the same numbers, bit for bit (but for the
@@ -76,7 +76,7 @@ class wire_staging {
 namespace detail {
 
 //! A wire's codec: chunk_bytes(n), the bytes n values take; encode(x, n, out) and decode(in, n,
-//! out) on the host. cuda/wire.cuh has each codec's kernels.
+//! out) on the host. cuda/nccl_wire.cuh has each codec's kernels.
 struct bf16_codec {
   static constexpr std::size_t chunk_bytes(std::size_t n) noexcept { return 2 * n; }
   static void encode(const float* x, std::size_t n, unsigned char* out) {
