@@ -121,4 +121,38 @@ TEST_CASE("deterministic_over_mpi: the same bits as ThreadComm ranks splitting t
     CHECK(got.reports[1].clamped == ref.reports[1].clamped);
   }
 }
+TEST_CASE_TEMPLATE("low-precision wires over MPI: the numbers of ThreadComm ranks, bit for bit", Wire,
+                   lockstep::Bf16Wire, lockstep::Int8Wire) {
+  // Every process draws every rank's bucket (a shared seed); the reference, in every process:
+  // the same wire on as many ThreadComm ranks. The all-reduce's count is a multiple of 4 (a tail
+  // is each communicator's own fp32 mean, summed in MPI's order), the reduce-scatter's any.
+  lockstep::context<lockstep::MpiComm> ctx(lockstep::MpiComm::world(), 0, -1);
+  const auto seed = shared_seed();
+  CAPTURE(seed);
+  const int n = ctx.size();
+  const std::size_t count = 4 * 777, per = 301;
+  std::mt19937_64 rng(seed);
+  std::vector<std::vector<float>> x;
+  for (int r = 0; r < n; ++r)
+    x.push_back(random_vector<float>(count + per * static_cast<std::size_t>(n), rng, -3.0, 3.0));
+  // Rank r's all-reduce result, then its reduce-scatter block.
+  const auto on = [&](auto& comm, int r) {
+    auto a = x[static_cast<std::size_t>(r)];
+    float* b = a.data() + count;
+    Wire w;
+    w.reduce(comm, a.data(), count, lockstep::dtype::f32).wait();
+    w.reduce_scatter(comm, b, b + static_cast<std::size_t>(r) * per, per, lockstep::dtype::f32).wait();
+    std::vector<float> out(a.begin(), a.begin() + static_cast<std::ptrdiff_t>(count));
+    out.insert(out.end(), b + static_cast<std::size_t>(r) * per, b + static_cast<std::size_t>(r + 1) * per);
+    return out;
+  };
+  std::vector<std::vector<float>> ref(static_cast<std::size_t>(n));
+  lockstep::run(lockstep::Threads{n},
+                [&](auto& tctx) { ref[static_cast<std::size_t>(tctx.rank())] = on(tctx.comm(), tctx.rank()); });
+  const auto got = on(ctx.comm(), ctx.rank());
+  CHECK(got == ref[static_cast<std::size_t>(ctx.rank())]);
+  CHECK(got !=
+        std::vector<float>(x[static_cast<std::size_t>(ctx.rank())].begin(),
+                           x[static_cast<std::size_t>(ctx.rank())].begin() + static_cast<std::ptrdiff_t>(got.size())));
+}
 }  // TEST_SUITE
