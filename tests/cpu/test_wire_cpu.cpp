@@ -293,7 +293,7 @@ TEST_CASE("int8 wire on CPU ranks: training stays close to the fp32 wire - shard
 }
 
 // AnyWire is the wire it names, bit for bit, and refuses a name it does not know.
-TEST_CASE("AnyWire on CPU ranks: the chosen wire's numbers - fp32, bf16, int8 - an unknown name refused") {
+TEST_CASE("AnyWire on CPU ranks: the chosen wire's numbers - fp32 bf16 int8 - an unknown name refused") {
   LOCKSTEP_SEEDED(std::mt19937_64 rng);
   const int n = 3;
   const std::size_t count = 1000, per = 300;

@@ -951,7 +951,7 @@ TEST_CASE("snippets: micro-batches by global position (docs/sampler.md)") {
   });
 }
 
-TEST_CASE("snippets: gradients in int8 on the wire, a wire chosen at run time (parallel/gradient_wire.hpp)") {
+TEST_CASE("snippets: gradients in int8 on the wire - a wire chosen at run time (parallel/gradient_wire.hpp)") {
   const std::uint64_t seed = lockstep_test::fresh_seed();
   const auto my_batches = snippet_env::batches(2);
   lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {

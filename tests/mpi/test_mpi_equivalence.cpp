@@ -121,7 +121,7 @@ TEST_CASE("deterministic_over_mpi: the same bits as ThreadComm ranks splitting t
     CHECK(got.reports[1].clamped == ref.reports[1].clamped);
   }
 }
-TEST_CASE_TEMPLATE("low-precision wires over MPI: the numbers of ThreadComm ranks, bit for bit", Wire,
+TEST_CASE_TEMPLATE("low-precision wires over MPI: the numbers of ThreadComm ranks bit for bit", Wire,
                    lockstep::Bf16Wire, lockstep::Int8Wire) {
   // Every process draws every rank's bucket (a shared seed); the reference, in every process:
   // the same wire on as many ThreadComm ranks. The all-reduce's count is a multiple of 4 (a tail
