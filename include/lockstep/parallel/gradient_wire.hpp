@@ -102,6 +102,7 @@ struct int8_codec {
 
 //! mine[0, per) ← (Σ_r decode(rank r's chunk rank()) in fp32, rank order) · (1/N), for the
 //! bucket x of N·per values on every rank; host communicators (the chunks all-gathered whole).
+//! mine may be x's own block: it is written after x was read.
 template <class Codec, class Comm>
 void host_wire_mean(Comm& comm, const float* x, std::size_t per, float* mine) {
   const std::size_t n = static_cast<std::size_t>(comm.size()), cb = Codec::chunk_bytes(per);
@@ -139,11 +140,11 @@ class basic_wire {
       auto* f = static_cast<float*>(data);
       if (per == 0) return comm.all_reduce(data, data, count, t, reduce_op::avg);
       if (main < count) comm.all_reduce(f + main, f + main, count - main, t, reduce_op::avg).wait();
-      std::vector<float> mean(per);
-      host_wire_mean<Codec>(comm, f, per, mean.data());
+      float* mean = f + static_cast<std::size_t>(comm.rank()) * per;
+      host_wire_mean<Codec>(comm, f, per, mean);
       const std::size_t cb = Codec::chunk_bytes(per);
       std::vector<unsigned char> mine(cb), all(n * cb);
-      Codec::encode(mean.data(), per, mine.data());
+      Codec::encode(mean, per, mine.data());
       comm.all_gather(mine.data(), all.data(), cb, dtype::u8).wait();
       for (std::size_t r = 0; r < n; ++r) Codec::decode(all.data() + r * cb, per, f + r * per);
       return work_t{};
@@ -160,9 +161,7 @@ class basic_wire {
       return wire_reduce_scatter(comm, *staging_, data, mine, per, Codec{});
     } else {
       host_only(comm);
-      std::vector<float> mean(per);
-      host_wire_mean<Codec>(comm, static_cast<const float*>(data), per, mean.data());
-      std::memcpy(mine, mean.data(), per * sizeof(float));
+      host_wire_mean<Codec>(comm, static_cast<const float*>(data), per, static_cast<float*>(mine));
       return work_t{};
     }
   }
