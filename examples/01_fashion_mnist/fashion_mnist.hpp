@@ -209,10 +209,11 @@ inline options parse(int argc, char** argv) {
     else if (a == "--logdir") o.logdir = value();
     else if (a == "--bucket-kib") o.bucket_kib = parse_number<std::size_t>(a, value());
     else if (a == "--wire") {
-      const std::string w = value();
-      if (w != "fp32" && w != "bf16" && w != "int8")
-        throw usage_error("--wire expects fp32, bf16 or int8, got '" + w + "'");
-      o.wire = lockstep::wire_format_of(w);
+      try {
+        o.wire = lockstep::wire_format_of(value());
+      } catch (const lockstep::config_error& e) {
+        throw usage_error(std::string("--wire: ") + e.what());
+      }
     } else if (a == "--input") {
       const std::string m = value();
       if (m == "prefetch") o.input = input_kind::prefetch;

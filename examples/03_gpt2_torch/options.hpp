@@ -6,6 +6,9 @@
 #include <cstdlib>
 #include <string>
 
+#include <lockstep/core/error.hpp>
+#include <lockstep/parallel/gradient_wire.hpp>
+
 #include "bench_common.hpp"
 
 namespace gpt2 {
@@ -138,8 +141,10 @@ inline options parse(int argc, char** argv) {
     usage(2);
   }
   if (o.deterministic > 0) o.torch_deterministic = true;
-  if (o.wire != "fp32" && o.wire != "bf16" && o.wire != "int8") {  // (lockstep::wire_format_of's names)
-    std::fprintf(stderr, "gpt2_torch: --wire %s: say fp32, bf16 or int8\n", o.wire.c_str());
+  try {
+    (void)lockstep::wire_format_of(o.wire);  // main.cpp builds its AnyWire from the name
+  } catch (const lockstep::config_error& e) {
+    std::fprintf(stderr, "gpt2_torch: --wire: %s\n", e.what());
     usage(2);
   }
   if (!o.profile.empty() && o.steps < o.warmup + profiled_steps) {
