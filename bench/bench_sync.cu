@@ -11,6 +11,8 @@
 //  z. (with c) the MLP step under full sharding — each layer a block: ShardedGradients (ZeRO-2),
 //     FullySharded (ZeRO-3) — beside plain and ShardedOptimizer (ZeRO-1), steps chained, with
 //     each rank's shard and lent buffer bytes;
+//  v. (with c) the same with the values' all-gather in bf16 or int8 (ShardedOptimizer::gather_wire)
+//     and fp32 or int8 gradients.
 //  t. the fastest sharded MLP step with and without its compute (where its time goes; one
 //     configuration, for a profiler);
 //  g. lockstep's own host time per step and per bucket for GPT-2's tensors (no compute);
@@ -204,7 +206,8 @@ lockstep::sync_stats g_stats;  // rank 0's, after train_step_time's last step (k
 bool g_chained = false;
 bool g_sm_gather = false;   // sharded: ShardedOptimizer::copy_engine_gather off (NCCL's SM kernels gather)
 bool g_ce_scatter = false;  // sharded: ShardedOptimizer::copy_engine_scatter on (copy-engine reduce-scatters)
-bool g_symmetric = false;   // --symmetric: the training steps' gradient arenas in symmetric windows
+lockstep::wire_format g_gather_wire = lockstep::wire_format::fp32;  // sharded: ShardedOptimizer::gather_wire
+bool g_symmetric = false;  // --symmetric: the training steps' gradient arenas in symmetric windows
 
 // rank_body(ctx, mine) on every rank — this process's (Distributed mode) or one thread per GPU
 // of ngpu — filling `mine` with one figure per iteration; the median over iterations of the
@@ -534,6 +537,7 @@ double train_step_time(const std::vector<shape>& shapes, int ngpu, int iters, do
       strategy.gather_in_forward = Deferred;
       strategy.copy_engine_gather = !g_sm_gather;
       strategy.copy_engine_scatter = g_ce_scatter;
+      strategy.gather_wire = g_gather_wire;
     }
     // The DataParallel hands the model its values back when it goes (unbind_values): it holds
     // the model, so the model outlives it whatever order the closures release them in.
@@ -883,6 +887,29 @@ int main(int argc, char** argv) {
                     "the same with no compute %7.3f ms;  + bf16 wire %7.3f ms, no compute %7.3f ms;  + int8 wire "
                     "%7.3f ms, no compute %7.3f ms  (1 GPU %6.3f ms)\n",
                     tn, g, full, bare, wired, wired_bare, int8, int8_bare, one);
+            }
+            // v. The schedule of t with the values' all-gather in bf16 or int8 (gather_wire, deltas)
+            // and the gradients in fp32 or int8, with the compute and with none.
+            if (wanted('v') && pass == 0) {
+              lockstep::BucketPolicy bp{.first_bytes = std::size_t{1} << 20, .cap_bytes = std::size_t{64} << 20};
+              const std::vector<double> none(fwd.size(), 0.0), none_b(bwd.size(), 0.0);
+              g_chained = g_ce_scatter = true;
+              for (const auto gw :
+                   {lockstep::wire_format::fp32, lockstep::wire_format::bf16, lockstep::wire_format::int8}) {
+                g_gather_wire = gw;
+                const double f32 = train_step_time<float, true, 0, true>(mlp, g, iters, 0, fwd, bwd, bp);
+                const double f32_bare = train_step_time<float, true, 0, true>(mlp, g, iters, 0, none, none_b, bp);
+                const double i8 = train_step_time<float, true, 2, true>(mlp, g, iters, 0, fwd, bwd, bp);
+                const double i8_bare = train_step_time<float, true, 2, true>(mlp, g, iters, 0, none, none_b, bp);
+                if (g_print)
+                  std::printf(
+                      "v  fp32 %d GPU  cap  64 MiB  sharded, gather in forward, copy engines, chained, values on the "
+                      "wire in %s: fp32 gradients %7.3f ms (no compute %7.3f ms);  int8 gradients %7.3f ms (no "
+                      "compute %7.3f ms)  (1 GPU %6.3f ms)\n",
+                      g, lockstep::name_of(gw), f32, f32_bare, i8, i8_bare, one);
+              }
+              g_gather_wire = lockstep::wire_format::fp32;
+              g_chained = g_ce_scatter = false;
             }
             // s. The same step with ShardedOptimizer (issue 13's schedule: the all-gather after
             // each unit's update, the optimizer on 1/N of the parameters).

@@ -149,7 +149,9 @@ int main(int argc, char** argv) {
       const lockstep::ShardedOptimizer sharding{.gather_in_forward = true,
                                                 .bind_values = !opt.pack_values,
                                                 .copy_engine_gather = opt.ce_gather,
-                                                .copy_engine_scatter = opt.ce_scatter};
+                                                .copy_engine_scatter = opt.ce_scatter,
+                                                .gather_wire = lockstep::wire_format_of(opt.gather_wire),
+                                                .gather_deltas = !opt.gather_values};
       const lockstep::AnyWire wire(lockstep::wire_format_of(opt.wire));
       // One body for both: ShardedOptimizer is a policy, so the DataParallel's type differs.
       auto train = [&](auto& dp) {
@@ -361,6 +363,7 @@ int main(int argc, char** argv) {
           const double peak = worst[1];
           if (ctx.is_root())
             gpt2::print_bench_line(std::string("lockstep") + (opt.wire != "fp32" ? "-" + opt.wire + "wire" : "") +
+                                       (opt.gather_wire != "fp32" ? "-" + opt.gather_wire + "gather" : "") +
                                        (sharded && !blocked ? "-sharded" : "") +
                                        (blocked ? "-zero" + std::to_string(opt.zero) : std::string()) +
                                        (blocked && opt.recompute ? "-recompute" : "") +

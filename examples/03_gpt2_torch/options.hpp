@@ -5,9 +5,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <utility>
 
 #include <lockstep/core/error.hpp>
-#include <lockstep/parallel/gradient_wire.hpp>
+#include <lockstep/parallel/wire_format.hpp>
 
 #include "bench_common.hpp"
 
@@ -24,6 +25,8 @@ struct options : gpt2::run_options {
   bool pack_values = false;          // sharded: ShardedOptimizer::bind_values off
   bool ce_gather = false;            // sharded: ShardedOptimizer::copy_engine_gather on
   bool ce_scatter = false;           // sharded: ShardedOptimizer::copy_engine_scatter on
+  std::string gather_wire = "fp32";  // sharded: ShardedOptimizer::gather_wire
+  bool gather_values = false;        // sharded: ShardedOptimizer::gather_deltas off
   int zero = 0;                      // 2: ShardedGradients, 3: FullySharded (each block a block)
   bool recompute = false;            // --zero: recompute each block in backward
   bool keep_grads = false;           // --zero: BlockBuffers::keep_gradient_shards
@@ -49,7 +52,8 @@ constexpr std::int64_t profiled_steps = 3;
       "                  [--seq T] [--steps N] [--warmup N] [--lr X] [--seed S] [--log-every N] [--bench]\n"
       "                  [--memory-trace]\n"
       "                  [--profile TRACE.json] [--wire fp32|bf16|int8] [--shard [--pack-values] "
-      "[--copy-engine[-gather]]]\n"
+      "[--copy-engine[-gather]]\n"
+      "                  [--gather-wire fp32|bf16|int8 [--gather-values]]]\n"
       "                  [--zero 2|3 [--recompute] [--keep-grad-shards] [--prefetch N]] [--cuda-graph]\n"
       "                  [--deterministic Q] [--bucket-mib M] [--tune] [--peer-copy K]\n"
       "  batch: sequences per rank and step; on GPUs: all local GPUs, or one per process under a launcher\n"
@@ -61,6 +65,9 @@ constexpr std::int64_t profiled_steps = 3;
       "                do not depend on the number of ranks N (Q a multiple of it) or the bucket sizes\n"
       "  --torch-deterministic: only libtorch's deterministic kernels (what --deterministic sets for the model),\n"
       "                to measure their share of its cost\n"
+      "  --gather-wire W: (--shard) the updated values all-gathered in bf16 or int8 from fp32 masters kept\n"
+      "                apart (ShardedOptimizer::gather_wire): the change since the last gather, or with\n"
+      "                --gather-values the values themselves\n"
       "  --bucket-mib M: gradient buckets of M MiB (default: lockstep's, 1 MiB first, 25 MiB cap)\n"
       "  --peer-copy K: (--shard) a lockstep::PeerCopy snapshot every K steps: each rank's shards and\n"
       "                optimizer state copied and handed to the rank before it (what an elastic job\n"
@@ -82,6 +89,8 @@ inline options parse(int argc, char** argv) {
     else if (a == "--copy-engine") o.ce_gather = o.ce_scatter = true;  // the gathers and the reduce-scatters
     else if (a == "--copy-engine-gather") o.ce_gather = true;
     else if (a == "--wire") o.wire = next();
+    else if (a == "--gather-wire") o.gather_wire = next();
+    else if (a == "--gather-values") o.gather_values = true;
     else if (a == "--profile") o.profile = next();
     else if (a == "--zero") o.zero = std::stoi(next());
     else if (a == "--recompute") o.recompute = true;
@@ -141,10 +150,17 @@ inline options parse(int argc, char** argv) {
     usage(2);
   }
   if (o.deterministic > 0) o.torch_deterministic = true;
-  try {
-    (void)lockstep::wire_format_of(o.wire);  // main.cpp builds its AnyWire from the name
-  } catch (const lockstep::config_error& e) {
-    std::fprintf(stderr, "gpt2_torch: --wire: %s\n", e.what());
+  for (const auto& [flag, name] : {std::pair{"--wire", &o.wire}, std::pair{"--gather-wire", &o.gather_wire}}) {
+    try {
+      (void)lockstep::wire_format_of(*name);  // main.cpp takes the format from the name
+    } catch (const lockstep::config_error& e) {
+      std::fprintf(stderr, "gpt2_torch: %s: %s\n", flag, e.what());
+      usage(2);
+    }
+  }
+  if ((o.gather_wire != "fp32" || o.gather_values) && !o.shard) {
+    std::fprintf(stderr,
+                 "gpt2_torch: --gather-wire and --gather-values are ShardedOptimizer's: give them with --shard\n");
     usage(2);
   }
   if (!o.profile.empty() && o.steps < o.warmup + profiled_steps) {

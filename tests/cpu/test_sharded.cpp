@@ -175,6 +175,42 @@ TEST_CASE_TEMPLATE("sharded: a checkpoint of the sharded state resumes bit for b
   CHECK(resumed.final_scale == whole.final_scale);
 }
 
+// With a low-precision gather_wire the masters are apart from the values the model reads: a
+// checkpoint (which makes the replicas exact first) holds the masters, and the resumed run
+// continues bit for bit — also packed, deferred, with accumulation and an injected inf.
+TEST_CASE("sharded gather_wire: a checkpoint resumes bit for bit - bf16 and int8 - deltas and values") {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  const auto d = make_data(seed, 211);
+  const int at = 3;
+  using lockstep::wire_format;
+  for (const auto wire : {wire_format::bf16, wire_format::int8})
+    for (const bool deltas : {true, false})
+      for (const bool deferred : {false, true}) {
+        CAPTURE(deltas);
+        CAPTURE(deferred);
+        const config c{.ranks = 3,
+                       .accumulate = 2,
+                       .steps = 7,
+                       .buckets = {.first_bytes = 300, .cap_bytes = 700},
+                       .inf_step = 5,
+                       .inf_at = 3,
+                       .gather_in_forward = deferred,
+                       .gather_wire = wire,
+                       .gather_deltas = deltas};
+        lockstep::Checkpoint saved;
+        const auto whole = train_saving<float>(d, c, seed + 1, at, saved);
+        const auto resumed = resume<float>(d, c, at, saved, seed + 99);
+        for (int r = 0; r < c.ranks; ++r) CHECK(resumed.values[static_cast<std::size_t>(r)] == whole.values[0]);
+        CHECK(resumed.final_scale == whole.final_scale);
+        CHECK(resumed.applied == std::vector<int>(whole.applied.begin() + at, whole.applied.end()));
+        // and the wire changed the run: the fp32 gather's ends elsewhere
+        config fp32 = c;
+        fp32.gather_wire = wire_format::fp32;
+        CHECK(train<float, true, true>(d, fp32, seed + 1).values[0] != whole.values[0]);
+      }
+}
+
 // Resharding: state saved by 4 ranks resumes on 1, 2 and 3 ranks (the same global batch of 12
 // rows per step, split otherwise) and on 4 ranks with other bucket sizes (another shard
 // layout): each rank cuts its new shards from the saved ones through their shard maps. The

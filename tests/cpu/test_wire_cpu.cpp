@@ -13,6 +13,7 @@
 #include <limits>
 #include <random>
 #include <span>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -171,6 +172,135 @@ void trains_near_fp32(int draws, double median_bound) {
   }
 }
 
+// ---- ShardedOptimizer::gather_wire: the updated values on the wire in bf16 or int8 ----------
+
+// What one rank saw in a run with gather_wire: per step, its model's values (the replica) and
+// its masters (shard_parameters()); after the loop, its values once wait_all_parameters() made
+// them exact, and its shard map.
+struct value_wire_trace {
+  std::vector<std::vector<float>> replicas;
+  std::vector<std::vector<std::vector<float>>> masters;
+  std::vector<float> exact;
+  std::vector<std::vector<lockstep::detail::shard_segment>> map;
+};
+
+// TestMlp<float> trained with SGD (momentum) on `ranks` threads, ShardedOptimizer with `wire`
+// (deltas or values), bound or packed values, small buckets (several units, tensors split).
+template <bool Bound>
+std::vector<value_wire_trace> run_value_wire(const dataset& d, int ranks, lockstep::wire_format wire, bool deltas,
+                                             std::uint64_t seed, int steps = 5) {
+  std::vector<value_wire_trace> out(static_cast<std::size_t>(ranks));
+  lockstep::run(lockstep::Threads{ranks}, [&](auto& ctx) {
+    auto& t = out[static_cast<std::size_t>(ctx.rank())];
+    TestMlp<float, Bound> m(d.dims, seed + static_cast<std::uint64_t>(ctx.rank()));
+    lockstep::DataParallel dp(ctx, m, {.buckets = {.first_bytes = 300, .cap_bytes = 900}},
+                              lockstep::ShardedOptimizer{.gather_wire = wire, .gather_deltas = deltas});
+    lockstep::Sgd opt({.lr = 0.1, .momentum = 0.9});
+    for (int s = 0; s < steps; ++s) {
+      auto st = dp.step();
+      m.forward_backward(inputs<float>(d), d.y, rank_rows(d, 4, ranks, ctx.rank(), s), st.on_gradient_ready());
+      REQUIRE(st.finish([&](std::span<const lockstep::param_slice> sl) { opt.step(sl); }));
+      t.replicas.push_back(m.flat_values());
+      auto& ms = t.masters.emplace_back();
+      for (const auto& p : dp.shard_parameters()) {
+        const auto* v = static_cast<const float*>(p.value);
+        ms.emplace_back(v, v + p.numel());
+      }
+    }
+    CHECK(!dp.values_exact());  // a checkpoint now would hold the rounded values: refused
+    lockstep::Checkpoint ck;
+    CHECK_THROWS_WITH_AS(lockstep::add_training_state(ck, dp),
+                         doctest::Contains("call dp.wait_all_parameters() on every rank"), lockstep::config_error);
+    dp.wait_all_parameters();
+    CHECK(dp.values_exact());
+    t.exact = m.flat_values();
+    t.map.assign(dp.shard_map().begin(), dp.shard_map().end());
+  });
+  return out;
+}
+
+// The replicas the schedule of parallel/detail/value_wire.hpp makes of every rank's masters:
+// each rank's shard j (its master, padding included) through the codec's round trip — of the
+// master itself, or of master − the replica before the step, added to that replica.
+template <class Through>
+std::vector<float> expected_replica(const std::vector<value_wire_trace>& t, std::size_t step,
+                                    const std::vector<float>& before, const std::vector<std::size_t>& flat_at,
+                                    bool deltas, Through through) {
+  auto want = before;
+  for (const auto& rank : t)
+    for (std::size_t j = 0; j < rank.map.size(); ++j) {
+      const auto& master = rank.masters[step][j];
+      std::vector<float> prev(master.size(), 0.0f);  // padding: zero in the replica
+      for (const auto& g : rank.map[j])
+        for (std::size_t i = 0; i < g.count; ++i)
+          prev[g.slot_offset + i] = before[flat_at[g.param] + g.param_offset + i];
+      std::vector<float> x(master.size());
+      for (std::size_t i = 0; i < x.size(); ++i) x[i] = deltas ? master[i] - prev[i] : master[i];
+      through(std::span<float>(x));
+      for (const auto& g : rank.map[j])
+        for (std::size_t i = 0; i < g.count; ++i) {
+          const std::size_t k = g.slot_offset + i;
+          want[flat_at[g.param] + g.param_offset + i] = deltas ? prev[k] + x[k] : x[k];
+        }
+    }
+  return want;
+}
+
+void int8_round_trip(std::span<float> v) {
+  std::vector<unsigned char> enc(lockstep::detail::int8_chunk_bytes(v.size()));
+  lockstep::detail::int8_encode(v.data(), v.size(), enc.data());
+  lockstep::detail::int8_decode(enc.data(), v.size(), v.data());
+}
+
+// Every check of one configuration: the replicas equal on every rank and, step after step,
+// what the schedule makes of the masters through the codec, bit for bit; not the masters (the
+// wire rounded) but near them; after wait_all_parameters() exactly the masters. Returns the
+// largest |replica − master| after the last step.
+template <bool Bound>
+double check_value_wire(const dataset& d, int ranks, lockstep::wire_format wire, bool deltas, std::uint64_t seed) {
+  CAPTURE(ranks);
+  const std::string format = lockstep::name_of(wire);
+  CAPTURE(format);
+  CAPTURE(deltas);
+  CAPTURE(Bound);
+  const auto t = run_value_wire<Bound>(d, ranks, wire, deltas, seed);
+  const TestMlp<float> init(d.dims, seed);  // rank 0's values, broadcast
+  std::vector<std::size_t> flat_at{0};
+  for (std::size_t l = 0; l + 1 < d.dims.size(); ++l) {
+    flat_at.push_back(flat_at.back() + static_cast<std::size_t>(d.dims[l] * d.dims[l + 1]));
+    flat_at.push_back(flat_at.back() + static_cast<std::size_t>(d.dims[l + 1]));
+  }
+  auto before = init.flat_values();
+  std::size_t off = 0, rounded = 0;
+  for (std::size_t s = 0; s < t[0].replicas.size(); ++s) {
+    const auto want = wire == lockstep::wire_format::int8
+                          ? expected_replica(t, s, before, flat_at, deltas, int8_round_trip)
+                          : expected_replica(t, s, before, flat_at, deltas, [](std::span<float> v) {
+                              for (auto& f : v) f = bf16_round(f);
+                            });
+    for (const auto& rank : t) off += rank.replicas[s] != want;
+    before = want;
+  }
+  CHECK(off == 0);
+  // The exact values: every rank's masters, in every rank's model.
+  std::vector<float> masters = t[0].exact;
+  for (const auto& rank : t)
+    for (std::size_t j = 0; j < rank.map.size(); ++j)
+      for (const auto& g : rank.map[j])
+        for (std::size_t i = 0; i < g.count; ++i)
+          masters[flat_at[g.param] + g.param_offset + i] = rank.masters.back()[j][g.slot_offset + i];
+  for (const auto& rank : t) CHECK(rank.exact == masters);
+  const auto& last = t[0].replicas.back();
+  for (std::size_t i = 0; i < last.size(); ++i) rounded += last[i] != masters[i];
+  CHECK(rounded > 0);                                       // the wire rounded something
+  CHECK(max_rel_diff(last, masters) < 0.05);                // within the codec's steps of the values
+  CHECK(max_rel_diff(init.flat_values(), masters) > 1e-3);  // it trained
+  double worst = 0;
+  for (std::size_t i = 0; i < last.size(); ++i)
+    worst = std::max(worst, std::abs(static_cast<double>(last[i]) - masters[i]));
+  return worst;
+}
+
 }  // namespace
 
 TEST_SUITE("cpu") {
@@ -324,5 +454,27 @@ TEST_CASE("AnyWire on CPU ranks: the chosen wire's numbers - fp32 bf16 int8 - an
   CHECK(lockstep::wire_format_of("fp32") == wire_format::fp32);
   CHECK_THROWS_WITH_AS(lockstep::wire_format_of("fp16"),
                        doctest::Contains("no wire called 'fp16'; say fp32, bf16 or int8"), lockstep::config_error);
+}
+
+// ShardedOptimizer::gather_wire on CPU ranks: the schedule's numbers bit for bit (the GPU's too:
+// tests/cuda/test_wire.cu), for both codecs, deltas and values, 2 to 4 ranks (tails and
+// padding: the model's size is no multiple of them), bound and packed values.
+TEST_CASE("value gather wire on CPU ranks: replicas alike - the codec's numbers of the masters - exact after "
+          "wait_all_parameters") {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  const auto d = make_data(seed, 97);
+  using lockstep::wire_format;
+  for (const auto wire : {wire_format::bf16, wire_format::int8})
+    for (int ranks : {2, 3, 4}) {
+      // Deltas carry what the last step's rounding left: their replicas end nearer the masters.
+      const double with_deltas = check_value_wire<true>(d, ranks, wire, true, seed + 1);
+      const double with_values = check_value_wire<true>(d, ranks, wire, false, seed + 1);
+      MESSAGE(std::string(lockstep::name_of(wire)) << " on " << ranks << " ranks: largest |replica - master| "
+                                                   << with_deltas << " (deltas) " << with_values << " (values)");
+      CHECK(with_deltas < with_values / 4);
+    }
+  check_value_wire<false>(d, 3, wire_format::int8, true, seed + 1);
+  check_value_wire<false>(d, 2, wire_format::bf16, false, seed + 1);
 }
 }

@@ -362,6 +362,145 @@ void check_int8_kernels(std::size_t n, int chunks, std::size_t offset) {
   if (n > 2 * d::int8_block) CHECK(zero_scales >= 1);
 }
 
+// given_grads whose values lockstep may take into its arena (lockstep::model (e)).
+struct given_grads_bound : given_grads {
+  using given_grads::given_grads;
+  std::vector<float*> own = vals;  // freed by given_grads
+  void bind_value(std::size_t i, void* p) {
+    LOCKSTEP_TRY_CUDA(cudaMemcpy(p, vals[i], sizes[i] * sizeof(float), cudaMemcpyDeviceToDevice));
+    vals[i] = static_cast<float*>(p);
+  }
+  void unbind_values() {  // the values back in the model's own memory (DataParallel's end)
+    for (std::size_t i = 0; i < vals.size(); ++i)
+      if (vals[i] != own[i]) {
+        LOCKSTEP_TRY_CUDA(cudaMemcpy(own[i], vals[i], sizes[i] * sizeof(float), cudaMemcpyDeviceToDevice));
+        vals[i] = own[i];
+      }
+  }
+  ~given_grads_bound() { vals = own; }
+};
+
+// ShardedOptimizer::gather_wire on n GPUs against the host's numbers (the schedule of
+// parallel/detail/value_wire.hpp through the host codec, as tests/cpu/test_wire_cpu.cpp checks
+// ThreadComm against): random values, every rank the same random gradients per step (so that
+// the fp32 reduce-scatter's mean is exact: the masters are value − gradient, SGD with lr 1),
+// and after every step each rank's replica equal to what the host makes of every rank's
+// masters and the replica before, bit for bit; after wait_all_parameters(), the masters.
+template <class Model>
+void check_value_gather(int n, lockstep::wire_format wire, bool deltas, bool deferred, bool copy_engines) {
+  const auto seed = lockstep_test::fresh_seed();
+  CAPTURE(seed);
+  CAPTURE(n);
+  const std::string format = lockstep::name_of(wire);
+  CAPTURE(format);
+  CAPTURE(deltas);
+  CAPTURE(deferred);
+  CAPTURE(copy_engines);
+  constexpr bool bound = std::is_same_v<Model, given_grads_bound>;
+  CAPTURE(bound);
+  std::mt19937_64 rng(seed);
+  const std::vector<std::size_t> sizes{4096, 37, 1000, 5, 20000, 333};
+  const int steps = 3;
+  std::vector<std::size_t> flat_at{0};
+  for (auto z : sizes) flat_at.push_back(flat_at.back() + z);
+  const auto init = lockstep_test::random_vector<float>(flat_at.back(), rng, -1.0, 1.0);
+  std::vector<std::vector<float>> g;  // per step, flat
+  for (int s = 0; s < steps; ++s) g.push_back(lockstep_test::random_vector<float>(flat_at.back(), rng, -0.05, 0.05));
+  struct trace {
+    std::vector<std::vector<float>> replicas;              // per step, flat
+    std::vector<std::vector<std::vector<float>>> masters;  // per step, per shard
+    std::vector<std::vector<lockstep::detail::shard_segment>> map;
+    std::vector<float> exact;
+  };
+  std::vector<trace> t(static_cast<std::size_t>(n));
+  lockstep::run(lockstep::Gpus{first_gpus(n)}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
+    auto& tr = t[static_cast<std::size_t>(ctx.rank())];
+    cudaStream_t cs = ctx.comm().compute_stream();
+    Model m(sizes);
+    for (std::size_t p = 0; p < sizes.size(); ++p)
+      LOCKSTEP_TRY_CUDA(
+          cudaMemcpy(m.vals[p], init.data() + flat_at[p], sizes[p] * sizeof(float), cudaMemcpyHostToDevice));
+    lockstep::DataParallel dp(ctx, m, {.buckets = {.first_bytes = 4000, .cap_bytes = 30000}},
+                              lockstep::ShardedOptimizer{.gather_in_forward = deferred,
+                                                         .copy_engine_gather = copy_engines,
+                                                         .copy_engine_scatter = copy_engines,
+                                                         .gather_wire = wire,
+                                                         .gather_deltas = deltas});
+    lockstep::FusedSgd opt({.lr = 1.0}, dp.shard_parameters(), ctx.device());
+    const auto read = [&] {
+      std::vector<float> v(flat_at.back());
+      LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(cs));
+      for (std::size_t p = 0; p < sizes.size(); ++p)
+        LOCKSTEP_TRY_CUDA(
+            cudaMemcpy(v.data() + flat_at[p], m.vals[p], sizes[p] * sizeof(float), cudaMemcpyDeviceToHost));
+      return v;
+    };
+    for (int s = 0; s < steps; ++s) {
+      if (deferred)
+        for (std::size_t p = 0; p < sizes.size(); ++p) dp.wait_parameters(p);
+      auto st = dp.step();
+      for (std::size_t p = sizes.size(); p-- > 0;) {
+        const auto params = dp.parameters();
+        LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(params[p].grad, g[static_cast<std::size_t>(s)].data() + flat_at[p],
+                                          sizes[p] * sizeof(float), cudaMemcpyHostToDevice, cs));
+        LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(cs));
+        st.gradient_ready(p);
+      }
+      REQUIRE(st.finish([&](std::span<const lockstep::param_slice> sl) { opt.step(sl, cs, nullptr); }));
+      if (deferred)
+        for (std::size_t p = 0; p < sizes.size(); ++p) dp.wait_parameters(p);
+      tr.replicas.push_back(read());
+      auto& ms = tr.masters.emplace_back();
+      for (const auto& sp : dp.shard_parameters()) {
+        ms.emplace_back(sp.numel());
+        LOCKSTEP_TRY_CUDA(cudaMemcpy(ms.back().data(), sp.value, sp.bytes(), cudaMemcpyDeviceToHost));
+      }
+    }
+    CHECK(!dp.values_exact());
+    dp.wait_all_parameters();
+    CHECK(dp.values_exact());
+    tr.exact = read();
+    tr.map.assign(dp.shard_map().begin(), dp.shard_map().end());
+  });
+  // The masters: value − gradient, step after step (the mean of equal gradients is exact).
+  std::vector<float> master_flat = init;
+  std::size_t off_master = 0, off_replica = 0, rounded = 0;
+  auto before = init;
+  for (std::size_t s = 0; s < static_cast<std::size_t>(steps); ++s) {
+    for (std::size_t i = 0; i < master_flat.size(); ++i) master_flat[i] = master_flat[i] - g[s][i];
+    auto want = before;
+    for (const auto& rank : t)
+      for (std::size_t j = 0; j < rank.map.size(); ++j) {
+        const auto& master = rank.masters[s][j];
+        std::vector<float> prev(master.size(), 0.0f), x(master.size());
+        for (const auto& sg : rank.map[j])
+          for (std::size_t i = 0; i < sg.count; ++i) {
+            const std::size_t f = flat_at[sg.param] + sg.param_offset + i;
+            prev[sg.slot_offset + i] = before[f];
+            off_master += !same_bits(master[sg.slot_offset + i], master_flat[f]);
+          }
+        for (std::size_t i = 0; i < x.size(); ++i) x[i] = deltas ? master[i] - prev[i] : master[i];
+        if (wire == lockstep::wire_format::int8) through<lockstep::Int8Wire>(std::span<float>(x));
+        else through<lockstep::Bf16Wire>(std::span<float>(x));
+        for (const auto& sg : rank.map[j])
+          for (std::size_t i = 0; i < sg.count; ++i) {
+            const std::size_t k = sg.slot_offset + i;
+            want[flat_at[sg.param] + sg.param_offset + i] = deltas ? prev[k] + x[k] : x[k];
+          }
+      }
+    for (const auto& rank : t)
+      for (std::size_t i = 0; i < want.size(); ++i)
+        if (!same_bits(rank.replicas[s][i], want[i]) && off_replica++ < 3)
+          MESSAGE("step " << s << " element " << i << ": replica " << rank.replicas[s][i] << ", the host's "
+                          << want[i]);
+    before = want;
+  }
+  for (std::size_t i = 0; i < before.size(); ++i) rounded += before[i] != master_flat[i];
+  CHECK(off_master == 0);
+  CHECK(off_replica == 0);
+  CHECK(rounded > before.size() / 2);  // the wire rounded most values
+  for (const auto& rank : t) CHECK(rank.exact == master_flat);
+}
 }  // namespace
 
 TEST_SUITE("gpu") {
@@ -399,6 +538,21 @@ TEST_CASE("int8 wire on 2 GPUs: fp32 sum of int8 blocks - tails - unaligned - Da
   check_data_parallel<lockstep::Int8Wire, false>(2);
   check_data_parallel<lockstep::Int8Wire, true>(2);
   check_data_parallel<lockstep::Int8Wire, true>(2, true);
+}
+TEST_CASE("value gather wire on 2 GPUs: bf16 and int8 - deltas and values - the host's numbers bit for bit") {
+  LOCKSTEP_REQUIRE_GPUS(2);
+  using lockstep::wire_format;
+  for (const auto wire : {wire_format::bf16, wire_format::int8})
+    for (const bool deltas : {true, false}) check_value_gather<given_grads_bound>(2, wire, deltas, false, false);
+  check_value_gather<given_grads>(2, wire_format::int8, true, true, false);       // packed, deferred
+  check_value_gather<given_grads_bound>(2, wire_format::int8, true, true, true);  // copy engines
+  check_value_gather<given_grads>(2, wire_format::bf16, true, false, true);
+}
+TEST_CASE("value gather wire on 4 GPUs: bf16 and int8 - the host's numbers bit for bit") {
+  LOCKSTEP_REQUIRE_GPUS(4);
+  using lockstep::wire_format;
+  for (const auto wire : {wire_format::bf16, wire_format::int8})
+    for (const bool deltas : {true, false}) check_value_gather<given_grads_bound>(4, wire, deltas, deltas, !deltas);
 }
 TEST_CASE("low-precision wires on 4 GPUs: fp32 sums - tails - DataParallel - sharded - copy engines") {
   LOCKSTEP_REQUIRE_GPUS(4);

@@ -32,6 +32,8 @@ struct sharded_config {
   int skip_step = -1;                // this step is not run (its batch is not seen)
   int abandon_step = -1;             // full sharding: this step's backward throws at layer 1 on every rank, caught
   bool model_storage = false;        // full sharding: block buffers from the model's allocator (block_storage)
+  lockstep::wire_format gather_wire = lockstep::wire_format::fp32;  // ShardedOptimizer::gather_wire
+  bool gather_deltas = true;                                        // ShardedOptimizer::gather_deltas
 };
 
 //! What the training loop of an abandon_step throws (and catches).
@@ -79,7 +81,11 @@ void train_rank_as(Ctx& ctx, const dataset& d, const sharded_config& c, std::uin
   constexpr bool ZeRO1 = std::is_same_v<Strategy, lockstep::ShardedOptimizer>;
   const bool deferred = ZeRO1 && c.gather_in_forward;
   const lockstep::DataParallelOptions o{.buckets = c.buckets, .max_grad_norm = c.max_norm};
-  if constexpr (ZeRO1) strategy.gather_in_forward = deferred;
+  if constexpr (ZeRO1) {
+    strategy.gather_in_forward = deferred;
+    strategy.gather_wire = c.gather_wire;
+    strategy.gather_deltas = c.gather_deltas;
+  }
   using DP = lockstep::DataParallel<Model, Comm, lockstep::Accumulate<>, Scale, Strategy>;
   DP p(ctx, m, o, lockstep::Accumulate<>(c.accumulate), Scale(scale_options), strategy);
   lockstep::AdamW opt({.lr = 0.01, .weight_decay = 0.05});

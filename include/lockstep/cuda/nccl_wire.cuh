@@ -38,33 +38,36 @@ struct wire_memory {
   }
 };
 
-//! A codec's kernels: `chunks` chunks of n values each, codec-encoded chunk_bytes(n) apart.
+//! A codec's kernels: `chunks` chunks of n values each, codec-encoded chunk_bytes(n) apart;
+//! encode subtracts base's values first when base is not null, decode adds to out's with add.
 template <class Codec>
 struct device_codec;
 
 template <>
 struct device_codec<bf16_codec> {
-  static void encode(const float* x, int chunks, std::size_t n, void* out, cudaStream_t s) {
-    cuda::kernels::to_bf16(x, out, static_cast<std::size_t>(chunks) * n, 1.0f, s);
+  static void encode(const float* x, int chunks, std::size_t n, void* out, cudaStream_t s,
+                     const float* base = nullptr) {
+    cuda::kernels::to_bf16(x, out, static_cast<std::size_t>(chunks) * n, 1.0f, s, base);
   }
   static void mean(const void* in, int ranks, std::size_t n, float* out32, void* out_enc, cudaStream_t s) {
     cuda::kernels::mean_blocks(in, ranks, n, out32, out_enc, s);
   }
-  static void decode(const void* in, int chunks, std::size_t n, float* out, cudaStream_t s) {
-    cuda::kernels::from_bf16(in, out, static_cast<std::size_t>(chunks) * n, s);
+  static void decode(const void* in, int chunks, std::size_t n, float* out, cudaStream_t s, bool add = false) {
+    cuda::kernels::from_bf16(in, out, static_cast<std::size_t>(chunks) * n, s, add);
   }
 };
 
 template <>
 struct device_codec<int8_codec> {
-  static void encode(const float* x, int chunks, std::size_t n, void* out, cudaStream_t s) {
-    cuda::kernels::int8_encode(x, chunks, n, out, s);
+  static void encode(const float* x, int chunks, std::size_t n, void* out, cudaStream_t s,
+                     const float* base = nullptr) {
+    cuda::kernels::int8_encode(x, chunks, n, out, s, base);
   }
   static void mean(const void* in, int ranks, std::size_t n, float* out32, void* out_enc, cudaStream_t s) {
     cuda::kernels::int8_mean(in, ranks, n, out32, out_enc, s);
   }
-  static void decode(const void* in, int chunks, std::size_t n, float* out, cudaStream_t s) {
-    cuda::kernels::int8_decode(in, chunks, n, out, s);
+  static void decode(const void* in, int chunks, std::size_t n, float* out, cudaStream_t s, bool add = false) {
+    cuda::kernels::int8_decode(in, chunks, n, out, s, add);
   }
 };
 }  // namespace detail
@@ -102,6 +105,25 @@ NcclComm::work wire_reduce_scatter(NcclComm& comm, wire_staging& st, void* data,
   (void)comm.enqueue([&](cudaStream_t s) { dev::encode(static_cast<const float*>(data), ranks, per, send, s); });
   (void)comm.all_to_all(send, recv, cb, dtype::u8);
   return comm.enqueue([&](cudaStream_t s) { dev::mean(recv, ranks, per, static_cast<float*>(mine), nullptr, s); });
+}
+
+//! ShardedOptimizer::gather_wire's all-gather (parallel/detail/value_wire.hpp): unit (size()·per
+//! fp32, rank r's block its replica of rank r's master) ← every rank's master as Codec's wire
+//! carries it — encoded on the communication stream (deltas: master − this rank's block),
+//! all-gathered as bytes, and every block decoded (deltas: added to the replica).
+template <class Codec>
+NcclComm::work wire_value_gather(NcclComm& comm, wire_staging& st, const float* master, float* unit, std::size_t per,
+                                 bool deltas, Codec) {
+  using dev = detail::device_codec<Codec>;
+  const int ranks = comm.size();
+  const std::size_t n = static_cast<std::size_t>(ranks), r = static_cast<std::size_t>(comm.rank());
+  const std::size_t cb = Codec::chunk_bytes(per);
+  auto* all = static_cast<unsigned char*>(st.get(detail::wire_memory{comm}, unit, n * cb));
+  unsigned char* mine = all + r * cb;
+  const float* own = unit + r * per;
+  (void)comm.enqueue([&](cudaStream_t s) { dev::encode(master, 1, per, mine, s, deltas ? own : nullptr); });
+  (void)comm.all_gather(mine, all, cb, dtype::u8);
+  return comm.enqueue([&](cudaStream_t s) { dev::decode(all, ranks, per, unit, s, deltas); });
 }
 
 }  // namespace lockstep

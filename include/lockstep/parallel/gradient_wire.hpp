@@ -35,8 +35,6 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <string>
-#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -46,6 +44,7 @@
 #include "lockstep/core/dtype.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/reduce_op.hpp"
+#include "lockstep/parallel/wire_format.hpp"
 
 namespace lockstep {
 
@@ -198,17 +197,6 @@ class Int8Wire : public detail::basic_wire<detail::int8_codec> {
  public:
   using basic_wire::basic_wire;
 };
-
-//! The wire as a value chosen at run time (a command-line flag): AnyWire.
-enum class wire_format { fp32, bf16, int8 };
-
-//! "fp32", "bf16" or "int8"; anything else is refused, naming the three.
-inline wire_format wire_format_of(std::string_view name) {
-  if (name == "fp32") return wire_format::fp32;
-  if (name == "bf16") return wire_format::bf16;
-  if (name == "int8") return wire_format::int8;
-  throw config_error("lockstep: no wire called '" + std::string(name) + "'; say fp32, bf16 or int8");
-}
 
 //! One of the wires, chosen at run time — the plain fp32 all-reduce (AllReduceMean), Bf16Wire
 //! or Int8Wire — with one DataParallel type for all three (name the type, Bf16Wire or Int8Wire,

@@ -12,6 +12,7 @@
 #include "lockstep/core/error.hpp"
 #include "lockstep/detail/pick.hpp"
 #include "lockstep/parallel/bucket_hook.hpp"
+#include "lockstep/parallel/wire_format.hpp"
 #include "lockstep/scaling/loss_scaler.hpp"
 #include "lockstep/scaling/scalers.hpp"
 
@@ -109,6 +110,17 @@ struct ShardedOptimizer {
   //! windows: the largest unit, plus the smaller sizes the first step grew through. Same
   //! caveat, same setting on every rank.
   bool copy_engine_scatter = false;
+  //! The updated fp32 values on the wire (parallel/detail/value_wire.hpp, docs/sharding.md):
+  //! fp32, exact; bf16 (half the bytes) or int8 (blockwise, about a quarter). Low-precision,
+  //! each rank keeps its shard's fp32 master apart — the optimizer steps it (shard_parameters()
+  //! point at it) — and every rank's replica of the model gets the decoded values, the same on
+  //! all ranks. wait_all_parameters() (checkpoints, evaluation) makes the replicas exact again
+  //! with one fp32 all-gather. Elements of other types go as they are. Same on every rank (checked).
+  wire_format gather_wire = wire_format::fp32;
+  //! With a low-precision gather_wire: send master − replica (the replica follows the master;
+  //! what one step's rounding left goes with the next) rather than the master itself (the
+  //! replica is the master rounded).
+  bool gather_deltas = true;
 
   template <class Comm, class Hook>
   using units = detail::shard_units<Comm, Hook>;

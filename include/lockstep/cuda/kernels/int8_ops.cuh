@@ -99,9 +99,10 @@ __device__ inline void store_f(float* at, const float (&v)[8], int valid, bool v
   }
 }
 
-// Chunk c of `chunks` (each n values of x, one after another) → out + c·chunk_bytes(n).
-__global__ void encode(const float* __restrict__ x, int chunks, std::size_t n, unsigned char* __restrict__ out,
-                       bool vec) {
+// Chunk c of `chunks` (each n values of x, one after another; minus base's, when base is not
+// null) → out + c·chunk_bytes(n).
+__global__ void encode(const float* __restrict__ x, const float* __restrict__ base, int chunks, std::size_t n,
+                       unsigned char* __restrict__ out, bool vec) {
   using namespace lockstep::detail;
   const std::size_t nb = int8_blocks_of(n), cb = int8_chunk_bytes(n), at = int8_values_at(n);
   const std::size_t total = static_cast<std::size_t>(chunks) * nb;
@@ -112,6 +113,11 @@ __global__ void encode(const float* __restrict__ x, int chunks, std::size_t n, u
     const int valid = valid_of(lo, n);
     float v[8];
     load_f(x + c * n + lo, v, valid, vec);
+    if (base) {
+      float b[8];
+      load_f(base + c * n + lo, b, valid, vec);
+      for (int e = 0; e < 8; ++e) v[e] = __fsub_rn(v[e], b[e]);
+    }
     signed char q[8];
     unsigned char* o = out + c * cb;
     encode_block(v, valid, reinterpret_cast<float*>(o) + b, q);
@@ -148,9 +154,10 @@ __global__ void mean(const unsigned char* __restrict__ in, int ranks, std::size_
   }
 }
 
-// Chunk c of `chunks` encoded chunks of n at in → out[c·n, (c + 1)·n).
+// Chunk c of `chunks` encoded chunks of n at in → out[c·n, (c + 1)·n) (added to what is there
+// when add).
 __global__ void decode(const unsigned char* __restrict__ in, int chunks, std::size_t n, float* __restrict__ out,
-                       bool vec) {
+                       bool add, bool vec) {
   using namespace lockstep::detail;
   const std::size_t nb = int8_blocks_of(n), cb = int8_chunk_bytes(n), at = int8_values_at(n);
   const std::size_t total = static_cast<std::size_t>(chunks) * nb;
@@ -165,6 +172,11 @@ __global__ void decode(const unsigned char* __restrict__ in, int chunks, std::si
     load_q(reinterpret_cast<const signed char*>(chunk + at) + lo, q, valid);
     float v[8];
     for (int e = 0; e < 8; ++e) v[e] = __fmul_rn(static_cast<float>(q[e]), s);
+    if (add) {
+      float o[8];
+      load_f(out + c * n + lo, o, valid, vec);
+      for (int e = 0; e < 8; ++e) v[e] = __fadd_rn(o[e], v[e]);
+    }
     store_f(out + c * n + lo, v, valid, vec);
   }
 }
@@ -173,13 +185,14 @@ inline bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(
 
 }  // namespace int8_detail
 
-//! dst ← `chunks` chunks of n values each at src, each encoded (int8_chunk_bytes(n) apart).
-//! dst must be 16-byte aligned.
-inline void int8_encode(const float* src, int chunks, std::size_t n, void* dst, cudaStream_t s) {
+//! dst ← `chunks` chunks of n values each at src (minus base's, elementwise, when base is not
+//! null), each encoded (int8_chunk_bytes(n) apart). dst must be 16-byte aligned.
+inline void int8_encode(const float* src, int chunks, std::size_t n, void* dst, cudaStream_t s,
+                        const float* base = nullptr) {
   if (n == 0 || chunks <= 0) return;
-  const bool vec = n % 4 == 0 && int8_detail::aligned16(src);
+  const bool vec = n % 4 == 0 && int8_detail::aligned16(src) && (!base || int8_detail::aligned16(base));
   int8_detail::encode<<<int8_detail::blocks_for(static_cast<std::size_t>(chunks) * lockstep::detail::int8_blocks_of(n)),
-                        int8_detail::threads, 0, s>>>(src, chunks, n, static_cast<unsigned char*>(dst), vec);
+                        int8_detail::threads, 0, s>>>(src, base, chunks, n, static_cast<unsigned char*>(dst), vec);
   LOCKSTEP_CHECK_LAUNCH();
 }
 
@@ -195,12 +208,13 @@ inline void int8_mean(const void* chunks, int ranks, std::size_t n, float* out32
   LOCKSTEP_CHECK_LAUNCH();
 }
 
-//! dst[c·n, (c + 1)·n) ← the values of encoded chunk c of `chunks` at src (16-byte aligned).
-inline void int8_decode(const void* src, int chunks, std::size_t n, float* dst, cudaStream_t s) {
+//! dst[c·n, (c + 1)·n) ← the values of encoded chunk c of `chunks` at src (16-byte aligned);
+//! add: dst[i] + those values instead (one fp32 addition each).
+inline void int8_decode(const void* src, int chunks, std::size_t n, float* dst, cudaStream_t s, bool add = false) {
   if (n == 0 || chunks <= 0) return;
   const bool vec = n % 4 == 0 && int8_detail::aligned16(dst);
   int8_detail::decode<<<int8_detail::blocks_for(static_cast<std::size_t>(chunks) * lockstep::detail::int8_blocks_of(n)),
-                        int8_detail::threads, 0, s>>>(static_cast<const unsigned char*>(src), chunks, n, dst, vec);
+                        int8_detail::threads, 0, s>>>(static_cast<const unsigned char*>(src), chunks, n, dst, add, vec);
   LOCKSTEP_CHECK_LAUNCH();
 }
 

@@ -42,45 +42,60 @@ __device__ inline void unpack8(const uint4& in, float (&v)[8]) {
   }
 }
 
-// dst[i] = bf16(src[i] · scale); groups of 8 when vec, else one by one.
-__global__ void to_bf16(const float* __restrict__ src, __nv_bfloat16* __restrict__ dst, std::size_t n, float scale,
-                        bool vec) {
-  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (vec) {
-    for (; i < n / 8; i += stride) {
-      const float4 a = reinterpret_cast<const float4*>(src)[2 * i], b = reinterpret_cast<const float4*>(src)[2 * i + 1];
-      const float v[8] = {a.x * scale, a.y * scale, a.z * scale, a.w * scale,
-                          b.x * scale, b.y * scale, b.z * scale, b.w * scale};
-      reinterpret_cast<uint4*>(dst)[i] = pack8(v);
-    }
-    i = n / 8 * 8 + static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  }
-  for (; i < n; i += stride) dst[i] = __float2bfloat16_rn(src[i] * scale);
-}
-
-// dst[i] = float(src[i]).
-__global__ void from_bf16(const __nv_bfloat16* __restrict__ src, float* __restrict__ dst, std::size_t n, bool vec) {
-  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (vec) {
-    for (; i < n / 8; i += stride) {
-      float v[8];
-      unpack8(reinterpret_cast<const uint4*>(src)[i], v);
-      reinterpret_cast<float4*>(dst)[2 * i] = make_float4(v[0], v[1], v[2], v[3]);
-      reinterpret_cast<float4*>(dst)[2 * i + 1] = make_float4(v[4], v[5], v[6], v[7]);
-    }
-    i = n / 8 * 8 + static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  }
-  for (; i < n; i += stride) dst[i] = __bfloat162float(src[i]);
-}
-
 __device__ inline void load8(const __nv_bfloat16* p, std::size_t i, float (&v)[8]) {
   unpack8(reinterpret_cast<const uint4*>(p)[i], v);
 }
 __device__ inline void load8(const float* p, std::size_t i, float (&v)[8]) {
   const float4 a = reinterpret_cast<const float4*>(p)[2 * i], b = reinterpret_cast<const float4*>(p)[2 * i + 1];
   v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+__device__ inline void store8(float* p, std::size_t i, const float (&v)[8]) {
+  reinterpret_cast<float4*>(p)[2 * i] = make_float4(v[0], v[1], v[2], v[3]);
+  reinterpret_cast<float4*>(p)[2 * i + 1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+// dst[i] = bf16((src[i] − base[i]) · scale), base[i] read as 0 when base is null; groups of 8
+// when vec, else one by one.
+__global__ void to_bf16(const float* __restrict__ src, const float* __restrict__ base, __nv_bfloat16* __restrict__ dst,
+                        std::size_t n, float scale, bool vec) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (vec) {
+    for (; i < n / 8; i += stride) {
+      float v[8];
+      load8(src, i, v);
+      if (base) {
+        float b[8];
+        load8(base, i, b);
+        for (int e = 0; e < 8; ++e) v[e] = __fsub_rn(v[e], b[e]);
+      }
+      for (int e = 0; e < 8; ++e) v[e] = __fmul_rn(v[e], scale);
+      reinterpret_cast<uint4*>(dst)[i] = pack8(v);
+    }
+    i = n / 8 * 8 + static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  }
+  for (; i < n; i += stride) dst[i] = __float2bfloat16_rn(__fmul_rn(base ? __fsub_rn(src[i], base[i]) : src[i], scale));
+}
+
+// dst[i] = float(src[i]), or dst[i] + float(src[i]) when add.
+__global__ void from_bf16(const __nv_bfloat16* __restrict__ src, float* __restrict__ dst, std::size_t n, bool add,
+                          bool vec) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (vec) {
+    for (; i < n / 8; i += stride) {
+      float v[8];
+      unpack8(reinterpret_cast<const uint4*>(src)[i], v);
+      if (add) {
+        float o[8];
+        load8(dst, i, o);
+        for (int e = 0; e < 8; ++e) v[e] = __fadd_rn(o[e], v[e]);
+      }
+      store8(dst, i, v);
+    }
+    i = n / 8 * 8 + static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  }
+  for (; i < n; i += stride) dst[i] = add ? __fadd_rn(dst[i], __bfloat162float(src[i])) : __bfloat162float(src[i]);
 }
 __device__ inline float widen(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ inline float widen(float x) { return x; }
@@ -100,10 +115,7 @@ __global__ void mean_blocks(const In* __restrict__ blocks, int ranks, std::size_
         for (int e = 0; e < 8; ++e) acc[e] += v[e];
       }
       for (int e = 0; e < 8; ++e) acc[e] *= scale;
-      if (out32) {
-        reinterpret_cast<float4*>(out32)[2 * i] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-        reinterpret_cast<float4*>(out32)[2 * i + 1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
-      }
+      if (out32) store8(out32, i, acc);
       if (out16) reinterpret_cast<uint4*>(out16)[i] = pack8(acc);
     }
     i = per / 8 * 8 + static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -129,21 +141,24 @@ void launch_mean_blocks(const In* blocks, int ranks, std::size_t per, float scal
 
 }  // namespace wire_detail
 
-//! dst[0..n) ← bf16(src · scale), round to nearest even.
-inline void to_bf16(const float* src, void* dst, std::size_t n, float scale, cudaStream_t s) {
+//! dst[0..n) ← bf16(src · scale), round to nearest even; with base: bf16((src − base) · scale)
+//! (each an fp32 operation rounded to nearest).
+inline void to_bf16(const float* src, void* dst, std::size_t n, float scale, cudaStream_t s,
+                    const float* base = nullptr) {
   if (n == 0) return;
-  const bool vec = wire_detail::aligned16(src) && wire_detail::aligned16(dst);
+  const bool vec =
+      wire_detail::aligned16(src) && wire_detail::aligned16(dst) && (!base || wire_detail::aligned16(base));
   wire_detail::to_bf16<<<wire_detail::blocks_for(vec ? n / 8 : n), wire_detail::threads, 0, s>>>(
-      src, static_cast<__nv_bfloat16*>(dst), n, scale, vec);
+      src, base, static_cast<__nv_bfloat16*>(dst), n, scale, vec);
   LOCKSTEP_CHECK_LAUNCH();
 }
 
-//! dst[0..n) ← float(src), exact.
-inline void from_bf16(const void* src, float* dst, std::size_t n, cudaStream_t s) {
+//! dst[0..n) ← float(src), exact; add: dst + float(src) (one fp32 addition each).
+inline void from_bf16(const void* src, float* dst, std::size_t n, cudaStream_t s, bool add = false) {
   if (n == 0) return;
   const bool vec = wire_detail::aligned16(src) && wire_detail::aligned16(dst);
   wire_detail::from_bf16<<<wire_detail::blocks_for(vec ? n / 8 : n), wire_detail::threads, 0, s>>>(
-      static_cast<const __nv_bfloat16*>(src), dst, n, vec);
+      static_cast<const __nv_bfloat16*>(src), dst, n, add, vec);
   LOCKSTEP_CHECK_LAUNCH();
 }
 

@@ -113,7 +113,9 @@ inline std::vector<parameter> checked_binding(std::vector<parameter> fresh, std:
 template <class Model, class Reducer>
 void release_model(Model& model, Reducer& reducer) noexcept {
   try {
-    reducer.units().wait_all_parameters();
+    if constexpr (requires { reducer.units().complete_all(); })
+      reducer.units().complete_all();  // (no collective: gather_wire's replicas stay as they are)
+    else reducer.units().wait_all_parameters();
     if constexpr (requires { model.unbind_values(); })
       if (reducer.units().values_bound()) model.unbind_values();
     if constexpr (gradient_unbinding_model<Model>)

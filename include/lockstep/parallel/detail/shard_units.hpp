@@ -15,6 +15,9 @@
 //! With copy_engine_scatter, so is the gradient arena (allocate_gradients) and the units'
 //! reduce-scatters go to the split too, which does them on the copy engines as well (an
 //! all-to-all, then a short sum kernel): they take no SMs from backward.
+//! With a low-precision gather_wire (value_wire.hpp), each fp32 unit's shard has an fp32 master
+//! of its own (the optimizer's parameter) and the all-gather carries it encoded into the value
+//! arena, which holds the replicas; wait_all_parameters() makes them exact (an fp32 gather).
 
 #include <algorithm>
 #include <cstddef>
@@ -37,6 +40,7 @@
 #include "lockstep/parallel/detail/binding.hpp"
 #include "lockstep/parallel/detail/bucket_plan.hpp"
 #include "lockstep/parallel/detail/step_recorder.hpp"
+#include "lockstep/parallel/detail/value_wire.hpp"
 #include "lockstep/parallel/policies.hpp"
 
 namespace lockstep::detail {
@@ -53,7 +57,8 @@ class shard_units {
   //! model.bind_value: the model's value binder (model (e)), or empty: values packed and unpacked.
   shard_units(Comm& comm, Hook& hook, step_recorder& rec, const ShardedOptimizer& policy, const model_hooks& model)
       : comm_(comm), hook_(hook), rec_(rec), bind_value_(model.bind_value), copy_gather_(policy.copy_engine_gather),
-        copy_scatter_(policy.copy_engine_scatter), deferred_(policy.gather_in_forward) {}
+        copy_scatter_(policy.copy_engine_scatter), wire_(policy.gather_wire), deltas_(policy.gather_deltas),
+        deferred_(policy.gather_in_forward) {}
 
   //! Sharded arenas stay dense (one pack per bucket fills them; shards cut them evenly): every
   //! unit a multiple of size() elements.
@@ -81,9 +86,11 @@ class shard_units {
   //! returns those bindings (then re-read the parameters), empty without.
   std::span<const binding> built(std::span<const bucket_plan* const> plans, std::span<void* const> arenas,
                                  const std::vector<parameter>& params) {
-    wait_all_parameters();                // a rebuild must not drop values still in flight
+    complete_all();                       // a rebuild must not drop values still in flight
     const auto old = std::move(groups_);  // the values a binding copies from stay alive until it has
     groups_.clear();
+    staging_ = std::make_unique<wire_staging>();  // keyed by the old arenas' addresses
+    exact_ = true;
     bindings_.clear();
     params_.clear();
     map_.clear();
@@ -92,12 +99,21 @@ class shard_units {
     bytes_ = 0;
     const auto n = static_cast<std::size_t>(comm_.size()), r = static_cast<std::size_t>(comm_.rank());
     const bool packed = !values_bound();  // bound, the values are never packed or unpacked
+    if (wire_ != wire_format::fp32 && n > 1) check_wire_agreed();
     for (std::size_t gi = 0; gi < plans.size(); ++gi) {
       const bucket_plan& plan = *plans[gi];
       const std::size_t es = size_of(plan.type);
       group& g = groups_.emplace_back();
       g.plan = &plan;
       g.values = allocate_values(g, plan.total * es);
+      g.wire = wire_ != wire_format::fp32 && plan.type == dtype::f32 && n > 1;
+      if (g.wire) {
+        std::size_t count = 0;
+        for (const auto& unit : plan.units)
+          count += (plan.buckets[unit.last - 1].end - plan.buckets[unit.first].begin) / n;
+        g.masters = comm_.memory().allocate(count * es);
+      }
+      std::size_t master_at = 0;
       const std::pair<const void*, bool> window{arenas[gi], true};
       g.scatter_by_engine = std::find(grad_windows_.begin(), grad_windows_.end(), window) != grad_windows_.end();
       g.scatters.resize(plan.buckets.size());
@@ -116,7 +132,7 @@ class shard_units {
             auto& of = units_of_[s.param];
             if (of.empty() || of.back() != std::pair{gi, g.shards.size()}) of.emplace_back(gi, g.shards.size());
             char* v = static_cast<char*>(params[s.param].value);
-            if (packed) sh.all.push_back({v + s.param_offset * es, s.count});
+            if (packed || g.wire) sh.all.push_back({v + s.param_offset * es, s.count});
             const std::size_t a = std::max(lo, s.arena_offset), e = std::min(hi, s.arena_offset + s.count);
             if (a < e) {
               if (packed) sh.mine.push_back({v + (s.param_offset + (a - s.arena_offset)) * es, e - a});
@@ -125,6 +141,11 @@ class shard_units {
           }
         sh.index = params_.size();
         void* value = g.values_at(lo);
+        if (g.wire) {  // the optimizer steps the master; the value arena holds the replicas
+          sh.master = static_cast<float*>(g.masters.get()) + master_at;
+          value = sh.master;
+          master_at += sh.count;
+        }
         void* grad = grads + lo * es;
         params_.push_back(parameter{"shard " + std::to_string(r) + "/" + std::to_string(n) + " of " +
                                         name_of(plan.type) + " elements [" + std::to_string(sh.begin) + ", " +
@@ -143,6 +164,7 @@ class shard_units {
           bindings_.emplace_back(plan.order[k], g.values_at(plan.offset[k]));
           bind_value_(bindings_.back().first, bindings_.back().second);
         }
+      if (g.wire) seed_masters(g);
     }
     if (engine_ && !gathers_by_copy_engine() && !scatters_by_copy_engine()) engine_.reset();  // no window taken
     auto& st = rec_.stats();
@@ -218,10 +240,41 @@ class shard_units {
                            "not waited for in this forward (gather_in_forward): call dp.wait_parameters(i) first");
   }
   //! Every deferred all-gather waited for and unpacked (before reading all parameters:
-  //! evaluation, checkpoints, the end of training).
+  //! evaluation, checkpoints, the end of training); with a low-precision gather_wire, every
+  //! replica then made exact: each master copied into its block, an fp32 all-gather (collective).
   void wait_all_parameters() {
+    complete_all();
+    if (exact_) return;
+    exact_ = true;
+    for (auto& g : groups_) {
+      if (!g.wire) continue;
+      const std::size_t r = static_cast<std::size_t>(comm_.rank());
+      for (std::size_t u = 0; u < g.shards.size(); ++u) {
+        const shard& sh = g.shards[u];
+        const segment master{sh.master, sh.count};
+        comm_.memory().pack(std::span<const segment>(&master, 1), g.values_at(sh.begin + r * sh.count), dtype::f32,
+                            1.0);
+        gatherer(g)
+            .all_gather(g.values_at(sh.begin + r * sh.count), g.values_at(sh.begin), sh.count, dtype::f32)
+            .wait();
+        if (!values_bound()) comm_.memory().unpack(g.values_at(sh.begin), sh.all, dtype::f32);
+      }
+    }
+  }
+  //! Whether the model's values are exact: false from a low-precision gather_wire's all-gather
+  //! until wait_all_parameters().
+  bool values_exact() const noexcept { return exact_; }
+  //! Every deferred all-gather waited for and unpacked, no more (local: DataParallel's end).
+  void complete_all() {
     for (std::size_t gi = 0; gi < groups_.size(); ++gi)
       for (std::size_t u = 0; u < groups_[gi].shards.size(); ++u) complete(gi, u);
+  }
+  //! The model's values were written from outside (a restored checkpoint): with a
+  //! low-precision gather_wire the masters are taken from them again.
+  void values_written() {
+    complete_all();
+    for (auto& g : groups_)
+      if (g.wire) seed_masters(g);
   }
 
   //! Reduce-scatters the unit of group g starting at bucket `first`: count elements at buf
@@ -268,8 +321,9 @@ class shard_units {
     std::size_t begin = 0;      // the unit's first arena element
     std::size_t count = 0;      // elements per rank (the unit's length / size())
     std::size_t index = 0;      // into params_
+    float* master = nullptr;    // gather_wire: this rank's fp32 master of its block
     std::vector<segment> mine;  // the model's values in this rank's block (packed only)
-    std::vector<segment> all;   // the model's values in the whole unit (packed only)
+    std::vector<segment> all;   // the model's values in the whole unit (packed, or gather_wire)
   };
   struct group {
     const bucket_plan* plan = nullptr;
@@ -281,6 +335,8 @@ class shard_units {
     std::vector<char> pending;                       // by unit: all-gather issued, not yet unpacked
     bool by_engine = false;                          // values: a window of engine_ (gathered there)
     bool scatter_by_engine = false;                  // gradients: a window of engine_ (scattered there)
+    bool wire = false;                               // fp32 values gathered through gather_wire
+    std::shared_ptr<void> masters;                   // wire: the shards' fp32 masters, unit after unit
     void* values_at(std::size_t elem) const { return static_cast<char*>(values.get()) + elem * size_of(plan->type); }
   };
 
@@ -305,6 +361,30 @@ class shard_units {
   Comm& engine() {
     if (!engine_) engine_ = std::make_unique<Comm>(comm_.copy_engine_group());
     return *engine_;
+  }
+
+  // gather_wire and gather_deltas must be the same on every rank: the all-gathers' sizes depend
+  // on them (checked once, at the first layout: a collective there, alike on every rank).
+  void check_wire_agreed() {
+    if (wire_agreed_) return;
+    const std::int64_t f = static_cast<std::int64_t>(wire_), d = deltas_;
+    std::vector<std::int64_t> v{f, d, -f, -d};  // max of x and of −x: equal iff every rank's x agrees
+    host_all_reduce(comm_, std::span<std::int64_t>(v), reduce_op::max);
+    if (v[0] != -v[2] || v[1] != -v[3])
+      throw mismatch_error(std::string("ranks passed different ShardedOptimizer::") +
+                           (v[0] != -v[2] ? "gather_wire" : "gather_deltas") + "; give every rank the same setting");
+    wire_agreed_ = true;
+  }
+
+  // A wire group's replicas start as the model's values (packed: copied into the value arena)
+  // and each master as this rank's block of them.
+  void seed_masters(group& g) {
+    const std::size_t r = static_cast<std::size_t>(comm_.rank());
+    for (const shard& sh : g.shards) {
+      if (!values_bound()) comm_.memory().pack(sh.all, g.values_at(sh.begin), dtype::f32, 1.0);
+      const segment own{g.values_at(sh.begin + r * sh.count), sh.count};
+      comm_.memory().pack(std::span<const segment>(&own, 1), sh.master, dtype::f32, 1.0);
+    }
   }
 
   // Whether the copy-engine options apply (more than one rank); the first call checks that
@@ -345,7 +425,7 @@ class shard_units {
     group& g = groups_[gi];
     const shard& sh = g.shards[u];
     const std::size_t mine = sh.begin + static_cast<std::size_t>(comm_.rank()) * sh.count;
-    if (!values_bound()) comm_.memory().pack(sh.mine, g.values_at(mine), g.plan->type, 1.0);
+    if (!values_bound() && !g.wire) comm_.memory().pack(sh.mine, g.values_at(mine), g.plan->type, 1.0);
     {
       const auto s = rec_.record(step_event::callback, static_cast<std::int64_t>(g.plan->units[u].first));
       fn(std::span<const param_slice>(&slices_[sh.index], 1));
@@ -361,19 +441,30 @@ class shard_units {
     const shard& sh = g.shards[u];
     const std::size_t mine = sh.begin + static_cast<std::size_t>(comm_.rank()) * sh.count;
     const std::size_t first = g.plan->units[u].first;
-    const auto s = rec_.issue(step_event::issue_gather, static_cast<std::int64_t>(first), key(1, gi, first),
-                              sh.count * static_cast<std::size_t>(comm_.size()) * size_of(g.plan->type), g.plan->type);
+    const std::size_t n = static_cast<std::size_t>(comm_.size());
+    const std::size_t bytes = g.wire ? n * wire_chunk_bytes(sh.count) : n * sh.count * size_of(g.plan->type);
+    const auto s = rec_.issue(step_event::issue_gather, static_cast<std::int64_t>(first), key(1, gi, first), bytes,
+                              g.wire ? dtype::u8 : g.plan->type);
     label_next_collective(gatherer(g), [&] {
-      return bucket_label(*g.plan, g.plan->units[u].first, sh.count * static_cast<std::size_t>(comm_.size()),
-                          "all-gather of bucket ");
+      return bucket_label(*g.plan, g.plan->units[u].first, sh.count * n,
+                          g.wire ? "low-precision all-gather of bucket " : "all-gather of bucket ");
     });
-    g.gathers[u].emplace(gatherer(g).all_gather(g.values_at(mine), g.values_at(sh.begin), sh.count, g.plan->type));
+    if (g.wire) exact_ = false;
+    if (g.wire)
+      g.gathers[u].emplace(value_gather(gatherer(g), *staging_, wire_, sh.master,
+                                        static_cast<float*>(g.values_at(sh.begin)), sh.count, deltas_));
+    else g.gathers[u].emplace(gatherer(g).all_gather(g.values_at(mine), g.values_at(sh.begin), sh.count, g.plan->type));
+  }
+
+  // The encoded bytes of one rank's block of `count` values through gather_wire.
+  std::size_t wire_chunk_bytes(std::size_t count) const {
+    return wire_ == wire_format::int8 ? int8_codec::chunk_bytes(count) : bf16_codec::chunk_bytes(count);
   }
 
   // Waits for every unit's all-gather and unpacks the values into the parameters; deferred,
   // issues them in forward order and leaves them pending.
   void gather() {
-    if (!deferred_) return wait_all_parameters();
+    if (!deferred_) return complete_all();
     for (std::size_t gi = groups_.size(); gi-- > 0;)
       for (std::size_t u = groups_[gi].shards.size(); u-- > 0;) issue_gather(gi, u);
   }
@@ -391,11 +482,16 @@ class shard_units {
   Comm& comm_;
   Hook& hook_;
   step_recorder& rec_;
-  bind_fn bind_value_;            // model (e), or empty: values packed and unpacked
-  bool copy_gather_ = false;      // ShardedOptimizer::copy_engine_gather
-  bool copy_scatter_ = false;     // ShardedOptimizer::copy_engine_scatter
-  bool agreed_ = false;           // engines_agreed() has checked the options across ranks
-  std::unique_ptr<Comm> engine_;  // the zero-CTA split the collectives run on (outlives groups_)
+  bind_fn bind_value_;                     // model (e), or empty: values packed and unpacked
+  bool copy_gather_ = false;               // ShardedOptimizer::copy_engine_gather
+  bool copy_scatter_ = false;              // ShardedOptimizer::copy_engine_scatter
+  bool agreed_ = false;                    // engines_agreed() has checked the options across ranks
+  wire_format wire_ = wire_format::fp32;   // ShardedOptimizer::gather_wire
+  bool deltas_ = true;                     // ShardedOptimizer::gather_deltas
+  bool wire_agreed_ = false;               // check_wire_agreed() has run
+  bool exact_ = true;                      // gather_wire: no gather since the replicas were made exact
+  std::unique_ptr<wire_staging> staging_;  // gather_wire: each unit's encoded chunks, by its values
+  std::unique_ptr<Comm> engine_;           // the zero-CTA split the collectives run on (outlives groups_)
   std::vector<std::pair<const void*, bool>> grad_windows_;  // allocate_gradients: (arena, window taken)
   std::vector<binding> bindings_;                           // what build() bound
   std::vector<group> groups_;

@@ -1,0 +1,64 @@
+#pragma once
+//! ShardedOptimizer::gather_wire (policies.hpp): the all-gather of the updated shards in fewer
+//! bytes. Each rank keeps its shard's fp32 master apart from the values the model reads (its
+//! replica of the whole model, the same on every rank); what goes on the wire is each master
+//! encoded — bf16 or blockwise int8, the codecs of the gradient wires (gradient_wire.hpp) —
+//! and every rank, the master's owner included, decodes every rank's chunk into its replica, so
+//! that all replicas stay equal bit for bit.
+//!  - values: replica ← decode(encode(master)). The replica is the master rounded.
+//!  - deltas (the default): replica ← replica + decode(encode(master − replica)). What the wire
+//!    rounded off is still in master − replica and goes again with the next step's change
+//!    (error feedback without a buffer of its own): the replica follows the master to within
+//!    the rounding of one step's change, not of the value.
+//! NcclComm (include lockstep/cuda.cuh): wire_value_gather in cuda/nccl_wire.cuh, the codec's
+//! kernels on the communication stream. Host communicators (ThreadComm, MpiComm): the same
+//! numbers here, bit for bit (every operation one fp32 operation, rounded to nearest).
+
+#include <cstddef>
+#include <vector>
+
+#include "lockstep/core/dtype.hpp"
+#include "lockstep/parallel/gradient_wire.hpp"
+#include "lockstep/parallel/wire_format.hpp"
+
+namespace lockstep::detail {
+
+//! Host communicators: unit (size()·per fp32; block r is the replica of rank r's master) ←
+//! every rank's master through Codec's wire (see the top; deltas or values).
+template <class Codec, class Comm>
+void host_value_gather(Comm& comm, const float* master, float* unit, std::size_t per, bool deltas) {
+  const std::size_t n = static_cast<std::size_t>(comm.size()), cb = Codec::chunk_bytes(per);
+  const float* own = unit + static_cast<std::size_t>(comm.rank()) * per;
+  std::vector<float> x(per), v(per);
+  for (std::size_t i = 0; i < per; ++i) x[i] = deltas ? master[i] - own[i] : master[i];
+  std::vector<unsigned char> mine(cb), all(n * cb);
+  Codec::encode(x.data(), per, mine.data());
+  comm.all_gather(mine.data(), all.data(), cb, dtype::u8).wait();
+  for (std::size_t k = 0; k < n; ++k) {
+    Codec::decode(all.data() + k * cb, per, v.data());
+    float* block = unit + k * per;
+    for (std::size_t i = 0; i < per; ++i) block[i] = deltas ? block[i] + v[i] : v[i];
+  }
+}
+
+//! The gather of a low-precision format f (bf16 or int8) over comm: the device path where the
+//! communicator has one (wire_value_gather, found by argument-dependent lookup), else the host's.
+template <class Comm>
+auto value_gather(Comm& comm, wire_staging& st, wire_format f, const float* master, float* unit, std::size_t per,
+                  bool deltas) {
+  using work_t = decltype(comm.all_gather(nullptr, nullptr, std::size_t{}, dtype::f32));
+  const auto through = [&](auto codec) -> work_t {
+    if constexpr (requires { wire_value_gather(comm, st, master, unit, per, deltas, codec); }) {
+      return wire_value_gather(comm, st, master, unit, per, deltas, codec);
+    } else {
+      static_assert(
+          !requires { comm.comm_stream(); },
+          "ShardedOptimizer::gather_wire on a device communicator: include lockstep/cuda.cuh (its kernels)");
+      host_value_gather<decltype(codec)>(comm, master, unit, per, deltas);
+      return work_t{};
+    }
+  };
+  return f == wire_format::int8 ? through(int8_codec{}) : through(bf16_codec{});
+}
+
+}  // namespace lockstep::detail
