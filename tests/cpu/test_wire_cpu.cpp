@@ -207,12 +207,12 @@ std::vector<value_wire_trace> run_value_wire(const dataset& d, int ranks, lockst
         ms.emplace_back(v, v + p.numel());
       }
     }
-    CHECK(!dp.values_exact());  // a checkpoint now would hold the rounded values: refused
+    CHECK(!dp.stats().values_exact);  // a checkpoint now would hold the rounded values: refused
     lockstep::Checkpoint ck;
     CHECK_THROWS_WITH_AS(lockstep::add_training_state(ck, dp),
                          doctest::Contains("call dp.wait_all_parameters() on every rank"), lockstep::config_error);
     dp.wait_all_parameters();
-    CHECK(dp.values_exact());
+    CHECK(dp.stats().values_exact);
     t.exact = m.flat_values();
     t.map.assign(dp.shard_map().begin(), dp.shard_map().end());
   });

@@ -456,9 +456,9 @@ void check_value_gather(int n, lockstep::wire_format wire, bool deltas, bool def
         LOCKSTEP_TRY_CUDA(cudaMemcpy(ms.back().data(), sp.value, sp.bytes(), cudaMemcpyDeviceToHost));
       }
     }
-    CHECK(!dp.values_exact());
+    CHECK(!dp.stats().values_exact);
     dp.wait_all_parameters();
-    CHECK(dp.values_exact());
+    CHECK(dp.stats().values_exact);
     tr.exact = read();
     tr.map.assign(dp.shard_map().begin(), dp.shard_map().end());
   });

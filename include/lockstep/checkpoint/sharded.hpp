@@ -156,7 +156,7 @@ inline std::vector<std::byte> sharded_section(const sharded_origin& origin, std:
 template <class DP, serializable Opt>
   requires DP::sharded
 std::vector<std::byte> gather_sharded(DP& dp, const Opt& opt) {
-  if (!dp.values_exact()) dp.wait_all_parameters();  // every rank is here: gather_wire's values made exact
+  if (!dp.stats().values_exact) dp.wait_all_parameters();  // every rank is here: gather_wire's values made exact
   const auto all = detail::host_all_gather_strings(dp.comm(), detail::sharded_part_of(dp, opt));
   return detail::sharded_section(detail::sharded_origin::of(dp), all);
 }

@@ -114,7 +114,7 @@ void add_sampler_state(Checkpoint& ck, const Sampler& sampler) {
 //! ranges, without which a resumed run would round otherwise.
 template <class DP>
 void add_training_state(Checkpoint& ck, DP& dp) {
-  if (!dp.values_exact())  // (rank 0 alone may be here: the exact values need every rank)
+  if (!dp.stats().values_exact)  // (rank 0 alone may be here: the exact values need every rank)
     throw config_error(
         "lockstep::add_training_state: ShardedOptimizer::gather_wire left the model's values rounded (the "
         "masters are apart); call dp.wait_all_parameters() on every rank first (lockstep::gather_sharded does) so "

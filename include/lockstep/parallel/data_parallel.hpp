@@ -252,15 +252,8 @@ class DataParallel {
     reducer_.units().wait_all_parameters();
     if constexpr (block_sharded) reducer_.refresh_params();
   }
-  //! false while ShardedOptimizer::gather_wire has left the model's values rounded (its masters
-  //! apart), until wait_all_parameters(); true otherwise.
-  bool values_exact() const noexcept {
-    if constexpr (requires { reducer_.units().values_exact(); }) return reducer_.units().values_exact();
-    return true;
-  }
-  //! After values were written into parameters() from outside (restore_training_state does
-  //! it): FullySharded takes them into its shards, ShardedOptimizer with a low-precision
-  //! gather_wire into its masters; nothing else needs it.
+  //! After values were written into parameters() from outside (restore_training_state does it):
+  //! FullySharded takes them into its shards, ShardedOptimizer's gather_wire into its masters.
   void values_written() {
     if constexpr (requires { reducer_.units().values_written(); }) reducer_.units().values_written();
   }

@@ -51,6 +51,9 @@ struct sync_stats {
   bool gathers_by_copy_engine = false;   //!< sharded: the all-gathers go to a window of the copy-engine split
   bool scatters_by_copy_engine = false;  //!< sharded: so do the reduce-scatters (copy_engine_scatter)
   bool rebuilt = false;                  //!< the plan was reordered after the first step
+  //! false while ShardedOptimizer::gather_wire has left the model's values rounded (the masters
+  //! apart), from its all-gather until wait_all_parameters()
+  bool values_exact = true;
   bool symmetric_memory =
       false;  //!< the f32/bf16 arenas are symmetric windows (BucketPolicy::symmetric_memory; an f16 arena never is)
   //! ShardedGradients / FullySharded: the most bytes of block buffers that existed at once

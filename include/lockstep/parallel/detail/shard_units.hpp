@@ -39,6 +39,7 @@
 #include "lockstep/parallel/bucket_hook.hpp"
 #include "lockstep/parallel/detail/binding.hpp"
 #include "lockstep/parallel/detail/bucket_plan.hpp"
+#include "lockstep/parallel/detail/copy_engine_split.hpp"
 #include "lockstep/parallel/detail/step_recorder.hpp"
 #include "lockstep/parallel/detail/value_wire.hpp"
 #include "lockstep/parallel/policies.hpp"
@@ -56,8 +57,8 @@ class shard_units {
 
   //! model.bind_value: the model's value binder (model (e)), or empty: values packed and unpacked.
   shard_units(Comm& comm, Hook& hook, step_recorder& rec, const ShardedOptimizer& policy, const model_hooks& model)
-      : comm_(comm), hook_(hook), rec_(rec), bind_value_(model.bind_value), copy_gather_(policy.copy_engine_gather),
-        copy_scatter_(policy.copy_engine_scatter), wire_(policy.gather_wire), deltas_(policy.gather_deltas),
+      : comm_(comm), hook_(hook), rec_(rec), bind_value_(model.bind_value), wire_(policy.gather_wire),
+        deltas_(policy.gather_deltas), engines_(comm, policy.copy_engine_gather, policy.copy_engine_scatter),
         deferred_(policy.gather_in_forward) {}
 
   //! Sharded arenas stay dense (one pack per bucket fills them; shards cut them evenly): every
@@ -70,14 +71,7 @@ class shard_units {
   //! The gradient arena of one group, `bytes` (before built()): with copy_engine_scatter
   //! where offered, a window of the copy-engine split.
   std::shared_ptr<void> allocate(std::size_t bytes, dtype, const BucketPolicy&) {
-    if constexpr (engines_offered) {
-      if (engines_agreed() && copy_scatter_) {  // every rank asks: the check is a collective
-        auto [p, registered] = engine().allocate_window(bytes);
-        grad_windows_.emplace_back(p.get(), registered);
-        return std::move(p);
-      }
-    }
-    return comm_.memory().allocate(bytes);
+    return engines_.allocate_gradients(bytes);
   }
 
   //! Lays out the shards of every group (one per element type, in the reducer's order):
@@ -90,7 +84,7 @@ class shard_units {
     const auto old = std::move(groups_);  // the values a binding copies from stay alive until it has
     groups_.clear();
     staging_ = std::make_unique<wire_staging>();  // keyed by the old arenas' addresses
-    exact_ = true;
+    rec_.stats().values_exact = exact_ = true;
     bindings_.clear();
     params_.clear();
     map_.clear();
@@ -98,14 +92,17 @@ class shard_units {
     units_of_.assign(params.size(), {});
     bytes_ = 0;
     const auto n = static_cast<std::size_t>(comm_.size()), r = static_cast<std::size_t>(comm_.rank());
-    const bool packed = !values_bound();  // bound, the values are never packed or unpacked
-    if (wire_ != wire_format::fp32 && n > 1) check_wire_agreed();
+    const bool packed = !values_bound();                       // bound, the values are never packed or unpacked
+    if (wire_ != wire_format::fp32 && n > 1 && !wire_agreed_)  // the gathers' sizes depend on them
+      require_same_settings(comm_, "ShardedOptimizer",
+                            {{"gather_wire", static_cast<std::int64_t>(wire_)}, {"gather_deltas", deltas_}});
+    wire_agreed_ = true;
     for (std::size_t gi = 0; gi < plans.size(); ++gi) {
       const bucket_plan& plan = *plans[gi];
       const std::size_t es = size_of(plan.type);
       group& g = groups_.emplace_back();
       g.plan = &plan;
-      g.values = allocate_values(g, plan.total * es);
+      std::tie(g.values, g.by_engine) = engines_.allocate_values(plan.total * es);
       g.wire = wire_ != wire_format::fp32 && plan.type == dtype::f32 && n > 1;
       if (g.wire) {
         std::size_t count = 0;
@@ -114,8 +111,7 @@ class shard_units {
         g.masters = comm_.memory().allocate(count * es);
       }
       std::size_t master_at = 0;
-      const std::pair<const void*, bool> window{arenas[gi], true};
-      g.scatter_by_engine = std::find(grad_windows_.begin(), grad_windows_.end(), window) != grad_windows_.end();
+      g.scatter_by_engine = engines_.gradient_window(arenas[gi]);
       g.scatters.resize(plan.buckets.size());
       g.gathers.resize(plan.units.size());
       g.pending.assign(plan.units.size(), 0);
@@ -166,7 +162,7 @@ class shard_units {
         }
       if (g.wire) seed_masters(g);
     }
-    if (engine_ && !gathers_by_copy_engine() && !scatters_by_copy_engine()) engine_.reset();  // no window taken
+    engines_.drop_unless(gathers_by_copy_engine() || scatters_by_copy_engine());
     auto& st = rec_.stats();
     st.shard_bytes = bytes_;
     st.values_bound = values_bound();
@@ -245,7 +241,7 @@ class shard_units {
   void wait_all_parameters() {
     complete_all();
     if (exact_) return;
-    exact_ = true;
+    rec_.stats().values_exact = exact_ = true;
     for (auto& g : groups_) {
       if (!g.wire) continue;
       const std::size_t r = static_cast<std::size_t>(comm_.rank());
@@ -261,9 +257,6 @@ class shard_units {
       }
     }
   }
-  //! Whether the model's values are exact: false from a low-precision gather_wire's all-gather
-  //! until wait_all_parameters().
-  bool values_exact() const noexcept { return exact_; }
   //! Every deferred all-gather waited for and unpacked, no more (local: DataParallel's end).
   void complete_all() {
     for (std::size_t gi = 0; gi < groups_.size(); ++gi)
@@ -288,7 +281,7 @@ class shard_units {
     void* mine = static_cast<char*>(buf) + static_cast<std::size_t>(comm_.rank()) * per * size_of(t);
     const auto s = rec_.issue(step_event::issue_scatter, static_cast<std::int64_t>(first), key(0, g, first),
                               count * size_of(t), t);
-    Comm& c = groups_[g].scatter_by_engine ? *engine_ : comm_;
+    Comm& c = groups_[g].scatter_by_engine ? engines_.split() : comm_;
     label_next_collective(c, [&] { return bucket_label(*groups_[g].plan, first, count, "reduce-scatter of bucket "); });
     groups_[g].scatters[first].emplace(hook_reduce_scatter(hook_, c, buf, mine, per, t));
   }
@@ -340,41 +333,7 @@ class shard_units {
     void* values_at(std::size_t elem) const { return static_cast<char*>(values.get()) + elem * size_of(plan->type); }
   };
 
-  static constexpr bool engines_offered = requires(Comm& c) {
-    c.copy_engine_group();
-    c.allocate_window(std::size_t{});
-  };
-
-  // Group g's value arena: a symmetric window of the zero-CTA split when asked for and
-  // offered (every rank takes the same branch: the plans and options agree), else plain.
-  std::shared_ptr<void> allocate_values(group& g, std::size_t bytes) {
-    if constexpr (engines_offered) {
-      if (engines_agreed() && copy_gather_) {
-        auto [p, registered] = engine().allocate_window(bytes);
-        g.by_engine = registered;
-        return std::move(p);
-      }
-    }
-    return comm_.memory().allocate(bytes);
-  }
-  Comm& gatherer(const group& g) { return g.by_engine ? *engine_ : comm_; }
-  Comm& engine() {
-    if (!engine_) engine_ = std::make_unique<Comm>(comm_.copy_engine_group());
-    return *engine_;
-  }
-
-  // gather_wire and gather_deltas must be the same on every rank: the all-gathers' sizes depend
-  // on them (checked once, at the first layout: a collective there, alike on every rank).
-  void check_wire_agreed() {
-    if (wire_agreed_) return;
-    const std::int64_t f = static_cast<std::int64_t>(wire_), d = deltas_;
-    std::vector<std::int64_t> v{f, d, -f, -d};  // max of x and of −x: equal iff every rank's x agrees
-    host_all_reduce(comm_, std::span<std::int64_t>(v), reduce_op::max);
-    if (v[0] != -v[2] || v[1] != -v[3])
-      throw mismatch_error(std::string("ranks passed different ShardedOptimizer::") +
-                           (v[0] != -v[2] ? "gather_wire" : "gather_deltas") + "; give every rank the same setting");
-    wire_agreed_ = true;
-  }
+  Comm& gatherer(const group& g) { return g.by_engine ? engines_.split() : comm_; }
 
   // A wire group's replicas start as the model's values (packed: copied into the value arena)
   // and each master as this rank's block of them.
@@ -385,24 +344,6 @@ class shard_units {
       const segment own{g.values_at(sh.begin + r * sh.count), sh.count};
       comm_.memory().pack(std::span<const segment>(&own, 1), sh.master, dtype::f32, 1.0);
     }
-  }
-
-  // Whether the copy-engine options apply (more than one rank); the first call checks that
-  // every rank passed the same ones (a collective: the first allocation, alike everywhere),
-  // since a rank that splits off the copy-engine group alone would wait there for ever.
-  bool engines_agreed() {
-    if (comm_.size() == 1) return false;
-    if (!agreed_) {
-      const std::int64_t g = copy_gather_, s = copy_scatter_;
-      std::vector<std::int64_t> v{g, s, 1 - g, 1 - s};  // max of x and of 1 − x: both 1 iff ranks differ
-      host_all_reduce(comm_, std::span<std::int64_t>(v), reduce_op::max);
-      if (v[0] + v[2] == 2 || v[1] + v[3] == 2)
-        throw mismatch_error(std::string("ranks passed different ShardedOptimizer::") +
-                             (v[0] + v[2] == 2 ? "copy_engine_gather" : "copy_engine_scatter") +
-                             "; give every rank the same setting");
-      agreed_ = true;
-    }
-    return true;
   }
 
   // A collective's key for the recorder: kind (0 reduce-scatter, 1 all-gather), group, index.
@@ -449,7 +390,7 @@ class shard_units {
       return bucket_label(*g.plan, g.plan->units[u].first, sh.count * n,
                           g.wire ? "low-precision all-gather of bucket " : "all-gather of bucket ");
     });
-    if (g.wire) exact_ = false;
+    if (g.wire) rec_.stats().values_exact = exact_ = false;
     if (g.wire)
       g.gathers[u].emplace(value_gather(gatherer(g), *staging_, wire_, sh.master,
                                         static_cast<float*>(g.values_at(sh.begin)), sh.count, deltas_));
@@ -483,17 +424,13 @@ class shard_units {
   Hook& hook_;
   step_recorder& rec_;
   bind_fn bind_value_;                     // model (e), or empty: values packed and unpacked
-  bool copy_gather_ = false;               // ShardedOptimizer::copy_engine_gather
-  bool copy_scatter_ = false;              // ShardedOptimizer::copy_engine_scatter
-  bool agreed_ = false;                    // engines_agreed() has checked the options across ranks
   wire_format wire_ = wire_format::fp32;   // ShardedOptimizer::gather_wire
   bool deltas_ = true;                     // ShardedOptimizer::gather_deltas
-  bool wire_agreed_ = false;               // check_wire_agreed() has run
+  bool wire_agreed_ = false;               // gather_wire checked across ranks
   bool exact_ = true;                      // gather_wire: no gather since the replicas were made exact
   std::unique_ptr<wire_staging> staging_;  // gather_wire: each unit's encoded chunks, by its values
-  std::unique_ptr<Comm> engine_;           // the zero-CTA split the collectives run on (outlives groups_)
-  std::vector<std::pair<const void*, bool>> grad_windows_;  // allocate_gradients: (arena, window taken)
-  std::vector<binding> bindings_;                           // what build() bound
+  copy_engine_split<Comm> engines_;        // the copy-engine split and its windows (outlives groups_)
+  std::vector<binding> bindings_;          // what build() bound
   std::vector<group> groups_;
   std::vector<parameter> params_;                                           // this rank's shard of each unit
   std::vector<param_slice> slices_;                                         // the same, as the optimizer's slices

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "lockstep/core/dtype.hpp"
+#include "lockstep/core/error.hpp"
 #include "lockstep/parallel/gradient_wire.hpp"
 #include "lockstep/parallel/wire_format.hpp"
 
@@ -50,10 +51,10 @@ auto value_gather(Comm& comm, wire_staging& st, wire_format f, const float* mast
   const auto through = [&](auto codec) -> work_t {
     if constexpr (requires { wire_value_gather(comm, st, master, unit, per, deltas, codec); }) {
       return wire_value_gather(comm, st, master, unit, per, deltas, codec);
+    } else if constexpr (requires { comm.comm_stream(); }) {  // (compiles for users who never ask for it)
+      throw config_error(
+          "ShardedOptimizer::gather_wire on a device communicator: its kernels are in lockstep/cuda.cuh; include it");
     } else {
-      static_assert(
-          !requires { comm.comm_stream(); },
-          "ShardedOptimizer::gather_wire on a device communicator: include lockstep/cuda.cuh (its kernels)");
       host_value_gather<decltype(codec)>(comm, master, unit, per, deltas);
       return work_t{};
     }
