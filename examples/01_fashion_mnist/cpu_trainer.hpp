@@ -42,6 +42,9 @@ class CpuTrainer {
     if (st.finish()) sgd_->step(model_.parameters());  // gradients are averaged over ranks
   }
 
+  //! Sharded (--gather-wire): the optimizer on this rank's shard of the averaged gradients.
+  void step_shard(std::span<const lockstep::param_slice> shard) { sgd_->step(shard); }
+
   double loss_sum() const { return loss_sum_; }
   void synchronize() {}
 

@@ -81,6 +81,7 @@ struct options {
   double progress = 1.0;
   std::size_t bucket_kib = 0;                                // 0: lockstep's default buckets (1 MiB first, 25 MiB cap)
   lockstep::wire_format wire = lockstep::wire_format::fp32;  // --wire: lockstep::AnyWire (CPU ranks)
+  std::optional<lockstep::wire_format> gather_wire;          // --gather-wire: ShardedOptimizer (CPU ranks)
   bool smoke = false;
   bool check = false;  // compare the GPU model with the CPU model before training
   input_kind input = input_kind::prefetch;
@@ -127,6 +128,9 @@ inline constexpr const char* usage =
     "  --wire W            (CPU ranks) gradients on the wire: fp32 (default); bf16: each\n"
     "                      rank's rounded to bf16 and summed in fp32, as lockstep::Bf16Wire does;\n"
     "                      int8: blockwise int8 (a scale per 256 values), as lockstep::Int8Wire\n"
+    "  --gather-wire W     (CPU ranks) ShardedOptimizer, each rank's SGD on its shard, the\n"
+    "                      updated values all-gathered in W: fp32, bf16 or int8 (gather_wire,\n"
+    "                      the change since the last gather); not with --checkpoint/--resume\n"
     "  --input MODE        (GPU) how batches reach the device: prefetch (default): gathered on\n"
     "                      the host by a helper thread into pinned memory and copied on a copy\n"
     "                      stream while the previous step computes (lockstep::Prefetcher);\n"
@@ -214,6 +218,12 @@ inline options parse(int argc, char** argv) {
       } catch (const lockstep::config_error& e) {
         throw usage_error(std::string("--wire: ") + e.what());
       }
+    } else if (a == "--gather-wire") {
+      try {
+        o.gather_wire = lockstep::wire_format_of(value());
+      } catch (const lockstep::config_error& e) {
+        throw usage_error(std::string("--gather-wire: ") + e.what());
+      }
     } else if (a == "--input") {
       const std::string m = value();
       if (m == "prefetch") o.input = input_kind::prefetch;
@@ -255,6 +265,10 @@ inline options parse(int argc, char** argv) {
       throw usage_error("--cuda-graph replays a step whose batch is gathered on the device: use --input device");
     o.input = input_kind::device;
   }
+  if (o.gather_wire && (o.micro_batch > 0 || !o.checkpoint.empty() || !o.resume.empty()))
+    throw usage_error(
+        "--gather-wire shards the optimizer's state, which this example's checkpoints and --deterministic do not "
+        "handle; leave one out");
   if (o.micro_batch > 0) {
     if (o.wire != lockstep::wire_format::fp32)
       throw usage_error("--deterministic sums in fixed point: it cannot be combined with --wire bf16 or int8");
@@ -463,11 +477,14 @@ void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
   // plain all-reduce here.
   using Comm = std::remove_cvref_t<decltype(ctx.comm())>;
   if constexpr (!requires(Comm& c) { c.comm_stream(); }) {
+    if (opt.gather_wire)  // --gather-wire: sharded, the values all-gathered in that format
+      return train_with(ctx, trainer, opt, plan, data, result, lockstep::AnyWire(opt.wire),
+                        lockstep::ShardedOptimizer{.gather_wire = *opt.gather_wire});
     train_with(ctx, trainer, opt, plan, data, result, lockstep::AnyWire(opt.wire));
   } else {
-    if (opt.wire != lockstep::wire_format::fp32)
-      throw lockstep::config_error(
-          "--wire bf16|int8 is for CPU ranks in this example (on GPUs see examples/03_gpt2_torch --wire)");
+    if (opt.wire != lockstep::wire_format::fp32 || opt.gather_wire)
+      throw lockstep::config_error("--wire and --gather-wire are for CPU ranks in this example (on GPUs see "
+                                   "examples/03_gpt2_torch --wire, --gather-wire)");
     train_with(ctx, trainer, opt, plan, data, result, lockstep::AllReduceMean{});
   }
 }
@@ -558,7 +575,9 @@ void train_with(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
         const auto one_step = [&] {
           auto st = dp.step();
           trainer.forward_backward(forwards[f], st.on_gradient_ready());
-          trainer.finish(st);  // the last forward's: gradients averaged over ranks, the optimizer steps
+          if constexpr (decltype(dp)::sharded)  // each rank's optimizer steps its shard, then the all-gather
+            (void)st.finish([&](std::span<const lockstep::param_slice> shard) { trainer.step_shard(shard); });
+          else trainer.finish(st);  // the last forward's: gradients averaged over ranks, the optimizer steps
         };
         // A GPU trainer may replay the step as a CUDA graph (--cuda-graph).
         if constexpr (requires { trainer.run_step(forwards[f], one_step); }) trainer.run_step(forwards[f], one_step);
@@ -598,6 +617,7 @@ void train_with(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
     const auto te = std::chrono::steady_clock::now();
     const std::size_t R = static_cast<std::size_t>(ctx.size()), r = static_cast<std::size_t>(ctx.rank());
     const std::size_t lo = data.test.size * r / R, hi = data.test.size * (r + 1) / R;
+    if constexpr (decltype(dp)::sharded) dp.wait_all_parameters();  // every rank: the exact values (the masters)
     lockstep::eval_counts local;
     local.correct = static_cast<std::int64_t>(trainer.count_correct(lo, hi));
     local.total = static_cast<std::int64_t>(hi - lo);

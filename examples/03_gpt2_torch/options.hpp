@@ -163,6 +163,13 @@ inline options parse(int argc, char** argv) {
                  "gpt2_torch: --gather-wire and --gather-values are ShardedOptimizer's: give them with --shard\n");
     usage(2);
   }
+  if (o.gather_wire != "fp32" && (o.cuda_graph || o.deterministic > 0)) {
+    std::fprintf(stderr, "gpt2_torch: --gather-wire %s with %s: %s; leave one out\n", o.gather_wire.c_str(),
+                 o.cuda_graph ? "--cuda-graph" : "--deterministic",
+                 o.cuda_graph ? "a captured gather_wire is refused (the host cannot tell when replays round the values)"
+                              : "rounded values depend on how the ranks cut the shards");
+    usage(2);
+  }
   if (!o.profile.empty() && o.steps < o.warmup + profiled_steps) {
     std::fprintf(stderr, "gpt2_torch: --profile records steps %lld to %lld: give --steps of at least %lld\n",
                  static_cast<long long>(o.warmup), static_cast<long long>(o.warmup + profiled_steps - 1),

@@ -477,4 +477,38 @@ TEST_CASE("value gather wire on CPU ranks: replicas alike - the codec's numbers 
   check_value_wire<false>(d, 3, wire_format::int8, true, seed + 1);
   check_value_wire<false>(d, 2, wire_format::bf16, false, seed + 1);
 }
+
+// The gathers' sizes depend on gather_wire and gather_deltas: ranks that differ are told so, each
+// of them, at construction (not a hang at the first gather).
+TEST_CASE("value gather wire on CPU ranks: settings that differ across ranks fail on every rank naming the setting") {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  const auto d = make_data(seed, 31);
+  using lockstep::wire_format;
+  struct differing {
+    wire_format wire0, wire1;
+    bool deltas0, deltas1;
+    const char* named;
+  };
+  // (fp32 on one rank: that rank checks too, else the other would wait in the check alone)
+  for (const auto& c : {differing{wire_format::int8, wire_format::bf16, true, true, "gather_wire"},
+                        differing{wire_format::fp32, wire_format::bf16, true, true, "gather_wire"},
+                        differing{wire_format::int8, wire_format::int8, true, false, "gather_deltas"}}) {
+    CAPTURE(c.named);
+    std::vector<std::string> errors(2);
+    lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
+      TestMlp<float> m(d.dims, seed);
+      const bool first = ctx.rank() == 0;
+      const lockstep::ShardedOptimizer s{.gather_wire = first ? c.wire0 : c.wire1,
+                                         .gather_deltas = first ? c.deltas0 : c.deltas1};
+      try {
+        lockstep::DataParallel dp(ctx, m, s);
+      } catch (const lockstep::mismatch_error& e) {
+        errors[static_cast<std::size_t>(ctx.rank())] = e.what();
+      }
+    });
+    for (const auto& e : errors)
+      CHECK(e.find(std::string("different ShardedOptimizer::") + c.named) != std::string::npos);
+  }
+}
 }

@@ -368,12 +368,14 @@ struct given_grads_bound : given_grads {
   std::vector<float*> own = vals;  // freed by given_grads
   void bind_value(std::size_t i, void* p) {
     LOCKSTEP_TRY_CUDA(cudaMemcpy(p, vals[i], sizes[i] * sizeof(float), cudaMemcpyDeviceToDevice));
+    LOCKSTEP_TRY_CUDA(cudaDeviceSynchronize());  // (a device-to-device copy does not wait for itself)
     vals[i] = static_cast<float*>(p);
   }
   void unbind_values() {  // the values back in the model's own memory (DataParallel's end)
     for (std::size_t i = 0; i < vals.size(); ++i)
       if (vals[i] != own[i]) {
         LOCKSTEP_TRY_CUDA(cudaMemcpy(own[i], vals[i], sizes[i] * sizeof(float), cudaMemcpyDeviceToDevice));
+        LOCKSTEP_TRY_CUDA(cudaDeviceSynchronize());
         vals[i] = own[i];
       }
   }
@@ -426,6 +428,7 @@ void check_value_gather(int n, lockstep::wire_format wire, bool deltas, bool def
                                                          .copy_engine_scatter = copy_engines,
                                                          .gather_wire = wire,
                                                          .gather_deltas = deltas});
+    CHECK(dp.stats().gathers_by_copy_engine == copy_engines);  // the option took effect
     lockstep::FusedSgd opt({.lr = 1.0}, dp.shard_parameters(), ctx.device());
     const auto read = [&] {
       std::vector<float> v(flat_at.back());
@@ -547,6 +550,45 @@ TEST_CASE("value gather wire on 2 GPUs: bf16 and int8 - deltas and values - the 
   check_value_gather<given_grads>(2, wire_format::int8, true, true, false);       // packed, deferred
   check_value_gather<given_grads_bound>(2, wire_format::int8, true, true, true);  // copy engines
   check_value_gather<given_grads>(2, wire_format::bf16, true, false, true);
+}
+// A captured step's replays would leave the host's values_exact stale (and a checkpoint with
+// rounded values): a capture of a gather_wire step is refused by name, on every rank.
+TEST_CASE("value gather wire on 2 GPUs: a StepGraph capture is refused naming gather_wire") {
+  LOCKSTEP_REQUIRE_GPUS(2);
+  std::vector<std::string> seen(2);
+  lockstep::run(lockstep::Gpus{first_gpus(2)}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
+    cudaStream_t cs = ctx.comm().compute_stream();
+    const std::vector<std::size_t> sizes{3000, 77};
+    given_grads_bound m(sizes);
+    lockstep::DataParallel dp(ctx, m, lockstep::ShardedOptimizer{.gather_wire = lockstep::wire_format::int8});
+    lockstep::FusedSgd opt({.lr = 0.5}, dp.shard_parameters(), ctx.device());
+    lockstep_test::device_vector<float> g0(sizes[0]), g1(sizes[1]);  // fixed addresses: capturable
+    std::mt19937_64 rng(lockstep_test::fresh_seed());
+    const auto h0 = lockstep_test::random_vector<float>(sizes[0], rng, -1.0, 1.0);
+    const auto h1 = lockstep_test::random_vector<float>(sizes[1], rng, -1.0, 1.0);
+    LOCKSTEP_TRY_CUDA(cudaMemcpy(g0.p, h0.data(), h0.size() * sizeof(float), cudaMemcpyHostToDevice));
+    LOCKSTEP_TRY_CUDA(cudaMemcpy(g1.p, h1.data(), h1.size() * sizeof(float), cudaMemcpyHostToDevice));
+    const auto one_step = [&] {
+      auto st = dp.step();
+      const auto params = dp.parameters();
+      LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(params[1].grad, g1.p, sizes[1] * sizeof(float), cudaMemcpyDeviceToDevice, cs));
+      st.gradient_ready(1);
+      LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(params[0].grad, g0.p, sizes[0] * sizeof(float), cudaMemcpyDeviceToDevice, cs));
+      st.gradient_ready(0);
+      (void)st.finish([&](std::span<const lockstep::param_slice> sl) { opt.step(sl, cs, nullptr); });
+    };
+    lockstep::StepGraph graph(ctx.comm(), {.warmup = 1});
+    CHECK_FALSE(graph.run(one_step));  // eager
+    try {
+      graph.run(one_step);
+      seen[static_cast<std::size_t>(ctx.rank())] = "captured";
+    } catch (const lockstep::config_error& e) {
+      seen[static_cast<std::size_t>(ctx.rank())] = e.what();
+    }
+    CHECK_FALSE(graph.captured());
+  });
+  for (const auto& s : seen)
+    CHECK(s.find("ShardedOptimizer::gather_wire in a CUDA graph capture") != std::string::npos);
 }
 TEST_CASE("value gather wire on 4 GPUs: bf16 and int8 - the host's numbers bit for bit") {
   LOCKSTEP_REQUIRE_GPUS(4);

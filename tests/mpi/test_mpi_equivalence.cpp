@@ -155,4 +155,41 @@ TEST_CASE_TEMPLATE("low-precision wires over MPI: the numbers of ThreadComm rank
         std::vector<float>(x[static_cast<std::size_t>(ctx.rank())].begin(),
                            x[static_cast<std::size_t>(ctx.rank())].begin() + static_cast<std::ptrdiff_t>(got.size())));
 }
+// ShardedOptimizer::gather_wire's all-gather (parallel/detail/value_wire.hpp) over MPI: every
+// process draws every rank's master and one replica (a shared seed); the result equals the same
+// gather on as many ThreadComm ranks, bit for bit, for both codecs, deltas and values.
+TEST_CASE("value gather wire over MPI: the numbers of ThreadComm ranks bit for bit") {
+  lockstep::context<lockstep::MpiComm> ctx(lockstep::MpiComm::world(), 0, -1);
+  const auto seed = shared_seed();
+  CAPTURE(seed);
+  const int n = ctx.size();
+  const std::size_t per = 611;
+  std::mt19937_64 rng(seed);
+  const auto replica = random_vector<float>(per * static_cast<std::size_t>(n), rng, -2.0, 2.0);
+  std::vector<std::vector<float>> masters;
+  for (int r = 0; r < n; ++r) {
+    masters.push_back(replica);  // near the replica, as after an update
+    auto step = random_vector<float>(per, rng, -0.01, 0.01);
+    for (std::size_t i = 0; i < per; ++i) masters.back()[static_cast<std::size_t>(r) * per + i] += step[i];
+  }
+  using lockstep::wire_format;
+  for (const auto f : {wire_format::bf16, wire_format::int8})
+    for (const bool deltas : {true, false}) {
+      CAPTURE(deltas);
+      const auto on = [&](auto& comm, int r) {
+        auto unit = replica;
+        lockstep::wire_staging st;
+        const float* master = masters[static_cast<std::size_t>(r)].data() + static_cast<std::size_t>(r) * per;
+        lockstep::detail::value_gather(comm, st, f, master, unit.data(), per, deltas).wait();
+        return unit;
+      };
+      std::vector<std::vector<float>> ref(static_cast<std::size_t>(n));
+      lockstep::run(lockstep::Threads{n},
+                    [&](auto& tctx) { ref[static_cast<std::size_t>(tctx.rank())] = on(tctx.comm(), tctx.rank()); });
+      const auto got = on(ctx.comm(), ctx.rank());
+      CHECK(got == ref[static_cast<std::size_t>(ctx.rank())]);
+      CHECK(got == ref[0]);   // every rank the same replica
+      CHECK(got != replica);  // the gather changed it
+    }
+}
 }  // TEST_SUITE

@@ -16,6 +16,7 @@
 #include <memory>
 
 #include "lockstep/core/dtype.hpp"
+#include "lockstep/core/error.hpp"
 #include "lockstep/core/reduce_op.hpp"
 #include "lockstep/cuda/kernels/int8_ops.cuh"
 #include "lockstep/cuda/kernels/wire_ops.cuh"
@@ -115,6 +116,11 @@ template <class Codec>
 NcclComm::work wire_value_gather(NcclComm& comm, wire_staging& st, const float* master, float* unit, std::size_t per,
                                  bool deltas, Codec) {
   using dev = detail::device_codec<Codec>;
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  LOCKSTEP_TRY_CUDA(cudaStreamIsCapturing(comm.compute_stream(), &capturing));
+  if (capturing != cudaStreamCaptureStatusNone)  // replays would leave values_exact stale: refused
+    throw config_error("ShardedOptimizer::gather_wire in a CUDA graph capture (StepGraph) is not supported: the "
+                       "host could not tell when replays left the values rounded; capture with gather_wire = fp32");
   const int ranks = comm.size();
   const std::size_t n = static_cast<std::size_t>(ranks), r = static_cast<std::size_t>(comm.rank());
   const std::size_t cb = Codec::chunk_bytes(per);

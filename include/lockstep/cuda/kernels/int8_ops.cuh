@@ -114,9 +114,9 @@ __global__ void encode(const float* __restrict__ x, const float* __restrict__ ba
     float v[8];
     load_f(x + c * n + lo, v, valid, vec);
     if (base) {
-      float b[8];
-      load_f(base + c * n + lo, b, valid, vec);
-      for (int e = 0; e < 8; ++e) v[e] = __fsub_rn(v[e], b[e]);
+      float from[8];
+      load_f(base + c * n + lo, from, valid, vec);
+      for (int e = 0; e < 8; ++e) v[e] = __fsub_rn(v[e], from[e]);
     }
     signed char q[8];
     unsigned char* o = out + c * cb;

@@ -92,11 +92,12 @@ class shard_units {
     units_of_.assign(params.size(), {});
     bytes_ = 0;
     const auto n = static_cast<std::size_t>(comm_.size()), r = static_cast<std::size_t>(comm_.rank());
-    const bool packed = !values_bound();                       // bound, the values are never packed or unpacked
-    if (wire_ != wire_format::fp32 && n > 1 && !wire_agreed_)  // the gathers' sizes depend on them
+    const bool packed = !values_bound();  // bound, the values are never packed or unpacked
+    if (n > 1 && !wire_agreed_)           // the gathers' sizes depend on them; every rank checks (fp32 too)
       require_same_settings(comm_, "ShardedOptimizer",
-                            {{"gather_wire", static_cast<std::int64_t>(wire_)}, {"gather_deltas", deltas_}});
-    wire_agreed_ = true;
+                            {{"gather_wire", static_cast<std::int64_t>(wire_)},
+                             {"gather_deltas", wire_ == wire_format::fp32 ? -1 : std::int64_t{deltas_}}});
+    wire_agreed_ = wire_agreed_ || n > 1;
     for (std::size_t gi = 0; gi < plans.size(); ++gi) {
       const bucket_plan& plan = *plans[gi];
       const std::size_t es = size_of(plan.type);
@@ -128,7 +129,7 @@ class shard_units {
             auto& of = units_of_[s.param];
             if (of.empty() || of.back() != std::pair{gi, g.shards.size()}) of.emplace_back(gi, g.shards.size());
             char* v = static_cast<char*>(params[s.param].value);
-            if (packed || g.wire) sh.all.push_back({v + s.param_offset * es, s.count});
+            if (packed) sh.all.push_back({v + s.param_offset * es, s.count});
             const std::size_t a = std::max(lo, s.arena_offset), e = std::min(hi, s.arena_offset + s.count);
             if (a < e) {
               if (packed) sh.mine.push_back({v + (s.param_offset + (a - s.arena_offset)) * es, e - a});
@@ -268,6 +269,7 @@ class shard_units {
     complete_all();
     for (auto& g : groups_)
       if (g.wire) seed_masters(g);
+    rec_.stats().values_exact = exact_ = true;  // every rank was given the same values
   }
 
   //! Reduce-scatters the unit of group g starting at bucket `first`: count elements at buf
@@ -316,7 +318,7 @@ class shard_units {
     std::size_t index = 0;      // into params_
     float* master = nullptr;    // gather_wire: this rank's fp32 master of its block
     std::vector<segment> mine;  // the model's values in this rank's block (packed only)
-    std::vector<segment> all;   // the model's values in the whole unit (packed, or gather_wire)
+    std::vector<segment> all;   // the model's values in the whole unit (packed only)
   };
   struct group {
     const bucket_plan* plan = nullptr;
