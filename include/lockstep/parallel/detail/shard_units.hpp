@@ -84,7 +84,7 @@ class shard_units {
     const auto old = std::move(groups_);  // the values a binding copies from stay alive until it has
     groups_.clear();
     staging_ = std::make_unique<wire_staging>();  // keyed by the old arenas' addresses
-    rec_.stats().values_exact = exact_ = true;
+    rec_.stats().values_exact = true;
     bindings_.clear();
     params_.clear();
     map_.clear();
@@ -93,11 +93,12 @@ class shard_units {
     bytes_ = 0;
     const auto n = static_cast<std::size_t>(comm_.size()), r = static_cast<std::size_t>(comm_.rank());
     const bool packed = !values_bound();  // bound, the values are never packed or unpacked
-    if (n > 1 && !wire_agreed_)           // the gathers' sizes depend on them; every rank checks (fp32 too)
+    if (n > 1 && !wire_agreed_) {         // the gathers' sizes depend on them; every rank checks (fp32 too)
       require_same_settings(comm_, "ShardedOptimizer",
                             {{"gather_wire", static_cast<std::int64_t>(wire_)},
                              {"gather_deltas", wire_ == wire_format::fp32 ? -1 : std::int64_t{deltas_}}});
-    wire_agreed_ = wire_agreed_ || n > 1;
+      wire_agreed_ = true;
+    }
     for (std::size_t gi = 0; gi < plans.size(); ++gi) {
       const bucket_plan& plan = *plans[gi];
       const std::size_t es = size_of(plan.type);
@@ -241,8 +242,8 @@ class shard_units {
   //! replica then made exact: each master copied into its block, an fp32 all-gather (collective).
   void wait_all_parameters() {
     complete_all();
-    if (exact_) return;
-    rec_.stats().values_exact = exact_ = true;
+    if (rec_.stats().values_exact) return;
+    rec_.stats().values_exact = true;
     for (auto& g : groups_) {
       if (!g.wire) continue;
       const std::size_t r = static_cast<std::size_t>(comm_.rank());
@@ -269,7 +270,7 @@ class shard_units {
     complete_all();
     for (auto& g : groups_)
       if (g.wire) seed_masters(g);
-    rec_.stats().values_exact = exact_ = true;  // every rank was given the same values
+    rec_.stats().values_exact = true;  // every rank was given the same values
   }
 
   //! Reduce-scatters the unit of group g starting at bucket `first`: count elements at buf
@@ -385,23 +386,21 @@ class shard_units {
     const std::size_t mine = sh.begin + static_cast<std::size_t>(comm_.rank()) * sh.count;
     const std::size_t first = g.plan->units[u].first;
     const std::size_t n = static_cast<std::size_t>(comm_.size());
-    const std::size_t bytes = g.wire ? n * wire_chunk_bytes(sh.count) : n * sh.count * size_of(g.plan->type);
+    const std::size_t bytes = g.wire ? n * with_codec(wire_, [&](auto c) { return c.chunk_bytes(sh.count); })
+                                     : n * sh.count * size_of(g.plan->type);
     const auto s = rec_.issue(step_event::issue_gather, static_cast<std::int64_t>(first), key(1, gi, first), bytes,
                               g.wire ? dtype::u8 : g.plan->type);
     label_next_collective(gatherer(g), [&] {
       return bucket_label(*g.plan, g.plan->units[u].first, sh.count * n,
                           g.wire ? "low-precision all-gather of bucket " : "all-gather of bucket ");
     });
-    if (g.wire) rec_.stats().values_exact = exact_ = false;
-    if (g.wire)
+    if (g.wire) {
+      rec_.stats().values_exact = false;
       g.gathers[u].emplace(value_gather(gatherer(g), *staging_, wire_, sh.master,
                                         static_cast<float*>(g.values_at(sh.begin)), sh.count, deltas_));
-    else g.gathers[u].emplace(gatherer(g).all_gather(g.values_at(mine), g.values_at(sh.begin), sh.count, g.plan->type));
-  }
-
-  // The encoded bytes of one rank's block of `count` values through gather_wire.
-  std::size_t wire_chunk_bytes(std::size_t count) const {
-    return wire_ == wire_format::int8 ? int8_codec::chunk_bytes(count) : bf16_codec::chunk_bytes(count);
+    } else {
+      g.gathers[u].emplace(gatherer(g).all_gather(g.values_at(mine), g.values_at(sh.begin), sh.count, g.plan->type));
+    }
   }
 
   // Waits for every unit's all-gather and unpacks the values into the parameters; deferred,
@@ -429,7 +428,6 @@ class shard_units {
   wire_format wire_ = wire_format::fp32;   // ShardedOptimizer::gather_wire
   bool deltas_ = true;                     // ShardedOptimizer::gather_deltas
   bool wire_agreed_ = false;               // gather_wire checked across ranks
-  bool exact_ = true;                      // gather_wire: no gather since the replicas were made exact
   std::unique_ptr<wire_staging> staging_;  // gather_wire: each unit's encoded chunks, by its values
   copy_engine_split<Comm> engines_;        // the copy-engine split and its windows (outlives groups_)
   std::vector<binding> bindings_;          // what build() bound

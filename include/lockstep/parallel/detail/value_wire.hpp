@@ -42,6 +42,12 @@ void host_value_gather(Comm& comm, const float* master, float* unit, std::size_t
   }
 }
 
+//! fn(the codec of a low-precision format f): int8_codec, or bf16_codec.
+template <class F>
+decltype(auto) with_codec(wire_format f, F&& fn) {
+  return f == wire_format::int8 ? fn(int8_codec{}) : fn(bf16_codec{});
+}
+
 //! The gather of a low-precision format f (bf16 or int8) over comm: the device path where the
 //! communicator has one (wire_value_gather, found by argument-dependent lookup), else the host's.
 template <class Comm>
@@ -59,7 +65,7 @@ auto value_gather(Comm& comm, wire_staging& st, wire_format f, const float* mast
       return work_t{};
     }
   };
-  return f == wire_format::int8 ? through(int8_codec{}) : through(bf16_codec{});
+  return with_codec(f, through);
 }
 
 }  // namespace lockstep::detail
