@@ -117,6 +117,26 @@ void host_wire_mean(Comm& comm, const float* x, std::size_t per, float* mine) {
   for (std::size_t i = 0; i < per; ++i) mine[i] = acc[i] * inv;
 }
 
+//! unit (size()·per fp32; block r rank r's) ← every rank's `master` through Codec's wire, on
+//! host communicators: deltas, each block plus the decoded master − block (ShardedOptimizer::
+//! gather_wire, parallel/detail/value_wire.hpp); else the decoded master (the all-reduce's
+//! second half). master may be this rank's block of unit: it is read before unit is written.
+template <class Codec, class Comm>
+void host_value_gather(Comm& comm, const float* master, float* unit, std::size_t per, bool deltas) {
+  const std::size_t n = static_cast<std::size_t>(comm.size()), cb = Codec::chunk_bytes(per);
+  const float* own = unit + static_cast<std::size_t>(comm.rank()) * per;
+  std::vector<float> x(per), v(per);
+  for (std::size_t i = 0; i < per; ++i) x[i] = deltas ? master[i] - own[i] : master[i];
+  std::vector<unsigned char> mine(cb), all(n * cb);
+  Codec::encode(x.data(), per, mine.data());
+  comm.all_gather(mine.data(), all.data(), cb, dtype::u8).wait();
+  for (std::size_t k = 0; k < n; ++k) {
+    Codec::decode(all.data() + k * cb, per, v.data());
+    float* block = unit + k * per;
+    for (std::size_t i = 0; i < per; ++i) block[i] = deltas ? block[i] + v[i] : v[i];
+  }
+}
+
 //! The wires' hook (Bf16Wire, Int8Wire): the schedule above with Codec.
 template <class Codec>
 class basic_wire {
@@ -141,11 +161,7 @@ class basic_wire {
       if (main < count) comm.all_reduce(f + main, f + main, count - main, t, reduce_op::avg).wait();
       float* mean = f + static_cast<std::size_t>(comm.rank()) * per;
       host_wire_mean<Codec>(comm, f, per, mean);
-      const std::size_t cb = Codec::chunk_bytes(per);
-      std::vector<unsigned char> mine(cb), all(n * cb);
-      Codec::encode(mean, per, mine.data());
-      comm.all_gather(mine.data(), all.data(), cb, dtype::u8).wait();
-      for (std::size_t r = 0; r < n; ++r) Codec::decode(all.data() + r * cb, per, f + r * per);
+      host_value_gather<Codec>(comm, mean, f, per, false);  // every rank's mean as the wire carries it
       return work_t{};
     }
   }

@@ -12,10 +12,10 @@
 //!    the rounding of one step's change, not of the value.
 //! NcclComm (include lockstep/cuda.cuh): wire_value_gather in cuda/nccl_wire.cuh, the codec's
 //! kernels on the communication stream. Host communicators (ThreadComm, MpiComm): the same
-//! numbers here, bit for bit (every operation one fp32 operation, rounded to nearest).
+//! numbers bit for bit (every operation one fp32 operation, rounded to nearest) from
+//! host_value_gather, which the gradient wires' host path shares (gradient_wire.hpp).
 
 #include <cstddef>
-#include <vector>
 
 #include "lockstep/core/dtype.hpp"
 #include "lockstep/core/error.hpp"
@@ -23,24 +23,6 @@
 #include "lockstep/parallel/wire_format.hpp"
 
 namespace lockstep::detail {
-
-//! Host communicators: unit (size()·per fp32; block r is the replica of rank r's master) ←
-//! every rank's master through Codec's wire (see the top; deltas or values).
-template <class Codec, class Comm>
-void host_value_gather(Comm& comm, const float* master, float* unit, std::size_t per, bool deltas) {
-  const std::size_t n = static_cast<std::size_t>(comm.size()), cb = Codec::chunk_bytes(per);
-  const float* own = unit + static_cast<std::size_t>(comm.rank()) * per;
-  std::vector<float> x(per), v(per);
-  for (std::size_t i = 0; i < per; ++i) x[i] = deltas ? master[i] - own[i] : master[i];
-  std::vector<unsigned char> mine(cb), all(n * cb);
-  Codec::encode(x.data(), per, mine.data());
-  comm.all_gather(mine.data(), all.data(), cb, dtype::u8).wait();
-  for (std::size_t k = 0; k < n; ++k) {
-    Codec::decode(all.data() + k * cb, per, v.data());
-    float* block = unit + k * per;
-    for (std::size_t i = 0; i < per; ++i) block[i] = deltas ? block[i] + v[i] : v[i];
-  }
-}
 
 //! fn(the codec of a low-precision format f): int8_codec, or bf16_codec.
 template <class F>
