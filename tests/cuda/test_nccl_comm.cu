@@ -138,6 +138,16 @@ __global__ void slow_fill(float* p, std::size_t n, float base, long long cycles)
 
 constexpr long long kSpinCycles = 300'000'000;  // ~0.15-0.2 s on an H100
 
+// Spins ~`cycles` GPU clocks, then dst[i] = src[i]: a slow reader of src.
+__global__ void slow_copy(float* dst, const float* src, std::size_t n, long long cycles) {
+  const long long start = clock64();
+  while (clock64() - start < cycles) {
+  }
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(blockDim.x) * gridDim.x)
+    dst[i] = src[i];
+}
+
 // A thread blocked inside NCCL cannot be released by the test itself, nor joined: a test that
 // hangs can only end the process. It says where, so that a hang reads as a failure (exit 1)
 // with its cause, not as ctest's timeout minutes later.
@@ -425,6 +435,97 @@ TEST_CASE("NcclComm: collectives wait for the compute stream and work handles or
   empty.synchronize();
   CHECK(comm.all_reduce(nullptr, nullptr, 0, dtype::f32, reduce_op::sum).query());  // zero length
 
+  comm.set_compute_stream(nullptr);  // before `user` goes away
+  LOCKSTEP_TRY_CUDA(cudaStreamDestroy(user));
+}
+
+// enqueue_aside (cuda/detail/nccl_aside.cuh): aside work runs beside the communication stream.
+// Later work there that touches the memory it names waits for it — a collective reading what it
+// writes, one writing what it reads, an enqueue() naming no memory, synchronize() — and work
+// that touches other memory does not. Slow kernels make any missing order show as old values;
+// random bases per run. Then a CUDA graph capture with finished aside work still listed.
+TEST_CASE("NcclComm: enqueue_aside - later work touching its memory waits for it - other work does not - capture") {
+  LOCKSTEP_REQUIRE_GPUS(1);
+  auto comms = NcclComm::create_local({0});
+  NcclComm& comm = comms[0];
+  LOCKSTEP_TRY_CUDA(cudaSetDevice(0));
+  cudaStream_t user = nullptr;
+  LOCKSTEP_TRY_CUDA(cudaStreamCreateWithFlags(&user, cudaStreamNonBlocking));
+  comm.set_compute_stream(user);
+  const std::size_t n = std::size_t{1} << 20, bytes = n * sizeof(float);
+  auto mem = comm.memory();
+  std::vector<std::shared_ptr<void>> buf;
+  for (int i = 0; i < 5; ++i) {
+    buf.push_back(mem.allocate(bytes));
+    poison(comm, buf.back().get(), bytes);
+  }
+  auto* a = static_cast<float*>(buf[0].get());
+  auto* b = static_cast<float*>(buf[1].get());
+  auto* c = static_cast<float*>(buf[2].get());
+  auto* d = static_cast<float*>(buf[3].get());
+  auto* e = static_cast<float*>(buf[4].get());
+  std::mt19937 rng(std::random_device{}());
+  const float base = static_cast<float>(rng() % 1000) + 1.f, other = base + 5000.f;
+  INFO("base = " << base);
+  const auto expect = [&](const float* p, float from, const char* what) {
+    std::vector<float> out(n);
+    mem.download(out.data(), p, bytes);
+    std::size_t wrong = 0;
+    for (std::size_t i = 0; i < n; ++i)
+      if (out[i] != static_cast<float>(i % 4096) + from) ++wrong;
+    CHECK_MESSAGE(wrong == 0, what << ": " << wrong << " of " << n << " elements are not the values written before");
+  };
+  // A slow aside writer of a; work on c only does not wait for it; an all-reduce of a does.
+  NcclComm::work slow = comm.enqueue_aside({{a, bytes}}, [&](cudaStream_t s) {
+    slow_fill<<<64, 256, 0, s>>>(a, n, base, kSpinCycles);
+    LOCKSTEP_CHECK_LAUNCH();
+  });
+  NcclComm::work apart =
+      comm.enqueue({{c, bytes}}, [&](cudaStream_t s) { LOCKSTEP_TRY_CUDA(cudaMemsetAsync(c, 0, bytes, s)); });
+  apart.synchronize();
+  CHECK_FALSE(slow.query());  // the enqueue on c finished while the aside writer still spins
+  NcclComm::work reads = comm.all_reduce(a, b, n, dtype::f32, reduce_op::sum);
+  CHECK_FALSE(reads.query());
+  reads.wait();
+  expect(b, base, "the all-reduce of what aside work wrote");
+  // A slow aside reader of b; an all-reduce that writes b waits for it to have read.
+  mem.upload(e, std::vector<float>(n, other).data(), bytes);  // e: not i % 4096 + anything
+  NcclComm::work reader = comm.enqueue_aside({{b, bytes}, {d, bytes}}, [&](cudaStream_t s) {
+    slow_copy<<<64, 256, 0, s>>>(d, b, n, kSpinCycles);
+    LOCKSTEP_CHECK_LAUNCH();
+  });
+  comm.all_reduce(e, b, n, dtype::f32, reduce_op::sum).wait();
+  reader.wait();
+  expect(d, base, "what aside work read before a collective overwrote it");
+  // enqueue() naming nothing, and synchronize(), wait for all aside work.
+  NcclComm::work fill = comm.enqueue_aside({{c, bytes}}, [&](cudaStream_t s) {
+    slow_fill<<<64, 256, 0, s>>>(c, n, other, kSpinCycles);
+    LOCKSTEP_CHECK_LAUNCH();
+  });
+  comm.enqueue([](cudaStream_t) {}).synchronize();
+  CHECK(fill.query());
+  NcclComm::work fill2 = comm.enqueue_aside({{d, bytes}, {e, bytes}}, [&](cudaStream_t s) {  // e: see the capture
+    slow_fill<<<64, 256, 0, s>>>(d, n, other, kSpinCycles);
+    LOCKSTEP_CHECK_LAUNCH();
+  });
+  comm.synchronize();
+  CHECK(fill2.query());
+  expect(c, other, "aside work waited for by enqueue()");
+  // A capture (StepGraph) with that finished aside work still listed (the collective in the
+  // graph touches e: it checks, without waiting, that the work has finished): aside work in
+  // the graph runs on the communication stream, ordered before the collective that reads it.
+  {
+    lockstep::StepGraph graph(comm, {.warmup = 0});
+    CHECK(graph.run([&] {
+      (void)comm.enqueue_aside({{e, bytes}}, [&](cudaStream_t s) {
+        slow_fill<<<64, 256, 0, s>>>(e, n, base + 1.f, 1000);
+        LOCKSTEP_CHECK_LAUNCH();
+      });
+      comm.all_reduce(e, a, n, dtype::f32, reduce_op::sum).wait();
+    }));
+    comm.synchronize();
+  }
+  expect(a, base + 1.f, "a captured aside writer and the collective after it");
   comm.set_compute_stream(nullptr);  // before `user` goes away
   LOCKSTEP_TRY_CUDA(cudaStreamDestroy(user));
 }

@@ -1,10 +1,11 @@
 #pragma once
 //! NcclComm — a lockstep::communicator over NCCL: one object per rank, one rank per GPU.
 //!
-//! Streams. Each communicator has two streams on its device:
+//! Streams. Each communicator has these streams on its device:
 //!  - the *compute* stream, where the model's kernels run (a stream of its own by default;
 //!    hand yours in with set_compute_stream()). memory() works on it.
-//!  - the *communication* stream (non-blocking, highest priority), where NCCL runs.
+//!  - the *communication* stream (non-blocking, highest priority), where NCCL runs;
+//!  - the *aside* stream, for kernels after a transfer (enqueue_aside; cuda/detail/nccl_aside.cuh).
 //! A collective records an event on the compute stream, makes the communication stream wait
 //! for it (so it sees every gradient computed so far), runs NCCL there and records a
 //! completion event. The returned work's wait() makes the compute stream wait for that event:
@@ -32,21 +33,13 @@
 //!   //              w.wait();   // later kernels on comms[r].compute_stream() see the average
 //! \endcode
 
-#include <algorithm>
-#include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <cstddef>
-#include <cstdio>
-#include <deque>
 #include <initializer_list>
 #include <memory>
-#include <mutex>
-#include <new>
 #include <optional>
 #include <span>
 #include <string>
-#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -179,12 +172,14 @@ class NcclComm : private detail::nccl_control {
     if (count == 0) return {};
     detail::nccl_require(send, "send", "all_reduce");
     detail::nccl_require(recv, "recv", "all_reduce");
-    if (peer) return issue(s, c, [&](cudaStream_t cs) { detail::peer_all_reduce(s, *peer, seal, t, cs); });
+    const auto touched = {device_range{send, count * size_of(t)}, device_range{recv, count * size_of(t)}};
+    if (peer) return issue(s, c, touched, [&](cudaStream_t cs) { detail::peer_all_reduce(s, *peer, seal, t, cs); });
     if (detail::symmetric_reducible(s, send, recv, count, t, op))  // cuda/detail/nccl_symmetric.cuh
-      return issue(s, c, [&](cudaStream_t cs) { detail::symmetric_all_reduce(s, send, recv, count, t, op, cs); });
+      return issue(s, c, touched,
+                   [&](cudaStream_t cs) { detail::symmetric_all_reduce(s, send, recv, count, t, op, cs); });
     const ncclDataType_t nt = to_nccl(t);
     const ncclRedOp_t nop = detail::nccl_reduction(s, op);
-    return issue(s, c, [&](cudaStream_t cs) {
+    return issue(s, c, touched, [&](cudaStream_t cs) {
       if (!s.comm) return detail::nccl_local(send, recv, count * size_of(t), cs);
       LOCKSTEP_TRY_NCCL(ncclAllReduce(send, recv, count, nt, nop, s.comm, cs));
     });
@@ -200,7 +195,7 @@ class NcclComm : private detail::nccl_control {
     if (count == 0) return {};
     detail::nccl_require(buf, "buf", "broadcast");
     const ncclDataType_t nt = to_nccl(t);
-    return issue(s, c, [&](cudaStream_t cs) {
+    return issue(s, c, {{buf, count * size_of(t)}}, [&](cudaStream_t cs) {
       if (s.comm) LOCKSTEP_TRY_NCCL(ncclBroadcast(buf, buf, count, nt, root, s.comm, cs));
     });
   }
@@ -214,8 +209,9 @@ class NcclComm : private detail::nccl_control {
     detail::nccl_require(send, "send", "all_gather");
     detail::nccl_require(recv, "recv", "all_gather");
     const ncclDataType_t nt = to_nccl(t);
-    return issue(s, c, [&](cudaStream_t cs) {
-      if (!s.comm) return detail::nccl_local(send, recv, count * size_of(t), cs);
+    const std::size_t b = count * size_of(t);
+    return issue(s, c, {{send, b}, {recv, b * static_cast<std::size_t>(s.size)}}, [&](cudaStream_t cs) {
+      if (!s.comm) return detail::nccl_local(send, recv, b, cs);
       LOCKSTEP_TRY_NCCL(ncclAllGather(send, recv, count, nt, s.comm, cs));
     });
   }
@@ -229,8 +225,9 @@ class NcclComm : private detail::nccl_control {
     detail::nccl_require(send, "send", "all_to_all");
     detail::nccl_require(recv, "recv", "all_to_all");
     const ncclDataType_t nt = to_nccl(t);
-    return issue(s, c, [&](cudaStream_t cs) {
-      if (!s.comm) return detail::nccl_local(send, recv, count * size_of(t), cs);
+    const std::size_t b = count * size_of(t) * static_cast<std::size_t>(s.size);
+    return issue(s, c, {{send, b}, {recv, b}}, [&](cudaStream_t cs) {
+      if (!s.comm) return detail::nccl_local(send, recv, b, cs);
       LOCKSTEP_TRY_NCCL(ncclAlltoAll(send, recv, count, nt, s.comm, cs));
     });
   }
@@ -247,7 +244,7 @@ class NcclComm : private detail::nccl_control {
     detail::nccl_require(recv, "recv", "shift");
     const ncclDataType_t nt = to_nccl(t);
     const int n = s.size, d = ((distance % n) + n) % n;
-    return issue(s, c, [&](cudaStream_t cs) {
+    return issue(s, c, {{send, count * size_of(t)}, {recv, count * size_of(t)}}, [&](cudaStream_t cs) {
       if (!s.comm || d == 0) return detail::nccl_local(send, recv, count * size_of(t), cs);
       LOCKSTEP_TRY_NCCL(ncclGroupStart());
       const ncclResult_t to = ncclSend(send, count, nt, (s.rank - d + n) % n, s.comm, cs);
@@ -259,21 +256,28 @@ class NcclComm : private detail::nccl_control {
     });
   }
 
-  //! Queues f(stream) on the communication stream: after every collective issued so far and
-  //! the compute stream's work queued so far, before the next collective. The work orders the
-  //! compute stream after it, like a collective's. For kernels between collectives (the bf16
-  //! wire's casts and sums) that must not hold the compute stream.
+  //! Queues f(stream) on the communication stream: after every collective issued so far (and
+  //! all aside work) and the compute stream's work queued so far, before the next collective.
+  //! The work orders the compute stream after it, like a collective's. For kernels between
+  //! collectives (the wires' casts) that must not hold the compute stream. With `touched` (all
+  //! the device memory f reads or writes), it waits only for the aside work that touches it.
   template <class F>
   work enqueue(F&& f) {
-    state& s = live("enqueue");
-    detail::device_guard g(s.device);
-    const cudaStream_t compute = s.compute_stream();
-    LOCKSTEP_TRY_CUDA(cudaEventRecord(s.ready, compute));
-    LOCKSTEP_TRY_CUDA(cudaStreamWaitEvent(s.comm_stream, s.ready, 0));
-    work w(s.events, s.events->acquire(), compute);
-    f(s.comm_stream);
-    LOCKSTEP_TRY_CUDA(cudaEventRecord(w.event(), s.comm_stream));
-    return w;
+    return queue(live("enqueue"), {}, false, f);
+  }
+  template <class F>
+  work enqueue(std::initializer_list<device_range> touched, F&& f) {
+    return queue(live("enqueue"), touched, false, f);
+  }
+  //! Queues f(stream) on the communicator's aside stream (cuda/detail/nccl_aside.cuh), after
+  //! everything queued on the communication stream so far: for kernels that read what a
+  //! transfer brought (ShardedOptimizer::gather_wire's decodes) and that the next transfer
+  //! need not wait for. `touched` must name all the device memory f reads or writes: later
+  //! work on the communication stream that touches it waits for f. In a CUDA graph capture, as
+  //! enqueue.
+  template <class F>
+  work enqueue_aside(std::initializer_list<device_range> touched, F&& f) {
+    return queue(live("enqueue_aside"), touched, true, f);
   }
 
   //! recv (count elements) ← op over ranks of block rank() of send (size()·count elements).
@@ -290,10 +294,12 @@ class NcclComm : private detail::nccl_control {
     detail::nccl_require(recv, "recv", "reduce_scatter");
     const ncclDataType_t nt = to_nccl(t);
     const ncclRedOp_t nop = detail::nccl_reduction(s, op);
+    const auto touched = {device_range{send, count * size_of(t) * static_cast<std::size_t>(s.size)},
+                          device_range{recv, count * size_of(t)}};
     if (detail::copy_engine_reducible(s, send, count, t, op))  // cuda/detail/nccl_window.cuh
-      return issue(s, c,
+      return issue(s, c, touched,
                    [&](cudaStream_t cs) { detail::copy_engine_reduce_scatter(s, send, recv, count, t, op, nt, cs); });
-    return issue(s, c, [&](cudaStream_t cs) {
+    return issue(s, c, touched, [&](cudaStream_t cs) {
       if (!s.comm) return detail::nccl_local(send, recv, count * size_of(t), cs);
       LOCKSTEP_TRY_NCCL(ncclReduceScatter(send, recv, count, nt, nop, s.comm, cs));
     });
@@ -306,7 +312,7 @@ class NcclComm : private detail::nccl_control {
     // An all-reduce of one int underneath, numbered and checked as a barrier (so that the
     // order check tells it from a user's one-element sum).
     const collective c = detail::nccl_check_order(s, collective::barrier());
-    work w = issue(s, c, [&](cudaStream_t cs) {
+    work w = issue(s, c, {}, [&](cudaStream_t cs) {  // after all aside work
       if (s.comm) LOCKSTEP_TRY_NCCL(ncclAllReduce(s.barrier_buf, s.barrier_buf, 1, ncclInt32, ncclSum, s.comm, cs));
     });
     w.synchronize();
@@ -320,6 +326,7 @@ class NcclComm : private detail::nccl_control {
     state& s = live("synchronize");
     LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s.compute_stream()));
     LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s.comm_stream));
+    s.aside.synchronize();
     live("synchronize");
   }
 

@@ -111,7 +111,11 @@ NcclComm::work wire_reduce_scatter(NcclComm& comm, wire_staging& st, void* data,
 //! ShardedOptimizer::gather_wire's all-gather (parallel/detail/value_wire.hpp): unit (size()·per
 //! fp32, rank r's block its replica of rank r's master) ← every rank's master as Codec's wire
 //! carries it — encoded on the communication stream (deltas: master − this rank's block),
-//! all-gathered as bytes, and every block decoded (deltas: added to the replica).
+//! all-gathered as bytes, and every block decoded (deltas: added to the replica) on the aside
+//! stream (NcclComm::enqueue_aside), so that the next unit's encode and gather need not wait for
+//! this decode: with the gathers in the forward, the decode of unit u overlaps the transfer of
+//! u + 1 (bench/RESULTS.md, session 33: the MLP step over NVLink 0.22–0.26 ms faster). Each
+//! unit has staging of its own (wire_staging, by the unit's address).
 template <class Codec>
 NcclComm::work wire_value_gather(NcclComm& comm, wire_staging& st, const float* master, float* unit, std::size_t per,
                                  bool deltas, Codec) {
@@ -127,9 +131,11 @@ NcclComm::work wire_value_gather(NcclComm& comm, wire_staging& st, const float* 
   auto* all = static_cast<unsigned char*>(st.get(detail::wire_memory{comm}, unit, n * cb));
   unsigned char* mine = all + r * cb;
   const float* own = unit + r * per;
-  (void)comm.enqueue([&](cudaStream_t s) { dev::encode(master, 1, per, mine, s, deltas ? own : nullptr); });
+  const device_range gathered{all, n * cb}, values{unit, n * per * sizeof(float)};
+  (void)comm.enqueue({gathered, {master, per * sizeof(float)}, {own, per * sizeof(float)}},
+                     [&](cudaStream_t s) { dev::encode(master, 1, per, mine, s, deltas ? own : nullptr); });
   (void)comm.all_gather(mine, all, cb, dtype::u8);
-  return comm.enqueue([&](cudaStream_t s) { dev::decode(all, ranks, per, unit, s, deltas); });
+  return comm.enqueue_aside({gathered, values}, [&](cudaStream_t s) { dev::decode(all, ranks, per, unit, s, deltas); });
 }
 
 }  // namespace lockstep

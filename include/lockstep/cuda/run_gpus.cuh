@@ -43,8 +43,7 @@ void run(Gpus mode, Body&& body) {
         LOCKSTEP_TRY_CUDA(cudaSetDevice(ctx.device()));
         body(ctx);
         // Finish this rank's queued work before its communicator goes away.
-        LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(ctx.comm().compute_stream()));
-        LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(ctx.comm().comm_stream()));
+        ctx.comm().synchronize();   // compute, communication and aside streams
         ctx.comm().verify_order();  // the last collectives' order check, compared now
       },
       [&](const std::string& why) {

@@ -172,8 +172,7 @@ void run(Processes mode, Body&& body) {
   const std::string me = "rank " + std::to_string(info.rank);
   try {
     body(ctx);
-    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(ctx.comm().compute_stream()));
-    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(ctx.comm().comm_stream()));
+    ctx.comm().synchronize();   // compute, communication and aside streams
     ctx.comm().verify_order();  // the last collectives' order check, compared now
   } catch (const std::exception& e) {
     ctx.set_elastic(nullptr);

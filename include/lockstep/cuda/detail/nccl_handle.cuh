@@ -7,6 +7,7 @@
 #include <atomic>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include <cuda_runtime_api.h>
@@ -120,22 +121,59 @@ class nccl_handle {
     return *s_;
   }
 
+  // Queues call(stream) on the communication stream after the compute stream's work so far,
+  // once that stream waits for the aside work that touches `touched` ({}: anything). A call
+  // that ends on another stream (nccl_aside::run) returns it: the work's event is recorded there.
   template <class Call>
-  nccl_work issue(state& s, const collective& c, Call&& call) {
+  nccl_work issue(state& s, const collective& c, nccl_aside::ranges touched, Call&& call) {
     device_guard g(s.device);
-    const cudaStream_t compute = s.compute_stream();
-    LOCKSTEP_TRY_CUDA(cudaEventRecord(s.ready, compute));
-    LOCKSTEP_TRY_CUDA(cudaStreamWaitEvent(s.comm_stream, s.ready, 0));
+    const cudaStream_t compute = after_compute(s);
+    s.aside.order(s.comm_stream, touched);
     nccl_work w(s.events, s.events->acquire(), compute);  // gives the event back if we throw below
     // Marked before the call, which may block inside NCCL (nccl_marker); completed after.
     nccl_marker mark(s, c);
-    call(s.comm_stream);
-    LOCKSTEP_TRY_CUDA(cudaEventRecord(w.event(), s.comm_stream));
+    LOCKSTEP_TRY_CUDA(cudaEventRecord(w.event(), call_on(s.comm_stream, call)));
     mark.done();
     return w;
   }
 
+  // NcclComm::enqueue and enqueue_aside: f(stream) on the communication stream (after the
+  // aside work that touches `touched`) or on the aside stream.
+  template <class F>
+  nccl_work queue(state& s, nccl_aside::ranges touched, bool aside, F&& f) {
+    device_guard g(s.device);
+    const cudaStream_t compute = after_compute(s);
+    nccl_work w(s.events, s.events->acquire(), compute);
+    cudaStream_t end = s.comm_stream;
+    if (aside) {
+      end = s.aside.run(s.comm_stream, touched, f);
+    } else {
+      s.aside.order(s.comm_stream, touched);
+      f(s.comm_stream);
+    }
+    LOCKSTEP_TRY_CUDA(cudaEventRecord(w.event(), end));
+    return w;
+  }
+
   std::shared_ptr<state> s_;
+
+ private:
+  // The communication stream waits for the compute stream's work so far; returns the latter.
+  static cudaStream_t after_compute(state& s) {
+    const cudaStream_t compute = s.compute_stream();
+    LOCKSTEP_TRY_CUDA(cudaEventRecord(s.ready, compute));
+    LOCKSTEP_TRY_CUDA(cudaStreamWaitEvent(s.comm_stream, s.ready, 0));
+    return compute;
+  }
+  template <class Call>
+  static cudaStream_t call_on(cudaStream_t stream, Call& call) {
+    if constexpr (std::is_same_v<decltype(call(stream)), cudaStream_t>) {
+      return call(stream);
+    } else {
+      call(stream);
+      return stream;
+    }
+  }
 };
 
 }  // namespace lockstep::detail

@@ -28,6 +28,7 @@
 #include "lockstep/comm/collective.hpp"
 #include "lockstep/comm/order_check.hpp"
 #include "lockstep/core/detail/env.hpp"
+#include "lockstep/cuda/detail/nccl_aside.cuh"
 #include "lockstep/cuda/detail/nccl_seals.cuh"
 #include "lockstep/cuda/detail/nccl_work.cuh"
 #include "lockstep/cuda/error.cuh"
@@ -101,6 +102,8 @@ struct nccl_state {
   //! The rank as launched (rank here until regroup() makes a smaller group of the job).
   int job_rank = 0;
   cudaStream_t comm_stream = nullptr;
+  //! The second stream, for the kernels after a transfer (cuda/detail/nccl_aside.cuh).
+  nccl_aside aside;
   cudaStream_t own_compute = nullptr;
   cudaStream_t compute = nullptr;  // unused while follows_parent
   //! A sub-communicator orders on its parent's compute stream, including one the parent is
@@ -203,6 +206,7 @@ struct nccl_state {
     for (const auto& p : pending) (void)cudaEventDestroy(p.event);
     for (cudaEvent_t e : spare) (void)cudaEventDestroy(e);
     // Streams with queued work are released once it completes (cudaStreamDestroy).
+    aside.release();
     if (comm_stream != nullptr) (void)cudaStreamDestroy(comm_stream);
     if (own_compute != nullptr) (void)cudaStreamDestroy(own_compute);
   }
@@ -270,7 +274,8 @@ struct nccl_state {
     }
     const auto start = std::chrono::steady_clock::now();
     for (auto pause = std::chrono::milliseconds(1);; pause = std::min(2 * pause, std::chrono::milliseconds(50))) {
-      const cudaError_t q = cudaStreamQuery(comm_stream);
+      cudaError_t q = cudaStreamQuery(comm_stream);
+      if (q == cudaSuccess) q = aside.query();              // its kernels may still read the wires' staging
       if (q != cudaErrorNotReady) return q == cudaSuccess;  // a failed device: abort, do not wait
       ncclResult_t r = ncclSuccess;
       if (comm != nullptr &&
