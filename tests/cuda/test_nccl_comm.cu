@@ -392,14 +392,30 @@ TEST_CASE("NcclComm rejects bad arguments with config_error") {
   CHECK_THROWS_AS(comms[0].all_reduce(buf.get(), buf.get(), 1, dtype::f32, reduce_op::sum), lockstep::config_error);
 }
 
+// One GPU's communicator ordered on a stream of the test's own (set_compute_stream), given back
+// before that stream goes.
+struct one_gpu_on_user_stream {
+  std::vector<NcclComm> comms = NcclComm::create_local({0});
+  NcclComm& comm = comms[0];
+  cudaStream_t user = nullptr;
+  one_gpu_on_user_stream() {
+    LOCKSTEP_TRY_CUDA(cudaSetDevice(0));
+    LOCKSTEP_TRY_CUDA(cudaStreamCreateWithFlags(&user, cudaStreamNonBlocking));
+    comm.set_compute_stream(user);
+  }
+  ~one_gpu_on_user_stream() {
+    comm.set_compute_stream(nullptr);
+    (void)cudaStreamDestroy(user);
+  }
+  one_gpu_on_user_stream(const one_gpu_on_user_stream&) = delete;
+  one_gpu_on_user_stream& operator=(const one_gpu_on_user_stream&) = delete;
+};
+
 TEST_CASE("NcclComm: collectives wait for the compute stream and work handles order or block on the result") {
   LOCKSTEP_REQUIRE_GPUS(1);
-  auto comms = NcclComm::create_local({0});
-  NcclComm& comm = comms[0];
-  LOCKSTEP_TRY_CUDA(cudaSetDevice(0));
-  cudaStream_t user = nullptr;
-  LOCKSTEP_TRY_CUDA(cudaStreamCreateWithFlags(&user, cudaStreamNonBlocking));
-  comm.set_compute_stream(user);
+  one_gpu_on_user_stream on;
+  NcclComm& comm = on.comm;
+  const cudaStream_t user = on.user;
   CHECK(comm.compute_stream() == user);
   CHECK(comm.memory().stream() == user);
   CHECK(comm.comm_stream() != user);
@@ -434,9 +450,6 @@ TEST_CASE("NcclComm: collectives wait for the compute stream and work handles or
   empty.wait();
   empty.synchronize();
   CHECK(comm.all_reduce(nullptr, nullptr, 0, dtype::f32, reduce_op::sum).query());  // zero length
-
-  comm.set_compute_stream(nullptr);  // before `user` goes away
-  LOCKSTEP_TRY_CUDA(cudaStreamDestroy(user));
 }
 
 // enqueue_aside (cuda/detail/nccl_aside.cuh): aside work runs beside the communication stream.
@@ -446,12 +459,9 @@ TEST_CASE("NcclComm: collectives wait for the compute stream and work handles or
 // random bases per run. Then a CUDA graph capture with finished aside work still listed.
 TEST_CASE("NcclComm: enqueue_aside - later work touching its memory waits for it - other work does not - capture") {
   LOCKSTEP_REQUIRE_GPUS(1);
-  auto comms = NcclComm::create_local({0});
-  NcclComm& comm = comms[0];
-  LOCKSTEP_TRY_CUDA(cudaSetDevice(0));
-  cudaStream_t user = nullptr;
-  LOCKSTEP_TRY_CUDA(cudaStreamCreateWithFlags(&user, cudaStreamNonBlocking));
-  comm.set_compute_stream(user);
+  one_gpu_on_user_stream on;
+  NcclComm& comm = on.comm;
+  const cudaStream_t user = on.user;
   const std::size_t n = std::size_t{1} << 20, bytes = n * sizeof(float);
   auto mem = comm.memory();
   std::vector<std::shared_ptr<void>> buf;
@@ -526,8 +536,6 @@ TEST_CASE("NcclComm: enqueue_aside - later work touching its memory waits for it
     comm.synchronize();
   }
   expect(a, base + 1.f, "a captured aside writer and the collective after it");
-  comm.set_compute_stream(nullptr);  // before `user` goes away
-  LOCKSTEP_TRY_CUDA(cudaStreamDestroy(user));
 }
 
 TEST_CASE("NcclComm: abort() stops the communicator and later calls say why") {
