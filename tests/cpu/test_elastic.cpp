@@ -894,6 +894,66 @@ TEST_CASE("the coordinator gone or too few ranks left: every survivor is told wh
   CHECK_THROWS_AS(membership::whole(3, 3), lockstep::config_error);
 }
 
+// The coordinator's loop ends after its last step passed while the others' last step failed
+// after its collective (on GPUs: a commit() aborted by a watchdog that saw a third rank go): no
+// change of membership will come, and they hear so from the store at once (the coordinator's
+// ElasticGroup says "ended" as it goes) instead of waiting out its timeout (60 s here).
+// store_of(job rank): that rank's store.
+template <class StoreOf>
+void check_coordinator_ended(int world, std::int64_t last, StoreOf store_of) {
+  CAPTURE(world);
+  CAPTURE(last);
+  std::vector<std::string> errors(static_cast<std::size_t>(world));
+  std::vector<std::chrono::milliseconds> took(static_cast<std::size_t>(world));
+  std::vector<std::int64_t> steps(static_cast<std::size_t>(world), -1);
+  lockstep::run(lockstep::Threads{world}, [&](lockstep::context<lockstep::ThreadComm>& ctx) {
+    const auto r = static_cast<std::size_t>(ctx.rank());
+    lockstep::ElasticGroup group(ctx, store_of(ctx.rank()));
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      for (std::int64_t s = 0; s < last; ++s) {
+        const auto c = group.attempt([&] {
+          std::vector<float> x{static_cast<float>(r + 1)};
+          group.comm().all_reduce(x.data(), x.data(), 1, lockstep::dtype::f32, lockstep::reduce_op::sum).wait();
+          if (s == last - 1 && r != 0) throw lockstep::aborted_error("injected: this rank's commit was aborted");
+        });
+        REQUIRE_FALSE(c.has_value());
+      }
+    } catch (const lockstep::aborted_error& e) {
+      errors[r] = e.what();
+    }
+    took[r] = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
+    steps[r] = group.steps();
+  });
+  CHECK(errors[0].empty());
+  CHECK(steps[0] == last);
+  for (std::size_t r = 1; r < errors.size(); ++r) {
+    CAPTURE(r);
+    CAPTURE(errors[r]);
+    CHECK(errors[r].find("job rank 0, which coordinates changes of membership, ended its training loop after step " +
+                         std::to_string(last) + " while this rank's step failed") != std::string::npos);
+    CHECK(took[r] < 20s);
+  }
+}
+
+TEST_CASE("the coordinator's training loop ended while a survivor's step failed - the survivor is told at once - not "
+          "after the store's timeout - HashStore and TcpStore") {
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
+  const int world = 2 + static_cast<int>(rng() % 2);
+  const std::int64_t last = 2 + static_cast<std::int64_t>(rng() % 3);
+  {
+    lockstep::HashStore st(world, 60s);
+    check_coordinator_ended(world, last, [&](int) -> lockstep::HashStore& { return st; });
+  }
+  const std::string token = "ended-" + std::to_string(rng());
+  lockstep::TcpStore server("127.0.0.1", 0, true, world, token, 60s);
+  std::map<int, std::unique_ptr<lockstep::TcpStore>> clients;
+  for (int r = 1; r < world; ++r)
+    clients[r] = std::make_unique<lockstep::TcpStore>("127.0.0.1", server.port(), false, world, token, 60s);
+  check_coordinator_ended(world, last,
+                          [&](int job) -> lockstep::TcpStore& { return job == 0 ? server : *clients[job]; });
+}
+
 TEST_CASE("going on with fewer ranks: the same global batch by more micro-steps - or the learning rate rescaled") {
   auto change = [](int before, int after) {
     membership_change c;

@@ -77,10 +77,10 @@ void check_sharded_equals_unsharded(const config& c) {
 }
 
 // The sharded run of config c, whose training state and sharded optimizer state after step
-// at − 1 go into `saved` (what a checkpoint holds).
-template <class T>
+// at − 1 go into `saved` (what a checkpoint holds). Bindable: the values in the shards' arena.
+template <class T, bool Bindable = true>
 outcome train_saving(const dataset& d, const config& c, std::uint64_t init_seed, int at, lockstep::Checkpoint& saved) {
-  return train<T, true, true>(d, c, init_seed, [&](auto& ctx, auto& dp, auto& opt, int s) {
+  return train<T, true, Bindable>(d, c, init_seed, [&](auto& ctx, auto& dp, auto& opt, int s) {
     if (s != at - 1) return;
     auto state = lockstep::gather_sharded(dp, opt);
     if (ctx.rank() == 0) {
@@ -94,11 +94,11 @@ outcome train_saving(const dataset& d, const config& c, std::uint64_t init_seed,
 
 // The sharded run of config c from step `at` on, with fresh models (other initial values): the
 // training state and the sharded optimizer state come from `saved`; then loaded(dp, opt).
-template <class T, class Loaded = std::nullptr_t>
+template <class T, bool Bindable = true, class Loaded = std::nullptr_t>
 outcome resume(const dataset& d, config c, int at, const lockstep::Checkpoint& saved, std::uint64_t init_seed,
                Loaded loaded = nullptr) {
   c.first_step = at;
-  return train<T, true, true>(d, c, init_seed, nullptr, [&](auto& dp, auto& opt) {
+  return train<T, true, Bindable>(d, c, init_seed, nullptr, [&](auto& dp, auto& opt) {
     lockstep::restore_training_state(saved, dp);
     lockstep::load_sharded(dp, opt, saved.blob("optimizer"));
     if constexpr (!std::is_same_v<Loaded, std::nullptr_t>) loaded(dp, opt);
@@ -178,37 +178,44 @@ TEST_CASE_TEMPLATE("sharded: a checkpoint of the sharded state resumes bit for b
 // With a low-precision gather_wire the masters are apart from the values the model reads: a
 // checkpoint (which makes the replicas exact first) holds the masters, and the resumed run
 // continues bit for bit — also packed, deferred, with accumulation and an injected inf.
-TEST_CASE("sharded gather_wire: a checkpoint resumes bit for bit - bf16 and int8 - deltas and values") {
+TEST_CASE("sharded gather_wire: a checkpoint resumes bit for bit - bf16 and int8 - deltas and values - bound and "
+          "packed") {
   const auto seed = fresh_seed();
   CAPTURE(seed);
   const auto d = make_data(seed, 211);
   const int at = 3;
   using lockstep::wire_format;
+  const auto check = [&]<bool Bindable>(std::bool_constant<Bindable>, wire_format wire, bool deltas, bool deferred) {
+    CAPTURE(Bindable);
+    CAPTURE(lockstep::name_of(wire));
+    CAPTURE(deltas);
+    CAPTURE(deferred);
+    const config c{.ranks = 3,
+                   .accumulate = 2,
+                   .steps = 7,
+                   .buckets = {.first_bytes = 300, .cap_bytes = 700},
+                   .inf_step = 5,
+                   .inf_at = 3,
+                   .gather_in_forward = deferred,
+                   .gather_wire = wire,
+                   .gather_deltas = deltas};
+    lockstep::Checkpoint saved;
+    const auto whole = train_saving<float, Bindable>(d, c, seed + 1, at, saved);
+    const auto resumed = resume<float, Bindable>(d, c, at, saved, seed + 99);
+    CHECK(whole.values_bound == Bindable);
+    for (int r = 0; r < c.ranks; ++r) CHECK(resumed.values[static_cast<std::size_t>(r)] == whole.values[0]);
+    CHECK(resumed.final_scale == whole.final_scale);
+    CHECK(resumed.applied == std::vector<int>(whole.applied.begin() + at, whole.applied.end()));
+    // and the wire changed the run: the fp32 gather's ends elsewhere
+    config fp32 = c;
+    fp32.gather_wire = wire_format::fp32;
+    CHECK(train<float, true, Bindable>(d, fp32, seed + 1).values[0] != whole.values[0]);
+  };
   for (const auto wire : {wire_format::bf16, wire_format::int8})
-    for (const bool deltas : {true, false})
-      for (const bool deferred : {false, true}) {
-        CAPTURE(deltas);
-        CAPTURE(deferred);
-        const config c{.ranks = 3,
-                       .accumulate = 2,
-                       .steps = 7,
-                       .buckets = {.first_bytes = 300, .cap_bytes = 700},
-                       .inf_step = 5,
-                       .inf_at = 3,
-                       .gather_in_forward = deferred,
-                       .gather_wire = wire,
-                       .gather_deltas = deltas};
-        lockstep::Checkpoint saved;
-        const auto whole = train_saving<float>(d, c, seed + 1, at, saved);
-        const auto resumed = resume<float>(d, c, at, saved, seed + 99);
-        for (int r = 0; r < c.ranks; ++r) CHECK(resumed.values[static_cast<std::size_t>(r)] == whole.values[0]);
-        CHECK(resumed.final_scale == whole.final_scale);
-        CHECK(resumed.applied == std::vector<int>(whole.applied.begin() + at, whole.applied.end()));
-        // and the wire changed the run: the fp32 gather's ends elsewhere
-        config fp32 = c;
-        fp32.gather_wire = wire_format::fp32;
-        CHECK(train<float, true, true>(d, fp32, seed + 1).values[0] != whole.values[0]);
-      }
+    for (const bool deferred : {false, true}) {
+      for (const bool deltas : {true, false}) check(std::true_type{}, wire, deltas, deferred);
+      check(std::false_type{}, wire, true, deferred);  // packed: the values apart from the shards' arena
+    }
 }
 
 // Resharding: state saved by 4 ranks resumes on 1, 2 and 3 ranks (the same global batch of 12

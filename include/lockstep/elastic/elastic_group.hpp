@@ -93,6 +93,18 @@ class ElasticGroup {
   }
   ElasticGroup(const ElasticGroup&) = delete;
   ElasticGroup& operator=(const ElasticGroup&) = delete;
+  //! The coordinator's group ending without an exception in flight (its training loop is
+  //! done) says so in the store: a member still waiting for a change of membership is told at
+  //! once instead of waiting out the store's timeout (membership.hpp, step 5).
+  ~ElasticGroup() {
+    if (std::uncaught_exceptions() > 0 || now_.rank != 0 || now_.ranks.empty()) return;
+    try {
+      byte_writer w;
+      w.write(steps_);
+      store_->set(detail::elastic_key(now_.epoch, "ended"), std::move(w).release());
+    } catch (...) {  // the store is gone: nobody waits on it
+    }
+  }
 
   //! The communicator of the ranks that go on (a new one after each change).
   Comm& comm() noexcept { return *comm_; }

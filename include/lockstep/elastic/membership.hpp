@@ -17,6 +17,10 @@
 //!  4. Every survivor reads the decision (waiting at most the store's timeout). A rank not in
 //!     it (it reported after the decision) is told so by aborted_error, as is every rank when
 //!     the job cannot go on, or when the coordinator is gone (no decision can come).
+//!  5. A coordinator whose training loop ended (its ElasticGroup went without an exception in
+//!     flight) sets "ended" to the steps it completed: no decision will come, and a survivor
+//!     waiting for one is told so by aborted_error at once, not after the store's timeout (its
+//!     step failed where the coordinator's passed: the job's result is the coordinator's).
 //! A rank that fails during the change is in the decision if it reported before failing; the
 //! smaller communicator's construction then fails on the others, and they change again.
 
@@ -113,6 +117,41 @@ inline decoded_ranks decode_ranks(std::span<const std::byte> bytes, const std::s
   return out;
 }
 
+//! aborted_error, naming the step, when the coordinator's training loop ended (`ended_key` is
+//! set: step 5 of the protocol).
+template <store S>
+void refuse_if_ended(S& st, const std::string& ended_key, const std::string& who, int coordinator) {
+  if (!st.check({ended_key})) return;
+  const std::vector<std::byte> record = st.get(ended_key);
+  byte_reader r(record, "membership record '" + ended_key + "'");
+  const auto steps = r.read<std::int64_t>();
+  throw aborted_error(who + ": job rank " + std::to_string(coordinator) +
+                      ", which coordinates changes of membership, ended its training loop after step " +
+                      std::to_string(steps) +
+                      " while this rank's step failed: no change of membership will come, and the job's result is "
+                      "job rank " +
+                      std::to_string(coordinator) + "'s model");
+}
+
+//! Waits for `decision_key` (the store's timeout at most), polling, and throws aborted_error
+//! when the coordinator's loop ended instead (`ended_key`: step 5 of the protocol).
+template <store S>
+std::vector<std::byte> await_decision(S& st, const std::string& decision_key, const std::string& ended_key,
+                                      const std::string& who, int coordinator) {
+  const auto start = std::chrono::steady_clock::now();
+  for (auto pause = std::chrono::milliseconds(1);; pause = std::min(2 * pause, std::chrono::milliseconds(50))) {
+    if (st.check({decision_key})) return st.get(decision_key);
+    refuse_if_ended(st, ended_key, who, coordinator);
+    const auto waited = std::chrono::steady_clock::now() - start;
+    if (waited >= st.timeout())
+      throw timeout_error(who + ": no decision on who goes on came from job rank " + std::to_string(coordinator) +
+                          ", which coordinates changes of membership (gone too?), within the store's timeout (" +
+                          std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(st.timeout()).count()) +
+                          " ms)");
+    std::this_thread::sleep_for(pause);
+  }
+}
+
 inline std::string rank_list(std::span<const int> ranks) {
   std::string s;
   for (int r : ranks) s += (s.empty() ? "" : ", ") + std::to_string(r);
@@ -161,8 +200,9 @@ std::vector<std::byte> coordinate(S& st, const membership& now, GoneNow& gone_no
 //! job ranks this rank knows are gone (e.g. ThreadComm::failed_ranks); the coordinator asks
 //! it again while it waits. Returns the change, `after.epoch` = now.epoch + 1, `after.rank`
 //! this process's rank in the smaller group. Throws aborted_error, naming why, when this rank
-//! is not among them, when fewer than o.min_ranks remain, or when the coordinator
-//! (now.ranks[0]) is gone; timeout_error when no decision came within the store's timeout.
+//! is not among them, when fewer than o.min_ranks remain, when the coordinator (now.ranks[0])
+//! is gone or its training loop ended; timeout_error when no decision came within the store's
+//! timeout.
 //! `steps`: the steps this rank completed; the coordinator's reach every survivor (`steps` of
 //! the change).
 template <store S, class GoneNow>
@@ -174,6 +214,9 @@ membership_change agree_on_survivors(S& st, const membership& now, GoneNow gone_
                        " is outside the membership of " + std::to_string(now.size()) + " ranks");
   const int coordinator = now.ranks.front();
   const std::string who = "rank " + std::to_string(now.job_rank());
+  const std::string ended_key = detail::elastic_key(now.epoch, "ended");
+  // A coordinator whose loop ended counts as gone too (ranks as threads): say which it was.
+  if (now.job_rank() != coordinator) detail::refuse_if_ended(st, ended_key, who, coordinator);
   const std::vector<int> known_gone = gone_now();
   if (std::find(known_gone.begin(), known_gone.end(), coordinator) != known_gone.end())
     throw aborted_error(who + ": job rank " + std::to_string(coordinator) +
@@ -189,12 +232,7 @@ membership_change agree_on_survivors(S& st, const membership& now, GoneNow gone_
     st.set(decision_key, decision);
   } else {
     st.set(detail::elastic_key(now.epoch, "alive/" + std::to_string(now.job_rank())), detail::encode_ranks(known_gone));
-    try {
-      decision = st.get(decision_key);
-    } catch (const timeout_error& e) {
-      throw timeout_error(who + ": no decision on who goes on came from job rank " + std::to_string(coordinator) +
-                          ", which coordinates changes of membership (gone too?): " + e.what());
-    }
+    decision = detail::await_decision(st, decision_key, ended_key, who, coordinator);
   }
   const auto got = detail::decode_ranks(decision, decision_key);
   if (!got.failure.empty()) throw aborted_error(who + ": the job cannot go on: " + got.failure);
