@@ -6,7 +6,8 @@
 //!                 block: fp32, or encoded again) · all_gather(encoded block → recv) ·
 //!                 decode(recv → bucket)
 //!
-//! Everything runs on the communicator's stream (NcclComm::enqueue between the collectives):
+//! The gradient wires run everything on the communicator's stream (NcclComm::enqueue between
+//! the collectives; the value gather below decodes on the aside stream):
 //! the compute stream waits only for the returned work. Bytes per value on the wire: the
 //! codec's chunk bytes · (N−1)/N each way for the all-to-all and the all-gather — half an fp32
 //! ring all-reduce's with bf16, about a quarter with int8.

@@ -59,7 +59,7 @@ class ElasticGroup {
   //! The job's communicator `comm` (its ranks are the job ranks), the job's store.
   ElasticGroup(Comm comm, Store& store, SurvivorOptions o = {})
       : own_(std::move(comm)), comm_(&*own_), store_(&store), opt_(o),
-        now_(membership::whole(comm_->size(), comm_->rank())) {}
+        now_(membership::whole(comm_->size(), comm_->rank())), generation_(count_group()) {}
   //! On the context of ranks as threads (a communicator made from the context's, the job's
   //! store given). With run(Threads{.max_restarts = k}) the members look for replacements at
   //! commit(), and a rank that was started again (ctx.restart_count() > 0) joins the running
@@ -86,6 +86,7 @@ class ElasticGroup {
     now_.rank = comm_->rank();
     steps_ = first.steps;
     replacement_ = first.epoch > 0;
+    generation_ = count_group();
     if (now_.ranks.size() != static_cast<std::size_t>(comm_->size()))
       throw config_error("ElasticGroup: the context's communicator has " + std::to_string(comm_->size()) +
                          " ranks, its membership " + std::to_string(now_.ranks.size()) +
@@ -93,15 +94,15 @@ class ElasticGroup {
   }
   ElasticGroup(const ElasticGroup&) = delete;
   ElasticGroup& operator=(const ElasticGroup&) = delete;
-  //! The coordinator's group ending without an exception in flight (its training loop is
-  //! done) says so in the store: a member still waiting for a change of membership is told at
-  //! once instead of waiting out the store's timeout (membership.hpp, step 5).
+  //! The coordinator's group ending after a completed step (its training loop is done) says
+  //! so in the store: a member still waiting for a change of membership is told at once
+  //! instead of waiting out the store's timeout (membership.hpp, step 5).
   ~ElasticGroup() {
-    if (std::uncaught_exceptions() > 0 || now_.rank != 0 || now_.ranks.empty()) return;
+    if (!completed_ || std::uncaught_exceptions() > 0 || now_.rank != 0 || now_.ranks.empty()) return;
     try {
       byte_writer w;
       w.write(steps_);
-      store_->set(detail::elastic_key(now_.epoch, "ended"), std::move(w).release());
+      store_->set(ended_key(), std::move(w).release());
     } catch (...) {  // the store is gone: nobody waits on it
     }
   }
@@ -164,6 +165,7 @@ class ElasticGroup {
   //! change without running step(): run it next, with the data cut for the larger group.
   template <class Step>
   std::optional<membership_change> attempt(Step&& step) {
+    completed_ = false;
     if (grow_) {
       grow_ = false;
       try {
@@ -178,6 +180,7 @@ class ElasticGroup {
     try {
       std::forward<Step>(step)();
       ++steps_;
+      completed_ = true;
       return std::nullopt;
     } catch (const std::exception& e) {
       if (!released(e)) throw;
@@ -283,13 +286,19 @@ class ElasticGroup {
         for (int r : comm_->failed_ranks()) gone.push_back(r);
       return gone;
     };
-    membership_change c = agree_on_survivors(*store_, now_, gone_now, opt_, steps_);
+    membership_change c = agree_on_survivors(*store_, now_, gone_now, opt_, steps_, ended_key());
     if (link_ && c.gone.empty())
       throw aborted_error("rank " + std::to_string(now_.job_rank()) +
                           ": the communicator was released, but every rank is still there: " + link_failure() +
                           "; this is not a lost rank, so the job cannot go on without it");
     return c;
   }
+
+  // This rank's groups on the store, this one counted.
+  std::int64_t count_group() { return store_->add("lockstep.elastic/groups/" + std::to_string(now_.job_rank()), 1); }
+  // Step 5's key for this group: by its generation, so that a later group on the same store
+  // (its epochs start again) does not read this one's.
+  std::string ended_key() const { return detail::elastic_key(now_.epoch, "ended/" + std::to_string(generation_)); }
 
   std::string link_failure() const {
     const auto why = link_ ? link_->failure() : std::nullopt;
@@ -303,6 +312,11 @@ class ElasticGroup {
   SurvivorOptions opt_;
   membership now_;
   std::int64_t steps_ = 0;
+  //! This rank's groups on the store so far, this one included: the same on every rank that
+  //! made as many (a replacement that joined counts its own; it then waits for a decision the
+  //! ended coordinator never makes until the store's timeout, as before step 5).
+  std::int64_t generation_ = 0;
+  bool completed_ = false;  // the last attempt() ran its step to the end
   bool replacement_ = false;
   bool joins_ = false;             // replacements may join (ranks as threads, restarted: commit() asks)
   bool grow_ = false;              // commit() said: admit a replacement

@@ -17,10 +17,11 @@
 //!  4. Every survivor reads the decision (waiting at most the store's timeout). A rank not in
 //!     it (it reported after the decision) is told so by aborted_error, as is every rank when
 //!     the job cannot go on, or when the coordinator is gone (no decision can come).
-//!  5. A coordinator whose training loop ended (its ElasticGroup went without an exception in
-//!     flight) sets "ended" to the steps it completed: no decision will come, and a survivor
-//!     waiting for one is told so by aborted_error at once, not after the store's timeout (its
-//!     step failed where the coordinator's passed: the job's result is the coordinator's).
+//!  5. A coordinator whose training loop ended (its ElasticGroup went after a completed step)
+//!     sets the key `ended` names (ElasticGroup: "ended/<generation>", the group's number among
+//!     those this rank made on the store, so that a later group on the same store does not read
+//!     it) to the steps it completed: no decision will come, and a survivor asking for one is
+//!     told so by aborted_error at once, not after the store's timeout.
 //! A rank that fails during the change is in the decision if it reported before failing; the
 //! smaller communicator's construction then fails on the others, and they change again.
 
@@ -118,19 +119,17 @@ inline decoded_ranks decode_ranks(std::span<const std::byte> bytes, const std::s
 }
 
 //! aborted_error, naming the step, when the coordinator's training loop ended (`ended_key` is
-//! set: step 5 of the protocol).
+//! set: step 5 of the protocol; "" watches nothing).
 template <store S>
 void refuse_if_ended(S& st, const std::string& ended_key, const std::string& who, int coordinator) {
-  if (!st.check({ended_key})) return;
+  if (ended_key.empty() || !st.check({ended_key})) return;
   const std::vector<std::byte> record = st.get(ended_key);
   byte_reader r(record, "membership record '" + ended_key + "'");
   const auto steps = r.read<std::int64_t>();
   throw aborted_error(who + ": job rank " + std::to_string(coordinator) +
                       ", which coordinates changes of membership, ended its training loop after step " +
                       std::to_string(steps) +
-                      " while this rank's step failed: no change of membership will come, and the job's result is "
-                      "job rank " +
-                      std::to_string(coordinator) + "'s model");
+                      " while this rank's step failed: no change of membership will come, so this rank cannot go on");
 }
 
 //! Waits for `decision_key` (the store's timeout at most), polling, and throws aborted_error
@@ -204,19 +203,19 @@ std::vector<std::byte> coordinate(S& st, const membership& now, GoneNow& gone_no
 //! is gone or its training loop ended; timeout_error when no decision came within the store's
 //! timeout.
 //! `steps`: the steps this rank completed; the coordinator's reach every survivor (`steps` of
-//! the change).
+//! the change). `ended`: the key a coordinator whose training loop ended sets (step 5 of the
+//! protocol; ElasticGroup passes its own), "" for none.
 template <store S, class GoneNow>
   requires std::is_invocable_r_v<std::vector<int>, GoneNow&>
 membership_change agree_on_survivors(S& st, const membership& now, GoneNow gone_now, const SurvivorOptions& o = {},
-                                     std::int64_t steps = 0) {
+                                     std::int64_t steps = 0, const std::string& ended = {}) {
   if (now.rank < 0 || now.rank >= now.size())
     throw config_error("agree_on_survivors: this rank's place " + std::to_string(now.rank) +
                        " is outside the membership of " + std::to_string(now.size()) + " ranks");
   const int coordinator = now.ranks.front();
   const std::string who = "rank " + std::to_string(now.job_rank());
-  const std::string ended_key = detail::elastic_key(now.epoch, "ended");
   // A coordinator whose loop ended counts as gone too (ranks as threads): say which it was.
-  if (now.job_rank() != coordinator) detail::refuse_if_ended(st, ended_key, who, coordinator);
+  if (now.job_rank() != coordinator) detail::refuse_if_ended(st, ended, who, coordinator);
   const std::vector<int> known_gone = gone_now();
   if (std::find(known_gone.begin(), known_gone.end(), coordinator) != known_gone.end())
     throw aborted_error(who + ": job rank " + std::to_string(coordinator) +
@@ -232,7 +231,7 @@ membership_change agree_on_survivors(S& st, const membership& now, GoneNow gone_
     st.set(decision_key, decision);
   } else {
     st.set(detail::elastic_key(now.epoch, "alive/" + std::to_string(now.job_rank())), detail::encode_ranks(known_gone));
-    decision = detail::await_decision(st, decision_key, ended_key, who, coordinator);
+    decision = detail::await_decision(st, decision_key, ended, who, coordinator);
   }
   const auto got = detail::decode_ranks(decision, decision_key);
   if (!got.failure.empty()) throw aborted_error(who + ": the job cannot go on: " + got.failure);

@@ -7,17 +7,25 @@
 //!
 //! Each piece of aside work names the device memory it touches. Later work on the
 //! communication stream waits for the pieces that touch memory it names (a collective names
-//! its buffers), and for all of them when it names none (NcclComm::enqueue(f), barrier()): the
-//! communication stream keeps its order for everything that could tell. The aside stream is in
-//! order, so waiting for a piece waits for every piece before it. Inside a CUDA graph capture
-//! nothing goes aside: the work runs on the communication stream as it always did.
+//! its buffers), and for all of them when it names none (NcclComm::enqueue(f), barrier()). The
+//! aside stream is in order, so waiting for a piece waits for every piece before it. Inside a
+//! CUDA graph capture nothing goes aside: the work runs on the communication stream.
+//!
+//! What this changes for a caller: the work handle of a later collective no longer covers
+//! earlier aside work (it did, when everything ran on the communication stream). Another stream
+//! — the compute stream, another communicator's — that reads what aside work wrote must wait
+//! for that work's own handle, or for enqueue(f), barrier() or synchronize(). Limits (next to
+//! fix, with a GPU run): a piece named with no ranges is waited for only by what names none (it
+//! is taken as touching nothing); inside a capture, aside work does not check that pieces from
+//! before the capture have finished (StepGraph drains the device first); if f throws after
+//! queuing kernels, its piece keeps an unrecorded event (later work does not wait for them).
 //!
 //! Its priority is the lowest (that of a default compute stream), not the communication
 //! stream's highest. Measured on bench_sync's MLP over NVLink (bench/RESULTS.md, session 33):
 //! with every kernel after a transfer aside, the int8 value gather's step took 3.40 ms at the
 //! highest priority, 3.16 at the lowest, 3.32 all on the communication stream; the
 //! reduce-scatters' sums aside (double-buffered staging) lowered the step without compute by
-//! 0.1–0.2 ms but made it 0.04–0.10 ms slower with its compute at either priority, so they stay
+//! 0.06–0.17 ms but made it 0.04–0.11 ms slower with its compute at either priority, so they stay
 //! on the communication stream, as do the gradient wires' kernels.
 
 #include <algorithm>

@@ -10,9 +10,9 @@
 //!    rounded off is still in master − replica and goes again with the next step's change
 //!    (error feedback without a buffer of its own): the replica follows the master to within
 //!    the rounding of one step's change, not of the value.
-//! NcclComm (include lockstep/cuda.cuh): wire_value_gather in cuda/nccl_wire.cuh, the codec's
-//! kernels on the communication stream. Host communicators (ThreadComm, MpiComm): the same
-//! numbers bit for bit (every operation one fp32 operation, rounded to nearest) from
+//! NcclComm (include lockstep/cuda.cuh): wire_value_gather in cuda/nccl_wire.cuh, the encode
+//! on the communication stream, the decode on the aside stream (NcclComm::enqueue_aside). Host communicators
+//! (ThreadComm, MpiComm): the same numbers bit for bit (every operation one fp32 operation, rounded to nearest) from
 //! host_value_gather, which the gradient wires' host path shares (gradient_wire.hpp).
 
 #include <cstddef>
