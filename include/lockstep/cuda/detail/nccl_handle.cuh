@@ -7,7 +7,6 @@
 #include <atomic>
 #include <memory>
 #include <string>
-#include <type_traits>
 #include <utility>
 
 #include <cuda_runtime_api.h>
@@ -122,8 +121,7 @@ class nccl_handle {
   }
 
   // Queues call(stream) on the communication stream after the compute stream's work so far,
-  // once that stream waits for the aside work that touches `touched` ({}: anything). A call
-  // that ends on another stream (nccl_aside::run) returns it: the work's event is recorded there.
+  // once that stream waits for the aside work that touches `touched` ({}: anything).
   template <class Call>
   nccl_work issue(state& s, const collective& c, nccl_aside::ranges touched, Call&& call) {
     device_guard g(s.device);
@@ -132,7 +130,8 @@ class nccl_handle {
     nccl_work w(s.events, s.events->acquire(), compute);  // gives the event back if we throw below
     // Marked before the call, which may block inside NCCL (nccl_marker); completed after.
     nccl_marker mark(s, c);
-    LOCKSTEP_TRY_CUDA(cudaEventRecord(w.event(), call_on(s.comm_stream, call)));
+    call(s.comm_stream);
+    LOCKSTEP_TRY_CUDA(cudaEventRecord(w.event(), s.comm_stream));
     mark.done();
     return w;
   }
@@ -164,15 +163,6 @@ class nccl_handle {
     LOCKSTEP_TRY_CUDA(cudaEventRecord(s.ready, compute));
     LOCKSTEP_TRY_CUDA(cudaStreamWaitEvent(s.comm_stream, s.ready, 0));
     return compute;
-  }
-  template <class Call>
-  static cudaStream_t call_on(cudaStream_t stream, Call& call) {
-    if constexpr (std::is_same_v<decltype(call(stream)), cudaStream_t>) {
-      return call(stream);
-    } else {
-      call(stream);
-      return stream;
-    }
   }
 };
 
