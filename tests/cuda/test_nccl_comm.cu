@@ -461,7 +461,6 @@ TEST_CASE("NcclComm: enqueue_aside - later work touching its memory waits for it
   LOCKSTEP_REQUIRE_GPUS(1);
   one_gpu_on_user_stream on;
   NcclComm& comm = on.comm;
-  const cudaStream_t user = on.user;
   const std::size_t n = std::size_t{1} << 20, bytes = n * sizeof(float);
   auto mem = comm.memory();
   std::vector<std::shared_ptr<void>> buf;
