@@ -18,6 +18,7 @@
 #include <numeric>
 #include <optional>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <utility>
@@ -457,7 +458,8 @@ TEST_CASE("NcclComm: collectives wait for the compute stream and work handles or
 // writes, one writing what it reads, an enqueue() naming no memory, synchronize() — and work
 // that touches other memory does not. Slow kernels make any missing order show as old values;
 // random bases per run. Then a CUDA graph capture with finished aside work still listed.
-TEST_CASE("NcclComm: enqueue_aside - later work touching its memory waits for it - other work does not - capture") {
+TEST_CASE("NcclComm: enqueue_aside - later work touching its memory waits for it - other work does not - no ranges "
+          "- a throwing f - capture") {
   LOCKSTEP_REQUIRE_GPUS(1);
   one_gpu_on_user_stream on;
   NcclComm& comm = on.comm;
@@ -506,6 +508,23 @@ TEST_CASE("NcclComm: enqueue_aside - later work touching its memory waits for it
   comm.all_reduce(e, b, n, dtype::f32, reduce_op::sum).wait();
   reader.wait();
   expect(d, base, "what aside work read before a collective overwrote it");
+  // A piece that names no ranges, and one whose f throws after queuing its kernel: a collective
+  // that reads what they wrote still waits for them.
+  (void)comm.enqueue_aside({}, [&](cudaStream_t s) {
+    slow_fill<<<64, 256, 0, s>>>(a, n, other, kSpinCycles);
+    LOCKSTEP_CHECK_LAUNCH();
+  });
+  comm.all_reduce(a, b, n, dtype::f32, reduce_op::sum).wait();
+  expect(b, other, "the all-reduce of what aside work naming no ranges wrote");
+  CHECK_THROWS_WITH_AS(comm.enqueue_aside({{a, bytes}},
+                                          [&](cudaStream_t s) {
+                                            slow_fill<<<64, 256, 0, s>>>(a, n, base + 2.f, kSpinCycles);
+                                            LOCKSTEP_CHECK_LAUNCH();
+                                            throw std::runtime_error("f failed after its kernel");
+                                          }),
+                       "f failed after its kernel", std::runtime_error);
+  comm.all_reduce(a, b, n, dtype::f32, reduce_op::sum).wait();
+  expect(b, base + 2.f, "the all-reduce of what a throwing aside f queued");
   // enqueue() naming nothing, and synchronize(), wait for all aside work.
   NcclComm::work fill = comm.enqueue_aside({{c, bytes}}, [&](cudaStream_t s) {
     slow_fill<<<64, 256, 0, s>>>(c, n, other, kSpinCycles);

@@ -14,11 +14,10 @@
 //! What this changes for a caller: the work handle of a later collective no longer covers
 //! earlier aside work (it did, when everything ran on the communication stream). Another stream
 //! — the compute stream, another communicator's — that reads what aside work wrote must wait
-//! for that work's own handle, or for enqueue(f), barrier() or synchronize(). Limits (next to
-//! fix, with a GPU run): a piece named with no ranges is waited for only by what names none (it
-//! is taken as touching nothing); inside a capture, aside work does not check that pieces from
-//! before the capture have finished (StepGraph drains the device first); if f throws after
-//! queuing kernels, its piece keeps an unrecorded event (later work does not wait for them).
+//! for that work's own handle, or for enqueue(f), barrier() or synchronize(). A piece that names
+//! no ranges is taken as touching everything; one whose f throws is still waited for (what f
+//! queued before it threw); inside a capture, aside work first checks, as a collective does,
+//! that the pieces from before the capture it touches have finished.
 //!
 //! Its priority is the lowest (that of a default compute stream), not the communication
 //! stream's highest. Measured on bench_sync's MLP over NVLink (bench/RESULTS.md, session 33):
@@ -92,7 +91,9 @@ class nccl_aside {
   //! `touched`: all the memory f reads or writes.
   template <class F>
   cudaStream_t run(cudaStream_t after, ranges touched, F&& f) {
+    if (touched.size() > max_ranges) throw config_error("nccl_aside::run: more ranges than max_ranges");
     if (capturing_on(after)) {
+      order(after, touched);  // pieces from before the capture: finished, or refused
       f(after);
       return after;
     }
@@ -102,7 +103,7 @@ class nccl_aside {
       LOCKSTEP_TRY_CUDA(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
       LOCKSTEP_TRY_CUDA(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, least));
     }
-    if (touched.size() > max_ranges) throw config_error("nccl_aside::run: more ranges than max_ranges");
+    prune();
     pending_.emplace_back();  // first, so that nothing below throws with the event unkept
     piece& p = pending_.back();
     if (!spare_.empty()) {
@@ -114,9 +115,15 @@ class nccl_aside {
     }
     std::copy(touched.begin(), touched.end(), p.touched.begin());
     p.count = touched.size();
+    p.all = touched.size() == 0;  // named nothing: taken as touching everything
     LOCKSTEP_TRY_CUDA(cudaEventRecord(fork_, after));
     LOCKSTEP_TRY_CUDA(cudaStreamWaitEvent(stream_, fork_, 0));
-    f(stream_);
+    try {
+      f(stream_);
+    } catch (...) {  // what f queued before it threw is still waited for by what touches it
+      (void)cudaEventRecord(p.done, stream_);
+      throw;
+    }
     LOCKSTEP_TRY_CUDA(cudaEventRecord(p.done, stream_));
     return stream_;
   }
@@ -145,6 +152,7 @@ class nccl_aside {
     cudaEvent_t done = nullptr;
     std::array<device_range, max_ranges> touched{};
     std::size_t count = 0;
+    bool all = false;  // named no ranges: touches anything
   };
 
   static bool capturing_on(cudaStream_t s) {
@@ -163,6 +171,7 @@ class nccl_aside {
     return q;
   }
   static bool overlaps(const piece& p, ranges touched) {
+    if (p.all) return true;
     for (std::size_t i = 0; i < p.count; ++i)
       for (const device_range& r : touched) {
         const auto a = reinterpret_cast<std::uintptr_t>(p.touched[i].data);
