@@ -605,14 +605,14 @@ void bench_k(const char* name, const std::vector<shape>& shapes, int g, int iter
 // (per_layer tensors) a block, used in forward and in backward; stats: its shard and lent bytes.
 template <class T, class Strategy>
 double block_step_time(const std::vector<shape>& shapes, int ngpu, int iters, const std::vector<double>& fwd_us,
-                       const std::vector<double>& bwd_us, lockstep::sync_stats* stats) {
+                       const std::vector<double>& bwd_us, lockstep::sync_stats* stats, Strategy strategy = {}) {
   return timed(ngpu, 5, iters, [&](auto& ctx, cudaStream_t s) {
     using M = ShapesModel<T, false>;
     auto m = std::make_shared<M>(shapes, 5u, s);
     const std::size_t n = shapes.size(), per_layer = n / fwd_us.size();
     m->per_block = per_layer;
     using DP = lockstep::DataParallel<M, lockstep::NcclComm, Strategy>;
-    auto dp = std::shared_ptr<DP>(new DP(ctx, *m, Strategy{}), [m](DP* p) { delete p; });
+    auto dp = std::shared_ptr<DP>(new DP(ctx, *m, strategy), [m](DP* p) { delete p; });
     const bool report = stats && ctx.rank() == 0;
     if (report) *stats = dp->stats();
     auto body = [=, &fwd_us, &bwd_us] {
@@ -916,12 +916,17 @@ int main(int argc, char** argv) {
             if (wanted('z')) {  // full sharding beside plain and ZeRO-1, steps chained
               g_chained = true;
               lockstep::sync_stats z2{}, z3{};
-              double tp = 0, t1 = 0, t2 = 0, t3 = 0;
+              double tp = 0, t1 = 0, t2 = 0, t3 = 0, t3b = 0, t3i = 0;
               if (pass == 0) {
                 tp = train_step_time<float>(mlp, g, iters, 0, fwd, bwd);
                 t1 = train_step_time<float, true, false, true>(mlp, g, iters, 0, fwd, bwd);
                 t2 = block_step_time<float, lockstep::ShardedGradients>(mlp, g, iters, fwd, bwd, &z2);
                 t3 = block_step_time<float, lockstep::FullySharded>(mlp, g, iters, fwd, bwd, &z3);
+                lockstep::FullySharded wired;  // FullySharded::gather_wire: the gathers in bf16, in int8
+                wired.gather_wire = lockstep::wire_format::bf16;
+                t3b = block_step_time<float>(mlp, g, iters, fwd, bwd, nullptr, wired);
+                wired.gather_wire = lockstep::wire_format::int8;
+                t3i = block_step_time<float>(mlp, g, iters, fwd, bwd, nullptr, wired);
               } else {
                 tp = train_step_time<__nv_bfloat16>(mlp, g, iters, 0, fwd, bwd);
                 t1 = train_step_time<__nv_bfloat16, true, false, true>(mlp, g, iters, 0, fwd, bwd);
@@ -935,6 +940,10 @@ int main(int argc, char** argv) {
                             "1 GPU %6.3f ms, flat all-reduce alone %6.3f ms)\n",
                             tn, g, tp, t1, t2, t3, z2.shard_bytes / 1e6, z2.lent_bytes / 1e6, z3.shard_bytes / 1e6,
                             z3.lent_bytes / 1e6, total * (pass == 0 ? 4.0 : 2.0) / 1e6, one, flat);
+              if (g_print && pass == 0)
+                std::printf("z  %s %d GPU  ZeRO-3 gathers on the wire (FullySharded::gather_wire): fp32 %7.3f  bf16 "
+                            "%7.3f  int8 %7.3f ms\n",
+                            tn, g, t3, t3b, t3i);
             }
             if (wanted('s'))
               for (std::size_t cap_mib : {std::size_t{25}, std::size_t{64}}) {

@@ -411,6 +411,7 @@ int main(int argc, char** argv) {
         if (gpu) fs.param_dtype = lockstep::dtype::bf16;
         fs.buffers.keep_gradient_shards = opt.keep_grads;
         fs.buffers.prefetch = opt.prefetch;
+        fs.gather_wire = lockstep::wire_format_of(opt.gather_wire);
         lockstep::DataParallel dp(ctx, tm, dp_options, wire, fs);
         train(dp);
       } else if (opt.deterministic > 0) {  // fixed-point sums over Accumulate<>(micro_steps)

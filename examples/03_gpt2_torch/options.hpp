@@ -25,7 +25,7 @@ struct options : gpt2::run_options {
   bool pack_values = false;          // sharded: ShardedOptimizer::bind_values off
   bool ce_gather = false;            // sharded: ShardedOptimizer::copy_engine_gather on
   bool ce_scatter = false;           // sharded: ShardedOptimizer::copy_engine_scatter on
-  std::string gather_wire = "fp32";  // sharded: ShardedOptimizer::gather_wire
+  std::string gather_wire = "fp32";  // ShardedOptimizer::gather_wire, FullySharded::gather_wire
   bool gather_values = false;        // sharded: ShardedOptimizer::gather_deltas off
   int zero = 0;                      // 2: ShardedGradients, 3: FullySharded (each block a block)
   bool recompute = false;            // --zero: recompute each block in backward
@@ -54,7 +54,8 @@ constexpr std::int64_t profiled_steps = 3;
       "                  [--profile TRACE.json] [--wire fp32|bf16|int8] [--shard [--pack-values] "
       "[--copy-engine[-gather]]\n"
       "                  [--gather-wire fp32|bf16|int8 [--gather-values]]]\n"
-      "                  [--zero 2|3 [--recompute] [--keep-grad-shards] [--prefetch N]] [--cuda-graph]\n"
+      "                  [--zero 2|3 [--recompute] [--keep-grad-shards] [--prefetch N] [--gather-wire W]]\n"
+      "                  [--cuda-graph]\n"
       "                  [--deterministic Q] [--bucket-mib M] [--tune] [--peer-copy K]\n"
       "  batch: sequences per rank and step; on GPUs: all local GPUs, or one per process under a launcher\n"
       "  --cuda-graph: (GPUs, not with --zero) after two eager steps, capture the whole step\n"
@@ -67,7 +68,8 @@ constexpr std::int64_t profiled_steps = 3;
       "                to measure their share of its cost\n"
       "  --gather-wire W: (--shard) the updated values all-gathered in bf16 or int8 from fp32 masters kept\n"
       "                apart (ShardedOptimizer::gather_wire): the change since the last gather, or with\n"
-      "                --gather-values the values themselves\n"
+      "                --gather-values the values themselves; (--zero 3) each block's gathers in W, decoded\n"
+      "                into the values lent to it (FullySharded::gather_wire)\n"
       "  --bucket-mib M: gradient buckets of M MiB (default: lockstep's, 1 MiB first, 25 MiB cap)\n"
       "  --peer-copy K: (--shard) a lockstep::PeerCopy snapshot every K steps: each rank's shards and\n"
       "                optimizer state copied and handed to the rank before it (what an elastic job\n"
@@ -158,9 +160,8 @@ inline options parse(int argc, char** argv) {
       usage(2);
     }
   }
-  if ((o.gather_wire != "fp32" || o.gather_values) && !o.shard) {
-    std::fprintf(stderr,
-                 "gpt2_torch: --gather-wire and --gather-values are ShardedOptimizer's: give them with --shard\n");
+  if ((o.gather_wire != "fp32" && !o.shard && o.zero != 3) || (o.gather_values && !o.shard)) {
+    std::fprintf(stderr, "gpt2_torch: --gather-wire goes with --shard or --zero 3, --gather-values with --shard\n");
     usage(2);
   }
   if (o.gather_wire != "fp32" && (o.cuda_graph || o.deterministic > 0)) {

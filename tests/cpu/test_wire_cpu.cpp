@@ -23,12 +23,11 @@
 #include "equivalence_run.hpp"
 #include "mlp.hpp"
 #include "test_util.hpp"
+#include "value_wire_check.hpp"
 
 using namespace lockstep_test;
 
 namespace {
-
-float bf16_round(float f) { return lockstep::detail::float_of_bf16(lockstep::detail::bf16_of_float(f)); }
 
 double exact_mean(const std::vector<std::vector<float>>& x, std::size_t i) {
   double s = 0;
@@ -174,16 +173,6 @@ void trains_near_fp32(int draws, double median_bound) {
 
 // ---- ShardedOptimizer::gather_wire: the updated values on the wire in bf16 or int8 ----------
 
-// What one rank saw in a run with gather_wire: per step, its model's values (the replica) and
-// its masters (shard_parameters()); after the loop, its values once wait_all_parameters() made
-// them exact, and its shard map.
-struct value_wire_trace {
-  std::vector<std::vector<float>> replicas;
-  std::vector<std::vector<std::vector<float>>> masters;
-  std::vector<float> exact;
-  std::vector<std::vector<lockstep::detail::shard_segment>> map;
-};
-
 // TestMlp<float> trained with SGD (momentum) on `ranks` threads, ShardedOptimizer with `wire`
 // (deltas or values), bound or packed values, small buckets (several units, tensors split).
 template <bool Bound>
@@ -219,39 +208,6 @@ std::vector<value_wire_trace> run_value_wire(const dataset& d, int ranks, lockst
   return out;
 }
 
-// The replicas the schedule of parallel/detail/value_wire.hpp makes of every rank's masters:
-// each rank's shard j (its master, padding included) through the codec's round trip — of the
-// master itself, or of master − the replica before the step, added to that replica.
-template <class Through>
-std::vector<float> expected_replica(const std::vector<value_wire_trace>& t, std::size_t step,
-                                    const std::vector<float>& before, const std::vector<std::size_t>& flat_at,
-                                    bool deltas, Through through) {
-  auto want = before;
-  for (const auto& rank : t)
-    for (std::size_t j = 0; j < rank.map.size(); ++j) {
-      const auto& master = rank.masters[step][j];
-      std::vector<float> prev(master.size(), 0.0f);  // padding: zero in the replica
-      for (const auto& g : rank.map[j])
-        for (std::size_t i = 0; i < g.count; ++i)
-          prev[g.slot_offset + i] = before[flat_at[g.param] + g.param_offset + i];
-      std::vector<float> x(master.size());
-      for (std::size_t i = 0; i < x.size(); ++i) x[i] = deltas ? master[i] - prev[i] : master[i];
-      through(std::span<float>(x));
-      for (const auto& g : rank.map[j])
-        for (std::size_t i = 0; i < g.count; ++i) {
-          const std::size_t k = g.slot_offset + i;
-          want[flat_at[g.param] + g.param_offset + i] = deltas ? prev[k] + x[k] : x[k];
-        }
-    }
-  return want;
-}
-
-void int8_round_trip(std::span<float> v) {
-  std::vector<unsigned char> enc(lockstep::detail::int8_chunk_bytes(v.size()));
-  lockstep::detail::int8_encode(v.data(), v.size(), enc.data());
-  lockstep::detail::int8_decode(enc.data(), v.size(), v.data());
-}
-
 // Every check of one configuration: the replicas equal on every rank and, step after step,
 // what the schedule makes of the masters through the codec, bit for bit; not the masters (the
 // wire rounded) but near them; after wait_all_parameters() exactly the masters. Returns the
@@ -273,11 +229,7 @@ double check_value_wire(const dataset& d, int ranks, lockstep::wire_format wire,
   auto before = init.flat_values();
   std::size_t off = 0, rounded = 0;
   for (std::size_t s = 0; s < t[0].replicas.size(); ++s) {
-    const auto want = wire == lockstep::wire_format::int8
-                          ? expected_replica(t, s, before, flat_at, deltas, int8_round_trip)
-                          : expected_replica(t, s, before, flat_at, deltas, [](std::span<float> v) {
-                              for (auto& f : v) f = bf16_round(f);
-                            });
+    const auto want = expected_replica(t, s, before, flat_at, deltas, wire);
     for (const auto& rank : t) off += rank.replicas[s] != want;
     before = want;
   }
@@ -301,6 +253,96 @@ double check_value_wire(const dataset& d, int ranks, lockstep::wire_format wire,
   return worst;
 }
 
+// ---- FullySharded::gather_wire: each use's gathered values in bf16 or int8 -------------------
+
+// TestMlp<float> (each layer a block, or each parameter) trained with SGD on `ranks` threads,
+// FullySharded with `wire`: per step, the values every block lends with all blocks in use at
+// once (an evaluation forward after finish()) and the masters (shard_parameters()); after the
+// loop, the values wait_all_parameters() gathers, and the shard map.
+std::vector<value_wire_trace> run_block_wire(const dataset& d, int ranks, lockstep::wire_format wire,
+                                             bool per_parameter, std::uint64_t seed, int steps = 4) {
+  std::vector<value_wire_trace> out(static_cast<std::size_t>(ranks));
+  lockstep::run(lockstep::Threads{ranks}, [&](auto& ctx) {
+    auto& t = out[static_cast<std::size_t>(ctx.rank())];
+    TestMlp<float> m(d.dims, seed + static_cast<std::uint64_t>(ctx.rank()));
+    m.block_per_parameter = per_parameter;
+    lockstep::FullySharded fs;
+    fs.gather_wire = wire;
+    lockstep::DataParallel dp(ctx, m, fs);
+    using DP = decltype(dp);
+    lockstep::Sgd opt({.lr = 0.1, .momentum = 0.9});
+    const auto blocks = m.blocks();
+    const auto use_all = [&] {
+      std::vector<lockstep::block_use<DP>> held;
+      for (std::size_t k = 0; k <= *std::max_element(blocks.begin(), blocks.end()); ++k)
+        held.push_back(dp.use_block(k, lockstep::pass::forward));
+      return held;
+    };
+    for (int s = 0; s < steps; ++s) {
+      auto st = dp.step();
+      m.forward_backward(
+          inputs<float>(d), d.y, rank_rows(d, 4, ranks, ctx.rank(), s), st.on_gradient_ready(), 1.0,
+          [&](std::size_t l, bool forward) {
+            std::vector<lockstep::block_use<DP>> held;
+            for (std::size_t i : {2 * l, 2 * l + 1})
+              if (i == 2 * l || blocks[i] != blocks[2 * l])
+                held.push_back(dp.use_block(blocks[i], forward ? lockstep::pass::forward : lockstep::pass::backward));
+            return held;
+          });
+      REQUIRE(st.finish([&](std::span<const lockstep::param_slice> sl) { opt.step(sl); }));
+      {
+        const auto held = use_all();
+        t.replicas.push_back(m.flat_values());
+      }
+      auto& ms = t.masters.emplace_back();
+      for (const auto& p : dp.shard_parameters()) {
+        const auto* v = static_cast<const float*>(p.value);
+        ms.emplace_back(v, v + p.numel());
+      }
+    }
+    dp.wait_all_parameters();
+    t.exact = m.flat_values();
+    t.map.assign(dp.shard_map().begin(), dp.shard_map().end());
+  });
+  return out;
+}
+
+// Every use lends each rank's master shard through the codec's round trip (padding zero), on
+// every rank alike; wait_all_parameters() gathers the masters exactly. Returns rank 0's exact
+// values after the last step.
+std::vector<float> check_block_wire(const dataset& d, int ranks, lockstep::wire_format wire, bool per_parameter,
+                                    std::uint64_t seed) {
+  CAPTURE(ranks);
+  const std::string format = lockstep::name_of(wire);
+  CAPTURE(format);
+  CAPTURE(per_parameter);
+  const auto t = run_block_wire(d, ranks, wire, per_parameter, seed);
+  std::vector<std::size_t> flat_at{0};
+  for (std::size_t l = 0; l + 1 < d.dims.size(); ++l) {
+    flat_at.push_back(flat_at.back() + static_cast<std::size_t>(d.dims[l] * d.dims[l + 1]));
+    flat_at.push_back(flat_at.back() + static_cast<std::size_t>(d.dims[l + 1]));
+  }
+  // (values, not deltas: `before` is never read; NaN marks a value no shard covers)
+  const std::vector<float> none(t[0].exact.size(), std::numeric_limits<float>::quiet_NaN());
+  const auto masters = [&](std::size_t s) {
+    return expected_replica(t, s, none, flat_at, false, lockstep::wire_format::fp32);
+  };
+  std::size_t off = 0, rounded = 0;
+  for (std::size_t s = 0; s < t[0].replicas.size(); ++s) {
+    const auto exact = masters(s), want = expected_replica(t, s, none, flat_at, false, wire);
+    for (const auto& rank : t) off += rank.replicas[s] != want;
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      REQUIRE(!std::isnan(exact[i]));
+      rounded += want[i] != exact[i];
+    }
+  }
+  CHECK(off == 0);
+  if (wire == lockstep::wire_format::fp32) CHECK(rounded == 0);
+  else CHECK(rounded > t[0].exact.size());  // the wire rounded most values of most steps
+  for (const auto& rank : t) CHECK(rank.exact == masters(t[0].replicas.size() - 1));
+  return t[0].exact;
+}
+
 }  // namespace
 
 TEST_SUITE("cpu") {
@@ -308,9 +350,8 @@ TEST_CASE("bf16 wire on CPU ranks: the mean of bf16-rounded values in fp32 - all
   LOCKSTEP_SEEDED(std::mt19937_64 rng);
   for (int n : {1, 2, 3, 4}) {
     CAPTURE(n);
-    const auto c = check_wire<lockstep::Bf16Wire>(n, rng, [](std::span<float> v) {
-      for (auto& f : v) f = bf16_round(f);
-    });
+    const auto c =
+        check_wire<lockstep::Bf16Wire>(n, rng, [](std::span<float> v) { round_trip(lockstep::wire_format::bf16, v); });
     if (n > 1) {
       CHECK(c.rounded == c.main);       // every result that went over the wire is a bf16 value
       CHECK(c.not_exact > c.main / 2);  // and not the fp32 all-reduce's
@@ -323,11 +364,8 @@ TEST_CASE("int8 wire on CPU ranks: each rank's chunks through the blockwise code
   LOCKSTEP_SEEDED(std::mt19937_64 rng);
   for (int n : {1, 2, 3, 4}) {
     CAPTURE(n);
-    const auto c = check_wire<lockstep::Int8Wire>(n, rng, [](std::span<float> v) {
-      std::vector<unsigned char> enc(lockstep::detail::int8_chunk_bytes(v.size()));
-      lockstep::detail::int8_encode(v.data(), v.size(), enc.data());
-      lockstep::detail::int8_decode(enc.data(), v.size(), v.data());
-    });
+    const auto c =
+        check_wire<lockstep::Int8Wire>(n, rng, [](std::span<float> v) { round_trip(lockstep::wire_format::int8, v); });
     if (n > 1) CHECK(c.not_exact > c.main / 2);
   }
 }
@@ -478,6 +516,28 @@ TEST_CASE("value gather wire on CPU ranks: replicas alike - the codec's numbers 
   check_value_wire<false>(d, 2, wire_format::bf16, false, seed + 1);
 }
 
+// FullySharded::gather_wire on CPU ranks: the numbers of the schedule in parallel/detail/
+// value_wire.hpp bit for bit (the GPU's too: tests/cuda/test_fullshard_gpu.cu), both codecs, 2
+// and 3 ranks (chunks with padding), a block per layer or per parameter (blocks smaller than a
+// codec block, several units). The masters train close to, not as, the fp32 gathers'.
+TEST_CASE("fullshard gather wire on CPU ranks: each use lends every rank's master through the codec - exact after "
+          "wait_all_parameters") {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  const auto d = make_data(seed, 97);
+  using lockstep::wire_format;
+  for (int ranks : {2, 3})
+    for (bool per_parameter : {false, true}) {
+      const auto fp32 = check_block_wire(d, ranks, wire_format::fp32, per_parameter, seed + 1);
+      for (const auto wire : {wire_format::bf16, wire_format::int8}) {
+        const auto got = check_block_wire(d, ranks, wire, per_parameter, seed + 1);
+        CHECK(got != fp32);                     // the rounded values steered the training
+        CHECK(max_rel_diff(got, fp32) < 0.05);  // a little
+        CHECK(max_rel_diff(got, fp32) > 1e-9);
+      }
+    }
+}
+
 // The gathers' sizes depend on gather_wire and gather_deltas: ranks that differ are told so, each
 // of them, at construction (not a hang at the first gather).
 TEST_CASE("value gather wire on CPU ranks: settings that differ across ranks fail on every rank naming the setting") {
@@ -510,5 +570,17 @@ TEST_CASE("value gather wire on CPU ranks: settings that differ across ranks fai
     for (const auto& e : errors)
       CHECK(e.find(std::string("different ShardedOptimizer::") + c.named) != std::string::npos);
   }
+  std::vector<std::string> errors(2);  // FullySharded: its gathers' sizes too
+  lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
+    TestMlp<float> m(d.dims, seed);
+    lockstep::FullySharded fs;
+    fs.gather_wire = ctx.rank() == 0 ? wire_format::fp32 : wire_format::int8;
+    try {
+      lockstep::DataParallel dp(ctx, m, fs);
+    } catch (const lockstep::mismatch_error& e) {
+      errors[static_cast<std::size_t>(ctx.rank())] = e.what();
+    }
+  });
+  for (const auto& e : errors) CHECK(e.find("different FullySharded::gather_wire") != std::string::npos);
 }
 }

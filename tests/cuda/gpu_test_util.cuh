@@ -128,3 +128,12 @@ inline parsed_blob parse_blob(const std::vector<std::byte>& blob, bool adamw) {
       return;                                                                                                   \
     }                                                                                                           \
   } while (0)
+
+namespace lockstep_test {
+//! Devices 0 … n − 1 (lockstep::Gpus{first_gpus(n)}).
+inline std::vector<int> first_gpus(int n) {
+  std::vector<int> d(static_cast<std::size_t>(n));
+  for (int i = 0; i < n; ++i) d[static_cast<std::size_t>(i)] = i;
+  return d;
+}
+}  // namespace lockstep_test

@@ -28,11 +28,7 @@ namespace {
 using lockstep::dtype;
 using lockstep::reduce_op;
 
-std::vector<int> first_gpus(int n) {
-  std::vector<int> d(static_cast<std::size_t>(n));
-  for (int i = 0; i < n; ++i) d[static_cast<std::size_t>(i)] = i;
-  return d;
-}
+using lockstep_test::first_gpus;
 
 float bf16_round(float f) { return lockstep::detail::float_of_bf16(lockstep::detail::bf16_of_float(f)); }
 

@@ -30,11 +30,7 @@ using namespace lockstep_test;
 
 namespace {
 
-std::vector<int> first_gpus(int n) {
-  std::vector<int> d(static_cast<std::size_t>(n));
-  for (int i = 0; i < n; ++i) d[static_cast<std::size_t>(i)] = i;
-  return d;
-}
+using lockstep_test::first_gpus;
 
 // GradModel on a GPU: the test writes each micro-step's gradients (into zeroed buffers: lockstep
 // zeroes them between micro-steps). Bind: lockstep may own them (zero copy).

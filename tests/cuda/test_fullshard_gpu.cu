@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <random>
 #include <span>
 #include <string>
@@ -18,9 +19,11 @@
 #include <lockstep/lockstep.hpp>
 
 #include "gpu_mlp.cuh"
+#include "device_vector.cuh"
 #include "gpu_test_util.cuh"
 #include "mlp.hpp"
 #include "test_util.hpp"
+#include "value_wire_check.hpp"
 
 using namespace lockstep_test;
 
@@ -283,6 +286,90 @@ void check_join(int gpus, const Strategy& strategy, std::uint64_t seed_in = 0) {
   }
 }
 
+// FullySharded::gather_wire on n GPUs against the host's numbers (tests/support/
+// value_wire_check.hpp, as tests/cpu/test_wire_cpu.cpp checks CPU ranks): GpuMlp trained with
+// FusedSgd; after every step, with every block in use at once (an evaluation forward), each
+// lent value is its rank's master shard through the codec's round trip, bit for bit; after
+// wait_all_parameters(), the masters.
+void check_block_wire(int n, lockstep::wire_format wire) {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  CAPTURE(n);
+  const std::string format = lockstep::name_of(wire);
+  CAPTURE(format);
+  std::mt19937_64 rng(seed);
+  const std::vector<int> dims{37, 300, 33, 10};  // a block of 11100 + 300 values: several codec blocks
+  const int batch = 8, steps = 3;
+  const std::size_t samples = 256;
+  auto X = random_vector<float>(samples * dims[0], rng, -2, 2);
+  std::vector<int> y(samples);
+  for (auto& v : y) v = static_cast<int>(rng() % 10);
+  std::vector<value_wire_trace> t(static_cast<std::size_t>(n));
+  lockstep::run(lockstep::Gpus{first_gpus(n)}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
+    const auto rank = static_cast<std::size_t>(ctx.rank());
+    auto& tr = t[rank];
+    cudaStream_t s = ctx.comm().compute_stream();
+    TestMlp<float> init(dims, seed + 1);
+    GpuMlp m(dims, split_params(init), s);
+    lockstep::FullySharded fs;
+    fs.gather_wire = wire;
+    lockstep::DataParallel<GpuMlp, lockstep::NcclComm, lockstep::FullySharded> dp(ctx, m, {}, fs);
+    using DP = decltype(dp);
+    lockstep::FusedSgd opt({.lr = 0.05, .momentum = 0.9}, dp.shard_parameters(), ctx.device());
+    lockstep_test::device_vector<float> dX(X.size());
+    lockstep_test::device_vector<int> dy(y.size()), drows(batch);
+    LOCKSTEP_TRY_CUDA(cudaMemcpy(dX.p, X.data(), X.size() * sizeof(float), cudaMemcpyHostToDevice));
+    LOCKSTEP_TRY_CUDA(cudaMemcpy(dy.p, y.data(), y.size() * sizeof(int), cudaMemcpyHostToDevice));
+    for (int st = 0; st < steps; ++st) {
+      std::vector<int> rows(batch);
+      for (int i = 0; i < batch; ++i) rows[static_cast<std::size_t>(i)] = static_cast<int>(rng() % samples);
+      LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(drows.p, rows.data(), rows.size() * sizeof(int), cudaMemcpyHostToDevice, s));
+      LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s));
+      auto step = dp.step();
+      m.forward_backward(dX.p, dy.p, drows.p, batch, step.on_gradient_ready(), 1.f, [&](std::size_t l, bool forward) {
+        return dp.use_block(l, forward ? lockstep::pass::forward : lockstep::pass::backward);
+      });
+      REQUIRE(step.finish([&](std::span<const lockstep::param_slice> sl) { opt.step(sl, s); }));
+      {
+        std::vector<lockstep::block_use<DP>> held;
+        for (std::size_t k = 0; k + 1 < dims.size(); ++k) held.push_back(dp.use_block(k, lockstep::pass::forward));
+        LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s));
+        tr.replicas.push_back(m.flat_values());
+      }
+      auto& ms = tr.masters.emplace_back();
+      LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s));
+      for (const auto& sp : dp.shard_parameters()) {
+        ms.emplace_back(sp.numel());
+        LOCKSTEP_TRY_CUDA(cudaMemcpy(ms.back().data(), sp.value, sp.bytes(), cudaMemcpyDeviceToHost));
+      }
+    }
+    dp.wait_all_parameters();
+    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s));
+    tr.exact = m.flat_values();
+    tr.map.assign(dp.shard_map().begin(), dp.shard_map().end());
+  });
+  std::vector<std::size_t> flat_at{0};
+  for (std::size_t l = 0; l + 1 < dims.size(); ++l) {
+    flat_at.push_back(flat_at.back() + static_cast<std::size_t>(dims[l] * dims[l + 1]));
+    flat_at.push_back(flat_at.back() + static_cast<std::size_t>(dims[l + 1]));
+  }
+  const std::vector<float> none(flat_at.back(), std::numeric_limits<float>::quiet_NaN());
+  std::size_t off = 0, rounded = 0;
+  for (std::size_t st = 0; st < static_cast<std::size_t>(steps); ++st) {
+    const auto exact = expected_replica(t, st, none, flat_at, false, lockstep::wire_format::fp32);
+    const auto want = expected_replica(t, st, none, flat_at, false, wire);
+    for (const auto& rank : t)
+      for (std::size_t i = 0; i < want.size(); ++i)
+        if (!(rank.replicas[st][i] == want[i]) && off++ < 3)
+          MESSAGE("step " << st << " element " << i << ": lent " << rank.replicas[st][i] << ", the host's " << want[i]);
+    for (std::size_t i = 0; i < want.size(); ++i) rounded += want[i] != exact[i];
+    if (st + 1 == static_cast<std::size_t>(steps))
+      for (const auto& rank : t) CHECK(rank.exact == exact);
+  }
+  CHECK(off == 0);
+  CHECK(rounded > flat_at.back());  // the wire rounded most values
+}
+
 }  // namespace
 
 TEST_SUITE("gpu") {
@@ -302,6 +389,12 @@ TEST_CASE("fullshard zero2 zero3 on 2 GPUs == CPU reference - accumulation - an 
   check_fullshard<lockstep::FullySharded>({.gpus = 2, .accumulate = 3, .clip = 0.5});
   check_fullshard<lockstep::FullySharded>({.gpus = 2, .keep_after_forward = true, .prefetch = 2});
   check_fullshard<lockstep::FullySharded>({.gpus = 2, .prefetch = 0});
+}
+TEST_CASE(
+    "fullshard gather wire on 2 GPUs: each use lends every rank's master through the codec - the host's numbers") {
+  LOCKSTEP_REQUIRE_GPUS(2);
+  check_block_wire(2, lockstep::wire_format::int8);
+  check_block_wire(2, lockstep::wire_format::bf16);
 }
 TEST_CASE("join with fullshard zero2 zero3 on 2 GPUs == CPU reference averaging the ranks that had data") {
   LOCKSTEP_REQUIRE_GPUS(2);

@@ -27,23 +27,19 @@
 #include "device_vector.cuh"
 #include "gpu_test_util.cuh"
 #include "test_util.hpp"
+#include "value_wire_check.hpp"
 
 namespace {
 
 using lockstep::dtype;
 
-float bf16_round(float f) { return lockstep::detail::float_of_bf16(lockstep::detail::bf16_of_float(f)); }
+using lockstep_test::bf16_round;
 
 // A chunk of values as a wire's codec carries them.
 template <class Wire>
 void through(std::span<float> v) {
-  if constexpr (std::is_same_v<Wire, lockstep::Bf16Wire>) {
-    for (auto& f : v) f = bf16_round(f);
-  } else {
-    std::vector<unsigned char> enc(lockstep::detail::int8_chunk_bytes(v.size()));
-    lockstep::detail::int8_encode(v.data(), v.size(), enc.data());
-    lockstep::detail::int8_decode(enc.data(), v.size(), v.data());
-  }
+  lockstep_test::round_trip(
+      std::is_same_v<Wire, lockstep::Bf16Wire> ? lockstep::wire_format::bf16 : lockstep::wire_format::int8, v);
 }
 
 // The wire's mean of chunk k (len values at offset + k·len) of every rank's x: Σ_r through(x_r's
@@ -66,11 +62,7 @@ double exact_mean(const std::vector<std::vector<float>>& x, std::size_t i) {
   return s / static_cast<double>(x.size());
 }
 
-std::vector<int> first_gpus(int n) {
-  std::vector<int> d(static_cast<std::size_t>(n));
-  for (int i = 0; i < n; ++i) d[static_cast<std::size_t>(i)] = i;
-  return d;
-}
+using lockstep_test::first_gpus;
 
 template <class Wire>
 std::size_t chunk_bytes(std::size_t n) {
@@ -327,7 +319,16 @@ void check_int8_kernels(std::size_t n, int chunks, std::size_t offset) {
   lockstep::cuda::kernels::int8_encode(src.p + offset, chunks, n, enc.p, nullptr);
   lockstep::cuda::kernels::int8_decode(enc.p, chunks, n, dec.p + offset, nullptr);
   lockstep::cuda::kernels::int8_mean(enc.p, chunks, n, mean32.p + offset, mean_enc.p, nullptr);
+  lockstep_test::device_vector<std::uint16_t> dec16(n * un + offset);  // FullySharded's bf16 lent values
+  lockstep::cuda::kernels::int8_decode_bf16(enc.p, chunks, n, dec16.p + offset, nullptr);
   LOCKSTEP_TRY_CUDA(cudaDeviceSynchronize());
+  std::vector<std::uint16_t> got16(n * un);
+  LOCKSTEP_TRY_CUDA(
+      cudaMemcpy(got16.data(), dec16.p + offset, got16.size() * sizeof(std::uint16_t), cudaMemcpyDeviceToHost));
+  std::size_t off16 = 0;
+  for (std::size_t i = 0; i < n * un; ++i)  // decoded in fp32, rounded to nearest even
+    off16 += !same_bits(d::float_of_bf16(got16[i]), d::float_of_bf16(d::bf16_of_float(want_dec[i])));
+  CHECK(off16 == 0);
   std::vector<unsigned char> got_enc(un * cb), got_mean_enc(cb);
   std::vector<float> got_dec(n * un), got_mean(n);
   LOCKSTEP_TRY_CUDA(cudaMemcpy(got_enc.data(), enc.p, got_enc.size(), cudaMemcpyDeviceToHost));
@@ -408,13 +409,7 @@ void check_value_gather(int n, lockstep::wire_format wire, bool deltas, bool def
   const auto init = lockstep_test::random_vector<float>(flat_at.back(), rng, -1.0, 1.0);
   std::vector<std::vector<float>> g;  // per step, flat
   for (int s = 0; s < steps; ++s) g.push_back(lockstep_test::random_vector<float>(flat_at.back(), rng, -0.05, 0.05));
-  struct trace {
-    std::vector<std::vector<float>> replicas;              // per step, flat
-    std::vector<std::vector<std::vector<float>>> masters;  // per step, per shard
-    std::vector<std::vector<lockstep::detail::shard_segment>> map;
-    std::vector<float> exact;
-  };
-  std::vector<trace> t(static_cast<std::size_t>(n));
+  std::vector<lockstep_test::value_wire_trace> t(static_cast<std::size_t>(n));
   lockstep::run(lockstep::Gpus{first_gpus(n)}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
     auto& tr = t[static_cast<std::size_t>(ctx.rank())];
     cudaStream_t cs = ctx.comm().compute_stream();
@@ -471,26 +466,9 @@ void check_value_gather(int n, lockstep::wire_format wire, bool deltas, bool def
   auto before = init;
   for (std::size_t s = 0; s < static_cast<std::size_t>(steps); ++s) {
     for (std::size_t i = 0; i < master_flat.size(); ++i) master_flat[i] = master_flat[i] - g[s][i];
-    auto want = before;
-    for (const auto& rank : t)
-      for (std::size_t j = 0; j < rank.map.size(); ++j) {
-        const auto& master = rank.masters[s][j];
-        std::vector<float> prev(master.size(), 0.0f), x(master.size());
-        for (const auto& sg : rank.map[j])
-          for (std::size_t i = 0; i < sg.count; ++i) {
-            const std::size_t f = flat_at[sg.param] + sg.param_offset + i;
-            prev[sg.slot_offset + i] = before[f];
-            off_master += !same_bits(master[sg.slot_offset + i], master_flat[f]);
-          }
-        for (std::size_t i = 0; i < x.size(); ++i) x[i] = deltas ? master[i] - prev[i] : master[i];
-        if (wire == lockstep::wire_format::int8) through<lockstep::Int8Wire>(std::span<float>(x));
-        else through<lockstep::Bf16Wire>(std::span<float>(x));
-        for (const auto& sg : rank.map[j])
-          for (std::size_t i = 0; i < sg.count; ++i) {
-            const std::size_t k = sg.slot_offset + i;
-            want[flat_at[sg.param] + sg.param_offset + i] = deltas ? prev[k] + x[k] : x[k];
-          }
-      }
+    const auto masters = lockstep_test::expected_replica(t, s, before, flat_at, false, lockstep::wire_format::fp32);
+    for (std::size_t i = 0; i < masters.size(); ++i) off_master += !same_bits(masters[i], master_flat[i]);
+    const auto want = lockstep_test::expected_replica(t, s, before, flat_at, deltas, wire);
     for (const auto& rank : t)
       for (std::size_t i = 0; i < want.size(); ++i)
         if (!same_bits(rank.replicas[s][i], want[i]) && off_replica++ < 3)

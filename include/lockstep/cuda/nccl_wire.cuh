@@ -57,6 +57,9 @@ struct device_codec<bf16_codec> {
   static void decode(const void* in, int chunks, std::size_t n, float* out, cudaStream_t s, bool add = false) {
     cuda::kernels::from_bf16(in, out, static_cast<std::size_t>(chunks) * n, s, add);
   }
+  static void decode_bf16(const void* in, int chunks, std::size_t n, void* out, cudaStream_t s) {
+    LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(out, in, static_cast<std::size_t>(chunks) * n * 2, cudaMemcpyDeviceToDevice, s));
+  }
 };
 
 template <>
@@ -71,7 +74,26 @@ struct device_codec<int8_codec> {
   static void decode(const void* in, int chunks, std::size_t n, float* out, cudaStream_t s, bool add = false) {
     cuda::kernels::int8_decode(in, chunks, n, out, s, add);
   }
+  static void decode_bf16(const void* in, int chunks, std::size_t n, void* out, cudaStream_t s) {
+    cuda::kernels::int8_decode_bf16(in, chunks, n, out, s);
+  }
 };
+
+//! This rank's fp32 `master` (per values; minus base's when base is not null) encoded into its
+//! slot of `all` (size()·chunk_bytes(per), on the device) and all-gathered there in place, on
+//! the communication stream: every rank's chunk, rank order.
+template <class Codec>
+void encode_and_gather(NcclComm& comm, unsigned char* all, const float* master, std::size_t per, const float* base) {
+  const std::size_t n = static_cast<std::size_t>(comm.size()), cb = Codec::chunk_bytes(per);
+  unsigned char* mine = all + static_cast<std::size_t>(comm.rank()) * cb;
+  const device_range gathered{all, n * cb}, read{master, per * sizeof(float)};
+  if (base)
+    (void)comm.enqueue({gathered, read, {base, per * sizeof(float)}},
+                       [&](cudaStream_t s) { device_codec<Codec>::encode(master, 1, per, mine, s, base); });
+  else
+    (void)comm.enqueue({gathered, read}, [&](cudaStream_t s) { device_codec<Codec>::encode(master, 1, per, mine, s); });
+  (void)comm.all_gather(mine, all, cb, dtype::u8);
+}
 }  // namespace detail
 
 //! data (count fp32, device) ← the mean over ranks through Codec's wire: every rank the same values.
@@ -127,16 +149,32 @@ NcclComm::work wire_value_gather(NcclComm& comm, wire_staging& st, const float* 
     throw config_error("ShardedOptimizer::gather_wire in a CUDA graph capture (StepGraph) is not supported: the "
                        "host could not tell when replays left the values rounded; capture with gather_wire = fp32");
   const int ranks = comm.size();
-  const std::size_t n = static_cast<std::size_t>(ranks), r = static_cast<std::size_t>(comm.rank());
-  const std::size_t cb = Codec::chunk_bytes(per);
+  const std::size_t n = static_cast<std::size_t>(ranks), cb = Codec::chunk_bytes(per);
   auto* all = static_cast<unsigned char*>(st.get(detail::wire_memory{comm}, unit, n * cb));
-  unsigned char* mine = all + r * cb;
-  const float* own = unit + r * per;
+  detail::encode_and_gather<Codec>(comm, all, master, per,
+                                   deltas ? unit + static_cast<std::size_t>(comm.rank()) * per : nullptr);
   const device_range gathered{all, n * cb}, values{unit, n * per * sizeof(float)};
-  (void)comm.enqueue({gathered, {master, per * sizeof(float)}, {own, per * sizeof(float)}},
-                     [&](cudaStream_t s) { dev::encode(master, 1, per, mine, s, deltas ? own : nullptr); });
-  (void)comm.all_gather(mine, all, cb, dtype::u8);
   return comm.enqueue_aside({gathered, values}, [&](cudaStream_t s) { dev::decode(all, ranks, per, unit, s, deltas); });
+}
+
+//! FullySharded::gather_wire's all-gather (parallel/detail/value_wire.hpp): `to` (size()·per
+//! values of type t, f32 or bf16: a block buffer lent to the model) ← every rank's fp32 shard
+//! `master` as Codec's wire carries it, decoded (bf16: each decoded value rounded to nearest).
+//! `staging` (size()·chunk_bytes(per) bytes, 16-byte aligned) holds the chunks until the decode,
+//! which runs on the aside stream as gather_wire's does (the work returned covers it).
+template <class Codec>
+NcclComm::work wire_block_gather(NcclComm& comm, void* staging, const float* master, std::size_t per, void* to, dtype t,
+                                 Codec) {
+  using dev = detail::device_codec<Codec>;
+  const int ranks = comm.size();
+  const std::size_t n = static_cast<std::size_t>(ranks), cb = Codec::chunk_bytes(per);
+  auto* all = static_cast<unsigned char*>(staging);
+  detail::encode_and_gather<Codec>(comm, all, master, per, nullptr);
+  const device_range gathered{all, n * cb}, values{to, n * per * size_of(t)};
+  return comm.enqueue_aside({gathered, values}, [&](cudaStream_t s) {
+    if (t == dtype::bf16) dev::decode_bf16(all, ranks, per, to, s);
+    else dev::decode(all, ranks, per, static_cast<float*>(to), s);
+  });
 }
 
 }  // namespace lockstep

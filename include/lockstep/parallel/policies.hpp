@@ -176,6 +176,14 @@ struct FullySharded {
   //! fp32; or Bf16Wire). Parameters of other types are lent as they are. The model needs
   //! attach(i, value, grad, dtype) (lockstep::model (i)); TorchModule has it.
   dtype param_dtype = dtype::f32;
+  //! What the gathers of fp32 values carry (ZeRO++'s quantized weights, qwZ): fp32 — the lent
+  //! type itself (param_dtype: bf16 halves the bytes); bf16 — widened into an f32 buffer; int8
+  //! — blockwise (about a quarter of fp32's bytes), decoded into the lent type. Each rank's fp32
+  //! shard stays the exact master; each use gets it as the wire rounds it (no deltas: no copy of
+  //! the values outlives a use). wait_all_parameters() (evaluation, checkpoints) gathers fp32,
+  //! exact. Same on every rank (checked); elements of other types go as they are.
+  //! docs/sharding.md, "Low-precision values on the wire".
+  wire_format gather_wire = wire_format::fp32;
   template <class Comm, class Hook>
   using units = detail::block_units<Comm, Hook, true>;
 };

@@ -5,11 +5,15 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <span>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "lockstep/core/concepts.hpp"
+#include "lockstep/core/error.hpp"
 
 namespace lockstep::detail {
 
@@ -84,6 +88,24 @@ std::string host_shift_string(Comm& comm, const std::string& mine, int distance)
   std::int64_t got = 0;
   std::memcpy(&got, padded.data(), sizeof got);
   return std::string(padded.data() + sizeof got, static_cast<std::size_t>(got));
+}
+
+//! Throws mismatch_error naming the first of `settings` (name, value) whose value differs
+//! across ranks (collective: every rank calls it with the same names).
+template <class Comm>
+void require_same_settings(Comm& comm, std::string_view owner,
+                           std::initializer_list<std::pair<const char*, std::int64_t>> settings) {
+  std::vector<std::int64_t> v;
+  for (const auto& s : settings) v.push_back(s.second);
+  for (const auto& s : settings) v.push_back(-s.second);  // max of x and of −x: equal iff every rank's x agrees
+  host_all_reduce(comm, std::span<std::int64_t>(v), reduce_op::max);
+  std::size_t i = 0;
+  for (const auto& s : settings) {
+    if (v[i] != -v[i + settings.size()])
+      throw mismatch_error("ranks passed different " + std::string(owner) + "::" + s.first +
+                           "; give every rank the same setting");
+    ++i;
+  }
 }
 
 }  // namespace lockstep::detail

@@ -7,11 +7,13 @@
 //! and 8-byte accesses of int8 where the pointers allow; grid-stride over the blocks. Every call
 //! queues work on stream `s` and checks the launch.
 
+#include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "lockstep/core/detail/int8_blocks.hpp"
 #include "lockstep/cuda/error.cuh"
@@ -154,10 +156,23 @@ __global__ void mean(const unsigned char* __restrict__ in, int ranks, std::size_
   }
 }
 
-// Chunk c of `chunks` encoded chunks of n at in → out[c·n, (c + 1)·n) (added to what is there
-// when add).
-__global__ void decode(const unsigned char* __restrict__ in, int chunks, std::size_t n, float* __restrict__ out,
-                       bool add, bool vec) {
+// Eight decoded values into bf16, each rounded to nearest even (__float2bfloat16_rn, as the
+// host's bf16_of_float): one 16-byte store when vec.
+__device__ inline void store_f(__nv_bfloat16* at, const float (&v)[8], int valid, bool vec) {
+  if (vec && valid == 8) {
+    __nv_bfloat16 b[8];
+    for (int e = 0; e < 8; ++e) b[e] = __float2bfloat16_rn(v[e]);
+    *reinterpret_cast<uint4*>(at) = *reinterpret_cast<const uint4*>(b);
+  } else {
+    for (int e = 0; e < valid; ++e) at[e] = __float2bfloat16_rn(v[e]);
+  }
+}
+
+// Chunk c of `chunks` encoded chunks of n at in → out[c·n, (c + 1)·n), fp32 (added to what is
+// there when add) or bf16 (Out = __nv_bfloat16: rounded; add is false).
+template <class Out>
+__global__ void decode(const unsigned char* __restrict__ in, int chunks, std::size_t n, Out* __restrict__ out, bool add,
+                       bool vec) {
   using namespace lockstep::detail;
   const std::size_t nb = int8_blocks_of(n), cb = int8_chunk_bytes(n), at = int8_values_at(n);
   const std::size_t total = static_cast<std::size_t>(chunks) * nb;
@@ -172,10 +187,12 @@ __global__ void decode(const unsigned char* __restrict__ in, int chunks, std::si
     load_q(reinterpret_cast<const signed char*>(chunk + at) + lo, q, valid);
     float v[8];
     for (int e = 0; e < 8; ++e) v[e] = __fmul_rn(static_cast<float>(q[e]), s);
-    if (add) {
-      float o[8];
-      load_f(out + c * n + lo, o, valid, vec);
-      for (int e = 0; e < 8; ++e) v[e] = __fadd_rn(o[e], v[e]);
+    if constexpr (std::is_same_v<Out, float>) {
+      if (add) {
+        float o[8];
+        load_f(out + c * n + lo, o, valid, vec);
+        for (int e = 0; e < 8; ++e) v[e] = __fadd_rn(o[e], v[e]);
+      }
     }
     store_f(out + c * n + lo, v, valid, vec);
   }
@@ -215,6 +232,17 @@ inline void int8_decode(const void* src, int chunks, std::size_t n, float* dst, 
   const bool vec = n % 4 == 0 && int8_detail::aligned16(dst);
   int8_detail::decode<<<int8_detail::blocks_for(static_cast<std::size_t>(chunks) * lockstep::detail::int8_blocks_of(n)),
                         int8_detail::threads, 0, s>>>(static_cast<const unsigned char*>(src), chunks, n, dst, add, vec);
+  LOCKSTEP_CHECK_LAUNCH();
+}
+
+//! The same into bf16 (FullySharded's gather_wire with param_dtype = bf16): each decoded fp32
+//! value rounded to the nearest bf16 (ties to even).
+inline void int8_decode_bf16(const void* src, int chunks, std::size_t n, void* dst, cudaStream_t s) {
+  if (n == 0 || chunks <= 0) return;
+  const bool vec = n % 8 == 0 && int8_detail::aligned16(dst);
+  int8_detail::decode<<<int8_detail::blocks_for(static_cast<std::size_t>(chunks) * lockstep::detail::int8_blocks_of(n)),
+                        int8_detail::threads, 0, s>>>(static_cast<const unsigned char*>(src), chunks, n,
+                                                      static_cast<__nv_bfloat16*>(dst), false, vec);
   LOCKSTEP_CHECK_LAUNCH();
 }
 

@@ -25,6 +25,7 @@
 #include "lockstep/core/parameter.hpp"
 #include "lockstep/parallel/detail/block_checks.hpp"
 #include "lockstep/parallel/detail/bucket_plan.hpp"
+#include "lockstep/parallel/detail/value_wire.hpp"
 
 namespace lockstep::detail {
 
@@ -54,6 +55,8 @@ class block_layout {
     // Each pool by a buffer's elements (a unit's span: the blocks of a transformer share one).
     using pool = std::map<std::size_t, std::vector<std::shared_ptr<void>>>;
     pool grad_pool, value_pool, sum_pool;
+    pool stage_pool;     // FullySharded::gather_wire: the encoded chunks of a gather, by bytes
+    bool wired = false;  // its lent gathers go through FullySharded::gather_wire
     bool mixed() const { return cdt != plan->type; }
     pool& sum_buffers() { return mixed() ? sum_pool : grad_pool; }  // reduce-scatters run in these
     std::size_t span_of(std::size_t u) const { return plan->buckets[plan->units[u].first].elements(); }
@@ -69,6 +72,7 @@ class block_layout {
     std::size_t bytes = 0;                                   // bytes of all its units (gathered size)
     std::vector<std::shared_ptr<void>> gathered;             // ZeRO-3, per unit: the buffer its values are in
     std::vector<std::optional<Work>> gathers;                // per unit: an all-gather not yet waited for
+    std::vector<std::shared_ptr<void>> staged;               // per unit: its gather's encoded chunks (gather_wire)
     std::vector<std::shared_ptr<void>> grads;                // per unit: the lent gradient buffer
     bool in_use = false, forward = false, backward = false;  // this micro-step
     bool held() const { return !gathered.empty() && gathered.front() != nullptr; }
@@ -108,6 +112,7 @@ class block_layout {
     slices_.clear();
     map_.clear();
     bytes_ = 0;
+    ranks_ = n;
     for (auto& b : blocks_) b.units.clear();
     for (std::size_t gi = 0; gi < plans.size(); ++gi) {
       const bucket_plan& plan = *plans[gi];
@@ -115,6 +120,9 @@ class block_layout {
       group& g = groups_.emplace_back();
       g.plan = &plan;
       g.cdt = plan.type == dtype::f32 ? param_dtype : plan.type;
+      // gather_wire: fp32 values, more than one rank, the wire narrower than the lent type
+      g.wired = ShardValues && wire_ != wire_format::fp32 && plan.type == dtype::f32 && n > 1 &&
+                !(wire_ == wire_format::bf16 && g.cdt == dtype::bf16);
       std::size_t shard_total = 0;
       for (const auto& lu : plan.units) {
         const bucket& bk = plan.buckets[lu.first];
@@ -163,6 +171,7 @@ class block_layout {
       for (auto [gi, k] : b.units) b.bytes += groups_[gi].span_of(k) * size_of(groups_[gi].cdt);
       b.gathered.assign(b.units.size(), {});
       b.gathers.resize(b.units.size());
+      b.staged.assign(b.units.size(), {});
       b.grads.assign(b.units.size(), {});
     }
     places_.assign(block_of_.size(), std::nullopt);  // where each parameter is: found once
@@ -261,6 +270,28 @@ class block_layout {
       p.reset();
       *lent -= bytes;
     });
+  }
+  // ZeRO-3's prefetch after block k: the next blocks in p's direction not held, at most
+  // `count`, while the values gathered but not in use stay within max_bytes.
+  std::vector<std::size_t> to_prefetch(std::size_t k, pass p, int count, std::size_t max_bytes) const {
+    std::size_t ahead = 0;
+    for (const auto& b : blocks_)
+      if (b.held() && !b.in_use) ahead += b.bytes;
+    std::vector<std::size_t> next;
+    for (std::size_t d = 1; static_cast<int>(next.size()) < count; ++d) {
+      if (p == pass::forward ? k + d >= blocks_.size() : d > k) break;
+      const std::size_t j = p == pass::forward ? k + d : k - d;
+      const block& b = blocks_[j];
+      if (b.held()) continue;
+      if (ahead + b.bytes > max_bytes) break;
+      next.push_back(j);
+      ahead += b.bytes;
+    }
+    return next;
+  }
+  // The bytes of a gather_wire gather of `per` values per rank: every rank's chunk.
+  std::size_t staging_bytes(std::size_t per) const {
+    return ranks_ * with_codec(wire_, [&](auto c) { return c.chunk_bytes(per); });
   }
   // A buffer whose use ended: pooled for the next take of its size — or, when the model's
   // allocator gave buffers, dropped (its memory goes back to the framework at once).
@@ -362,8 +393,10 @@ class block_layout {
   std::size_t bytes_ = 0;
   std::shared_ptr<std::size_t> lent_ = std::make_shared<std::size_t>(0);  // bytes of block buffers now
   std::size_t peak_lent_ = 0;
-  bool dropping_ = false;     // the model's allocator gives the buffers: none is pooled
-  double cycle_scale_ = 1.0;  // scale_cycle's factor
+  bool dropping_ = false;                 // the model's allocator gives the buffers: none is pooled
+  double cycle_scale_ = 1.0;              // scale_cycle's factor
+  wire_format wire_ = wire_format::fp32;  // FullySharded::gather_wire
+  std::size_t ranks_ = 1;                 // as laid out
 };
 
 }  // namespace lockstep::detail

@@ -22,6 +22,9 @@
 //! rounds this rank's shard into its own slot of the bf16 buffer and all-gathers in place
 //! (half the bytes, no extra memory); the model computes in bf16 and writes bf16 gradients,
 //! which lend() widens into an fp32 buffer for the reduce-scatter (fp32 sums, or Bf16Wire's).
+//! FullySharded::gather_wire: a gather encodes this rank's shard into its slot of a staging
+//! buffer (pooled, held until the gather is waited for), all-gathers the chunks and decodes
+//! them into the lent buffer (value_wire.hpp).
 
 #include <algorithm>
 #include <cstddef>
@@ -37,6 +40,7 @@
 #include <vector>
 
 #include "lockstep/comm/collective.hpp"
+#include "lockstep/comm/detail/host_collectives.hpp"
 #include "lockstep/core/concepts.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/parameter.hpp"
@@ -46,6 +50,7 @@
 #include "lockstep/parallel/detail/block_layout.hpp"
 #include "lockstep/parallel/detail/bucket_plan.hpp"
 #include "lockstep/parallel/detail/step_recorder.hpp"
+#include "lockstep/parallel/detail/value_wire.hpp"
 #include "lockstep/parallel/policies.hpp"
 
 namespace lockstep::detail {
@@ -57,9 +62,9 @@ class block_units
   using layout = block_layout<decltype(std::declval<Comm&>().all_gather(nullptr, nullptr, std::size_t{}, dtype::f32)),
                               ShardValues>;
   using layout::block_of_, layout::blocks_, layout::groups_, layout::whole_, layout::params_, layout::slices_,
-      layout::map_, layout::bytes_;
+      layout::map_, layout::bytes_, layout::wire_;
   using layout::key, layout::bytes_of, layout::unit_of, layout::slot_in, layout::index_of, layout::value_of,
-      layout::grad_of, layout::type_of;
+      layout::grad_of, layout::type_of, layout::staging_bytes;
   using typename layout::block;
   using typename layout::flight;
   using typename layout::group;
@@ -82,6 +87,7 @@ class block_units
     if constexpr (ShardValues) {
       keep_ = policy.keep_after_forward;
       param_dtype_ = policy.param_dtype;
+      wire_ = policy.gather_wire;
     }
     check_block_config(model, buffers_, param_dtype_, memory_ops_with_convert<memory_of_t<Comm>>);
   }
@@ -103,7 +109,9 @@ class block_units
     this->lay_out(plans, params, static_cast<std::size_t>(comm_.size()), static_cast<std::size_t>(comm_.rank()),
                   comm_.memory(), param_dtype_);
     for (std::size_t i = 0; i < params.size(); ++i) attach(i, !ShardValues, false);
-    if (released_) released_();  // the model's own storage is free now (gradient shards come per cycle)
+    if (released_) released_();           // the model's own storage is free now (gradient shards come per cycle)
+    if (ShardValues && comm_.size() > 1)  // the gathers' sizes depend on it
+      require_same_settings(comm_, "FullySharded", {{"gather_wire", static_cast<std::int64_t>(wire_)}});
     auto& st = rec_.stats();
     st.shard_bytes = bytes_;
     st.values_bound = true;
@@ -147,18 +155,15 @@ class block_units
   void use(std::size_t k, pass p) {
     check_block_use(blocks_, k, p, open_);
     block& b = blocks_[k];
-    if constexpr (ShardValues) {
-      gather(k);
-      for (auto& w : b.gathers) wait_work(w, step_event::wait_gather, k);
-      prefetch(k, p);
-    } else {
-      for (auto& w : b.gathers) wait_work(w, step_event::wait_gather, k);
-    }
+    if constexpr (ShardValues) gather(k);
+    wait_gathers(k);
+    if constexpr (ShardValues)
+      for (auto j : this->to_prefetch(k, p, buffers_.prefetch, buffers_.max_prefetch_bytes)) gather(j);
     if (p == pass::backward)
       for (std::size_t j = 0; j < b.units.size(); ++j) {
         auto [gi, u] = b.units[j];
         group& g = groups_[gi];
-        b.grads[j] = g.mixed() ? take(g.grad_pool, gi, u, g.cdt) : take_sum_buffer(gi, u);
+        b.grads[j] = g.mixed() ? take(g.grad_pool, g.span_of(u), g.cdt) : take_sum_buffer(gi, u);
         comm_.memory().zero(b.grads[j].get(), g.span_of(u) * size_of(g.cdt));
       }
     b.in_use = true;
@@ -271,8 +276,7 @@ class block_units
   //! buffer kept until the next step begins (the whole model's values, once) — a collective:
   //! every rank calls it (add_training_state too: build the checkpoint on every rank).
   void wait_all_parameters() {
-    for (std::size_t k = 0; k < blocks_.size(); ++k)
-      for (auto& w : blocks_[k].gathers) wait_work(w, step_event::wait_gather, k);
+    for (std::size_t k = 0; k < blocks_.size(); ++k) wait_gathers(k);
     if constexpr (ShardValues) {
       if (!whole_.empty()) return;
       std::vector<std::shared_ptr<void>> whole;  // taken only once complete (a collective: may throw)
@@ -302,8 +306,8 @@ class block_units
   static void wait_parameters(std::size_t) { throw wait_parameters_refused(); }
 
  private:
-  std::shared_ptr<void> take(typename group::pool& pool, std::size_t gi, std::size_t u, dtype t) {
-    auto p = this->take_from(pool, groups_[gi].span_of(u), t, comm_.memory(), sources_);
+  std::shared_ptr<void> take(typename group::pool& pool, std::size_t elems, dtype t) {
+    auto p = this->take_from(pool, elems, t, comm_.memory(), sources_);
     rec_.stats().lent_bytes = this->lent_bytes();
     return p;
   }
@@ -315,7 +319,7 @@ class block_units
     while (g.sum_buffers()[g.span_of(u)].empty() && !flights_.empty() &&
            flights_.size() >= static_cast<std::size_t>(buffers_.scatters_in_flight))
       complete_oldest();
-    return take(g.sum_buffers(), gi, u, g.plan->type);
+    return take(g.sum_buffers(), g.span_of(u), g.plan->type);
   }
 
   void attach(std::size_t i, bool values, bool grad) {
@@ -328,17 +332,19 @@ class block_units
     if (b.held()) return;
     for (std::size_t j = 0; j < b.units.size(); ++j) {
       const auto [gi, u] = b.units[j];
-      b.gathered[j] = take(groups_[gi].value_pool, gi, u, groups_[gi].cdt);
-      b.gathers[j].emplace(all_gather(groups_[gi], u, b.gathered[j].get(), groups_[gi].cdt));
+      group& g = groups_[gi];
+      b.gathered[j] = take(g.value_pool, g.span_of(u), g.cdt);
+      if (g.wired) b.staged[j] = take(g.stage_pool, staging_bytes(g.units[u].per), dtype::u8);
+      b.gathers[j].emplace(all_gather(g, u, b.gathered[j].get(), g.cdt, b.staged[j].get()));
     }
   }
   // Unit u's values from every rank's shard into `to`, of type t: the plan's type straight
   // from the shard; another (param_dtype) rounded into this rank's slot of `to`, gathered in
-  // place.
-  work_type all_gather(group& g, std::size_t u, void* to, dtype t) {
+  // place; with `staging` (gather_wire), through the wire's codec.
+  work_type all_gather(group& g, std::size_t u, void* to, dtype t, void* staging = nullptr) {
     const unit& un = g.units[u];
     const void* from = g.at(g.values, un.shard);
-    if (t != g.plan->type) {
+    if (t != g.plan->type && !staging) {
       if constexpr (memory_ops_with_convert<memory_of_t<Comm>>) {
         void* mine = static_cast<char*>(to) + static_cast<std::size_t>(comm_.rank()) * un.per * size_of(t);
         comm_.memory().convert(mine, t, from, g.plan->type, un.per);
@@ -351,37 +357,30 @@ class block_units
       return work_type{};
     }
     const auto gi = static_cast<std::size_t>(&g - groups_.data());
+    const std::size_t n = static_cast<std::size_t>(comm_.size());
     const auto s = rec_.issue(step_event::issue_gather, static_cast<std::int64_t>(u), key(1, gi, u),
-                              un.per * static_cast<std::size_t>(comm_.size()) * size_of(t), t);
+                              staging ? staging_bytes(un.per) : un.per * n * size_of(t), staging ? dtype::u8 : t);
     label_next_collective(comm_, [&] {
-      return bucket_label(*g.plan, g.plan->units[u].first, un.per * static_cast<std::size_t>(comm_.size()),
-                          "all-gather of block ");
+      return bucket_label(*g.plan, g.plan->units[u].first, un.per * n,
+                          staging ? "low-precision all-gather of block " : "all-gather of block ");
     });
+    if (staging) return block_value_gather(comm_, wire_, staging, static_cast<const float*>(from), un.per, to, t);
     return comm_.all_gather(from, to, un.per, t);
   }
-  // Prefetch after block k: the next blocks in p's direction, within BlockBuffers.
-  void prefetch(std::size_t k, pass p) {
-    std::size_t ahead = 0;
-    for (const auto& b : blocks_)
-      if (b.held() && !b.in_use) ahead += b.bytes;
-    int issued = 0;
-    for (std::size_t d = 1; issued < buffers_.prefetch; ++d) {
-      if (p == pass::forward ? k + d >= blocks_.size() : d > k) return;
-      const std::size_t j = p == pass::forward ? k + d : k - d;
-      block& b = blocks_[j];
-      if (b.held()) continue;
-      std::size_t bytes = 0;
-      for (auto [gi, u] : b.units) bytes += groups_[gi].span_of(u) * size_of(groups_[gi].cdt);
-      if (ahead + bytes > buffers_.max_prefetch_bytes) return;
-      gather(j);
-      ahead += bytes;
-      ++issued;
+  // Block k's gathers waited for; their staging back to its pool.
+  void wait_gathers(std::size_t k) {
+    block& b = blocks_[k];
+    for (std::size_t j = 0; j < b.units.size(); ++j) {
+      wait_work(b.gathers[j], step_event::wait_gather, k);
+      if (!b.staged[j]) continue;
+      const auto [gi, u] = b.units[j];
+      this->give_back(groups_[gi].stage_pool, staging_bytes(groups_[gi].units[u].per), std::move(b.staged[j]));
     }
   }
   void release_values(std::size_t k) {
     block& b = blocks_[k];
+    wait_gathers(k);
     for (std::size_t j = 0; j < b.units.size(); ++j) {
-      if (b.gathers[j]) wait_work(b.gathers[j], step_event::wait_gather, k);
       if (!b.gathered[j]) continue;
       group& g = groups_[b.units[j].first];
       this->give_back(g.value_pool, g.span_of(b.units[j].second), std::move(b.gathered[j]));

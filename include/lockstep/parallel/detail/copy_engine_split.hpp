@@ -1,42 +1,18 @@
 #pragma once
 //! ShardedOptimizer's copy-engine options (policies.hpp; shard_units.hpp): the zero-CTA split of
 //! the communicator its all-gathers (copy_engine_gather) and reduce-scatters
-//! (copy_engine_scatter) run on, and the arenas it registers as windows of that split. Also
-//! the check that every rank passed the same settings (a rank alone on the split would wait
-//! there for ever; a gather of another size would never match).
+//! (copy_engine_scatter) run on, and the arenas it registers as windows of that split. Every
+//! rank must pass the same settings (require_same_settings: a rank alone on the split would
+//! wait there for ever).
 
 #include <cstdint>
-#include <initializer_list>
 #include <memory>
-#include <span>
-#include <string>
-#include <string_view>
 #include <utility>
 #include <vector>
 
 #include "lockstep/comm/detail/host_collectives.hpp"
-#include "lockstep/core/error.hpp"
-#include "lockstep/core/reduce_op.hpp"
 
 namespace lockstep::detail {
-
-//! Throws mismatch_error naming the first of `settings` (name, value) whose value differs
-//! across ranks (collective: every rank calls it with the same names).
-template <class Comm>
-void require_same_settings(Comm& comm, std::string_view owner,
-                           std::initializer_list<std::pair<const char*, std::int64_t>> settings) {
-  std::vector<std::int64_t> v;
-  for (const auto& s : settings) v.push_back(s.second);
-  for (const auto& s : settings) v.push_back(-s.second);  // max of x and of −x: equal iff every rank's x agrees
-  host_all_reduce(comm, std::span<std::int64_t>(v), reduce_op::max);
-  std::size_t i = 0;
-  for (const auto& s : settings) {
-    if (v[i] != -v[i + settings.size()])
-      throw mismatch_error("ranks passed different " + std::string(owner) + "::" + s.first +
-                           "; give every rank the same setting");
-    ++i;
-  }
-}
 
 template <class Comm>
 class copy_engine_split {

@@ -14,9 +14,19 @@
 //! on the communication stream, the decode on the aside stream (NcclComm::enqueue_aside). Host communicators
 //! (ThreadComm, MpiComm): the same numbers bit for bit (every operation one fp32 operation, rounded to nearest) from
 //! host_value_gather, which the gradient wires' host path shares (gradient_wire.hpp).
+//!
+//! FullySharded::gather_wire: the gathers of a block's values into the buffer lent to the model
+//! carry each rank's fp32 shard encoded, decoded into the lent type (f32, or bf16 rounded to
+//! nearest). No replica outlives a use, so values only (no deltas): each use gets the masters
+//! as the wire rounds them, the masters stay exact. NcclComm: wire_block_gather (the decode on
+//! the aside stream); host communicators: host_block_gather below, the same numbers.
 
 #include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <vector>
 
+#include "lockstep/core/detail/half.hpp"
 #include "lockstep/core/dtype.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/parallel/gradient_wire.hpp"
@@ -44,6 +54,50 @@ auto value_gather(Comm& comm, wire_staging& st, wire_format f, const float* mast
           "ShardedOptimizer::gather_wire on a device communicator: its kernels are in lockstep/cuda.cuh; include it");
     } else {
       host_value_gather<decltype(codec)>(comm, master, unit, per, deltas);
+      return work_t{};
+    }
+  };
+  return with_codec(f, through);
+}
+
+//! to (size()·per values of type t: f32 or bf16) ← every rank's fp32 `master` (per values)
+//! through Codec's wire, on host communicators; `all` (size()·chunk_bytes(per) bytes) receives
+//! the chunks.
+template <class Codec, class Comm>
+void host_block_gather(Comm& comm, unsigned char* all, const float* master, std::size_t per, void* to, dtype t) {
+  const std::size_t n = static_cast<std::size_t>(comm.size()), cb = Codec::chunk_bytes(per);
+  std::vector<unsigned char> mine(cb);
+  Codec::encode(master, per, mine.data());
+  comm.all_gather(mine.data(), all, cb, dtype::u8).wait();
+  std::vector<float> v(per);
+  for (std::size_t k = 0; k < n; ++k) {
+    Codec::decode(all + k * cb, per, v.data());
+    if (t == dtype::f32) {
+      std::memcpy(static_cast<float*>(to) + k * per, v.data(), per * sizeof(float));
+      continue;
+    }
+    auto* out = static_cast<unsigned char*>(to) + k * per * 2;
+    for (std::size_t i = 0; i < per; ++i) {
+      const std::uint16_t b = bf16_of_float(v[i]);
+      std::memcpy(out + 2 * i, &b, sizeof b);
+    }
+  }
+}
+
+//! FullySharded::gather_wire's gather of a low-precision format f over comm: the device path
+//! where the communicator has one (wire_block_gather), else the host's. staging: as `all` above.
+template <class Comm>
+auto block_value_gather(Comm& comm, wire_format f, void* staging, const float* master, std::size_t per, void* to,
+                        dtype t) {
+  using work_t = decltype(comm.all_gather(nullptr, nullptr, std::size_t{}, dtype::f32));
+  const auto through = [&](auto codec) -> work_t {
+    if constexpr (requires { wire_block_gather(comm, staging, master, per, to, t, codec); }) {
+      return wire_block_gather(comm, staging, master, per, to, t, codec);
+    } else if constexpr (requires { comm.comm_stream(); }) {
+      throw config_error(
+          "FullySharded::gather_wire on a device communicator: its kernels are in lockstep/cuda.cuh; include it");
+    } else {
+      host_block_gather<decltype(codec)>(comm, static_cast<unsigned char*>(staging), master, per, to, t);
       return work_t{};
     }
   };

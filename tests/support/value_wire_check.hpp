@@ -1,0 +1,67 @@
+#pragma once
+// The host's numbers for the value gathers on the wire (ShardedOptimizer::gather_wire,
+// FullySharded::gather_wire; parallel/detail/value_wire.hpp): what every rank's model holds after
+// a step, made here from every rank's masters and shard map through the codec's round trip.
+// CPU ranks (tests/cpu/test_wire_cpu.cpp) and GPUs (tests/cuda/test_wire.cu,
+// tests/cuda/test_fullshard_gpu.cu) are checked against it.
+#include <cstddef>
+#include <span>
+#include <vector>
+
+#include <lockstep/core/detail/half.hpp>
+#include <lockstep/core/detail/int8_blocks.hpp>
+#include <lockstep/core/parameter.hpp>
+#include <lockstep/parallel/wire_format.hpp>
+
+namespace lockstep_test {
+
+inline float bf16_round(float f) { return lockstep::detail::float_of_bf16(lockstep::detail::bf16_of_float(f)); }
+
+//! v as `wire` carries it: bf16-rounded, through the blockwise int8 codec, or as it is (fp32).
+inline void round_trip(lockstep::wire_format wire, std::span<float> v) {
+  if (wire == lockstep::wire_format::bf16) {
+    for (auto& f : v) f = bf16_round(f);
+  } else if (wire == lockstep::wire_format::int8) {
+    std::vector<unsigned char> enc(lockstep::detail::int8_chunk_bytes(v.size()));
+    lockstep::detail::int8_encode(v.data(), v.size(), enc.data());
+    lockstep::detail::int8_decode(enc.data(), v.size(), v.data());
+  }
+}
+
+//! What one rank saw in a run with a value gather wire: per step, its model's values (flat, in
+//! parameter order) and its masters (shard_parameters(), per shard); after the loop, its values
+//! once wait_all_parameters() made them exact, and its shard map.
+struct value_wire_trace {
+  std::vector<std::vector<float>> replicas;
+  std::vector<std::vector<std::vector<float>>> masters;
+  std::vector<float> exact;
+  std::vector<std::vector<lockstep::detail::shard_segment>> map;
+};
+
+//! The values the schedule makes after step `step` of every rank's masters: each rank's shard j
+//! (padding included) through the wire's round trip — of the master itself (values), or of
+//! master − the values before the step, added to them (deltas). flat_at[p]: parameter p's first
+//! element in the flat values. A value no shard covers keeps `before`'s.
+inline std::vector<float> expected_replica(const std::vector<value_wire_trace>& t, std::size_t step,
+                                           const std::vector<float>& before, const std::vector<std::size_t>& flat_at,
+                                           bool deltas, lockstep::wire_format wire) {
+  auto want = before;
+  for (const auto& rank : t)
+    for (std::size_t j = 0; j < rank.map.size(); ++j) {
+      const auto& master = rank.masters[step][j];
+      std::vector<float> prev(master.size(), 0.0f), x(master.size());  // padding: zero
+      for (const auto& g : rank.map[j])
+        for (std::size_t i = 0; i < g.count; ++i)
+          prev[g.slot_offset + i] = before[flat_at[g.param] + g.param_offset + i];
+      for (std::size_t i = 0; i < x.size(); ++i) x[i] = deltas ? master[i] - prev[i] : master[i];
+      round_trip(wire, std::span<float>(x));
+      for (const auto& g : rank.map[j])
+        for (std::size_t i = 0; i < g.count; ++i) {
+          const std::size_t k = g.slot_offset + i;
+          want[flat_at[g.param] + g.param_offset + i] = deltas ? prev[k] + x[k] : x[k];
+        }
+    }
+  return want;
+}
+
+}  // namespace lockstep_test
