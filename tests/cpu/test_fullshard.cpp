@@ -117,6 +117,26 @@ dataset narrow_data(std::uint64_t seed) {
   return d;
 }
 
+// A checkpoint of a fully sharded run after step at − 1 (train()'s hold): the whole values and
+// the optimizer's shards gathered on every rank, rank 0's kept in `saved`; and its restore
+// (train()'s start).
+auto save_after(int at, lockstep::Checkpoint& saved) {
+  return [at, &saved](auto& ctx, auto& dp, auto& opt, int s) {
+    if (s != at - 1) return;
+    auto state = lockstep::gather_sharded(dp, opt);
+    lockstep::Checkpoint ck;
+    lockstep::add_training_state(ck, dp);
+    ck.add_blob("optimizer", std::move(state));
+    if (ctx.rank() == 0) saved = ck;
+  };
+}
+auto restore_from(const lockstep::Checkpoint& saved) {
+  return [&saved](auto& dp, auto& opt) {
+    lockstep::restore_training_state(saved, dp);
+    lockstep::load_sharded(dp, opt, saved.blob("optimizer"));
+  };
+}
+
 }  // namespace
 
 TEST_SUITE("cpu") {
@@ -284,19 +304,8 @@ TEST_CASE_TEMPLATE("fullshard zero2 zero3: a checkpoint resumes - bit for bit an
   const sharded_config c{.ranks = 4, .batch = 3, .steps = 6};
   const int at = 3;
   lockstep::Checkpoint saved;
-  const auto save = [&](auto& ctx, auto& dp, auto& opt, int s) {
-    if (s != at - 1) return;
-    auto state = lockstep::gather_sharded(dp, opt);
-    lockstep::Checkpoint ck;
-    lockstep::add_training_state(ck, dp);
-    ck.add_blob("optimizer", std::move(state));
-    if (ctx.rank() == 0) saved = ck;
-  };
-  const auto whole = train<T, lockstep::FullySharded>(d, c, seed + 1, {}, save);
-  const auto load = [&](auto& dp, auto& opt) {
-    lockstep::restore_training_state(saved, dp);
-    lockstep::load_sharded(dp, opt, saved.blob("optimizer"));
-  };
+  const auto whole = train<T, lockstep::FullySharded>(d, c, seed + 1, {}, save_after(at, saved));
+  const auto load = restore_from(saved);
   const double tol = std::is_same_v<T, double> ? 1e-12 : 2e-6;
   for (const auto& [ranks, batch] : {std::pair{4, std::size_t{3}}, {1, 12}, {2, 6}, {3, 4}}) {
     CAPTURE(ranks);
@@ -330,22 +339,10 @@ TEST_CASE("fullshard zero3: a checkpoint of a gather_wire run resumes bit for bi
     lockstep::FullySharded fs;
     fs.gather_wire = wire;
     lockstep::Checkpoint saved;
-    const auto save = [&](auto& ctx, auto& dp, auto& opt, int s) {
-      if (s != at - 1) return;
-      auto state = lockstep::gather_sharded(dp, opt);
-      lockstep::Checkpoint ck;
-      lockstep::add_training_state(ck, dp);
-      ck.add_blob("optimizer", std::move(state));
-      if (ctx.rank() == 0) saved = ck;
-    };
-    const auto whole = train<float, lockstep::FullySharded>(d, c, seed + 1, fs, save);
+    const auto whole = train<float, lockstep::FullySharded>(d, c, seed + 1, fs, save_after(at, saved));
     sharded_config rest = c;
     rest.first_step = at;
-    const auto resumed =
-        train<float, lockstep::FullySharded>(d, rest, seed + 99, fs, nullptr, [&](auto& dp, auto& opt) {
-          lockstep::restore_training_state(saved, dp);
-          lockstep::load_sharded(dp, opt, saved.blob("optimizer"));
-        });
+    const auto resumed = train<float, lockstep::FullySharded>(d, rest, seed + 99, fs, nullptr, restore_from(saved));
     for (const auto& v : resumed.values) CHECK(v == whole.values[0]);
     const auto fp32 = train<float, lockstep::FullySharded>(d, c, seed + 1);
     CHECK(whole.values[0] != fp32.values[0]);  // (the wire rounded what the forward saw)

@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <span>
@@ -348,11 +350,7 @@ void check_block_wire(int n, lockstep::wire_format wire) {
     tr.exact = m.flat_values();
     tr.map.assign(dp.shard_map().begin(), dp.shard_map().end());
   });
-  std::vector<std::size_t> flat_at{0};
-  for (std::size_t l = 0; l + 1 < dims.size(); ++l) {
-    flat_at.push_back(flat_at.back() + static_cast<std::size_t>(dims[l] * dims[l + 1]));
-    flat_at.push_back(flat_at.back() + static_cast<std::size_t>(dims[l + 1]));
-  }
+  const auto flat_at = mlp_flat_offsets(dims);
   const std::vector<float> none(flat_at.back(), std::numeric_limits<float>::quiet_NaN());
   std::size_t off = 0, rounded = 0;
   for (std::size_t st = 0; st < static_cast<std::size_t>(steps); ++st) {
@@ -368,6 +366,66 @@ void check_block_wire(int n, lockstep::wire_format wire) {
   }
   CHECK(off == 0);
   CHECK(rounded > flat_at.back());  // the wire rounded most values
+}
+
+// FullySharded::gather_wire into each lent type on n GPUs: lent_probe (no compute, typed attach,
+// every parameter its own block) in device memory; after construction, with every block in use,
+// each value is its rank's master through the wire rounded to the lent type — the host's numbers
+// (tests/support/value_wire_check.hpp) bit for bit, as test_wire_cpu checks CPU ranks.
+void check_lent_wire(int n, lockstep::wire_format wire, lockstep::dtype lent) {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  CAPTURE(n);
+  const std::string format = lockstep::name_of(wire), lent_name = lockstep::name_of(lent);
+  CAPTURE(format);
+  CAPTURE(lent_name);
+  std::mt19937_64 rng(seed);
+  const std::vector<std::size_t> sizes{1000, 37, 50003, 3, 7000};
+  const auto flat_at = flat_offsets(sizes);
+  const auto init = random_vector<float>(flat_at.back(), rng, -3.0, 3.0);
+  std::vector<value_wire_trace> t(static_cast<std::size_t>(n));
+  lockstep::run(lockstep::Gpus{first_gpus(n)}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
+    auto& tr = t[static_cast<std::size_t>(ctx.rank())];
+    lockstep_test::device_vector<float> vals(init), grads(init.size());
+    std::vector<void*> v, g;
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      v.push_back(vals.p + flat_at[i]);
+      g.push_back(grads.p + flat_at[i]);
+    }
+    lent_probe m(v, g, sizes);
+    lockstep::FullySharded fs;
+    fs.gather_wire = wire;
+    fs.param_dtype = lent;
+    lockstep::DataParallel<lent_probe, lockstep::NcclComm, lockstep::FullySharded> dp(ctx, m, {}, fs);
+    using DP = decltype(dp);
+    cudaStream_t s = ctx.comm().compute_stream();
+    {
+      std::vector<lockstep::block_use<DP>> held;
+      for (std::size_t k = 0; k < sizes.size(); ++k) held.push_back(dp.use_block(k, lockstep::pass::forward));
+      LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s));
+      auto& seen = tr.replicas.emplace_back();
+      for (std::size_t i = 0; i < sizes.size(); ++i) {
+        REQUIRE(m.type[i] == lent);
+        std::vector<unsigned char> raw(sizes[i] * lockstep::size_of(lent));
+        LOCKSTEP_TRY_CUDA(cudaMemcpy(raw.data(), m.vals[i], raw.size(), cudaMemcpyDeviceToHost));
+        for (std::size_t e = 0; e < sizes[i]; ++e) {
+          std::uint16_t b = 0;
+          float f = 0;
+          if (lent == lockstep::dtype::bf16) std::memcpy(&b, raw.data() + 2 * e, 2);
+          else std::memcpy(&f, raw.data() + 4 * e, 4);
+          seen.push_back(lent == lockstep::dtype::bf16 ? lockstep::detail::float_of_bf16(b) : f);
+        }
+      }
+    }
+    auto& ms = tr.masters.emplace_back();
+    for (const auto& sp : dp.shard_parameters()) {
+      ms.emplace_back(sp.numel());
+      LOCKSTEP_TRY_CUDA(cudaMemcpy(ms.back().data(), sp.value, sp.bytes(), cudaMemcpyDeviceToHost));
+    }
+    tr.map.assign(dp.shard_map().begin(), dp.shard_map().end());
+  });
+  CHECK(lent_mismatches(t, flat_at, wire, lent) == 0);
+  CHECK(lent_mismatches(t, flat_at, lockstep::wire_format::fp32, lent) > init.size() / 2);  // (rounded by the wire)
 }
 
 }  // namespace
@@ -390,11 +448,46 @@ TEST_CASE("fullshard zero2 zero3 on 2 GPUs == CPU reference - accumulation - an 
   check_fullshard<lockstep::FullySharded>({.gpus = 2, .keep_after_forward = true, .prefetch = 2});
   check_fullshard<lockstep::FullySharded>({.gpus = 2, .prefetch = 0});
 }
-TEST_CASE(
-    "fullshard gather wire on 2 GPUs: each use lends every rank's master through the codec - the host's numbers") {
+TEST_CASE("fullshard gather wire on 2 GPUs: each use lends every rank's master through the codec - into f32 and bf16 - "
+          "the host's numbers") {
   LOCKSTEP_REQUIRE_GPUS(2);
   check_block_wire(2, lockstep::wire_format::int8);
   check_block_wire(2, lockstep::wire_format::bf16);
+  check_lent_wire(2, lockstep::wire_format::int8, lockstep::dtype::f32);
+  check_lent_wire(2, lockstep::wire_format::int8, lockstep::dtype::bf16);
+  check_lent_wire(2, lockstep::wire_format::bf16, lockstep::dtype::f32);
+}
+// A CUDA graph capture of a use whose gathers go through gather_wire is refused by name (its
+// staging buffers are reused by the host between replays); the buffers were pooled by an eager
+// use first, so that nothing allocates inside the capture.
+TEST_CASE("fullshard gather wire on 2 GPUs: a capture of a use is refused naming gather_wire") {
+  LOCKSTEP_REQUIRE_GPUS(2);
+  std::vector<std::string> seen(2);
+  lockstep::run(lockstep::Gpus{first_gpus(2)}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
+    const std::vector<std::size_t> sizes{3000, 77};
+    lockstep_test::device_vector<float> vals(std::vector<float>(3077, 0.5f)), grads(3077);
+    lent_probe m({vals.p, vals.p + 3000}, {grads.p, grads.p + 3000}, sizes);
+    lockstep::FullySharded fs;
+    fs.gather_wire = lockstep::wire_format::int8;
+    lockstep::DataParallel<lent_probe, lockstep::NcclComm, lockstep::FullySharded> dp(ctx, m, {}, fs);
+    cudaStream_t s = ctx.comm().compute_stream();
+    {
+      auto eager = dp.use_block(0, lockstep::pass::forward);
+    }
+    LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s));
+    LOCKSTEP_TRY_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
+    try {
+      auto captured = dp.use_block(0, lockstep::pass::forward);
+      seen[static_cast<std::size_t>(ctx.rank())] = "captured";
+    } catch (const lockstep::config_error& e) {
+      seen[static_cast<std::size_t>(ctx.rank())] = e.what();
+    }
+    cudaGraph_t graph = nullptr;
+    (void)cudaStreamEndCapture(s, &graph);
+    if (graph) cudaGraphDestroy(graph);
+    (void)cudaGetLastError();
+  });
+  for (const auto& e : seen) CHECK(e.find("FullySharded::gather_wire in a CUDA graph capture") != std::string::npos);
 }
 TEST_CASE("join with fullshard zero2 zero3 on 2 GPUs == CPU reference averaging the ranks that had data") {
   LOCKSTEP_REQUIRE_GPUS(2);

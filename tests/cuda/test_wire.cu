@@ -404,8 +404,7 @@ void check_value_gather(int n, lockstep::wire_format wire, bool deltas, bool def
   std::mt19937_64 rng(seed);
   const std::vector<std::size_t> sizes{4096, 37, 1000, 5, 20000, 333};
   const int steps = 3;
-  std::vector<std::size_t> flat_at{0};
-  for (auto z : sizes) flat_at.push_back(flat_at.back() + z);
+  const auto flat_at = lockstep_test::flat_offsets(sizes);
   const auto init = lockstep_test::random_vector<float>(flat_at.back(), rng, -1.0, 1.0);
   std::vector<std::vector<float>> g;  // per step, flat
   for (int s = 0; s < steps; ++s) g.push_back(lockstep_test::random_vector<float>(flat_at.back(), rng, -0.05, 0.05));

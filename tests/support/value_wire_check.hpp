@@ -5,11 +5,16 @@
 // CPU ranks (tests/cpu/test_wire_cpu.cpp) and GPUs (tests/cuda/test_wire.cu,
 // tests/cuda/test_fullshard_gpu.cu) are checked against it.
 #include <cstddef>
+#include <cstdint>
+#include <limits>
 #include <span>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include <lockstep/core/detail/half.hpp>
 #include <lockstep/core/detail/int8_blocks.hpp>
+#include <lockstep/core/dtype.hpp>
 #include <lockstep/core/parameter.hpp>
 #include <lockstep/parallel/wire_format.hpp>
 
@@ -62,6 +67,64 @@ inline std::vector<float> expected_replica(const std::vector<value_wire_trace>& 
         }
     }
   return want;
+}
+
+//! flat_at[p]: parameter p's first element when parameters of `sizes` lie end to end.
+inline std::vector<std::size_t> flat_offsets(const std::vector<std::size_t>& sizes) {
+  std::vector<std::size_t> at{0};
+  for (auto n : sizes) at.push_back(at.back() + n);
+  return at;
+}
+//! The same for a TestMlp of `dims` (weight, bias per layer).
+inline std::vector<std::size_t> mlp_flat_offsets(const std::vector<int>& dims) {
+  std::vector<std::size_t> sizes;
+  for (std::size_t l = 0; l + 1 < dims.size(); ++l) {
+    sizes.push_back(static_cast<std::size_t>(dims[l] * dims[l + 1]));
+    sizes.push_back(static_cast<std::size_t>(dims[l + 1]));
+  }
+  return flat_offsets(sizes);
+}
+
+//! A model with no compute for what full sharding lends (lockstep::model (h), (i), typed):
+//! fp32 parameters in the test's storage (host or device), each its own block. vals[i] and
+//! type[i] are where parameter i's values are now and their element type (null: not held).
+struct lent_probe {
+  std::vector<void*> vals, grads;
+  std::vector<std::size_t> sizes;
+  std::vector<lockstep::dtype> type;
+  lent_probe(std::vector<void*> v, std::vector<void*> g, std::vector<std::size_t> n)
+      : vals(std::move(v)), grads(std::move(g)), sizes(std::move(n)), type(vals.size(), lockstep::dtype::f32) {}
+  std::vector<lockstep::parameter> parameters() const {
+    std::vector<lockstep::parameter> ps;
+    for (std::size_t i = 0; i < vals.size(); ++i)
+      ps.push_back(lockstep::param<float>("p" + std::to_string(i), static_cast<float*>(vals[i]),
+                                          static_cast<float*>(grads[i]), {static_cast<std::int64_t>(sizes[i])}));
+    return ps;
+  }
+  std::vector<std::size_t> blocks() const {
+    std::vector<std::size_t> b(vals.size());
+    for (std::size_t i = 0; i < b.size(); ++i) b[i] = i;
+    return b;
+  }
+  void attach(std::size_t i, void* v, void* g, lockstep::dtype t) {
+    vals[i] = v;
+    grads[i] = g;
+    type[i] = t;
+  }
+};
+
+//! How many of the values lent after construction (t[r].replicas[0], flat, widened from `lent`)
+//! differ from every rank's master (t[r].masters[0]) through `wire`, rounded to `lent`.
+inline std::size_t lent_mismatches(const std::vector<value_wire_trace>& t, const std::vector<std::size_t>& flat_at,
+                                   lockstep::wire_format wire, lockstep::dtype lent) {
+  const std::vector<float> none(flat_at.back(), std::numeric_limits<float>::quiet_NaN());
+  auto want = expected_replica(t, 0, none, flat_at, false, wire);
+  if (lent == lockstep::dtype::bf16)
+    for (auto& f : want) f = bf16_round(f);
+  std::size_t off = 0;
+  for (const auto& rank : t)
+    for (std::size_t i = 0; i < want.size(); ++i) off += !(rank.replicas[0][i] == want[i]);
+  return off;
 }
 
 }  // namespace lockstep_test

@@ -57,8 +57,9 @@ struct device_codec<bf16_codec> {
   static void decode(const void* in, int chunks, std::size_t n, float* out, cudaStream_t s, bool add = false) {
     cuda::kernels::from_bf16(in, out, static_cast<std::size_t>(chunks) * n, s, add);
   }
-  static void decode_bf16(const void* in, int chunks, std::size_t n, void* out, cudaStream_t s) {
-    LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(out, in, static_cast<std::size_t>(chunks) * n * 2, cudaMemcpyDeviceToDevice, s));
+  // Never called: a bf16 wire into bf16 values is the plain gather (block_layout's `wired`).
+  static void decode_bf16(const void*, int, std::size_t, void*, cudaStream_t) {
+    throw config_error("internal: a bf16 gather into bf16 values does not go through the wire");
   }
 };
 
@@ -78,6 +79,13 @@ struct device_codec<int8_codec> {
     cuda::kernels::int8_decode_bf16(in, chunks, n, out, s);
   }
 };
+
+//! A gather through a wire inside a CUDA graph capture of the compute stream: refused, `why`.
+inline void refuse_capture(NcclComm& comm, const char* why) {
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  LOCKSTEP_TRY_CUDA(cudaStreamIsCapturing(comm.compute_stream(), &capturing));
+  if (capturing != cudaStreamCaptureStatusNone) throw config_error(why);
+}
 
 //! This rank's fp32 `master` (per values; minus base's when base is not null) encoded into its
 //! slot of `all` (size()·chunk_bytes(per), on the device) and all-gathered there in place, on
@@ -143,11 +151,9 @@ template <class Codec>
 NcclComm::work wire_value_gather(NcclComm& comm, wire_staging& st, const float* master, float* unit, std::size_t per,
                                  bool deltas, Codec) {
   using dev = detail::device_codec<Codec>;
-  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-  LOCKSTEP_TRY_CUDA(cudaStreamIsCapturing(comm.compute_stream(), &capturing));
-  if (capturing != cudaStreamCaptureStatusNone)  // replays would leave values_exact stale: refused
-    throw config_error("ShardedOptimizer::gather_wire in a CUDA graph capture (StepGraph) is not supported: the "
-                       "host could not tell when replays left the values rounded; capture with gather_wire = fp32");
+  detail::refuse_capture(comm,  // replays would leave values_exact stale
+                         "ShardedOptimizer::gather_wire in a CUDA graph capture (StepGraph) is not supported: the "
+                         "host could not tell when replays left the values rounded; capture with gather_wire = fp32");
   const int ranks = comm.size();
   const std::size_t n = static_cast<std::size_t>(ranks), cb = Codec::chunk_bytes(per);
   auto* all = static_cast<unsigned char*>(st.get(detail::wire_memory{comm}, unit, n * cb));
@@ -166,6 +172,10 @@ template <class Codec>
 NcclComm::work wire_block_gather(NcclComm& comm, void* staging, const float* master, std::size_t per, void* to, dtype t,
                                  Codec) {
   using dev = detail::device_codec<Codec>;
+  detail::refuse_capture(comm,  // replays would write buffers the host has since given to other uses
+                         "FullySharded::gather_wire in a CUDA graph capture is not supported: its staging buffers are "
+                         "pooled (or the model's allocator's) and reused by the host between replays; capture with "
+                         "gather_wire = fp32");
   const int ranks = comm.size();
   const std::size_t n = static_cast<std::size_t>(ranks), cb = Codec::chunk_bytes(per);
   auto* all = static_cast<unsigned char*>(staging);

@@ -160,7 +160,7 @@ __global__ void mean(const unsigned char* __restrict__ in, int ranks, std::size_
 // host's bf16_of_float): one 16-byte store when vec.
 __device__ inline void store_f(__nv_bfloat16* at, const float (&v)[8], int valid, bool vec) {
   if (vec && valid == 8) {
-    __nv_bfloat16 b[8];
+    alignas(16) __nv_bfloat16 b[8];
     for (int e = 0; e < 8; ++e) b[e] = __float2bfloat16_rn(v[e]);
     *reinterpret_cast<uint4*>(at) = *reinterpret_cast<const uint4*>(b);
   } else {

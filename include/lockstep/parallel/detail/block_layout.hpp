@@ -289,6 +289,17 @@ class block_layout {
     }
     return next;
   }
+  // ZeRO-3, after a restore wrote into the whole values (wait_all_parameters'): rank r's block
+  // of each unit copied into its shard.
+  template <class Mem>
+  void shards_from_whole(Mem mem, std::size_t r) {
+    if (whole_.empty()) return;
+    for (std::size_t gi = 0; gi < groups_.size(); ++gi)
+      for (const auto& u : groups_[gi].units) {
+        const segment mine{groups_[gi].at(whole_[gi], u.begin + r * u.per), u.per};
+        mem.pack(std::span(&mine, 1), groups_[gi].at(groups_[gi].values, u.shard), groups_[gi].plan->type, 1.0);
+      }
+  }
   // The bytes of a gather_wire gather of `per` values per rank: every rank's chunk.
   std::size_t staging_bytes(std::size_t per) const {
     return ranks_ * with_codec(wire_, [&](auto c) { return c.chunk_bytes(per); });

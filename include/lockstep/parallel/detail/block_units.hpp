@@ -22,9 +22,8 @@
 //! rounds this rank's shard into its own slot of the bf16 buffer and all-gathers in place
 //! (half the bytes, no extra memory); the model computes in bf16 and writes bf16 gradients,
 //! which lend() widens into an fp32 buffer for the reduce-scatter (fp32 sums, or Bf16Wire's).
-//! FullySharded::gather_wire: a gather encodes this rank's shard into its slot of a staging
-//! buffer (pooled, held until the gather is waited for), all-gathers the chunks and decodes
-//! them into the lent buffer (value_wire.hpp).
+//! FullySharded::gather_wire: each gather goes through the codec (value_wire.hpp), its chunks
+//! in a staging buffer on devices (pooled, held until the gather is waited for).
 
 #include <algorithm>
 #include <cstddef>
@@ -106,12 +105,17 @@ class block_units
 
   std::span<const binding> built(std::span<const bucket_plan* const> plans, std::span<void* const>,
                                  const std::vector<parameter>& params) {
+    if (ShardValues && comm_.size() > 1)  // the gathers' sizes, types and order depend on them: checked first
+      require_same_settings(comm_, "FullySharded",
+                            {{"gather_wire", static_cast<std::int64_t>(wire_)},
+                             {"param_dtype", static_cast<std::int64_t>(param_dtype_)},
+                             {"keep_after_forward", keep_},
+                             {"buffers.prefetch", buffers_.prefetch},
+                             {"buffers.max_prefetch_bytes", static_cast<std::int64_t>(buffers_.max_prefetch_bytes)}});
     this->lay_out(plans, params, static_cast<std::size_t>(comm_.size()), static_cast<std::size_t>(comm_.rank()),
                   comm_.memory(), param_dtype_);
     for (std::size_t i = 0; i < params.size(); ++i) attach(i, !ShardValues, false);
-    if (released_) released_();           // the model's own storage is free now (gradient shards come per cycle)
-    if (ShardValues && comm_.size() > 1)  // the gathers' sizes depend on it
-      require_same_settings(comm_, "FullySharded", {{"gather_wire", static_cast<std::int64_t>(wire_)}});
+    if (released_) released_();  // the model's own storage is free now (gradient shards come per cycle)
     auto& st = rec_.stats();
     st.shard_bytes = bytes_;
     st.values_bound = true;
@@ -292,16 +296,7 @@ class block_units
   //! After a restore wrote into the whole values (wait_all_parameters'): ZeRO-3 copies this
   //! rank's block of each unit into its shard (ZeRO-2's shards are the value arena itself).
   void values_written() {
-    if constexpr (ShardValues) {
-      if (whole_.empty()) return;
-      const auto r = static_cast<std::size_t>(comm_.rank());
-      for (std::size_t gi = 0; gi < groups_.size(); ++gi)
-        for (const auto& u : groups_[gi].units) {
-          const segment mine{groups_[gi].at(whole_[gi], u.begin + r * u.per), u.per};
-          comm_.memory().pack(std::span(&mine, 1), groups_[gi].at(groups_[gi].values, u.shard), groups_[gi].plan->type,
-                              1.0);
-        }
-    }
+    if constexpr (ShardValues) this->shards_from_whole(comm_.memory(), static_cast<std::size_t>(comm_.rank()));
   }
   static void wait_parameters(std::size_t) { throw wait_parameters_refused(); }
 
@@ -334,17 +329,24 @@ class block_units
       const auto [gi, u] = b.units[j];
       group& g = groups_[gi];
       b.gathered[j] = take(g.value_pool, g.span_of(u), g.cdt);
-      if (g.wired) b.staged[j] = take(g.stage_pool, staging_bytes(g.units[u].per), dtype::u8);
-      b.gathers[j].emplace(all_gather(g, u, b.gathered[j].get(), g.cdt, b.staged[j].get()));
+      if (g.wired && requires { comm_.comm_stream(); })  // (host communicators need no staging)
+        b.staged[j] = take(g.stage_pool, staging_bytes(g.units[u].per), dtype::u8);
+      try {
+        b.gathers[j].emplace(all_gather(g, u, b.gathered[j].get(), g.cdt, g.wired, b.staged[j].get()));
+      } catch (...) {  // work on them may be queued (no work to wait for): they are never reused
+        stranded_.push_back(std::move(b.gathered[j]));
+        stranded_.push_back(std::move(b.staged[j]));
+        throw;
+      }
     }
   }
   // Unit u's values from every rank's shard into `to`, of type t: the plan's type straight
   // from the shard; another (param_dtype) rounded into this rank's slot of `to`, gathered in
-  // place; with `staging` (gather_wire), through the wire's codec.
-  work_type all_gather(group& g, std::size_t u, void* to, dtype t, void* staging = nullptr) {
+  // place; `wired` (gather_wire), through the wire's codec (its chunks in `staging` on devices).
+  work_type all_gather(group& g, std::size_t u, void* to, dtype t, bool wired = false, void* staging = nullptr) {
     const unit& un = g.units[u];
     const void* from = g.at(g.values, un.shard);
-    if (t != g.plan->type && !staging) {
+    if (t != g.plan->type && !wired) {
       if constexpr (memory_ops_with_convert<memory_of_t<Comm>>) {
         void* mine = static_cast<char*>(to) + static_cast<std::size_t>(comm_.rank()) * un.per * size_of(t);
         comm_.memory().convert(mine, t, from, g.plan->type, un.per);
@@ -359,12 +361,12 @@ class block_units
     const auto gi = static_cast<std::size_t>(&g - groups_.data());
     const std::size_t n = static_cast<std::size_t>(comm_.size());
     const auto s = rec_.issue(step_event::issue_gather, static_cast<std::int64_t>(u), key(1, gi, u),
-                              staging ? staging_bytes(un.per) : un.per * n * size_of(t), staging ? dtype::u8 : t);
+                              wired ? staging_bytes(un.per) : un.per * n * size_of(t), wired ? dtype::u8 : t);
     label_next_collective(comm_, [&] {
       return bucket_label(*g.plan, g.plan->units[u].first, un.per * n,
-                          staging ? "low-precision all-gather of block " : "all-gather of block ");
+                          wired ? "low-precision all-gather of block " : "all-gather of block ");
     });
-    if (staging) return block_value_gather(comm_, wire_, staging, static_cast<const float*>(from), un.per, to, t);
+    if (wired) return block_value_gather(comm_, wire_, staging, static_cast<const float*>(from), un.per, to, t);
     return comm_.all_gather(from, to, un.per, t);
   }
   // Block k's gathers waited for; their staging back to its pool.
@@ -440,6 +442,7 @@ class block_units
   std::function<void()> released_;    // model.storage_released, if it has it
   typename layout::sources sources_;  // where block buffers come from (model.block_storage or the memory space)
   std::deque<flight> flights_;        // reduce-scatters issued, in issue order
+  std::vector<std::shared_ptr<void>> stranded_;  // buffers of gathers that failed to issue, kept
   std::vector<binding> bindings_;
   bool open_ = false;  // a micro-step is open (between begin_sync and its drain)
 };

@@ -61,31 +61,22 @@ auto value_gather(Comm& comm, wire_staging& st, wire_format f, const float* mast
 }
 
 //! to (size()·per values of type t: f32 or bf16) ← every rank's fp32 `master` (per values)
-//! through Codec's wire, on host communicators; `all` (size()·chunk_bytes(per) bytes) receives
-//! the chunks.
+//! through Codec's wire, on host communicators: host_value_gather's values, bf16 rounded to nearest.
 template <class Codec, class Comm>
-void host_block_gather(Comm& comm, unsigned char* all, const float* master, std::size_t per, void* to, dtype t) {
-  const std::size_t n = static_cast<std::size_t>(comm.size()), cb = Codec::chunk_bytes(per);
-  std::vector<unsigned char> mine(cb);
-  Codec::encode(master, per, mine.data());
-  comm.all_gather(mine.data(), all, cb, dtype::u8).wait();
-  std::vector<float> v(per);
-  for (std::size_t k = 0; k < n; ++k) {
-    Codec::decode(all + k * cb, per, v.data());
-    if (t == dtype::f32) {
-      std::memcpy(static_cast<float*>(to) + k * per, v.data(), per * sizeof(float));
-      continue;
-    }
-    auto* out = static_cast<unsigned char*>(to) + k * per * 2;
-    for (std::size_t i = 0; i < per; ++i) {
-      const std::uint16_t b = bf16_of_float(v[i]);
-      std::memcpy(out + 2 * i, &b, sizeof b);
-    }
+void host_block_gather(Comm& comm, const float* master, std::size_t per, void* to, dtype t) {
+  if (t == dtype::f32) return host_value_gather<Codec>(comm, master, static_cast<float*>(to), per, false);
+  std::vector<float> wide(static_cast<std::size_t>(comm.size()) * per);
+  host_value_gather<Codec>(comm, master, wide.data(), per, false);
+  auto* out = static_cast<unsigned char*>(to);
+  for (std::size_t i = 0; i < wide.size(); ++i) {
+    const std::uint16_t b = bf16_of_float(wide[i]);
+    std::memcpy(out + 2 * i, &b, sizeof b);
   }
 }
 
 //! FullySharded::gather_wire's gather of a low-precision format f over comm: the device path
-//! where the communicator has one (wire_block_gather), else the host's. staging: as `all` above.
+//! where the communicator has one (wire_block_gather; `staging` receives the chunks), else the
+//! host's (staging unused).
 template <class Comm>
 auto block_value_gather(Comm& comm, wire_format f, void* staging, const float* master, std::size_t per, void* to,
                         dtype t) {
@@ -97,7 +88,7 @@ auto block_value_gather(Comm& comm, wire_format f, void* staging, const float* m
       throw config_error(
           "FullySharded::gather_wire on a device communicator: its kernels are in lockstep/cuda.cuh; include it");
     } else {
-      host_block_gather<decltype(codec)>(comm, static_cast<unsigned char*>(staging), master, per, to, t);
+      host_block_gather<decltype(codec)>(comm, master, per, to, t);
       return work_t{};
     }
   };
