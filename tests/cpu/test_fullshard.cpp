@@ -349,6 +349,45 @@ TEST_CASE("fullshard zero3: a checkpoint of a gather_wire run resumes bit for bi
   }
 }
 
+// The wire's numbers do not depend on how the block buffers are held: prefetch 0 and 2, values
+// kept from forward to backward, buffers (and staging) from the model's allocator, accumulation
+// with an injected inf, a step abandoned mid-backward — each run ends bit for bit where the
+// same run with the defaults ends, and not where the fp32 gathers end.
+TEST_CASE("fullshard zero3: gather_wire alike under any block buffers - prefetch - kept - the model's allocator") {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  const auto d = make_data(seed, 211);
+  for (const auto wire : {lockstep::wire_format::bf16, lockstep::wire_format::int8}) {
+    const std::string format = lockstep::name_of(wire);
+    CAPTURE(format);
+    lockstep::FullySharded fs;
+    fs.gather_wire = wire;
+    for (const auto& base : {sharded_config{.ranks = 3, .batch = 4, .steps = 4},
+                             sharded_config{.ranks = 2, .accumulate = 2, .steps = 5, .inf_step = 2}}) {
+      const auto ref = train<float, lockstep::FullySharded>(d, base, seed + 1, fs);
+      CHECK(ref.values[0] != train<float, lockstep::FullySharded>(d, base, seed + 1).values[0]);
+      auto variant = fs;
+      for (int prefetch : {0, 2}) {
+        CAPTURE(prefetch);
+        variant.buffers.prefetch = prefetch;
+        CHECK(train<float, lockstep::FullySharded>(d, base, seed + 1, variant).values == ref.values);
+      }
+      variant = fs;
+      variant.keep_after_forward = true;
+      CHECK(train<float, lockstep::FullySharded>(d, base, seed + 1, variant).values == ref.values);
+      auto from_model = base;
+      from_model.model_storage = true;
+      CHECK(train<float, lockstep::FullySharded>(d, from_model, seed + 1, fs).values == ref.values);
+    }
+    // An abandoned step drops alike with the wire: as a run that skipped it.
+    sharded_config abandon{.ranks = 3, .steps = 5, .abandon_step = 2}, skip = abandon;
+    skip.abandon_step = -1;
+    skip.skip_step = 2;
+    CHECK(train<float, lockstep::FullySharded>(d, abandon, seed + 1, fs).values ==
+          train<float, lockstep::FullySharded>(d, skip, seed + 1, fs).values);
+  }
+}
+
 // Each rank runs `misuse` on a fresh FullySharded DataParallel over a 3-layer TestMlp and
 // reports what it threw: every rank must end with the same message, naming the mistake.
 template <class Misuse>
