@@ -317,25 +317,16 @@ std::vector<float> check_block_wire(const dataset& d, int ranks, lockstep::wire_
   const auto t = run_block_wire(d, ranks, wire, per_parameter, seed);
   const auto flat_at = mlp_flat_offsets(d.dims);
   // (values, not deltas: `before` is never read; NaN marks a value no shard covers)
-  const std::vector<float> none(t[0].exact.size(), std::numeric_limits<float>::quiet_NaN());
-  const auto masters = [&](std::size_t s) {
-    return expected_replica(t, s, none, flat_at, false, lockstep::wire_format::fp32);
-  };
-  std::size_t off = 0, rounded = 0;
-  for (std::size_t s = 0; s < t[0].replicas.size(); ++s) {
-    const auto exact = masters(s), want = expected_replica(t, s, none, flat_at, false, wire);
-    for (const auto& rank : t) off += rank.replicas[s] != want;
-    std::size_t rounded_now = 0;
-    for (std::size_t i = 0; i < want.size(); ++i) {
-      REQUIRE(!std::isnan(exact[i]));
-      rounded_now += want[i] != exact[i];
-    }
-    if (wire != lockstep::wire_format::fp32) CHECK(rounded_now > want.size() / 2);  // the wire rounded most
-    rounded += rounded_now;
+  using lockstep::dtype, lockstep::wire_format;
+  const std::size_t last = t[0].replicas.size() - 1, values = t.size() * t[0].exact.size();
+  for (std::size_t s = 0; s <= last; ++s) {
+    CAPTURE(s);
+    CHECK(lent_mismatches(t, flat_at, wire, dtype::f32, s) == 0);
+    if (wire != wire_format::fp32)  // the wire rounded most values, on every rank
+      CHECK(lent_mismatches(t, flat_at, wire_format::fp32, dtype::f32, s) > values / 2);
   }
-  CHECK(off == 0);
-  if (wire == lockstep::wire_format::fp32) CHECK(rounded == 0);
-  for (const auto& rank : t) CHECK(rank.exact == masters(t[0].replicas.size() - 1));
+  const std::vector<float> none(t[0].exact.size(), std::numeric_limits<float>::quiet_NaN());
+  for (const auto& rank : t) CHECK(rank.exact == expected_replica(t, last, none, flat_at, false, wire_format::fp32));
   return t[0].exact;
 }
 
@@ -578,12 +569,7 @@ TEST_CASE("fullshard gather wire on CPU ranks: into f32 and bf16 lent values - t
           auto& seen = tr.replicas.emplace_back();
           for (std::size_t i = 0; i < sizes.size(); ++i) {
             REQUIRE(m.type[i] == lent);
-            for (std::size_t e = 0; e < sizes[i]; ++e) {
-              std::uint16_t b = 0;
-              if (lent == dtype::bf16) std::memcpy(&b, static_cast<const unsigned char*>(m.vals[i]) + 2 * e, 2);
-              seen.push_back(lent == dtype::bf16 ? lockstep::detail::float_of_bf16(b)
-                                                 : static_cast<const float*>(m.vals[i])[e]);
-            }
+            widen(static_cast<const unsigned char*>(m.vals[i]), sizes[i], lent, seen);
           }
         }
         auto& ms = tr.masters.emplace_back();

@@ -6,6 +6,7 @@
 // tests/cuda/test_fullshard_gpu.cu) are checked against it.
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <span>
 #include <string>
@@ -113,17 +114,29 @@ struct lent_probe {
   }
 };
 
-//! How many of the values lent after construction (t[r].replicas[0], flat, widened from `lent`)
-//! differ from every rank's master (t[r].masters[0]) through `wire`, rounded to `lent`.
+//! n lent values of type `lent` (f32 or bf16) at `raw`, appended to `out` as floats (exactly).
+inline void widen(const unsigned char* raw, std::size_t n, lockstep::dtype lent, std::vector<float>& out) {
+  for (std::size_t e = 0; e < n; ++e) {
+    std::uint16_t b = 0;
+    float f = 0;
+    if (lent == lockstep::dtype::bf16) std::memcpy(&b, raw + 2 * e, 2);
+    else std::memcpy(&f, raw + 4 * e, 4);
+    out.push_back(lent == lockstep::dtype::bf16 ? lockstep::detail::float_of_bf16(b) : f);
+  }
+}
+
+//! How many of the values every rank was lent at step `step` (t[r].replicas[step], flat,
+//! widened from `lent`) differ from every rank's master (t[r].masters[step]) through `wire`,
+//! rounded to `lent` — summed over the ranks. A value no shard covers counts (NaN).
 inline std::size_t lent_mismatches(const std::vector<value_wire_trace>& t, const std::vector<std::size_t>& flat_at,
-                                   lockstep::wire_format wire, lockstep::dtype lent) {
+                                   lockstep::wire_format wire, lockstep::dtype lent, std::size_t step = 0) {
   const std::vector<float> none(flat_at.back(), std::numeric_limits<float>::quiet_NaN());
-  auto want = expected_replica(t, 0, none, flat_at, false, wire);
+  auto want = expected_replica(t, step, none, flat_at, false, wire);
   if (lent == lockstep::dtype::bf16)
     for (auto& f : want) f = bf16_round(f);
   std::size_t off = 0;
   for (const auto& rank : t)
-    for (std::size_t i = 0; i < want.size(); ++i) off += !(rank.replicas[0][i] == want[i]);
+    for (std::size_t i = 0; i < want.size(); ++i) off += !(rank.replicas[step][i] == want[i]);
   return off;
 }
 

@@ -94,12 +94,9 @@ template <class Codec>
 void encode_and_gather(NcclComm& comm, unsigned char* all, const float* master, std::size_t per, const float* base) {
   const std::size_t n = static_cast<std::size_t>(comm.size()), cb = Codec::chunk_bytes(per);
   unsigned char* mine = all + static_cast<std::size_t>(comm.rank()) * cb;
-  const device_range gathered{all, n * cb}, read{master, per * sizeof(float)};
-  if (base)
-    (void)comm.enqueue({gathered, read, {base, per * sizeof(float)}},
-                       [&](cudaStream_t s) { device_codec<Codec>::encode(master, 1, per, mine, s, base); });
-  else
-    (void)comm.enqueue({gathered, read}, [&](cudaStream_t s) { device_codec<Codec>::encode(master, 1, per, mine, s); });
+  const device_range gathered{all, n * cb}, read{master, per * sizeof(float)}, from{base ? base : master, read.bytes};
+  (void)comm.enqueue({gathered, read, from},
+                     [&](cudaStream_t s) { device_codec<Codec>::encode(master, 1, per, mine, s, base); });
   (void)comm.all_gather(mine, all, cb, dtype::u8);
 }
 }  // namespace detail

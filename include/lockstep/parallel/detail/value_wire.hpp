@@ -22,11 +22,8 @@
 //! the aside stream); host communicators: host_block_gather below, the same numbers.
 
 #include <cstddef>
-#include <cstdint>
-#include <cstring>
 #include <vector>
 
-#include "lockstep/core/detail/half.hpp"
 #include "lockstep/core/dtype.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/parallel/gradient_wire.hpp"
@@ -67,11 +64,7 @@ void host_block_gather(Comm& comm, const float* master, std::size_t per, void* t
   if (t == dtype::f32) return host_value_gather<Codec>(comm, master, static_cast<float*>(to), per, false);
   std::vector<float> wide(static_cast<std::size_t>(comm.size()) * per);
   host_value_gather<Codec>(comm, master, wide.data(), per, false);
-  auto* out = static_cast<unsigned char*>(to);
-  for (std::size_t i = 0; i < wide.size(); ++i) {
-    const std::uint16_t b = bf16_of_float(wide[i]);
-    std::memcpy(out + 2 * i, &b, sizeof b);
-  }
+  bf16_codec::encode(wide.data(), wide.size(), static_cast<unsigned char*>(to));  // each rounded to nearest
 }
 
 //! FullySharded::gather_wire's gather of a low-precision format f over comm: the device path
