@@ -982,6 +982,152 @@ TEST_CASE("the coordinator's training loop ended while a survivor's step failed 
   check_second_group(world);
 }
 
+// A replacement that joined, whose step then fails while the coordinator's loop ends: it is
+// told at once, as a member is, not after the store's timeout (60 s) — its group took the
+// coordinator's number at its admission, so it reads that group's "ended". Job rank world − 1
+// dies at step 1 and is started again; every rank ends two steps after the group grew back;
+// the replacement's last step fails after its collectives (its commit "aborted").
+void check_replacement_told(int world) {
+  CAPTURE(world);
+  lockstep::HashStore st(world, 60s);
+  const int victim = world - 1;
+  std::vector<std::string> errors(static_cast<std::size_t>(world));
+  std::vector<std::chrono::milliseconds> took(static_cast<std::size_t>(world));
+  std::vector<int> grew(static_cast<std::size_t>(world), 0);
+  lockstep::run(
+      lockstep::Threads{.ranks = world, .max_restarts = 1}, [&](lockstep::context<lockstep::ThreadComm>& ctx) {
+        const auto r = static_cast<std::size_t>(ctx.rank());
+        const bool again = ctx.restart_count() > 0;
+        lockstep::ElasticGroup group(ctx, st);
+        std::int64_t end = again ? group.steps() + 2 : -1;  // (the replacement: admitted at group.steps())
+        const auto t0 = std::chrono::steady_clock::now();
+        try {
+          for (int guard = 0; end < 0 || group.steps() < end; ++guard) {
+            REQUIRE(guard < 20000);  // (the replacement is admitted within ~100 ms of asking)
+            const auto c = group.attempt([&] {
+              if (static_cast<int>(r) == victim && !again && group.steps() == 1)
+                throw std::runtime_error("injected: this rank dies");
+              std::vector<float> x{static_cast<float>(r + 1)};
+              group.comm().all_reduce(x.data(), x.data(), 1, lockstep::dtype::f32, lockstep::reduce_op::sum).wait();
+              group.commit();
+              if (again && group.steps() == end - 1)
+                throw lockstep::aborted_error("injected: the replacement's commit");
+              std::this_thread::sleep_for(1ms);
+            });
+            if (c && !c->joined.empty()) {
+              ++grew[r];
+              end = c->steps + 2;
+            }
+          }
+        } catch (const lockstep::aborted_error& e) {
+          errors[r] = e.what();
+        }
+        took[r] = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
+        if (again) CHECK(group.replacement());
+      });
+  for (std::size_t r = 0; r < errors.size(); ++r) {
+    CAPTURE(r);
+    CAPTURE(errors[r]);
+    if (static_cast<int>(r) != victim) {
+      CHECK(errors[r].empty());
+      CHECK(grew[r] == 1);
+      continue;
+    }
+    CHECK(errors[r].find("job rank 0, which coordinates changes of membership, ended its training loop after step") !=
+          std::string::npos);
+    CHECK(took[r] < 20s);
+  }
+}
+
+TEST_CASE("a replacement that joined is told at once when its step fails as the coordinator's loop ends") {
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
+  check_replacement_told(2 + static_cast<int>(rng() % 2));
+}
+
+// A joiner waits on its own thread (60 s at most), through its own store handle; what it got,
+// and how long it waited.
+struct waiting_joiner {
+  std::string error;
+  std::chrono::milliseconds took{};
+  std::thread t;
+  template <class Store>
+  waiting_joiner(Store& st, int job_rank) {
+    const auto n = lockstep::request_join(st, job_rank);
+    t = std::thread([this, &st, n, job_rank] {
+      const auto t0 = std::chrono::steady_clock::now();
+      try {
+        (void)lockstep::await_admission(st, n, job_rank, 60s);
+        error = "admitted";
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+      took = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
+    });
+  }
+};
+
+// Groups without restarts never admit: a request waits until the coordinator's group goes,
+// which answers it; one made after that is told by the store's word and withdrawn; a group
+// that fails answers too; a later group begins after the answered requests. store_of(job
+// rank): that rank's store; `joiner`: the joiners'.
+template <class StoreOf, class JoinerStore>
+void check_joins_closed(int world, std::int64_t last, StoreOf store_of, JoinerStore& joiner) {
+  CAPTURE(world);
+  CAPTURE(last);
+  auto train = [&](bool fail) {
+    lockstep::run(lockstep::Threads{world}, [&](lockstep::context<lockstep::ThreadComm>& ctx) {
+      lockstep::ElasticGroup group(ctx, store_of(ctx.rank()));
+      for (std::int64_t s = 0; s < last; ++s) REQUIRE_FALSE(group.attempt([&] { group.comm().barrier(); }).has_value());
+      if (fail) throw std::runtime_error("injected: every rank's loop fails");
+    });
+  };
+  {
+    waiting_joiner early(joiner, world);
+    train(false);
+    early.t.join();
+    CAPTURE(early.error);
+    CHECK(early.error.find("may not join the job: job rank 0's ElasticGroup, which admits replacements, went away "
+                           "after step " +
+                           std::to_string(last) + " (the job's training loop ended)") != std::string::npos);
+    CHECK(early.took < 20s);
+  }
+  const auto answered = lockstep::joins_requested(joiner);
+  {
+    waiting_joiner late(joiner, world);
+    late.t.join();
+    CAPTURE(late.error);
+    CHECK(late.error.find("asked to join the job, but job rank 0's ElasticGroup") != std::string::npos);
+    CHECK(late.took < 20s);
+    CHECK(lockstep::string_of(joiner.get("lockstep.elastic/join/" + std::to_string(answered + 1))) == "withdrawn");
+  }
+  {
+    waiting_joiner early(joiner, world);
+    CHECK_THROWS_AS(train(true), std::runtime_error);
+    early.t.join();
+    CAPTURE(early.error);
+    CHECK(early.error.find("(its loop failed)") != std::string::npos);
+  }
+  CHECK(lockstep::open_joins(joiner, 9) == lockstep::joins_requested(joiner) + 1);
+}
+
+TEST_CASE("the coordinator's group goes: a replacement waiting to join is refused at once - one that asks later is "
+          "told at once and withdrawn - a later group begins after the answered requests - HashStore and TcpStore") {
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
+  const int world = 2 + static_cast<int>(rng() % 2);
+  const auto last = 1 + static_cast<std::int64_t>(rng() % 3);
+  {
+    lockstep::HashStore st(world, 60s);
+    check_joins_closed(world, last, [&](int) -> lockstep::HashStore& { return st; }, st);
+  }
+  const std::string token = "joins-" + std::to_string(rng());
+  lockstep::TcpStore server("127.0.0.1", 0, true, world, token, 60s);
+  std::map<int, std::unique_ptr<lockstep::TcpStore>> clients;
+  for (int r = 1; r <= world; ++r)  // (the last: the joiners')
+    clients[r] = std::make_unique<lockstep::TcpStore>("127.0.0.1", server.port(), false, world, token, 60s);
+  check_joins_closed(
+      world, last, [&](int job) -> lockstep::TcpStore& { return job == 0 ? server : *clients[job]; }, *clients[world]);
+}
+
 TEST_CASE("going on with fewer ranks: the same global batch by more micro-steps - or the learning rate rescaled") {
   auto change = [](int before, int after) {
     membership_change c;
@@ -1021,7 +1167,8 @@ TEST_CASE("growing back: joiners ask - the coordinator admits them at a step bou
   for (int r : asks) request_of[lockstep::request_join(store, r)] = r;
   CHECK(lockstep::joins_requested(store) == static_cast<std::int64_t>(asks.size()));
   std::int64_t next = 1;
-  const lockstep::growth g = lockstep::admit(store, 4, members, next, steps, next);
+  const auto generation = 1 + static_cast<std::int64_t>(rng() % 9);
+  const lockstep::growth g = lockstep::admit(store, 4, members, next, steps, next, generation);
   CHECK(next == static_cast<std::int64_t>(asks.size()) + 1);
   std::vector<int> expected = members;
   expected.insert(expected.end(), outside.begin(), outside.end());
@@ -1038,6 +1185,7 @@ TEST_CASE("growing back: joiners ask - the coordinator admits them at a step bou
   CHECK(read.ranks == g.ranks);
   CHECK(read.joined == g.joined);
   CHECK(read.steps == steps);
+  CHECK(read.generation == generation);  // (the joiners take the coordinator's group number)
   // Each request is answered: the first of each outsider admitted, a member's and a second
   // request refused by name.
   std::set<int> admitted;
@@ -1054,6 +1202,7 @@ TEST_CASE("growing back: joiners ask - the coordinator admits them at a step bou
       const auto got = lockstep::await_admission(store, n, r, 1s);
       CHECK(got.ranks == g.ranks);
       CHECK(got.steps == steps);
+      CHECK(got.generation == generation);
       admitted.insert(r);
     }
   }

@@ -59,7 +59,9 @@ class ElasticGroup {
   //! The job's communicator `comm` (its ranks are the job ranks), the job's store.
   ElasticGroup(Comm comm, Store& store, SurvivorOptions o = {})
       : own_(std::move(comm)), comm_(&*own_), store_(&store), opt_(o),
-        now_(membership::whole(comm_->size(), comm_->rank())), generation_(count_group()) {}
+        now_(membership::whole(comm_->size(), comm_->rank())), generation_(count_group()) {
+    if (now_.rank == 0) next_request_ = open_joins(*store_, generation_);
+  }
   //! On the context of ranks as threads (a communicator made from the context's, the job's
   //! store given). With run(Threads{.max_restarts = k}) the members look for replacements at
   //! commit(), and a rank that was started again (ctx.restart_count() > 0) joins the running
@@ -87,6 +89,8 @@ class ElasticGroup {
     steps_ = first.steps;
     replacement_ = first.epoch > 0;
     generation_ = count_group();
+    if (replacement_) adopt_generation(first.generation);
+    else if (now_.rank == 0) next_request_ = open_joins(*store_, generation_);
     if (now_.ranks.size() != static_cast<std::size_t>(comm_->size()))
       throw config_error("ElasticGroup: the context's communicator has " + std::to_string(comm_->size()) +
                          " ranks, its membership " + std::to_string(now_.ranks.size()) +
@@ -96,13 +100,18 @@ class ElasticGroup {
   ElasticGroup& operator=(const ElasticGroup&) = delete;
   //! The coordinator's group ending after a completed step (its training loop is done) says
   //! so in the store: a member still waiting for a change of membership is told at once
-  //! instead of waiting out the store's timeout (membership.hpp, step 5).
+  //! instead of waiting out the store's timeout (membership.hpp, step 5). However it ends, it
+  //! answers the replacements still waiting to join (launch/elastic_join.hpp, step 4).
   ~ElasticGroup() {
-    if (!completed_ || std::uncaught_exceptions() > 0 || now_.rank != 0 || now_.ranks.empty()) return;
+    if (now_.rank != 0 || now_.ranks.empty() || replacement_) return;
+    const bool clean = completed_ && std::uncaught_exceptions() == 0;
     try {
-      byte_writer w;
-      w.write(steps_);
-      store_->set(ended_key(), std::move(w).release());
+      if (clean) {
+        byte_writer w;
+        w.write(steps_);
+        store_->set(ended_key(), std::move(w).release());
+      }
+      close_joins(*store_, generation_, steps_, clean, next_request_);
     } catch (...) {  // the store is gone: nobody waits on it
     }
   }
@@ -237,6 +246,7 @@ class ElasticGroup {
     now_.rank = static_cast<int>(std::find(g.ranks.begin(), g.ranks.end(), job) - g.ranks.begin());
     steps_ = g.steps;
     replacement_ = true;
+    adopt_generation(g.generation);
     regroup(now_);
   }
 
@@ -251,8 +261,9 @@ class ElasticGroup {
   // the grown membership's communicator).
   membership_change grow() {
     const std::uint64_t epoch = now_.epoch + 1;
-    const growth g = now_.rank == 0 ? admit(*store_, epoch, now_.ranks, next_request_, steps_, next_request_)
-                                    : read_growth(*store_, epoch);
+    const growth g = now_.rank == 0
+                         ? admit(*store_, epoch, now_.ranks, next_request_, steps_, next_request_, generation_)
+                         : read_growth(*store_, epoch);
     membership_change c;
     c.before = now_;
     c.after.epoch = epoch;
@@ -295,7 +306,16 @@ class ElasticGroup {
   }
 
   // This rank's groups on the store, this one counted.
-  std::int64_t count_group() { return store_->add("lockstep.elastic/groups/" + std::to_string(now_.job_rank()), 1); }
+  std::int64_t count_group() { return store_->add(group_counter(), 1); }
+  std::string group_counter() const { return "lockstep.elastic/groups/" + std::to_string(now_.job_rank()); }
+  // A replacement takes the number of the coordinator's group it joined (`g`, from the
+  // admission's record), its count on the store too: the keys of that group (ended_key) are
+  // then its own, and so are those of later groups.
+  void adopt_generation(std::int64_t g) {
+    if (g <= 0 || g == generation_) return;
+    (void)store_->add(group_counter(), g - generation_);
+    generation_ = g;
+  }
   // Step 5's key for this group: by its generation, so that a later group on the same store
   // (its epochs start again) does not read this one's.
   std::string ended_key() const { return detail::elastic_key(now_.epoch, "ended/" + std::to_string(generation_)); }
@@ -313,8 +333,7 @@ class ElasticGroup {
   membership now_;
   std::int64_t steps_ = 0;
   //! This rank's groups on the store so far, this one included: the same on every rank that
-  //! made as many (a replacement that joined counts its own; it then waits for a decision the
-  //! ended coordinator never makes until the store's timeout, as before step 5).
+  //! made as many; a replacement takes the coordinator's (adopt_generation).
   std::int64_t generation_ = 0;
   bool completed_ = false;  // the last attempt() ran its step to the end
   bool replacement_ = false;

@@ -19,8 +19,9 @@
 //!     the job cannot go on, or when the coordinator is gone (no decision can come).
 //!  5. A coordinator whose training loop ended (its ElasticGroup went after a completed step)
 //!     sets the key `ended` names (ElasticGroup: "ended/<generation>", the group's number among
-//!     those this rank made on the store, so that a later group on the same store does not read
-//!     it) to the steps it completed: no decision will come, and a survivor asking for one is
+//!     those this rank made on the store — a replacement takes the coordinator's when it is
+//!     admitted —, so that a later group on the same store does not read it) to the steps it
+//!     completed: no decision will come, and a survivor asking for one is
 //!     told so by aborted_error at once, not after the store's timeout.
 //! A rank that fails during the change is in the decision if it reported before failing; the
 //! smaller communicator's construction then fails on the others, and they change again.
@@ -132,23 +133,20 @@ void refuse_if_ended(S& st, const std::string& ended_key, const std::string& who
                       " while this rank's step failed: no change of membership will come, so this rank cannot go on");
 }
 
-//! Waits for `decision_key` (the store's timeout at most), polling, and throws aborted_error
-//! when the coordinator's loop ended instead (`ended_key`: step 5 of the protocol).
+//! Waits for `decision_key` (the store's timeout at most) and throws aborted_error when the
+//! coordinator's loop ended instead (looked at between slices of the wait) (`ended_key`: step 5 of the protocol).
 template <store S>
 std::vector<std::byte> await_decision(S& st, const std::string& decision_key, const std::string& ended_key,
                                       const std::string& who, int coordinator) {
-  const auto start = std::chrono::steady_clock::now();
-  for (auto pause = std::chrono::milliseconds(1);; pause = std::min(2 * pause, std::chrono::milliseconds(50))) {
-    if (st.check({decision_key})) return st.get(decision_key);
-    refuse_if_ended(st, ended_key, who, coordinator);
-    const auto waited = std::chrono::steady_clock::now() - start;
-    if (waited >= st.timeout())
-      throw timeout_error(who + ": no decision on who goes on came from job rank " + std::to_string(coordinator) +
-                          ", which coordinates changes of membership (gone too?), within the store's timeout (" +
-                          std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(st.timeout()).count()) +
-                          " ms)");
-    std::this_thread::sleep_for(pause);
+  const auto limit = std::chrono::duration_cast<std::chrono::milliseconds>(st.timeout());
+  try {
+    wait_unless(st, {decision_key}, limit, [&] { refuse_if_ended(st, ended_key, who, coordinator); });
+  } catch (const timeout_error&) {
+    throw timeout_error(who + ": no decision on who goes on came from job rank " + std::to_string(coordinator) +
+                        ", which coordinates changes of membership (gone too?), within the store's timeout (" +
+                        std::to_string(limit.count()) + " ms)");
   }
+  return st.get(decision_key);
 }
 
 inline std::string rank_list(std::span<const int> ranks) {

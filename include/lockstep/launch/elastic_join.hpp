@@ -13,6 +13,13 @@
 //!     rank is a member already, or another request takes it).
 //!  3. The members read "<e>/grow" (read_growth), the joiner "admit/<n>" and then "<e>/grow"
 //!     (await_admission); all make the communicator of epoch e (NcclComm::regroup / join).
+//!     The record carries the coordinator's group number (ElasticGroup's generation), which
+//!     the joiner takes as its own: its group then reads the keys of the coordinator's.
+//!  4. The coordinator's group says in "coordinator" whether it admits (open_joins, when it is
+//!     made) and, when it goes (close_joins), answers every request still waiting — refused:
+//!     the training loop ended — and writes how many it answered. A joiner that sees the
+//!     coordinator's group gone without an answer to its request is told so at once, instead
+//!     of waiting out its timeout; a later group on the store begins after the answered ones.
 
 #include <algorithm>
 #include <chrono>
@@ -29,12 +36,14 @@
 namespace lockstep {
 
 //! A membership that grew: its epoch, its job ranks (ascending), the steps the job had
-//! completed, and the job ranks that joined.
+//! completed, the job ranks that joined, and the number of the coordinator's group among the
+//! groups it made on the store (0: not given).
 struct growth {
   std::uint64_t epoch = 0;
   std::vector<int> ranks;
   std::int64_t steps = 0;
   std::vector<int> joined;
+  std::int64_t generation = 0;
 };
 
 namespace detail {
@@ -45,6 +54,7 @@ inline std::vector<std::byte> encode_growth(const growth& g) {
   byte_writer w;
   w.write(g.epoch);
   w.write(g.steps);
+  w.write(g.generation);
   for (const auto* list : {&g.ranks, &g.joined}) {
     w.write(static_cast<std::uint64_t>(list->size()));
     for (int r : *list) w.write(static_cast<std::int64_t>(r));
@@ -57,12 +67,53 @@ inline growth decode_growth(std::span<const std::byte> bytes, const std::string&
   growth g;
   g.epoch = r.read<std::uint64_t>();
   g.steps = r.read<std::int64_t>();
+  g.generation = r.read<std::int64_t>();
   for (auto* list : {&g.ranks, &g.joined}) {
     const auto n = r.read<std::uint64_t>();
     if (n > bytes.size()) r.fail("names " + std::to_string(n) + " ranks; the record is damaged");
     for (std::uint64_t i = 0; i < n; ++i) list->push_back(static_cast<int>(r.read<std::int64_t>()));
   }
   return g;
+}
+
+//! The coordinator's word on joining ("coordinator"): whether its group admits (open) or went
+//! away (its loop ended cleanly or not, after `steps`), its group number, and the last request
+//! answered (from those on a later group admits).
+struct joins_state {
+  bool open = true;
+  bool clean = true;
+  std::int64_t generation = 0;
+  std::int64_t steps = 0;
+  std::int64_t answered = 0;
+};
+
+inline std::vector<std::byte> encode_joins(const joins_state& j) {
+  byte_writer w;
+  w.write(static_cast<std::uint8_t>((j.open ? 1 : 0) | (j.clean ? 2 : 0)));
+  for (const auto v : {j.generation, j.steps, j.answered}) w.write(v);
+  return std::move(w).release();
+}
+
+//! The coordinator's word, if its group said one.
+template <store S>
+std::optional<joins_state> read_joins(S& st) {
+  const std::string key = join_key("coordinator");
+  if (!st.check({key})) return std::nullopt;
+  const auto bytes = st.get(key);
+  byte_reader r(bytes, "membership record '" + key + "'");
+  joins_state j;
+  const auto flags = r.read<std::uint8_t>();
+  j.open = (flags & 1) != 0;
+  j.clean = (flags & 2) != 0;
+  for (auto* v : {&j.generation, &j.steps, &j.answered}) *v = r.read<std::int64_t>();
+  return j;
+}
+
+//! What a refusal by a coordinator's group that went away says.
+inline std::string ended_text(const joins_state& j) {
+  return "job rank 0's ElasticGroup, which admits replacements, went away after step " + std::to_string(j.steps) +
+         (j.clean ? " (the job's training loop ended)" : " (its loop failed)") +
+         " before admitting it: there is no running job to join";
 }
 
 //! The job rank a join request names: a whole number from 0, else nothing.
@@ -87,18 +138,25 @@ std::int64_t request_join(S& st, int job_rank) {
 template <store S>
 growth await_admission(S& st, std::int64_t n, int job_rank, std::chrono::milliseconds timeout) {
   const std::string key = detail::join_key("admit/" + std::to_string(n));
+  const std::string who = "rank " + std::to_string(job_rank);
   try {
-    st.wait({key}, timeout);
-  } catch (const timeout_error& e) {
-    throw timeout_error("rank " + std::to_string(job_rank) + " asked to join the job, but it was not admitted within " +
+    // The coordinator's group answers every request it saw before it goes (step 4); one it
+    // did not see gets no answer: withdrawn (a later group refuses it) and told at once.
+    detail::wait_unless(st, {key}, timeout, [&] {
+      const auto j = detail::read_joins(st);
+      if (!j || j->open || j->answered >= n) return;
+      st.set(detail::join_key("join/" + std::to_string(n)), bytes_of("withdrawn"));
+      throw aborted_error(who + " asked to join the job, but " + detail::ended_text(*j));
+    });
+  } catch (const timeout_error&) {
+    throw timeout_error(who + " asked to join the job, but it was not admitted within " +
                         detail::seconds_text(timeout) +
-                        " (its members admit joiners at a step boundary, from ElasticGroup::commit(); has the job "
-                        "ended, or does its loop not call commit()?): " +
-                        e.what());
+                        " (its members admit joiners at a step boundary, from ElasticGroup::commit(); is the job "
+                        "stuck, or does its loop not call commit()?): " +
+                        detail::printable_key(key) + " was never set");
   }
   const std::string answer = string_of(st.get(key));
-  if (answer.rfind("refused: ", 0) == 0)
-    throw aborted_error("rank " + std::to_string(job_rank) + " may not join the job: " + answer.substr(9));
+  if (answer.rfind("refused: ", 0) == 0) throw aborted_error(who + " may not join the job: " + answer.substr(9));
   const std::string grow_key = detail::join_key(answer + "/grow");
   return detail::decode_growth(st.get(grow_key), grow_key);
 }
@@ -113,11 +171,12 @@ std::int64_t joins_requested(S& st) {
 //! after `ranks` (epoch `epoch` - 1 → `epoch`), the job having completed `steps`. Requests for
 //! a job rank that is a member or asked for twice are refused. Returns the new membership
 //! (joined empty when every request was refused: then nothing changes). Writes the record
-//! the members read (read_growth) whether or not anyone joined.
+//! the members read (read_growth) whether or not anyone joined. `generation`: the coordinator's
+//! group number, which the joiners take.
 template <store S>
 growth admit(S& st, std::uint64_t epoch, std::span<const int> ranks, std::int64_t first, std::int64_t steps,
-             std::int64_t& next_request) {
-  growth g{epoch, std::vector<int>(ranks.begin(), ranks.end()), steps, {}};
+             std::int64_t& next_request, std::int64_t generation = 0) {
+  growth g{epoch, std::vector<int>(ranks.begin(), ranks.end()), steps, {}, generation};
   const std::int64_t last = joins_requested(st);
   std::vector<std::pair<std::int64_t, std::string>> answers;
   for (std::int64_t n = first; n <= last; ++n) {
@@ -162,6 +221,29 @@ template <store S>
 growth read_growth(S& st, std::uint64_t epoch) {
   const std::string key = detail::join_key(std::to_string(epoch) + "/grow");
   return detail::decode_growth(st.get(key), key);
+}
+
+//! Step 4, the coordinator's group when it is made (group number `generation`): joins are
+//! open. Returns the first request it answers — after those a group before it on the store
+//! answered (1 on a fresh store).
+template <store S>
+std::int64_t open_joins(S& st, std::int64_t generation) {
+  const auto before = detail::read_joins(st);
+  const std::int64_t first = before ? before->answered + 1 : 1;
+  st.set(detail::join_key("coordinator"), detail::encode_joins({true, true, generation, 0, first - 1}));
+  return first;
+}
+
+//! Step 4, the coordinator's group as it goes, after `steps` (`clean`: its loop ended, rather
+//! than failed): every request from `next_request` on is refused, then the word says how many
+//! were answered.
+template <store S>
+void close_joins(S& st, std::int64_t generation, std::int64_t steps, bool clean, std::int64_t next_request) {
+  const detail::joins_state j{false, clean, generation, steps, std::max(joins_requested(st), next_request - 1)};
+  const std::string why = "refused: " + detail::ended_text(j);
+  for (std::int64_t n = next_request; n <= j.answered; ++n)
+    st.set(detail::join_key("admit/" + std::to_string(n)), bytes_of(why));
+  st.set(detail::join_key("coordinator"), detail::encode_joins(j));
 }
 
 }  // namespace lockstep

@@ -186,16 +186,12 @@ inline std::int64_t checked_add(std::int64_t a, std::int64_t b, std::string_view
 }  // namespace detail
 
 namespace detail {
-//! s.wait(keys, timeout), but in slices of at most 200 ms, between which a set `abort_key`
-//! (e.g. the key a failing rank sets) ends the wait with aborted_error carrying its value.
-//! An empty abort_key is a plain wait.
-template <store S>
-void wait_unless(S& s, const std::vector<std::string>& keys, std::chrono::milliseconds timeout,
-                 std::string_view abort_key) {
-  if (abort_key.empty()) {
-    s.wait(keys, timeout);
-    return;
-  }
+//! s.wait(keys, timeout), but in slices of at most 200 ms, between which `hopeless()` may end
+//! the wait by throwing (the keys will never come: e.g. the party that sets them went away).
+//! timeout_error after `timeout`, as s.wait.
+template <store S, class Hopeless>
+  requires std::invocable<Hopeless&>
+void wait_unless(S& s, const std::vector<std::string>& keys, std::chrono::milliseconds timeout, Hopeless&& hopeless) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   for (;;) {
     const auto left =
@@ -204,11 +200,26 @@ void wait_unless(S& s, const std::vector<std::string>& keys, std::chrono::millis
     try {
       s.wait(keys, slice);
       return;
-    } catch (const timeout_error&) {
-      if (s.check({std::string(abort_key)})) throw aborted_error("stopped waiting: " + string_of(s.get(abort_key)));
-      if (left <= slice) throw;
+    } catch (const timeout_error& e) {
+      hopeless();
+      if (left <= slice)
+        throw timeout_error(std::string(e.what()) + " (the last slice of a wait of " + seconds_text(timeout) +
+                            " in all)");
     }
   }
+}
+//! The same, where a set `abort_key` (e.g. the key a failing rank sets) ends the wait with
+//! aborted_error carrying its value. An empty abort_key is a plain wait.
+template <store S>
+void wait_unless(S& s, const std::vector<std::string>& keys, std::chrono::milliseconds timeout,
+                 std::string_view abort_key) {
+  if (abort_key.empty()) {
+    s.wait(keys, timeout);
+    return;
+  }
+  wait_unless(s, keys, timeout, [&] {
+    if (s.check({std::string(abort_key)})) throw aborted_error("stopped waiting: " + string_of(s.get(abort_key)));
+  });
 }
 }  // namespace detail
 
