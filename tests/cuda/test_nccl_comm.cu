@@ -33,6 +33,15 @@
 #include "gpu_test_util.cuh"
 #include "test_util.hpp"
 
+// A translation unit that sees NcclComm sees the device paths of the value wires too (they come
+// with nccl_comm.cuh; this one does not include lockstep/cuda.cuh): else DataParallel's value
+// gathers would compile to the host branch here and to the device path where cuda.cuh is
+// included — one template with two bodies in one program.
+static_assert(requires(lockstep::NcclComm& c, lockstep::wire_staging& st, const float* m, float* u, void* v) {
+  wire_value_gather(c, st, m, u, std::size_t{}, true, lockstep::detail::int8_codec{});
+  wire_block_gather(c, v, m, std::size_t{}, v, lockstep::dtype::bf16, lockstep::detail::bf16_codec{});
+});
+
 namespace {
 
 using lockstep::dtype;

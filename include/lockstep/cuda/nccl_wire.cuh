@@ -21,7 +21,7 @@
 #include "lockstep/core/reduce_op.hpp"
 #include "lockstep/cuda/kernels/int8_ops.cuh"
 #include "lockstep/cuda/kernels/wire_ops.cuh"
-#include "lockstep/cuda/nccl_comm.cuh"
+#include "lockstep/cuda/detail/nccl_communicator.cuh"
 #include "lockstep/parallel/gradient_wire.hpp"
 
 namespace lockstep {

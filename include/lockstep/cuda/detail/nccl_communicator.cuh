@@ -1,5 +1,6 @@
 #pragma once
 //! NcclComm — a lockstep::communicator over NCCL: one object per rank, one rank per GPU.
+//! (The class. Include lockstep/cuda/nccl_comm.cuh: it brings the wires' device paths too.)
 //!
 //! Streams. Each communicator has these streams on its device:
 //!  - the *compute* stream, where the model's kernels run (a stream of its own by default;

@@ -1,7 +1,7 @@
 #pragma once
-//! NcclComm's failure handling and order check, a base of it (its members are NcclComm's,
-//! cuda/nccl_comm.cuh says how they fit together): NCCL's asynchronous errors, the order
-//! check's verdict, abort() of a rank's communicators, overdue collectives for a watchdog,
+//! NcclComm's failure handling and order check, a base of it (its members are NcclComm's;
+//! cuda/detail/nccl_communicator.cuh says how they fit together): NCCL's asynchronous errors,
+//! the order check's verdict, abort() of a rank's communicators, overdue collectives for a watchdog,
 //! replays tracked like collectives, and labels.
 
 #include <algorithm>

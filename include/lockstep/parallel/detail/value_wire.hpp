@@ -10,7 +10,7 @@
 //!    rounded off is still in master − replica and goes again with the next step's change
 //!    (error feedback without a buffer of its own): the replica follows the master to within
 //!    the rounding of one step's change, not of the value.
-//! NcclComm (include lockstep/cuda.cuh): wire_value_gather in cuda/nccl_wire.cuh, the encode
+//! NcclComm: wire_value_gather in cuda/nccl_wire.cuh (nccl_comm.cuh brings it), the encode
 //! on the communication stream, the decode on the aside stream (NcclComm::enqueue_aside). Host communicators
 //! (ThreadComm, MpiComm): the same numbers bit for bit (every operation one fp32 operation, rounded to nearest) from
 //! host_value_gather, which the gradient wires' host path shares (gradient_wire.hpp).
@@ -38,7 +38,10 @@ decltype(auto) with_codec(wire_format f, F&& fn) {
 }
 
 //! The gather of a low-precision format f (bf16 or int8) over comm: the device path where the
-//! communicator has one (wire_value_gather, found by argument-dependent lookup), else the host's.
+//! communicator has one (wire_value_gather, found by argument-dependent lookup; NcclComm's header
+//! brings it, so every unit that sees NcclComm compiles the same), else the host's. A device
+//! communicator without one is refused when the format is asked for (it compiles for users who
+//! never ask).
 template <class Comm>
 auto value_gather(Comm& comm, wire_staging& st, wire_format f, const float* master, float* unit, std::size_t per,
                   bool deltas) {
@@ -46,9 +49,9 @@ auto value_gather(Comm& comm, wire_staging& st, wire_format f, const float* mast
   const auto through = [&](auto codec) -> work_t {
     if constexpr (requires { wire_value_gather(comm, st, master, unit, per, deltas, codec); }) {
       return wire_value_gather(comm, st, master, unit, per, deltas, codec);
-    } else if constexpr (requires { comm.comm_stream(); }) {  // (compiles for users who never ask for it)
-      throw config_error(
-          "ShardedOptimizer::gather_wire on a device communicator: its kernels are in lockstep/cuda.cuh; include it");
+    } else if constexpr (requires { comm.comm_stream(); }) {
+      throw config_error("ShardedOptimizer::gather_wire: this device communicator has no low-precision gather "
+                         "(wire_value_gather); use gather_wire = fp32, or NcclComm");
     } else {
       host_value_gather<decltype(codec)>(comm, master, unit, per, deltas);
       return work_t{};
@@ -78,8 +81,8 @@ auto block_value_gather(Comm& comm, wire_format f, void* staging, const float* m
     if constexpr (requires { wire_block_gather(comm, staging, master, per, to, t, codec); }) {
       return wire_block_gather(comm, staging, master, per, to, t, codec);
     } else if constexpr (requires { comm.comm_stream(); }) {
-      throw config_error(
-          "FullySharded::gather_wire on a device communicator: its kernels are in lockstep/cuda.cuh; include it");
+      throw config_error("FullySharded::gather_wire: this device communicator has no low-precision gather "
+                         "(wire_block_gather); use gather_wire = fp32, or NcclComm");
     } else {
       host_block_gather<decltype(codec)>(comm, master, per, to, t);
       return work_t{};
