@@ -87,7 +87,7 @@ void device_dynamic_scale_snippet(lockstep::context<lockstep::NcclComm>& ctx, Mo
 }
 
 void nccl_comm_snippet() {
-  // [snippet include/lockstep/cuda/nccl_comm.cuh#1]
+  // [snippet include/lockstep/cuda/detail/nccl_communicator.cuh#1]
   std::vector<int> devices{0, 1, 2, 3};
   auto comms = lockstep::NcclComm::create_local(devices);
   // on thread r: auto w = comms[r].all_reduce(g, g, n, lockstep::dtype::f32,
