@@ -937,27 +937,35 @@ void check_coordinator_ended(int world, std::int64_t last, StoreOf store_of) {
   }
 }
 
-// A second group on the store of a first that ended cleanly: a change at the same epoch agrees
-// as usual (the first group's "ended" is not this one's). Every rank's step throws once.
+// A second group on the store of a first that changed once (at epoch 0, after 2 steps) and
+// ended cleanly: its change at the same epoch agrees as usual — it reads neither the first
+// group's "ended" nor its decision (which says 2 steps). Every rank's step fails once.
 void check_second_group(int world) {
   lockstep::HashStore st(world, 60s);
   std::vector<std::optional<membership_change>> seen(static_cast<std::size_t>(world));
+  auto fail_once = [](bool& thrown) {
+    if (!std::exchange(thrown, true)) throw lockstep::aborted_error("injected: every rank's step fails once");
+  };
   lockstep::run(lockstep::Threads{world}, [&](lockstep::context<lockstep::ThreadComm>& ctx) {
     const auto r = static_cast<std::size_t>(ctx.rank());
     {
       lockstep::ElasticGroup first(ctx, st);
+      for (int s = 0; s < 2; ++s) REQUIRE_FALSE(first.attempt([] {}).has_value());
+      bool thrown = false;
+      const auto c = first.attempt([&] { fail_once(thrown); });
+      REQUIRE(c.has_value());
+      CHECK(c->steps == 2);
       REQUIRE_FALSE(first.attempt([] {}).has_value());
     }
     ctx.comm().barrier();  // the first group's coordinator has gone (and said so)
     lockstep::ElasticGroup second(ctx, st);
     bool thrown = false;
-    seen[r] = second.attempt([&] {
-      if (!std::exchange(thrown, true)) throw lockstep::aborted_error("injected: every rank's step fails once");
-    });
+    seen[r] = second.attempt([&] { fail_once(thrown); });
   });
   for (const auto& c : seen) {
     REQUIRE(c.has_value());
     CHECK(c->gone.empty());
+    CHECK(c->steps == 0);
     CHECK(c->after.epoch == 1u);
     CHECK(c->after.size() == world);
   }
@@ -1044,6 +1052,36 @@ TEST_CASE("a replacement that joined is told at once when its step fails as the 
   check_replacement_told(2 + static_cast<int>(rng() % 2));
 }
 
+TEST_CASE("job rank 0 started again is refused at once - it coordinated, and the others ended when it failed") {
+  const int world = 2;
+  lockstep::HashStore st(world, 60s);
+  std::string again_error, member_error;
+  std::chrono::milliseconds again_took{};
+  lockstep::run(
+      lockstep::Threads{.ranks = world, .max_restarts = 1}, [&](lockstep::context<lockstep::ThreadComm>& ctx) {
+        const bool again = ctx.restart_count() > 0;
+        const auto t0 = std::chrono::steady_clock::now();
+        try {
+          lockstep::ElasticGroup group(ctx, st);
+          for (int s = 0; s < 3; ++s)
+            (void)group.attempt([&] {
+              if (ctx.rank() == 0 && group.steps() == 1) throw std::runtime_error("injected: rank 0 dies");
+              group.comm().barrier();
+            });
+        } catch (const lockstep::aborted_error& e) {
+          (again ? again_error : member_error) = e.what();
+          if (again)
+            again_took = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
+        }
+      });
+  CAPTURE(again_error);
+  CAPTURE(member_error);
+  CHECK(again_error.find("job rank 0 was started again, but it coordinates changes of membership") !=
+        std::string::npos);
+  CHECK(again_took < 20s);
+  CHECK(member_error.find("which coordinates changes of membership") != std::string::npos);
+}
+
 // A joiner waits on its own thread (60 s at most), through its own store handle; what it got,
 // and how long it waited.
 struct waiting_joiner {
@@ -1064,6 +1102,9 @@ struct waiting_joiner {
       took = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
     });
   }
+  ~waiting_joiner() {
+    if (t.joinable()) t.join();
+  }
 };
 
 // Groups without restarts never admit: a request waits until the coordinator's group goes,
@@ -1074,22 +1115,24 @@ template <class StoreOf, class JoinerStore>
 void check_joins_closed(int world, std::int64_t last, StoreOf store_of, JoinerStore& joiner) {
   CAPTURE(world);
   CAPTURE(last);
-  auto train = [&](bool fail) {
+  // `early`: asks to join from rank 0's thread once rank 0's group is made (its word says open).
+  auto train = [&](bool fail, std::optional<waiting_joiner>& early) {
     lockstep::run(lockstep::Threads{world}, [&](lockstep::context<lockstep::ThreadComm>& ctx) {
       lockstep::ElasticGroup group(ctx, store_of(ctx.rank()));
+      if (ctx.rank() == 0) early.emplace(joiner, world);
       for (std::int64_t s = 0; s < last; ++s) REQUIRE_FALSE(group.attempt([&] { group.comm().barrier(); }).has_value());
       if (fail) throw std::runtime_error("injected: every rank's loop fails");
     });
   };
   {
-    waiting_joiner early(joiner, world);
-    train(false);
-    early.t.join();
-    CAPTURE(early.error);
-    CHECK(early.error.find("may not join the job: job rank 0's ElasticGroup, which admits replacements, went away "
-                           "after step " +
-                           std::to_string(last) + " (the job's training loop ended)") != std::string::npos);
-    CHECK(early.took < 20s);
+    std::optional<waiting_joiner> early;
+    train(false, early);
+    early->t.join();
+    CAPTURE(early->error);
+    CHECK(early->error.find("may not join the job: job rank 0's ElasticGroup, which admits replacements, went away "
+                            "after step " +
+                            std::to_string(last) + " (the job's training loop ended)") != std::string::npos);
+    CHECK(early->took < 20s);
   }
   const auto answered = lockstep::joins_requested(joiner);
   {
@@ -1101,13 +1144,20 @@ void check_joins_closed(int world, std::int64_t last, StoreOf store_of, JoinerSt
     CHECK(lockstep::string_of(joiner.get("lockstep.elastic/join/" + std::to_string(answered + 1))) == "withdrawn");
   }
   {
-    waiting_joiner early(joiner, world);
-    CHECK_THROWS_AS(train(true), std::runtime_error);
-    early.t.join();
-    CAPTURE(early.error);
-    CHECK(early.error.find("(its loop failed)") != std::string::npos);
+    std::optional<waiting_joiner> early;
+    CHECK_THROWS_AS(train(true, early), std::runtime_error);
+    early->t.join();
+    CAPTURE(early->error);
+    CHECK(early->error.find("(its loop did not end cleanly)") != std::string::npos);
   }
+  // A later group begins after the answered requests.
   CHECK(lockstep::open_joins(joiner, 9) == lockstep::joins_requested(joiner) + 1);
+  // A request its joiner claimed as it gave up is not admitted by a later group.
+  const auto n = lockstep::request_join(joiner, world);
+  (void)joiner.add("lockstep.elastic/claim/" + std::to_string(n), 1);
+  std::int64_t next = n;
+  CHECK(lockstep::admit(joiner, 5, std::vector<int>{0}, next, 0, next, 9).joined.empty());
+  CHECK(next == n + 1);
 }
 
 TEST_CASE("the coordinator's group goes: a replacement waiting to join is refused at once - one that asks later is "
@@ -1181,7 +1231,7 @@ TEST_CASE("growing back: joiners ask - the coordinator admits them at a step bou
           return o;
         }()));
   CHECK(g.steps == steps);
-  const auto read = lockstep::read_growth(store, 4);
+  const auto read = lockstep::read_growth(store, 4, generation);
   CHECK(read.ranks == g.ranks);
   CHECK(read.joined == g.joined);
   CHECK(read.steps == steps);

@@ -57,9 +57,7 @@ template <class Comm, store Store>
 class ElasticGroup {
  public:
   //! The job's communicator `comm` (its ranks are the job ranks), the job's store.
-  ElasticGroup(Comm comm, Store& store, SurvivorOptions o = {})
-      : own_(std::move(comm)), comm_(&*own_), store_(&store), opt_(o),
-        now_(membership::whole(comm_->size(), comm_->rank())), generation_(count_group()) {
+  ElasticGroup(Comm comm, Store& store, SurvivorOptions o = {}) : ElasticGroup(std::move(comm), store, o, made{}) {
     if (now_.rank == 0) next_request_ = open_joins(*store_, generation_);
   }
   //! On the context of ranks as threads (a communicator made from the context's, the job's
@@ -67,13 +65,22 @@ class ElasticGroup {
   //! commit(), and a rank that was started again (ctx.restart_count() > 0) joins the running
   //! job as one: it asks through the store, waits to be admitted (the store's timeout) and
   //! starts in the grown membership with steps() set (the coordinator's count; where the loop
-  //! went back since, a PeerCopy::restore() says the step), replacement() true. One not admitted
-  //! before the job ends fails after the store's timeout.
+  //! went back since, a PeerCopy::restore() says the step), replacement() true. One that no
+  //! group admits (the job's loop ended first) is told so (aborted_error); job rank 0, which
+  //! coordinates, cannot come back (the others ended when it failed): refused at once.
   template <class C>
     requires std::constructible_from<Comm, C&>
-  ElasticGroup(context<C>& ctx, Store& store, SurvivorOptions o = {}) : ElasticGroup(Comm(ctx.comm()), store, o) {
+  ElasticGroup(context<C>& ctx, Store& store, SurvivorOptions o = {})
+      : ElasticGroup(Comm(ctx.comm()), store, o, made{}) {
     joins_ = ctx.restarts_failed();
-    if (ctx.restart_count() > 0) join();
+    if (ctx.restart_count() == 0) {
+      if (now_.rank == 0) next_request_ = open_joins(*store_, generation_);
+      return;
+    }
+    if (now_.job_rank() == 0)
+      throw aborted_error("job rank 0 was started again, but it coordinates changes of membership: the job's other "
+                          "ranks ended when it failed, so there is no job to join; resume from the last checkpoint");
+    join();
   }
   //! On the context of a launch mode that lends its store and watchdogs (run(Processes)):
   //! the group regroups the context's communicator in place. config_error on another context.
@@ -88,13 +95,13 @@ class ElasticGroup {
     now_.rank = comm_->rank();
     steps_ = first.steps;
     replacement_ = first.epoch > 0;
-    generation_ = count_group();
-    if (replacement_) adopt_generation(first.generation);
-    else if (now_.rank == 0) next_request_ = open_joins(*store_, generation_);
     if (now_.ranks.size() != static_cast<std::size_t>(comm_->size()))
       throw config_error("ElasticGroup: the context's communicator has " + std::to_string(comm_->size()) +
                          " ranks, its membership " + std::to_string(now_.ranks.size()) +
                          "; build the group before anything regroups the communicator");
+    generation_ = count_group();
+    if (replacement_) adopt_generation(first.generation);
+    else if (now_.rank == 0) next_request_ = open_joins(*store_, generation_);
   }
   ElasticGroup(const ElasticGroup&) = delete;
   ElasticGroup& operator=(const ElasticGroup&) = delete;
@@ -263,7 +270,7 @@ class ElasticGroup {
     const std::uint64_t epoch = now_.epoch + 1;
     const growth g = now_.rank == 0
                          ? admit(*store_, epoch, now_.ranks, next_request_, steps_, next_request_, generation_)
-                         : read_growth(*store_, epoch);
+                         : read_growth(*store_, epoch, generation_);
     membership_change c;
     c.before = now_;
     c.after.epoch = epoch;
@@ -297,7 +304,8 @@ class ElasticGroup {
         for (int r : comm_->failed_ranks()) gone.push_back(r);
       return gone;
     };
-    membership_change c = agree_on_survivors(*store_, now_, gone_now, opt_, steps_, ended_key());
+    membership_change c =
+        agree_on_survivors(*store_, now_, gone_now, opt_, steps_, ended_key(), detail::group_scope(generation_));
     if (link_ && c.gone.empty())
       throw aborted_error("rank " + std::to_string(now_.job_rank()) +
                           ": the communicator was released, but every rank is still there: " + link_failure() +
@@ -318,12 +326,17 @@ class ElasticGroup {
   }
   // Step 5's key for this group: by its generation, so that a later group on the same store
   // (its epochs start again) does not read this one's.
-  std::string ended_key() const { return detail::elastic_key(now_.epoch, "ended/" + std::to_string(generation_)); }
+  std::string ended_key() const { return detail::join_key(detail::group_scope(generation_) + "ended"); }
 
   std::string link_failure() const {
     const auto why = link_ ? link_->failure() : std::nullopt;
     return why ? *why : std::string("no failure was named");
   }
+
+  struct made {};  // the members, before joins are opened or a restarted rank joins
+  ElasticGroup(Comm comm, Store& store, SurvivorOptions o, made)
+      : own_(std::move(comm)), comm_(&*own_), store_(&store), opt_(o),
+        now_(membership::whole(comm_->size(), comm_->rank())), generation_(count_group()) {}
 
   std::optional<Comm> own_;  // the communicator, unless it is the context's (regrouped in place)
   Comm* comm_;

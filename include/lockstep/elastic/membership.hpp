@@ -4,7 +4,8 @@
 //! this returns are the members of the smaller communicator, in order.
 //!
 //! Protocol for a change of membership `m` (epoch e → e + 1), keys under
-//! "lockstep.elastic/<e>/":
+//! "lockstep.elastic/<scope><e>/" (scope: "g<n>/" for an ElasticGroup, its number n among the
+//! groups made on the store, whose epochs start again; "" for a lone agreement):
 //!  1. Every survivor sets "alive/<job rank>" to the job ranks it knows are gone (its
 //!     communicator named them, its connection to them closed).
 //!  2. The coordinator — m.ranks[0], the lowest member (with a TcpStore, the job rank that
@@ -18,9 +19,8 @@
 //!     it (it reported after the decision) is told so by aborted_error, as is every rank when
 //!     the job cannot go on, or when the coordinator is gone (no decision can come).
 //!  5. A coordinator whose training loop ended (its ElasticGroup went after a completed step)
-//!     sets the key `ended` names (ElasticGroup: "ended/<generation>", the group's number among
-//!     those this rank made on the store — a replacement takes the coordinator's when it is
-//!     admitted —, so that a later group on the same store does not read it) to the steps it
+//!     sets the key `ended` names (ElasticGroup: "lockstep.elastic/g<n>/ended", of its group —
+//!     a replacement takes the coordinator's number when it is admitted) to the steps it
 //!     completed: no decision will come, and a survivor asking for one is
 //!     told so by aborted_error at once, not after the store's timeout.
 //! A rank that fails during the change is in the decision if it reported before failing; the
@@ -89,8 +89,11 @@ struct SurvivorOptions {
 
 namespace detail {
 
-inline std::string elastic_key(std::uint64_t epoch, const std::string& what) {
-  return "lockstep.elastic/" + std::to_string(epoch) + "/" + what;
+//! A key of the change from epoch `epoch`: "lockstep.elastic/<scope><epoch>/<what>". `scope`
+//! tells apart the groups made one after another on a store (their epochs start again):
+//! ElasticGroup's is "g<its number>/", a lone agreement's "".
+inline std::string elastic_key(const std::string& scope, std::uint64_t epoch, const std::string& what) {
+  return "lockstep.elastic/" + scope + std::to_string(epoch) + "/" + what;
 }
 
 inline std::vector<std::byte> encode_ranks(std::span<const int> ranks, std::string_view failure = {},
@@ -160,7 +163,7 @@ inline std::string rank_list(std::span<const int> ranks) {
 // may fail after the first).
 template <store S, class GoneNow>
 std::vector<std::byte> coordinate(S& st, const membership& now, GoneNow& gone_now, const SurvivorOptions& o,
-                                  std::int64_t steps, std::string& failure) {
+                                  std::int64_t steps, const std::string& scope, std::string& failure) {
   std::vector<int> gone = gone_now();
   const auto deadline = std::chrono::steady_clock::now() + o.settle;
   std::vector<int> alive{now.job_rank()}, pending;
@@ -169,7 +172,7 @@ std::vector<std::byte> coordinate(S& st, const membership& now, GoneNow& gone_no
   for (;;) {
     for (int g : gone_now()) gone.push_back(g);
     for (auto it = pending.begin(); it != pending.end();) {
-      const std::string key = elastic_key(now.epoch, "alive/" + std::to_string(*it));
+      const std::string key = elastic_key(scope, now.epoch, "alive/" + std::to_string(*it));
       if (st.check({key})) {
         for (int g : decode_ranks(st.get(key), key).ranks) gone.push_back(g);
         alive.push_back(*it);
@@ -202,11 +205,13 @@ std::vector<std::byte> coordinate(S& st, const membership& now, GoneNow& gone_no
 //! timeout.
 //! `steps`: the steps this rank completed; the coordinator's reach every survivor (`steps` of
 //! the change). `ended`: the key a coordinator whose training loop ended sets (step 5 of the
-//! protocol; ElasticGroup passes its own), "" for none.
+//! protocol; ElasticGroup passes its own), "" for none. `scope`: the keys' (elastic_key), so
+//! that groups made one after another on the store do not read each other's.
 template <store S, class GoneNow>
   requires std::is_invocable_r_v<std::vector<int>, GoneNow&>
 membership_change agree_on_survivors(S& st, const membership& now, GoneNow gone_now, const SurvivorOptions& o = {},
-                                     std::int64_t steps = 0, const std::string& ended = {}) {
+                                     std::int64_t steps = 0, const std::string& ended = {},
+                                     const std::string& scope = {}) {
   if (now.rank < 0 || now.rank >= now.size())
     throw config_error("agree_on_survivors: this rank's place " + std::to_string(now.rank) +
                        " is outside the membership of " + std::to_string(now.size()) + " ranks");
@@ -221,14 +226,15 @@ membership_change agree_on_survivors(S& st, const membership& now, GoneNow gone_
                         "that hosts the store), is gone; the job cannot go on without it: resume from the last "
                         "checkpoint");
   const auto t0 = std::chrono::steady_clock::now();
-  const std::string decision_key = detail::elastic_key(now.epoch, "decision");
+  const std::string decision_key = detail::elastic_key(scope, now.epoch, "decision");
   std::vector<std::byte> decision;
   if (now.job_rank() == coordinator) {
     std::string failure;
-    decision = detail::coordinate(st, now, gone_now, o, steps, failure);
+    decision = detail::coordinate(st, now, gone_now, o, steps, scope, failure);
     st.set(decision_key, decision);
   } else {
-    st.set(detail::elastic_key(now.epoch, "alive/" + std::to_string(now.job_rank())), detail::encode_ranks(known_gone));
+    st.set(detail::elastic_key(scope, now.epoch, "alive/" + std::to_string(now.job_rank())),
+           detail::encode_ranks(known_gone));
     decision = detail::await_decision(st, decision_key, ended, who, coordinator);
   }
   const auto got = detail::decode_ranks(decision, decision_key);

@@ -8,9 +8,11 @@
 //!  2. The coordinator of the running job (rank 0) sees the count grow (joins_requested, a
 //!     counter read; ElasticGroup::commit asks at most every 100 ms) and, at a step boundary
 //!     every member agreed on, admits the requests so far (admit): the new membership — the
-//!     members and the joiners, ascending — and the steps completed go under "<e>/grow" for
-//!     the new epoch e, and "admit/<n>" tells each joiner e (or why it was refused: its job
-//!     rank is a member already, or another request takes it).
+//!     members and the joiners, ascending — and the steps completed go under "<s><e>/grow" for
+//!     the new epoch e (s: the group's scope, group_scope), and "admit/<n>" tells each joiner
+//!     "<s><e>" (or why it was refused: its job rank is a member already, or another request
+//!     takes it). It claims a request before it admits it ("claim/<n>", a counter: the first
+//!     to count 1 has it), as a joiner that gives up does (step 4).
 //!  3. The members read "<e>/grow" (read_growth), the joiner "admit/<n>" and then "<e>/grow"
 //!     (await_admission); all make the communicator of epoch e (NcclComm::regroup / join).
 //!     The record carries the coordinator's group number (ElasticGroup's generation), which
@@ -18,8 +20,9 @@
 //!  4. The coordinator's group says in "coordinator" whether it admits (open_joins, when it is
 //!     made) and, when it goes (close_joins), answers every request still waiting — refused:
 //!     the training loop ended — and writes how many it answered. A joiner that sees the
-//!     coordinator's group gone without an answer to its request is told so at once, instead
-//!     of waiting out its timeout; a later group on the store begins after the answered ones.
+//!     coordinator's group gone without an answer to its request claims it, withdraws it and is
+//!     told so at once, instead of waiting out its timeout; a later group on the store begins
+//!     after the answered ones.
 
 #include <algorithm>
 #include <chrono>
@@ -49,6 +52,12 @@ struct growth {
 namespace detail {
 
 inline std::string join_key(const std::string& what) { return "lockstep.elastic/" + what; }
+
+//! The keys' scope of a group's changes, by its number among the groups made on the store (0:
+//! none, a lone call): "g<n>/" (their epochs start again with each group).
+inline std::string group_scope(std::int64_t generation) {
+  return generation > 0 ? "g" + std::to_string(generation) + "/" : std::string();
+}
 
 inline std::vector<std::byte> encode_growth(const growth& g) {
   byte_writer w;
@@ -112,8 +121,8 @@ std::optional<joins_state> read_joins(S& st) {
 //! What a refusal by a coordinator's group that went away says.
 inline std::string ended_text(const joins_state& j) {
   return "job rank 0's ElasticGroup, which admits replacements, went away after step " + std::to_string(j.steps) +
-         (j.clean ? " (the job's training loop ended)" : " (its loop failed)") +
-         " before admitting it: there is no running job to join";
+         (j.clean ? " (the job's training loop ended)" : " (its loop did not end cleanly)") +
+         " without admitting it: no group of the job admits replacements now";
 }
 
 //! The job rank a join request names: a whole number from 0, else nothing.
@@ -141,19 +150,21 @@ growth await_admission(S& st, std::int64_t n, int job_rank, std::chrono::millise
   const std::string who = "rank " + std::to_string(job_rank);
   try {
     // The coordinator's group answers every request it saw before it goes (step 4); one it
-    // did not see gets no answer: withdrawn (a later group refuses it) and told at once.
+    // did not see gets no answer: withdrawn and told at once — unless a later group's
+    // coordinator claimed it first to admit it (the claim: whoever counts 1 first).
     detail::wait_unless(st, {key}, timeout, [&] {
       const auto j = detail::read_joins(st);
       if (!j || j->open || j->answered >= n) return;
+      if (st.add(detail::join_key("claim/" + std::to_string(n)), 1) != 1) return;  // being admitted
       st.set(detail::join_key("join/" + std::to_string(n)), bytes_of("withdrawn"));
       throw aborted_error(who + " asked to join the job, but " + detail::ended_text(*j));
     });
-  } catch (const timeout_error&) {
+  } catch (const timeout_error& e) {
     throw timeout_error(who + " asked to join the job, but it was not admitted within " +
                         detail::seconds_text(timeout) +
                         " (its members admit joiners at a step boundary, from ElasticGroup::commit(); is the job "
                         "stuck, or does its loop not call commit()?): " +
-                        detail::printable_key(key) + " was never set");
+                        e.what());
   }
   const std::string answer = string_of(st.get(key));
   if (answer.rfind("refused: ", 0) == 0) throw aborted_error(who + " may not join the job: " + answer.substr(9));
@@ -194,6 +205,8 @@ growth admit(S& st, std::uint64_t epoch, std::span<const int> ranks, std::int64_
       continue;
     }
     const int r = *asked;
+    // A joiner that gave up on an earlier group withdraws its request by claiming it first.
+    if (st.add(detail::join_key("claim/" + std::to_string(n)), 1) != 1) continue;
     const bool member = std::find(g.ranks.begin(), g.ranks.end(), r) != g.ranks.end();
     if (member)
       answers.emplace_back(
@@ -204,12 +217,12 @@ growth admit(S& st, std::uint64_t epoch, std::span<const int> ranks, std::int64_
     else {
       g.ranks.push_back(r);
       g.joined.push_back(r);
-      answers.emplace_back(n, std::to_string(epoch));
+      answers.emplace_back(n, detail::group_scope(generation) + std::to_string(epoch));
     }
   }
   std::sort(g.ranks.begin(), g.ranks.end());
   std::sort(g.joined.begin(), g.joined.end());
-  st.set(detail::join_key(std::to_string(epoch) + "/grow"), detail::encode_growth(g));
+  st.set(detail::join_key(detail::group_scope(generation) + std::to_string(epoch) + "/grow"), detail::encode_growth(g));
   for (const auto& [n, a] : answers) st.set(detail::join_key("admit/" + std::to_string(n)), bytes_of(a));
   next_request = last + 1;
   return g;
@@ -218,8 +231,8 @@ growth admit(S& st, std::uint64_t epoch, std::span<const int> ranks, std::int64_
 //! A member's step 3: the membership of epoch `epoch` as the coordinator admitted it (waits
 //! for the record: the store's timeout).
 template <store S>
-growth read_growth(S& st, std::uint64_t epoch) {
-  const std::string key = detail::join_key(std::to_string(epoch) + "/grow");
+growth read_growth(S& st, std::uint64_t epoch, std::int64_t generation = 0) {
+  const std::string key = detail::join_key(detail::group_scope(generation) + std::to_string(epoch) + "/grow");
   return detail::decode_growth(st.get(key), key);
 }
 
