@@ -1052,7 +1052,7 @@ TEST_CASE("a replacement that joined is told at once when its step fails as the 
   check_replacement_told(2 + static_cast<int>(rng() % 2));
 }
 
-TEST_CASE("job rank 0 started again is refused at once - it coordinated, and the others ended when it failed") {
+TEST_CASE("job rank 0 started again is refused at once - it coordinated and the others ended when it failed") {
   const int world = 2;
   lockstep::HashStore st(world, 60s);
   std::string again_error, member_error;
