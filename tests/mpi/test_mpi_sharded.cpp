@@ -89,7 +89,10 @@ void check_blocks(Ctx& ctx, sharded_config c) {
   train_rank_as<T, lockstep::Replicated, true>(ctx, d, c, seed + 1, plain);
   train_rank_as<T, Strategy, true>(ctx, d, c, seed + 1, sharded);
   const auto me = static_cast<std::size_t>(ctx.rank());
-  CHECK(max_rel_diff(sharded.values[me], plain.values[me]) <= (std::is_same_v<T, double> ? 1e-12 : 1e-6));
+  // float: MPI's reduce-scatter adds the ranks' gradients in another order than its all-reduce,
+  // and AdamW carries the rounding on; seed 1897124084118357451 ends 1.3e-6 (3.5e-6 with that
+  // seed in every call) apart on 4 processes. A wrong gradient is off by far more.
+  CHECK(max_rel_diff(sharded.values[me], plain.values[me]) <= (std::is_same_v<T, double> ? 1e-12 : 1e-5));
   CHECK(same_on_all_ranks(sharded.values[me]));
   if (ctx.rank() == 0) {
     CHECK(sharded.applied == plain.applied);
