@@ -58,7 +58,7 @@ class ElasticGroup {
  public:
   //! The job's communicator `comm` (its ranks are the job ranks), the job's store.
   ElasticGroup(Comm comm, Store& store, SurvivorOptions o = {}) : ElasticGroup(std::move(comm), store, o, made{}) {
-    if (now_.rank == 0) next_request_ = open_joins(*store_, generation_);
+    open_if_coordinator();
   }
   //! On the context of ranks as threads (a communicator made from the context's, the job's
   //! store given). With run(Threads{.max_restarts = k}) the members look for replacements at
@@ -74,7 +74,7 @@ class ElasticGroup {
       : ElasticGroup(Comm(ctx.comm()), store, o, made{}) {
     joins_ = ctx.restarts_failed();
     if (ctx.restart_count() == 0) {
-      if (now_.rank == 0) next_request_ = open_joins(*store_, generation_);
+      open_if_coordinator();
       return;
     }
     if (now_.job_rank() == 0)
@@ -101,7 +101,7 @@ class ElasticGroup {
                          "; build the group before anything regroups the communicator");
     generation_ = count_group();
     if (replacement_) adopt_generation(first.generation);
-    else if (now_.rank == 0) next_request_ = open_joins(*store_, generation_);
+    else open_if_coordinator();
   }
   ElasticGroup(const ElasticGroup&) = delete;
   ElasticGroup& operator=(const ElasticGroup&) = delete;
@@ -313,6 +313,10 @@ class ElasticGroup {
     return c;
   }
 
+  // A group that is not a replacement's: its coordinator opens joins (elastic_join.hpp, step 4).
+  void open_if_coordinator() {
+    if (now_.rank == 0) next_request_ = open_joins(*store_, generation_);
+  }
   // This rank's groups on the store, this one counted.
   std::int64_t count_group() { return store_->add(group_counter(), 1); }
   std::string group_counter() const { return "lockstep.elastic/groups/" + std::to_string(now_.job_rank()); }

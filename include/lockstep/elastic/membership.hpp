@@ -137,7 +137,8 @@ void refuse_if_ended(S& st, const std::string& ended_key, const std::string& who
 }
 
 //! Waits for `decision_key` (the store's timeout at most) and throws aborted_error when the
-//! coordinator's loop ended instead (looked at between slices of the wait) (`ended_key`: step 5 of the protocol).
+//! coordinator's loop ended instead (`ended_key`, step 5 of the protocol: looked at between
+//! slices of the wait).
 template <store S>
 std::vector<std::byte> await_decision(S& st, const std::string& decision_key, const std::string& ended_key,
                                       const std::string& who, int coordinator) {

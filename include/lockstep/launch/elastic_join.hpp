@@ -59,6 +59,20 @@ inline std::string group_scope(std::int64_t generation) {
   return generation > 0 ? "g" + std::to_string(generation) + "/" : std::string();
 }
 
+//! Where a grown membership of epoch `epoch` is recorded, "<scope><epoch>" (what admit/<n>
+//! tells the joiner), and the record's key.
+inline std::string growth_place(std::uint64_t epoch, std::int64_t generation) {
+  return group_scope(generation) + std::to_string(epoch);
+}
+inline std::string growth_key(const std::string& place) { return join_key(place + "/grow"); }
+
+//! Takes request n for the caller — the coordinator admitting it, or its joiner withdrawing
+//! it — unless the other took it first (a counter: the first to count 1 has it).
+template <store S>
+bool claim_request(S& st, std::int64_t n) {
+  return st.add(join_key("claim/" + std::to_string(n)), 1) == 1;
+}
+
 inline std::vector<std::byte> encode_growth(const growth& g) {
   byte_writer w;
   w.write(g.epoch);
@@ -155,7 +169,7 @@ growth await_admission(S& st, std::int64_t n, int job_rank, std::chrono::millise
     detail::wait_unless(st, {key}, timeout, [&] {
       const auto j = detail::read_joins(st);
       if (!j || j->open || j->answered >= n) return;
-      if (st.add(detail::join_key("claim/" + std::to_string(n)), 1) != 1) return;  // being admitted
+      if (!detail::claim_request(st, n)) return;  // being admitted
       st.set(detail::join_key("join/" + std::to_string(n)), bytes_of("withdrawn"));
       throw aborted_error(who + " asked to join the job, but " + detail::ended_text(*j));
     });
@@ -168,7 +182,7 @@ growth await_admission(S& st, std::int64_t n, int job_rank, std::chrono::millise
   }
   const std::string answer = string_of(st.get(key));
   if (answer.rfind("refused: ", 0) == 0) throw aborted_error(who + " may not join the job: " + answer.substr(9));
-  const std::string grow_key = detail::join_key(answer + "/grow");
+  const std::string grow_key = detail::growth_key(answer);
   return detail::decode_growth(st.get(grow_key), grow_key);
 }
 
@@ -206,7 +220,7 @@ growth admit(S& st, std::uint64_t epoch, std::span<const int> ranks, std::int64_
     }
     const int r = *asked;
     // A joiner that gave up on an earlier group withdraws its request by claiming it first.
-    if (st.add(detail::join_key("claim/" + std::to_string(n)), 1) != 1) continue;
+    if (!detail::claim_request(st, n)) continue;
     const bool member = std::find(g.ranks.begin(), g.ranks.end(), r) != g.ranks.end();
     if (member)
       answers.emplace_back(
@@ -217,12 +231,12 @@ growth admit(S& st, std::uint64_t epoch, std::span<const int> ranks, std::int64_
     else {
       g.ranks.push_back(r);
       g.joined.push_back(r);
-      answers.emplace_back(n, detail::group_scope(generation) + std::to_string(epoch));
+      answers.emplace_back(n, detail::growth_place(epoch, generation));
     }
   }
   std::sort(g.ranks.begin(), g.ranks.end());
   std::sort(g.joined.begin(), g.joined.end());
-  st.set(detail::join_key(detail::group_scope(generation) + std::to_string(epoch) + "/grow"), detail::encode_growth(g));
+  st.set(detail::growth_key(detail::growth_place(epoch, generation)), detail::encode_growth(g));
   for (const auto& [n, a] : answers) st.set(detail::join_key("admit/" + std::to_string(n)), bytes_of(a));
   next_request = last + 1;
   return g;
@@ -232,7 +246,7 @@ growth admit(S& st, std::uint64_t epoch, std::span<const int> ranks, std::int64_
 //! for the record: the store's timeout).
 template <store S>
 growth read_growth(S& st, std::uint64_t epoch, std::int64_t generation = 0) {
-  const std::string key = detail::join_key(detail::group_scope(generation) + std::to_string(epoch) + "/grow");
+  const std::string key = detail::growth_key(detail::growth_place(epoch, generation));
   return detail::decode_growth(st.get(key), key);
 }
 
