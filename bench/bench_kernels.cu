@@ -284,6 +284,62 @@ void bench_dtype(const std::vector<Shape>& shapes, int runs, ls::NcclComm& comm,
   LOCKSTEP_TRY_CUDA(cudaFree(flag));
 }
 
+#if LOCKSTEP_BENCH_TUNING
+// The wires' codecs (cuda/nccl_wire.cuh: Bf16Wire / Int8Wire on the gradients, gather_wire on
+// the values) on the parameter set as one flat fp32 buffer cut into two chunks — two ranks'
+// shards, as the wires run them — each row against a device copy of its fp32 input in the same
+// run. The encodes are on the critical path of every low-precision gather (they run just before
+// it, on the communication stream): how near they run to the copy bandwidth says what fusing
+// them into another pass (the optimizer's) could save at most.
+void bench_wire(std::size_t total, int runs, ls::NcclComm& comm, std::vector<Row>& rows) {
+  namespace k = ls::cuda::kernels;
+  namespace d = ls::detail;
+  const cudaStream_t s = comm.compute_stream();
+  const std::size_t per = total / 2, n = 2 * per;  // two chunks of `per`
+  const double e = static_cast<double>(n), ib = static_cast<double>(2 * d::int8_chunk_bytes(per));
+  float *x = nullptr, *base = nullptr, *out = nullptr;
+  void *b16 = nullptr, *q = nullptr, *q1 = nullptr;
+  LOCKSTEP_TRY_CUDA(cudaMalloc(&x, n * 4));
+  LOCKSTEP_TRY_CUDA(cudaMalloc(&base, n * 4));
+  LOCKSTEP_TRY_CUDA(cudaMalloc(&out, n * 4));
+  LOCKSTEP_TRY_CUDA(cudaMalloc(&b16, n * 2));
+  LOCKSTEP_TRY_CUDA(cudaMalloc(&q, static_cast<std::size_t>(ib)));
+  LOCKSTEP_TRY_CUDA(cudaMalloc(&q1, d::int8_chunk_bytes(per)));
+  fill_kernel<float><<<1024, 256, 0, s>>>(x, n, 777u, 4.0f);
+  fill_kernel<float><<<1024, 256, 0, s>>>(base, n, 778u, 4.0f);
+  LOCKSTEP_CHECK_LAUNCH();
+  const char* tn = "f32";
+  rows.push_back({"device copy (memcpy D2D)", tn, "", 8.0 * e, median_ms(runs, s, [&](int) {
+                    LOCKSTEP_TRY_CUDA(cudaMemcpyAsync(out, x, n * 4, cudaMemcpyDeviceToDevice, s));
+                  })});
+  rows.push_back({"wire: bf16 encode (values)", tn, "", 6.0 * e,
+                  median_ms(runs, s, [&](int) { k::to_bf16(x, b16, n, 1.0f, s); })});
+  rows.push_back({"wire: bf16 encode of x - base (deltas)", tn, "", 10.0 * e,
+                  median_ms(runs, s, [&](int) { k::to_bf16(x, b16, n, 1.0f, s, base); })});
+  rows.push_back(
+      {"wire: bf16 decode", tn, "", 6.0 * e, median_ms(runs, s, [&](int) { k::from_bf16(b16, out, n, s); })});
+  rows.push_back({"wire: bf16 decode + add (deltas)", tn, "", 10.0 * e,
+                  median_ms(runs, s, [&](int) { k::from_bf16(b16, out, n, s, true); })});
+  rows.push_back({"wire: bf16 mean of 2 chunks -> f32 + bf16", tn, "", 5.0 * e,
+                  median_ms(runs, s, [&](int) { k::mean_blocks(b16, 2, per, out, static_cast<char*>(b16) + n, s); })});
+  rows.push_back({"wire: int8 encode (values)", tn, "", 4.0 * e + ib,
+                  median_ms(runs, s, [&](int) { k::int8_encode(x, 2, per, q, s); })});
+  rows.push_back({"wire: int8 encode of x - base (deltas)", tn, "", 8.0 * e + ib,
+                  median_ms(runs, s, [&](int) { k::int8_encode(x, 2, per, q, s, base); })});
+  rows.push_back({"wire: int8 decode -> f32", tn, "", ib + 4.0 * e,
+                  median_ms(runs, s, [&](int) { k::int8_decode(q, 2, per, out, s); })});
+  rows.push_back({"wire: int8 decode + add (deltas)", tn, "", ib + 8.0 * e,
+                  median_ms(runs, s, [&](int) { k::int8_decode(q, 2, per, out, s, true); })});
+  rows.push_back({"wire: int8 decode -> bf16", tn, "", ib + 2.0 * e,
+                  median_ms(runs, s, [&](int) { k::int8_decode_bf16(q, 2, per, b16, s); })});
+  rows.push_back({"wire: int8 mean of 2 chunks -> f32 + int8", tn, "", ib + 2.0 * e + ib / 2,
+                  median_ms(runs, s, [&](int) { k::int8_mean(q, 2, per, out, q1, s); })});
+  LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s));
+  for (void* p : {static_cast<void*>(x), static_cast<void*>(base), static_cast<void*>(out), b16, q, q1})
+    LOCKSTEP_TRY_CUDA(cudaFree(p));
+}
+#endif
+
 }  // namespace
 
 int main(int argc, char** argv) try {
@@ -321,6 +377,7 @@ int main(int argc, char** argv) try {
   bench_dtype<float>(shapes, runs, comms[0], rows);
   bench_dtype<__nv_bfloat16>(shapes, runs, comms[0], rows);
 #if LOCKSTEP_BENCH_TUNING
+  bench_wire(total, runs, comms[0], rows);
   {  // DeviceDynamicScale's update alone: one thread, latency-bound (no bandwidth to compare)
     ls::cuda::kernels::device_scale_state* st = nullptr;
     int* votes = nullptr;  // the agreed found-inf flag and one rank's own flag, zero: clean steps

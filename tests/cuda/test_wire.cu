@@ -290,6 +290,73 @@ std::vector<float> codec_input(std::size_t n, std::mt19937_64& rng) {
 // hardware's: the GPU's canonical NaN, the host's propagated one).
 bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0 || (std::isnan(a) && std::isnan(b)); }
 
+template <class T>
+std::vector<T> download(const lockstep_test::device_vector<T>& v, std::size_t offset, std::size_t count) {
+  std::vector<T> h(count);
+  LOCKSTEP_TRY_CUDA(cudaMemcpy(h.data(), v.p + offset, count * sizeof(T), cudaMemcpyDeviceToHost));
+  return h;
+}
+
+// Bf16Wire's kernels (cuda/kernels/wire_ops.cuh) against the host, bit for bit: n values at a
+// float offset (1: the unaligned paths) rounded to bf16 (times a scale, minus a base: each one
+// fp32 operation, then to nearest even), widened back (onto what is there too: one fp32 add),
+// and the fp32 mean of `chunks` bf16 chunks of n in rank order (into fp32 and bf16).
+void check_bf16_kernels(std::size_t n, int chunks, std::size_t offset) {
+  namespace d = lockstep::detail;
+  namespace k = lockstep::cuda::kernels;
+  const auto seed = lockstep_test::fresh_seed();
+  CAPTURE(seed);
+  CAPTURE(n);
+  CAPTURE(chunks);
+  CAPTURE(offset);
+  std::mt19937_64 rng(seed);
+  const std::size_t un = static_cast<std::size_t>(chunks), all = n * un;
+  const auto x = codec_input(all, rng), base = codec_input(all, rng);
+  const float scale = 0.375f;
+  std::vector<std::uint16_t> want_enc(all), want_delta(all);
+  std::vector<float> want_dec(all), want_onto(all), want_mean(n, 0.0f);
+  std::vector<std::uint16_t> want_mean16(n);
+  for (std::size_t i = 0; i < all; ++i) {
+    want_enc[i] = d::bf16_of_float(x[i] * scale);
+    want_delta[i] = d::bf16_of_float((x[i] - base[i]) * scale);
+    want_dec[i] = d::float_of_bf16(want_enc[i]);
+    want_onto[i] = base[i] + want_dec[i];
+  }
+  for (std::size_t c = 0; c < un; ++c)
+    for (std::size_t i = 0; i < n; ++i) want_mean[i] += want_dec[c * n + i];
+  for (std::size_t i = 0; i < n; ++i) {
+    want_mean[i] *= 1.0f / static_cast<float>(chunks);
+    want_mean16[i] = d::bf16_of_float(want_mean[i]);
+  }
+  lockstep_test::device_vector<float> src(all + offset), base_d(all + offset), dec(all + offset), onto(all + offset),
+      mean32(n + offset);
+  lockstep_test::device_vector<std::uint16_t> enc(all + offset), delta(all + offset), mean16(n + offset);
+  LOCKSTEP_TRY_CUDA(cudaMemcpy(src.p + offset, x.data(), all * sizeof(float), cudaMemcpyHostToDevice));
+  LOCKSTEP_TRY_CUDA(cudaMemcpy(base_d.p + offset, base.data(), all * sizeof(float), cudaMemcpyHostToDevice));
+  LOCKSTEP_TRY_CUDA(cudaMemcpy(onto.p + offset, base.data(), all * sizeof(float), cudaMemcpyHostToDevice));
+  k::to_bf16(src.p + offset, enc.p + offset, all, scale, nullptr);
+  k::to_bf16(src.p + offset, delta.p + offset, all, scale, nullptr, base_d.p + offset);
+  k::from_bf16(enc.p + offset, dec.p + offset, all, nullptr);
+  k::from_bf16(enc.p + offset, onto.p + offset, all, nullptr, true);
+  k::mean_blocks(enc.p + offset, chunks, n, mean32.p + offset, mean16.p + offset, nullptr);
+  LOCKSTEP_TRY_CUDA(cudaDeviceSynchronize());
+  const auto count_off = [](const auto& got, const auto& want) {
+    std::size_t off = 0;
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      if constexpr (std::is_same_v<typename std::decay_t<decltype(want)>::value_type, float>)
+        off += !same_bits(got[i], want[i]);
+      else off += !same_bits(lockstep::detail::float_of_bf16(got[i]), lockstep::detail::float_of_bf16(want[i]));
+    }
+    return off;
+  };
+  CHECK(count_off(download(enc, offset, all), want_enc) == 0);
+  CHECK(count_off(download(delta, offset, all), want_delta) == 0);
+  CHECK(count_off(download(dec, offset, all), want_dec) == 0);
+  CHECK(count_off(download(onto, offset, all), want_onto) == 0);
+  CHECK(count_off(download(mean32, offset, n), want_mean) == 0);
+  CHECK(count_off(download(mean16, offset, n), want_mean16) == 0);
+}
+
 // Int8Wire's three kernels against the host codec, bit for bit: `chunks` chunks of n values at
 // a float offset (1: the unaligned paths), and the mean of `chunks` encoded chunks.
 void check_int8_kernels(std::size_t n, int chunks, std::size_t offset) {
@@ -321,6 +388,19 @@ void check_int8_kernels(std::size_t n, int chunks, std::size_t offset) {
   lockstep::cuda::kernels::int8_mean(enc.p, chunks, n, mean32.p + offset, mean_enc.p, nullptr);
   lockstep_test::device_vector<std::uint16_t> dec16(n * un + offset);  // FullySharded's bf16 lent values
   lockstep::cuda::kernels::int8_decode_bf16(enc.p, chunks, n, dec16.p + offset, nullptr);
+  // The value gathers' deltas: x − base encoded, and decoded onto base (one fp32 add each).
+  const auto base = codec_input(n * un, rng);
+  std::vector<float> delta(n * un), want_onto(n * un);
+  for (std::size_t i = 0; i < delta.size(); ++i) delta[i] = x[i] - base[i];
+  std::vector<unsigned char> want_delta_enc(un * cb);
+  for (std::size_t c = 0; c < un; ++c) d::int8_encode(delta.data() + c * n, n, want_delta_enc.data() + c * cb);
+  for (std::size_t i = 0; i < want_onto.size(); ++i) want_onto[i] = base[i] + want_dec[i];
+  lockstep_test::device_vector<float> base_d(n * un + offset), onto(n * un + offset);
+  lockstep_test::device_vector<unsigned char> delta_enc(un * cb);
+  LOCKSTEP_TRY_CUDA(cudaMemcpy(base_d.p + offset, base.data(), base.size() * sizeof(float), cudaMemcpyHostToDevice));
+  LOCKSTEP_TRY_CUDA(cudaMemcpy(onto.p + offset, base.data(), base.size() * sizeof(float), cudaMemcpyHostToDevice));
+  lockstep::cuda::kernels::int8_encode(src.p + offset, chunks, n, delta_enc.p, nullptr, base_d.p + offset);
+  lockstep::cuda::kernels::int8_decode(enc.p, chunks, n, onto.p + offset, nullptr, true);
   LOCKSTEP_TRY_CUDA(cudaDeviceSynchronize());
   std::vector<std::uint16_t> got16(n * un);
   LOCKSTEP_TRY_CUDA(
@@ -349,9 +429,17 @@ void check_int8_kernels(std::size_t n, int chunks, std::size_t offset) {
   for (std::size_t i = 0; i < n; ++i)
     if (!same_bits(got_mean[i], want_mean[i]) && off_mean++ < 3)
       MESSAGE("mean " << i << ": got " << got_mean[i] << ", the host's " << want_mean[i]);
+  const auto got_delta_enc = download(delta_enc, 0, un * cb);
+  const auto got_onto = download(onto, offset, n * un);
+  std::size_t off_delta = 0, off_onto = 0;
+  for (std::size_t c = 0; c < un; ++c)
+    off_delta += !same_chunk(got_delta_enc.data() + c * cb, want_delta_enc.data() + c * cb);
+  for (std::size_t i = 0; i < n * un; ++i) off_onto += !same_bits(got_onto[i], want_onto[i]);
   CHECK(off_enc == 0);
   CHECK(off_dec == 0);
   CHECK(off_mean == 0);
+  CHECK(off_delta == 0);
+  CHECK(off_onto == 0);
   CHECK(same_chunk(got_mean_enc.data(), want_mean_enc.data()));
   // The special blocks did what they should, on the GPU as on the host.
   std::size_t nan_blocks = 0, zero_scales = 0;
@@ -490,6 +578,18 @@ TEST_CASE("int8 wire kernels on 1 GPU: encode - decode - mean of chunks - bit fo
                               std::size_t{8192}, std::size_t{5003}})
     for (const int chunks : {1, 2, 3, 4})
       for (const std::size_t offset : {std::size_t{0}, std::size_t{1}}) check_int8_kernels(n, chunks, offset);
+  // Past one sweep of the grid over a chunk (8192 blocks of 8 warps, each with 2 blocks of 256
+  // values in flight: 33.5 M values), and many chunks of millions.
+  check_int8_kernels(34'000'003, 2, 0);
+  check_int8_kernels(20'000'000, 5, 1);
+}
+TEST_CASE("bf16 wire kernels on 1 GPU: encode - deltas - decode - onto - mean of chunks - bit for bit with the host") {
+  LOCKSTEP_REQUIRE_GPUS(1);
+  for (const std::size_t n :
+       {std::size_t{1}, std::size_t{7}, std::size_t{8}, std::size_t{9}, std::size_t{1003}, std::size_t{4096}})
+    for (const int chunks : {1, 2, 3})
+      for (const std::size_t offset : {std::size_t{0}, std::size_t{1}}) check_bf16_kernels(n, chunks, offset);
+  check_bf16_kernels(20'000'003, 2, 0);  // past one sweep of the grid (8192 blocks of 256 threads, 8 values each)
 }
 TEST_CASE("low-precision wires on 1 GPU: the hooks are the identity - sharded and not") {
   LOCKSTEP_REQUIRE_GPUS(1);

@@ -3,9 +3,12 @@
 //! mean of N ranks' chunks summed in fp32, and chunks decoded — the numbers of
 //! core/detail/int8_blocks.hpp bit for bit (the layout and the rounding are said there; every
 //! operation here is an explicitly rounded fp32 one, never contracted into a fused
-//! multiply-add). One warp per block of 256 values, 8 values per thread, 16-byte loads of fp32
-//! and 8-byte accesses of int8 where the pointers allow; grid-stride over the blocks. Every call
-//! queues work on stream `s` and checks the launch.
+//! multiply-add). One warp per block of 256 values, 8 values per lane in two groups of 4 (lane l
+//! holds l·4… and 128 + l·4…), so that each of the warp's loads and stores covers one contiguous
+//! range (16-byte fp32 accesses and 4-byte int8 ones where the pointers allow); grid-stride over
+//! a chunk's blocks (the grid sized for one chunk), the chunks one after another (no division
+//! of a flat index). Measured against the device-copy bandwidth by bench_kernels' wire rows.
+//! Every call queues work on stream `s` and checks the launch.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
@@ -25,25 +28,35 @@ namespace int8_detail {
 constexpr int warps = 8;
 constexpr int threads = 32 * warps;
 constexpr unsigned full = 0xffffffffu;
-static_assert(lockstep::detail::int8_block == 32 * 8, "a warp of 8 values per thread covers one block");
+static_assert(lockstep::detail::int8_block == 32 * 8, "a warp of 8 values per lane covers one block");
 
 inline unsigned blocks_for(std::size_t quant_blocks) {
   const std::size_t b = (quant_blocks + warps - 1) / warps;
   return static_cast<unsigned>(std::clamp<std::size_t>(b, 1, 8192));
 }
 
-// The values of thread `lane` in block b of a chunk of n: how many (0 to 8) and where they start.
-__device__ inline std::size_t first_of(std::size_t b, int lane) { return b * 256 + static_cast<std::size_t>(lane) * 8; }
-__device__ inline int valid_of(std::size_t lo, std::size_t n) {
-  return lo >= n ? 0 : static_cast<int>(n - lo < 8 ? n - lo : 8);
+// Where lane `lane`'s values of block b of a chunk of n lie: its two groups of 4, each from
+// at[h] on, valid[h] (0 to 4) of them inside the chunk. Value e of the lane is group e / 4's
+// value e % 4.
+struct lane_groups {
+  std::size_t at[2];
+  int valid[2];
+};
+__device__ inline lane_groups groups_of(std::size_t b, int lane, std::size_t n) {
+  lane_groups g;
+  for (int h = 0; h < 2; ++h) {
+    g.at[h] = b * 256 + static_cast<std::size_t>(h) * 128 + static_cast<std::size_t>(lane) * 4;
+    g.valid[h] = g.at[h] >= n ? 0 : static_cast<int>(n - g.at[h] < 4 ? n - g.at[h] : 4);
+  }
+  return g;
 }
 
-// The warp's block of values v (8 per lane, `valid` of them real): its scale, into *scale_out
-// by lane 0, and each value's int8 into q.
-__device__ inline void encode_block(const float (&v)[8], int valid, float* scale_out, signed char (&q)[8]) {
+// The warp's block of values v (8 per lane; the lanes' values outside the chunk are zeros): its
+// scale, into *scale_out by lane 0, and each value's int8 into q.
+__device__ inline void encode_block(const float (&v)[8], float* scale_out, signed char (&q)[8]) {
   float m = 0.0f;
   bool finite = true;
-  for (int e = 0; e < valid; ++e) {
+  for (int e = 0; e < 8; ++e) {
     finite = finite && isfinite(v[e]);
     m = fmaxf(m, fabsf(v[e]));
   }
@@ -57,49 +70,85 @@ __device__ inline void encode_block(const float (&v)[8], int valid, float* scale
   }
   if ((threadIdx.x & 31) == 0) *scale_out = s;
   const float inv = __frcp_rn(s);  // 1 / s rounded to nearest, as the host's
-  const bool divide = isinf(inv);  // a subnormal s: x / s
-  for (int e = 0; e < 8; ++e) {
-    const float t = divide ? __fdiv_rn(v[e], s) : __fmul_rn(v[e], inv);
-    q[e] = (e < valid && s > 0.0f) ? static_cast<signed char>(fminf(fmaxf(rintf(t), -127.0f), 127.0f))
-                                   : static_cast<signed char>(0);
+  float t[8];
+  if (isinf(inv)) {  // a subnormal s: x / s (the same branch for the whole warp: one scale)
+    for (int e = 0; e < 8; ++e) t[e] = __fdiv_rn(v[e], s);
+  } else {
+    for (int e = 0; e < 8; ++e) t[e] = __fmul_rn(v[e], inv);
+  }
+  for (int e = 0; e < 8; ++e)
+    q[e] =
+        s > 0.0f ? static_cast<signed char>(fminf(fmaxf(rintf(t[e]), -127.0f), 127.0f)) : static_cast<signed char>(0);
+}
+
+// A lane's int8 values at `values` (a chunk's int8 part): 4-byte accesses for whole groups.
+__device__ inline void store_q(signed char* values, const lane_groups& g, const signed char (&q)[8]) {
+  for (int h = 0; h < 2; ++h) {
+    signed char* at = values + g.at[h];
+    if (g.valid[h] == 4) {
+      unsigned w = 0;
+      for (int j = 0; j < 4; ++j) w |= static_cast<unsigned>(static_cast<unsigned char>(q[4 * h + j])) << (8 * j);
+      *reinterpret_cast<unsigned*>(at) = w;
+    } else {
+      for (int j = 0; j < g.valid[h]; ++j) at[j] = q[4 * h + j];
+    }
+  }
+}
+// A lane's int8 values at `values`, four to a word (group h in w[h], value j in its byte j; zeros
+// outside the chunk): 4-byte loads for whole groups. q_value reads value e back.
+__device__ inline void load_q(const signed char* values, const lane_groups& g, unsigned (&w)[2]) {
+  for (int h = 0; h < 2; ++h) {
+    const signed char* at = values + g.at[h];
+    if (g.valid[h] == 4) {
+      w[h] = *reinterpret_cast<const unsigned*>(at);
+    } else {
+      w[h] = 0;
+      for (int j = 0; j < g.valid[h]; ++j) w[h] |= static_cast<unsigned>(static_cast<unsigned char>(at[j])) << (8 * j);
+    }
+  }
+}
+__device__ inline float q_value(const unsigned (&w)[2], int e) {
+  return static_cast<float>(static_cast<int>(w[e / 4] << (24 - 8 * (e % 4))) >> 24);  // the byte, sign-extended
+}
+// A lane's fp32 values of a chunk starting at p (zeros outside it): 16-byte loads when vec.
+__device__ inline void load_f(const float* p, const lane_groups& g, float (&v)[8], bool vec) {
+  for (int h = 0; h < 2; ++h) {
+    if (vec && g.valid[h] == 4) {
+      const float4 a = *reinterpret_cast<const float4*>(p + g.at[h]);
+      v[4 * h] = a.x, v[4 * h + 1] = a.y, v[4 * h + 2] = a.z, v[4 * h + 3] = a.w;
+    } else {
+      for (int j = 0; j < 4; ++j) v[4 * h + j] = j < g.valid[h] ? p[g.at[h] + static_cast<std::size_t>(j)] : 0.0f;
+    }
+  }
+}
+__device__ inline void store_f(float* p, const lane_groups& g, const float (&v)[8], bool vec) {
+  for (int h = 0; h < 2; ++h) {
+    if (vec && g.valid[h] == 4) {
+      *reinterpret_cast<float4*>(p + g.at[h]) = make_float4(v[4 * h], v[4 * h + 1], v[4 * h + 2], v[4 * h + 3]);
+    } else {
+      for (int j = 0; j < g.valid[h]; ++j) p[g.at[h] + static_cast<std::size_t>(j)] = v[4 * h + j];
+    }
+  }
+}
+// The same into bf16, each value rounded to nearest even (__float2bfloat16_rn, as the host's
+// bf16_of_float): 8-byte stores when vec.
+__device__ inline void store_f(__nv_bfloat16* p, const lane_groups& g, const float (&v)[8], bool vec) {
+  for (int h = 0; h < 2; ++h) {
+    if (vec && g.valid[h] == 4) {
+      uint2 w;
+      auto* b = reinterpret_cast<__nv_bfloat162*>(&w);
+      b[0] = __floats2bfloat162_rn(v[4 * h], v[4 * h + 1]);
+      b[1] = __floats2bfloat162_rn(v[4 * h + 2], v[4 * h + 3]);
+      *reinterpret_cast<uint2*>(p + g.at[h]) = w;
+    } else {
+      for (int j = 0; j < g.valid[h]; ++j) p[g.at[h] + static_cast<std::size_t>(j)] = __float2bfloat16_rn(v[4 * h + j]);
+    }
   }
 }
 
-__device__ inline void store_q(signed char* at, const signed char (&q)[8], int valid) {
-  if (valid == 8) {
-    uint2 w;
-    auto* b = reinterpret_cast<signed char*>(&w);
-    for (int e = 0; e < 8; ++e) b[e] = q[e];
-    *reinterpret_cast<uint2*>(at) = w;
-  } else {
-    for (int e = 0; e < valid; ++e) at[e] = q[e];
-  }
-}
-__device__ inline void load_q(const signed char* at, signed char (&q)[8], int valid) {
-  if (valid == 8) {
-    const uint2 w = *reinterpret_cast<const uint2*>(at);
-    const auto* b = reinterpret_cast<const signed char*>(&w);
-    for (int e = 0; e < 8; ++e) q[e] = b[e];
-  } else {
-    for (int e = 0; e < 8; ++e) q[e] = e < valid ? at[e] : static_cast<signed char>(0);
-  }
-}
-__device__ inline void load_f(const float* at, float (&v)[8], int valid, bool vec) {
-  if (vec && valid == 8) {
-    const float4 a = reinterpret_cast<const float4*>(at)[0], b = reinterpret_cast<const float4*>(at)[1];
-    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-  } else {
-    for (int e = 0; e < 8; ++e) v[e] = e < valid ? at[e] : 0.0f;
-  }
-}
-__device__ inline void store_f(float* at, const float (&v)[8], int valid, bool vec) {
-  if (vec && valid == 8) {
-    reinterpret_cast<float4*>(at)[0] = make_float4(v[0], v[1], v[2], v[3]);
-    reinterpret_cast<float4*>(at)[1] = make_float4(v[4], v[5], v[6], v[7]);
-  } else {
-    for (int e = 0; e < valid; ++e) at[e] = v[e];
-  }
-}
+// This warp's first block and the stride between its blocks.
+__device__ inline std::size_t first_block() { return static_cast<std::size_t>(blockIdx.x) * warps + threadIdx.x / 32; }
+__device__ inline std::size_t block_stride() { return static_cast<std::size_t>(gridDim.x) * warps; }
 
 // Chunk c of `chunks` (each n values of x, one after another; minus base's, when base is not
 // null) → out + c·chunk_bytes(n).
@@ -107,64 +156,66 @@ __global__ void encode(const float* __restrict__ x, const float* __restrict__ ba
                        unsigned char* __restrict__ out, bool vec) {
   using namespace lockstep::detail;
   const std::size_t nb = int8_blocks_of(n), cb = int8_chunk_bytes(n), at = int8_values_at(n);
-  const std::size_t total = static_cast<std::size_t>(chunks) * nb;
   const int lane = static_cast<int>(threadIdx.x & 31);
-  for (std::size_t w = static_cast<std::size_t>(blockIdx.x) * warps + threadIdx.x / 32; w < total;
-       w += static_cast<std::size_t>(gridDim.x) * warps) {
-    const std::size_t c = w / nb, b = w % nb, lo = first_of(b, lane);
-    const int valid = valid_of(lo, n);
-    float v[8];
-    load_f(x + c * n + lo, v, valid, vec);
-    if (base) {
-      float from[8];
-      load_f(base + c * n + lo, from, valid, vec);
-      for (int e = 0; e < 8; ++e) v[e] = __fsub_rn(v[e], from[e]);
+  for (int c = 0; c < chunks; ++c) {
+    const float* xc = x + static_cast<std::size_t>(c) * n;
+    const float* bc = base ? base + static_cast<std::size_t>(c) * n : nullptr;
+    unsigned char* o = out + static_cast<std::size_t>(c) * cb;
+    for (std::size_t b = first_block(); b < nb; b += block_stride()) {
+      const lane_groups g = groups_of(b, lane, n);
+      float v[8];
+      load_f(xc, g, v, vec);
+      if (bc) {
+        float from[8];
+        load_f(bc, g, from, vec);
+        for (int e = 0; e < 8; ++e) v[e] = __fsub_rn(v[e], from[e]);
+      }
+      signed char q[8];
+      encode_block(v, reinterpret_cast<float*>(o) + b, q);
+      store_q(reinterpret_cast<signed char*>(o + at), g, q);
     }
-    signed char q[8];
-    unsigned char* o = out + c * cb;
-    encode_block(v, valid, reinterpret_cast<float*>(o) + b, q);
-    store_q(reinterpret_cast<signed char*>(o + at) + lo, q, valid);
   }
 }
 
 // out32 (n fp32, may be null) and out_enc (one encoded chunk, may be null) ← (Σ_k chunk k of
-// `ranks` encoded chunks of n at in, decoded, in rank order) · inv.
+// `ranks` encoded chunks of n at in, decoded, in rank order) · inv. The ranks' chunks are read
+// four at a time, their loads before their sums.
 __global__ void mean(const unsigned char* __restrict__ in, int ranks, std::size_t n, float inv,
                      float* __restrict__ out32, unsigned char* __restrict__ out_enc, bool vec) {
   using namespace lockstep::detail;
+  constexpr int together = 4;
   const std::size_t nb = int8_blocks_of(n), cb = int8_chunk_bytes(n), at = int8_values_at(n);
   const int lane = static_cast<int>(threadIdx.x & 31);
-  for (std::size_t b = static_cast<std::size_t>(blockIdx.x) * warps + threadIdx.x / 32; b < nb;
-       b += static_cast<std::size_t>(gridDim.x) * warps) {
-    const std::size_t lo = first_of(b, lane);
-    const int valid = valid_of(lo, n);
+  for (std::size_t b = first_block(); b < nb; b += block_stride()) {
+    const lane_groups g = groups_of(b, lane, n);
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int k = 0; k < ranks; ++k) {
-      const unsigned char* chunk = in + static_cast<std::size_t>(k) * cb;
-      const float s = reinterpret_cast<const float*>(chunk)[b];
-      signed char q[8];
-      load_q(reinterpret_cast<const signed char*>(chunk + at) + lo, q, valid);
-      for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(static_cast<float>(q[e]), s));
+    for (int k0 = 0; k0 < ranks; k0 += together) {
+      const int here = ranks - k0 < together ? ranks - k0 : together;
+      float s[together];
+      unsigned q[together][2];
+#pragma unroll
+      for (int j = 0; j < together; ++j) {
+        if (j < here) {
+          const unsigned char* chunk = in + static_cast<std::size_t>(k0 + j) * cb;
+          s[j] = reinterpret_cast<const float*>(chunk)[b];
+          load_q(reinterpret_cast<const signed char*>(chunk + at), g, q[j]);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < together; ++j) {
+        if (j < here) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(q_value(q[j], e), s[j]));
+        }
+      }
     }
     for (int e = 0; e < 8; ++e) acc[e] = __fmul_rn(acc[e], inv);
-    if (out32) store_f(out32 + lo, acc, valid, vec);
+    if (out32) store_f(out32, g, acc, vec);
     if (out_enc) {
       signed char q[8];
-      encode_block(acc, valid, reinterpret_cast<float*>(out_enc) + b, q);
-      store_q(reinterpret_cast<signed char*>(out_enc + at) + lo, q, valid);
+      encode_block(acc, reinterpret_cast<float*>(out_enc) + b, q);
+      store_q(reinterpret_cast<signed char*>(out_enc + at), g, q);
     }
-  }
-}
-
-// Eight decoded values into bf16, each rounded to nearest even (__float2bfloat16_rn, as the
-// host's bf16_of_float): one 16-byte store when vec.
-__device__ inline void store_f(__nv_bfloat16* at, const float (&v)[8], int valid, bool vec) {
-  if (vec && valid == 8) {
-    alignas(16) __nv_bfloat16 b[8];
-    for (int e = 0; e < 8; ++e) b[e] = __float2bfloat16_rn(v[e]);
-    *reinterpret_cast<uint4*>(at) = *reinterpret_cast<const uint4*>(b);
-  } else {
-    for (int e = 0; e < valid; ++e) at[e] = __float2bfloat16_rn(v[e]);
   }
 }
 
@@ -175,26 +226,26 @@ __global__ void decode(const unsigned char* __restrict__ in, int chunks, std::si
                        bool vec) {
   using namespace lockstep::detail;
   const std::size_t nb = int8_blocks_of(n), cb = int8_chunk_bytes(n), at = int8_values_at(n);
-  const std::size_t total = static_cast<std::size_t>(chunks) * nb;
   const int lane = static_cast<int>(threadIdx.x & 31);
-  for (std::size_t w = static_cast<std::size_t>(blockIdx.x) * warps + threadIdx.x / 32; w < total;
-       w += static_cast<std::size_t>(gridDim.x) * warps) {
-    const std::size_t c = w / nb, b = w % nb, lo = first_of(b, lane);
-    const int valid = valid_of(lo, n);
-    const unsigned char* chunk = in + c * cb;
-    const float s = reinterpret_cast<const float*>(chunk)[b];
-    signed char q[8];
-    load_q(reinterpret_cast<const signed char*>(chunk + at) + lo, q, valid);
-    float v[8];
-    for (int e = 0; e < 8; ++e) v[e] = __fmul_rn(static_cast<float>(q[e]), s);
-    if constexpr (std::is_same_v<Out, float>) {
-      if (add) {
-        float o[8];
-        load_f(out + c * n + lo, o, valid, vec);
-        for (int e = 0; e < 8; ++e) v[e] = __fadd_rn(o[e], v[e]);
+  for (int c = 0; c < chunks; ++c) {
+    const unsigned char* chunk = in + static_cast<std::size_t>(c) * cb;
+    Out* oc = out + static_cast<std::size_t>(c) * n;
+    for (std::size_t b = first_block(); b < nb; b += block_stride()) {
+      const lane_groups g = groups_of(b, lane, n);
+      const float s = reinterpret_cast<const float*>(chunk)[b];
+      unsigned q[2];
+      load_q(reinterpret_cast<const signed char*>(chunk + at), g, q);
+      float v[8];
+      for (int e = 0; e < 8; ++e) v[e] = __fmul_rn(q_value(q, e), s);
+      if constexpr (std::is_same_v<Out, float>) {
+        if (add) {
+          float o[8];
+          load_f(oc, g, o, vec);
+          for (int e = 0; e < 8; ++e) v[e] = __fadd_rn(o[e], v[e]);
+        }
       }
+      store_f(oc, g, v, vec);
     }
-    store_f(out + c * n + lo, v, valid, vec);
   }
 }
 
@@ -208,8 +259,8 @@ inline void int8_encode(const float* src, int chunks, std::size_t n, void* dst, 
                         const float* base = nullptr) {
   if (n == 0 || chunks <= 0) return;
   const bool vec = n % 4 == 0 && int8_detail::aligned16(src) && (!base || int8_detail::aligned16(base));
-  int8_detail::encode<<<int8_detail::blocks_for(static_cast<std::size_t>(chunks) * lockstep::detail::int8_blocks_of(n)),
-                        int8_detail::threads, 0, s>>>(src, base, chunks, n, static_cast<unsigned char*>(dst), vec);
+  int8_detail::encode<<<int8_detail::blocks_for(lockstep::detail::int8_blocks_of(n)), int8_detail::threads, 0, s>>>(
+      src, base, chunks, n, static_cast<unsigned char*>(dst), vec);
   LOCKSTEP_CHECK_LAUNCH();
 }
 
@@ -230,8 +281,8 @@ inline void int8_mean(const void* chunks, int ranks, std::size_t n, float* out32
 inline void int8_decode(const void* src, int chunks, std::size_t n, float* dst, cudaStream_t s, bool add = false) {
   if (n == 0 || chunks <= 0) return;
   const bool vec = n % 4 == 0 && int8_detail::aligned16(dst);
-  int8_detail::decode<<<int8_detail::blocks_for(static_cast<std::size_t>(chunks) * lockstep::detail::int8_blocks_of(n)),
-                        int8_detail::threads, 0, s>>>(static_cast<const unsigned char*>(src), chunks, n, dst, add, vec);
+  int8_detail::decode<<<int8_detail::blocks_for(lockstep::detail::int8_blocks_of(n)), int8_detail::threads, 0, s>>>(
+      static_cast<const unsigned char*>(src), chunks, n, dst, add, vec);
   LOCKSTEP_CHECK_LAUNCH();
 }
 
@@ -239,10 +290,9 @@ inline void int8_decode(const void* src, int chunks, std::size_t n, float* dst, 
 //! value rounded to the nearest bf16 (ties to even).
 inline void int8_decode_bf16(const void* src, int chunks, std::size_t n, void* dst, cudaStream_t s) {
   if (n == 0 || chunks <= 0) return;
-  const bool vec = n % 8 == 0 && int8_detail::aligned16(dst);
-  int8_detail::decode<<<int8_detail::blocks_for(static_cast<std::size_t>(chunks) * lockstep::detail::int8_blocks_of(n)),
-                        int8_detail::threads, 0, s>>>(static_cast<const unsigned char*>(src), chunks, n,
-                                                      static_cast<__nv_bfloat16*>(dst), false, vec);
+  const bool vec = n % 4 == 0 && int8_detail::aligned16(dst);
+  int8_detail::decode<<<int8_detail::blocks_for(lockstep::detail::int8_blocks_of(n)), int8_detail::threads, 0, s>>>(
+      static_cast<const unsigned char*>(src), chunks, n, static_cast<__nv_bfloat16*>(dst), false, vec);
   LOCKSTEP_CHECK_LAUNCH();
 }
 

@@ -2,8 +2,9 @@
 //! The kernels of the bf16 wire (cuda/nccl_wire.cuh): fp32 gradients rounded to bf16 for the
 //! network, the mean of N ranks' bf16 blocks accumulated in fp32, and bf16 widened back. Each
 //! is one streaming pass; 8 elements per thread and 16-byte accesses where the pointers allow
-//! (buckets start 16-byte aligned), one element per thread otherwise. Every call queues work on
-//! stream `s` and checks the launch.
+//! (buckets start 16-byte aligned; the widening reads 8 bytes so that its 16-byte stores are
+//! each one contiguous range per warp), one element per thread otherwise. Every call queues work
+//! on stream `s` and checks the launch. Measured by bench_kernels' wire rows.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
@@ -77,23 +78,35 @@ __global__ void to_bf16(const float* __restrict__ src, const float* __restrict__
   for (; i < n; i += stride) dst[i] = __float2bfloat16_rn(__fmul_rn(base ? __fsub_rn(src[i], base[i]) : src[i], scale));
 }
 
-// dst[i] = float(src[i]), or dst[i] + float(src[i]) when add.
+// dst[i] = float(src[i]), or dst[i] + float(src[i]) when add. When vec, groups of 4 (an 8-byte
+// load, 16-byte stores: each of a warp's accesses one contiguous range), two groups a stride
+// apart per thread and iteration, loaded before either is stored; else one by one.
 __global__ void from_bf16(const __nv_bfloat16* __restrict__ src, float* __restrict__ dst, std::size_t n, bool add,
                           bool vec) {
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (vec) {
-    for (; i < n / 8; i += stride) {
-      float v[8];
-      unpack8(reinterpret_cast<const uint4*>(src)[i], v);
+    const std::size_t groups = n / 4;
+    const auto load4 = [&](std::size_t k, float(&v)[4]) {
+      const uint2 w = reinterpret_cast<const uint2*>(src)[k];
+      const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w.x));
+      const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w.y));
+      v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
       if (add) {
-        float o[8];
-        load8(dst, i, o);
-        for (int e = 0; e < 8; ++e) v[e] = __fadd_rn(o[e], v[e]);
+        const float4 o = reinterpret_cast<const float4*>(dst)[k];
+        v[0] = __fadd_rn(o.x, v[0]), v[1] = __fadd_rn(o.y, v[1]), v[2] = __fadd_rn(o.z, v[2]),
+        v[3] = __fadd_rn(o.w, v[3]);
       }
-      store8(dst, i, v);
+    };
+    for (; i < groups; i += 2 * stride) {
+      float v[2][4];
+      const bool second = i + stride < groups;
+      load4(i, v[0]);
+      if (second) load4(i + stride, v[1]);
+      reinterpret_cast<float4*>(dst)[i] = make_float4(v[0][0], v[0][1], v[0][2], v[0][3]);
+      if (second) reinterpret_cast<float4*>(dst)[i + stride] = make_float4(v[1][0], v[1][1], v[1][2], v[1][3]);
     }
-    i = n / 8 * 8 + static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    i = groups * 4 + static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   }
   for (; i < n; i += stride) dst[i] = add ? __fadd_rn(dst[i], __bfloat162float(src[i])) : __bfloat162float(src[i]);
 }
