@@ -295,15 +295,17 @@ void bench_wire(std::size_t total, int runs, ls::NcclComm& comm, std::vector<Row
   namespace k = ls::cuda::kernels;
   namespace d = ls::detail;
   const cudaStream_t s = comm.compute_stream();
-  const std::size_t per = total / 2, n = 2 * per;  // two chunks of `per`
-  const double e = static_cast<double>(n), ib = static_cast<double>(2 * d::int8_chunk_bytes(per));
+  const std::size_t per = total / 2 / 256 * 256, n = 2 * per;  // two chunks of `per`, whole int8 blocks
+  const double e = static_cast<double>(n), ib = static_cast<double>(2 * d::int8_chunk_bytes(per)),
+               ib8 = static_cast<double>(8 * d::int8_chunk_bytes(per / 4));
   float *x = nullptr, *base = nullptr, *out = nullptr;
-  void *b16 = nullptr, *q = nullptr, *q1 = nullptr;
+  void *b16 = nullptr, *m16 = nullptr, *q = nullptr, *q1 = nullptr;
   LOCKSTEP_TRY_CUDA(cudaMalloc(&x, n * 4));
   LOCKSTEP_TRY_CUDA(cudaMalloc(&base, n * 4));
   LOCKSTEP_TRY_CUDA(cudaMalloc(&out, n * 4));
   LOCKSTEP_TRY_CUDA(cudaMalloc(&b16, n * 2));
-  LOCKSTEP_TRY_CUDA(cudaMalloc(&q, static_cast<std::size_t>(ib)));
+  LOCKSTEP_TRY_CUDA(cudaMalloc(&m16, per * 2));
+  LOCKSTEP_TRY_CUDA(cudaMalloc(&q, static_cast<std::size_t>(std::max(ib, ib8))));
   LOCKSTEP_TRY_CUDA(cudaMalloc(&q1, d::int8_chunk_bytes(per)));
   fill_kernel<float><<<1024, 256, 0, s>>>(x, n, 777u, 4.0f);
   fill_kernel<float><<<1024, 256, 0, s>>>(base, n, 778u, 4.0f);
@@ -321,7 +323,7 @@ void bench_wire(std::size_t total, int runs, ls::NcclComm& comm, std::vector<Row
   rows.push_back({"wire: bf16 decode + add (deltas)", tn, "", 10.0 * e,
                   median_ms(runs, s, [&](int) { k::from_bf16(b16, out, n, s, true); })});
   rows.push_back({"wire: bf16 mean of 2 chunks -> f32 + bf16", tn, "", 5.0 * e,
-                  median_ms(runs, s, [&](int) { k::mean_blocks(b16, 2, per, out, static_cast<char*>(b16) + n, s); })});
+                  median_ms(runs, s, [&](int) { k::mean_blocks(b16, 2, per, out, m16, s); })});
   rows.push_back({"wire: int8 encode (values)", tn, "", 4.0 * e + ib,
                   median_ms(runs, s, [&](int) { k::int8_encode(x, 2, per, q, s); })});
   rows.push_back({"wire: int8 encode of x - base (deltas)", tn, "", 8.0 * e + ib,
@@ -334,8 +336,11 @@ void bench_wire(std::size_t total, int runs, ls::NcclComm& comm, std::vector<Row
                   median_ms(runs, s, [&](int) { k::int8_decode_bf16(q, 2, per, b16, s); })});
   rows.push_back({"wire: int8 mean of 2 chunks -> f32 + int8", tn, "", ib + 2.0 * e + ib / 2,
                   median_ms(runs, s, [&](int) { k::int8_mean(q, 2, per, out, q1, s); })});
+  // Eight ranks' chunks (an int8 wire's gather on 8 GPUs) of the same values.
+  rows.push_back({"wire: int8 decode of 8 chunks -> f32", tn, "", ib8 + 4.0 * e,
+                  median_ms(runs, s, [&](int) { k::int8_decode(q, 8, per / 4, out, s); })});
   LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s));
-  for (void* p : {static_cast<void*>(x), static_cast<void*>(base), static_cast<void*>(out), b16, q, q1})
+  for (void* p : {static_cast<void*>(x), static_cast<void*>(base), static_cast<void*>(out), b16, m16, q, q1})
     LOCKSTEP_TRY_CUDA(cudaFree(p));
 }
 #endif

@@ -311,7 +311,7 @@ void check_bf16_kernels(std::size_t n, int chunks, std::size_t offset) {
   CAPTURE(offset);
   std::mt19937_64 rng(seed);
   const std::size_t un = static_cast<std::size_t>(chunks), all = n * un;
-  const auto x = codec_input(all, rng), base = codec_input(all, rng);
+  const auto x = codec_input(all, rng), base = lockstep_test::random_vector<float>(all, rng, -1.0, 1.0);
   const float scale = 0.375f;
   std::vector<std::uint16_t> want_enc(all), want_delta(all);
   std::vector<float> want_dec(all), want_onto(all), want_mean(n, 0.0f);
@@ -388,8 +388,9 @@ void check_int8_kernels(std::size_t n, int chunks, std::size_t offset) {
   lockstep::cuda::kernels::int8_mean(enc.p, chunks, n, mean32.p + offset, mean_enc.p, nullptr);
   lockstep_test::device_vector<std::uint16_t> dec16(n * un + offset);  // FullySharded's bf16 lent values
   lockstep::cuda::kernels::int8_decode_bf16(enc.p, chunks, n, dec16.p + offset, nullptr);
-  // The value gathers' deltas: x − base encoded, and decoded onto base (one fp32 add each).
-  const auto base = codec_input(n * un, rng);
+  // The value gathers' deltas: x − base encoded, and decoded onto base (one fp32 add each); a
+  // small base keeps x's special blocks (inf, NaN, the largest float) in x − base.
+  const auto base = lockstep_test::random_vector<float>(n * un, rng, -1.0, 1.0);
   std::vector<float> delta(n * un), want_onto(n * un);
   for (std::size_t i = 0; i < delta.size(); ++i) delta[i] = x[i] - base[i];
   std::vector<unsigned char> want_delta_enc(un * cb);
@@ -578,10 +579,10 @@ TEST_CASE("int8 wire kernels on 1 GPU: encode - decode - mean of chunks - bit fo
                               std::size_t{8192}, std::size_t{5003}})
     for (const int chunks : {1, 2, 3, 4})
       for (const std::size_t offset : {std::size_t{0}, std::size_t{1}}) check_int8_kernels(n, chunks, offset);
-  // Past one sweep of the grid over a chunk (8192 blocks of 8 warps, each with 2 blocks of 256
-  // values in flight: 33.5 M values), and many chunks of millions.
-  check_int8_kernels(34'000'003, 2, 0);
-  check_int8_kernels(20'000'000, 5, 1);
+  // Past one sweep of the grid (8192 blocks of 8 warps, a block of 256 values each: 16.8 M
+  // values), aligned (the 16-byte paths) and not; many chunks of millions; the mean's own sweep.
+  check_int8_kernels(34'000'000, 2, 0);
+  check_int8_kernels(20'000'003, 5, 1);
 }
 TEST_CASE("bf16 wire kernels on 1 GPU: encode - deltas - decode - onto - mean of chunks - bit for bit with the host") {
   LOCKSTEP_REQUIRE_GPUS(1);

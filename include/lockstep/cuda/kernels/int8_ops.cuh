@@ -6,8 +6,9 @@
 //! multiply-add). One warp per block of 256 values, 8 values per lane in two groups of 4 (lane l
 //! holds l·4… and 128 + l·4…), so that each of the warp's loads and stores covers one contiguous
 //! range (16-byte fp32 accesses and 4-byte int8 ones where the pointers allow); grid-stride over
-//! a chunk's blocks (the grid sized for one chunk), the chunks one after another (no division
-//! of a flat index). Measured against the device-copy bandwidth by bench_kernels' wire rows.
+//! every chunk's blocks as one range, a warp's chunk and block carried from one block to its
+//! next (a division only where it passes into another chunk, not one per block). Measured against
+//! the device-copy bandwidth by bench_kernels' wire rows.
 //! Every call queues work on stream `s` and checks the launch.
 
 #include <cuda_bf16.h>
@@ -90,7 +91,9 @@ __device__ inline void store_q(signed char* values, const lane_groups& g, const 
       for (int j = 0; j < 4; ++j) w |= static_cast<unsigned>(static_cast<unsigned char>(q[4 * h + j])) << (8 * j);
       *reinterpret_cast<unsigned*>(at) = w;
     } else {
-      for (int j = 0; j < g.valid[h]; ++j) at[j] = q[4 * h + j];
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        if (j < g.valid[h]) at[j] = q[4 * h + j];
     }
   }
 }
@@ -103,7 +106,9 @@ __device__ inline void load_q(const signed char* values, const lane_groups& g, u
       w[h] = *reinterpret_cast<const unsigned*>(at);
     } else {
       w[h] = 0;
-      for (int j = 0; j < g.valid[h]; ++j) w[h] |= static_cast<unsigned>(static_cast<unsigned char>(at[j])) << (8 * j);
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        if (j < g.valid[h]) w[h] |= static_cast<unsigned>(static_cast<unsigned char>(at[j])) << (8 * j);
     }
   }
 }
@@ -117,6 +122,7 @@ __device__ inline void load_f(const float* p, const lane_groups& g, float (&v)[8
       const float4 a = *reinterpret_cast<const float4*>(p + g.at[h]);
       v[4 * h] = a.x, v[4 * h + 1] = a.y, v[4 * h + 2] = a.z, v[4 * h + 3] = a.w;
     } else {
+#pragma unroll
       for (int j = 0; j < 4; ++j) v[4 * h + j] = j < g.valid[h] ? p[g.at[h] + static_cast<std::size_t>(j)] : 0.0f;
     }
   }
@@ -126,7 +132,9 @@ __device__ inline void store_f(float* p, const lane_groups& g, const float (&v)[
     if (vec && g.valid[h] == 4) {
       *reinterpret_cast<float4*>(p + g.at[h]) = make_float4(v[4 * h], v[4 * h + 1], v[4 * h + 2], v[4 * h + 3]);
     } else {
-      for (int j = 0; j < g.valid[h]; ++j) p[g.at[h] + static_cast<std::size_t>(j)] = v[4 * h + j];
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        if (j < g.valid[h]) p[g.at[h] + static_cast<std::size_t>(j)] = v[4 * h + j];
     }
   }
 }
@@ -141,14 +149,31 @@ __device__ inline void store_f(__nv_bfloat16* p, const lane_groups& g, const flo
       b[1] = __floats2bfloat162_rn(v[4 * h + 2], v[4 * h + 3]);
       *reinterpret_cast<uint2*>(p + g.at[h]) = w;
     } else {
-      for (int j = 0; j < g.valid[h]; ++j) p[g.at[h] + static_cast<std::size_t>(j)] = __float2bfloat16_rn(v[4 * h + j]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        if (j < g.valid[h]) p[g.at[h] + static_cast<std::size_t>(j)] = __float2bfloat16_rn(v[4 * h + j]);
     }
   }
 }
 
 // This warp's first block and the stride between its blocks.
-__device__ inline std::size_t first_block() { return static_cast<std::size_t>(blockIdx.x) * warps + threadIdx.x / 32; }
-__device__ inline std::size_t block_stride() { return static_cast<std::size_t>(gridDim.x) * warps; }
+// fn(c, b) for this warp's blocks of `chunks` chunks of nb blocks each, taken as one range
+// (block b of chunk c is c·nb + b), grid-stride: the same c and b on every lane.
+template <class F>
+__device__ inline void each_block(int chunks, std::size_t nb, F&& fn) {
+  const std::size_t total = static_cast<std::size_t>(chunks) * nb, stride = static_cast<std::size_t>(gridDim.x) * warps;
+  std::size_t w = static_cast<std::size_t>(blockIdx.x) * warps + threadIdx.x / 32;
+  if (w >= total) return;
+  std::size_t c = w / nb, b = w - c * nb;
+  for (; w < total; w += stride) {
+    fn(c, b);
+    b += stride;
+    if (b >= nb) {  // into a later chunk
+      c += b / nb;
+      b %= nb;
+    }
+  }
+}
 
 // Chunk c of `chunks` (each n values of x, one after another; minus base's, when base is not
 // null) → out + c·chunk_bytes(n).
@@ -157,24 +182,20 @@ __global__ void encode(const float* __restrict__ x, const float* __restrict__ ba
   using namespace lockstep::detail;
   const std::size_t nb = int8_blocks_of(n), cb = int8_chunk_bytes(n), at = int8_values_at(n);
   const int lane = static_cast<int>(threadIdx.x & 31);
-  for (int c = 0; c < chunks; ++c) {
-    const float* xc = x + static_cast<std::size_t>(c) * n;
-    const float* bc = base ? base + static_cast<std::size_t>(c) * n : nullptr;
-    unsigned char* o = out + static_cast<std::size_t>(c) * cb;
-    for (std::size_t b = first_block(); b < nb; b += block_stride()) {
-      const lane_groups g = groups_of(b, lane, n);
-      float v[8];
-      load_f(xc, g, v, vec);
-      if (bc) {
-        float from[8];
-        load_f(bc, g, from, vec);
-        for (int e = 0; e < 8; ++e) v[e] = __fsub_rn(v[e], from[e]);
-      }
-      signed char q[8];
-      encode_block(v, reinterpret_cast<float*>(o) + b, q);
-      store_q(reinterpret_cast<signed char*>(o + at), g, q);
+  each_block(chunks, nb, [&](std::size_t c, std::size_t b) {
+    const lane_groups g = groups_of(b, lane, n);
+    float v[8];
+    load_f(x + c * n, g, v, vec);
+    if (base) {
+      float from[8];
+      load_f(base + c * n, g, from, vec);
+      for (int e = 0; e < 8; ++e) v[e] = __fsub_rn(v[e], from[e]);
     }
-  }
+    signed char q[8];
+    unsigned char* o = out + c * cb;
+    encode_block(v, reinterpret_cast<float*>(o) + b, q);
+    store_q(reinterpret_cast<signed char*>(o + at), g, q);
+  });
 }
 
 // out32 (n fp32, may be null) and out_enc (one encoded chunk, may be null) ← (Σ_k chunk k of
@@ -186,7 +207,7 @@ __global__ void mean(const unsigned char* __restrict__ in, int ranks, std::size_
   constexpr int together = 4;
   const std::size_t nb = int8_blocks_of(n), cb = int8_chunk_bytes(n), at = int8_values_at(n);
   const int lane = static_cast<int>(threadIdx.x & 31);
-  for (std::size_t b = first_block(); b < nb; b += block_stride()) {
+  each_block(1, nb, [&](std::size_t, std::size_t b) {
     const lane_groups g = groups_of(b, lane, n);
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int k0 = 0; k0 < ranks; k0 += together) {
@@ -216,7 +237,7 @@ __global__ void mean(const unsigned char* __restrict__ in, int ranks, std::size_
       encode_block(acc, reinterpret_cast<float*>(out_enc) + b, q);
       store_q(reinterpret_cast<signed char*>(out_enc + at), g, q);
     }
-  }
+  });
 }
 
 // Chunk c of `chunks` encoded chunks of n at in → out[c·n, (c + 1)·n), fp32 (added to what is
@@ -227,26 +248,24 @@ __global__ void decode(const unsigned char* __restrict__ in, int chunks, std::si
   using namespace lockstep::detail;
   const std::size_t nb = int8_blocks_of(n), cb = int8_chunk_bytes(n), at = int8_values_at(n);
   const int lane = static_cast<int>(threadIdx.x & 31);
-  for (int c = 0; c < chunks; ++c) {
-    const unsigned char* chunk = in + static_cast<std::size_t>(c) * cb;
-    Out* oc = out + static_cast<std::size_t>(c) * n;
-    for (std::size_t b = first_block(); b < nb; b += block_stride()) {
-      const lane_groups g = groups_of(b, lane, n);
-      const float s = reinterpret_cast<const float*>(chunk)[b];
-      unsigned q[2];
-      load_q(reinterpret_cast<const signed char*>(chunk + at), g, q);
-      float v[8];
-      for (int e = 0; e < 8; ++e) v[e] = __fmul_rn(q_value(q, e), s);
-      if constexpr (std::is_same_v<Out, float>) {
-        if (add) {
-          float o[8];
-          load_f(oc, g, o, vec);
-          for (int e = 0; e < 8; ++e) v[e] = __fadd_rn(o[e], v[e]);
-        }
+  each_block(chunks, nb, [&](std::size_t c, std::size_t b) {
+    const unsigned char* chunk = in + c * cb;
+    Out* oc = out + c * n;
+    const lane_groups g = groups_of(b, lane, n);
+    const float s = reinterpret_cast<const float*>(chunk)[b];
+    unsigned q[2];
+    load_q(reinterpret_cast<const signed char*>(chunk + at), g, q);
+    float v[8];
+    for (int e = 0; e < 8; ++e) v[e] = __fmul_rn(q_value(q, e), s);
+    if constexpr (std::is_same_v<Out, float>) {
+      if (add) {
+        float o[8];
+        load_f(oc, g, o, vec);
+        for (int e = 0; e < 8; ++e) v[e] = __fadd_rn(o[e], v[e]);
       }
-      store_f(oc, g, v, vec);
     }
-  }
+    store_f(oc, g, v, vec);
+  });
 }
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
@@ -259,8 +278,8 @@ inline void int8_encode(const float* src, int chunks, std::size_t n, void* dst, 
                         const float* base = nullptr) {
   if (n == 0 || chunks <= 0) return;
   const bool vec = n % 4 == 0 && int8_detail::aligned16(src) && (!base || int8_detail::aligned16(base));
-  int8_detail::encode<<<int8_detail::blocks_for(lockstep::detail::int8_blocks_of(n)), int8_detail::threads, 0, s>>>(
-      src, base, chunks, n, static_cast<unsigned char*>(dst), vec);
+  int8_detail::encode<<<int8_detail::blocks_for(static_cast<std::size_t>(chunks) * lockstep::detail::int8_blocks_of(n)),
+                        int8_detail::threads, 0, s>>>(src, base, chunks, n, static_cast<unsigned char*>(dst), vec);
   LOCKSTEP_CHECK_LAUNCH();
 }
 
@@ -281,8 +300,8 @@ inline void int8_mean(const void* chunks, int ranks, std::size_t n, float* out32
 inline void int8_decode(const void* src, int chunks, std::size_t n, float* dst, cudaStream_t s, bool add = false) {
   if (n == 0 || chunks <= 0) return;
   const bool vec = n % 4 == 0 && int8_detail::aligned16(dst);
-  int8_detail::decode<<<int8_detail::blocks_for(lockstep::detail::int8_blocks_of(n)), int8_detail::threads, 0, s>>>(
-      static_cast<const unsigned char*>(src), chunks, n, dst, add, vec);
+  int8_detail::decode<<<int8_detail::blocks_for(static_cast<std::size_t>(chunks) * lockstep::detail::int8_blocks_of(n)),
+                        int8_detail::threads, 0, s>>>(static_cast<const unsigned char*>(src), chunks, n, dst, add, vec);
   LOCKSTEP_CHECK_LAUNCH();
 }
 
@@ -291,8 +310,9 @@ inline void int8_decode(const void* src, int chunks, std::size_t n, float* dst, 
 inline void int8_decode_bf16(const void* src, int chunks, std::size_t n, void* dst, cudaStream_t s) {
   if (n == 0 || chunks <= 0) return;
   const bool vec = n % 4 == 0 && int8_detail::aligned16(dst);
-  int8_detail::decode<<<int8_detail::blocks_for(lockstep::detail::int8_blocks_of(n)), int8_detail::threads, 0, s>>>(
-      static_cast<const unsigned char*>(src), chunks, n, static_cast<__nv_bfloat16*>(dst), false, vec);
+  int8_detail::decode<<<int8_detail::blocks_for(static_cast<std::size_t>(chunks) * lockstep::detail::int8_blocks_of(n)),
+                        int8_detail::threads, 0, s>>>(static_cast<const unsigned char*>(src), chunks, n,
+                                                      static_cast<__nv_bfloat16*>(dst), false, vec);
   LOCKSTEP_CHECK_LAUNCH();
 }
 
