@@ -156,7 +156,6 @@ __device__ inline void store_f(__nv_bfloat16* p, const lane_groups& g, const flo
   }
 }
 
-// This warp's first block and the stride between its blocks.
 // fn(c, b) for this warp's blocks of `chunks` chunks of nb blocks each, taken as one range
 // (block b of chunk c is c·nb + b), grid-stride: the same c and b on every lane.
 template <class F>
