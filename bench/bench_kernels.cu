@@ -298,11 +298,13 @@ void bench_wire(std::size_t total, int runs, ls::NcclComm& comm, std::vector<Row
   const std::size_t per = total / 2 / 256 * 256, n = 2 * per;  // two chunks of `per`, whole int8 blocks
   const double e = static_cast<double>(n), ib = static_cast<double>(2 * d::int8_chunk_bytes(per)),
                ib8 = static_cast<double>(8 * d::int8_chunk_bytes(per / 4));
-  float *x = nullptr, *base = nullptr, *out = nullptr;
+  float *x = nullptr, *base = nullptr, *out = nullptr, *fb = nullptr;
   void *b16 = nullptr, *m16 = nullptr, *q = nullptr, *q1 = nullptr;
   LOCKSTEP_TRY_CUDA(cudaMalloc(&x, n * 4));
   LOCKSTEP_TRY_CUDA(cudaMalloc(&base, n * 4));
   LOCKSTEP_TRY_CUDA(cudaMalloc(&out, n * 4));
+  LOCKSTEP_TRY_CUDA(cudaMalloc(&fb, n * 4));  // error feedback's residuals
+  LOCKSTEP_TRY_CUDA(cudaMemsetAsync(fb, 0, n * 4, s));
   LOCKSTEP_TRY_CUDA(cudaMalloc(&b16, n * 2));
   LOCKSTEP_TRY_CUDA(cudaMalloc(&m16, per * 2));
   LOCKSTEP_TRY_CUDA(cudaMalloc(&q, static_cast<std::size_t>(std::max(ib, ib8))));
@@ -318,6 +320,8 @@ void bench_wire(std::size_t total, int runs, ls::NcclComm& comm, std::vector<Row
                   median_ms(runs, s, [&](int) { k::to_bf16(x, b16, n, 1.0f, s); })});
   rows.push_back({"wire: bf16 encode of x - base (deltas)", tn, "", 10.0 * e,
                   median_ms(runs, s, [&](int) { k::to_bf16(x, b16, n, 1.0f, s, base); })});
+  rows.push_back({"wire: bf16 encode + error feedback", tn, "", 14.0 * e,
+                  median_ms(runs, s, [&](int) { k::to_bf16(x, b16, n, 1.0f, s, nullptr, fb); })});
   rows.push_back(
       {"wire: bf16 decode", tn, "", 6.0 * e, median_ms(runs, s, [&](int) { k::from_bf16(b16, out, n, s); })});
   rows.push_back({"wire: bf16 decode + add (deltas)", tn, "", 10.0 * e,
@@ -328,6 +332,8 @@ void bench_wire(std::size_t total, int runs, ls::NcclComm& comm, std::vector<Row
                   median_ms(runs, s, [&](int) { k::int8_encode(x, 2, per, q, s); })});
   rows.push_back({"wire: int8 encode of x - base (deltas)", tn, "", 8.0 * e + ib,
                   median_ms(runs, s, [&](int) { k::int8_encode(x, 2, per, q, s, base); })});
+  rows.push_back({"wire: int8 encode + error feedback", tn, "", 12.0 * e + ib,
+                  median_ms(runs, s, [&](int) { k::int8_encode(x, 2, per, q, s, nullptr, fb); })});
   rows.push_back({"wire: int8 decode -> f32", tn, "", ib + 4.0 * e,
                   median_ms(runs, s, [&](int) { k::int8_decode(q, 2, per, out, s); })});
   rows.push_back({"wire: int8 decode + add (deltas)", tn, "", ib + 8.0 * e,
@@ -340,7 +346,8 @@ void bench_wire(std::size_t total, int runs, ls::NcclComm& comm, std::vector<Row
   rows.push_back({"wire: int8 decode of 8 chunks -> f32", tn, "", ib8 + 4.0 * e,
                   median_ms(runs, s, [&](int) { k::int8_decode(q, 8, per / 4, out, s); })});
   LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(s));
-  for (void* p : {static_cast<void*>(x), static_cast<void*>(base), static_cast<void*>(out), b16, m16, q, q1})
+  for (void* p : {static_cast<void*>(x), static_cast<void*>(base), static_cast<void*>(out), static_cast<void*>(fb), b16,
+                  m16, q, q1})
     LOCKSTEP_TRY_CUDA(cudaFree(p));
 }
 #endif

@@ -8,6 +8,7 @@
 #include "lockstep/checkpoint/file.hpp"
 #include "lockstep/checkpoint/sharded.hpp"
 #include "lockstep/checkpoint/training_state.hpp"
+#include "lockstep/checkpoint/wire_feedback.hpp"
 #include "lockstep/comm/collective.hpp"
 #include "lockstep/comm/detail/host_collectives.hpp"
 #include "lockstep/comm/thread_comm.hpp"

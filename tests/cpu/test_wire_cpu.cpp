@@ -26,6 +26,7 @@
 #include "mlp.hpp"
 #include "test_util.hpp"
 #include "value_wire_check.hpp"
+#include "wire_feedback_check.hpp"
 
 using namespace lockstep_test;
 
@@ -330,6 +331,133 @@ std::vector<float> check_block_wire(const dataset& d, int ranks, lockstep::wire_
   return t[0].exact;
 }
 
+// ---- error feedback (WireOptions::error_feedback) ------------------------------------------
+
+// `Wire` with error feedback on n CPU ranks: the calls of a feedback_case, on buckets that stay
+// put (their residuals are keyed by them), against the host's numbers bit for bit.
+template <class Wire, class Through>
+void check_feedback(int n, std::mt19937_64& rng, Through through) {
+  feedback_case fc(n, rng);
+  const auto un = static_cast<std::size_t>(n);
+  lockstep::run(lockstep::Threads{n}, [&](auto& ctx) {
+    const auto r = static_cast<std::size_t>(ctx.rank());
+    std::vector<float> a(fc.count), b(fc.rs * un);
+    Wire w(lockstep::WireOptions{.error_feedback = true});
+    for (std::size_t c = 0; c < fc.x.size(); ++c) {
+      std::ranges::copy(fc.x[c][r], a.begin());
+      std::ranges::copy(fc.y[c][r], b.begin());
+      w.reduce(ctx.comm(), a.data(), fc.count, lockstep::dtype::f32).wait();
+      w.reduce_scatter(ctx.comm(), b.data(), b.data() + r * fc.rs, fc.rs, lockstep::dtype::f32).wait();
+      fc.got[c][r] = a;
+      fc.got_rs[c][r].assign(b.begin() + static_cast<std::ptrdiff_t>(r * fc.rs),
+                             b.begin() + static_cast<std::ptrdiff_t>((r + 1) * fc.rs));
+    }
+    CHECK(w.staging_bytes() > (fc.count + fc.rs * un) * sizeof(float));  // the residuals are counted
+  });
+  fc.check(through, 0.0f);
+}
+
+// The sum over `calls` calls of the all-reduce's results, every call on the same values x (one
+// vector per rank), against calls × their exact mean: the largest difference, and the largest
+// single call's.
+template <class Wire>
+std::pair<double, double> drift(const std::vector<std::vector<float>>& x, int calls, bool feedback) {
+  const int n = static_cast<int>(x.size());
+  const std::size_t count = x[0].size();
+  std::vector<double> sum(count, 0.0);
+  double one = 0;
+  lockstep::run(lockstep::Threads{n}, [&](auto& ctx) {
+    std::vector<float> a(count);
+    Wire w(lockstep::WireOptions{.error_feedback = feedback});
+    for (int c = 0; c < calls; ++c) {
+      std::ranges::copy(x[static_cast<std::size_t>(ctx.rank())], a.begin());
+      w.reduce(ctx.comm(), a.data(), count, lockstep::dtype::f32).wait();
+      if (ctx.rank() != 0) continue;
+      for (std::size_t i = 0; i < count; ++i) {
+        sum[i] += a[i];
+        if (c == 0) one = std::max(one, std::abs(a[i] - exact_mean(x, i)));
+      }
+    }
+  });
+  double most = 0;
+  for (std::size_t i = 0; i < count; ++i) most = std::max(most, std::abs(sum[i] - calls * exact_mean(x, i)));
+  return {most, one};
+}
+
+// The TestMlp<float> run of the error feedback checkpoint test: `ranks` threads, 6 steps with
+// AnyWire(f, feedback) and the strategy S; after step at − 1 (at > 0) the training state, the SGD
+// state and every rank's residuals go into `saved`; from step `from` on (from > 0) they are
+// restored from `restore` first — the residuals only with with_feedback. Rank 0's values.
+template <class S>
+std::vector<float> feedback_run(const dataset& d, int ranks, lockstep::wire_format f, std::uint64_t init_seed, int at,
+                                lockstep::Checkpoint* saved, int from, const lockstep::Checkpoint* restore,
+                                bool with_feedback) {
+  std::vector<std::vector<float>> out(static_cast<std::size_t>(ranks));
+  lockstep::run(lockstep::Threads{ranks}, [&](auto& ctx) {
+    TestMlp<float> m(d.dims, init_seed);
+    lockstep::DataParallel dp(ctx, m, {.buckets = {.first_bytes = 200, .cap_bytes = 700}},
+                              lockstep::AnyWire(f, {.error_feedback = true}), S{});
+    lockstep::Sgd opt({.lr = 0.1, .momentum = 0.9});
+    constexpr bool sharded = !std::is_same_v<S, lockstep::Replicated>, full = std::is_same_v<S, lockstep::FullySharded>;
+    const auto blocks = m.blocks();
+    if (from > 0) {
+      lockstep::restore_training_state(*restore, dp);
+      if constexpr (sharded) lockstep::load_sharded(dp, opt, restore->blob("optimizer"));
+      else restore->restore("optimizer", opt);
+      if (with_feedback) lockstep::load_wire_feedback(dp, restore->blob("wire_feedback"));
+    }
+    for (int s = from; s < 6; ++s) {
+      if (s == at) {
+        auto fb = lockstep::gather_wire_feedback(dp);
+        std::vector<std::byte> o;
+        if constexpr (sharded) o = lockstep::gather_sharded(dp, opt);
+        lockstep::Checkpoint ck;  // on every rank: FullySharded's values are gathered for it
+        lockstep::add_training_state(ck, dp);
+        if constexpr (sharded) ck.add_blob("optimizer", std::move(o));
+        else ck.add("optimizer", opt);
+        ck.add_blob("wire_feedback", std::move(fb));
+        if (ctx.rank() == 0) *saved = ck;
+      }
+      auto st = dp.step();
+      const auto rows = rank_rows(d, 4, ranks, ctx.rank(), s);
+      if constexpr (full) {  // each layer's tensors: their blocks
+        m.forward_backward(inputs<float>(d), d.y, rows, st.on_gradient_ready(), 1.0, [&](std::size_t l, bool fwd) {
+          std::vector<lockstep::block_use<decltype(dp)>> held;
+          for (std::size_t i : {2 * l, 2 * l + 1})
+            if (i == 2 * l || blocks[i] != blocks[2 * l])
+              held.push_back(dp.use_block(blocks[i], fwd ? lockstep::pass::forward : lockstep::pass::backward));
+          return held;
+        });
+      } else {
+        m.forward_backward(inputs<float>(d), d.y, rows, st.on_gradient_ready());
+      }
+      if constexpr (sharded) {
+        (void)st.finish([&](std::span<const lockstep::param_slice> sl) { opt.step(sl); });
+      } else if (st.finish()) {
+        opt.step(m.parameters());
+      }
+    }
+    std::vector<lockstep::block_use<decltype(dp)>> all;  // FullySharded: every block's values lent
+    if constexpr (full)
+      for (std::size_t k = 0; k <= *std::ranges::max_element(blocks); ++k)
+        all.push_back(dp.use_block(k, lockstep::pass::forward));
+    else if constexpr (sharded) dp.wait_all_parameters();
+    out[static_cast<std::size_t>(ctx.rank())] = m.flat_values();
+  });
+  for (int r = 1; r < ranks; ++r) CHECK(out[static_cast<std::size_t>(r)] == out[0]);
+  return out[0];
+}
+
+template <class S>
+void feedback_resumes(const dataset& d, std::uint64_t seed, lockstep::wire_format f) {
+  for (int ranks : {2, 3}) {
+    CAPTURE(ranks);
+    lockstep::Checkpoint saved;
+    const auto whole = feedback_run<S>(d, ranks, f, seed, 3, &saved, 0, nullptr, false);
+    CHECK(feedback_run<S>(d, ranks, f, seed + 7, -1, nullptr, 3, &saved, true) == whole);
+    CHECK(feedback_run<S>(d, ranks, f, seed + 7, -1, nullptr, 3, &saved, false) != whole);  // the residuals mattered
+  }
+}
 }  // namespace
 
 TEST_SUITE("cpu") {
@@ -631,5 +759,63 @@ TEST_CASE("value gather wire on CPU ranks: settings that differ across ranks fai
     }
   });
   for (const auto& e : errors) CHECK(e.find("different FullySharded::gather_wire") != std::string::npos);
+}
+
+TEST_CASE("wire error feedback on CPU ranks: every rank's residuals carried into its next call - bit for bit - "
+          "an inf leaves no NaN behind") {
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
+  for (int n : {2, 3, 4}) {
+    CAPTURE(n);
+    check_feedback<lockstep::Int8Wire>(n, rng, [](std::span<float> v) { round_trip(lockstep::wire_format::int8, v); });
+    check_feedback<lockstep::Bf16Wire>(n, rng, [](std::span<float> v) { round_trip(lockstep::wire_format::bf16, v); });
+  }
+}
+
+// The point of error feedback: sent again and again, the same gradients' sum stays within about
+// one call's rounding of the exact sum with it, and drifts by every call's without it.
+TEST_CASE("wire error feedback on CPU ranks: the sum over calls follows the exact sum - without it the rounding "
+          "adds up") {
+  LOCKSTEP_SEEDED(std::mt19937_64 rng);
+  std::vector<std::vector<float>> x;
+  for (int r = 0; r < 3; ++r) x.push_back(random_vector<float>(3 * 1024 + 1, rng, -1.0, 1.0 + r));
+  const int calls = 64;
+  for (bool int8 : {true, false}) {
+    CAPTURE(int8);
+    const auto [with, one] =
+        int8 ? drift<lockstep::Int8Wire>(x, calls, true) : drift<lockstep::Bf16Wire>(x, calls, true);
+    const auto without =
+        (int8 ? drift<lockstep::Int8Wire>(x, calls, false) : drift<lockstep::Bf16Wire>(x, calls, false)).first;
+    MESSAGE("one call " << one << ", " << calls << " calls: " << with << " with feedback, " << without << " without");
+    CHECK(one > 0);
+    CHECK(with < 3 * one);
+    CHECK(without > calls / 4 * one);
+  }
+}
+
+TEST_CASE("wire error feedback on CPU ranks: a checkpoint resumes bit for bit - plain sharded and fully sharded - "
+          "another rank count refused") {
+  const auto seed = fresh_seed();
+  CAPTURE(seed);
+  const auto d = make_data(seed, 61);
+  using lockstep::wire_format;
+  for (auto f : {wire_format::int8, wire_format::bf16}) {
+    CAPTURE(lockstep::name_of(f));
+    feedback_resumes<lockstep::Replicated>(d, seed, f);
+    feedback_resumes<lockstep::ShardedOptimizer>(d, seed, f);
+  }
+  feedback_resumes<lockstep::FullySharded>(d, seed, wire_format::int8);
+  lockstep::Checkpoint saved;
+  (void)feedback_run<lockstep::Replicated>(d, 2, wire_format::int8, seed, 3, &saved, 0, nullptr, false);
+  std::vector<std::string> errors(3);
+  lockstep::run(lockstep::Threads{3}, [&](auto& ctx) {
+    TestMlp<float> m(d.dims, seed);
+    lockstep::DataParallel dp(ctx, m, lockstep::Int8Wire({.error_feedback = true}));
+    try {
+      lockstep::load_wire_feedback(dp, saved.blob("wire_feedback"));
+    } catch (const lockstep::checkpoint_error& e) {
+      errors[static_cast<std::size_t>(ctx.rank())] = e.what();
+    }
+  });
+  for (const auto& e : errors) CHECK(e.find("saved by 2 ranks but this job has 3") != std::string::npos);
 }
 }

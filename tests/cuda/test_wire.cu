@@ -28,6 +28,7 @@
 #include "gpu_test_util.cuh"
 #include "test_util.hpp"
 #include "value_wire_check.hpp"
+#include "wire_feedback_check.hpp"
 
 namespace {
 
@@ -570,6 +571,94 @@ void check_value_gather(int n, lockstep::wire_format wire, bool deltas, bool def
   CHECK(rounded > before.size() / 2);  // the wire rounded most values
   for (const auto& rank : t) CHECK(rank.exact == master_flat);
 }
+
+// Error feedback's encodes against the host (parallel/detail/wire_feedback.hpp), bit for bit:
+// `chunks` chunks of n values (codec_input: zero, inf/NaN, subnormal, huge blocks) at a float
+// offset, each with a random residual added; the encoded chunks and the residuals left behind
+// (0 in the blocks that are not finite) — int8 and bf16.
+void check_feedback_kernels(std::size_t n, int chunks, std::size_t offset) {
+  namespace d = lockstep::detail;
+  namespace k = lockstep::cuda::kernels;
+  const auto seed = lockstep_test::fresh_seed();
+  CAPTURE(seed);
+  CAPTURE(n);
+  CAPTURE(chunks);
+  CAPTURE(offset);
+  std::mt19937_64 rng(seed);
+  const std::size_t un = static_cast<std::size_t>(chunks), all = n * un, cb = d::int8_chunk_bytes(n);
+  const auto x = codec_input(all, rng), r0 = lockstep_test::random_vector<float>(all, rng, -0.01, 0.01);
+  std::vector<float> want_r8 = r0, want_r16 = r0;
+  std::vector<unsigned char> want8(un * cb), want16(2 * all);
+  for (std::size_t c = 0; c < un; ++c)
+    d::host_encode<d::int8_codec>(x.data() + c * n, n, want8.data() + c * cb, want_r8.data() + c * n);
+  d::host_encode<d::bf16_codec>(x.data(), all, want16.data(), want_r16.data());
+  lockstep_test::device_vector<float> src(all + offset), r8(all + offset), r16(all + offset);
+  lockstep_test::device_vector<unsigned char> enc8(un * cb);
+  lockstep_test::device_vector<std::uint16_t> enc16(all + offset);
+  LOCKSTEP_TRY_CUDA(cudaMemcpy(src.p + offset, x.data(), all * sizeof(float), cudaMemcpyHostToDevice));
+  LOCKSTEP_TRY_CUDA(cudaMemcpy(r8.p + offset, r0.data(), all * sizeof(float), cudaMemcpyHostToDevice));
+  LOCKSTEP_TRY_CUDA(cudaMemcpy(r16.p + offset, r0.data(), all * sizeof(float), cudaMemcpyHostToDevice));
+  k::int8_encode(src.p + offset, chunks, n, enc8.p, nullptr, nullptr, r8.p + offset);
+  k::to_bf16(src.p + offset, enc16.p + offset, all, 1.0f, nullptr, nullptr, r16.p + offset);
+  LOCKSTEP_TRY_CUDA(cudaDeviceSynchronize());
+  const auto got8 = download(enc8, 0, un * cb);
+  const auto got16 = download(enc16, offset, all);
+  const auto got_r8 = download(r8, offset, all), got_r16 = download(r16, offset, all);
+  std::size_t off8 = 0, off_r8 = 0, off_r16 = 0, zero_r = 0, moved = 0;
+  for (std::size_t c = 0; c < un; ++c) {
+    const unsigned char *a = got8.data() + c * cb, *b = want8.data() + c * cb;
+    for (std::size_t q = 0; q < d::int8_blocks_of(n); ++q)
+      off8 += !same_bits(d::int8_scale_at(a, q), d::int8_scale_at(b, q));
+    off8 += std::memcmp(a + d::int8_values_at(n), b + d::int8_values_at(n), n) != 0;
+  }
+  std::size_t off16 = 0;
+  for (std::size_t i = 0; i < all; ++i) {
+    std::uint16_t w;
+    std::memcpy(&w, want16.data() + 2 * i, sizeof w);
+    off16 += !same_bits(d::float_of_bf16(got16[i]), d::float_of_bf16(w));  // (a NaN's payload is the hardware's)
+    off_r8 += std::memcmp(&got_r8[i], &want_r8[i], sizeof(float)) != 0;    // finite: exactly the same bits
+    off_r16 += std::memcmp(&got_r16[i], &want_r16[i], sizeof(float)) != 0;
+    zero_r += got_r8[i] == 0.0f;
+    moved += got_r8[i] != r0[i];
+  }
+  CHECK(off8 == 0);
+  CHECK(off16 == 0);
+  CHECK(off_r8 == 0);
+  CHECK(off_r16 == 0);
+  CHECK(std::ranges::all_of(got_r8, [](float f) { return std::isfinite(f); }));
+  CHECK(moved > all / 2);                                         // the residuals were written
+  if (n > 4 * d::int8_block) CHECK(zero_r >= 2 * d::int8_block);  // the inf block's and the NaN block's
+}
+
+// `Wire` with error feedback on n GPUs: the calls of a feedback_case (wire_feedback_check.hpp) on
+// device buckets that stay put, against the host's numbers bit for bit (the tails: NCCL's fp32
+// mean, within 1e-6).
+template <class Wire>
+void check_feedback_hook(int n) {
+  const auto seed = lockstep_test::fresh_seed();
+  CAPTURE(seed);
+  CAPTURE(n);
+  std::mt19937_64 rng(seed);
+  lockstep_test::feedback_case fc(n, rng);
+  const auto un = static_cast<std::size_t>(n);
+  lockstep::run(lockstep::Gpus{first_gpus(n)}, [&](lockstep::context<lockstep::NcclComm>& ctx) {
+    const auto r = static_cast<std::size_t>(ctx.rank());
+    auto& comm = ctx.comm();
+    lockstep_test::device_vector<float> a(fc.count), b(fc.rs * un);
+    Wire w(lockstep::WireOptions{.error_feedback = true});
+    for (std::size_t c = 0; c < fc.x.size(); ++c) {
+      LOCKSTEP_TRY_CUDA(cudaMemcpy(a.p, fc.x[c][r].data(), fc.count * sizeof(float), cudaMemcpyHostToDevice));
+      LOCKSTEP_TRY_CUDA(cudaMemcpy(b.p, fc.y[c][r].data(), fc.rs * un * sizeof(float), cudaMemcpyHostToDevice));
+      LOCKSTEP_TRY_CUDA(cudaDeviceSynchronize());
+      w.reduce(comm, a.p, fc.count, dtype::f32).wait();
+      w.reduce_scatter(comm, b.p, b.p + r * fc.rs, fc.rs, dtype::f32).wait();
+      LOCKSTEP_TRY_CUDA(cudaStreamSynchronize(comm.compute_stream()));
+      fc.got[c][r] = download(a, 0, fc.count);
+      fc.got_rs[c][r] = download(b, r * fc.rs, fc.rs);
+    }
+  });
+  fc.check([](std::span<float> v) { through<Wire>(v); }, 1e-6f);
+}
 }  // namespace
 
 TEST_SUITE("gpu") {
@@ -591,6 +680,13 @@ TEST_CASE("bf16 wire kernels on 1 GPU: encode - deltas - decode - onto - mean of
     for (const int chunks : {1, 2, 3})
       for (const std::size_t offset : {std::size_t{0}, std::size_t{1}}) check_bf16_kernels(n, chunks, offset);
   check_bf16_kernels(20'000'003, 2, 0);  // past one sweep of the grid (8192 blocks of 256 threads, 8 values each)
+}
+TEST_CASE("wire error feedback kernels on 1 GPU: int8 and bf16 encodes with residuals - bit for bit with the host") {
+  LOCKSTEP_REQUIRE_GPUS(1);
+  for (const std::size_t n : {std::size_t{1}, std::size_t{255}, std::size_t{257}, std::size_t{1540}, std::size_t{5003}})
+    for (const int chunks : {1, 3})
+      for (const std::size_t offset : {std::size_t{0}, std::size_t{1}}) check_feedback_kernels(n, chunks, offset);
+  check_feedback_kernels(20'000'003, 2, 0);  // past one sweep of either grid
 }
 TEST_CASE("low-precision wires on 1 GPU: the hooks are the identity - sharded and not") {
   LOCKSTEP_REQUIRE_GPUS(1);
@@ -619,6 +715,11 @@ TEST_CASE("int8 wire on 2 GPUs: fp32 sum of int8 blocks - tails - unaligned - Da
   check_data_parallel<lockstep::Int8Wire, false>(2);
   check_data_parallel<lockstep::Int8Wire, true>(2);
   check_data_parallel<lockstep::Int8Wire, true>(2, true);
+}
+TEST_CASE("wire error feedback on 2 GPUs: every rank's residuals carried into its next call - the host's numbers") {
+  LOCKSTEP_REQUIRE_GPUS(2);
+  check_feedback_hook<lockstep::Int8Wire>(2);
+  check_feedback_hook<lockstep::Bf16Wire>(2);
 }
 TEST_CASE("value gather wire on 2 GPUs: bf16 and int8 - deltas and values - the host's numbers bit for bit") {
   LOCKSTEP_REQUIRE_GPUS(2);
@@ -676,6 +777,8 @@ TEST_CASE("value gather wire on 4 GPUs: bf16 and int8 - the host's numbers bit f
 }
 TEST_CASE("low-precision wires on 4 GPUs: fp32 sums - tails - DataParallel - sharded - copy engines") {
   LOCKSTEP_REQUIRE_GPUS(4);
+  check_feedback_hook<lockstep::Int8Wire>(4);
+  check_feedback_hook<lockstep::Bf16Wire>(4);
   check_hook<lockstep::Bf16Wire>(4, 8 * 4 * 5000 + 3, 0, 8 * 1000);
   check_hook<lockstep::Bf16Wire>(4, 4 * 999, 1, 13);
   check_hook<lockstep::Int8Wire>(4, 8 * 4 * 5000 + 3, 0, 8 * 1000);

@@ -41,15 +41,17 @@ struct wire_memory {
 };
 
 //! A codec's kernels: `chunks` chunks of n values each, codec-encoded chunk_bytes(n) apart;
-//! encode subtracts base's values first when base is not null, decode adds to out's with add.
+//! encode subtracts base's values first when base is not null and, with fb, adds fb's and keeps
+//! in fb what it rounded off (error feedback, parallel/detail/wire_feedback.hpp); decode adds to
+//! out's with add.
 template <class Codec>
 struct device_codec;
 
 template <>
 struct device_codec<bf16_codec> {
-  static void encode(const float* x, int chunks, std::size_t n, void* out, cudaStream_t s,
-                     const float* base = nullptr) {
-    cuda::kernels::to_bf16(x, out, static_cast<std::size_t>(chunks) * n, 1.0f, s, base);
+  static void encode(const float* x, int chunks, std::size_t n, void* out, cudaStream_t s, const float* base = nullptr,
+                     float* fb = nullptr) {
+    cuda::kernels::to_bf16(x, out, static_cast<std::size_t>(chunks) * n, 1.0f, s, base, fb);
   }
   static void mean(const void* in, int ranks, std::size_t n, float* out32, void* out_enc, cudaStream_t s) {
     cuda::kernels::mean_blocks(in, ranks, n, out32, out_enc, s);
@@ -65,9 +67,9 @@ struct device_codec<bf16_codec> {
 
 template <>
 struct device_codec<int8_codec> {
-  static void encode(const float* x, int chunks, std::size_t n, void* out, cudaStream_t s,
-                     const float* base = nullptr) {
-    cuda::kernels::int8_encode(x, chunks, n, out, s, base);
+  static void encode(const float* x, int chunks, std::size_t n, void* out, cudaStream_t s, const float* base = nullptr,
+                     float* fb = nullptr) {
+    cuda::kernels::int8_encode(x, chunks, n, out, s, base, fb);
   }
   static void mean(const void* in, int ranks, std::size_t n, float* out32, void* out_enc, cudaStream_t s) {
     cuda::kernels::int8_mean(in, ranks, n, out32, out_enc, s);
@@ -102,8 +104,11 @@ void encode_and_gather(NcclComm& comm, unsigned char* all, const float* master, 
 }  // namespace detail
 
 //! data (count fp32, device) ← the mean over ranks through Codec's wire: every rank the same values.
+//! fb (error feedback, or null): the residuals of the N·per chunks, then of this rank's block of
+//! the mean (which then goes into data's block in fp32 first, and is encoded from there).
 template <class Codec>
-NcclComm::work wire_all_reduce(NcclComm& comm, wire_staging& st, void* data, std::size_t count, Codec) {
+NcclComm::work wire_all_reduce(NcclComm& comm, wire_staging& st, void* data, std::size_t count, Codec,
+                               float* fb = nullptr) {
   using dev = detail::device_codec<Codec>;
   const int ranks = comm.size();
   const std::size_t n = static_cast<std::size_t>(ranks), per = count / n, main = per * n;
@@ -115,23 +120,30 @@ NcclComm::work wire_all_reduce(NcclComm& comm, wire_staging& st, void* data, std
   auto* send = static_cast<unsigned char*>(st.get(detail::wire_memory{comm}, data, 2 * n * cb));
   auto* recv = send + n * cb;
   unsigned char* mine = send + static_cast<std::size_t>(comm.rank()) * cb;
-  (void)comm.enqueue([&](cudaStream_t s) { dev::encode(f, ranks, per, send, s); });
+  float* block = f + static_cast<std::size_t>(comm.rank()) * per;
+  (void)comm.enqueue([&](cudaStream_t s) { dev::encode(f, ranks, per, send, s, nullptr, fb); });
   (void)comm.all_to_all(send, recv, cb, dtype::u8);
-  (void)comm.enqueue([&](cudaStream_t s) { dev::mean(recv, ranks, per, nullptr, mine, s); });
+  (void)comm.enqueue([&](cudaStream_t s) {
+    if (!fb) return dev::mean(recv, ranks, per, nullptr, mine, s);
+    dev::mean(recv, ranks, per, block, nullptr, s);
+    dev::encode(block, 1, per, mine, s, nullptr, fb + main);
+  });
   (void)comm.all_gather(mine, recv, cb, dtype::u8);
   return comm.enqueue([&](cudaStream_t s) { dev::decode(recv, ranks, per, f, s); });
 }
 
 //! Block rank() of data (size()·per fp32) ← the fp32 mean over ranks of the blocks as Codec's
-//! wire carried them.
+//! wire carried them (fb: the chunks' residuals, or null).
 template <class Codec>
-NcclComm::work wire_reduce_scatter(NcclComm& comm, wire_staging& st, void* data, void* mine, std::size_t per, Codec) {
+NcclComm::work wire_reduce_scatter(NcclComm& comm, wire_staging& st, void* data, void* mine, std::size_t per, Codec,
+                                   float* fb = nullptr) {
   using dev = detail::device_codec<Codec>;
   const int ranks = comm.size();
   const std::size_t n = static_cast<std::size_t>(ranks), cb = Codec::chunk_bytes(per);
   auto* send = static_cast<unsigned char*>(st.get(detail::wire_memory{comm}, data, 2 * n * cb));
   auto* recv = send + n * cb;
-  (void)comm.enqueue([&](cudaStream_t s) { dev::encode(static_cast<const float*>(data), ranks, per, send, s); });
+  (void)comm.enqueue(
+      [&](cudaStream_t s) { dev::encode(static_cast<const float*>(data), ranks, per, send, s, nullptr, fb); });
   (void)comm.all_to_all(send, recv, cb, dtype::u8);
   return comm.enqueue([&](cudaStream_t s) { dev::mean(recv, ranks, per, static_cast<float*>(mine), nullptr, s); });
 }

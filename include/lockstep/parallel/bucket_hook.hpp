@@ -116,12 +116,24 @@ class Hierarchical {
 };
 
 //! The hook's reduce-scatter where it has one (a low-precision wire), else the communicator's
-//! mean: what ShardedOptimizer's buckets go through.
+//! mean: what ShardedOptimizer's buckets go through. `key` names the unit where data's address
+//! may change from step to step (pooled buffers), for a hook that keeps state per unit (a wire's
+//! error feedback) and takes it.
 template <class Hook, class Comm>
-auto hook_reduce_scatter(Hook& h, Comm& comm, void* data, void* mine, std::size_t per, dtype t) {
-  if constexpr (requires { h.reduce_scatter(comm, data, mine, per, t); })
+auto hook_reduce_scatter(Hook& h, Comm& comm, void* data, void* mine, std::size_t per, dtype t,
+                         const void* key = nullptr) {
+  if constexpr (requires { h.reduce_scatter(comm, data, mine, per, t, key); })
+    return h.reduce_scatter(comm, data, mine, per, t, key);
+  else if constexpr (requires { h.reduce_scatter(comm, data, mine, per, t); })
     return h.reduce_scatter(comm, data, mine, per, t);
   else return comm.reduce_scatter(data, mine, per, t, reduce_op::avg);
+}
+
+//! Tells a hook that keeps state per bucket (a wire's error feedback) that the gradient layout
+//! was built anew (DataParallel's plan, an elastic regroup).
+template <class Hook>
+void hook_layout_changed(Hook& h) {
+  if constexpr (requires { h.layout_changed(); }) h.layout_changed();
 }
 
 }  // namespace lockstep

@@ -25,8 +25,13 @@
 //!    --use_fast_math (flush to zero) differs from the host on blocks of subnormal values.
 //!  - The fp32 sum comes before the 1/N: finite gradients whose sum overflows fp32 become inf (a
 //!    skipped step with loss scaling), as in an fp32 all-reduce that sums first.
+//!  - Error feedback (WireOptions::error_feedback, parallel/detail/wire_feedback.hpp): what the
+//!    wire rounded off a rank's gradients is added to its next step's before they are encoded,
+//!    at 4 bytes per gradient value of memory per rank (plus 4 per value of its block of an
+//!    all-reduce's mean); off by default.
 //! \code
 //!   lockstep::DataParallel dp(ctx, model, lockstep::Int8Wire{});
+//!   lockstep::DataParallel fb(ctx, model, lockstep::Int8Wire({.error_feedback = true}));
 //! \endcode
 
 #include <cstddef>
@@ -35,6 +40,8 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <span>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -44,9 +51,19 @@
 #include "lockstep/core/dtype.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/reduce_op.hpp"
+#include "lockstep/parallel/detail/wire_feedback.hpp"
 #include "lockstep/parallel/wire_format.hpp"
 
 namespace lockstep {
+
+//! How a low-precision gradient wire sends (Bf16Wire, Int8Wire, AnyWire).
+struct WireOptions {
+  bool on = true;  //!< false: the plain fp32 all-reduce (to choose the wire at run time with one type)
+  //! Carry what the wire rounds off each rank's gradients into its next step's (error feedback:
+  //! parallel/detail/wire_feedback.hpp). Costs 4 bytes per gradient value per rank, a pass over
+  //! it per step; checkpoints keep it with gather_wire_feedback (checkpoint/wire_feedback.hpp).
+  bool error_feedback = false;
+};
 
 //! Staging buffers of a low-precision wire, one per bucket (keyed by the bucket's address,
 //! which stays put from step to step), allocated once in the communicator's memory space.
@@ -102,11 +119,13 @@ struct int8_codec {
 //! mine[0, per) ← (Σ_r decode(rank r's chunk rank()) in fp32, rank order) · (1/N), for the
 //! bucket x of N·per values on every rank; host communicators (the chunks all-gathered whole).
 //! mine may be x's own block: it is written after x was read.
+//! With fb (N·per residuals, wire_feedback.hpp) each chunk goes with its residual added.
 template <class Codec, class Comm>
-void host_wire_mean(Comm& comm, const float* x, std::size_t per, float* mine) {
+void host_wire_mean(Comm& comm, const float* x, std::size_t per, float* mine, float* fb = nullptr) {
   const std::size_t n = static_cast<std::size_t>(comm.size()), cb = Codec::chunk_bytes(per);
   std::vector<unsigned char> enc(n * cb), all(n * n * cb);
-  for (std::size_t k = 0; k < n; ++k) Codec::encode(x + k * per, per, enc.data() + k * cb);
+  for (std::size_t k = 0; k < n; ++k)
+    host_encode<Codec>(x + k * per, per, enc.data() + k * cb, fb ? fb + k * per : nullptr);
   comm.all_gather(enc.data(), all.data(), n * cb, dtype::u8).wait();
   std::vector<float> acc(per, 0.0f), v(per);
   for (std::size_t r = 0; r < n; ++r) {
@@ -120,15 +139,17 @@ void host_wire_mean(Comm& comm, const float* x, std::size_t per, float* mine) {
 //! unit (size()·per fp32; block r rank r's) ← every rank's `master` through Codec's wire, on
 //! host communicators: deltas, each block plus the decoded master − block (ShardedOptimizer::
 //! gather_wire, parallel/detail/value_wire.hpp); else the decoded master (the all-reduce's
-//! second half). master may be this rank's block of unit: it is read before unit is written.
+//! second half, with fb: the residual of this rank's block, wire_feedback.hpp). master may be
+//! this rank's block of unit: it is read before unit is written.
 template <class Codec, class Comm>
-void host_value_gather(Comm& comm, const float* master, float* unit, std::size_t per, bool deltas) {
+void host_value_gather(Comm& comm, const float* master, float* unit, std::size_t per, bool deltas,
+                       float* fb = nullptr) {
   const std::size_t n = static_cast<std::size_t>(comm.size()), cb = Codec::chunk_bytes(per);
   const float* own = unit + static_cast<std::size_t>(comm.rank()) * per;
   std::vector<float> x(per), v(per);
   for (std::size_t i = 0; i < per; ++i) x[i] = deltas ? master[i] - own[i] : master[i];
   std::vector<unsigned char> mine(cb), all(n * cb);
-  Codec::encode(x.data(), per, mine.data());
+  host_encode<Codec>(x.data(), per, mine.data(), fb);
   comm.all_gather(mine.data(), all.data(), cb, dtype::u8).wait();
   for (std::size_t k = 0; k < n; ++k) {
     Codec::decode(all.data() + k * cb, per, v.data());
@@ -144,45 +165,61 @@ class basic_wire {
   basic_wire() = default;
   //! on = false: the plain fp32 all-reduce, for choosing the wire at run time (a flag) without
   //! a second DataParallel type.
-  explicit basic_wire(bool on) : on_(on) {}
+  explicit basic_wire(bool on) : basic_wire(WireOptions{.on = on}) {}
+  explicit basic_wire(WireOptions o) : on_(o.on), feedback_(o.error_feedback) {}
   bool on() const noexcept { return on_; }
+  bool error_feedback() const noexcept { return feedback_; }
 
   template <communicator Comm>
   auto reduce(Comm& comm, void* data, std::size_t count, dtype t) {
     using work_t = decltype(comm.all_reduce(data, data, count, t, reduce_op::avg));
     if (!on_ || t != dtype::f32 || comm.size() == 1) return comm.all_reduce(data, data, count, t, reduce_op::avg);
-    if constexpr (requires { wire_all_reduce(comm, *staging_, data, count, Codec{}); }) {
-      return wire_all_reduce(comm, *staging_, data, count, Codec{});
+    const std::size_t n = static_cast<std::size_t>(comm.size()), per = count / n, main = per * n;
+    if (per == 0) return comm.all_reduce(data, data, count, t, reduce_op::avg);
+    float* fb = residual(comm, data, main + per);  // the chunks', then this rank's block of the mean's
+    if constexpr (requires { wire_all_reduce(comm, *staging_, data, count, Codec{}, fb); }) {
+      return wire_all_reduce(comm, *staging_, data, count, Codec{}, fb);
     } else {
       host_only(comm);
-      const std::size_t n = static_cast<std::size_t>(comm.size()), per = count / n, main = per * n;
       auto* f = static_cast<float*>(data);
-      if (per == 0) return comm.all_reduce(data, data, count, t, reduce_op::avg);
       if (main < count) comm.all_reduce(f + main, f + main, count - main, t, reduce_op::avg).wait();
       float* mean = f + static_cast<std::size_t>(comm.rank()) * per;
-      host_wire_mean<Codec>(comm, f, per, mean);
-      host_value_gather<Codec>(comm, mean, f, per, false);  // every rank's mean as the wire carries it
+      host_wire_mean<Codec>(comm, f, per, mean, fb);
+      host_value_gather<Codec>(comm, mean, f, per, false, fb ? fb + main : nullptr);  // every rank's mean as sent
       return work_t{};
     }
   }
 
   //! Block rank() of data (size()·per elements) ← the fp32 mean over ranks of the blocks as
-  //! they went over the wire; mine points at that block.
+  //! they went over the wire; mine points at that block. key names the bucket for its error
+  //! feedback residual when data's address does not (pooled buffers); null: data.
   template <communicator Comm>
-  auto reduce_scatter(Comm& comm, void* data, void* mine, std::size_t per, dtype t) {
+  auto reduce_scatter(Comm& comm, void* data, void* mine, std::size_t per, dtype t, const void* key = nullptr) {
     using work_t = decltype(comm.reduce_scatter(data, mine, per, t, reduce_op::avg));
     if (!on_ || t != dtype::f32 || comm.size() == 1) return comm.reduce_scatter(data, mine, per, t, reduce_op::avg);
-    if constexpr (requires { wire_reduce_scatter(comm, *staging_, data, mine, per, Codec{}); }) {
-      return wire_reduce_scatter(comm, *staging_, data, mine, per, Codec{});
+    float* fb = residual(comm, key ? key : data, per * static_cast<std::size_t>(comm.size()));
+    if constexpr (requires { wire_reduce_scatter(comm, *staging_, data, mine, per, Codec{}, fb); }) {
+      return wire_reduce_scatter(comm, *staging_, data, mine, per, Codec{}, fb);
     } else {
       host_only(comm);
-      host_wire_mean<Codec>(comm, static_cast<const float*>(data), per, static_cast<float*>(mine));
+      host_wire_mean<Codec>(comm, static_cast<const float*>(data), per, static_cast<float*>(mine), fb);
       return work_t{};
     }
   }
 
-  //! Staging bytes held on this rank.
-  std::size_t staging_bytes() const { return staging_->bytes(); }
+  //! Staging bytes held on this rank (and error feedback's residuals).
+  std::size_t staging_bytes() const { return staging_->bytes() + residuals_->bytes(); }
+
+  //! DataParallel's call when the gradient layout is built anew: the residuals are dropped.
+  void layout_changed() { residuals_->clear(); }
+  //! This rank's error feedback residuals, as bytes (checkpoint/wire_feedback.hpp; every rank's
+  //! differ). Call between steps.
+  template <communicator Comm>
+  std::string save_feedback(Comm& comm) const {
+    return residuals_->save(comm.memory());
+  }
+  //! Residuals save_feedback wrote, taken by the buckets in the order they were saved.
+  void load_feedback(std::span<const std::byte> bytes) { residuals_->load(bytes); }
 
  private:
   template <class Comm>
@@ -191,8 +228,13 @@ class basic_wire {
         !requires { comm.comm_stream(); },
         "lockstep's low-precision wires on a device communicator: include lockstep/cuda.cuh (their kernels)");
   }
+  template <class Comm>
+  float* residual(Comm& comm, const void* key, std::size_t count) {
+    return feedback_ ? residuals_->get(comm.memory(), key, count) : nullptr;
+  }
   std::shared_ptr<wire_staging> staging_ = std::make_shared<wire_staging>();
-  bool on_ = true;
+  std::shared_ptr<wire_residuals> residuals_ = std::make_shared<wire_residuals>();
+  bool on_ = true, feedback_ = false;
 };
 
 }  // namespace detail
@@ -223,8 +265,10 @@ class Int8Wire : public detail::basic_wire<detail::int8_codec> {
 class AnyWire {
  public:
   AnyWire() = default;
-  explicit AnyWire(wire_format f) : format_(f) {}
+  //! o.on is ignored (fp32 is the plain all-reduce); o.error_feedback applies to bf16 and int8.
+  explicit AnyWire(wire_format f, WireOptions o = {}) : format_(f), bf16_(with_on(o)), int8_(with_on(o)) {}
   wire_format format() const noexcept { return format_; }
+  bool error_feedback() const noexcept { return bf16_.error_feedback(); }
 
   template <communicator Comm>
   auto reduce(Comm& comm, void* data, std::size_t count, dtype t) {
@@ -233,14 +277,32 @@ class AnyWire {
     return comm.all_reduce(data, data, count, t, reduce_op::avg);
   }
   template <communicator Comm>
-  auto reduce_scatter(Comm& comm, void* data, void* mine, std::size_t per, dtype t) {
-    if (format_ == wire_format::bf16) return bf16_.reduce_scatter(comm, data, mine, per, t);
-    if (format_ == wire_format::int8) return int8_.reduce_scatter(comm, data, mine, per, t);
+  auto reduce_scatter(Comm& comm, void* data, void* mine, std::size_t per, dtype t, const void* key = nullptr) {
+    if (format_ == wire_format::bf16) return bf16_.reduce_scatter(comm, data, mine, per, t, key);
+    if (format_ == wire_format::int8) return int8_.reduce_scatter(comm, data, mine, per, t, key);
     return comm.reduce_scatter(data, mine, per, t, reduce_op::avg);
   }
   std::size_t staging_bytes() const { return bf16_.staging_bytes() + int8_.staging_bytes(); }
 
+  void layout_changed() {
+    bf16_.layout_changed();
+    int8_.layout_changed();
+  }
+  //! The chosen wire's residuals (an empty state for fp32).
+  template <communicator Comm>
+  std::string save_feedback(Comm& comm) const {
+    return format_ == wire_format::int8 ? int8_.save_feedback(comm) : bf16_.save_feedback(comm);
+  }
+  void load_feedback(std::span<const std::byte> bytes) {
+    if (format_ == wire_format::int8) int8_.load_feedback(bytes);
+    else bf16_.load_feedback(bytes);
+  }
+
  private:
+  static WireOptions with_on(WireOptions o) {
+    o.on = true;
+    return o;
+  }
   wire_format format_ = wire_format::fp32;
   Bf16Wire bf16_;
   Int8Wire int8_;

@@ -53,8 +53,8 @@ __device__ inline lane_groups groups_of(std::size_t b, int lane, std::size_t n) 
 }
 
 // The warp's block of values v (8 per lane; the lanes' values outside the chunk are zeros): its
-// scale, into *scale_out by lane 0, and each value's int8 into q.
-__device__ inline void encode_block(const float (&v)[8], float* scale_out, signed char (&q)[8]) {
+// scale, into *scale_out by lane 0 and returned, and each value's int8 into q.
+__device__ inline float encode_block(const float (&v)[8], float* scale_out, signed char (&q)[8]) {
   float m = 0.0f;
   bool finite = true;
   for (int e = 0; e < 8; ++e) {
@@ -80,6 +80,7 @@ __device__ inline void encode_block(const float (&v)[8], float* scale_out, signe
   for (int e = 0; e < 8; ++e)
     q[e] =
         s > 0.0f ? static_cast<signed char>(fminf(fmaxf(rintf(t[e]), -127.0f), 127.0f)) : static_cast<signed char>(0);
+  return s;
 }
 
 // A lane's int8 values at `values` (a chunk's int8 part): 4-byte accesses for whole groups.
@@ -175,9 +176,12 @@ __device__ inline void each_block(int chunks, std::size_t nb, F&& fn) {
 }
 
 // Chunk c of `chunks` (each n values of x, one after another; minus base's, when base is not
-// null) → out + c·chunk_bytes(n).
-__global__ void encode(const float* __restrict__ x, const float* __restrict__ base, int chunks, std::size_t n,
-                       unsigned char* __restrict__ out, bool vec) {
+// null; plus fb's, when fb is not null, fb then ← what the encoding rounded off, 0 where that
+// is not finite: parallel/detail/wire_feedback.hpp) → out + c·chunk_bytes(n). Feedback: fb is
+// used (a kernel of its own: the residual's registers would cost the plain encode a block per SM).
+template <bool Feedback>
+__global__ void encode(const float* __restrict__ x, const float* __restrict__ base, float* __restrict__ fb, int chunks,
+                       std::size_t n, unsigned char* __restrict__ out, bool vec) {
   using namespace lockstep::detail;
   const std::size_t nb = int8_blocks_of(n), cb = int8_chunk_bytes(n), at = int8_values_at(n);
   const int lane = static_cast<int>(threadIdx.x & 31);
@@ -190,10 +194,22 @@ __global__ void encode(const float* __restrict__ x, const float* __restrict__ ba
       load_f(base + c * n, g, from, vec);
       for (int e = 0; e < 8; ++e) v[e] = __fsub_rn(v[e], from[e]);
     }
+    float r[8];
+    if constexpr (Feedback) {
+      load_f(fb + c * n, g, r, vec);
+      for (int e = 0; e < 8; ++e) v[e] = __fadd_rn(v[e], r[e]);
+    }
     signed char q[8];
     unsigned char* o = out + c * cb;
-    encode_block(v, reinterpret_cast<float*>(o) + b, q);
+    const float s = encode_block(v, reinterpret_cast<float*>(o) + b, q);
     store_q(reinterpret_cast<signed char*>(o + at), g, q);
+    if constexpr (Feedback) {
+      for (int e = 0; e < 8; ++e) {
+        const float d = __fsub_rn(v[e], __fmul_rn(static_cast<float>(q[e]), s));
+        r[e] = isfinite(d) ? d : 0.0f;
+      }
+      store_f(fb + c * n, g, r, vec);
+    }
   });
 }
 
@@ -272,13 +288,17 @@ inline bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(
 }  // namespace int8_detail
 
 //! dst ← `chunks` chunks of n values each at src (minus base's, elementwise, when base is not
-//! null), each encoded (int8_chunk_bytes(n) apart). dst must be 16-byte aligned.
+//! null; plus fb's when fb is not null, fb then ← what the encoding rounded off: error feedback),
+//! each encoded (int8_chunk_bytes(n) apart). dst must be 16-byte aligned.
 inline void int8_encode(const float* src, int chunks, std::size_t n, void* dst, cudaStream_t s,
-                        const float* base = nullptr) {
+                        const float* base = nullptr, float* fb = nullptr) {
   if (n == 0 || chunks <= 0) return;
-  const bool vec = n % 4 == 0 && int8_detail::aligned16(src) && (!base || int8_detail::aligned16(base));
-  int8_detail::encode<<<int8_detail::blocks_for(static_cast<std::size_t>(chunks) * lockstep::detail::int8_blocks_of(n)),
-                        int8_detail::threads, 0, s>>>(src, base, chunks, n, static_cast<unsigned char*>(dst), vec);
+  const bool vec = n % 4 == 0 && int8_detail::aligned16(src) && (!base || int8_detail::aligned16(base)) &&
+                   (!fb || int8_detail::aligned16(fb));
+  const unsigned grid = int8_detail::blocks_for(static_cast<std::size_t>(chunks) * lockstep::detail::int8_blocks_of(n));
+  auto* out = static_cast<unsigned char*>(dst);
+  if (fb) int8_detail::encode<true><<<grid, int8_detail::threads, 0, s>>>(src, base, fb, chunks, n, out, vec);
+  else int8_detail::encode<false><<<grid, int8_detail::threads, 0, s>>>(src, base, nullptr, chunks, n, out, vec);
   LOCKSTEP_CHECK_LAUNCH();
 }
 

@@ -55,10 +55,20 @@ __device__ inline void store8(float* p, std::size_t i, const float (&v)[8]) {
   reinterpret_cast<float4*>(p)[2 * i + 1] = make_float4(v[4], v[5], v[6], v[7]);
 }
 
-// dst[i] = bf16((src[i] − base[i]) · scale), base[i] read as 0 when base is null; groups of 8
-// when vec, else one by one.
-__global__ void to_bf16(const float* __restrict__ src, const float* __restrict__ base, __nv_bfloat16* __restrict__ dst,
-                        std::size_t n, float scale, bool vec) {
+// The value v goes to the wire with fb's residual (error feedback, parallel/detail/
+// wire_feedback.hpp): v + r, and r ← what bf16 rounds off it (0 where that is not finite).
+__device__ inline __nv_bfloat16 bf16_with_feedback(float v, float& r) {
+  v = __fadd_rn(v, r);
+  const __nv_bfloat16 b = __float2bfloat16_rn(v);
+  const float d = __fsub_rn(v, __bfloat162float(b));
+  r = isfinite(d) ? d : 0.0f;
+  return b;
+}
+
+// dst[i] = bf16((src[i] − base[i]) · scale), base[i] read as 0 when base is null, fb[i]'s
+// residual added when fb is not null (bf16_with_feedback); groups of 8 when vec, else one by one.
+__global__ void to_bf16(const float* __restrict__ src, const float* __restrict__ base, float* __restrict__ fb,
+                        __nv_bfloat16* __restrict__ dst, std::size_t n, float scale, bool vec) {
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (vec) {
@@ -71,11 +81,24 @@ __global__ void to_bf16(const float* __restrict__ src, const float* __restrict__
         for (int e = 0; e < 8; ++e) v[e] = __fsub_rn(v[e], b[e]);
       }
       for (int e = 0; e < 8; ++e) v[e] = __fmul_rn(v[e], scale);
-      reinterpret_cast<uint4*>(dst)[i] = pack8(v);
+      if (fb) {
+        float r[8];
+        load8(fb, i, r);
+        uint4 out;
+        auto* h = reinterpret_cast<__nv_bfloat16*>(&out);
+        for (int e = 0; e < 8; ++e) h[e] = bf16_with_feedback(v[e], r[e]);
+        reinterpret_cast<uint4*>(dst)[i] = out;
+        store8(fb, i, r);
+      } else {
+        reinterpret_cast<uint4*>(dst)[i] = pack8(v);
+      }
     }
     i = n / 8 * 8 + static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   }
-  for (; i < n; i += stride) dst[i] = __float2bfloat16_rn(__fmul_rn(base ? __fsub_rn(src[i], base[i]) : src[i], scale));
+  for (; i < n; i += stride) {
+    const float v = __fmul_rn(base ? __fsub_rn(src[i], base[i]) : src[i], scale);
+    dst[i] = fb ? bf16_with_feedback(v, fb[i]) : __float2bfloat16_rn(v);
+  }
 }
 
 // dst[i] = float(src[i]), or dst[i] + float(src[i]) when add. When vec, groups of 4 (an 8-byte
@@ -155,14 +178,15 @@ void launch_mean_blocks(const In* blocks, int ranks, std::size_t per, float scal
 }  // namespace wire_detail
 
 //! dst[0..n) ← bf16(src · scale), round to nearest even; with base: bf16((src − base) · scale)
-//! (each an fp32 operation rounded to nearest).
+//! (each an fp32 operation rounded to nearest); with fb: fb's residual added first, and fb ←
+//! what the rounding took off (error feedback).
 inline void to_bf16(const float* src, void* dst, std::size_t n, float scale, cudaStream_t s,
-                    const float* base = nullptr) {
+                    const float* base = nullptr, float* fb = nullptr) {
   if (n == 0) return;
-  const bool vec =
-      wire_detail::aligned16(src) && wire_detail::aligned16(dst) && (!base || wire_detail::aligned16(base));
+  const bool vec = wire_detail::aligned16(src) && wire_detail::aligned16(dst) &&
+                   (!base || wire_detail::aligned16(base)) && (!fb || wire_detail::aligned16(fb));
   wire_detail::to_bf16<<<wire_detail::blocks_for(vec ? n / 8 : n), wire_detail::threads, 0, s>>>(
-      src, base, static_cast<__nv_bfloat16*>(dst), n, scale, vec);
+      src, base, fb, static_cast<__nv_bfloat16*>(dst), n, scale, vec);
   LOCKSTEP_CHECK_LAUNCH();
 }
 

@@ -227,7 +227,7 @@ class block_units
       const auto s =
           rec_.issue(step_event::issue_scatter, static_cast<std::int64_t>(first), key(0, gi, u), count * size_of(t), t);
       label_next_collective(comm_, [&] { return bucket_label(*g.plan, first, count, "reduce-scatter of block "); });
-      f.work.emplace(hook_reduce_scatter(hook_, comm_, buf, mine, per, t));
+      f.work.emplace(hook_reduce_scatter(hook_, comm_, buf, mine, per, t, &g.units[u]));
     }
     flights_.push_back(std::move(f));
   }

@@ -398,6 +398,7 @@ class reducer {
     }
     const auto moved = units_.built(plans, arenas, params_);
     if constexpr (fixed_point) attach_arenas(hook_, comm_, plans, arenas, params_.size());
+    hook_layout_changed(hook_);
     if (!moved.empty() || Units::lends_gradients)  // the model's values moved into the units' storage
       params_ = checked_binding(refresh_(), moved, &parameter::value, "bind_value");
     point_grad_groups();
