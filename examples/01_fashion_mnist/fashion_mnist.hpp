@@ -81,6 +81,7 @@ struct options {
   double progress = 1.0;
   std::size_t bucket_kib = 0;                                // 0: lockstep's default buckets (1 MiB first, 25 MiB cap)
   lockstep::wire_format wire = lockstep::wire_format::fp32;  // --wire: lockstep::AnyWire (CPU ranks)
+  bool wire_feedback = false;                                // --wire-feedback: WireOptions::error_feedback
   std::optional<lockstep::wire_format> gather_wire;          // --gather-wire: ShardedOptimizer (CPU ranks)
   bool smoke = false;
   bool check = false;  // compare the GPU model with the CPU model before training
@@ -128,6 +129,8 @@ inline constexpr const char* usage =
     "  --wire W            (CPU ranks) gradients on the wire: fp32 (default); bf16: each\n"
     "                      rank's rounded to bf16 and summed in fp32, as lockstep::Bf16Wire does;\n"
     "                      int8: blockwise int8 (a scale per 256 values), as lockstep::Int8Wire\n"
+    "  --wire-feedback     (--wire bf16|int8) what the wire rounds off each rank's gradients goes\n"
+    "                      with its next step's (error feedback); not with --checkpoint/--resume\n"
     "  --gather-wire W     (CPU ranks) ShardedOptimizer, each rank's SGD on its shard, the\n"
     "                      updated values all-gathered in W: fp32, bf16 or int8 (gather_wire,\n"
     "                      the change since the last gather); not with --checkpoint/--resume\n"
@@ -218,6 +221,8 @@ inline options parse(int argc, char** argv) {
       } catch (const lockstep::config_error& e) {
         throw usage_error(std::string("--wire: ") + e.what());
       }
+    } else if (a == "--wire-feedback") {
+      o.wire_feedback = true;
     } else if (a == "--gather-wire") {
       try {
         o.gather_wire = lockstep::wire_format_of(value());
@@ -269,6 +274,10 @@ inline options parse(int argc, char** argv) {
     throw usage_error(
         "--gather-wire shards the optimizer's state, which this example's checkpoints and --deterministic do not "
         "handle; leave one out");
+  if (o.wire_feedback && (o.wire == lockstep::wire_format::fp32 || !o.checkpoint.empty() || !o.resume.empty()))
+    throw usage_error(
+        "--wire-feedback goes with --wire bf16 or int8, and not with --checkpoint/--resume (this example's "
+        "checkpoints do not keep the residuals: lockstep::gather_wire_feedback does)");
   if (o.micro_batch > 0) {
     if (o.wire != lockstep::wire_format::fp32)
       throw usage_error("--deterministic sums in fixed point: it cannot be combined with --wire bf16 or int8");
@@ -477,10 +486,11 @@ void train_rank(Ctx& ctx, Trainer& trainer, const options& opt, const training_p
   // plain all-reduce here.
   using Comm = std::remove_cvref_t<decltype(ctx.comm())>;
   if constexpr (!requires(Comm& c) { c.comm_stream(); }) {
+    const lockstep::AnyWire wire(opt.wire, {.error_feedback = opt.wire_feedback});
     if (opt.gather_wire)  // --gather-wire: sharded, the values all-gathered in that format
-      return train_with(ctx, trainer, opt, plan, data, result, lockstep::AnyWire(opt.wire),
+      return train_with(ctx, trainer, opt, plan, data, result, wire,
                         lockstep::ShardedOptimizer{.gather_wire = *opt.gather_wire});
-    train_with(ctx, trainer, opt, plan, data, result, lockstep::AnyWire(opt.wire));
+    train_with(ctx, trainer, opt, plan, data, result, wire);
   } else {
     if (opt.wire != lockstep::wire_format::fp32 || opt.gather_wire)
       throw lockstep::config_error("--wire and --gather-wire are for CPU ranks in this example (on GPUs see "

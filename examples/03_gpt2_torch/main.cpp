@@ -152,7 +152,7 @@ int main(int argc, char** argv) {
                                                 .copy_engine_scatter = opt.ce_scatter,
                                                 .gather_wire = lockstep::wire_format_of(opt.gather_wire),
                                                 .gather_deltas = !opt.gather_values};
-      const lockstep::AnyWire wire(lockstep::wire_format_of(opt.wire));
+      const lockstep::AnyWire wire(lockstep::wire_format_of(opt.wire), {.error_feedback = opt.wire_feedback});
       // One body for both: ShardedOptimizer is a policy, so the DataParallel's type differs.
       auto train = [&](auto& dp) {
         using DP = std::remove_cvref_t<decltype(dp)>;

@@ -16,8 +16,9 @@ namespace gpt2 {
 
 struct options : gpt2::run_options {
   std::string device = "auto";
-  std::string profile;        // a Chrome trace of steps [warmup, warmup + 3) (GPUs)
-  std::string wire = "fp32";  // gradients on the wire: fp32, bf16 (lockstep::Bf16Wire), int8 (lockstep::Int8Wire)
+  std::string profile;         // a Chrome trace of steps [warmup, warmup + 3) (GPUs)
+  std::string wire = "fp32";   // gradients on the wire: fp32, bf16 (lockstep::Bf16Wire), int8 (lockstep::Int8Wire)
+  bool wire_feedback = false;  // --wire-feedback: WireOptions::error_feedback
   std::int64_t log_every = 25;
   bool bench = false;
   bool memory_trace = false;         // rank 0 prints the device memory in use after each phase (GPUs)
@@ -51,7 +52,7 @@ constexpr std::int64_t profiled_steps = 3;
       "usage: gpt2_torch [--data DIR|FILE] [--config small|tiny] [--device auto|cpu] [--batch B]\n"
       "                  [--seq T] [--steps N] [--warmup N] [--lr X] [--seed S] [--log-every N] [--bench]\n"
       "                  [--memory-trace]\n"
-      "                  [--profile TRACE.json] [--wire fp32|bf16|int8] [--shard [--pack-values] "
+      "                  [--profile TRACE.json] [--wire fp32|bf16|int8 [--wire-feedback]] [--shard [--pack-values] "
       "[--copy-engine[-gather]]\n"
       "                  [--gather-wire fp32|bf16|int8 [--gather-values]]]\n"
       "                  [--zero 2|3 [--recompute] [--keep-grad-shards] [--prefetch N] [--gather-wire W]]\n"
@@ -66,6 +67,8 @@ constexpr std::int64_t profiled_steps = 3;
       "                do not depend on the number of ranks N (Q a multiple of it) or the bucket sizes\n"
       "  --torch-deterministic: only libtorch's deterministic kernels (what --deterministic sets for the model),\n"
       "                to measure their share of its cost\n"
+      "  --wire-feedback: (--wire bf16|int8) what the wire rounds off each rank's gradients goes with its next\n"
+      "                step's (error feedback, WireOptions::error_feedback)\n"
       "  --gather-wire W: (--shard) the updated values all-gathered in bf16 or int8 from fp32 masters kept\n"
       "                apart (ShardedOptimizer::gather_wire): the change since the last gather, or with\n"
       "                --gather-values the values themselves; (--zero 3) each block's gathers in W, decoded\n"
@@ -91,6 +94,7 @@ inline options parse(int argc, char** argv) {
     else if (a == "--copy-engine") o.ce_gather = o.ce_scatter = true;  // the gathers and the reduce-scatters
     else if (a == "--copy-engine-gather") o.ce_gather = true;
     else if (a == "--wire") o.wire = next();
+    else if (a == "--wire-feedback") o.wire_feedback = true;
     else if (a == "--gather-wire") o.gather_wire = next();
     else if (a == "--gather-values") o.gather_values = true;
     else if (a == "--profile") o.profile = next();
@@ -159,6 +163,10 @@ inline options parse(int argc, char** argv) {
       std::fprintf(stderr, "gpt2_torch: %s: %s\n", flag, e.what());
       usage(2);
     }
+  }
+  if (o.wire_feedback && o.wire == "fp32") {
+    std::fprintf(stderr, "gpt2_torch: --wire-feedback goes with --wire bf16 or int8 (fp32 rounds nothing off)\n");
+    usage(2);
   }
   if ((o.gather_wire != "fp32" && !o.shard && o.zero != 3) || (o.gather_values && !o.shard)) {
     std::fprintf(stderr, "gpt2_torch: --gather-wire goes with --shard or --zero 3, --gather-values with --shard\n");
