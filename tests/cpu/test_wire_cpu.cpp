@@ -388,15 +388,17 @@ std::pair<double, double> drift(const std::vector<std::vector<float>>& x, int ca
 // AnyWire(f, feedback) and the strategy S; after step at − 1 (at > 0) the training state, the SGD
 // state and every rank's residuals go into `saved`; from step `from` on (from > 0) they are
 // restored from `restore` first — the residuals only with with_feedback. Rank 0's values.
+// With one_wire every rank's DataParallel copies one wire made before the ranks start.
 template <class S>
 std::vector<float> feedback_run(const dataset& d, int ranks, lockstep::wire_format f, std::uint64_t init_seed, int at,
                                 lockstep::Checkpoint* saved, int from, const lockstep::Checkpoint* restore,
-                                bool with_feedback) {
+                                bool with_feedback, bool one_wire = false) {
   std::vector<std::vector<float>> out(static_cast<std::size_t>(ranks));
+  const lockstep::AnyWire made_once(f, {.error_feedback = true});
   lockstep::run(lockstep::Threads{ranks}, [&](auto& ctx) {
     TestMlp<float> m(d.dims, init_seed);
     lockstep::DataParallel dp(ctx, m, {.buckets = {.first_bytes = 200, .cap_bytes = 700}},
-                              lockstep::AnyWire(f, {.error_feedback = true}), S{});
+                              one_wire ? made_once : lockstep::AnyWire(f, {.error_feedback = true}), S{});
     lockstep::Sgd opt({.lr = 0.1, .momentum = 0.9});
     constexpr bool sharded = !std::is_same_v<S, lockstep::Replicated>, full = std::is_same_v<S, lockstep::FullySharded>;
     const auto blocks = m.blocks();
@@ -456,6 +458,11 @@ void feedback_resumes(const dataset& d, std::uint64_t seed, lockstep::wire_forma
     const auto whole = feedback_run<S>(d, ranks, f, seed, 3, &saved, 0, nullptr, false);
     CHECK(feedback_run<S>(d, ranks, f, seed + 7, -1, nullptr, 3, &saved, true) == whole);
     CHECK(feedback_run<S>(d, ranks, f, seed + 7, -1, nullptr, 3, &saved, false) != whole);  // the residuals mattered
+    // One wire copied into every rank's DataParallel: each copy's residuals are its own rank's.
+    lockstep::Checkpoint from_copies;
+    CHECK(feedback_run<S>(d, ranks, f, seed, 3, &from_copies, 0, nullptr, false, true) == whole);
+    CHECK(from_copies.blob("wire_feedback").size() == saved.blob("wire_feedback").size());
+    CHECK(feedback_run<S>(d, ranks, f, seed + 7, -1, nullptr, 3, &from_copies, true, true) == whole);
   }
 }
 }  // namespace
@@ -799,7 +806,7 @@ TEST_CASE("wire error feedback on CPU ranks: a checkpoint resumes bit for bit - 
   const auto d = make_data(seed, 61);
   using lockstep::wire_format;
   for (auto f : {wire_format::int8, wire_format::bf16}) {
-    CAPTURE(lockstep::name_of(f));
+    CAPTURE(std::string(lockstep::name_of(f)));
     feedback_resumes<lockstep::Replicated>(d, seed, f);
     feedback_resumes<lockstep::ShardedOptimizer>(d, seed, f);
   }

@@ -233,7 +233,7 @@ class basic_wire {
     return feedback_ ? residuals_->get(comm.memory(), key, count) : nullptr;
   }
   std::shared_ptr<wire_staging> staging_ = std::make_shared<wire_staging>();
-  std::shared_ptr<wire_residuals> residuals_ = std::make_shared<wire_residuals>();
+  own_residuals residuals_;
   bool on_ = true, feedback_ = false;
 };
 

@@ -143,4 +143,23 @@ class wire_residuals {
   bool handed_ = false;                      // some of pending_ was taken
 };
 
+//! A wire's residuals, its own: a copy of the wire starts with none. (A wire made once and given
+//! to every rank's DataParallel is copied into each; sharing would mix the ranks' residuals in
+//! their checkpoints and drop them all at one rank's layout change.)
+class own_residuals {
+ public:
+  own_residuals() = default;
+  own_residuals(const own_residuals&) : own_residuals() {}
+  own_residuals& operator=(const own_residuals& o) {
+    if (this != &o) p_ = std::make_unique<wire_residuals>();
+    return *this;
+  }
+  own_residuals(own_residuals&&) noexcept = default;
+  own_residuals& operator=(own_residuals&&) noexcept = default;
+  wire_residuals* operator->() const noexcept { return p_.get(); }
+
+ private:
+  std::unique_ptr<wire_residuals> p_ = std::make_unique<wire_residuals>();
+};
+
 }  // namespace lockstep::detail
