@@ -450,20 +450,25 @@ std::vector<float> feedback_run(const dataset& d, int ranks, lockstep::wire_form
   return out[0];
 }
 
+// Saved after step 3, and after step 1: Replicated binds the gradients into the arena at step
+// 2's rebuild, so a checkpoint of step 1 holds the layout to come (and the residuals of none).
 template <class S>
 void feedback_resumes(const dataset& d, std::uint64_t seed, lockstep::wire_format f) {
-  for (int ranks : {2, 3}) {
-    CAPTURE(ranks);
-    lockstep::Checkpoint saved;
-    const auto whole = feedback_run<S>(d, ranks, f, seed, 3, &saved, 0, nullptr, false);
-    CHECK(feedback_run<S>(d, ranks, f, seed + 7, -1, nullptr, 3, &saved, true) == whole);
-    CHECK(feedback_run<S>(d, ranks, f, seed + 7, -1, nullptr, 3, &saved, false) != whole);  // the residuals mattered
-    // One wire copied into every rank's DataParallel: each copy's residuals are its own rank's.
-    lockstep::Checkpoint from_copies;
-    CHECK(feedback_run<S>(d, ranks, f, seed, 3, &from_copies, 0, nullptr, false, true) == whole);
-    CHECK(from_copies.blob("wire_feedback").size() == saved.blob("wire_feedback").size());
-    CHECK(feedback_run<S>(d, ranks, f, seed + 7, -1, nullptr, 3, &from_copies, true, true) == whole);
-  }
+  for (int ranks : {2, 3})
+    for (int at : {1, 3}) {
+      CAPTURE(ranks);
+      CAPTURE(at);
+      lockstep::Checkpoint saved;
+      const auto whole = feedback_run<S>(d, ranks, f, seed, at, &saved, 0, nullptr, false);
+      CHECK(feedback_run<S>(d, ranks, f, seed + 7, -1, nullptr, at, &saved, true) == whole);
+      if (at == 1) continue;
+      CHECK(feedback_run<S>(d, ranks, f, seed + 7, -1, nullptr, at, &saved, false) != whole);  // they mattered
+      // One wire copied into every rank's DataParallel: each copy's residuals are its own rank's.
+      lockstep::Checkpoint from_copies;
+      CHECK(feedback_run<S>(d, ranks, f, seed, at, &from_copies, 0, nullptr, false, true) == whole);
+      CHECK(from_copies.blob("wire_feedback").size() == saved.blob("wire_feedback").size());
+      CHECK(feedback_run<S>(d, ranks, f, seed + 7, -1, nullptr, at, &from_copies, true, true) == whole);
+    }
 }
 }  // namespace
 
@@ -824,5 +829,28 @@ TEST_CASE("wire error feedback on CPU ranks: a checkpoint resumes bit for bit - 
     }
   });
   for (const auto& e : errors) CHECK(e.find("saved by 2 ranks but this job has 3") != std::string::npos);
+  // Another layout (smaller buckets: other sizes, more of them): refused at the first step.
+  std::vector<std::string> layout_errors(2);
+  CHECK_THROWS_AS(lockstep::run(lockstep::Threads{2},
+                                [&](auto& ctx) {
+                                  TestMlp<float> m(d.dims, seed);
+                                  lockstep::DataParallel dp(
+                                      ctx, m, {.buckets = {.first_bytes = 96, .cap_bytes = 240}},
+                                      lockstep::AnyWire(wire_format::int8, {.error_feedback = true}));
+                                  lockstep::restore_training_state(saved, dp);
+                                  lockstep::load_wire_feedback(dp, saved.blob("wire_feedback"));
+                                  try {
+                                    auto st = dp.step();
+                                    m.forward_backward(inputs<float>(d), d.y, rank_rows(d, 4, 2, ctx.rank(), 3),
+                                                       st.on_gradient_ready());
+                                    (void)st.finish();
+                                  } catch (const lockstep::config_error& e) {
+                                    layout_errors[static_cast<std::size_t>(ctx.rank())] = e.what();
+                                    throw;
+                                  }
+                                }),
+                  lockstep::config_error);
+  for (const auto& e : layout_errors)
+    CHECK(e.find("load them only into the gradient layout they were saved from") != std::string::npos);
 }
 }

@@ -5,7 +5,7 @@
 //! resume each rank takes its own back — the resumed run then continues bit for bit.
 //!
 //! \code
-//!   auto feedback = lockstep::gather_wire_feedback(dp);           // collective: every rank
+//!   auto feedback = lockstep::gather_wire_feedback(dp);           // collective: rank 0's is it
 //!   lockstep::save_checkpoint_rank0(dp.comm(), path, [&](lockstep::Checkpoint& ck) {
 //!     lockstep::add_training_state(ck, dp);
 //!     ck.add_blob("wire_feedback", std::move(feedback));
@@ -19,8 +19,10 @@
 //! fp32 residuals, in the order the buckets were first used). The section holds every rank's
 //! residuals: 4 bytes per gradient value per rank (the whole model's, times the ranks). They
 //! belong to each rank's buckets: loading onto another number of ranks is refused (resume
-//! without them and they start at zero: one step's rounding lost), and onto other buckets fails
-//! at the first step naming the bucket.
+//! without them and they start at zero: one step's rounding lost), and onto another layout fails
+//! at the first step that meets a bucket of another size or more buckets than were saved.
+//! Saved while a new layout is due (after the first step, when the plan is rebuilt) the section
+//! holds no residuals: the old layout's were dropped then, in the run that goes on too.
 
 #include <cstdint>
 #include <cstring>
@@ -39,12 +41,14 @@ namespace detail {
 inline constexpr std::string_view wire_feedback_section_magic = "LSWFBALL";
 }
 
-//! Every rank's error feedback residuals as one checkpoint section (collective: every rank calls
-//! it, between steps; rank 0's return value is the one to save).
+//! Every rank's error feedback residuals as one checkpoint section, on rank 0 (collective: every
+//! rank calls it, between steps; the other ranks get an empty one). Gathered one rank's at a
+//! time: each rank holds its own residuals and one other rank's at most, rank 0 the section.
 template <class DP>
   requires requires(DP& dp) { dp.hook().save_feedback(dp.comm()); }
 std::vector<std::byte> gather_wire_feedback(DP& dp) {
-  const auto all = detail::host_all_gather_strings(dp.comm(), dp.hook().save_feedback(dp.comm()));
+  const auto all = detail::host_gather_strings(dp.comm(), dp.hook().save_feedback(dp.comm()), 0);
+  if (dp.comm().rank() != 0) return {};
   byte_writer w;
   w.write_bytes(detail::wire_feedback_section_magic.data(), detail::wire_feedback_section_magic.size());
   w.write(static_cast<std::uint32_t>(all.size()));

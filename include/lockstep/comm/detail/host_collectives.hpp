@@ -67,6 +67,29 @@ std::vector<std::string> host_all_gather_strings(Comm& comm, const std::string& 
   return out;
 }
 
+//! Every rank's string on `root`, indexed by rank (empty strings on the other ranks): one
+//! rank's at a time, so each rank holds one other string at most — not all of them, as
+//! host_all_gather_strings does (for large per-rank state).
+template <class Comm>
+std::vector<std::string> host_gather_strings(Comm& comm, const std::string& mine, int root) {
+  const auto n = static_cast<std::size_t>(comm.size()), me = static_cast<std::size_t>(comm.rank());
+  std::vector<std::int64_t> lens(n, 0);
+  lens[me] = static_cast<std::int64_t>(mine.size());
+  host_all_reduce(comm, std::span<std::int64_t>(lens), reduce_op::sum);
+  std::vector<std::string> out(n);
+  for (std::size_t r = 0; r < n; ++r) {
+    if (static_cast<int>(r) == root) {
+      if (me == r) out[r] = mine;
+      continue;
+    }
+    std::vector<std::uint8_t> v(static_cast<std::size_t>(lens[r]));
+    if (me == r) std::memcpy(v.data(), mine.data(), v.size());
+    if (!v.empty()) host_broadcast(comm, v, static_cast<int>(r));
+    if (static_cast<int>(me) == root) out[r].assign(v.begin(), v.end());
+  }
+  return out;
+}
+
 //! The string of the rank `distance` places after this one (mod size()), through the
 //! communicator's ring shift: each rank sends its string once, to one rank (padded to the
 //! longest, whose length a small max all-reduce agrees on).

@@ -108,6 +108,16 @@ inline std::vector<parameter> checked_binding(std::vector<parameter> fresh, std:
   return fresh;
 }
 
+//! Every trained parameter has gradient storage (the reducer's, unless the units lend it).
+inline void check_gradient_storage(const std::vector<parameter>& params) {
+  for (std::size_t i = 0; i < params.size(); ++i)
+    if (params[i].grad == nullptr && params[i].numel() > 0)
+      throw config_error("parameter " + std::to_string(i) + " ('" + params[i].name +
+                         "') has no gradient storage (parameters()[i].grad is null): give every trained "
+                         "parameter one (a TorchModule after set_blocks lends its gradients: use it with "
+                         "ShardedGradients or FullySharded)");
+}
+
 //! DataParallel's end: every deferred all-gather waited for, then the model takes back its
 //! values and its gradients (in that order) while the arenas still exist. Never throws.
 template <class Model, class Reducer>

@@ -28,6 +28,7 @@
 
 #include "lockstep/comm/detail/host_collectives.hpp"
 #include "lockstep/core/dtype.hpp"
+#include "lockstep/core/error.hpp"
 #include "lockstep/core/parameter.hpp"
 #include "lockstep/parallel/detail/bucket_plan.hpp"
 #include "lockstep/parallel/policies.hpp"
@@ -85,6 +86,12 @@ class bucket_tuner {
   using costs = bucket_costs<Comm>;
 
  public:
+  //! Refuses a BucketPolicy the tuner cannot follow.
+  static void check(const BucketPolicy& p) {
+    if (p.tune && p.tune_step < 1)
+      throw config_error("BucketPolicy::tune_step is " + std::to_string(p.tune_step) +
+                         "; give the synchronising step the tuner times, counted from 1 (default 3)");
+  }
   //! Whether the tuner has yet to time a step: asked for, on a communicator that gives costs,
   //! more than one rank, a layout that is rebuilt, not tuned (nor given a cap by a checkpoint),
   //! and a model that reports its gradients (`silent`: every rank agreed it does not).

@@ -56,16 +56,8 @@ class reducer {
         bind_(Units::lends_gradients ? bind_fn{} : std::move(bind)), refresh_(std::move(refresh)),
         units_(comm, hook, rec, strategy, model) {
     if constexpr (Units::fixed_layout) policy_.rebuild_after_first_step = false;
-    if (policy_.tune && policy_.tune_step < 1)
-      throw config_error("BucketPolicy::tune_step is " + std::to_string(policy_.tune_step) +
-                         "; give the synchronising step the tuner times, counted from 1 (default 3)");
-    if constexpr (!Units::lends_gradients)
-      for (std::size_t i = 0; i < params_.size(); ++i)
-        if (params_[i].grad == nullptr && params_[i].numel() > 0)
-          throw config_error("parameter " + std::to_string(i) + " ('" + params_[i].name +
-                             "') has no gradient storage (parameters()[i].grad is null): give every trained "
-                             "parameter one (a TorchModule after set_blocks lends its gradients: use it with "
-                             "ShardedGradients or FullySharded)");
+    bucket_tuner<Comm>::check(policy_);
+    if constexpr (!Units::lends_gradients) check_gradient_storage(params_);
     // Initial order: reverse registration order (backward produces the last layer first).
     std::vector<std::size_t> order;
     for (std::size_t i = params_.size(); i-- > 0;) order.push_back(i);
@@ -258,11 +250,15 @@ class reducer {
     ++rec_.stats().syncs;
     tuner_.end_sync();
     if (!sync_arrivals_.empty()) last_sync_arrivals_.swap(sync_arrivals_);  // for replay_arrivals
-    if (!observed_) {
+    const bool settling = !observed_;
+    if (settling) {
       settle_order();
     } else if (tuner_.on() && (tune(current_order_) || binding_due())) {
       pending_order_ = current_order_;  // the tuned cap, and the gradients bound into the arena
     }
+    // The units the hook saw are gone from here on (a rebuild is due, or one fused all-reduce
+    // follows): its state for them too, before a checkpoint could save it with the new layout.
+    if (pending_order_ || (settling && fused_)) hook_layout_changed(hook_);
   }
 
   // The timed step is over: the cap for the arena laid out in `order`; whether it changed.

@@ -63,8 +63,14 @@ class wire_residuals {
       if (s.count != count) s = {key, count, mem.allocate(count * sizeof(float))};  // another bucket now
       return static_cast<float*>(s.buf.get());
     }
+    const std::size_t i = slots_.size();
+    if (loaded_ > 0 && i >= loaded_)
+      throw config_error("lockstep wire error feedback: this job uses more gradient buckets than the " +
+                         std::to_string(loaded_) +
+                         " whose residuals were loaded; load them only into the gradient layout they were saved "
+                         "from (same model, bucket sizes and rank count, restore_training_state first), or do not "
+                         "load them (they start at zero)");
     slots_.push_back({key, count, mem.allocate(count * sizeof(float))});
-    const std::size_t i = slots_.size() - 1;
     if (i < pending_.size()) {
       handed_ = true;
       if (pending_[i].size() != count)
@@ -83,7 +89,9 @@ class wire_residuals {
   void clear() {
     std::lock_guard lock(mutex_);
     slots_.clear();
-    if (handed_) pending_.clear();
+    if (!handed_) return;  // loaded for the layout to come
+    pending_.clear();
+    loaded_ = 0;
   }
 
   //! Every residual, in the order of first use (those loaded and not yet used, if none was).
@@ -120,6 +128,7 @@ class wire_residuals {
     std::lock_guard lock(mutex_);
     slots_.clear();
     pending_ = std::move(p);
+    loaded_ = pending_.size();
     handed_ = false;
   }
 
@@ -141,6 +150,7 @@ class wire_residuals {
   std::vector<slot> slots_;
   std::vector<std::vector<float>> pending_;  // loaded: slot i takes pending_[i] when it is first used
   bool handed_ = false;                      // some of pending_ was taken
+  std::size_t loaded_ = 0;                   // buckets loaded for the layout in use: no more may come
 };
 
 //! A wire's residuals, its own: a copy of the wire starts with none. (A wire made once and given
