@@ -172,7 +172,7 @@ int main(int argc, char** argv) {
         // all-gather just before using it.
         const std::vector<lockstep::parameter>* stepped = &dp.parameters();
         if constexpr (sharded) stepped = &dp.shard_parameters();
-        // [snippet docs/sharding.md#6]
+        // [snippet docs/sharding.md#7]
         gpt2::before_fn before;
         if constexpr (sharded && !blocked)
           before = [&](torch::nn::Module& sub) {
@@ -224,7 +224,7 @@ int main(int argc, char** argv) {
           auto step = dp.step();
           {
             [[maybe_unused]] const auto held = root(lockstep::pass::forward);
-            // [snippet docs/sharding.md#6]
+            // [snippet docs/sharding.md#7]
             loss = model->loss(x, y, before, run);
             // [end snippet]
           }

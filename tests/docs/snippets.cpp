@@ -740,7 +740,43 @@ TEST_CASE("snippets: gather_in_forward and Bf16Wire (docs/sharding.md)") {
   });
 }
 
-// [snippet docs/sharding.md#5]
+TEST_CASE("snippets: wire error feedback and its checkpoint (docs/sharding.md + checkpoint/wire_feedback.hpp)") {
+  const std::uint64_t seed = lockstep_test::fresh_seed();
+  CAPTURE(seed);
+  scratch_dir scratch;
+  const fs::path path = "feedback.lsck";
+  const auto my_batches = snippet_env::batches(2);
+  lockstep::run(lockstep::Threads{2}, [&](auto& ctx) {
+    Mlp model(seed + static_cast<std::uint64_t>(ctx.rank()));
+    // [snippet docs/sharding.md#5]
+    lockstep::DataParallel dp(ctx, model, lockstep::Int8Wire({.error_feedback = true}), lockstep::ShardedOptimizer{});
+    auto feedback = lockstep::gather_wire_feedback(dp);  // every rank, between steps; rank 0's to save
+    // [end snippet]
+    CHECK(feedback.empty() == (ctx.rank() != 0));
+    lockstep::Sgd opt({.lr = 0.1});
+    auto step = dp.step();
+    model.backward(Batch(my_batches[static_cast<std::size_t>(ctx.rank())]), step.on_gradient_ready());
+    step.finish([&](std::span<const lockstep::param_slice> s) { opt.step(s); });
+    dp.wait_all_parameters();
+    {
+      // [snippet include/lockstep/checkpoint/wire_feedback.hpp#1]
+      auto feedback = lockstep::gather_wire_feedback(dp);  // collective: rank 0's is the section
+      lockstep::save_checkpoint_rank0(dp.comm(), path, [&](lockstep::Checkpoint& ck) {
+        lockstep::add_training_state(ck, dp);
+        ck.add_blob("wire_feedback", std::move(feedback));
+      });
+      // resume, on every rank, before the first step (after restore_training_state):
+      auto ck = lockstep::load_checkpoint(path);
+      lockstep::restore_training_state(ck, dp);
+      lockstep::load_wire_feedback(dp, ck.blob("wire_feedback"));
+      // [end snippet]
+      CHECK(ck.blob("wire_feedback").size() > 2 * values_of(model).size() * sizeof(float));  // both ranks' residuals
+    }
+    CHECK(same_on_every_rank(ctx.comm(), values_of(model)));
+  });
+}
+
+// [snippet docs/sharding.md#6]
 struct Linear {  // values and gradients reached through pointers it can repoint
   std::vector<float> w = std::vector<float>(6, 0.5f), gw = std::vector<float>(6);
   float* wp = w.data();
@@ -964,8 +1000,19 @@ TEST_CASE("snippets: gradients in int8 on the wire - a wire chosen at run time (
       model.backward(Batch(my_batches[static_cast<std::size_t>(ctx.rank())]), step.on_gradient_ready());
       if (step.finish()) model.sgd(0.1);
     }
+    {
+      // [snippet include/lockstep/parallel/gradient_wire.hpp#2]
+      lockstep::DataParallel dp(ctx, model, lockstep::Int8Wire({.error_feedback = true}));
+      // [end snippet]
+      for (int s = 0; s < 2; ++s) {  // (step 1's residuals go with its layout: the plan is rebuilt)
+        auto step = dp.step();
+        model.backward(Batch(my_batches[static_cast<std::size_t>(ctx.rank())]), step.on_gradient_ready());
+        if (step.finish()) model.sgd(0.1);
+      }
+      CHECK(dp.hook().staging_bytes() > 0);  // step 2's residuals (host ranks stage nothing else)
+    }
     const std::string flag = "bf16";  // a command line's --wire
-    // [snippet include/lockstep/parallel/gradient_wire.hpp#2]
+    // [snippet include/lockstep/parallel/gradient_wire.hpp#3]
     lockstep::DataParallel dp(ctx, model, lockstep::AnyWire(lockstep::wire_format_of(flag)));
     // [end snippet]
     auto step = dp.step();

@@ -5,13 +5,15 @@
 //! resume each rank takes its own back — the resumed run then continues bit for bit.
 //!
 //! \code
-//!   auto feedback = lockstep::gather_wire_feedback(dp);           // collective: rank 0's is it
+//!   auto feedback = lockstep::gather_wire_feedback(dp);  // collective: rank 0's is the section
 //!   lockstep::save_checkpoint_rank0(dp.comm(), path, [&](lockstep::Checkpoint& ck) {
 //!     lockstep::add_training_state(ck, dp);
 //!     ck.add_blob("wire_feedback", std::move(feedback));
 //!   });
-//!   // ... on resume, every rank, after restore_training_state and before the first step:
-//!   lockstep::load_wire_feedback(dp, saved.blob("wire_feedback"));
+//!   // resume, on every rank, before the first step (after restore_training_state):
+//!   auto ck = lockstep::load_checkpoint(path);
+//!   lockstep::restore_training_state(ck, dp);
+//!   lockstep::load_wire_feedback(dp, ck.blob("wire_feedback"));
 //! \endcode
 //!
 //! Section layout, little-endian: "LSWFBALL" | u32 ranks | per rank: u64 length, then what that

@@ -31,7 +31,10 @@
 //!    all-reduce's mean); off by default.
 //! \code
 //!   lockstep::DataParallel dp(ctx, model, lockstep::Int8Wire{});
-//!   lockstep::DataParallel fb(ctx, model, lockstep::Int8Wire({.error_feedback = true}));
+//! \endcode
+//! With error feedback:
+//! \code
+//!   lockstep::DataParallel dp(ctx, model, lockstep::Int8Wire({.error_feedback = true}));
 //! \endcode
 
 #include <cstddef>
