@@ -130,7 +130,8 @@ auto hook_reduce_scatter(Hook& h, Comm& comm, void* data, void* mine, std::size_
 }
 
 //! Tells a hook that keeps state per bucket (a wire's error feedback) that the gradient layout
-//! was built anew (DataParallel's plan, an elastic regroup).
+//! it saw is going away: a rebuild became due or was made (DataParallel's plan), the first
+//! step settled on one fused all-reduce.
 template <class Hook>
 void hook_layout_changed(Hook& h) {
   if constexpr (requires { h.layout_changed(); }) h.layout_changed();

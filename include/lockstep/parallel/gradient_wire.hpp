@@ -213,7 +213,8 @@ class basic_wire {
   //! Staging bytes held on this rank (and error feedback's residuals).
   std::size_t staging_bytes() const { return staging_->bytes() + residuals_->bytes(); }
 
-  //! DataParallel's call when the gradient layout is built anew: the residuals are dropped.
+  //! DataParallel's call when the gradient layout is going away (hook_layout_changed): the
+  //! residuals are dropped.
   void layout_changed() { residuals_->clear(); }
   //! This rank's error feedback residuals, as bytes (checkpoint/wire_feedback.hpp; every rank's
   //! differ). Call between steps.
